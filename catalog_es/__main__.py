@@ -1,0 +1,3 @@
+from catalog_es.cli import main
+
+main()

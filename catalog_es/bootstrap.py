@@ -1,0 +1,59 @@
+"""The composition root: where the service is wired to its database, config and ports."""
+
+from __future__ import annotations
+
+import getpass
+import os
+from pathlib import Path
+
+from catalog_es.application import Models
+from catalog_es.inputs import load_config
+from catalog_es.persistence import DEFAULT_URL
+from catalog_es.ports import Applier, PreAddCheck
+
+DB_ENV = "CATALOG_ES_DB"
+CONFIG_ENV = "CATALOG_ES_CONFIG"
+ACTOR_ENV = "CATALOG_ES_ACTOR"
+DEFAULT_CONFIG = "catalog.yaml"
+
+
+def database_url(given: str | None = None) -> str:
+    """``--db``, else ``CATALOG_ES_DB``, else the SQLite file ``catalog.db`` here."""
+    return given or os.environ.get(DB_ENV) or DEFAULT_URL
+
+
+def config_path(given: str | None = None) -> str | None:
+    """``--config``, else ``CATALOG_ES_CONFIG``, else ``./catalog.yaml`` when present."""
+    if given:
+        return given
+    if os.environ.get(CONFIG_ENV):
+        return os.environ[CONFIG_ENV]
+    return DEFAULT_CONFIG if Path(DEFAULT_CONFIG).is_file() else None
+
+
+def actor(given: str | None = None) -> str:
+    """``--by``, else ``CATALOG_ES_ACTOR``, else the OS user."""
+    if given:
+        return given
+    if os.environ.get(ACTOR_ENV):
+        return os.environ[ACTOR_ENV]
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return "unknown"
+
+
+def open_models(
+    db: str | None = None,
+    config: str | None = None,
+    *,
+    applier: Applier | None = None,
+    pre_add_check: PreAddCheck | None = None,
+) -> Models:
+    """The service on a database and a declared config, its log replayed."""
+    return Models(
+        load_config(config_path(config)),
+        applier=applier,
+        pre_add_check=pre_add_check,
+        env={"CATALOG_ES_DB": database_url(db)},
+    )

@@ -1,0 +1,22 @@
+"""``catalog-es``: a thin command line over :class:`catalog_es.application.Models`.
+
+Commands only parse, call the service and print. Data goes to stdout (a table,
+or JSON with ``--json``), warnings and errors to stderr. Exit 0 on success,
+1 when a command is refused (nothing is written), 2 on usage errors.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from catalog_es.cli import models as _models  # noqa: F401  (registers the commands)
+from catalog_es.cli.base import cli
+
+__all__ = ["cli", "main"]
+
+
+def main() -> None:
+    """The console script."""
+    logging.basicConfig(level=logging.WARNING, format="warning: %(message)s", stream=sys.stderr)
+    cli(prog_name="catalog-es")

@@ -1,0 +1,232 @@
+"""What every command shares: settings, options, output, error mapping, the root group.
+
+Commands only parse, call the service and print. Data goes to stdout (a table,
+or JSON with ``--json``), warnings and errors to stderr. Exit 0 on success,
+1 when a command is refused (nothing is written), 2 on usage errors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from catalog_es import bootstrap
+from catalog_es.application import CommandResult, Models
+from catalog_es.errors import ConfigError, Refused
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class Settings:
+    """What the root and every command may set; a command's own option wins."""
+
+    def __init__(self) -> None:
+        self.db: str | None = None
+        self.config: str | None = None
+        self.json = False
+        self.by: str | None = None
+        self.reason = ""
+        self.expected_revision: int | None = None
+        self._models: Models | None = None
+
+    def models(self) -> Models:
+        if self._models is None:
+            self._models = bootstrap.open_models(self.db, self.config)
+        return self._models
+
+    @property
+    def actor(self) -> str:
+        return bootstrap.actor(self.by)
+
+
+def _set(attribute: str) -> Callable[[click.Context, click.Parameter, Any], None]:
+    def callback(ctx: click.Context, _param: click.Parameter, value: Any) -> None:
+        if value is not None and value is not False:
+            setattr(ctx.ensure_object(Settings), attribute, value)
+
+    return callback
+
+
+def shared_options(f: F) -> F:
+    """``--json``, ``--by``, ``--reason`` and ``--expected-revision``: accepted on
+    the root and on every command alike."""
+    options = [
+        click.option(
+            "--json",
+            "json_",
+            is_flag=True,
+            default=False,
+            expose_value=False,
+            callback=_set("json"),
+            help="Machine-readable output.",
+        ),
+        click.option(
+            "--by",
+            metavar="ACTOR",
+            expose_value=False,
+            callback=_set("by"),
+            help="Who is making the change (else $CATALOG_ES_ACTOR, else the OS user).",
+        ),
+        click.option(
+            "--reason",
+            metavar="TEXT",
+            expose_value=False,
+            callback=_set("reason"),
+            help="Why, recorded with the change.",
+        ),
+        click.option(
+            "--expected-revision",
+            type=click.IntRange(min=0),
+            metavar="REV",
+            expose_value=False,
+            callback=_set("expected_revision"),
+            help="Refuse if the log has moved past this revision.",
+        ),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+pass_settings = click.make_pass_decorator(Settings, ensure=True)
+def print_table(table: Table) -> None:
+    # On a terminal, fit it; piped, never cut a name short.
+    width = None if sys.stdout.isatty() else 10_000
+    Console(soft_wrap=True, width=width).print(table)
+
+
+def emit(settings: Settings, data: Any, human: Callable[[], None]) -> None:
+    if settings.json:
+        click.echo(json.dumps(data, ensure_ascii=False))
+    else:
+        human()
+
+
+def emit_result(settings: Settings, result: CommandResult, verb: str) -> None:
+    data = {
+        "revision": result.revision,
+        "model": result.model,
+        "replaced": result.replaced,
+        "removed": result.removed,
+        "written": result.written,
+    }
+
+    def human() -> None:
+        name = result.removed or (result.model or {}).get("name", "")
+        done = "replaced" if result.replaced else verb
+        click.echo(f"{done} {name} at revision {result.revision}")
+        if result.model is not None:
+            show_model(result.model)
+
+    emit(settings, data, human)
+
+
+def scaling_text(m: dict[str, Any]) -> str:
+    return f"{m['scaling']['min']}..{m['scaling']['max']}"
+
+
+def profiles_text(m: dict[str, Any]) -> str:
+    parts = []
+    for p in m["profiles"]:
+        what = f"{p['gpus']} GPU" if p["gpus"] else "CPU"
+        extras = [f"{p['gpu_memory_gb']} GB GPU"] if p["gpu_memory_gb"] else []
+        extras += [f"{p['min_memory_gb']} GB"] if p["min_memory_gb"] else []
+        extras += [f"{p['cpu_cores']} cores"] if p["cpu_cores"] else []
+        parts.append(f"{p['name']} ({', '.join([what, *extras])})")
+    return "; ".join(parts)
+
+
+def show_model(m: dict[str, Any]) -> None:
+    rows: list[tuple[str, str]] = [
+        ("name", m["name"]),
+        ("layer", "declared" if m["declared"] else "runtime"),
+        ("engine", m["engine"]),
+        ("source", m["source"]),
+        ("profiles", profiles_text(m)),
+        ("scaling", scaling_text(m)),
+        ("class", m["effective_class"] + ("" if m["class"] else " (from scaling)")),
+        ("owner", m["owner"] or "(shared)"),
+        ("adapters", ", ".join(f"{a['name']}={a['source']}" for a in m["adapters"]) or "-"),
+        ("fallbacks", ", ".join(m["fallbacks"]) or "-"),
+    ]
+    origin = m.get("origin")
+    if origin:
+        rows.append(
+            (
+                "origin",
+                f"{origin['repository']}@{origin['revision']} ({len(origin['files'])} files)",
+            )
+        )
+    table = Table(show_header=False, box=None, pad_edge=False)
+    table.add_column(style="bold")
+    table.add_column(overflow="fold")
+    for key, value in rows:
+        table.add_row(key, value)
+    print_table(table)
+    for warning in m.get("warnings", []):
+        click.echo(f"warning: {warning}", err=True)
+
+
+def table(columns: Iterable[str], rows: Iterable[Iterable[str]]) -> None:
+    table = Table(*columns, box=None, pad_edge=False, header_style="bold")
+    for row in rows:
+        table.add_row(*row)
+    print_table(table)
+
+
+# -- the root ----------------------------------------------------------------------
+
+
+class CatalogGroup(click.Group):
+    """Maps domain errors to one line on stderr and exit code 1, for every command."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except (Refused, ConfigError) as refusal:
+            click.echo(f"error: {refusal}", err=True)
+            ctx.exit(1)
+        except (click.ClickException, click.exceptions.Exit, click.Abort, KeyboardInterrupt):
+            raise
+        except Exception as error:  # the last guard: one line, not a traceback
+            if os.environ.get("CATALOG_ES_DEBUG"):
+                raise
+            click.echo(f"error: unexpected {type(error).__name__}: {error}", err=True)
+            ctx.exit(1)
+
+
+@click.group(cls=CatalogGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option(
+    "--db",
+    metavar="URL",
+    envvar=bootstrap.DB_ENV,
+    help="Database URL (default sqlite:///catalog.db; env CATALOG_ES_DB).",
+)
+@click.option(
+    "--config",
+    metavar="FILE",
+    envvar=bootstrap.CONFIG_ENV,
+    help="Declared config (default ./catalog.yaml when present; env CATALOG_ES_CONFIG).",
+)
+@shared_options
+@click.version_option(package_name="catalog-es")
+@pass_settings
+def cli(settings: Settings, db: str | None, config: str | None) -> None:
+    """The model catalog of an LLM-serving gateway, kept as an event-sourced log."""
+    settings.db = db
+    settings.config = config
+
+
+def meta(settings: Settings) -> dict[str, Any]:
+    return {
+        "by": settings.actor,
+        "reason": settings.reason,
+        "expected_revision": settings.expected_revision,
+    }

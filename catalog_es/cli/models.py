@@ -1,0 +1,271 @@
+"""The model commands, and the log and sources queries."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from typing import Any
+
+import click
+
+from catalog_es.cli.base import (
+    Settings,
+    cli,
+    emit,
+    emit_result,
+    meta,
+    pass_settings,
+    scaling_text,
+    shared_options,
+    show_model,
+    table,
+)
+from catalog_es.errors import InputError
+from catalog_es.inputs import read_model
+from catalog_es.spec import Adapter, Origin
+
+
+@cli.group()
+def model() -> None:
+    """Read and change the models in the catalog."""
+
+
+@model.command("list")
+@shared_options
+@pass_settings
+def model_list(settings: Settings) -> None:
+    """Every model in force, declared and runtime."""
+    models = settings.models().list_models()
+    emit(
+        settings,
+        models,
+        lambda: table(
+            ["NAME", "LAYER", "ENGINE", "CLASS", "OWNER", "SCALING", "SOURCE"],
+            (
+                [
+                    m["name"],
+                    "declared" if m["declared"] else "runtime",
+                    m["engine"],
+                    m["effective_class"],
+                    m["owner"] or "-",
+                    scaling_text(m),
+                    m["source"],
+                ]
+                for m in models
+            ),
+        ),
+    )
+
+
+@model.command("show")
+@click.argument("name")
+@shared_options
+@pass_settings
+def model_show(settings: Settings, name: str) -> None:
+    """One model as it will run."""
+    m = settings.models().get_model(name)
+    emit(settings, m, lambda: show_model(m))
+
+
+@model.command("add")
+@click.argument("file", metavar="FILE|-")
+@shared_options
+@pass_settings
+def model_add(settings: Settings, file: str) -> None:
+    """Add a model from a YAML or JSON definition (- reads standard input).
+    Re-adding a runtime model replaces its definition."""
+    spec = read_model(file)
+    result = settings.models().add(spec, **meta(settings))
+    emit_result(settings, result, "added")
+
+
+@model.command("remove")
+@click.argument("name")
+@shared_options
+@pass_settings
+def model_remove(settings: Settings, name: str) -> None:
+    """Take a runtime model out of the catalog."""
+    emit_result(settings, settings.models().remove(name, **meta(settings)), "removed")
+
+
+@model.command("scale")
+@click.argument("name")
+@click.option("--min", "minimum", type=int, help="Fewest replicas (0 lets it scale to zero).")
+@click.option("--max", "maximum", type=int, help="Most replicas.")
+@shared_options
+@pass_settings
+def model_scale(settings: Settings, name: str, minimum: int | None, maximum: int | None) -> None:
+    """Change how many replicas a runtime model runs."""
+    result = settings.models().scale(name, minimum, maximum, **meta(settings))
+    emit_result(settings, result, "scaled")
+
+
+@model.command("resources")
+@click.argument("name")
+@click.option("--profile", default="", help="The profile to change (default: every profile).")
+@click.option("--memory-gb", type=int, help="Host memory a replica reserves (min_memory_gb).")
+@click.option("--cpu-cores", type=int, help="CPU cores a replica reserves.")
+@shared_options
+@pass_settings
+def model_resources(
+    settings: Settings, name: str, profile: str, memory_gb: int | None, cpu_cores: int | None
+) -> None:
+    """Set what a profile reserves of a node."""
+    result = settings.models().set_resources(
+        name, profile=profile, memory_gb=memory_gb, cpu_cores=cpu_cores, **meta(settings)
+    )
+    emit_result(settings, result, "resources set on")
+
+
+@model.command("class")
+@click.argument("name")
+@click.argument("capacity_class", metavar="CLASS")
+@shared_options
+@pass_settings
+def model_class(settings: Settings, name: str, capacity_class: str) -> None:
+    """Set the capacity class: critical, standard, opportunistic, or "" to go back
+    to what the scaling implies."""
+    result = settings.models().set_class(name, capacity_class, **meta(settings))
+    emit_result(settings, result, "class set on")
+
+
+@model.command("owner")
+@click.argument("name")
+@click.argument("owner")
+@shared_options
+@pass_settings
+def model_owner(settings: Settings, name: str, owner: str) -> None:
+    """Set the owner: org:ID, team:ID, project:ID, or "" for shared."""
+    result = settings.models().set_owner(name, owner, **meta(settings))
+    emit_result(settings, result, "owner set on")
+
+
+def _pairs(values: Iterable[str], what: str) -> list[tuple[str, str]]:
+    pairs = []
+    for value in values:
+        key, sep, rest = value.partition("=")
+        if not sep or not key or not rest:
+            raise InputError(f"{what} {value!r}: expected NAME=VALUE")
+        pairs.append((key, rest))
+    return pairs
+
+
+@model.command("adapters")
+@click.argument("name")
+@click.option(
+    "--adapter",
+    "adapters",
+    multiple=True,
+    metavar="NAME=SOURCE",
+    help="A LoRA adapter; repeat for each. The set replaces the current one.",
+)
+@click.option("--none", "clear", is_flag=True, help="Serve no adapters.")
+@shared_options
+@pass_settings
+def model_adapters(settings: Settings, name: str, adapters: tuple[str, ...], clear: bool) -> None:
+    """Replace the LoRA adapters a runtime model serves."""
+    if bool(adapters) == clear:
+        raise click.UsageError("give --adapter NAME=SOURCE (one or more), or --none")
+    parsed = tuple(Adapter(name=k, source=v) for k, v in _pairs(adapters, "--adapter"))
+    result = settings.models().set_adapters(name, parsed, **meta(settings))
+    emit_result(settings, result, "adapters set on")
+
+
+@model.command("source")
+@click.argument("name")
+@click.argument("source")
+@click.option("--repository", default="", help="Registry repository the weights came from.")
+@click.option("--revision", default="", help="Commit in that repository (not a log revision).")
+@click.option(
+    "--file",
+    "files",
+    multiple=True,
+    metavar="PATH=SHA256",
+    help="A weights file and its sha256; repeat for each.",
+)
+@shared_options
+@pass_settings
+def model_source(
+    settings: Settings,
+    name: str,
+    source: str,
+    repository: str,
+    revision: str,
+    files: tuple[str, ...],
+) -> None:
+    """Move a runtime model to other weights, recording where they came from."""
+    origin = None
+    if repository or revision or files:
+        origin = Origin(
+            repository=repository, revision=revision, files=dict(_pairs(files, "--file"))
+        )
+    result = settings.models().set_source(name, source, origin, **meta(settings))
+    emit_result(settings, result, "source set on")
+
+
+@cli.command("sources")
+@shared_options
+@pass_settings
+def sources(settings: Settings) -> None:
+    """Each weights source in the catalog, and the models and adapters using it."""
+    data = settings.models().sources()
+    emit(
+        settings,
+        data,
+        lambda: table(
+            ["SOURCE", "USED BY"],
+            (
+                [
+                    source,
+                    ", ".join(
+                        u["model"] + (f" (adapter {u['adapter']})" if "adapter" in u else "")
+                        for u in users
+                    ),
+                ]
+                for source, users in data.items()
+            ),
+        ),
+    )
+
+
+@cli.command("log")
+@click.option("--model", "model_name", metavar="NAME", help="Only this model's events.")
+@click.option(
+    "--after",
+    type=click.IntRange(min=0),
+    default=0,
+    metavar="REV",
+    help="Only events after this revision.",
+)
+@click.option("--limit", type=click.IntRange(min=1), metavar="N", help="At most N events.")
+@shared_options
+@pass_settings
+def log_command(settings: Settings, model_name: str | None, after: int, limit: int | None) -> None:
+    """The raw events with their revisions, who and when, oldest first."""
+    events = settings.models().log_events(after=after, limit=limit, model=model_name)
+    if settings.json:
+        for e in events:
+            click.echo(json.dumps(e, ensure_ascii=False))
+        return
+    table(
+        ["REV", "TIME", "BY", "MODEL", "EVENT", "CHANGE", "REASON"],
+        (
+            [
+                str(e["revision"]),
+                e["time"] or "?",
+                e["by"] or "?",
+                e["model"],
+                e["event"],
+                e.get("error") or _summary(e["fields"]),
+                e["reason"] or "",
+            ]
+            for e in events
+        ),
+    )
+
+
+def _summary(fields: dict[str, Any]) -> str:
+    if "spec" in fields:
+        spec = fields["spec"]
+        return f"{spec['engine']} {spec['source']}"
+    return " ".join(f"{k}={json.dumps(v)}" for k, v in fields.items())

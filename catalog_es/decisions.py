@@ -1,0 +1,66 @@
+"""Deciding a runtime change: a pure function of the catalog in force.
+
+Given the catalog (built by replaying events) and a candidate event, either
+the definition that will run comes back or the change is refused. The replay
+path (:meth:`Catalog.apply`) shares the catalog rules; what only a command
+faces — configuration's precedence worded as advice, the host-memory rule —
+is here.
+"""
+
+from __future__ import annotations
+
+from catalog_es.catalog import Catalog
+from catalog_es.errors import DeclaredInConfig, InvalidModel
+from catalog_es.model import Model
+from catalog_es.spec import ModelSpec
+
+
+def declared_refusal(event: Model.Event) -> str:
+    """What to tell someone changing a declared model at runtime: where to go instead."""
+    name = event.model
+    if isinstance(event, Model.Added):
+        return (
+            f"model {name!r} is declared in configuration; "
+            "edit that rather than adding a second definition"
+        )
+    if isinstance(event, Model.Removed):
+        return (
+            f"model {name!r} is declared in configuration; "
+            "remove it there, or it comes back on the next restart"
+        )
+    return (
+        f"model {name!r} is declared in configuration; "
+        f"{event.what} there, or it reverts on the next restart"
+    )
+
+
+def decide(catalog: Catalog, event: Model.Event) -> ModelSpec | None:
+    """The definition ``event`` puts in force (``None``: removed), or a refusal."""
+    name = event.model
+    if catalog.is_declared(name):
+        raise DeclaredInConfig(declared_refusal(event))
+    new = event.evolve(catalog.aggregate(name).spec)
+    catalog.check(name, new)
+    if new is not None:
+        _check_memory(event, new)
+    return new
+
+
+def _check_memory(event: Model.Event, new: ModelSpec) -> None:
+    # A model with no GPU is all host memory, and one that declares none fits
+    # everywhere as far as placement can tell, however many of it there already
+    # are. Required of what is added or resized now; models stored before the
+    # rule, and declared ones, still load and say what they are missing.
+    if isinstance(event, Model.Added):
+        touched = new.missing_memory()
+    elif isinstance(event, Model.ResourcesSet):
+        touched = [p for p in new.missing_memory() if not event.profile or p == event.profile]
+    else:
+        return
+    if touched:
+        raise InvalidModel(
+            new.name,
+            f"profile {touched[0]!r}",
+            "runs without a GPU and declares no memory (min_memory_gb): "
+            "placement could not tell when a node is full",
+        )

@@ -1,0 +1,61 @@
+"""Domain errors. Entrypoints map them to exit codes and HTTP statuses; the
+message is written for the operator who typed the command."""
+
+from __future__ import annotations
+
+
+class Refused(Exception):
+    """A command was refused: nothing was written."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class InvalidModel(Refused):
+    """A model, or the catalog it would be part of, does not validate."""
+
+    def __init__(self, model: str, field: str, problem: str) -> None:
+        self.model = model
+        self.field = field
+        self.problem = problem
+        super().__init__(f"model {model!r}: {field}: {problem}")
+
+
+class ModelNotFound(Refused):
+    """The name is not a model in the catalog in force."""
+
+    def __init__(self, name: str, detail: str = "is not in the catalog") -> None:
+        self.name = name
+        super().__init__(f"model {name!r} {detail}")
+
+
+class DeclaredInConfig(Refused):
+    """The name is declared in configuration, which wins every conflict."""
+
+
+class RevisionConflict(Refused):
+    """The log has moved past the revision the command was based on."""
+
+    def __init__(self, expected: int, head: int) -> None:
+        self.expected = expected
+        self.head = head
+        super().__init__(
+            f"the log is at revision {head}, not {expected}: someone changed the catalog "
+            "since you read it; read it again and retry"
+        )
+
+
+class InputError(Refused):
+    """Input that could not be parsed (file, YAML, JSON, arguments)."""
+
+
+class ConfigError(Exception):
+    """The declared configuration cannot be loaded; nothing starts on it."""
+
+
+class StorageBusy(Refused):
+    """The database stayed locked by another writer past the bounded wait."""

@@ -1,0 +1,270 @@
+"""Parsing what people and files hand us: model definitions and the declared config.
+
+Pydantic checks shape and types (unknown fields, a string where a number goes)
+and words the error; the catalog rules themselves live in
+:mod:`catalog_es.spec` and :mod:`catalog_es.catalog`, because stored events must
+pass them again on replay. Every failure is one line naming where it is.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+from typing import Any, NoReturn
+
+import msgspec
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from catalog_es.errors import ConfigError, InputError
+from catalog_es.spec import DEFAULT_ENGINES, ModelSpec
+
+# A model definition is a few hundred bytes; a megabyte is a mistake or an attack.
+MAX_INPUT_BYTES = 1 << 20
+
+
+class _Input(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class ProfileInput(_Input):
+    name: str
+    gpus: int = 0
+    gpu_memory_gb: int = 0
+    min_memory_gb: int = 0
+    cpu_cores: int = 0
+
+
+class ScalingInput(_Input):
+    min: int = 1
+    max: int = 1
+
+
+class AdapterInput(_Input):
+    name: str
+    source: str
+
+
+class OriginInput(_Input):
+    repository: str = ""
+    revision: str = ""
+    files: dict[str, str] = {}
+
+
+class ModelInput(_Input):
+    name: str
+    engine: str
+    source: str
+    profiles: list[ProfileInput]
+    scaling: ScalingInput = ScalingInput()
+    capacity_class: str = Field("", alias="class")
+    owner: str = ""
+    adapters: list[AdapterInput] = []
+    fallbacks: list[str] = []
+    origin: OriginInput | None = None
+
+    def to_spec(self) -> ModelSpec:
+        return msgspec.convert(self.model_dump(by_alias=True), ModelSpec)
+
+
+class ConfigInput(_Input):
+    engines: list[str] | None = None
+    models: list[ModelInput] = []
+
+
+def _location(loc: tuple[int | str, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "(top level)"
+
+
+def _problem(error: Any) -> str:
+    if error["type"] == "extra_forbidden":
+        return "unknown field"
+    if error["type"] == "missing":
+        return "required field is missing"
+    value = error.get("input")
+    shown = repr(value) if not isinstance(value, dict | list) else type(value).__name__
+    if len(shown) > 40:
+        shown = shown[:40] + "…"
+    return f"{error['msg']} (got {shown})"
+
+
+def describe(error: ValidationError, prefix: tuple[int | str, ...] = ()) -> str:
+    """A pydantic error as one line: the first problem and how many more there are."""
+    problems = error.errors()
+    first = problems[0]
+    line = f"{_location(prefix + tuple(first['loc']))}: {_problem(first)}"
+    if len(problems) > 1:
+        line += f" (and {len(problems) - 1} more problem{'s' if len(problems) > 2 else ''})"
+    return line
+
+
+# -- YAML and JSON ---------------------------------------------------------------
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """YAML that refuses duplicate keys rather than keeping the last silently."""
+
+
+def _mapping(loader: _StrictLoader, node: yaml.MappingNode) -> dict[Any, Any]:
+    loader.flatten_mapping(node)
+    result: dict[Any, Any] = {}
+    for key_node, value_node in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        if not isinstance(key, str | int | float | bool) and key is not None:
+            raise yaml.constructor.ConstructorError(
+                None, None, "a mapping key must be a plain value", key_node.start_mark
+            )
+        if key in result:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {key!r}", key_node.start_mark
+            )
+        result[key] = loader.construct_object(value_node, deep=True)
+    return result
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping)
+
+
+class _InputLoader(_StrictLoader):
+    """For runtime input: no aliases either, so nothing can expand into a bomb."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.events.AliasEvent):
+            event = self.peek_event()  # type: ignore[no-untyped-call]
+            raise yaml.composer.ComposerError(
+                None,
+                None,
+                "aliases (*name) are not accepted in a model definition",
+                event.start_mark,
+            )
+        return super().compose_node(parent, index)
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise ValueError(f"duplicate key {key!r}")
+        result[key] = value
+    return result
+
+
+def _no_constant(name: str) -> NoReturn:
+    raise ValueError(f"{name} is not a number")
+
+
+def parse_document(text: str, where: str, *, untrusted: bool = True) -> Any:
+    """YAML or JSON (JSON when it starts with ``{`` or ``[``) to plain data."""
+    if len(text.encode("utf-8", "surrogatepass")) > MAX_INPUT_BYTES and untrusted:
+        raise InputError(f"{where}: larger than {MAX_INPUT_BYTES // 1024} KiB")
+    stripped = text.lstrip()
+    try:
+        if stripped[:1] in ("{", "["):
+            return json.loads(
+                stripped, object_pairs_hook=_no_duplicates, parse_constant=_no_constant
+            )
+        return yaml.load(text, Loader=_InputLoader if untrusted else _StrictLoader)
+    except json.JSONDecodeError as error:
+        raise InputError(
+            f"{where}: not valid JSON: {error.msg} (line {error.lineno}, column {error.colno})"
+        ) from None
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+        at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        raise InputError(f"{where}: not valid YAML: {problem}{at}") from None
+    except (ValueError, RecursionError) as error:
+        problem = "nested too deeply" if isinstance(error, RecursionError) else str(error)
+        raise InputError(f"{where}: {problem}") from None
+
+
+def read_text(path: str) -> tuple[str, str]:
+    """The text of a file, or of standard input for ``-``, and how to name it."""
+    if path == "-":
+        data = sys.stdin.buffer.read(MAX_INPUT_BYTES + 1)
+        where = "standard input"
+    else:
+        try:
+            with Path(path).open("rb") as f:
+                data = f.read(MAX_INPUT_BYTES + 1)
+        except OSError as error:
+            raise InputError(f"{path}: {error.strerror or error}") from None
+        where = path
+    if len(data) > MAX_INPUT_BYTES:
+        raise InputError(f"{where}: larger than {MAX_INPUT_BYTES // 1024} KiB")
+    try:
+        return data.decode("utf-8"), where
+    except UnicodeDecodeError:
+        raise InputError(f"{where}: not UTF-8 text") from None
+
+
+def model_from_data(data: Any, where: str) -> ModelSpec:
+    try:
+        return ModelInput.model_validate(data).to_spec()
+    except ValidationError as error:
+        raise InputError(f"{where}: {describe(error)}") from None
+
+
+def read_model(path: str) -> ModelSpec:
+    """A model definition from a YAML or JSON file, or ``-`` for standard input."""
+    text, where = read_text(path)
+    return model_from_data(parse_document(text, where), where)
+
+
+# -- the declared config -----------------------------------------------------------
+
+
+class DeclaredConfig(msgspec.Struct, frozen=True):
+    """What configuration declares: in force on every start, whatever the log says."""
+
+    models: tuple[ModelSpec, ...] = ()
+    engines: tuple[str, ...] = DEFAULT_ENGINES
+    path: str = ""
+
+    @property
+    def fingerprint(self) -> str:
+        """Identifies the declared layer: same models and engines, same fingerprint."""
+        canonical = msgspec.json.encode(
+            {"engines": sorted(self.engines), "models": sorted(self.models, key=lambda m: m.name)}
+        )
+        return hashlib.sha256(canonical).hexdigest()
+
+
+def _named(data: Any, error: ValidationError) -> str:
+    """``model 'x': `` when the first problem is inside a model that has a name."""
+    loc = error.errors()[0]["loc"]
+    if len(loc) >= 2 and loc[0] == "models" and isinstance(loc[1], int) and isinstance(data, dict):
+        models = data.get("models")
+        entry = models[loc[1]] if isinstance(models, list) and loc[1] < len(models) else None
+        if isinstance(entry, dict) and isinstance(entry.get("name"), str):
+            return f"model {entry['name'][:40]!r}: "
+    return ""
+
+
+def load_config(path: str | None) -> DeclaredConfig:
+    """The declared config from a YAML file; no file means nothing declared."""
+    if path is None:
+        return DeclaredConfig()
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise ConfigError(f"{path}: cannot read the config: {error}") from None
+    try:
+        data = parse_document(text, path, untrusted=False)
+    except InputError as error:
+        raise ConfigError(str(error)) from None
+    if data is None:
+        data = {}
+    try:
+        parsed = ConfigInput.model_validate(data)
+    except ValidationError as error:
+        raise ConfigError(f"{path}: {_named(data, error)}{describe(error)}") from None
+    engines = tuple(parsed.engines) if parsed.engines is not None else DEFAULT_ENGINES
+    return DeclaredConfig(
+        models=tuple(m.to_spec() for m in parsed.models), engines=engines, path=path
+    )

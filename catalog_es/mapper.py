@@ -1,0 +1,145 @@
+"""The stored form of events: msgspec JSON, decoded straight into the event struct.
+
+All serialisation lives here, wired into the application through
+``construct_mapper`` (``MAPPER_TOPIC``). Domain code never encodes anything.
+
+Decoding never trusts the database: the topic is looked up among the event
+classes this code knows (a topic is not an import path to follow), and what
+cannot be decoded raises :class:`UndecodableEvent` with a reason a replay can
+report while it carries on.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+from uuid import UUID
+
+import msgspec
+from eventsourcing.persistence import Compressor, Mapper, StoredEvent, Transcoder
+from eventsourcing.utils import get_topic
+
+from catalog_es.model import EVENT_TYPES, Model
+
+EVENT_CLASSES: dict[str, type[Model.Event]] = {get_topic(cls): cls for cls in EVENT_TYPES}
+_encoder = msgspec.json.Encoder()
+_decoders: dict[str, msgspec.json.Decoder[Any]] = {
+    topic: msgspec.json.Decoder(cls) for topic, cls in EVENT_CLASSES.items()
+}
+_raw = msgspec.json.Decoder(dict[str, Any])
+
+
+class UndecodableEvent(Exception):
+    """A stored record this code cannot turn into an event."""
+
+
+def topic_of(cls: type[Model.Event]) -> str:
+    return get_topic(cls)
+
+
+def encode_event(event: Model.Event) -> bytes:
+    return _encoder.encode(event)
+
+
+@cache
+def _current_version(cls: type[Model.Event]) -> int:
+    return cls.current_version()
+
+
+def decode_event(topic: str, state: bytes) -> Model.Event:
+    """The event stored as ``state`` under ``topic``, upcast to this code's version."""
+    decoder = _decoders.get(topic)
+    if decoder is None:
+        raise UndecodableEvent(f"unknown event type {topic!r}")
+    cls = EVENT_CLASSES[topic]
+    try:
+        event: Model.Event = decoder.decode(state)
+    except msgspec.MsgspecError:
+        pass  # an older shape, perhaps: try the upcasting path
+    else:
+        if event.class_version == _current_version(cls):
+            return event
+    return _upcast(cls, state)
+
+
+def model_of_state(state: bytes) -> str:
+    """The model an undecodable record was about, when that much can be read."""
+    try:
+        data = _raw.decode(state)
+    except msgspec.MsgspecError:
+        return ""
+    value = data.get("model", "")
+    return value if isinstance(value, str) else ""
+
+
+def _upcast(cls: type[Model.Event], state: bytes) -> Model.Event:
+    current = _current_version(cls)
+    try:
+        data = _raw.decode(state)
+    except msgspec.MsgspecError as error:
+        raise UndecodableEvent(f"corrupt payload: {error}") from None
+    version = data.get("class_version", 1)
+    if not isinstance(version, int) or version < 1:
+        raise UndecodableEvent(f"class_version {version!r} is not a version")
+    if version > current:
+        raise UndecodableEvent(
+            f"written by a newer version of catalog-es ({cls.__qualname__} class_version "
+            f"{version}; this one reads up to {current})"
+        )
+    while version < current:
+        upcaster = cls.upcasters.get(version)
+        if upcaster is None:
+            raise UndecodableEvent(
+                f"no upcaster for {cls.__qualname__} from class_version {version}"
+            )
+        data = upcaster(data)
+        version += 1
+    data["class_version"] = current
+    try:
+        return msgspec.convert(data, cls)
+    except msgspec.MsgspecError as error:
+        raise UndecodableEvent(f"invalid payload: {error}") from None
+
+
+class MsgspecTranscoder(Transcoder):
+    """Plain msgspec JSON, for anything the mapper is asked to transcode."""
+
+    def encode(self, obj: Any) -> bytes:
+        return _encoder.encode(obj)
+
+    def decode(self, data: bytes) -> Any:
+        return msgspec.json.decode(data)
+
+
+class EventMapper(Mapper[UUID]):
+    """Events to stored events and back, through msgspec, never pickle."""
+
+    def __init__(
+        self,
+        transcoder: Transcoder | None = None,
+        compressor: Compressor | None = None,
+        cipher: Any = None,
+    ) -> None:
+        super().__init__(transcoder or MsgspecTranscoder(), compressor, cipher)
+
+    def to_stored_event(self, domain_event: Any) -> StoredEvent:
+        assert isinstance(domain_event, Model.Event), type(domain_event)
+        state = encode_event(domain_event)
+        if self.compressor:
+            state = self.compressor.compress(state)
+        if self.cipher:
+            state = self.cipher.encrypt(state)
+        return StoredEvent(
+            originator_id=domain_event.originator_id,
+            originator_version=domain_event.originator_version,
+            topic=topic_of(type(domain_event)),
+            state=state,
+        )
+
+    def to_domain_event(self, stored_event: StoredEvent) -> Model.Event:
+        state = stored_event.state
+        if self.cipher:
+            state = self.cipher.decrypt(state)
+        if self.compressor:
+            state = self.compressor.decompress(state)
+        return decode_event(stored_event.topic, state)

@@ -1,0 +1,202 @@
+"""The ``Model`` aggregate: one per model name, and the events that change it.
+
+Events are immutable msgspec structs (the stored form is their JSON, see
+:mod:`catalog_es.mapper`). Each knows how it changes a definition
+(:meth:`Model.Event.evolve`): the one piece of logic the command side uses to
+decide and the projection uses to replay, so the two cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any, ClassVar
+
+import msgspec
+
+from catalog_es.errors import InvalidModel, ModelNotFound
+from catalog_es.spec import Adapter, ModelSpec, Origin, Scaling
+
+_MODEL_NAMESPACE = uuid.uuid5(uuid.NAMESPACE_URL, "catalog-es:model")
+
+Upcaster = Callable[[dict[str, Any]], dict[str, Any]]
+
+
+def model_id(name: str) -> uuid.UUID:
+    """The aggregate id of a model name: stable, so a name re-added after it
+    was removed continues its own history."""
+    return uuid.uuid5(_MODEL_NAMESPACE, name)
+
+
+def utc_now() -> datetime:
+    return datetime.now(UTC)
+
+
+class DomainEvent(msgspec.Struct, frozen=True, kw_only=True):
+    """What every stored event has. ``class_version`` is written into each
+    record so a later schema can recognise, and upcast, what an older one wrote."""
+
+    originator_id: uuid.UUID
+    originator_version: int
+    timestamp: datetime
+    class_version: int = 1
+
+    # Stored dict of class_version N -> stored dict of N + 1. A class that bumps
+    # its default class_version defines its own dict here.
+    upcasters: ClassVar[dict[int, Upcaster]] = {}
+
+    @classmethod
+    def current_version(cls) -> int:
+        """The class_version this code writes."""
+        for f in msgspec.structs.fields(cls):
+            if f.name == "class_version":
+                assert isinstance(f.default, int)
+                return f.default
+        raise AssertionError("every event has a class_version")
+
+
+class Model(msgspec.Struct, frozen=True):
+    """A model's aggregate state: its stream position and the definition in force
+    (``None`` while it is removed, or while its events are skipped)."""
+
+    id: uuid.UUID
+    name: str
+    version: int
+    spec: ModelSpec | None
+
+    class Event(DomainEvent, frozen=True, kw_only=True):
+        model: str
+        by: str
+        reason: str = ""
+        # Set on the compensating events a rollback writes: the revision rolled back to.
+        rollback_to: int | None = None
+
+        # Which change this is, in the words of a refusal for a declared model.
+        what: ClassVar[str] = "change it"
+
+        def evolve(self, current: ModelSpec | None) -> ModelSpec | None:
+            """The definition after this event, given the one before it."""
+            if current is None:
+                raise ModelNotFound(self.model, "was not added at runtime")
+            return self.change(current)
+
+        def change(self, current: ModelSpec) -> ModelSpec:
+            raise NotImplementedError
+
+    class Added(Event, frozen=True, kw_only=True):
+        """The full definition; re-adding a runtime name replaces it."""
+
+        spec: ModelSpec
+        what: ClassVar[str] = "edit it"
+
+        def evolve(self, current: ModelSpec | None) -> ModelSpec | None:
+            if self.spec.name != self.model:
+                raise InvalidModel(
+                    self.model, "name", f"the definition is named {self.spec.name!r}"
+                )
+            return self.spec
+
+    class Removed(Event, frozen=True, kw_only=True):
+        what: ClassVar[str] = "remove it"
+
+        def evolve(self, current: ModelSpec | None) -> ModelSpec | None:
+            if current is None:
+                raise ModelNotFound(self.model, "was not added at runtime")
+            return None
+
+    class Scaled(Event, frozen=True, kw_only=True):
+        scaling: Scaling
+        what: ClassVar[str] = "change its scaling"
+
+        def change(self, current: ModelSpec) -> ModelSpec:
+            return msgspec.structs.replace(current, scaling=self.scaling)
+
+    class ResourcesSet(Event, frozen=True, kw_only=True):
+        """Host memory and CPU cores of one profile, or of all when ``profile`` is empty.
+        A value left ``None`` is kept as it was."""
+
+        profile: str = ""
+        memory_gb: int | None = None
+        cpu_cores: int | None = None
+        what: ClassVar[str] = "change its resources"
+
+        def change(self, current: ModelSpec) -> ModelSpec:
+            if self.profile and all(p.name != self.profile for p in current.profiles):
+                names = ", ".join(p.name for p in current.profiles)
+                raise InvalidModel(
+                    self.model, "profiles", f"has no profile {self.profile!r} (it has: {names})"
+                )
+            profiles = tuple(
+                msgspec.structs.replace(
+                    p,
+                    min_memory_gb=p.min_memory_gb if self.memory_gb is None else self.memory_gb,
+                    cpu_cores=p.cpu_cores if self.cpu_cores is None else self.cpu_cores,
+                )
+                if not self.profile or p.name == self.profile
+                else p
+                for p in current.profiles
+            )
+            return msgspec.structs.replace(current, profiles=profiles)
+
+    class ClassSet(Event, frozen=True, kw_only=True):
+        capacity_class: str = msgspec.field(name="class")
+        what: ClassVar[str] = "change its class"
+
+        def change(self, current: ModelSpec) -> ModelSpec:
+            return msgspec.structs.replace(current, capacity_class=self.capacity_class)
+
+    class OwnerSet(Event, frozen=True, kw_only=True):
+        owner: str
+        what: ClassVar[str] = "change its owner"
+
+        def change(self, current: ModelSpec) -> ModelSpec:
+            return msgspec.structs.replace(current, owner=self.owner)
+
+    class AdaptersSet(Event, frozen=True, kw_only=True):
+        adapters: tuple[Adapter, ...]
+        what: ClassVar[str] = "change its adapters"
+
+        def change(self, current: ModelSpec) -> ModelSpec:
+            return msgspec.structs.replace(current, adapters=self.adapters)
+
+    class SourceSet(Event, frozen=True, kw_only=True):
+        """Other weights; running replicas keep what they loaded until replaced."""
+
+        source: str
+        origin: Origin | None = None
+        what: ClassVar[str] = "change its source"
+
+        def change(self, current: ModelSpec) -> ModelSpec:
+            return msgspec.structs.replace(current, source=self.source, origin=self.origin)
+
+    class OriginSet(Event, frozen=True, kw_only=True):
+        """Where the weights came from, recorded without changing them."""
+
+        origin: Origin | None
+        what: ClassVar[str] = "record its origin"
+
+        def change(self, current: ModelSpec) -> ModelSpec:
+            return msgspec.structs.replace(current, origin=self.origin)
+
+    @classmethod
+    def new(cls, name: str) -> Model:
+        """A name never seen in the log."""
+        return cls(id=model_id(name), name=name, version=0, spec=None)
+
+    def mutate(self, event: Model.Event, spec: ModelSpec | None) -> Model:
+        """This aggregate after ``event``, with the definition now in force."""
+        return Model(id=self.id, name=self.name, version=event.originator_version, spec=spec)
+
+
+EVENT_TYPES: tuple[type[Model.Event], ...] = (
+    Model.Added,
+    Model.Removed,
+    Model.Scaled,
+    Model.ResourcesSet,
+    Model.ClassSet,
+    Model.OwnerSet,
+    Model.AdaptersSet,
+    Model.SourceSet,
+    Model.OriginSet,
+)

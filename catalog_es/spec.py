@@ -1,0 +1,171 @@
+"""The model definition as it will run: value objects and the rules for one model.
+
+These are the stored form (msgspec structs: immutable, cheap to decode on
+replay). Input from people and files is parsed by :mod:`catalog_es.inputs`
+first, for its error messages, and then checked here, because a stored event
+has to pass the same rules again when the log is replayed over a config that
+may have changed since it was written.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import msgspec
+
+from catalog_es.errors import InvalidModel
+
+DEFAULT_ENGINES: tuple[str, ...] = ("vllm", "sglang", "llamacpp", "tgi")
+CLASSES: tuple[str, ...] = ("critical", "standard", "opportunistic")
+NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}")
+OWNER_PATTERN = re.compile(r"(org|team|project):[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+SHA256_PATTERN = re.compile(r"[0-9a-f]{64}")
+MAX_SOURCE_LENGTH = 2048
+
+
+class Value(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Base of the value objects: immutable, compared by value."""
+
+
+class Profile(Value, frozen=True):
+    """One way a replica can be placed: what it takes of a node."""
+
+    name: str
+    gpus: int = 0
+    gpu_memory_gb: int = 0
+    min_memory_gb: int = 0
+    cpu_cores: int = 0
+
+    @property
+    def cpu_only(self) -> bool:
+        return self.gpus == 0
+
+
+class Scaling(Value, frozen=True):
+    min: int = 1
+    max: int = 1
+
+
+class Adapter(Value, frozen=True):
+    """A LoRA adapter served on top of the base weights."""
+
+    name: str
+    source: str
+
+
+class Origin(Value, frozen=True):
+    """Where the weights came from: registry repository, commit and checksums."""
+
+    repository: str = ""
+    revision: str = ""
+    files: dict[str, str] = {}
+
+
+class ModelSpec(Value, frozen=True):
+    """A model in the catalog. Defaults are part of the definition: what is
+    stored and what is returned is what will run."""
+
+    name: str
+    engine: str
+    source: str
+    profiles: tuple[Profile, ...]
+    scaling: Scaling = Scaling()
+    capacity_class: str = msgspec.field(default="", name="class")
+    owner: str = ""
+    adapters: tuple[Adapter, ...] = ()
+    fallbacks: tuple[str, ...] = ()
+    origin: Origin | None = None
+
+    @property
+    def effective_class(self) -> str:
+        """The class placement uses: the one set, else what the scaling implies
+        (a model allowed to scale to zero is opportunistic by nature)."""
+        if self.capacity_class:
+            return self.capacity_class
+        return "standard" if self.scaling.min >= 1 else "opportunistic"
+
+    def missing_memory(self) -> list[str]:
+        """Names of CPU-only profiles that declare no host memory."""
+        return [p.name for p in self.profiles if p.cpu_only and p.min_memory_gb <= 0]
+
+
+def check_name(name: str, *, model: str | None = None, field: str = "name") -> None:
+    if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
+        shown = name if isinstance(name, str) and len(name) <= 40 else f"{str(name)[:40]}…"
+        raise InvalidModel(
+            model if model is not None else shown,
+            field,
+            f"{shown!r} is not a valid name: 1-128 characters of A-Z a-z 0-9 . _ : / -, "
+            "starting with a letter or digit",
+        )
+
+
+def _check_unique(model: str, field: str, names: Iterable[str]) -> None:
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            raise InvalidModel(model, field, f"{name!r} appears more than once")
+        seen.add(name)
+
+
+def _check_source(model: str, field: str, source: str) -> None:
+    if not source.strip():
+        raise InvalidModel(model, field, "must not be empty")
+    if len(source) > MAX_SOURCE_LENGTH:
+        raise InvalidModel(model, field, f"is longer than {MAX_SOURCE_LENGTH} characters")
+    if any(c.isspace() for c in source):
+        raise InvalidModel(model, field, "must not contain white space")
+
+
+def check_spec(spec: ModelSpec, engines: frozenset[str] | set[str]) -> None:
+    """Refuse a model that is malformed on its own, naming the field.
+
+    Rules that need the rest of the catalog (collisions, fallbacks) are the
+    catalog's; see :class:`catalog_es.catalog.Catalog`.
+    """
+    check_name(spec.name)
+    name = spec.name
+    if spec.engine not in engines:
+        known = ", ".join(sorted(engines))
+        raise InvalidModel(
+            name, "engine", f"{spec.engine!r} is not a known engine (known: {known})"
+        )
+    _check_source(name, "source", spec.source)
+    if not spec.profiles:
+        raise InvalidModel(name, "profiles", "at least one profile is required")
+    for i, p in enumerate(spec.profiles):
+        check_name(p.name, model=name, field=f"profiles[{i}].name")
+        for field in ("gpus", "gpu_memory_gb", "min_memory_gb", "cpu_cores"):
+            if getattr(p, field) < 0:
+                raise InvalidModel(name, f"profiles[{i}].{field}", "cannot be negative")
+    _check_unique(name, "profiles", (p.name for p in spec.profiles))
+    if spec.scaling.min < 0 or spec.scaling.max < 1 or spec.scaling.min > spec.scaling.max:
+        raise InvalidModel(
+            name,
+            "scaling",
+            f"min {spec.scaling.min}, max {spec.scaling.max}: need 0 <= min <= max and max >= 1",
+        )
+    if spec.capacity_class and spec.capacity_class not in CLASSES:
+        raise InvalidModel(
+            name, "class", f"{spec.capacity_class!r} is not one of {', '.join(CLASSES)} (or empty)"
+        )
+    if spec.owner and not OWNER_PATTERN.fullmatch(spec.owner):
+        raise InvalidModel(
+            name, "owner", f"{spec.owner!r} is not org:ID, team:ID or project:ID (or empty)"
+        )
+    for i, a in enumerate(spec.adapters):
+        check_name(a.name, model=name, field=f"adapters[{i}].name")
+        _check_source(name, f"adapters[{i}].source", a.source)
+    _check_unique(name, "adapters", (a.name for a in spec.adapters))
+    for i, f in enumerate(spec.fallbacks):
+        check_name(f, model=name, field=f"fallbacks[{i}]")
+        if f == name:
+            raise InvalidModel(name, "fallbacks", "a model cannot be its own fallback")
+    _check_unique(name, "fallbacks", spec.fallbacks)
+    if spec.origin is not None:
+        for path, digest in spec.origin.files.items():
+            if not SHA256_PATTERN.fullmatch(digest):
+                raise InvalidModel(
+                    name, f"origin.files[{path!r}]", "is not a lower-case hex sha256 digest"
+                )

@@ -1,0 +1,69 @@
+"""Plain data for what queries return: the shapes ``--json`` prints and HTTP serves.
+
+These are the stable output formats, documented in docs/cli.md; change them
+only by adding keys.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from catalog_es.model import Model
+from catalog_es.spec import ModelSpec
+
+
+def model_view(spec: ModelSpec, *, declared: bool) -> dict[str, Any]:
+    """A model as it will run: every default filled in, the effective class, and
+    where the definition comes from."""
+    view: dict[str, Any] = msgspec.json.decode(msgspec.json.encode(spec))
+    view["effective_class"] = spec.effective_class
+    view["declared"] = declared
+    missing = spec.missing_memory()
+    if missing:
+        view["warnings"] = [
+            f"profile {p!r} runs without a GPU and declares no memory (min_memory_gb)"
+            for p in missing
+        ]
+    return view
+
+
+def event_fields(event: Model.Event) -> dict[str, Any]:
+    """An event's own payload, without the envelope every event has."""
+    data: dict[str, Any] = msgspec.json.decode(msgspec.json.encode(event))
+    return {k: v for k, v in data.items() if k not in _ENVELOPE}
+
+
+_ENVELOPE = frozenset(Model.Event.__struct_fields__)
+
+
+def event_view(revision: int, event: Model.Event) -> dict[str, Any]:
+    """One stored event, as ``log --json`` and ``watch --json`` print it."""
+    return {
+        "revision": revision,
+        "time": event.timestamp.isoformat().replace("+00:00", "Z"),
+        "by": event.by,
+        "reason": event.reason,
+        "model": event.model,
+        "event": type(event).__name__,
+        "class_version": event.class_version,
+        "fields": event_fields(event),
+        "rollback_to": event.rollback_to,
+    }
+
+
+def undecodable_view(revision: int, topic: str, model: str, error: str) -> dict[str, Any]:
+    """A stored record that could not be decoded, shown rather than hidden."""
+    return {
+        "revision": revision,
+        "time": None,
+        "by": None,
+        "reason": None,
+        "model": model,
+        "event": topic.rpartition(".")[2],
+        "class_version": None,
+        "fields": {},
+        "rollback_to": None,
+        "error": error,
+    }
