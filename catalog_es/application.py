@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterator
+from datetime import datetime, timedelta
 from typing import Any, ClassVar
 from uuid import UUID
 
@@ -21,8 +22,9 @@ from eventsourcing.application import Application
 from eventsourcing.utils import EnvType, get_topic
 from sqlalchemy.engine import Connection
 
+from catalog_es.batch import Batch, Change
 from catalog_es.catalog import Catalog, Skipped
-from catalog_es.decisions import decide
+from catalog_es.configuration import Configuration
 from catalog_es.errors import InputError, ModelNotFound, RevisionConflict
 from catalog_es.inputs import DeclaredConfig
 from catalog_es.mapper import EventMapper, UndecodableEvent, decode_event, model_of_state
@@ -249,6 +251,41 @@ class Models(Application[UUID]):
         """Decide and append one event. ``derive`` computes fields that depend
         on the definition in force, read inside the write transaction."""
         check_name(name)
+        replaced = False
+
+        def plan(batch: Batch) -> None:
+            nonlocal replaced
+            current = batch.catalog.get(name)
+            replaced = event_class is Model.Added and current is not None
+            extra = derive(current) if derive is not None else {}
+            batch.decide(batch.event(event_class, name, **fields, **extra))
+
+        revision, changes = self._write(
+            plan, by=by, reason=reason, expected_revision=expected_revision
+        )
+        event, new = changes[-1]
+        log.info("%s %s at revision %d by %s", type(event).__name__, name, revision, by)
+        return CommandResult(
+            revision=revision,
+            model=model_view(new, declared=False) if new is not None else None,
+            replaced=replaced,
+            removed=name if new is None else None,
+        )
+
+    def _write(
+        self,
+        plan: Callable[[Batch], None],
+        *,
+        by: str,
+        reason: str,
+        expected_revision: int | None,
+        rollback_to: int | None = None,
+        several: bool = False,
+    ) -> tuple[int, list[Change]]:
+        """Read the log to its head, plan the events against the catalog in
+        force and append them, in one write transaction; then put them in force
+        and push the catalog to the applier, still serialised. Answers the last
+        revision written (the head, when the plan wrote nothing)."""
         _check_meta(by, reason)
         with self._lock:
             with self.store.write() as conn:
@@ -256,32 +293,45 @@ class Models(Application[UUID]):
                 head = self.catalog.revision
                 if expected_revision is not None and expected_revision != head:
                     raise RevisionConflict(expected_revision, head)
-                current = self.catalog.get(name)
-                if derive is not None:
-                    fields.update(derive(current))
-                event = event_class(
-                    originator_id=model_id(name),
-                    originator_version=self.store.stream_version(conn, model_id(name)) + 1,
-                    timestamp=utc_now(),
-                    model=name,
+                batch = Batch(
+                    self.store,
+                    conn,
+                    self.catalog.copy() if several else self.catalog,
                     by=by,
                     reason=reason,
-                    **fields,
+                    timestamp=self._next_timestamp(),
+                    rollback_to=rollback_to,
+                    tentative=several,
                 )
-                new = decide(self.catalog, event)
-                (recording,) = self.events.put([event], conn=conn)
-            # Committed: only now is the change in force.
-            revision = recording.notification.id
-            self.catalog.commit(event, new)
+                batch.record_declaration(self.declared)
+                plan(batch)
+                if not batch.changes:
+                    return head, []
+                recordings = self.events.put(batch.records, conn=conn)
+            # Committed: only now are the changes in force.
+            if several:
+                self.catalog = batch.catalog
+            else:
+                for event, new in batch.changes:
+                    self.catalog.commit(event, new)
+            for recording in recordings:
+                if isinstance(recording.domain_event, Configuration.Declared):
+                    self.catalog.recorded_declaration = (
+                        recording.domain_event.fingerprint,
+                        recording.notification.id,
+                    )
+            revision = recordings[-1].notification.id
             self.catalog.revision = revision
-            log.info("%s %s at revision %d by %s", type(event).__name__, name, revision, by)
             self.applier.replace_catalog(self.catalog.models(), revision)
-        return CommandResult(
-            revision=revision,
-            model=model_view(new, declared=False) if new is not None else None,
-            replaced=isinstance(event, Model.Added) and current is not None,
-            removed=name if new is None else None,
-        )
+        return revision, batch.changes
+
+    def _next_timestamp(self) -> datetime:
+        """Now, or just after the newest event in the log if this clock is behind."""
+        now = utc_now()
+        last = self.catalog.last_timestamp
+        if last is not None and now <= last:
+            return last + timedelta(microseconds=1)
+        return now
 
     # -- reading ---------------------------------------------------------------
 

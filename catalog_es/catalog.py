@@ -12,11 +12,13 @@ take a good one with it.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
+from datetime import datetime
 
 import msgspec
 
+from catalog_es.configuration import Configuration
 from catalog_es.errors import ConfigError, InvalidModel, Refused
-from catalog_es.model import Model
+from catalog_es.model import DomainEvent, Model
 from catalog_es.spec import DEFAULT_ENGINES, ModelSpec, check_spec
 
 
@@ -43,6 +45,11 @@ class Catalog:
         # fallback target -> the models naming it, across both layers.
         self._referrers: dict[str, set[str]] = {}
         self.revision = 0
+        # The newest event time seen: commands stamp theirs strictly later, so
+        # time in the log never runs backwards, whichever node's clock is slow.
+        self.last_timestamp: datetime | None = None
+        # The declared layer the log last recorded (fingerprint, from revision).
+        self.recorded_declaration: tuple[str, int] | None = None
         self.skipped: list[Skipped] = []
         for spec in declared:
             self._add_declared(spec)
@@ -124,11 +131,27 @@ class Catalog:
 
     # -- changing --------------------------------------------------------------
 
-    def apply(self, event: Model.Event, revision: int) -> Skipped | None:
+    def copy(self) -> Catalog:
+        """An independent catalog in the same state, to try a series of changes on."""
+        other = Catalog.__new__(Catalog)
+        other.__dict__.update(self.__dict__)
+        other.aggregates = dict(self.aggregates)
+        other._referrers = {k: set(v) for k, v in self._referrers.items()}
+        other.skipped = list(self.skipped)
+        return other
+
+    def apply(self, event: DomainEvent, revision: int) -> Skipped | None:
         """Replay one stored event: apply it if the catalog stays valid, else
         skip it (the stream's version still advances) and say why."""
-        aggregate = self.aggregate(event.model)
         self.revision = revision
+        if self.last_timestamp is None or event.timestamp > self.last_timestamp:
+            self.last_timestamp = event.timestamp
+        if isinstance(event, Configuration.Declared):
+            # Replay is always over today's config; the record says what was in force then.
+            self.recorded_declaration = (event.fingerprint, revision)
+            return None
+        assert isinstance(event, Model.Event)
+        aggregate = self.aggregate(event.model)
         try:
             if event.originator_id != aggregate.id:
                 raise Refused(f"its aggregate id does not belong to model {event.model!r}")
@@ -152,6 +175,8 @@ class Catalog:
 
     def commit(self, event: Model.Event, new: ModelSpec | None) -> None:
         """Put an event that was checked into force."""
+        if self.last_timestamp is None or event.timestamp > self.last_timestamp:
+            self.last_timestamp = event.timestamp
         aggregate = self.aggregate(event.model)
         if aggregate.spec is not None:
             self._unlink(aggregate.spec)

@@ -19,9 +19,11 @@ import msgspec
 from eventsourcing.persistence import Compressor, Mapper, StoredEvent, Transcoder
 from eventsourcing.utils import get_topic
 
-from catalog_es.model import EVENT_TYPES, Model
+from catalog_es.configuration import Configuration
+from catalog_es.model import EVENT_TYPES, DomainEvent
 
-EVENT_CLASSES: dict[str, type[Model.Event]] = {get_topic(cls): cls for cls in EVENT_TYPES}
+_STORED: tuple[type[DomainEvent], ...] = (*EVENT_TYPES, Configuration.Declared)
+EVENT_CLASSES: dict[str, type[DomainEvent]] = {get_topic(cls): cls for cls in _STORED}
 _encoder = msgspec.json.Encoder()
 _decoders: dict[str, msgspec.json.Decoder[Any]] = {
     topic: msgspec.json.Decoder(cls) for topic, cls in EVENT_CLASSES.items()
@@ -33,27 +35,27 @@ class UndecodableEvent(Exception):
     """A stored record this code cannot turn into an event."""
 
 
-def topic_of(cls: type[Model.Event]) -> str:
+def topic_of(cls: type[DomainEvent]) -> str:
     return get_topic(cls)
 
 
-def encode_event(event: Model.Event) -> bytes:
+def encode_event(event: DomainEvent) -> bytes:
     return _encoder.encode(event)
 
 
 @cache
-def _current_version(cls: type[Model.Event]) -> int:
+def _current_version(cls: type[DomainEvent]) -> int:
     return cls.current_version()
 
 
-def decode_event(topic: str, state: bytes) -> Model.Event:
+def decode_event(topic: str, state: bytes) -> DomainEvent:
     """The event stored as ``state`` under ``topic``, upcast to this code's version."""
     decoder = _decoders.get(topic)
     if decoder is None:
         raise UndecodableEvent(f"unknown event type {topic!r}")
     cls = EVENT_CLASSES[topic]
     try:
-        event: Model.Event = decoder.decode(state)
+        event: DomainEvent = decoder.decode(state)
     except msgspec.MsgspecError:
         pass  # an older shape, perhaps: try the upcasting path
     else:
@@ -72,7 +74,7 @@ def model_of_state(state: bytes) -> str:
     return value if isinstance(value, str) else ""
 
 
-def _upcast(cls: type[Model.Event], state: bytes) -> Model.Event:
+def _upcast(cls: type[DomainEvent], state: bytes) -> DomainEvent:
     current = _current_version(cls)
     try:
         data = _raw.decode(state)
@@ -123,7 +125,7 @@ class EventMapper(Mapper[UUID]):
         super().__init__(transcoder or MsgspecTranscoder(), compressor, cipher)
 
     def to_stored_event(self, domain_event: Any) -> StoredEvent:
-        assert isinstance(domain_event, Model.Event), type(domain_event)
+        assert isinstance(domain_event, DomainEvent), type(domain_event)
         state = encode_event(domain_event)
         if self.compressor:
             state = self.compressor.compress(state)
@@ -136,7 +138,7 @@ class EventMapper(Mapper[UUID]):
             state=state,
         )
 
-    def to_domain_event(self, stored_event: StoredEvent) -> Model.Event:
+    def to_domain_event(self, stored_event: StoredEvent) -> DomainEvent:
         state = stored_event.state
         if self.cipher:
             state = self.cipher.decrypt(state)

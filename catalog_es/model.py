@@ -34,13 +34,18 @@ def utc_now() -> datetime:
 
 
 class DomainEvent(msgspec.Struct, frozen=True, kw_only=True):
-    """What every stored event has. ``class_version`` is written into each
-    record so a later schema can recognise, and upcast, what an older one wrote."""
+    """What every stored event has: who, when, why. ``class_version`` is written
+    into each record so a later schema can recognise, and upcast, what an older
+    one wrote."""
 
     originator_id: uuid.UUID
     originator_version: int
     timestamp: datetime
     class_version: int = 1
+    by: str
+    reason: str = ""
+    # Set on the compensating events a rollback writes: the revision rolled back to.
+    rollback_to: int | None = None
 
     # Stored dict of class_version N -> stored dict of N + 1. A class that bumps
     # its default class_version defines its own dict here.
@@ -67,10 +72,6 @@ class Model(msgspec.Struct, frozen=True):
 
     class Event(DomainEvent, frozen=True, kw_only=True):
         model: str
-        by: str
-        reason: str = ""
-        # Set on the compensating events a rollback writes: the revision rolled back to.
-        rollback_to: int | None = None
 
         # Which change this is, in the words of a refusal for a declared model.
         what: ClassVar[str] = "change it"

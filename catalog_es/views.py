@@ -10,7 +10,8 @@ from typing import Any
 
 import msgspec
 
-from catalog_es.model import Model
+from catalog_es.configuration import Configuration
+from catalog_es.model import DomainEvent, Model
 from catalog_es.spec import ModelSpec
 
 
@@ -29,7 +30,7 @@ def model_view(spec: ModelSpec, *, declared: bool) -> dict[str, Any]:
     return view
 
 
-def event_fields(event: Model.Event) -> dict[str, Any]:
+def event_fields(event: DomainEvent) -> dict[str, Any]:
     """An event's own payload, without the envelope every event has."""
     data: dict[str, Any] = msgspec.json.decode(msgspec.json.encode(event))
     return {k: v for k, v in data.items() if k not in _ENVELOPE}
@@ -38,15 +39,22 @@ def event_fields(event: Model.Event) -> dict[str, Any]:
 _ENVELOPE = frozenset(Model.Event.__struct_fields__)
 
 
-def event_view(revision: int, event: Model.Event) -> dict[str, Any]:
+def event_name(event: DomainEvent) -> str:
+    """``Added``, ``Scaled``…; ``ConfigDeclared`` for a declared-config record."""
+    if isinstance(event, Configuration.Declared):
+        return "ConfigDeclared"
+    return type(event).__name__
+
+
+def event_view(revision: int, event: DomainEvent) -> dict[str, Any]:
     """One stored event, as ``log --json`` and ``watch --json`` print it."""
     return {
         "revision": revision,
         "time": event.timestamp.isoformat().replace("+00:00", "Z"),
         "by": event.by,
         "reason": event.reason,
-        "model": event.model,
-        "event": type(event).__name__,
+        "model": event.model if isinstance(event, Model.Event) else None,
+        "event": event_name(event),
         "class_version": event.class_version,
         "fields": event_fields(event),
         "rollback_to": event.rollback_to,

@@ -1,0 +1,104 @@
+"""The events one write transaction appends, each decided in turn.
+
+A batch stamps every event with the same envelope (who, why, one timestamp,
+the rollback target) and the next version of its stream, and decides each
+against the catalog as the events before it leave it, so a series of changes
+is valid at every step, not only at the end.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+from uuid import UUID
+
+from sqlalchemy.engine import Connection
+
+from catalog_es.catalog import Catalog
+from catalog_es.configuration import CONFIGURATION_ID, Configuration
+from catalog_es.decisions import decide
+from catalog_es.inputs import DeclaredConfig
+from catalog_es.model import DomainEvent, Model, model_id
+from catalog_es.persistence import SQLRecorder
+from catalog_es.spec import ModelSpec
+
+Change = tuple[Model.Event, ModelSpec | None]
+
+
+class Batch:
+    """Events decided inside one write transaction.
+
+    ``tentative``: the catalog is a scratch copy, changed as each event is
+    decided (several events); otherwise it is the live catalog, left untouched
+    until the transaction commits (one event, no copy on the hot path).
+    """
+
+    def __init__(
+        self,
+        store: SQLRecorder,
+        conn: Connection,
+        catalog: Catalog,
+        *,
+        by: str,
+        reason: str,
+        timestamp: datetime,
+        rollback_to: int | None = None,
+        tentative: bool,
+    ) -> None:
+        self.store = store
+        self.conn = conn
+        self.catalog = catalog
+        self.by = by
+        self.reason = reason
+        self.timestamp = timestamp
+        self.rollback_to = rollback_to
+        self.tentative = tentative
+        self.records: list[DomainEvent] = []
+        self.changes: list[Change] = []
+        self._versions: dict[UUID, int] = {}
+
+    def _next_version(self, originator_id: UUID) -> int:
+        # From the rows, not the catalog: a record replay skipped still holds its place.
+        last = self._versions.get(originator_id)
+        if last is None:
+            last = self.store.stream_version(self.conn, originator_id)
+        self._versions[originator_id] = last + 1
+        return last + 1
+
+    def envelope(self, originator_id: UUID) -> dict[str, Any]:
+        return {
+            "originator_id": originator_id,
+            "originator_version": self._next_version(originator_id),
+            "timestamp": self.timestamp,
+            "by": self.by,
+            "reason": self.reason,
+            "rollback_to": self.rollback_to,
+        }
+
+    def event(self, event_class: type[Model.Event], name: str, **fields: Any) -> Model.Event:
+        """A candidate event for model ``name``; not yet decided."""
+        return event_class(**self.envelope(model_id(name)), model=name, **fields)
+
+    def decide(self, event: Model.Event) -> ModelSpec | None:
+        """Accept ``event`` (or raise the refusal) and add it to the batch."""
+        new = decide(self.catalog, event)
+        if self.tentative:
+            self.catalog.commit(event, new)
+        self.records.append(event)
+        self.changes.append((event, new))
+        return new
+
+    def record_declaration(self, declared: DeclaredConfig) -> None:
+        """Record the declared layer when it differs from the one the log last recorded."""
+        recorded = self.catalog.recorded_declaration
+        last = recorded[0] if recorded is not None else DeclaredConfig().fingerprint
+        if last != declared.fingerprint:
+            self.records.append(
+                Configuration.Declared(
+                    **self.envelope(CONFIGURATION_ID),
+                    fingerprint=declared.fingerprint,
+                    engines=declared.engines,
+                    models=declared.models,
+                    path=declared.path,
+                )
+            )
