@@ -25,15 +25,18 @@ from sqlalchemy.engine import Connection
 from catalog_es.batch import Batch, Change
 from catalog_es.catalog import Catalog, Skipped
 from catalog_es.configuration import Configuration
-from catalog_es.errors import InputError, ModelNotFound, RevisionConflict
+from catalog_es.errors import InputError, ModelNotFound, Refused, RevisionConflict
 from catalog_es.inputs import DeclaredConfig
 from catalog_es.mapper import EventMapper, UndecodableEvent, decode_event, model_of_state
 from catalog_es.model import Model, model_id, utc_now
-from catalog_es.persistence import SQLRecorder, events_table
+from catalog_es.persistence import PollingSubscription, SQLRecorder, events_table
 from catalog_es.ports import AcceptAll, Applier, NoApplier, PreAddCheck
+from catalog_es.rollback import plan_rollback
 from catalog_es.spec import Adapter, ModelSpec, Origin, Scaling, check_name
-from catalog_es.views import event_view, model_view, undecodable_view
+from catalog_es.views import event_fields, event_view, model_view, undecodable_view
+from projections import pointintime, snapshots
 from projections.catalog import catch_up
+from projections.diff import diff_catalogs
 
 log = logging.getLogger("catalog_es")
 
@@ -41,6 +44,17 @@ log = logging.getLogger("catalog_es")
 SYSTEM_ACTOR = "catalog-es"
 MAX_ACTOR_LENGTH = 128
 MAX_REASON_LENGTH = 1000
+
+
+At = int | datetime | None
+
+
+def _declaration(catalog: Catalog) -> dict[str, Any] | None:
+    """The declared layer the log had recorded as in force at a catalog's revision."""
+    if catalog.recorded_declaration is None:
+        return None
+    fingerprint, revision = catalog.recorded_declaration
+    return {"fingerprint": fingerprint, "recorded_at": revision}
 
 
 class CommandResult(msgspec.Struct, frozen=True):
@@ -75,8 +89,12 @@ class Models(Application[UUID]):
         *,
         applier: Applier | None = None,
         pre_add_check: PreAddCheck | None = None,
+        snapshot_interval: int = snapshots.DEFAULT_INTERVAL,
         env: EnvType | None = None,
     ) -> None:
+        if snapshot_interval < 1:
+            raise ValueError("snapshot_interval must be at least 1")
+        self.snapshot_interval = snapshot_interval
         self.declared = declared or DeclaredConfig()
         self.applier = applier or NoApplier()
         self.pre_add_check = pre_add_check or AcceptAll()
@@ -86,12 +104,42 @@ class Models(Application[UUID]):
         super().__init__(env)
         assert isinstance(self.recorder, SQLRecorder)
         self.store: SQLRecorder = self.recorder
-        self.catalog = self._new_catalog()
-        with self.store.read() as conn:
-            catch_up(self.catalog, self.store, conn)
+        self.catalog = self._load()
 
-    def _new_catalog(self) -> Catalog:
-        return Catalog(self.declared.models, self.declared.engines)
+    def _load(self) -> Catalog:
+        """The catalog in force: the newest snapshot over this config, then the
+        log after it. A long tail is snapshotted so the next start is quick."""
+        catalog = Catalog(self.declared.models, self.declared.engines)
+        with self.store.read() as conn:
+            snapshots.restore(conn, catalog, self.declared.fingerprint, upto=None)
+            since = catalog.revision
+            catch_up(catalog, self.store, conn)
+        if catalog.revision - since >= self.snapshot_interval:
+            self._save_snapshot(catalog)
+        for skip in catalog.skipped[:10]:
+            log.warning(
+                "skipped revision %d (model %r, %s): %s",
+                skip.revision,
+                skip.model,
+                skip.event,
+                skip.reason,
+            )
+        if len(catalog.skipped) > 10:
+            log.warning(
+                "… and %d more skipped events (catalog-es verify lists them)",
+                len(catalog.skipped) - 10,
+            )
+        return catalog
+
+    def _save_snapshot(self, catalog: Catalog) -> None:
+        # Best effort: a snapshot only saves time, so failing to write one
+        # (a read-only database, a busy one) must not fail what asked for it.
+        try:
+            state = snapshots.encode(catalog)
+            with self.store.write() as conn:
+                snapshots.save(conn, self.declared.fingerprint, catalog.revision, state)
+        except (sa.exc.SQLAlchemyError, Refused) as error:
+            log.debug("no snapshot at revision %d: %s", catalog.revision, error)
 
     # -- commands ----------------------------------------------------------------
 
@@ -281,11 +329,15 @@ class Models(Application[UUID]):
         expected_revision: int | None,
         rollback_to: int | None = None,
         several: bool = False,
+        dry_run: bool = False,
+        records_only: bool = False,
     ) -> tuple[int, list[Change]]:
         """Read the log to its head, plan the events against the catalog in
         force and append them, in one write transaction; then put them in force
         and push the catalog to the applier, still serialised. Answers the last
-        revision written (the head, when the plan wrote nothing)."""
+        revision written (the head, when the plan wrote nothing). ``dry_run``
+        plans and decides everything, then writes nothing; ``records_only``
+        writes the declared-config record even with no change planned."""
         _check_meta(by, reason)
         with self._lock:
             with self.store.write() as conn:
@@ -305,8 +357,9 @@ class Models(Application[UUID]):
                 )
                 batch.record_declaration(self.declared)
                 plan(batch)
-                if not batch.changes:
-                    return head, []
+                if dry_run or not (batch.changes or (records_only and batch.records)):
+                    conn.rollback()
+                    return head, batch.changes
                 recordings = self.events.put(batch.records, conn=conn)
             # Committed: only now are the changes in force.
             if several:
@@ -323,6 +376,8 @@ class Models(Application[UUID]):
             revision = recordings[-1].notification.id
             self.catalog.revision = revision
             self.applier.replace_catalog(self.catalog.models(), revision)
+            if revision // self.snapshot_interval > head // self.snapshot_interval:
+                self._save_snapshot(self.catalog)
         return revision, batch.changes
 
     def _next_timestamp(self) -> datetime:
@@ -347,18 +402,146 @@ class Models(Application[UUID]):
     def revision(self) -> int:
         return self.catalog.revision
 
-    def list_models(self) -> list[dict[str, Any]]:
-        self.refresh()
-        return [
-            model_view(m, declared=self.catalog.is_declared(m.name)) for m in self.catalog.models()
-        ]
+    def resolve(self, at: int | datetime) -> int:
+        """The revision an ``at`` (a revision, or a UTC time) reads: a
+        transaction boundary, refused when beyond the head."""
+        with self.store.read() as conn:
+            head = self.store.head(conn)
+            if isinstance(at, datetime):
+                if at > utc_now():
+                    raise Refused(f"time {at.isoformat()} is in the future")
+                return pointintime.resolve_time(conn, head, at)
+            return pointintime.resolve_revision(conn, head, at)
 
-    def get_model(self, name: str) -> dict[str, Any]:
-        self.refresh()
-        spec = self.catalog.get(name)
+    def catalog_at(self, at: At = None) -> Catalog:
+        """The catalog in force now, or at a past revision or time."""
+        if at is None:
+            self.refresh()
+            return self.catalog
+        revision = self.resolve(at)
+        with self.store.read() as conn:
+            return pointintime.catalog_at(self.store, conn, self.declared, revision)
+
+    def list_models(self, at: At = None) -> list[dict[str, Any]]:
+        catalog = self.catalog_at(at)
+        return [model_view(m, declared=catalog.is_declared(m.name)) for m in catalog.models()]
+
+    def get_model(self, name: str, at: At = None) -> dict[str, Any]:
+        catalog = self.catalog_at(at)
+        spec = catalog.get(name)
         if spec is None:
-            raise ModelNotFound(name)
-        return model_view(spec, declared=self.catalog.is_declared(name))
+            where = "" if at is None else f" at revision {catalog.revision}"
+            raise ModelNotFound(name, f"is not in the catalog{where}")
+        return model_view(spec, declared=catalog.is_declared(name))
+
+    def diff(self, since: At, until: At = None, *, model: str | None = None) -> dict[str, Any]:
+        """What changed from one revision (or time) to another (default: now)."""
+        before = self.catalog_at(since)
+        after = self.catalog_at(until) if until is not None else self.catalog_at(None)
+        result = diff_catalogs(before, after, model=model)
+        result["declared"] = {
+            "from": _declaration(before),
+            "to": _declaration(after),
+            "today": self.declared.fingerprint,
+        }
+        return result
+
+    def rollback(
+        self,
+        to: int | datetime,
+        *,
+        model: str | None = None,
+        only: str | None = None,
+        dry_run: bool = False,
+        by: str,
+        reason: str = "",
+        expected_revision: int | None = None,
+    ) -> dict[str, Any]:
+        """Make the runtime layer what it was at ``to`` (over today's config), by
+        appending compensating events in one transaction, each marked with the
+        revision rolled back to. ``dry_run`` shows the diff and writes nothing."""
+        target_revision = self.resolve(to)
+        with self.store.read() as conn:
+            # The log is append-only: the catalog at a past revision cannot change.
+            target = pointintime.catalog_at(self.store, conn, self.declared, target_revision)
+        notes: list[str] = []
+        result_diff: dict[str, Any] = {}
+
+        def plan(batch: Batch) -> None:
+            notes.extend(plan_rollback(batch, target, model=model, only=only))
+            result_diff.update(diff_catalogs(self.catalog, batch.catalog, model=model))
+
+        revision, changes = self._write(
+            plan,
+            by=by,
+            reason=reason,
+            expected_revision=expected_revision,
+            rollback_to=target_revision,
+            several=True,
+            dry_run=dry_run,
+        )
+        return {
+            "revision": revision,
+            "to": target_revision,
+            "dry_run": dry_run,
+            "written": bool(changes) and not dry_run,
+            "events": [
+                {"model": e.model, "event": type(e).__name__, "fields": event_fields(e)}
+                for e, _ in changes
+            ],
+            "diff": result_diff,
+            "notes": notes,
+        }
+
+    def watch(
+        self, after: int = 0, *, poll_interval: float | None = None
+    ) -> Iterator[dict[str, Any]]:
+        """Every change after revision ``after``, in order and once each, then
+        the new ones as they commit. Stops when the caller stops iterating."""
+        with self.store.read() as conn:
+            head = self.store.head(conn)
+        if after < 0 or after > head:
+            raise Refused(f"revision {after} is beyond the head of the log ({head})")
+        subscription = self.store.subscribe(gt=after)
+        if poll_interval is not None and isinstance(subscription, PollingSubscription):
+            subscription.interval = poll_interval
+        with subscription:
+            for n in subscription:
+                try:
+                    yield event_view(n.id, decode_event(n.topic, n.state))
+                except UndecodableEvent as error:
+                    yield undecodable_view(n.id, n.topic, model_of_state(n.state), str(error))
+
+    def rebuild(self, progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+        """Replay the whole log into a new catalog and new snapshots (every
+        ``snapshot_interval`` revisions). Read models are disposable: this is
+        how they are made again."""
+        with self._lock:
+            with self.store.write() as conn:
+                snapshots.clear(conn)
+            catalog = Catalog(self.declared.models, self.declared.engines)
+            written = 0
+            with self.store.read() as conn:
+                head = self.store.head(conn)
+
+                def step(revision: int) -> None:
+                    nonlocal written
+                    if revision % self.snapshot_interval == 0:
+                        state = snapshots.encode(catalog)
+                        with self.store.write() as wconn:
+                            snapshots.save(wconn, self.declared.fingerprint, revision, state)
+                        written += 1
+                    if progress is not None:
+                        progress(revision, head)
+
+                catch_up(catalog, self.store, conn, upto=head, progress=step)
+            self.catalog = catalog
+        return {
+            "revision": catalog.revision,
+            "models": len(catalog),
+            "snapshots": written,
+            "skipped": [msgspec.to_builtins(s) for s in catalog.skipped],
+        }
 
     def skipped(self) -> list[Skipped]:
         """Stored events the catalog in force leaves out, and why."""

@@ -61,30 +61,36 @@ class Batch:
         # From the rows, not the catalog: a record replay skipped still holds its place.
         last = self._versions.get(originator_id)
         if last is None:
-            last = self.store.stream_version(self.conn, originator_id)
-        self._versions[originator_id] = last + 1
+            last = self._versions[originator_id] = self.store.stream_version(
+                self.conn, originator_id
+            )
         return last + 1
 
-    def envelope(self, originator_id: UUID) -> dict[str, Any]:
+    def _append(self, event: DomainEvent) -> None:
+        self._versions[event.originator_id] = event.originator_version
+        self.records.append(event)
+
+    def _envelope(self, originator_id: UUID, rollback_to: int | None) -> dict[str, Any]:
         return {
             "originator_id": originator_id,
             "originator_version": self._next_version(originator_id),
             "timestamp": self.timestamp,
             "by": self.by,
             "reason": self.reason,
-            "rollback_to": self.rollback_to,
+            "rollback_to": rollback_to,
         }
 
     def event(self, event_class: type[Model.Event], name: str, **fields: Any) -> Model.Event:
-        """A candidate event for model ``name``; not yet decided."""
-        return event_class(**self.envelope(model_id(name)), model=name, **fields)
+        """A candidate event for model ``name``; not yet decided, nothing taken."""
+        envelope = self._envelope(model_id(name), self.rollback_to)
+        return event_class(**envelope, model=name, **fields)
 
     def decide(self, event: Model.Event) -> ModelSpec | None:
         """Accept ``event`` (or raise the refusal) and add it to the batch."""
         new = decide(self.catalog, event)
         if self.tentative:
             self.catalog.commit(event, new)
-        self.records.append(event)
+        self._append(event)
         self.changes.append((event, new))
         return new
 
@@ -93,9 +99,9 @@ class Batch:
         recorded = self.catalog.recorded_declaration
         last = recorded[0] if recorded is not None else DeclaredConfig().fingerprint
         if last != declared.fingerprint:
-            self.records.append(
+            self._append(
                 Configuration.Declared(
-                    **self.envelope(CONFIGURATION_ID),
+                    **self._envelope(CONFIGURATION_ID, None),
                     fingerprint=declared.fingerprint,
                     engines=declared.engines,
                     models=declared.models,

@@ -131,6 +131,26 @@ class Catalog:
 
     # -- changing --------------------------------------------------------------
 
+    def restore(
+        self,
+        *,
+        revision: int,
+        last_timestamp: datetime | None,
+        recorded_declaration: tuple[str, int] | None,
+        aggregates: Iterable[Model],
+        skipped: Iterable[Skipped],
+    ) -> None:
+        """Take up a snapshot's state. Only on a catalog that has replayed nothing."""
+        assert self.revision == 0 and not self.aggregates
+        for aggregate in aggregates:
+            self.aggregates[aggregate.name] = aggregate
+            if aggregate.spec is not None:
+                self._link(aggregate.spec)
+        self.revision = revision
+        self.last_timestamp = last_timestamp
+        self.recorded_declaration = recorded_declaration
+        self.skipped = list(skipped)
+
     def copy(self) -> Catalog:
         """An independent catalog in the same state, to try a series of changes on."""
         other = Catalog.__new__(Catalog)

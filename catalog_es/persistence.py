@@ -44,16 +44,16 @@ LOCK_WAIT_SECONDS = 10.0
 PAGE_SIZE = 10_000
 
 metadata = sa.MetaData()
-_bigint = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
+BIGINT = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
 
 events_table = sa.Table(
     "catalog_events",
     metadata,
     # AUTOINCREMENT on SQLite: a revision is never reused, even after the last
     # row is deleted (which verify must be able to notice).
-    sa.Column("revision", _bigint, primary_key=True, autoincrement=True),
+    sa.Column("revision", BIGINT, primary_key=True, autoincrement=True),
     sa.Column("originator_id", sa.Uuid(), nullable=False),
-    sa.Column("originator_version", _bigint, nullable=False),
+    sa.Column("originator_version", BIGINT, nullable=False),
     sa.Column("topic", sa.Text(), nullable=False),
     sa.Column("state", sa.LargeBinary(), nullable=False),
     sa.UniqueConstraint("originator_id", "originator_version", name="catalog_events_stream"),
@@ -64,7 +64,7 @@ tracking_table = sa.Table(
     "catalog_tracking",
     metadata,
     sa.Column("application_name", sa.String(64), primary_key=True),
-    sa.Column("notification_id", _bigint, nullable=False),
+    sa.Column("notification_id", BIGINT, nullable=False),
 )
 
 

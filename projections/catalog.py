@@ -1,14 +1,14 @@
 """The catalog projection: the log replayed, in revision order, over the declared config.
 
 One bad record cannot take the cluster down: an event that cannot be decoded,
-or whose effect would make the catalog invalid, is skipped and reported with
-its revision and the reason, and the replay carries on. Declared models are
-in force before the first event is read, so they always load.
+or whose effect would make the catalog invalid, is skipped and recorded with
+its revision and the reason (``Catalog.skipped``), and the replay carries on.
+Declared models are in force before the first event is read, so they always
+load.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 
 from sqlalchemy.engine import Connection
@@ -16,8 +16,6 @@ from sqlalchemy.engine import Connection
 from catalog_es.catalog import Catalog, Skipped
 from catalog_es.mapper import UndecodableEvent, decode_event, model_of_state
 from catalog_es.persistence import SQLRecorder
-
-log = logging.getLogger("catalog_es.replay")
 
 Progress = Callable[[int], None]
 
@@ -30,8 +28,9 @@ def catch_up(
     upto: int | None = None,
     progress: Progress | None = None,
 ) -> list[Skipped]:
-    """Apply every event after ``catalog.revision`` (up to ``upto``) and return
-    the ones skipped."""
+    """Apply every event after ``catalog.revision`` (up to ``upto``), in order,
+    and return the ones skipped. Each event is applied once: the catalog's
+    revision is its tracking position."""
     skipped: list[Skipped] = []
     apply = catalog.apply
     for revision, topic, state in recorder.scan(conn, after=catalog.revision, upto=upto):
@@ -45,13 +44,6 @@ def catch_up(
             outcome = apply(event, revision)
         if outcome is not None:
             skipped.append(outcome)
-            log.warning(
-                "skipped revision %d (model %r, %s): %s",
-                outcome.revision,
-                outcome.model,
-                outcome.event,
-                outcome.reason,
-            )
         if progress is not None:
             progress(revision)
     return skipped

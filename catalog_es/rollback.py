@@ -1,0 +1,164 @@
+"""Rolling the runtime layer back: the compensating events, in an order that is valid.
+
+A rollback never rewrites the log. It compares the runtime layer in force now
+with the one at the target revision (replayed over today's config) and plans
+the events that make the first equal the second: a removal, a re-add, or the
+event of each dimension that differs. Each is decided in turn against the
+catalog the ones before it leave, so every intermediate state is valid; the
+order is found by trying what is left until nothing more can go (a fallback
+has to exist before a model names it, and must outlive the models naming it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from catalog_es.batch import Batch
+from catalog_es.catalog import Catalog
+from catalog_es.errors import InputError, Refused
+from catalog_es.model import Model
+from catalog_es.spec import ModelSpec
+
+Step = tuple[type[Model.Event], str, dict[str, Any]]
+_Planner = Callable[[ModelSpec, ModelSpec], list[Step]]
+
+
+def _scaling(now: ModelSpec, then: ModelSpec) -> list[Step]:
+    if now.scaling == then.scaling:
+        return []
+    return [(Model.Scaled, then.name, {"scaling": then.scaling})]
+
+
+def _class(now: ModelSpec, then: ModelSpec) -> list[Step]:
+    if now.capacity_class == then.capacity_class:
+        return []
+    return [(Model.ClassSet, then.name, {"capacity_class": then.capacity_class})]
+
+
+def _owner(now: ModelSpec, then: ModelSpec) -> list[Step]:
+    if now.owner == then.owner:
+        return []
+    return [(Model.OwnerSet, then.name, {"owner": then.owner})]
+
+
+def _adapters(now: ModelSpec, then: ModelSpec) -> list[Step]:
+    if now.adapters == then.adapters:
+        return []
+    return [(Model.AdaptersSet, then.name, {"adapters": then.adapters})]
+
+
+def _source(now: ModelSpec, then: ModelSpec) -> list[Step]:
+    if (now.source, now.origin) == (then.source, then.origin):
+        return []
+    return [(Model.SourceSet, then.name, {"source": then.source, "origin": then.origin})]
+
+
+def _resources(now: ModelSpec, then: ModelSpec) -> list[Step]:
+    """One ``ResourcesSet`` per profile whose memory or cores differ. Only when
+    the profiles are otherwise the same: anything else takes a re-add."""
+    if [p.name for p in now.profiles] != [p.name for p in then.profiles]:
+        return []
+    return [
+        (
+            Model.ResourcesSet,
+            then.name,
+            {"profile": b.name, "memory_gb": b.min_memory_gb, "cpu_cores": b.cpu_cores},
+        )
+        for a, b in zip(now.profiles, then.profiles, strict=True)
+        if (a.min_memory_gb, a.cpu_cores) != (b.min_memory_gb, b.cpu_cores)
+    ]
+
+
+DIMENSIONS: dict[str, _Planner] = {
+    "source": _source,
+    "scaling": _scaling,
+    "resources": _resources,
+    "class": _class,
+    "owner": _owner,
+    "adapters": _adapters,
+}
+
+
+def _apply_steps(spec: ModelSpec, steps: list[Step], batch: Batch) -> ModelSpec:
+    for event_class, name, fields in steps:
+        evolved = batch.event(event_class, name, **fields).evolve(spec)
+        assert evolved is not None
+        spec = evolved
+    return spec
+
+
+def _steps_for(
+    now: ModelSpec | None, then: ModelSpec | None, only: str | None, batch: Batch
+) -> list[Step]:
+    if now == then:
+        return []
+    if only is not None:
+        if now is None or then is None:
+            return []
+        return DIMENSIONS[only](now, then)
+    if then is None:
+        assert now is not None
+        return [(Model.Removed, now.name, {})]
+    if now is None:
+        return [(Model.Added, then.name, {"spec": then})]
+    steps = [step for planner in DIMENSIONS.values() for step in planner(now, then)]
+    if _apply_steps(now, steps, batch) != then:
+        # It differs where no dimension event reaches (engine, fallbacks,
+        # profiles): the whole definition, as it was, replaces it.
+        return [(Model.Added, then.name, {"spec": then})]
+    return steps
+
+
+def plan_rollback(
+    batch: Batch, target: Catalog, *, model: str | None = None, only: str | None = None
+) -> list[str]:
+    """Decide, into ``batch``, the events that make its runtime layer equal the
+    target's. Returns notes on what was left out."""
+    if only is not None and only not in DIMENSIONS:
+        raise InputError(f"--only {only!r}: choose one of {', '.join(DIMENSIONS)}")
+    current = batch.catalog
+    notes: list[str] = []
+    names = sorted(set(current.aggregates) | set(target.aggregates))
+    if model is not None:
+        if model not in names and not current.is_declared(model):
+            raise Refused(f"model {model!r} has no runtime history to roll back")
+        names = [model]
+    steps: list[Step] = []
+    for name in names:
+        if current.is_declared(name):
+            if target.aggregate(name).version > 0:
+                notes.append(
+                    f"model {name!r} is declared in configuration now; "
+                    "its runtime history is left out"
+                )
+            continue
+        now, then = current.aggregate(name).spec, target.aggregate(name).spec
+        planned = _steps_for(now, then, only, batch)
+        if only is not None and now != then and (now is None or then is None):
+            notes.append(
+                f"model {name!r} is not in force at both revisions; --only {only} leaves it"
+            )
+        steps.extend(planned)
+    _decide_in_a_valid_order(batch, steps, target.revision)
+    return notes
+
+
+def _decide_in_a_valid_order(batch: Batch, steps: list[Step], revision: int) -> None:
+    # Removals first, then changes, then additions: what usually lets the rest go.
+    rank = {Model.Removed: 0, Model.Added: 2}
+    pending = sorted(steps, key=lambda s: rank.get(s[0], 1))
+    while pending:
+        refusal: Refused | None = None
+        left: list[Step] = []
+        for event_class, name, fields in pending:
+            try:
+                batch.decide(batch.event(event_class, name, **fields))
+            except Refused as error:
+                refusal = refusal or error
+                left.append((event_class, name, fields))
+        if refusal is not None and len(left) == len(pending):
+            raise Refused(
+                f"rolling back to revision {revision} would make the catalog invalid: {refusal}"
+            )
+        pending = left

@@ -1,0 +1,108 @@
+"""Reading the catalog as it was: at a revision, or at a UTC time.
+
+``at`` resolves to a transaction boundary, never between two events that one
+transaction wrote (a rollback's compensating events, say): those states were
+never in force. Every event of one transaction carries the same timestamp and
+the log's timestamps never run backwards (see ``Models._next_timestamp``), so
+a boundary is where the timestamp changes, and a time resolves by binary
+search to the last event at or before it.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+import msgspec
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from catalog_es.catalog import Catalog
+from catalog_es.errors import Refused
+from catalog_es.inputs import DeclaredConfig
+from catalog_es.persistence import SQLRecorder, events_table
+from projections import snapshots
+from projections.catalog import catch_up
+
+
+class _Stamp(msgspec.Struct):
+    timestamp: datetime
+
+
+_stamp_decoder = msgspec.json.Decoder(_Stamp)
+
+
+def _stamp(state: bytes) -> datetime | None:
+    try:
+        return _stamp_decoder.decode(state).timestamp
+    except msgspec.MsgspecError:
+        return None
+
+
+def _row(conn: Connection, query: sa.Select[tuple[int, bytes]]) -> tuple[int, bytes] | None:
+    row = conn.execute(query.limit(1)).first()
+    return (row[0], row[1]) if row is not None else None
+
+
+_t = events_table.c
+_rows = sa.select(_t.revision, _t.state)
+
+
+def resolve_revision(conn: Connection, head: int, revision: int) -> int:
+    """The transaction boundary at or before ``revision``."""
+    if revision < 0:
+        raise Refused(f"revision {revision} is not a revision (they start at 1; 0 is the config)")
+    if revision > head:
+        raise Refused(f"revision {revision} is beyond the head of the log ({head})")
+    at = _row(conn, _rows.where(_t.revision <= revision).order_by(_t.revision.desc()))
+    if at is None:
+        return 0
+    stamp = _stamp(at[1])
+    after = _row(conn, _rows.where(_t.revision > at[0]).order_by(_t.revision))
+    if stamp is None or after is None or _stamp(after[1]) != stamp:
+        return at[0]
+    # Inside a transaction: the boundary is just before its first event.
+    before = at[0]
+    while True:
+        rows = conn.execute(
+            _rows.where(_t.revision < before).order_by(_t.revision.desc()).limit(1000)
+        ).all()
+        for r, state in rows:
+            if _stamp(state) != stamp:
+                return int(r)
+        if len(rows) < 1000:
+            return 0
+        before = rows[-1][0]
+
+
+def resolve_time(conn: Connection, head: int, moment: datetime) -> int:
+    """The last revision written at or before ``moment`` (0: before the first)."""
+    if moment.tzinfo is None:
+        raise Refused(f"time {moment.isoformat()} has no time zone; give UTC, e.g. ...Z")
+    low, high = 0, head
+    while low < high:
+        middle = (low + high + 1) // 2
+        row = _row(
+            conn,
+            _rows.where(_t.revision >= middle, _t.revision <= high).order_by(_t.revision),
+        )
+        if row is None:
+            high = middle - 1
+            continue
+        stamp = _stamp(row[1])
+        if stamp is None or stamp <= moment:
+            low = row[0]
+        else:
+            high = middle - 1
+    return low
+
+
+def catalog_at(
+    recorder: SQLRecorder, conn: Connection, declared: DeclaredConfig, revision: int
+) -> Catalog:
+    """The catalog in force at ``revision`` over today's declared config: the
+    newest snapshot at or before it, and the events after that."""
+    catalog = Catalog(declared.models, declared.engines)
+    if revision > 0:
+        snapshots.restore(conn, catalog, declared.fingerprint, upto=revision)
+        catch_up(catalog, recorder, conn, upto=revision)
+    return catalog
