@@ -11,6 +11,7 @@ import json
 import os
 import sys
 from collections.abc import Callable, Iterable
+from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 import click
@@ -96,6 +97,31 @@ def shared_options(f: F) -> F:
 
 
 pass_settings = click.make_pass_decorator(Settings, ensure=True)
+
+
+class RevisionOrTime(click.ParamType):  # type: ignore[type-arg]
+    """A log revision (``1234``) or a UTC time (``2026-11-30T12:00:00Z``)."""
+
+    name = "REV|TIME"
+
+    def convert(
+        self, value: Any, param: click.Parameter | None, ctx: click.Context | None
+    ) -> int | datetime:
+        if isinstance(value, int | datetime):
+            return value
+        text = str(value).strip()
+        if text.isdigit():
+            return int(text)
+        try:
+            moment = datetime.fromisoformat(text)
+        except ValueError:
+            self.fail(f"{text!r} is neither a revision nor an ISO 8601 time", param, ctx)
+        if moment.tzinfo is None:
+            self.fail(f"{text!r} has no time zone: give UTC, e.g. {text}Z", param, ctx)
+        return moment.astimezone(UTC)
+
+
+REVISION_OR_TIME = RevisionOrTime()
 
 
 def print_table(table: Table) -> None:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
+from datetime import datetime
 from typing import Any
 
 import click
 
 from catalog_es.cli.base import (
+    REVISION_OR_TIME,
     Settings,
     cli,
     emit,
@@ -30,12 +32,16 @@ def model() -> None:
     """Read and change the models in the catalog."""
 
 
+AT_HELP = "Read the catalog as it was at a revision or UTC time."
+
+
 @model.command("list")
+@click.option("--at", type=REVISION_OR_TIME, help=AT_HELP)
 @shared_options
 @pass_settings
-def model_list(settings: Settings) -> None:
+def model_list(settings: Settings, at: int | datetime | None) -> None:
     """Every model in force, declared and runtime."""
-    models = settings.models().list_models()
+    models = settings.models().list_models(at)
     emit(
         settings,
         models,
@@ -59,11 +65,12 @@ def model_list(settings: Settings) -> None:
 
 @model.command("show")
 @click.argument("name")
+@click.option("--at", type=REVISION_OR_TIME, help=AT_HELP)
 @shared_options
 @pass_settings
-def model_show(settings: Settings, name: str) -> None:
-    """One model as it will run."""
-    m = settings.models().get_model(name)
+def model_show(settings: Settings, name: str, at: int | datetime | None) -> None:
+    """One model as it will run (or as it was, with --at)."""
+    m = settings.models().get_model(name, at)
     emit(settings, m, lambda: show_model(m))
 
 
@@ -254,18 +261,30 @@ def log_command(settings: Settings, model_name: str | None, after: int, limit: i
                 str(e["revision"]),
                 e["time"] or "?",
                 e["by"] or "?",
-                e["model"],
+                e["model"] or "-",
                 e["event"],
                 e.get("error") or _summary(e["fields"]),
-                e["reason"] or "",
+                _why(e),
             ]
             for e in events
         ),
     )
 
 
+def _why(event: dict[str, Any]) -> str:
+    why: str = event["reason"] or ""
+    if event["rollback_to"] is not None:
+        why = f"{why} (rollback to {event['rollback_to']})".strip()
+    return why
+
+
 def _summary(fields: dict[str, Any]) -> str:
     if "spec" in fields:
         spec = fields["spec"]
         return f"{spec['engine']} {spec['source']}"
+    if "fingerprint" in fields:
+        return (
+            f"{len(fields['models'])} declared models, engines {','.join(fields['engines'])}, "
+            f"fingerprint {fields['fingerprint'][:12]}"
+        )
     return " ".join(f"{k}={json.dumps(v)}" for k, v in fields.items())

@@ -1,0 +1,171 @@
+"""Commands over revisions: diff, rollback, watch, replay."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from catalog_es.cli.base import (
+    REVISION_OR_TIME,
+    Settings,
+    cli,
+    emit,
+    meta,
+    pass_settings,
+    shared_options,
+    table,
+)
+from catalog_es.rollback import DIMENSIONS
+
+
+def _change_rows(diff: dict[str, Any]) -> list[list[str]]:
+    rows = [["+", m["name"], "", "", json.dumps(m["source"])] for m in diff["added"]]
+    rows += [["-", m["name"], "", json.dumps(m["source"]), ""] for m in diff["removed"]]
+    for change in diff["changed"]:
+        for field, values in change["fields"].items():
+            rows.append(
+                [
+                    "~",
+                    change["model"],
+                    field,
+                    json.dumps(values["before"]),
+                    json.dumps(values["after"]),
+                ]
+            )
+    return rows
+
+
+def show_diff(diff: dict[str, Any]) -> None:
+    rows = _change_rows(diff)
+    if not rows:
+        click.echo(f"no change from revision {diff['from']} to {diff['to']}")
+        return
+    click.echo(f"from revision {diff['from']} to {diff['to']}:")
+    table(["", "MODEL", "FIELD", "BEFORE", "AFTER"], rows)
+
+
+@cli.command("diff")
+@click.argument("since", type=REVISION_OR_TIME)
+@click.argument("until", type=REVISION_OR_TIME, required=False)
+@click.option("--model", "model_name", metavar="NAME", help="Only this model.")
+@shared_options
+@pass_settings
+def diff_command(
+    settings: Settings, since: int | datetime, until: int | datetime | None, model_name: str | None
+) -> None:
+    """What changed from one revision (or UTC time) to another, default now."""
+    diff = settings.models().diff(since, until, model=model_name)
+
+    def human() -> None:
+        show_diff(diff)
+        declared = diff["declared"]
+        if None not in (declared["from"], declared["to"]) and declared["from"] != declared["to"]:
+            click.echo("note: the declared config recorded in the log changed in between", err=True)
+
+    emit(settings, diff, human)
+
+
+@cli.command("rollback")
+@click.option("--to", "to", type=REVISION_OR_TIME, required=True, help="The revision or UTC time.")
+@click.option("--model", "model_name", metavar="NAME", help="Only this model.")
+@click.option("--only", type=click.Choice(list(DIMENSIONS)), help="Only this dimension.")
+@click.option("--dry-run", is_flag=True, help="Show what would change; write nothing.")
+@shared_options
+@pass_settings
+def rollback_command(
+    settings: Settings,
+    to: int | datetime,
+    model_name: str | None,
+    only: str | None,
+    dry_run: bool,
+) -> None:
+    """Make the runtime catalog what it was at a revision, by appending
+    compensating events in one transaction (the log is never rewritten)."""
+    result = settings.models().rollback(
+        to, model=model_name, only=only, dry_run=dry_run, **meta(settings)
+    )
+
+    def human() -> None:
+        for note in result["notes"]:
+            click.echo(f"note: {note}", err=True)
+        show_diff({**result["diff"], "from": result["revision"], "to": result["to"]})
+        if dry_run:
+            click.echo(f"dry run: {len(result['events'])} event(s) would be written; nothing was")
+        elif result["written"]:
+            click.echo(
+                f"rolled back to revision {result['to']}: {len(result['events'])} event(s), "
+                f"now at revision {result['revision']}"
+            )
+        else:
+            click.echo(f"already as at revision {result['to']}: nothing written")
+
+    emit(settings, result, human)
+
+
+@cli.command("watch")
+@click.option(
+    "--from",
+    "after",
+    type=click.IntRange(min=0),
+    default=0,
+    metavar="REV",
+    help="Deliver every change after this revision first (default: all).",
+)
+@shared_options
+@pass_settings
+def watch_command(settings: Settings, after: int) -> None:
+    """Every change after a revision, in order, then follow live. Ctrl-C stops."""
+    models = settings.models()
+    try:
+        for event in models.watch(after):
+            if settings.json:
+                click.echo(json.dumps(event, ensure_ascii=False))
+            else:
+                what = event.get("error") or json.dumps(event["fields"], ensure_ascii=False)
+                click.echo(
+                    f"{event['revision']} {event['time']} {event['by']} "
+                    f"{event['model'] or '-'} {event['event']} {what}"
+                )
+    except KeyboardInterrupt:
+        click.echo("stopped", err=True)
+
+
+@cli.command("replay")
+@shared_options
+@pass_settings
+def replay_command(settings: Settings) -> None:
+    """Rebuild the read models (the catalog and its snapshots) from the log."""
+    models = settings.models()
+    with Progress(
+        TextColumn("replaying"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+        transient=True,
+    ) as bar:
+        task = bar.add_task("replay", total=None)
+
+        def progress(revision: int, head: int) -> None:
+            if revision % 1000 == 0 or revision == head:
+                bar.update(task, completed=revision, total=head)
+
+        summary = models.rebuild(progress)
+
+    def human() -> None:
+        click.echo(
+            f"replayed to revision {summary['revision']}: {summary['models']} models in force, "
+            f"{summary['snapshots']} snapshots, {len(summary['skipped'])} events skipped"
+        )
+        for s in summary["skipped"]:
+            click.echo(
+                f"skipped revision {s['revision']} ({s['model'] or '?'}, {s['event']}): "
+                f"{s['reason']}"
+            )
+
+    emit(settings, summary, human)
