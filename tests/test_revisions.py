@@ -1,0 +1,493 @@
+"""Revisions: point-in-time reads, snapshots, diff, rollback, watch, replay (issue 3).
+
+Replay-driven: a history is written through the service, then every read of
+the past is checked against what the live service answered at that moment.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from catalog_es.application import Models
+from catalog_es.catalog import Catalog
+from catalog_es.cli import cli
+from catalog_es.errors import Refused
+from catalog_es.inputs import DeclaredConfig, load_config, model_from_data
+from catalog_es.spec import ModelSpec
+from projections.catalog import catch_up
+
+DECLARED_YAML = """
+models:
+  - name: base
+    engine: vllm
+    source: hf://org/base
+    profiles: [{name: gpu, gpus: 1}]
+"""
+
+
+def spec(name: str, **fields: Any) -> ModelSpec:
+    data: dict[str, Any] = {
+        "name": name,
+        "engine": "vllm",
+        "source": f"hf://org/{name}",
+        "profiles": [{"name": "gpu", "gpus": 1}],
+    }
+    data.update(fields)
+    return model_from_data(data, "test")
+
+
+def runtime(models: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [m for m in models if not m["declared"]]
+
+
+def event_rows(db: Path) -> int:
+    with sqlite3.connect(db) as conn:
+        return int(conn.execute("SELECT count(*) FROM catalog_events").fetchone()[0])
+
+
+@pytest.fixture
+def config_file(tmp_path: Path) -> Path:
+    path = tmp_path / "catalog.yaml"
+    path.write_text(DECLARED_YAML)
+    return path
+
+
+@pytest.fixture
+def open_models(tmp_path: Path, config_file: Path) -> Iterator[Callable[..., Models]]:
+    opened: list[Models] = []
+
+    def factory(config: Path | None = config_file, interval: int = 1000) -> Models:
+        models = Models(
+            load_config(str(config)) if config else DeclaredConfig(),
+            snapshot_interval=interval,
+            env={"CATALOG_ES_DB": f"sqlite:///{tmp_path / 'catalog.db'}"},
+        )
+        opened.append(models)
+        return models
+
+    yield factory
+    for models in opened:
+        models.close()
+
+
+# -- point-in-time reads over a generated history -------------------------------------
+
+NAMES = ["m1", "m2", "m3"]
+command = st.one_of(
+    st.tuples(
+        st.just("add"),
+        st.sampled_from(NAMES),
+        st.lists(st.sampled_from([*NAMES, "base"]), max_size=2, unique=True),
+    ),
+    st.tuples(st.just("remove"), st.sampled_from(NAMES), st.none()),
+    st.tuples(
+        st.just("scale"), st.sampled_from(NAMES), st.tuples(st.integers(0, 2), st.integers(1, 3))
+    ),
+    st.tuples(st.just("owner"), st.sampled_from(NAMES), st.sampled_from(["", "team:a", "org:b"])),
+    st.tuples(st.just("rollback"), st.integers(0, 40), st.none()),
+)
+
+
+def run(models: Models, step: tuple[str, Any, Any]) -> None:
+    kind, target, arg = step
+    try:
+        if kind == "add":
+            models.add(spec(target, fallbacks=arg), by="prop")
+        elif kind == "remove":
+            models.remove(target, by="prop")
+        elif kind == "scale":
+            models.scale(target, arg[0], arg[1], by="prop")
+        elif kind == "owner":
+            models.set_owner(target, arg, by="prop")
+        else:
+            models.rollback(min(target, models.revision), by="prop")
+    except Refused:
+        pass
+
+
+def full_replay(models: Models, revision: int) -> list[str]:
+    catalog = Catalog(models.declared.models, models.declared.engines)
+    with models.store.read() as conn:
+        catch_up(catalog, models.store, conn, upto=revision)
+    return [repr(m) for m in catalog.models()]
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(steps=st.lists(command, min_size=1, max_size=14))
+def test_the_catalog_at_every_revision_is_the_one_in_force_then(steps: list[Any]) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        config = Path(tmp, "catalog.yaml")
+        config.write_text(DECLARED_YAML)
+        models = Models(
+            load_config(str(config)),
+            snapshot_interval=3,
+            env={"CATALOG_ES_DB": f"sqlite:///{tmp}/c.db"},
+        )
+        seen = {0: models.list_models()}
+        for step in steps:
+            run(models, step)
+            seen[models.revision] = models.list_models()
+        for revision, expected in seen.items():
+            assert models.list_models(at=revision) == expected
+            # Snapshots (every 3 revisions here) answer as a full replay does.
+            at = models.catalog_at(revision)
+            assert [repr(m) for m in at.models()] == full_replay(models, revision)
+        models.close()
+
+
+def test_at_zero_is_the_declared_config_alone(open_models: Callable[..., Models]) -> None:
+    models = open_models()
+    models.add(spec("a"), by="alice")
+    assert [m["name"] for m in models.list_models(at=0)] == ["base"]
+
+
+def test_at_beyond_the_head_is_refused(open_models: Callable[..., Models]) -> None:
+    models = open_models()
+    models.add(spec("a"), by="alice")
+    with pytest.raises(Refused, match="beyond the head"):
+        models.list_models(at=models.revision + 1)
+
+
+def test_at_a_time_reads_the_last_revision_written_by_then(
+    open_models: Callable[..., Models],
+) -> None:
+    models = open_models()
+    models.add(spec("a"), by="alice")
+    between = datetime.now(UTC)
+    time.sleep(0.002)
+    models.scale("a", 0, 3, by="bob")
+    assert models.get_model("a", at=between)["scaling"] == {"min": 1, "max": 1}
+    assert models.get_model("a", at=datetime.now(UTC))["scaling"] == {"min": 0, "max": 3}
+    assert models.list_models(at=between - timedelta(days=1)) == models.list_models(at=0)
+    with pytest.raises(Refused, match="in the future"):
+        models.list_models(at=datetime.now(UTC) + timedelta(hours=1))
+
+
+def test_a_revision_inside_a_transaction_reads_the_boundary_before_it(
+    open_models: Callable[..., Models],
+) -> None:
+    models = open_models()
+    models.add(spec("a"), by="alice")
+    models.add(spec("b"), by="alice")
+    before = models.revision
+    models.remove("a", by="bob")
+    models.remove("b", by="bob")
+    result = models.rollback(before, by="carol")
+    assert len(result["events"]) == 2
+    first_of_rollback = result["revision"] - 1
+    assert models.resolve(first_of_rollback) == result["revision"] - 2
+    assert models.list_models(at=first_of_rollback) == models.list_models(at=result["revision"] - 2)
+
+
+# -- snapshots ------------------------------------------------------------------------
+
+
+def test_a_restart_resumes_from_the_newest_snapshot(
+    open_models: Callable[..., Models], tmp_path: Path
+) -> None:
+    models = open_models(interval=5)
+    for i in range(12):
+        models.scale("a", 0, i + 1, by="x") if i else models.add(spec("a"), by="x")
+    with sqlite3.connect(tmp_path / "catalog.db") as conn:
+        revisions = [r for (r,) in conn.execute("SELECT revision FROM catalog_snapshots")]
+    assert revisions == [5, 10]
+    again = open_models(interval=5)
+    assert again.list_models() == models.list_models()
+    assert again.catalog.revision == models.revision
+
+
+def test_a_snapshot_over_another_config_is_not_used(
+    open_models: Callable[..., Models], tmp_path: Path
+) -> None:
+    models = open_models(interval=2)
+    models.add(spec("a"), by="x")
+    models.add(spec("b"), by="x")
+    models.scale("b", 0, 2, by="x")
+    other = tmp_path / "other.yaml"
+    other.write_text(DECLARED_YAML.replace("base", "b"))
+    reopened = open_models(config=other, interval=2)
+    names = {m["name"]: m["declared"] for m in reopened.list_models()}
+    # 'b' is declared now: the runtime 'b' in the old snapshot must not come back.
+    assert names == {"a": False, "b": True}
+    assert [s.model for s in reopened.skipped()] == ["b", "b"]
+    assert "declared in configuration" in reopened.skipped()[0].reason
+
+
+def test_a_corrupt_snapshot_is_passed_over(
+    open_models: Callable[..., Models], tmp_path: Path
+) -> None:
+    models = open_models(interval=2)
+    models.add(spec("a"), by="x")
+    models.scale("a", 0, 2, by="x")
+    with sqlite3.connect(tmp_path / "catalog.db") as conn:
+        conn.execute("UPDATE catalog_snapshots SET state = x'00ff'")
+    assert open_models(interval=2).list_models() == models.list_models()
+
+
+# -- declared config records ------------------------------------------------------------
+
+
+def test_a_changed_declared_config_is_recorded_by_the_next_write_only(
+    open_models: Callable[..., Models], tmp_path: Path
+) -> None:
+    models = open_models()
+    models.add(spec("a"), by="alice")
+    events = [e["event"] for e in models.log_events()]
+    assert events == ["ConfigDeclared", "Added"]
+    other = tmp_path / "other.yaml"
+    other.write_text(DECLARED_YAML.replace("base", "a"))
+    reopened = open_models(config=other)
+    reopened.list_models()  # a read writes nothing
+    assert len(list(reopened.log_events())) == 2
+    skipped = reopened.skipped()
+    assert [(s.model, s.event) for s in skipped] == [("a", "Added")]
+    reopened.add(spec("c"), by="bob")
+    log = list(reopened.log_events())
+    assert [e["event"] for e in log] == ["ConfigDeclared", "Added", "ConfigDeclared", "Added"]
+    assert log[2]["fields"]["fingerprint"] == load_config(str(other)).fingerprint
+
+
+# -- diff ---------------------------------------------------------------------------------
+
+
+def test_diff_names_models_added_removed_and_each_changed_field(
+    open_models: Callable[..., Models],
+) -> None:
+    models = open_models()
+    models.add(spec("a"), by="x")
+    models.add(spec("b"), by="x")
+    since = models.revision
+    models.remove("b", by="y")
+    models.add(spec("c"), by="y")
+    models.scale("a", 0, 4, by="y")
+    diff = models.diff(since)
+    assert [m["name"] for m in diff["added"]] == ["c"]
+    assert [m["name"] for m in diff["removed"]] == ["b"]
+    assert diff["changed"] == [
+        {
+            "model": "a",
+            "fields": {
+                "scaling": {"before": {"min": 1, "max": 1}, "after": {"min": 0, "max": 4}},
+                "effective_class": {"before": "standard", "after": "opportunistic"},
+            },
+        }
+    ]
+
+
+# -- rollback -------------------------------------------------------------------------------
+
+
+def test_rollback_then_list_equals_the_list_at_that_revision(
+    open_models: Callable[..., Models],
+) -> None:
+    models = open_models()
+    models.add(spec("a", owner="team:a"), by="x")
+    models.add(spec("b", fallbacks=["a"]), by="x")
+    target = models.revision
+    models.set_owner("a", "org:z", by="y")
+    models.set_adapters("a", (), by="y")
+    models.remove("b", by="y")
+    models.add(spec("c", fallbacks=["a"]), by="y")
+    models.scale("c", 0, 2, by="y")
+    result = models.rollback(target, by="ops", reason="bad deploy")
+    assert result["written"]
+    assert runtime(models.list_models()) == runtime(models.list_models(at=target))
+    stored = list(models.log_events(after=result["revision"] - len(result["events"])))
+    assert {e["rollback_to"] for e in stored} == {target}
+    assert {e["reason"] for e in stored} == {"bad deploy"}
+
+
+def test_rollback_orders_its_events_so_every_step_is_valid(
+    open_models: Callable[..., Models],
+) -> None:
+    models = open_models()
+    models.add(spec("a"), by="x")
+    models.add(spec("b", fallbacks=["a"]), by="x")
+    models.add(spec("c", fallbacks=["b"]), by="x")
+    # Back to nothing: c before b before a, or some step names a missing fallback.
+    result = models.rollback(0, by="ops")
+    assert [e["model"] for e in result["events"]] == ["c", "b", "a"]
+    forward = models.revision
+    result = models.rollback(forward - 3, by="ops")
+    assert [e["model"] for e in result["events"]] == ["a", "b", "c"]
+
+
+def test_a_rollback_that_would_break_a_fallback_is_refused_and_writes_nothing(
+    open_models: Callable[..., Models], tmp_path: Path
+) -> None:
+    models = open_models()
+    models.add(spec("b"), by="x")
+    models.add(spec("a", fallbacks=["b"]), by="x")
+    target = models.revision
+    models.add(spec("a"), by="y")  # a no longer falls back to b...
+    models.remove("b", by="y")  # ...so b could go
+    rows = event_rows(tmp_path / "catalog.db")
+    with pytest.raises(Refused, match="fallbacks: names 'b'"):
+        models.rollback(target, model="a", by="ops")
+    assert event_rows(tmp_path / "catalog.db") == rows
+
+
+def test_rollback_dry_run_and_rollback_to_now_write_nothing(
+    open_models: Callable[..., Models], tmp_path: Path
+) -> None:
+    models = open_models()
+    models.add(spec("a"), by="x")
+    target = models.revision
+    models.scale("a", 2, 5, by="y")
+    rows = event_rows(tmp_path / "catalog.db")
+    dry = models.rollback(target, dry_run=True, by="ops")
+    assert not dry["written"]
+    assert dry["events"] == [
+        {"model": "a", "event": "Scaled", "fields": {"scaling": {"min": 1, "max": 1}}}
+    ]
+    assert dry["diff"]["changed"][0]["fields"]["scaling"]["after"] == {"min": 1, "max": 1}
+    now = models.rollback(models.revision, by="ops")
+    assert not now["written"] and now["events"] == []
+    assert event_rows(tmp_path / "catalog.db") == rows
+
+
+@pytest.mark.parametrize(
+    ("only", "expected"),
+    [
+        ("scaling", {"scaling": {"min": 1, "max": 1}, "owner": "org:new"}),
+        ("owner", {"scaling": {"min": 0, "max": 9}, "owner": "team:old"}),
+    ],
+)
+def test_rollback_limited_to_one_dimension(
+    open_models: Callable[..., Models], only: str, expected: dict[str, Any]
+) -> None:
+    models = open_models()
+    models.add(spec("a", owner="team:old"), by="x")
+    target = models.revision
+    models.scale("a", 0, 9, by="y")
+    models.set_owner("a", "org:new", by="y")
+    models.rollback(target, only=only, by="ops")
+    a = models.get_model("a")
+    assert {"scaling": a["scaling"], "owner": a["owner"]} == expected
+
+
+def test_rollback_leaves_out_a_model_the_config_now_declares(
+    open_models: Callable[..., Models], tmp_path: Path
+) -> None:
+    models = open_models()
+    models.add(spec("a"), by="x")
+    models.add(spec("shadow"), by="x")
+    target = models.revision
+    models.remove("a", by="y")
+    other = tmp_path / "other.yaml"
+    other.write_text(DECLARED_YAML + DECLARED_YAML.split("models:")[1].replace("base", "shadow"))
+    reopened = open_models(config=other)
+    result = reopened.rollback(target, by="ops")
+    assert [e["model"] for e in result["events"]] == ["a"]
+    assert any("'shadow' is declared in configuration now" in n for n in result["notes"])
+
+
+# -- watch ------------------------------------------------------------------------------------
+
+
+def test_watch_delivers_every_change_after_a_revision_once_across_a_restart(
+    open_models: Callable[..., Models],
+) -> None:
+    writer = open_models()
+    writer.add(spec("a"), by="x")
+    start = writer.revision
+    received: list[int] = []
+    stop = threading.Event()
+
+    def follow(after: int, until: int) -> None:
+        watcher = open_models()
+        for event in watcher.watch(after, poll_interval=0.02):
+            received.append(event["revision"])
+            if event["revision"] >= until or stop.is_set():
+                break
+
+    first = threading.Thread(target=follow, args=(start, start + 5))
+    first.start()
+    for i in range(10):
+        writer.scale("a", 0, i + 2, by="x")
+    first.join(timeout=10)
+    assert not first.is_alive()
+    # The watcher restarts from the last revision it saw.
+    follow(received[-1], writer.revision)
+    assert received == list(range(start + 1, writer.revision + 1))
+
+
+def test_watch_notices_a_new_event_within_a_second(open_models: Callable[..., Models]) -> None:
+    writer = open_models()
+    writer.add(spec("a"), by="x")
+    seen: list[float] = []
+
+    def follow() -> None:
+        for _ in open_models().watch(writer.revision):
+            seen.append(time.monotonic())
+            return
+
+    thread = threading.Thread(target=follow)
+    thread.start()
+    time.sleep(0.3)
+    written = time.monotonic()
+    writer.scale("a", 0, 2, by="x")
+    thread.join(timeout=5)
+    assert seen and seen[0] - written < 1.0
+
+
+# -- the CLI ------------------------------------------------------------------------------------
+
+
+def test_cli_reads_at_a_revision_diffs_and_rolls_back(
+    tmp_path: Path, config_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    db = tmp_path / "catalog.db"
+    base = ["--db", f"sqlite:///{db}", "--config", str(config_file)]
+    runner = CliRunner()
+    definition = tmp_path / "a.yaml"
+    definition.write_text(
+        "name: a\nengine: vllm\nsource: hf://o/a\nprofiles: [{name: g, gpus: 1}]\n"
+    )
+    assert (
+        runner.invoke(cli, [*base, "model", "add", str(definition), "--by", "alice"]).exit_code == 0
+    )
+    assert runner.invoke(cli, [*base, "model", "scale", "a", "--max", "3"]).exit_code == 0
+
+    shown = runner.invoke(cli, [*base, "--json", "model", "show", "a", "--at", "2"])
+    assert shown.exit_code == 0
+    assert '"scaling": {"min": 1, "max": 1}' in shown.stdout
+
+    diff = runner.invoke(cli, [*base, "diff", "2", "--json"])
+    assert diff.exit_code == 0 and '"fields": {"scaling"' in diff.stdout
+
+    rows = event_rows(db)
+    dry = runner.invoke(cli, [*base, "rollback", "--to", "2", "--dry-run"])
+    assert dry.exit_code == 0 and "nothing was" in dry.stdout
+    assert event_rows(db) == rows
+    done = runner.invoke(cli, [*base, "rollback", "--to", "2", "--by", "ops", "--reason", "r"])
+    assert done.exit_code == 0, done.stderr
+    assert event_rows(db) == rows + 1
+
+    beyond = runner.invoke(cli, [*base, "model", "list", "--at", "99"])
+    assert beyond.exit_code == 1
+    assert beyond.stderr.strip().splitlines() == [
+        "error: revision 99 is beyond the head of the log (4)"
+    ]
+    assert runner.invoke(cli, [*base, "model", "list", "--at", "noon"]).exit_code == 2
+    assert (
+        runner.invoke(cli, [*base, "model", "list", "--at", "2026-01-01T00:00:00"]).exit_code == 2
+    )
+
+    replay = runner.invoke(cli, [*base, "replay"])
+    assert replay.exit_code == 0 and "replayed to revision 4" in replay.stdout
