@@ -19,11 +19,13 @@ from contextlib import contextmanager
 from typing import Any
 from uuid import UUID
 
+import psycopg
 import sqlalchemy as sa
 from eventsourcing.persistence import (
     AggregateRecorder,
     ApplicationRecorder,
     InfrastructureFactory,
+    ListenNotifySubscription,
     Notification,
     ProcessRecorder,
     StoredEvent,
@@ -37,6 +39,8 @@ from sqlalchemy.engine import Connection, Engine
 from catalog_es.errors import StorageBusy
 
 DEFAULT_URL = "sqlite:///catalog.db"
+# PostgreSQL's NOTIFY channel for new events.
+CHANNEL = "catalog_events"
 # How long a writer waits for another to let go of the database before the
 # command is refused with a clear error rather than "database is locked".
 LOCK_WAIT_SECONDS = 10.0
@@ -164,6 +168,9 @@ class SQLRecorder(ProcessRecorder):
                 events_table.c.revision, sort_by_parameter_order=True
             )
             revisions = list(conn.execute(statement, rows).scalars())
+            if self.dialect == "postgresql":
+                # Delivered at commit, so a follower never wakes before it can read.
+                conn.exec_driver_sql(f"NOTIFY {CHANNEL}")
         if tracking is not None:
             self._insert_tracking(conn, tracking)
         return revisions
@@ -259,6 +266,8 @@ class SQLRecorder(ProcessRecorder):
     def subscribe(
         self, gt: int | None = None, topics: Sequence[str] = ()
     ) -> Subscription[ApplicationRecorder]:
+        if self.dialect == "postgresql":
+            return ListenSubscription(self, gt=gt, topics=topics)
         return PollingSubscription(self, gt=gt, topics=topics)
 
     # -- tracking ----------------------------------------------------------------
@@ -335,6 +344,43 @@ class PollingSubscription(Subscription[ApplicationRecorder]):
         notification = self._buffer.pop(0)
         self._last_notification_id = notification.id
         return notification
+
+
+class ListenSubscription(ListenNotifySubscription[ApplicationRecorder]):
+    """New notifications as they commit, woken by PostgreSQL's LISTEN/NOTIFY
+    rather than by polling. The pull itself is eventsourcing's: every wake-up
+    reads what is after the last revision delivered, so a lost notification
+    delays nothing past the next one, and a slow wake-up misses nothing."""
+
+    def __init__(
+        self, recorder: SQLRecorder, gt: int | None = None, topics: Sequence[str] = ()
+    ) -> None:
+        url = recorder.engine.url.set(drivername="postgresql")
+        self._conninfo = url.render_as_string(hide_password=False)
+        super().__init__(recorder=recorder, gt=gt, topics=topics)
+        self._listen_thread = threading.Thread(target=self._listen, daemon=True)
+        self._listen_thread.start()
+
+    def __exit__(self, *args: object, **kwargs: Any) -> None:
+        try:
+            super().__exit__(*args, **kwargs)
+        finally:
+            self._listen_thread.join()
+
+    def _listen(self) -> None:
+        try:
+            with psycopg.connect(self._conninfo, autocommit=True) as conn:
+                conn.execute(f"LISTEN {CHANNEL}")
+                # Commits between the first pull and LISTEN would go unheard.
+                self._has_been_notified.set()
+                while not self._has_been_stopped and not self._thread_error:
+                    # Short waits, so a stop is noticed promptly.
+                    for _ in conn.notifies(timeout=0.2, stop_after=1):
+                        self._has_been_notified.set()
+        except BaseException as error:
+            if self._thread_error is None:
+                self._thread_error = error
+            self.stop()
 
 
 class Factory(InfrastructureFactory[TrackingRecorder]):

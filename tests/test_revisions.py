@@ -6,7 +6,6 @@ the past is checked against what the live service answered at that moment.
 
 from __future__ import annotations
 
-import sqlite3
 import tempfile
 import threading
 import time
@@ -16,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -27,6 +27,8 @@ from catalog_es.errors import Refused
 from catalog_es.inputs import DeclaredConfig, load_config, model_from_data
 from catalog_es.spec import ModelSpec
 from projections.catalog import catch_up
+from projections.snapshots import snapshots_table
+from tests.conftest import count_events
 
 DECLARED_YAML = """
 models:
@@ -52,11 +54,6 @@ def runtime(models: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [m for m in models if not m["declared"]]
 
 
-def event_rows(db: Path) -> int:
-    with sqlite3.connect(db) as conn:
-        return int(conn.execute("SELECT count(*) FROM catalog_events").fetchone()[0])
-
-
 @pytest.fixture
 def config_file(tmp_path: Path) -> Path:
     path = tmp_path / "catalog.yaml"
@@ -65,14 +62,15 @@ def config_file(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def open_models(tmp_path: Path, config_file: Path) -> Iterator[Callable[..., Models]]:
+def open_models(db_url: str, config_file: Path) -> Iterator[Callable[..., Models]]:
+    """Services on one database (SQLite file or PostgreSQL schema), closed after."""
     opened: list[Models] = []
 
     def factory(config: Path | None = config_file, interval: int = 1000) -> Models:
         models = Models(
             load_config(str(config)) if config else DeclaredConfig(),
             snapshot_interval=interval,
-            env={"CATALOG_ES_DB": f"sqlite:///{tmp_path / 'catalog.db'}"},
+            env={"CATALOG_ES_DB": db_url},
         )
         opened.append(models)
         return models
@@ -202,8 +200,8 @@ def test_a_restart_resumes_from_the_newest_snapshot(
     models = open_models(interval=5)
     for i in range(12):
         models.scale("a", 0, i + 1, by="x") if i else models.add(spec("a"), by="x")
-    with sqlite3.connect(tmp_path / "catalog.db") as conn:
-        revisions = [r for (r,) in conn.execute("SELECT revision FROM catalog_snapshots")]
+    with models.store.read() as conn:
+        revisions = list(conn.execute(sa.select(snapshots_table.c.revision)).scalars())
     assert revisions == [5, 10]
     again = open_models(interval=5)
     assert again.list_models() == models.list_models()
@@ -233,8 +231,8 @@ def test_a_corrupt_snapshot_is_passed_over(
     models = open_models(interval=2)
     models.add(spec("a"), by="x")
     models.scale("a", 0, 2, by="x")
-    with sqlite3.connect(tmp_path / "catalog.db") as conn:
-        conn.execute("UPDATE catalog_snapshots SET state = x'00ff'")
+    with models.store.write() as conn:
+        conn.execute(sa.update(snapshots_table).values(state=b"\x00\xff"))
     assert open_models(interval=2).list_models() == models.list_models()
 
 
@@ -327,7 +325,7 @@ def test_rollback_orders_its_events_so_every_step_is_valid(
 
 
 def test_a_rollback_that_would_break_a_fallback_is_refused_and_writes_nothing(
-    open_models: Callable[..., Models], tmp_path: Path
+    open_models: Callable[..., Models], db_url: str
 ) -> None:
     models = open_models()
     models.add(spec("b"), by="x")
@@ -335,20 +333,20 @@ def test_a_rollback_that_would_break_a_fallback_is_refused_and_writes_nothing(
     target = models.revision
     models.add(spec("a"), by="y")  # a no longer falls back to b...
     models.remove("b", by="y")  # ...so b could go
-    rows = event_rows(tmp_path / "catalog.db")
+    rows = count_events(db_url)
     with pytest.raises(Refused, match="fallbacks: names 'b'"):
         models.rollback(target, model="a", by="ops")
-    assert event_rows(tmp_path / "catalog.db") == rows
+    assert count_events(db_url) == rows
 
 
 def test_rollback_dry_run_and_rollback_to_now_write_nothing(
-    open_models: Callable[..., Models], tmp_path: Path
+    open_models: Callable[..., Models], db_url: str
 ) -> None:
     models = open_models()
     models.add(spec("a"), by="x")
     target = models.revision
     models.scale("a", 2, 5, by="y")
-    rows = event_rows(tmp_path / "catalog.db")
+    rows = count_events(db_url)
     dry = models.rollback(target, dry_run=True, by="ops")
     assert not dry["written"]
     assert dry["events"] == [
@@ -357,7 +355,7 @@ def test_rollback_dry_run_and_rollback_to_now_write_nothing(
     assert dry["diff"]["changed"][0]["fields"]["scaling"]["after"] == {"min": 1, "max": 1}
     now = models.rollback(models.revision, by="ops")
     assert not now["written"] and now["events"] == []
-    assert event_rows(tmp_path / "catalog.db") == rows
+    assert count_events(db_url) == rows
 
 
 @pytest.mark.parametrize(
@@ -449,11 +447,9 @@ def test_watch_notices_a_new_event_within_a_second(open_models: Callable[..., Mo
 
 
 def test_cli_reads_at_a_revision_diffs_and_rolls_back(
-    tmp_path: Path, config_file: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, config_file: Path, db_url: str
 ) -> None:
-    monkeypatch.chdir(tmp_path)
-    db = tmp_path / "catalog.db"
-    base = ["--db", f"sqlite:///{db}", "--config", str(config_file)]
+    base = ["--db", db_url, "--config", str(config_file)]
     runner = CliRunner()
     definition = tmp_path / "a.yaml"
     definition.write_text(
@@ -471,13 +467,13 @@ def test_cli_reads_at_a_revision_diffs_and_rolls_back(
     diff = runner.invoke(cli, [*base, "diff", "2", "--json"])
     assert diff.exit_code == 0 and '"fields": {"scaling"' in diff.stdout
 
-    rows = event_rows(db)
+    rows = count_events(db_url)
     dry = runner.invoke(cli, [*base, "rollback", "--to", "2", "--dry-run"])
     assert dry.exit_code == 0 and "nothing was" in dry.stdout
-    assert event_rows(db) == rows
+    assert count_events(db_url) == rows
     done = runner.invoke(cli, [*base, "rollback", "--to", "2", "--by", "ops", "--reason", "r"])
     assert done.exit_code == 0, done.stderr
-    assert event_rows(db) == rows + 1
+    assert count_events(db_url) == rows + 1
 
     beyond = runner.invoke(cli, [*base, "model", "list", "--at", "99"])
     assert beyond.exit_code == 1
