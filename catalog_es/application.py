@@ -19,6 +19,7 @@ from uuid import UUID
 import msgspec
 import sqlalchemy as sa
 from eventsourcing.application import Application
+from eventsourcing.persistence import Subscription
 from eventsourcing.utils import EnvType, get_topic
 from sqlalchemy.engine import Connection
 
@@ -72,6 +73,25 @@ def _check_meta(by: str, reason: str) -> None:
         raise InputError(f"actor {by[:40]!r}: must be 1-{MAX_ACTOR_LENGTH} printable characters")
     if len(reason) > MAX_REASON_LENGTH or not reason.replace("\n", " ").isprintable():
         raise InputError(f"reason: must be at most {MAX_REASON_LENGTH} printable characters")
+
+
+class Watch:
+    """Changes as they commit, as ``log --json`` shows them: iterate it, and
+    ``stop()`` it from any thread (a signal handler, a closed HTTP stream)."""
+
+    def __init__(self, subscription: Subscription[Any]) -> None:
+        self._subscription = subscription
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        with self._subscription as notifications:
+            for n in notifications:
+                try:
+                    yield event_view(n.id, decode_event(n.topic, n.state))
+                except UndecodableEvent as error:
+                    yield undecodable_view(n.id, n.topic, model_of_state(n.state), str(error))
+
+    def stop(self) -> None:
+        self._subscription.stop()
 
 
 class Models(Application[UUID]):
@@ -493,11 +513,9 @@ class Models(Application[UUID]):
             "notes": notes,
         }
 
-    def watch(
-        self, after: int = 0, *, poll_interval: float | None = None
-    ) -> Iterator[dict[str, Any]]:
+    def watch(self, after: int = 0, *, poll_interval: float | None = None) -> Watch:
         """Every change after revision ``after``, in order and once each, then
-        the new ones as they commit. Stops when the caller stops iterating."""
+        the new ones as they commit."""
         with self.store.read() as conn:
             head = self.store.head(conn)
         if after < 0 or after > head:
@@ -505,12 +523,7 @@ class Models(Application[UUID]):
         subscription = self.store.subscribe(gt=after)
         if poll_interval is not None and isinstance(subscription, PollingSubscription):
             subscription.interval = poll_interval
-        with subscription:
-            for n in subscription:
-                try:
-                    yield event_view(n.id, decode_event(n.topic, n.state))
-                except UndecodableEvent as error:
-                    yield undecodable_view(n.id, n.topic, model_of_state(n.state), str(error))
+        return Watch(subscription)
 
     def rebuild(self, progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
         """Replay the whole log into a new catalog and new snapshots (every

@@ -1,0 +1,180 @@
+"""Several nodes on one database: concurrent writer processes and a follower.
+
+Each writer is a separate OS process with its own ``Models`` service, as
+control-plane nodes are. Afterwards the log must hold exactly the commands
+that reported success, with gapless revisions, and a replay of it must skip
+nothing: an event written on stale grounds would be invalid where it stands
+in the log, and replay would skip it.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import random
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from catalog_es.application import Models
+from catalog_es.errors import Refused
+from catalog_es.inputs import DeclaredConfig, load_config, model_from_data
+from tests.conftest import count_events
+
+CONFIG = """
+models:
+  - name: declared
+    engine: vllm
+    source: hf://org/declared
+    profiles: [{name: gpu, gpus: 1}]
+"""
+POOL = ["a", "b", "c", "d"]
+
+
+def _definition(name: str, fallbacks: list[str]) -> Any:
+    return model_from_data(
+        {
+            "name": name,
+            "engine": "vllm",
+            "source": f"hf://org/{name}",
+            "profiles": [{"name": "gpu", "gpus": 1}],
+            "fallbacks": fallbacks,
+        },
+        "test",
+    )
+
+
+def _writer(url: str, config: str, seed: int, commands: int, out: Any) -> None:
+    """One node: random commands that race the other nodes' on shared names."""
+    rng = random.Random(seed)
+    models = Models(load_config(config), env={"CATALOG_ES_DB": url})
+    written: list[tuple[int, str]] = []
+    refused = 0
+    for _ in range(commands):
+        name = rng.choice(POOL)
+        kind = rng.choice(["add", "add", "remove", "scale", "declared"])
+        try:
+            if kind == "add":
+                others = [n for n in [*POOL, "declared"] if n != name]
+                result = models.add(
+                    _definition(name, rng.sample(others, rng.randint(0, 2))), by=f"node{seed}"
+                )
+            elif kind == "remove":
+                result = models.remove(name, by=f"node{seed}")
+            elif kind == "scale":
+                result = models.scale(name, rng.randint(0, 1), rng.randint(1, 3), by=f"node{seed}")
+            else:
+                result = models.scale("declared", 0, 2, by=f"node{seed}")
+            written.append((result.revision, kind))
+        except Refused:
+            refused += 1
+    models.close()
+    out.put((seed, written, refused))
+
+
+@pytest.mark.parametrize("nodes", [4])
+def test_concurrent_nodes_lose_nothing_and_write_nothing_on_stale_grounds(
+    db_url: str, tmp_path: Path, nodes: int
+) -> None:
+    config = tmp_path / "catalog.yaml"
+    config.write_text(CONFIG)
+    # The follower starts before the load and must see every revision once, in order.
+    follower = Models(load_config(str(config)), env={"CATALOG_ES_DB": db_url})
+    seen: list[int] = []
+    watch = follower.watch(0, poll_interval=0.02)
+
+    def follow() -> None:
+        seen.extend(event["revision"] for event in watch)
+
+    watcher = threading.Thread(target=follow, daemon=True)
+    watcher.start()
+
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    commands = 30
+    workers = [
+        context.Process(target=_writer, args=(db_url, str(config), seed, commands, results))
+        for seed in range(nodes)
+    ]
+    for w in workers:
+        w.start()
+    outcomes = [results.get(timeout=120) for _ in workers]
+    for w in workers:
+        w.join(timeout=30)
+        assert w.exitcode == 0
+
+    successes = [revision for _, written, _ in outcomes for revision, _ in written]
+    assert sum(refused for *_, refused in outcomes) > 0, "the race should refuse something"
+    assert len(set(successes)) == len(successes), "two commands answered the same revision"
+
+    reader = Models(load_config(str(config)), env={"CATALOG_ES_DB": db_url})
+    log = list(reader.log_events())
+    revisions = [e["revision"] for e in log]
+    declared_records = [e["revision"] for e in log if e["event"] == "ConfigDeclared"]
+    # Exactly the successful commands, plus the one record of the declared config.
+    assert sorted(successes + declared_records) == revisions
+    assert len(declared_records) == 1
+    assert revisions == list(range(1, len(revisions) + 1)), "revisions have a gap"
+    assert count_events(db_url) == len(revisions)
+    # Nothing was written on stale grounds: every event is valid where it stands.
+    assert reader.skipped() == []
+    for model in reader.list_models():
+        for target in model["fallbacks"]:
+            assert reader.get_model(target)
+    assert all(e["model"] != "declared" for e in log)
+
+    deadline = time.monotonic() + 10
+    while len(seen) < len(revisions) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    watch.stop()
+    watcher.join(timeout=10)
+    assert not watcher.is_alive()
+    assert seen == revisions
+    follower.close()
+    reader.close()
+
+
+def test_two_nodes_cannot_both_remove_what_the_other_relies_on(db_url: str) -> None:
+    """Node 1 points c at a while node 2 removes a: whichever commits second
+    decides on the first's result, so one of them is refused, every time."""
+    first = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
+    second = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
+    first.add(_definition("a", []), by="setup")
+    first.add(_definition("c", []), by="setup")
+    for _ in range(5):
+        barrier = threading.Barrier(2)
+        outcomes: dict[str, str] = {}
+
+        def point_c_at_a(
+            barrier: threading.Barrier = barrier, outcomes: dict[str, str] = outcomes
+        ) -> None:
+            barrier.wait()
+            try:
+                first.add(_definition("c", ["a"]), by="node1")
+                outcomes["node1"] = "ok"
+            except Refused as refusal:
+                outcomes["node1"] = str(refusal)
+
+        def remove_a(
+            barrier: threading.Barrier = barrier, outcomes: dict[str, str] = outcomes
+        ) -> None:
+            barrier.wait()
+            try:
+                second.remove("a", by="node2")
+                outcomes["node2"] = "ok"
+            except Refused as refusal:
+                outcomes["node2"] = str(refusal)
+
+        threads = [threading.Thread(target=point_c_at_a), threading.Thread(target=remove_a)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+        assert sorted(outcomes.values()).count("ok") == 1, outcomes
+        # Put things back for the next round.
+        first.add(_definition("c", []), by="setup")
+        if first.catalog_at().get("a") is None:
+            first.add(_definition("a", []), by="setup")
+    assert Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url}).skipped() == []
