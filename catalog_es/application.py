@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime, timedelta
 from typing import Any, ClassVar
 from uuid import UUID
@@ -23,17 +23,17 @@ from eventsourcing.persistence import Subscription
 from eventsourcing.utils import EnvType, get_topic
 from sqlalchemy.engine import Connection
 
+from catalog_es import commands
 from catalog_es.batch import Batch, Change
 from catalog_es.catalog import Catalog, Skipped
-from catalog_es.configuration import Configuration
+from catalog_es.configuration import Configuration, DeclaredConfig
 from catalog_es.errors import InputError, ModelNotFound, Refused, RevisionConflict
-from catalog_es.inputs import DeclaredConfig
 from catalog_es.mapper import EventMapper, UndecodableEvent, decode_event, model_of_state
 from catalog_es.model import Model, model_id, utc_now
 from catalog_es.persistence import PollingSubscription, SQLRecorder, events_table
 from catalog_es.ports import AcceptAll, Applier, NoApplier, PreAddCheck
 from catalog_es.rollback import plan_rollback
-from catalog_es.spec import Adapter, ModelSpec, Origin, Scaling, check_name
+from catalog_es.spec import Adapter, ModelSpec, Origin
 from catalog_es.views import event_fields, event_view, model_view, undecodable_view
 from projections import pointintime, snapshots
 from projections.catalog import catch_up
@@ -167,15 +167,15 @@ class Models(Application[UUID]):
         self, spec: ModelSpec, *, by: str, reason: str = "", expected_revision: int | None = None
     ) -> CommandResult:
         """Add a model, or replace the definition of a runtime one."""
-        check_name(spec.name)
+        step = commands.add(spec)
         _check_meta(by, reason)
         self.pre_add_check.check(spec)
-        return self._command(Model.Added, spec.name, by, reason, expected_revision, spec=spec)
+        return self._command(step, by, reason, expected_revision)
 
     def remove(
         self, name: str, *, by: str, reason: str = "", expected_revision: int | None = None
     ) -> CommandResult:
-        return self._command(Model.Removed, name, by, reason, expected_revision)
+        return self._command(commands.remove(name), by, reason, expected_revision)
 
     def scale(
         self,
@@ -188,19 +188,8 @@ class Models(Application[UUID]):
         expected_revision: int | None = None,
     ) -> CommandResult:
         """Replica bounds; a bound left ``None`` keeps its current value."""
-        if minimum is None and maximum is None:
-            raise InputError("say what to set: the minimum, the maximum, or both")
-
-        def scaling(current: ModelSpec | None) -> dict[str, Any]:
-            now = current.scaling if current is not None else Scaling()
-            return {
-                "scaling": Scaling(
-                    min=now.min if minimum is None else minimum,
-                    max=now.max if maximum is None else maximum,
-                )
-            }
-
-        return self._command(Model.Scaled, name, by, reason, expected_revision, derive=scaling)
+        step = commands.scale(name, minimum, maximum)
+        return self._command(step, by, reason, expected_revision)
 
     def set_resources(
         self,
@@ -214,18 +203,8 @@ class Models(Application[UUID]):
         expected_revision: int | None = None,
     ) -> CommandResult:
         """Host memory and CPU cores of one profile, or of every profile."""
-        if memory_gb is None and cpu_cores is None:
-            raise InputError("say what to set: memory (GB), CPU cores, or both")
-        return self._command(
-            Model.ResourcesSet,
-            name,
-            by,
-            reason,
-            expected_revision,
-            profile=profile,
-            memory_gb=memory_gb,
-            cpu_cores=cpu_cores,
-        )
+        step = commands.resources(name, profile, memory_gb, cpu_cores)
+        return self._command(step, by, reason, expected_revision)
 
     def set_class(
         self,
@@ -237,9 +216,8 @@ class Models(Application[UUID]):
         expected_revision: int | None = None,
     ) -> CommandResult:
         """critical, standard or opportunistic; empty goes back to what scaling implies."""
-        return self._command(
-            Model.ClassSet, name, by, reason, expected_revision, capacity_class=capacity_class
-        )
+        step = commands.capacity_class(name, capacity_class)
+        return self._command(step, by, reason, expected_revision)
 
     def set_owner(
         self,
@@ -251,7 +229,7 @@ class Models(Application[UUID]):
         expected_revision: int | None = None,
     ) -> CommandResult:
         """org:ID, team:ID or project:ID; empty makes the model shared."""
-        return self._command(Model.OwnerSet, name, by, reason, expected_revision, owner=owner)
+        return self._command(commands.owner(name, owner), by, reason, expected_revision)
 
     def set_adapters(
         self,
@@ -263,9 +241,7 @@ class Models(Application[UUID]):
         expected_revision: int | None = None,
     ) -> CommandResult:
         """Replace the LoRA adapters; replicas load the new set when they next start."""
-        return self._command(
-            Model.AdaptersSet, name, by, reason, expected_revision, adapters=tuple(adapters)
-        )
+        return self._command(commands.adapters(name, adapters), by, reason, expected_revision)
 
     def set_source(
         self,
@@ -278,9 +254,8 @@ class Models(Application[UUID]):
         expected_revision: int | None = None,
     ) -> CommandResult:
         """Other weights; running replicas keep what they loaded until replaced."""
-        return self._command(
-            Model.SourceSet, name, by, reason, expected_revision, source=source, origin=origin
-        )
+        step = commands.source(name, source, origin)
+        return self._command(step, by, reason, expected_revision)
 
     def set_origin(
         self,
@@ -302,42 +277,68 @@ class Models(Application[UUID]):
                     model=model_view(spec, declared=True),
                     written=False,
                 )
-            return self._command(
-                Model.OriginSet, name, by, reason, expected_revision, origin=origin
-            )
+            return self._command(commands.origin(name, origin), by, reason, expected_revision)
 
-    def _command(
+    def apply_changes(
         self,
-        event_class: type[Model.Event],
-        name: str,
+        steps: Sequence[commands.Step],
+        *,
         by: str,
-        reason: str,
-        expected_revision: int | None,
-        derive: Callable[[ModelSpec | None], dict[str, Any]] | None = None,
-        **fields: Any,
-    ) -> CommandResult:
-        """Decide and append one event. ``derive`` computes fields that depend
-        on the definition in force, read inside the write transaction."""
-        check_name(name)
-        replaced = False
+        reason: str = "",
+        expected_revision: int | None = None,
+    ) -> dict[str, Any]:
+        """Several changes in one transaction, all or nothing, each decided on
+        the catalog the ones before it leave."""
+        _check_meta(by, reason)
+        for step in steps:
+            if step.event_class is Model.Added:
+                self.pre_add_check.check(step.fields["spec"])
+        outcomes: list[tuple[Model.Event, ModelSpec | None, bool]] = []
 
         def plan(batch: Batch) -> None:
-            nonlocal replaced
-            current = batch.catalog.get(name)
-            replaced = event_class is Model.Added and current is not None
-            extra = derive(current) if derive is not None else {}
-            batch.decide(batch.event(event_class, name, **fields, **extra))
+            for number, step in enumerate(steps, start=1):
+                try:
+                    outcomes.append(step.decide(batch))
+                except Refused as refusal:
+                    raise Refused(
+                        f"change {number} ({step.verb} {step.name}) refused, nothing applied: "
+                        f"{refusal}"
+                    ) from None
 
-        revision, changes = self._write(
-            plan, by=by, reason=reason, expected_revision=expected_revision
+        revision, _ = self._write(
+            plan, by=by, reason=reason, expected_revision=expected_revision, several=True
         )
-        event, new = changes[-1]
-        log.info("%s %s at revision %d by %s", type(event).__name__, name, revision, by)
+        return {
+            "revision": revision,
+            "changes": len(outcomes),
+            "models": [
+                {
+                    "model": event.model,
+                    "event": type(event).__name__,
+                    "replaced": replaced,
+                    "definition": model_view(new, declared=False) if new is not None else None,
+                }
+                for event, new, replaced in outcomes
+            ],
+        }
+
+    def _command(
+        self, step: commands.Step, by: str, reason: str, expected_revision: int | None
+    ) -> CommandResult:
+        """Decide and append one change."""
+        outcome: list[tuple[Model.Event, ModelSpec | None, bool]] = []
+
+        def plan(batch: Batch) -> None:
+            outcome.append(step.decide(batch))
+
+        revision, _ = self._write(plan, by=by, reason=reason, expected_revision=expected_revision)
+        _, new, replaced = outcome[0]
+        log.info("%s %s at revision %d by %s", step.verb, step.name, revision, by)
         return CommandResult(
             revision=revision,
             model=model_view(new, declared=False) if new is not None else None,
             replaced=replaced,
-            removed=name if new is None else None,
+            removed=step.name if new is None else None,
         )
 
     def _write(

@@ -15,9 +15,8 @@ from uuid import UUID
 from sqlalchemy.engine import Connection
 
 from catalog_es.catalog import Catalog
-from catalog_es.configuration import CONFIGURATION_ID, Configuration
+from catalog_es.configuration import CONFIGURATION_ID, Configuration, DeclaredConfig
 from catalog_es.decisions import decide
-from catalog_es.inputs import DeclaredConfig
 from catalog_es.model import DomainEvent, Model, model_id
 from catalog_es.persistence import SQLRecorder
 from catalog_es.spec import ModelSpec

@@ -19,7 +19,7 @@ import msgspec
 from catalog_es.configuration import Configuration
 from catalog_es.errors import ConfigError, InvalidModel, Refused
 from catalog_es.model import DomainEvent, Model
-from catalog_es.spec import DEFAULT_ENGINES, ModelSpec, check_spec
+from catalog_es.spec import DEFAULT_ENGINES, EVERY_FIELD, ModelSpec, check_spec
 
 
 class Skipped(msgspec.Struct, frozen=True):
@@ -87,9 +87,12 @@ class Catalog:
 
     # -- validating ------------------------------------------------------------
 
-    def check(self, name: str, new: ModelSpec | None) -> None:
+    def check(
+        self, name: str, new: ModelSpec | None, touches: tuple[str, ...] = EVERY_FIELD
+    ) -> None:
         """Refuse the runtime change of ``name`` to ``new`` (``None``: removed) if
-        the catalog it makes would be invalid."""
+        the catalog it makes would be invalid. ``touches``: the fields the change
+        can have made invalid; the rest were valid before it."""
         if new is None:
             others = sorted(r for r in self.referrers(name) if r != name)
             if others:
@@ -102,7 +105,9 @@ class Catalog:
                     "change their fallbacks first",
                 )
             return
-        check_spec(new, self.engines)
+        check_spec(new, self.engines, touches)
+        if "fallbacks" not in touches:
+            return
         for target in new.fallbacks:
             if self.get(target) is None:
                 raise InvalidModel(
@@ -162,29 +167,32 @@ class Catalog:
 
     def apply(self, event: DomainEvent, revision: int) -> Skipped | None:
         """Replay one stored event: apply it if the catalog stays valid, else
-        skip it (the stream's version still advances) and say why."""
+        skip it (the stream's version still advances) and say why. The hot
+        loop of every load: keep it lean."""
         self.revision = revision
         if self.last_timestamp is None or event.timestamp > self.last_timestamp:
             self.last_timestamp = event.timestamp
-        if isinstance(event, Configuration.Declared):
+        if type(event) is Configuration.Declared:
             # Replay is always over today's config; the record says what was in force then.
             self.recorded_declaration = (event.fingerprint, revision)
             return None
         assert isinstance(event, Model.Event)
-        aggregate = self.aggregate(event.model)
+        name = event.model
+        aggregate = self.aggregates.get(name) or Model.new(name)
         try:
-            if event.originator_id != aggregate.id:
-                raise Refused(f"its aggregate id does not belong to model {event.model!r}")
-            if event.model in self.declared:
+            # By value of the 128-bit ints: UUID.__eq__ is slow in a hot loop.
+            if event.originator_id.int != aggregate.id.int:
+                raise Refused(f"its aggregate id does not belong to model {name!r}")
+            if name in self.declared:
                 raise Refused(
-                    f"model {event.model!r} is declared in configuration, which wins every conflict"
+                    f"model {name!r} is declared in configuration, which wins every conflict"
                 )
             new = event.evolve(aggregate.spec)
-            self.check(event.model, new)
+            self.check(name, new, event.touches)
         except Refused as refusal:
-            self.aggregates[event.model] = aggregate.mutate(event, aggregate.spec)
-            return self.skip(revision, event.model, type(event).__name__, str(refusal))
-        self.commit(event, new)
+            self.aggregates[name] = aggregate.mutate(event, aggregate.spec)
+            return self.skip(revision, name, type(event).__name__, str(refusal))
+        self._put(aggregate, event, new)
         return None
 
     def skip(self, revision: int, model: str, event: str, reason: str) -> Skipped:
@@ -197,12 +205,20 @@ class Catalog:
         """Put an event that was checked into force."""
         if self.last_timestamp is None or event.timestamp > self.last_timestamp:
             self.last_timestamp = event.timestamp
-        aggregate = self.aggregate(event.model)
-        if aggregate.spec is not None:
-            self._unlink(aggregate.spec)
-        if new is not None:
-            self._link(new)
-        self.aggregates[event.model] = aggregate.mutate(event, new)
+        self._put(self.aggregate(event.model), event, new)
+
+    def _put(self, aggregate: Model, event: Model.Event, new: ModelSpec | None) -> None:
+        old = aggregate.spec
+        old_fallbacks = old.fallbacks if old is not None else ()
+        new_fallbacks = new.fallbacks if new is not None else ()
+        if old_fallbacks != new_fallbacks:
+            if old is not None:
+                self._unlink(old)
+            if new is not None:
+                self._link(new)
+        self.aggregates[event.model] = Model(
+            aggregate.id, aggregate.name, event.originator_version, new
+        )
 
     def _link(self, spec: ModelSpec) -> None:
         for target in spec.fallbacks:

@@ -10,12 +10,31 @@ never by a read.
 
 from __future__ import annotations
 
+import hashlib
 import uuid
 
+import msgspec
+
 from catalog_es.model import DomainEvent
-from catalog_es.spec import ModelSpec
+from catalog_es.spec import DEFAULT_ENGINES, ModelSpec
 
 CONFIGURATION_ID = uuid.uuid5(uuid.NAMESPACE_URL, "catalog-es:configuration")
+
+
+class DeclaredConfig(msgspec.Struct, frozen=True):
+    """What configuration declares: in force on every start, whatever the log says."""
+
+    models: tuple[ModelSpec, ...] = ()
+    engines: tuple[str, ...] = DEFAULT_ENGINES
+    path: str = ""
+
+    @property
+    def fingerprint(self) -> str:
+        """Identifies the declared layer: same models and engines, same fingerprint."""
+        canonical = msgspec.json.encode(
+            {"engines": sorted(self.engines), "models": sorted(self.models, key=lambda m: m.name)}
+        )
+        return hashlib.sha256(canonical).hexdigest()
 
 
 class Configuration:

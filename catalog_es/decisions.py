@@ -40,7 +40,7 @@ def decide(catalog: Catalog, event: Model.Event) -> ModelSpec | None:
     if catalog.is_declared(name):
         raise DeclaredInConfig(declared_refusal(event))
     new = event.evolve(catalog.aggregate(name).spec)
-    catalog.check(name, new)
+    catalog.check(name, new, event.touches)
     if new is not None:
         _check_memory(event, new)
     return new

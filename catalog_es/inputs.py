@@ -8,7 +8,6 @@ pass them again on replay. Every failure is one line naming where it is.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import sys
 from pathlib import Path
@@ -18,8 +17,10 @@ import msgspec
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from catalog_es import commands
+from catalog_es.configuration import DeclaredConfig as DeclaredConfig  # re-exported
 from catalog_es.errors import ConfigError, InputError
-from catalog_es.spec import DEFAULT_ENGINES, ModelSpec
+from catalog_es.spec import DEFAULT_ENGINES, Adapter, ModelSpec, Origin
 
 # A model definition is a few hundred bytes; a megabyte is a mistake or an attack.
 MAX_INPUT_BYTES = 1 << 20
@@ -158,10 +159,12 @@ def _no_constant(name: str) -> NoReturn:
     raise ValueError(f"{name} is not a number")
 
 
-def parse_document(text: str, where: str, *, untrusted: bool = True) -> Any:
+def parse_document(
+    text: str, where: str, *, untrusted: bool = True, limit: int = MAX_INPUT_BYTES
+) -> Any:
     """YAML or JSON (JSON when it starts with ``{`` or ``[``) to plain data."""
-    if len(text.encode("utf-8", "surrogatepass")) > MAX_INPUT_BYTES and untrusted:
-        raise InputError(f"{where}: larger than {MAX_INPUT_BYTES // 1024} KiB")
+    if untrusted and len(text.encode("utf-8", "surrogatepass")) > limit:
+        raise InputError(f"{where}: larger than {limit // 1024} KiB")
     stripped = text.lstrip()
     try:
         if stripped[:1] in ("{", "["):
@@ -183,20 +186,20 @@ def parse_document(text: str, where: str, *, untrusted: bool = True) -> Any:
         raise InputError(f"{where}: {problem}") from None
 
 
-def read_text(path: str) -> tuple[str, str]:
+def read_text(path: str, limit: int = MAX_INPUT_BYTES) -> tuple[str, str]:
     """The text of a file, or of standard input for ``-``, and how to name it."""
     if path == "-":
-        data = sys.stdin.buffer.read(MAX_INPUT_BYTES + 1)
+        data = sys.stdin.buffer.read(limit + 1)
         where = "standard input"
     else:
         try:
             with Path(path).open("rb") as f:
-                data = f.read(MAX_INPUT_BYTES + 1)
+                data = f.read(limit + 1)
         except OSError as error:
             raise InputError(f"{path}: {error.strerror or error}") from None
         where = path
-    if len(data) > MAX_INPUT_BYTES:
-        raise InputError(f"{where}: larger than {MAX_INPUT_BYTES // 1024} KiB")
+    if len(data) > limit:
+        raise InputError(f"{where}: larger than {limit // 1024} KiB")
     try:
         return data.decode("utf-8"), where
     except UnicodeDecodeError:
@@ -217,22 +220,6 @@ def read_model(path: str) -> ModelSpec:
 
 
 # -- the declared config -----------------------------------------------------------
-
-
-class DeclaredConfig(msgspec.Struct, frozen=True):
-    """What configuration declares: in force on every start, whatever the log says."""
-
-    models: tuple[ModelSpec, ...] = ()
-    engines: tuple[str, ...] = DEFAULT_ENGINES
-    path: str = ""
-
-    @property
-    def fingerprint(self) -> str:
-        """Identifies the declared layer: same models and engines, same fingerprint."""
-        canonical = msgspec.json.encode(
-            {"engines": sorted(self.engines), "models": sorted(self.models, key=lambda m: m.name)}
-        )
-        return hashlib.sha256(canonical).hexdigest()
 
 
 def _named(data: Any, error: ValidationError) -> str:
@@ -268,3 +255,100 @@ def load_config(path: str | None) -> DeclaredConfig:
     return DeclaredConfig(
         models=tuple(m.to_spec() for m in parsed.models), engines=engines, path=path
     )
+
+
+# -- a list of changes (``catalog-es apply``) ------------------------------------------
+
+
+class _Named(_Input):
+    name: str
+
+
+class ScaleChange(_Named):
+    min: int | None = None
+    max: int | None = None
+
+
+class ResourcesChange(_Named):
+    profile: str = ""
+    memory_gb: int | None = None
+    cpu_cores: int | None = None
+
+
+class ClassChange(_Named):
+    capacity_class: str = Field(alias="class")
+
+
+class OwnerChange(_Named):
+    owner: str
+
+
+class AdaptersChange(_Named):
+    adapters: list[AdapterInput]
+
+
+class SourceChange(_Named):
+    source: str
+    origin: OriginInput | None = None
+
+
+def _origin(value: OriginInput | None) -> Origin | None:
+    return None if value is None else msgspec.convert(value.model_dump(), Origin)
+
+
+def _step(kind: str, value: Any) -> commands.Step:
+    if kind == "add":
+        return commands.add(ModelInput.model_validate(value).to_spec())
+    if kind == "remove":
+        if not isinstance(value, str):
+            raise InputError("remove: give the model's name")
+        return commands.remove(value)
+    if kind == "scale":
+        s = ScaleChange.model_validate(value)
+        return commands.scale(s.name, s.min, s.max)
+    if kind == "resources":
+        r = ResourcesChange.model_validate(value)
+        return commands.resources(r.name, r.profile, r.memory_gb, r.cpu_cores)
+    if kind == "class":
+        c = ClassChange.model_validate(value)
+        return commands.capacity_class(c.name, c.capacity_class)
+    if kind == "owner":
+        o = OwnerChange.model_validate(value)
+        return commands.owner(o.name, o.owner)
+    if kind == "adapters":
+        a = AdaptersChange.model_validate(value)
+        return commands.adapters(a.name, tuple(Adapter(x.name, x.source) for x in a.adapters))
+    s2 = SourceChange.model_validate(value)
+    return commands.source(s2.name, s2.source, _origin(s2.origin))
+
+
+CHANGE_KINDS = ("add", "remove", "scale", "resources", "class", "owner", "adapters", "source")
+MAX_CHANGES = 100_000
+
+
+def read_changes(path: str) -> list[commands.Step]:
+    """A list of changes from YAML or JSON: each item one key, the kind of
+    change (``add``, ``remove``, ``scale``…), holding what it takes."""
+    text, where = read_text(path, limit=64 * MAX_INPUT_BYTES)
+    data = parse_document(text, where, limit=64 * MAX_INPUT_BYTES)
+    if isinstance(data, dict) and set(data) == {"changes"}:
+        data = data["changes"]
+    if not isinstance(data, list) or not data:
+        raise InputError(f"{where}: expected a non-empty list of changes")
+    if len(data) > MAX_CHANGES:
+        raise InputError(f"{where}: more than {MAX_CHANGES} changes in one apply")
+    steps = []
+    for number, item in enumerate(data, start=1):
+        if not isinstance(item, dict) or len(item) != 1 or next(iter(item)) not in CHANGE_KINDS:
+            raise InputError(
+                f"{where}: change {number}: expected one of {', '.join(CHANGE_KINDS)} "
+                "as its only key"
+            )
+        ((kind, value),) = item.items()
+        try:
+            steps.append(_step(kind, value))
+        except ValidationError as error:
+            raise InputError(f"{where}: change {number} ({kind}): {describe(error)}") from None
+        except InputError as error:
+            raise InputError(f"{where}: change {number} ({kind}): {error}") from None
+    return steps

@@ -11,7 +11,6 @@ report while it carries on.
 
 from __future__ import annotations
 
-from functools import cache
 from typing import Any
 from uuid import UUID
 
@@ -43,9 +42,7 @@ def encode_event(event: DomainEvent) -> bytes:
     return _encoder.encode(event)
 
 
-@cache
-def _current_version(cls: type[DomainEvent]) -> int:
-    return cls.current_version()
+_VERSIONS: dict[type[DomainEvent], int] = {cls: cls.current_version() for cls in _STORED}
 
 
 def decode_event(topic: str, state: bytes) -> DomainEvent:
@@ -53,15 +50,14 @@ def decode_event(topic: str, state: bytes) -> DomainEvent:
     decoder = _decoders.get(topic)
     if decoder is None:
         raise UndecodableEvent(f"unknown event type {topic!r}")
-    cls = EVENT_CLASSES[topic]
     try:
         event: DomainEvent = decoder.decode(state)
     except msgspec.MsgspecError:
         pass  # an older shape, perhaps: try the upcasting path
     else:
-        if event.class_version == _current_version(cls):
+        if event.class_version == _VERSIONS[type(event)]:
             return event
-    return _upcast(cls, state)
+    return _upcast(EVENT_CLASSES[topic], state)
 
 
 def model_of_state(state: bytes) -> str:
@@ -75,7 +71,7 @@ def model_of_state(state: bytes) -> str:
 
 
 def _upcast(cls: type[DomainEvent], state: bytes) -> DomainEvent:
-    current = _current_version(cls)
+    current = _VERSIONS[cls]
     try:
         data = _raw.decode(state)
     except msgspec.MsgspecError as error:

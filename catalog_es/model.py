@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 import msgspec
 
 from catalog_es.errors import InvalidModel, ModelNotFound
-from catalog_es.spec import Adapter, ModelSpec, Origin, Scaling
+from catalog_es.spec import EVERY_FIELD, Adapter, ModelSpec, Origin, Scaling
 
 _MODEL_NAMESPACE = uuid.uuid5(uuid.NAMESPACE_URL, "catalog-es:model")
 
@@ -33,7 +33,7 @@ def utc_now() -> datetime:
     return datetime.now(UTC)
 
 
-class DomainEvent(msgspec.Struct, frozen=True, kw_only=True):
+class DomainEvent(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """What every stored event has: who, when, why. ``class_version`` is written
     into each record so a later schema can recognise, and upcast, what an older
     one wrote."""
@@ -61,7 +61,7 @@ class DomainEvent(msgspec.Struct, frozen=True, kw_only=True):
         raise AssertionError("every event has a class_version")
 
 
-class Model(msgspec.Struct, frozen=True):
+class Model(msgspec.Struct, frozen=True, gc=False):
     """A model's aggregate state: its stream position and the definition in force
     (``None`` while it is removed, or while its events are skipped)."""
 
@@ -75,6 +75,8 @@ class Model(msgspec.Struct, frozen=True):
 
         # Which change this is, in the words of a refusal for a declared model.
         what: ClassVar[str] = "change it"
+        # The fields of the definition it can change: only their rules are checked.
+        touches: ClassVar[tuple[str, ...]] = EVERY_FIELD
 
         def evolve(self, current: ModelSpec | None) -> ModelSpec | None:
             """The definition after this event, given the one before it."""
@@ -100,6 +102,7 @@ class Model(msgspec.Struct, frozen=True):
 
     class Removed(Event, frozen=True, kw_only=True):
         what: ClassVar[str] = "remove it"
+        touches: ClassVar[tuple[str, ...]] = ()
 
         def evolve(self, current: ModelSpec | None) -> ModelSpec | None:
             if current is None:
@@ -109,6 +112,7 @@ class Model(msgspec.Struct, frozen=True):
     class Scaled(Event, frozen=True, kw_only=True):
         scaling: Scaling
         what: ClassVar[str] = "change its scaling"
+        touches: ClassVar[tuple[str, ...]] = ("scaling",)
 
         def change(self, current: ModelSpec) -> ModelSpec:
             return msgspec.structs.replace(current, scaling=self.scaling)
@@ -121,6 +125,7 @@ class Model(msgspec.Struct, frozen=True):
         memory_gb: int | None = None
         cpu_cores: int | None = None
         what: ClassVar[str] = "change its resources"
+        touches: ClassVar[tuple[str, ...]] = ("profiles",)
 
         def change(self, current: ModelSpec) -> ModelSpec:
             if self.profile and all(p.name != self.profile for p in current.profiles):
@@ -143,6 +148,7 @@ class Model(msgspec.Struct, frozen=True):
     class ClassSet(Event, frozen=True, kw_only=True):
         capacity_class: str = msgspec.field(name="class")
         what: ClassVar[str] = "change its class"
+        touches: ClassVar[tuple[str, ...]] = ("class",)
 
         def change(self, current: ModelSpec) -> ModelSpec:
             return msgspec.structs.replace(current, capacity_class=self.capacity_class)
@@ -150,6 +156,7 @@ class Model(msgspec.Struct, frozen=True):
     class OwnerSet(Event, frozen=True, kw_only=True):
         owner: str
         what: ClassVar[str] = "change its owner"
+        touches: ClassVar[tuple[str, ...]] = ("owner",)
 
         def change(self, current: ModelSpec) -> ModelSpec:
             return msgspec.structs.replace(current, owner=self.owner)
@@ -157,6 +164,7 @@ class Model(msgspec.Struct, frozen=True):
     class AdaptersSet(Event, frozen=True, kw_only=True):
         adapters: tuple[Adapter, ...]
         what: ClassVar[str] = "change its adapters"
+        touches: ClassVar[tuple[str, ...]] = ("adapters",)
 
         def change(self, current: ModelSpec) -> ModelSpec:
             return msgspec.structs.replace(current, adapters=self.adapters)
@@ -167,6 +175,7 @@ class Model(msgspec.Struct, frozen=True):
         source: str
         origin: Origin | None = None
         what: ClassVar[str] = "change its source"
+        touches: ClassVar[tuple[str, ...]] = ("source", "origin")
 
         def change(self, current: ModelSpec) -> ModelSpec:
             return msgspec.structs.replace(current, source=self.source, origin=self.origin)
@@ -176,6 +185,7 @@ class Model(msgspec.Struct, frozen=True):
 
         origin: Origin | None
         what: ClassVar[str] = "record its origin"
+        touches: ClassVar[tuple[str, ...]] = ("origin",)
 
         def change(self, current: ModelSpec) -> ModelSpec:
             return msgspec.structs.replace(current, origin=self.origin)

@@ -10,7 +10,7 @@ may have changed since it was written.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import msgspec
 
@@ -24,7 +24,7 @@ SHA256_PATTERN = re.compile(r"[0-9a-f]{64}")
 MAX_SOURCE_LENGTH = 2048
 
 
-class Value(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class Value(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False):
     """Base of the value objects: immutable, compared by value."""
 
 
@@ -109,29 +109,40 @@ def _check_unique(model: str, field: str, names: Iterable[str]) -> None:
         seen.add(name)
 
 
+_WHITE_SPACE = re.compile(r"\s")
+
+
 def _check_source(model: str, field: str, source: str) -> None:
     if not source.strip():
         raise InvalidModel(model, field, "must not be empty")
     if len(source) > MAX_SOURCE_LENGTH:
         raise InvalidModel(model, field, f"is longer than {MAX_SOURCE_LENGTH} characters")
-    if any(c.isspace() for c in source):
+    if _WHITE_SPACE.search(source):
         raise InvalidModel(model, field, "must not contain white space")
 
 
-def check_spec(spec: ModelSpec, engines: frozenset[str] | set[str]) -> None:
-    """Refuse a model that is malformed on its own, naming the field.
+# One checker per field, so a change is checked only where it can break a
+# rule: replaying a million scalings must not re-check a million names.
 
-    Rules that need the rest of the catalog (collisions, fallbacks) are the
-    catalog's; see :class:`catalog_es.catalog.Catalog`.
-    """
+
+def _name(spec: ModelSpec, engines: frozenset[str]) -> None:
     check_name(spec.name)
-    name = spec.name
+
+
+def _engine(spec: ModelSpec, engines: frozenset[str]) -> None:
     if spec.engine not in engines:
         known = ", ".join(sorted(engines))
         raise InvalidModel(
-            name, "engine", f"{spec.engine!r} is not a known engine (known: {known})"
+            spec.name, "engine", f"{spec.engine!r} is not a known engine (known: {known})"
         )
-    _check_source(name, "source", spec.source)
+
+
+def _source(spec: ModelSpec, engines: frozenset[str]) -> None:
+    _check_source(spec.name, "source", spec.source)
+
+
+def _profiles(spec: ModelSpec, engines: frozenset[str]) -> None:
+    name = spec.name
     if not spec.profiles:
         raise InvalidModel(name, "profiles", "at least one profile is required")
     for i, p in enumerate(spec.profiles):
@@ -140,32 +151,79 @@ def check_spec(spec: ModelSpec, engines: frozenset[str] | set[str]) -> None:
             if getattr(p, field) < 0:
                 raise InvalidModel(name, f"profiles[{i}].{field}", "cannot be negative")
     _check_unique(name, "profiles", (p.name for p in spec.profiles))
-    if spec.scaling.min < 0 or spec.scaling.max < 1 or spec.scaling.min > spec.scaling.max:
+
+
+def _scaling(spec: ModelSpec, engines: frozenset[str]) -> None:
+    low, high = spec.scaling.min, spec.scaling.max
+    if low < 0 or high < 1 or low > high:
         raise InvalidModel(
-            name,
-            "scaling",
-            f"min {spec.scaling.min}, max {spec.scaling.max}: need 0 <= min <= max and max >= 1",
+            spec.name, "scaling", f"min {low}, max {high}: need 0 <= min <= max and max >= 1"
         )
+
+
+def _class(spec: ModelSpec, engines: frozenset[str]) -> None:
     if spec.capacity_class and spec.capacity_class not in CLASSES:
         raise InvalidModel(
-            name, "class", f"{spec.capacity_class!r} is not one of {', '.join(CLASSES)} (or empty)"
+            spec.name,
+            "class",
+            f"{spec.capacity_class!r} is not one of {', '.join(CLASSES)} (or empty)",
         )
+
+
+def _owner(spec: ModelSpec, engines: frozenset[str]) -> None:
     if spec.owner and not OWNER_PATTERN.fullmatch(spec.owner):
         raise InvalidModel(
-            name, "owner", f"{spec.owner!r} is not org:ID, team:ID or project:ID (or empty)"
+            spec.name, "owner", f"{spec.owner!r} is not org:ID, team:ID or project:ID (or empty)"
         )
+
+
+def _adapters(spec: ModelSpec, engines: frozenset[str]) -> None:
     for i, a in enumerate(spec.adapters):
-        check_name(a.name, model=name, field=f"adapters[{i}].name")
-        _check_source(name, f"adapters[{i}].source", a.source)
-    _check_unique(name, "adapters", (a.name for a in spec.adapters))
+        check_name(a.name, model=spec.name, field=f"adapters[{i}].name")
+        _check_source(spec.name, f"adapters[{i}].source", a.source)
+    _check_unique(spec.name, "adapters", (a.name for a in spec.adapters))
+
+
+def _fallbacks(spec: ModelSpec, engines: frozenset[str]) -> None:
     for i, f in enumerate(spec.fallbacks):
-        check_name(f, model=name, field=f"fallbacks[{i}]")
-        if f == name:
-            raise InvalidModel(name, "fallbacks", "a model cannot be its own fallback")
-    _check_unique(name, "fallbacks", spec.fallbacks)
+        check_name(f, model=spec.name, field=f"fallbacks[{i}]")
+        if f == spec.name:
+            raise InvalidModel(spec.name, "fallbacks", "a model cannot be its own fallback")
+    _check_unique(spec.name, "fallbacks", spec.fallbacks)
+
+
+def _origin(spec: ModelSpec, engines: frozenset[str]) -> None:
     if spec.origin is not None:
         for path, digest in spec.origin.files.items():
             if not SHA256_PATTERN.fullmatch(digest):
                 raise InvalidModel(
-                    name, f"origin.files[{path!r}]", "is not a lower-case hex sha256 digest"
+                    spec.name, f"origin.files[{path!r}]", "is not a lower-case hex sha256 digest"
                 )
+
+
+_CHECKS: dict[str, Callable[[ModelSpec, frozenset[str]], None]] = {
+    "name": _name,
+    "engine": _engine,
+    "source": _source,
+    "profiles": _profiles,
+    "scaling": _scaling,
+    "class": _class,
+    "owner": _owner,
+    "adapters": _adapters,
+    "fallbacks": _fallbacks,
+    "origin": _origin,
+}
+EVERY_FIELD: tuple[str, ...] = tuple(_CHECKS)
+
+
+def check_spec(
+    spec: ModelSpec, engines: frozenset[str], fields: tuple[str, ...] = EVERY_FIELD
+) -> None:
+    """Refuse a model that is malformed on its own, naming the field. ``fields``
+    limits the check to what a change touched (the rest was valid already).
+
+    Rules that need the rest of the catalog (collisions, fallbacks) are the
+    catalog's; see :class:`catalog_es.catalog.Catalog`.
+    """
+    for field in fields:
+        _CHECKS[field](spec, engines)

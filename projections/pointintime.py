@@ -17,8 +17,8 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from catalog_es.catalog import Catalog
+from catalog_es.configuration import DeclaredConfig
 from catalog_es.errors import Refused
-from catalog_es.inputs import DeclaredConfig
 from catalog_es.persistence import SQLRecorder, events_table
 from projections import snapshots
 from projections.catalog import catch_up

@@ -23,7 +23,7 @@ from catalog_es.cli.base import (
     table,
 )
 from catalog_es.errors import InputError
-from catalog_es.inputs import read_model
+from catalog_es.inputs import read_changes, read_model
 from catalog_es.spec import Adapter, Origin
 
 
@@ -288,3 +288,25 @@ def _summary(fields: dict[str, Any]) -> str:
             f"fingerprint {fields['fingerprint'][:12]}"
         )
     return " ".join(f"{k}={json.dumps(v)}" for k, v in fields.items())
+
+
+@cli.command("apply")
+@click.argument("file", metavar="FILE|-")
+@shared_options
+@pass_settings
+def apply_command(settings: Settings, file: str) -> None:
+    """Apply a list of changes in one transaction, all or nothing.
+
+    FILE is YAML or JSON: a list whose items each have one key, the kind of
+    change — add (a definition), remove (a name), scale {name, min, max},
+    resources {name, profile, memory_gb, cpu_cores}, class {name, class},
+    owner {name, owner}, adapters {name, adapters}, source {name, source, origin}.
+    """
+    result = settings.models().apply_changes(read_changes(file), **meta(settings))
+    emit(
+        settings,
+        result,
+        lambda: click.echo(
+            f"applied {result['changes']} changes, now at revision {result['revision']}"
+        ),
+    )

@@ -1,0 +1,115 @@
+"""Commands as data: one ``Step`` per runtime change, decided inside a batch.
+
+The service's methods build one step and write it; ``apply`` writes a list of
+them in one transaction, all or nothing. A step may need the definition in
+force to fill in its event (a scaling that sets only the maximum keeps the
+minimum), so its fields are worked out inside the write transaction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from catalog_es.batch import Batch
+from catalog_es.errors import InputError
+from catalog_es.model import Model
+from catalog_es.spec import Adapter, ModelSpec, Origin, Scaling, check_name
+
+Derive = Callable[[ModelSpec | None], dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Step:
+    """One change to one model, not yet decided."""
+
+    event_class: type[Model.Event]
+    name: str
+    fields: dict[str, Any] = field(default_factory=dict)
+    derive: Derive | None = None
+
+    def __post_init__(self) -> None:
+        check_name(self.name)
+
+    @property
+    def verb(self) -> str:
+        """The command's name, as ``apply`` files and the CLI spell it."""
+        return _VERBS[self.event_class]
+
+    def decide(self, batch: Batch) -> tuple[Model.Event, ModelSpec | None, bool]:
+        """Decide into ``batch``: the event, the definition it puts in force, and
+        whether it replaced a runtime definition."""
+        current = batch.catalog.get(self.name)
+        extra = self.derive(current) if self.derive is not None else {}
+        event = batch.event(self.event_class, self.name, **self.fields, **extra)
+        new = batch.decide(event)
+        return event, new, self.event_class is Model.Added and current is not None
+
+
+_VERBS: dict[type[Model.Event], str] = {
+    Model.Added: "add",
+    Model.Removed: "remove",
+    Model.Scaled: "scale",
+    Model.ResourcesSet: "resources",
+    Model.ClassSet: "class",
+    Model.OwnerSet: "owner",
+    Model.AdaptersSet: "adapters",
+    Model.SourceSet: "source",
+    Model.OriginSet: "origin",
+}
+
+
+def add(spec: ModelSpec) -> Step:
+    return Step(Model.Added, spec.name, {"spec": spec})
+
+
+def remove(name: str) -> Step:
+    return Step(Model.Removed, name)
+
+
+def scale(name: str, minimum: int | None = None, maximum: int | None = None) -> Step:
+    """Replica bounds; a bound left ``None`` keeps its current value."""
+    if minimum is None and maximum is None:
+        raise InputError("say what to set: the minimum, the maximum, or both")
+
+    def scaling(current: ModelSpec | None) -> dict[str, Any]:
+        now = current.scaling if current is not None else Scaling()
+        low = now.min if minimum is None else minimum
+        high = now.max if maximum is None else maximum
+        return {"scaling": Scaling(min=low, max=high)}
+
+    return Step(Model.Scaled, name, derive=scaling)
+
+
+def resources(
+    name: str, profile: str = "", memory_gb: int | None = None, cpu_cores: int | None = None
+) -> Step:
+    """Host memory and CPU cores of one profile, or of every profile."""
+    if memory_gb is None and cpu_cores is None:
+        raise InputError("say what to set: memory (GB), CPU cores, or both")
+    return Step(
+        Model.ResourcesSet,
+        name,
+        {"profile": profile, "memory_gb": memory_gb, "cpu_cores": cpu_cores},
+    )
+
+
+def capacity_class(name: str, value: str) -> Step:
+    return Step(Model.ClassSet, name, {"capacity_class": value})
+
+
+def owner(name: str, value: str) -> Step:
+    return Step(Model.OwnerSet, name, {"owner": value})
+
+
+def adapters(name: str, value: tuple[Adapter, ...]) -> Step:
+    return Step(Model.AdaptersSet, name, {"adapters": tuple(value)})
+
+
+def source(name: str, value: str, origin: Origin | None = None) -> Step:
+    return Step(Model.SourceSet, name, {"source": value, "origin": origin})
+
+
+def origin(name: str, value: Origin | None) -> Step:
+    return Step(Model.OriginSet, name, {"origin": value})
