@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from catalog_es import commands
 from catalog_es.configuration import DeclaredConfig as DeclaredConfig  # re-exported
-from catalog_es.errors import ConfigError, InputError
+from catalog_es.errors import ConfigError, InputError, Refused
 from catalog_es.spec import DEFAULT_ENGINES, Adapter, ModelSpec, Origin
 
 # A model definition is a few hundred bytes; a megabyte is a mistake or an attack.
@@ -349,6 +349,6 @@ def read_changes(path: str) -> list[commands.Step]:
             steps.append(_step(kind, value))
         except ValidationError as error:
             raise InputError(f"{where}: change {number} ({kind}): {describe(error)}") from None
-        except InputError as error:
+        except Refused as error:
             raise InputError(f"{where}: change {number} ({kind}): {error}") from None
     return steps

@@ -1,0 +1,98 @@
+"""``apply``: a list of changes in one transaction, all or nothing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from catalog_es.application import Models
+from catalog_es.cli import cli
+from catalog_es.configuration import DeclaredConfig
+from catalog_es.errors import InputError, Refused
+from catalog_es.inputs import read_changes
+from tests.conftest import count_events
+
+CHANGES = """
+- add: {name: a, engine: vllm, source: hf://o/a, profiles: [{name: g, gpus: 1}]}
+- add: {name: b, engine: vllm, source: hf://o/b, profiles: [{name: g, gpus: 1}], fallbacks: [a]}
+- scale: {name: a, max: 3}
+- resources: {name: a, profile: g, memory_gb: 64}
+- class: {name: b, class: critical}
+- owner: {name: b, owner: "team:x"}
+- adapters: {name: a, adapters: [{name: sql, source: "s3://adapters/sql"}]}
+- source: {name: b, source: "hf://o/b2", origin: {repository: o/b2, revision: abc}}
+"""
+
+
+def write(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "changes.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_every_change_lands_in_one_transaction(db_url: str, tmp_path: Path) -> None:
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
+    result = models.apply_changes(read_changes(write(tmp_path, CHANGES)), by="ops")
+    assert result["changes"] == 8
+    assert count_events(db_url) == 8
+    a, b = models.get_model("a"), models.get_model("b")
+    assert a["scaling"] == {"min": 1, "max": 3}
+    assert a["profiles"][0]["min_memory_gb"] == 64
+    assert a["adapters"] == [{"name": "sql", "source": "s3://adapters/sql"}]
+    assert (b["class"], b["owner"], b["source"]) == ("critical", "team:x", "hf://o/b2")
+    # One transaction: one timestamp, so an `at` inside it reads the state before it.
+    times = {e["time"] for e in models.log_events()}
+    assert len(times) == 1
+    assert models.list_models(at=4) == []
+
+
+def test_one_refused_change_refuses_them_all(db_url: str, tmp_path: Path) -> None:
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
+    models.apply_changes(read_changes(write(tmp_path, CHANGES)), by="ops")
+    rows = count_events(db_url)
+    # Removing a while b still falls back to it is refused; the scale before it must not land.
+    bad = "- scale: {name: b, max: 5}\n- remove: a\n"
+    with pytest.raises(Refused, match=r"change 2 \(remove a\) refused, nothing applied"):
+        models.apply_changes(read_changes(write(tmp_path, bad)), by="ops")
+    assert count_events(db_url) == rows
+    assert models.get_model("b")["scaling"] == {"min": 1, "max": 1}
+    # In an order where every step is valid, the same removal goes through.
+    good = "- add: {name: b, engine: vllm, source: hf://o/b, profiles: [{name: g, gpus: 1}]}\n"
+    good += "- remove: a\n"
+    models.apply_changes(read_changes(write(tmp_path, good)), by="ops")
+    assert [m["name"] for m in models.list_models()] == ["b"]
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[]", "expected a non-empty list of changes"),
+        ("- frobnicate: {name: a}\n", "change 1: expected one of add, remove"),
+        ("- scale: {name: a, min: x}\n", "change 1 (scale): min: Input should be a valid integer"),
+        ("- scale: {name: a}\n", "change 1 (scale): say what to set"),
+        ("- remove: {name: a}\n", "change 1 (remove): remove: give the model's name"),
+        ("- owner: {name: 'a b', owner: ''}\n", "change 1 (owner): model 'a b': name"),
+        ("- add: {name: a}\n", "change 1 (add): engine: required field is missing"),
+    ],
+)
+def test_a_malformed_changes_file_is_one_clear_error(
+    tmp_path: Path, text: str, message: str
+) -> None:
+    with pytest.raises(InputError, match="^.*" + message.replace("(", r"\(").replace(")", r"\)")):
+        read_changes(write(tmp_path, text))
+
+
+def test_cli_apply_exit_codes_and_nothing_written_on_refusal(tmp_path: Path) -> None:
+    db = f"sqlite:///{tmp_path}/catalog.db"
+    runner = CliRunner()
+    done = runner.invoke(cli, ["--db", db, "apply", write(tmp_path, CHANGES), "--json"])
+    assert done.exit_code == 0, done.stderr
+    assert '"changes": 8' in done.stdout
+    rows = count_events(db)
+    refused = runner.invoke(cli, ["--db", db, "apply", write(tmp_path, "- remove: a\n")])
+    assert refused.exit_code == 1
+    assert len(refused.stderr.strip().splitlines()) == 1
+    assert refused.stderr.startswith("error: change 1 (remove a) refused")
+    assert count_events(db) == rows
