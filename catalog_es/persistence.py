@@ -13,6 +13,7 @@ an earlier one commits.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -72,9 +73,17 @@ tracking_table = sa.Table(
 )
 
 
+SYNC_ENV = "CATALOG_ES_SQLITE_SYNC"
+
+
 def create_engine(url: str) -> Engine:
     """An engine with the settings the log relies on."""
     if url.startswith("sqlite"):
+        # FULL (the default): a command reported as written survives a power cut.
+        # NORMAL: it survives the process being killed, not the machine losing power.
+        synchronous = os.environ.get(SYNC_ENV, "FULL").upper()
+        if synchronous not in ("FULL", "NORMAL"):
+            raise ValueError(f"{SYNC_ENV} must be FULL or NORMAL, not {synchronous!r}")
         engine = sa.create_engine(url, connect_args={"timeout": LOCK_WAIT_SECONDS})
 
         @sa.event.listens_for(engine, "connect")
@@ -83,8 +92,7 @@ def create_engine(url: str) -> Engine:
             dbapi_connection.isolation_level = None
             cursor = dbapi_connection.cursor()
             cursor.execute("PRAGMA journal_mode=WAL")
-            # FULL: a command reported as written survives a power cut too.
-            cursor.execute("PRAGMA synchronous=FULL")
+            cursor.execute(f"PRAGMA synchronous={synchronous}")
             cursor.close()
 
         @sa.event.listens_for(engine, "begin")
@@ -154,7 +162,24 @@ class SQLRecorder(ProcessRecorder):
             with self.write() as own:
                 return self.insert_events(stored_events, conn=own, tracking=tracking)
         revisions: list[int] = []
-        if stored_events:
+        if len(stored_events) == 1:
+            # The hot path, one command one event: straight through the driver.
+            e = stored_events[0]
+            cursor = conn.connection.cursor()
+            try:
+                cursor.execute(
+                    self._sql(
+                        "INSERT INTO catalog_events"
+                        " (originator_id, originator_version, topic, state)"
+                        " VALUES (?, ?, ?, ?) RETURNING revision"
+                    ),
+                    (self._uuid(e.originator_id), e.originator_version, e.topic, e.state),
+                )
+                (revision,) = cursor.fetchone() or (None,)
+                revisions = [int(revision)]
+            finally:
+                cursor.close()
+        elif stored_events:
             rows = [
                 {
                     "originator_id": e.originator_id,
@@ -168,9 +193,9 @@ class SQLRecorder(ProcessRecorder):
                 events_table.c.revision, sort_by_parameter_order=True
             )
             revisions = list(conn.execute(statement, rows).scalars())
-            if self.dialect == "postgresql":
-                # Delivered at commit, so a follower never wakes before it can read.
-                conn.exec_driver_sql(f"NOTIFY {CHANNEL}")
+        if stored_events and self.dialect == "postgresql":
+            # Delivered at commit, so a follower never wakes before it can read.
+            conn.exec_driver_sql(f"NOTIFY {CHANNEL}")
         if tracking is not None:
             self._insert_tracking(conn, tracking)
         return revisions
@@ -240,11 +265,28 @@ class SQLRecorder(ProcessRecorder):
     def stream_version(self, conn: Connection, originator_id: UUID) -> int:
         """The last version in an aggregate's stream, 0 for a new one. Read from
         the rows, not the catalog: a record replay skipped still holds its place."""
-        t = events_table.c
-        value = conn.execute(
-            sa.select(sa.func.max(t.originator_version)).where(t.originator_id == originator_id)
-        ).scalar()
+        cursor = conn.connection.cursor()
+        try:
+            cursor.execute(
+                self._sql(
+                    "SELECT max(originator_version) FROM catalog_events WHERE originator_id = ?"
+                ),
+                (self._uuid(originator_id),),
+            )
+            (value,) = cursor.fetchone() or (None,)
+        finally:
+            cursor.close()
         return int(value or 0)
+
+    def _sql(self, text: str) -> str:
+        """Driver SQL written with ``?`` marks, in this driver's paramstyle."""
+        return text if self.dialect == "sqlite" else text.replace("?", "%s")
+
+    def _uuid(self, value: UUID | str) -> UUID | str:
+        """A UUID as the ``Uuid`` column stores it: 32 hex digits on SQLite."""
+        if isinstance(value, str):
+            value = UUID(value)
+        return value.hex if self.dialect == "sqlite" else value
 
     def scan(
         self, conn: Connection, after: int = 0, upto: int | None = None
@@ -255,11 +297,10 @@ class SQLRecorder(ProcessRecorder):
         cursor (in the caller's transaction) rather than building a SQLAlchemy
         row per event. Keyset paging on the primary key: each page is an index
         range scan."""
-        mark = "?" if self.dialect == "sqlite" else "%s"
-        sql = f"SELECT revision, topic, state FROM catalog_events WHERE revision > {mark}"
+        sql = "SELECT revision, topic, state FROM catalog_events WHERE revision > ?"
         if upto is not None:
             sql += f" AND revision <= {int(upto)}"
-        sql += f" ORDER BY revision LIMIT {PAGE_SIZE}"
+        sql = self._sql(sql + f" ORDER BY revision LIMIT {PAGE_SIZE}")
         cursor = conn.connection.cursor()
         try:
             while True:
