@@ -175,8 +175,9 @@ class SQLRecorder(ProcessRecorder):
                     ),
                     (self._uuid(e.originator_id), e.originator_version, e.topic, e.state),
                 )
-                (revision,) = cursor.fetchone() or (None,)
-                revisions = [int(revision)]
+                row = cursor.fetchone()
+                assert row is not None, "INSERT … RETURNING returns the row"
+                revisions = [int(row[0])]
             finally:
                 cursor.close()
         elif stored_events:
