@@ -168,32 +168,38 @@ class Catalog:
     def apply(self, event: DomainEvent, revision: int) -> Skipped | None:
         """Replay one stored event: apply it if the catalog stays valid, else
         skip it (the stream's version still advances) and say why. The hot
-        loop of every load: keep it lean."""
+        loop of every load: keep it lean (``catch_up`` keeps the time)."""
         self.revision = revision
-        if self.last_timestamp is None or event.timestamp > self.last_timestamp:
-            self.last_timestamp = event.timestamp
         if type(event) is Configuration.Declared:
             # Replay is always over today's config; the record says what was in force then.
             self.recorded_declaration = (event.fingerprint, revision)
             return None
-        assert isinstance(event, Model.Event)
-        name = event.model
+        change: Model.Event = event  # type: ignore[assignment]  # every other kind is
+        name = change.model
         aggregate = self.aggregates.get(name) or Model.new(name)
         try:
             # By value of the 128-bit ints: UUID.__eq__ is slow in a hot loop.
-            if event.originator_id.int != aggregate.id.int:
+            if change.originator_id.int != aggregate.id.int:
                 raise Refused(f"its aggregate id does not belong to model {name!r}")
             if name in self.declared:
                 raise Refused(
                     f"model {name!r} is declared in configuration, which wins every conflict"
                 )
-            new = event.evolve(aggregate.spec)
-            self.check(name, new, event.touches)
+            new = change.evolve(aggregate.spec)
+            if new is not None and "fallbacks" not in change.touches:
+                check_spec(new, self.engines, change.touches)
+            else:
+                self.check(name, new, change.touches)
         except Refused as refusal:
-            self.aggregates[name] = aggregate.mutate(event, aggregate.spec)
-            return self.skip(revision, name, type(event).__name__, str(refusal))
-        self._put(aggregate, event, new)
+            self.aggregates[name] = aggregate.mutate(change, aggregate.spec)
+            return self.skip(revision, name, type(change).__name__, str(refusal))
+        self._put(aggregate, change, new)
         return None
+
+    def saw(self, timestamp: datetime) -> None:
+        """Keep the newest event time seen."""
+        if self.last_timestamp is None or timestamp > self.last_timestamp:
+            self.last_timestamp = timestamp
 
     def skip(self, revision: int, model: str, event: str, reason: str) -> Skipped:
         skipped = Skipped(revision=revision, model=model, event=event, reason=reason)
@@ -203,15 +209,14 @@ class Catalog:
 
     def commit(self, event: Model.Event, new: ModelSpec | None) -> None:
         """Put an event that was checked into force."""
-        if self.last_timestamp is None or event.timestamp > self.last_timestamp:
-            self.last_timestamp = event.timestamp
+        self.saw(event.timestamp)
         self._put(self.aggregate(event.model), event, new)
 
     def _put(self, aggregate: Model, event: Model.Event, new: ModelSpec | None) -> None:
         old = aggregate.spec
         old_fallbacks = old.fallbacks if old is not None else ()
         new_fallbacks = new.fallbacks if new is not None else ()
-        if old_fallbacks != new_fallbacks:
+        if old_fallbacks is not new_fallbacks and old_fallbacks != new_fallbacks:
             if old is not None:
                 self._unlink(old)
             if new is not None:

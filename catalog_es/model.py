@@ -125,7 +125,7 @@ class Model(msgspec.Struct, frozen=True, gc=False):
         memory_gb: int | None = None
         cpu_cores: int | None = None
         what: ClassVar[str] = "change its resources"
-        touches: ClassVar[tuple[str, ...]] = ("profiles",)
+        touches: ClassVar[tuple[str, ...]] = ("resources",)
 
         def change(self, current: ModelSpec) -> ModelSpec:
             if self.profile and all(p.name != self.profile for p in current.profiles):

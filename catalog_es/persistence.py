@@ -291,8 +291,8 @@ class SQLRecorder(ProcessRecorder):
 
     def scan(
         self, conn: Connection, after: int = 0, upto: int | None = None
-    ) -> Iterator[tuple[int, str, bytes]]:
-        """``(revision, topic, state)`` after a revision, in order, in large pages.
+    ) -> Iterator[list[tuple[int, str, bytes]]]:
+        """Pages of ``(revision, topic, state)`` after a revision, in order.
 
         The hot path of every replay, so it reads through the driver's own
         cursor (in the caller's transaction) rather than building a SQLAlchemy
@@ -306,8 +306,9 @@ class SQLRecorder(ProcessRecorder):
         try:
             while True:
                 cursor.execute(sql, (after,))
-                rows = cursor.fetchall()
-                yield from rows
+                rows: list[tuple[int, str, bytes]] = cursor.fetchall()  # type: ignore[assignment]
+                if rows:
+                    yield rows
                 if len(rows) < PAGE_SIZE:
                     return
                 after = rows[-1][0]

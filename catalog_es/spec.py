@@ -153,6 +153,14 @@ def _profiles(spec: ModelSpec, engines: frozenset[str]) -> None:
     _check_unique(name, "profiles", (p.name for p in spec.profiles))
 
 
+def _resources(spec: ModelSpec, engines: frozenset[str]) -> None:
+    """The numbers of each profile only: what a change of resources can break."""
+    for i, p in enumerate(spec.profiles):
+        if p.min_memory_gb < 0 or p.cpu_cores < 0:
+            field = "min_memory_gb" if p.min_memory_gb < 0 else "cpu_cores"
+            raise InvalidModel(spec.name, f"profiles[{i}].{field}", "cannot be negative")
+
+
 def _scaling(spec: ModelSpec, engines: frozenset[str]) -> None:
     low, high = spec.scaling.min, spec.scaling.max
     if low < 0 or high < 1 or low > high:
@@ -206,6 +214,7 @@ _CHECKS: dict[str, Callable[[ModelSpec, frozenset[str]], None]] = {
     "engine": _engine,
     "source": _source,
     "profiles": _profiles,
+    "resources": _resources,
     "scaling": _scaling,
     "class": _class,
     "owner": _owner,

@@ -15,6 +15,7 @@ from sqlalchemy.engine import Connection
 
 from catalog_es.catalog import Catalog, Skipped
 from catalog_es.mapper import UndecodableEvent, decode_event, model_of_state
+from catalog_es.model import DomainEvent
 from catalog_es.persistence import SQLRecorder
 
 Progress = Callable[[int], None]
@@ -33,17 +34,25 @@ def catch_up(
     revision is its tracking position."""
     skipped: list[Skipped] = []
     apply = catalog.apply
-    for revision, topic, state in recorder.scan(conn, after=catalog.revision, upto=upto):
-        try:
-            event = decode_event(topic, state)
-        except UndecodableEvent as error:
-            outcome: Skipped | None = catalog.skip(
-                revision, model_of_state(state), topic.rpartition(".")[2], str(error)
-            )
-        else:
-            outcome = apply(event, revision)
-        if outcome is not None:
-            skipped.append(outcome)
-        if progress is not None:
-            progress(revision)
+    last: DomainEvent | None = None
+    for page in recorder.scan(conn, after=catalog.revision, upto=upto):
+        for revision, topic, state in page:
+            try:
+                event = decode_event(topic, state)
+            except UndecodableEvent as error:
+                skipped.append(
+                    catalog.skip(
+                        revision, model_of_state(state), topic.rpartition(".")[2], str(error)
+                    )
+                )
+            else:
+                last = event
+                outcome = apply(event, revision)
+                if outcome is not None:
+                    skipped.append(outcome)
+            if progress is not None:
+                progress(revision)
+    if last is not None:
+        # The log's time never runs backwards, so the last event is the newest.
+        catalog.saw(last.timestamp)
     return skipped

@@ -1,0 +1,547 @@
+#!/usr/bin/env python3
+"""Benchmarks: each figure beside its baseline, measured in the same run.
+
+Machines are noisy, so what this reports is the ratio to a baseline taken
+moments before on the same files, as much as the absolute figure:
+
+    python scripts/bench.py            # the full workloads of issue 6 (several minutes)
+    python scripts/bench.py --quick    # a tenth of the sizes, under a minute (CI smoke)
+    python scripts/bench.py --postgres postgresql+psycopg://postgres@127.0.0.1:5432/test
+
+A benchmark, not a test: it asserts nothing and prints a table (and, with
+``--markdown FILE``, writes it with a description of the machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import platform
+import random
+import sqlite3
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+from eventsourcing.domain import Aggregate
+from eventsourcing.persistence import JSONTranscoder, Mapper, StoredEvent
+
+from catalog_es.application import Models
+from catalog_es.catalog import Catalog
+from catalog_es.configuration import DeclaredConfig
+from catalog_es.mapper import decode_event, encode_event, topic_of
+from catalog_es.model import Model, model_id
+from catalog_es.persistence import SQLRecorder, create_engine, events_table
+from catalog_es.spec import ModelSpec, Profile, Scaling
+from projections.catalog import catch_up
+
+
+@dataclass
+class Figure:
+    name: str
+    workload: str
+    value: float
+    unit: str
+    baseline: str
+    baseline_value: float | None
+    target: str
+
+    @property
+    def ratio(self) -> str:
+        if not self.baseline_value:
+            return "—"
+        return f"{self.value / self.baseline_value:.2f}×"
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    start = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - start, result
+
+
+# -- synthetic logs -------------------------------------------------------------------------
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+def spec_of(name: str, fallbacks: tuple[str, ...] = ()) -> ModelSpec:
+    return ModelSpec(
+        name=name,
+        engine="vllm",
+        source=f"hf://org/{name}",
+        profiles=(Profile("gpu", 1, 24, 32, 4),),
+        fallbacks=fallbacks,
+    )
+
+
+def synthetic_events(models: int, events: int, seed: int = 1) -> Iterator[Model.Event]:
+    """``models`` Added, then scalings, owners and resources until ``events``.
+    One transaction per event: each has its own, increasing timestamp."""
+    rng = random.Random(seed)
+    names = [f"model-{i:06d}" for i in range(models)]
+    ids = {n: model_id(n) for n in names}
+    versions = dict.fromkeys(names, 0)
+    for i in range(events):
+        name = names[i] if i < models else rng.choice(names)
+        versions[name] += 1
+        envelope = {
+            "originator_id": ids[name],
+            "originator_version": versions[name],
+            "timestamp": T0 + timedelta(microseconds=i),
+            "by": f"user{i % 50}",
+            "model": name,
+        }
+        if i < models:
+            yield Model.Added(**envelope, spec=spec_of(name))
+            continue
+        kind = rng.random()
+        if kind < 0.6:
+            yield Model.Scaled(**envelope, scaling=Scaling(rng.randint(0, 2), rng.randint(2, 5)))
+        elif kind < 0.8:
+            yield Model.OwnerSet(**envelope, owner=rng.choice(["", "team:a", "org:b"]))
+        else:
+            yield Model.ResourcesSet(**envelope, profile="gpu", memory_gb=rng.randint(8, 64))
+
+
+def write_log(url: str, events: Iterator[Model.Event]) -> None:
+    """Straight into the table, in large batches: building a log is not what is measured."""
+    recorder = SQLRecorder(create_engine(url))
+    statement = sa.insert(events_table)
+    batch: list[dict[str, Any]] = []
+    with recorder.engine.begin() as conn:
+        for event in events:
+            batch.append(
+                {
+                    "originator_id": event.originator_id,
+                    "originator_version": event.originator_version,
+                    "topic": topic_of(type(event)),
+                    "state": encode_event(event),
+                }
+            )
+            if len(batch) == 5000:
+                conn.execute(statement, batch)
+                batch.clear()
+        if batch:
+            conn.execute(statement, batch)
+    recorder.engine.dispose()
+
+
+# -- the eventsourcing baseline ----------------------------------------------------------------
+
+
+class ScaledES(Aggregate.Event):
+    """The same payload as ``Model.Scaled``, as a plain eventsourcing event."""
+
+    model: str
+    by: str
+    reason: str
+    rollback_to: int | None
+    min: int
+    max: int
+
+
+def eventsourcing_decode_rate(count: int) -> float:
+    """Events per second eventsourcing's default mapper (JSON transcoder) decodes."""
+    mapper: Mapper[uuid.UUID] = Mapper(transcoder=JSONTranscoder())
+    from eventsourcing.persistence import DatetimeAsISO, UUIDAsHex
+
+    mapper.transcoder.register(UUIDAsHex())  # type: ignore[attr-defined]
+    mapper.transcoder.register(DatetimeAsISO())  # type: ignore[attr-defined]
+    originator = uuid.uuid4()
+    stored: list[StoredEvent] = []
+    for i in range(count):
+        event = object.__new__(ScaledES)
+        event.__dict__.update(
+            originator_id=originator,
+            originator_version=i + 1,
+            timestamp=T0 + timedelta(microseconds=i),
+            model="m",
+            by="user",
+            reason="",
+            rollback_to=None,
+            min=i % 3,
+            max=3,
+        )
+        stored.append(mapper.to_stored_event(event))
+    seconds, _ = timed(lambda: [mapper.to_domain_event(s) for s in stored])
+    return count / seconds
+
+
+# -- figures --------------------------------------------------------------------------------------
+
+
+def replay_figures(url: str, path: Path | None, events: int) -> list[Figure]:
+    recorder = SQLRecorder(create_engine(url))
+    figures = []
+    floor = None
+    if path is not None:
+        with sqlite3.connect(path) as raw:
+            sql = "SELECT revision, topic, state FROM catalog_events ORDER BY revision"
+            scan_s, _ = timed(lambda: sum(1 for _ in raw.execute(sql)))
+            decode_s, _ = timed(
+                lambda: sum(1 for _, t, s in raw.execute(sql) if decode_event(t, s))
+            )
+        floor = events / decode_s
+        figures.append(
+            Figure(
+                "raw scan (the floor)",
+                f"{events:,} events",
+                events / scan_s,
+                "events/s",
+                "—",
+                None,
+                "—",
+            )
+        )
+    es_rate = eventsourcing_decode_rate(min(events, 200_000))
+
+    def replay() -> Catalog:
+        catalog = Catalog()
+        with recorder.read() as conn:
+            catch_up(catalog, recorder, conn)
+        return catalog
+
+    replay_s, catalog = timed(replay)
+    assert catalog.revision == events and not catalog.skipped
+    rate = events / replay_s
+    if floor is not None:
+        figures.append(
+            Figure(
+                "replay (rebuild the catalog)",
+                f"{events:,} events",
+                rate,
+                "events/s",
+                "raw scan + msgspec decode",
+                floor,
+                "≥ 300,000/s, ratio ≥ 0.67",
+            )
+        )
+    figures.append(
+        Figure(
+            "replay vs eventsourcing's JSON mapper",
+            f"{events:,} events",
+            rate,
+            "events/s",
+            "eventsourcing Mapper+JSONTranscoder decode only",
+            es_rate,
+            "—",
+        )
+    )
+    recorder.engine.dispose()
+    return figures
+
+
+def quadratic_load(declared: list[ModelSpec], stored: list[ModelSpec]) -> int:
+    """The original control plane's load: for each stored model, build and
+    validate the whole catalog with it added (O(n²))."""
+    accepted: list[ModelSpec] = []
+    for spec in stored:
+        try:
+            Catalog([*declared, *accepted, spec])
+        except Exception:
+            continue
+        accepted.append(spec)
+    return len(accepted)
+
+
+def load_figures(tmp: Path, sizes: tuple[int, int], small: tuple[int, int]) -> list[Figure]:
+    declared = [spec_of(f"declared-{i:03d}") for i in range(100)]
+    config = DeclaredConfig(models=tuple(declared))
+    times = {}
+    for n in sizes:
+        url = f"sqlite:///{tmp}/load-{n}.db"
+        write_log(url, synthetic_events(n, n, seed=n))
+        seconds, models = timed(
+            lambda url=url: Models(config, snapshot_interval=10**9, env={"CATALOG_ES_DB": url})
+        )
+        assert len(models.catalog) == n + 100
+        models.close()
+        times[n] = seconds
+    quad = {}
+    for n in small:
+        stored = [spec_of(f"model-{i:06d}") for i in range(n)]
+        quad[n], _ = timed(lambda stored=stored: quadratic_load(declared, stored))
+    a, b = sizes
+    return [
+        Figure(
+            "load at start-up",
+            f"{a:,} runtime + 100 declared",
+            times[a],
+            "s",
+            f"original quadratic algorithm at {small[0]:,}",
+            quad[small[0]],
+            "≤ 1 s",
+        ),
+        Figure(
+            "load, linearity",
+            f"time at {b:,} / time at {a:,}",
+            times[b] / times[a],
+            "×",
+            f"quadratic: {small[1]:,} / {small[0]:,}",
+            quad[small[1]] / quad[small[0]],
+            "≤ 2.2×",
+        ),
+    ]
+
+
+def raw_commit_rate(path: Path, synchronous: str, count: int) -> float:
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute(f"PRAGMA synchronous={synchronous}")
+    conn.execute("CREATE TABLE IF NOT EXISTS t (id INTEGER PRIMARY KEY AUTOINCREMENT, b BLOB)")
+    payload = b"x" * 300
+    start = time.perf_counter()
+    for _ in range(count):
+        conn.execute("BEGIN IMMEDIATE")
+        conn.execute("INSERT INTO t (b) VALUES (?)", (payload,))
+        conn.execute("COMMIT")
+    rate = count / (time.perf_counter() - start)
+    conn.close()
+    return rate
+
+
+def raw_executemany_rate(path: Path, count: int) -> float:
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA synchronous=FULL")
+    conn.execute("CREATE TABLE IF NOT EXISTS m (id INTEGER PRIMARY KEY AUTOINCREMENT, b BLOB)")
+    rows = [(b"x" * 300,)] * count
+    start = time.perf_counter()
+    conn.execute("BEGIN IMMEDIATE")
+    conn.executemany("INSERT INTO m (b) VALUES (?)", rows)
+    conn.execute("COMMIT")
+    rate = count / (time.perf_counter() - start)
+    conn.close()
+    return rate
+
+
+def command_figures(url: str, path: Path | None, models_n: int, commands: int) -> list[Figure]:
+    write_log(url, synthetic_events(models_n, models_n))
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": url})
+    names = [f"model-{i:06d}" for i in range(models_n)]
+    rng = random.Random(7)
+
+    def scale_many() -> None:
+        for i in range(commands):
+            models.scale(rng.choice(names), i % 2, 3, by="bench")
+
+    seconds, _ = timed(scale_many)
+    figures = []
+    label = "SQLite file" if path is not None else "PostgreSQL"
+    raw = raw_commit_rate(path.with_suffix(".raw"), "FULL", commands) if path else None
+    figures.append(
+        Figure(
+            f"validated command ({label})",
+            f"scale one of {models_n:,}, one txn each",
+            commands / seconds,
+            "commands/s",
+            "raw sqlite3 single-row commit, WAL, synchronous=FULL" if raw else "—",
+            raw,
+            "≥ 3,000/s and ≥ 0.5× raw" if raw else "—",
+        )
+    )
+    batch = 1000
+    steps = []
+    from catalog_es import commands as c
+
+    for i in range(batch):
+        steps.append(c.scale(names[i % len(names)], 1, 2 + i % 3))
+    rounds = 5
+    seconds, _ = timed(lambda: [models.apply_changes(steps, by="bench") for _ in range(rounds)])
+    raw_many = raw_executemany_rate(path.with_suffix(".many"), batch) if path else None
+    figures.append(
+        Figure(
+            f"batch of {batch:,} in one txn ({label})",
+            f"apply, {rounds} rounds",
+            batch * rounds / seconds,
+            "changes/s",
+            "raw executemany, one txn" if raw_many else "—",
+            raw_many,
+            "≥ 50,000/s" if path else "—",
+        )
+    )
+    models.close()
+    return figures
+
+
+def point_in_time_figures(url: str, events: int, interval: int, samples: int) -> list[Figure]:
+    models = Models(DeclaredConfig(), snapshot_interval=interval, env={"CATALOG_ES_DB": url})
+    models.rebuild()
+    rng = random.Random(3)
+    revisions = [rng.randint(1, events) for _ in range(samples)]
+    latencies = []
+    for revision in revisions:
+        seconds, _ = timed(lambda r=revision: models.list_models(at=r))
+        latencies.append(seconds)
+    latencies.sort()
+    p99 = latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))]
+
+    def full_replay(revision: int) -> None:
+        catalog = Catalog()
+        with models.store.read() as conn:
+            catch_up(catalog, models.store, conn, upto=revision)
+
+    baseline = statistics.median(timed(lambda r=r: full_replay(r))[0] for r in revisions[:3])
+    models.close()
+    return [
+        Figure(
+            "point-in-time read, p99",
+            f"any revision of {events:,}, snapshots every {interval:,}",
+            p99 * 1000,
+            "ms",
+            "full replay to that revision (median)",
+            baseline * 1000,
+            "≤ 50 ms",
+        )
+    ]
+
+
+def memory_figure(models_n: int) -> Figure:
+    """RSS of a process holding a catalog of ``models_n`` models (measured in a child)."""
+    code = (
+        "import resource, sys\n"
+        "from scripts.bench import spec_of\n"
+        "from catalog_es.catalog import Catalog\n"
+        "from catalog_es.model import Model, model_id\n"
+        "from datetime import datetime, UTC\n"
+        "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "c = Catalog()\n"
+        "for i in range(int(sys.argv[1])):\n"
+        "    n = f'model-{i:06d}'\n"
+        "    c.apply(Model.Added(originator_id=model_id(n), originator_version=1,\n"
+        "            timestamp=datetime.now(UTC), by='b', model=n, spec=spec_of(n)), i + 1)\n"
+        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, base)\n"
+    )
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(models_n)],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=root,
+    ).stdout.split()
+    rss_mb = int(out[0]) / 1024
+    return Figure(
+        "memory",
+        f"catalog of {models_n:,} models in force",
+        rss_mb,
+        "MB RSS",
+        "—",
+        None,
+        "≤ 500 MB",
+    )
+
+
+def machine() -> str:
+    cpu = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return (
+        f"{platform.system()} {platform.machine()}, {os.cpu_count()} cores ({cpu}), "
+        f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') // 2**30} GiB; "
+        f"Python {platform.python_version()}, SQLite {sqlite3.sqlite_version}, "
+        f"SQLAlchemy {sa.__version__}"
+    )
+
+
+def render(figures: list[Figure]) -> str:
+    lines = [
+        "| figure | workload | measured | baseline | baseline value | ratio | target |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for f in figures:
+        base = f"{f.baseline_value:,.1f}" if f.baseline_value else "—"
+        lines.append(
+            f"| {f.name} | {f.workload} | {f.value:,.1f} {f.unit} | {f.baseline} | {base} | "
+            f"{f.ratio} | {f.target} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a tenth of the sizes")
+    parser.add_argument("--postgres", metavar="URL", help="also measure on this PostgreSQL")
+    parser.add_argument("--markdown", metavar="FILE", help="write the table and the machine")
+    args = parser.parse_args()
+    scale = 10 if args.quick else 1
+    events, models_n = 1_000_000 // scale, 10_000 // scale
+    gc.collect()
+    figures: list[Figure] = []
+    with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR")) as tmp_name:
+        tmp = Path(tmp_name)
+        log_path = tmp / "log.db"
+        url = f"sqlite:///{log_path}"
+        print(f"building a log of {events:,} events over {models_n:,} models…", file=sys.stderr)
+        write_log(url, synthetic_events(models_n, events))
+        figures += replay_figures(url, log_path, events)
+        figures += point_in_time_figures(url, events, 5_000, 100 if args.quick else 300)
+        print("load at start-up…", file=sys.stderr)
+        figures += load_figures(
+            tmp, (models_n, 2 * models_n), (500 // scale * 2, 1000 // scale * 2)
+        )
+        print("commands…", file=sys.stderr)
+        cmd_path = tmp / "commands.db"
+        figures += command_figures(f"sqlite:///{cmd_path}", cmd_path, models_n, 3000 // scale)
+        figures.append(memory_figure(100_000 // scale))
+        if args.postgres:
+            figures += postgres_figures(args.postgres, events // 10, models_n)
+    table = render(figures)
+    print(table)
+    if args.markdown:
+        Path(args.markdown).write_text(
+            f"Measured {datetime.now(UTC):%Y-%m-%d} on {machine()}.\n\n{table}\n"
+        )
+
+
+def postgres_figures(url: str, events: int, models_n: int) -> list[Figure]:
+    """Replay and commands on PostgreSQL, each in a schema of its own."""
+    admin = sa.create_engine(url, isolation_level="AUTOCOMMIT")
+    figures = []
+    for purpose in ("replay", "commands"):
+        schema = f"catalog_es_bench_{purpose}_{uuid.uuid4().hex[:8]}"
+        with admin.connect() as conn:
+            conn.execute(sa.text(f"CREATE SCHEMA {schema}"))
+        scoped = sa.make_url(url).update_query_dict({"options": f"-csearch_path={schema}"})
+        scoped_url = scoped.render_as_string(hide_password=False)
+        try:
+            if purpose == "replay":
+                write_log(scoped_url, synthetic_events(models_n, events))
+                figures += [
+                    Figure(
+                        f.name + " (PostgreSQL)",
+                        f.workload,
+                        f.value,
+                        f.unit,
+                        f.baseline,
+                        f.baseline_value,
+                        "—",
+                    )
+                    for f in replay_figures(scoped_url, None, events)
+                ]
+            else:
+                figures += command_figures(scoped_url, None, models_n, 1000)
+        finally:
+            with admin.connect() as conn:
+                conn.execute(sa.text(f"DROP SCHEMA {schema} CASCADE"))
+    admin.dispose()
+    return figures
+
+
+if __name__ == "__main__":
+    main()
