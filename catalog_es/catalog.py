@@ -175,12 +175,13 @@ class Catalog:
         try:
             if event.originator_id != aggregate.id:
                 raise Refused(f"its aggregate id does not belong to model {event.model!r}")
-            if event.model in self.declared:
+            if event.model in self.declared and not event.observation:
                 raise Refused(
                     f"model {event.model!r} is declared in configuration, which wins every conflict"
                 )
             new = event.evolve(aggregate.spec)
-            self.check(event.model, new)
+            if not event.observation:
+                self.check(event.model, new)
         except Refused as refusal:
             self.aggregates[event.model] = aggregate.mutate(event, aggregate.spec)
             return self.skip(revision, event.model, type(event).__name__, str(refusal))
@@ -197,6 +198,10 @@ class Catalog:
         """Put an event that was checked into force."""
         if self.last_timestamp is None or event.timestamp > self.last_timestamp:
             self.last_timestamp = event.timestamp
+        if event.observation and event.model in self.declared:
+            # Configuration is its definition: there is no runtime stream to
+            # advance, and a rollback must not take the record for runtime history.
+            return
         aggregate = self.aggregate(event.model)
         if aggregate.spec is not None:
             self._unlink(aggregate.spec)
