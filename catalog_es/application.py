@@ -341,6 +341,31 @@ class Models(Application[UUID]):
             removed=step.name if new is None else None,
         )
 
+    def write_plan(
+        self,
+        plan: Callable[[Batch], None],
+        *,
+        by: str,
+        reason: str = "",
+        expected_revision: int | None = None,
+        rollback_to: int | None = None,
+        dry_run: bool = False,
+    ) -> tuple[int, list[Change]]:
+        """The events ``plan`` decides into its batch, each against the catalog
+        the ones before it leave, written in one transaction: for commands
+        composed outside this class (weights updates). ``plan`` runs inside the
+        write transaction, so what it checks still holds when the events land;
+        ``dry_run`` decides everything and writes nothing."""
+        return self._write(
+            plan,
+            by=by,
+            reason=reason,
+            expected_revision=expected_revision,
+            rollback_to=rollback_to,
+            several=True,
+            dry_run=dry_run,
+        )
+
     def _write(
         self,
         plan: Callable[[Batch], None],
@@ -492,13 +517,12 @@ class Models(Application[UUID]):
             notes.extend(plan_rollback(batch, target, model=model, only=only))
             result_diff.update(diff_catalogs(self.catalog, batch.catalog, model=model))
 
-        revision, changes = self._write(
+        revision, changes = self.write_plan(
             plan,
             by=by,
             reason=reason,
             expected_revision=expected_revision,
             rollback_to=target_revision,
-            several=True,
             dry_run=dry_run,
         )
         return {

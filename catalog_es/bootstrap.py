@@ -7,14 +7,20 @@ import os
 from pathlib import Path
 
 from catalog_es.application import Models
+from catalog_es.errors import InputError
 from catalog_es.inputs import load_config
 from catalog_es.persistence import DEFAULT_URL
 from catalog_es.ports import Applier, PreAddCheck
+from catalog_es.registry import MirrorRegistry
+from catalog_es.weights import Weights, WeightsStore
 
 DB_ENV = "CATALOG_ES_DB"
 CONFIG_ENV = "CATALOG_ES_CONFIG"
 ACTOR_ENV = "CATALOG_ES_ACTOR"
+MIRROR_ENV = "CATALOG_ES_MIRROR"
+WEIGHTS_ENV = "CATALOG_ES_WEIGHTS"
 DEFAULT_CONFIG = "catalog.yaml"
+DEFAULT_WEIGHTS = "weights"
 
 
 def database_url(given: str | None = None) -> str:
@@ -57,3 +63,16 @@ def open_models(
         pre_add_check=pre_add_check,
         env={"CATALOG_ES_DB": database_url(db)},
     )
+
+
+def open_weights(models: Models, mirror: str | None = None, weights: str | None = None) -> Weights:
+    """Weights provenance over ``models``. The registry is the mirror at
+    ``--mirror``, else ``CATALOG_ES_MIRROR``; fetched commits are kept under
+    ``--weights``, else ``CATALOG_ES_WEIGHTS``, else ``./weights``."""
+    root = mirror or os.environ.get(MIRROR_ENV)
+    if not root:
+        raise InputError(f"no registry to compare with: give --mirror DIR or set {MIRROR_ENV}")
+    if not Path(root).is_dir():
+        raise InputError(f"mirror {root}: not a directory")
+    store = Path(weights or os.environ.get(WEIGHTS_ENV) or DEFAULT_WEIGHTS)
+    return Weights(models, MirrorRegistry(Path(root)), WeightsStore(store))

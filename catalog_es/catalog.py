@@ -181,18 +181,22 @@ class Catalog:
             # By value of the 128-bit ints: UUID.__eq__ is slow in a hot loop.
             if change.originator_id.int != aggregate.id.int:
                 raise Refused(f"its aggregate id does not belong to model {name!r}")
-            if name in self.declared:
+            if name in self.declared and not change.observation:
                 raise Refused(
                     f"model {name!r} is declared in configuration, which wins every conflict"
                 )
             new = change.evolve(aggregate.spec)
-            if new is not None and "fallbacks" not in change.touches:
+            if change.observation:
+                pass
+            elif new is not None and "fallbacks" not in change.touches:
                 check_spec(new, self.engines, change.touches)
             else:
                 self.check(name, new, change.touches)
         except Refused as refusal:
             self.aggregates[name] = aggregate.mutate(change, aggregate.spec)
             return self.skip(revision, name, type(change).__name__, str(refusal))
+        if change.observation and name in self.declared:
+            return None  # see commit()
         self._put(aggregate, change, new)
         return None
 
@@ -210,6 +214,10 @@ class Catalog:
     def commit(self, event: Model.Event, new: ModelSpec | None) -> None:
         """Put an event that was checked into force."""
         self.saw(event.timestamp)
+        if event.observation and event.model in self.declared:
+            # Configuration is its definition: there is no runtime stream to
+            # advance, and a rollback must not take the record for runtime history.
+            return
         self._put(self.aggregate(event.model), event, new)
 
     def _put(self, aggregate: Model, event: Model.Event, new: ModelSpec | None) -> None:

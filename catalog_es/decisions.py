@@ -10,7 +10,7 @@ is here.
 from __future__ import annotations
 
 from catalog_es.catalog import Catalog
-from catalog_es.errors import DeclaredInConfig, InvalidModel
+from catalog_es.errors import DeclaredInConfig, InvalidModel, ModelNotFound
 from catalog_es.model import Model
 from catalog_es.spec import ModelSpec
 
@@ -37,6 +37,12 @@ def declared_refusal(event: Model.Event) -> str:
 def decide(catalog: Catalog, event: Model.Event) -> ModelSpec | None:
     """The definition ``event`` puts in force (``None``: removed), or a refusal."""
     name = event.model
+    if event.observation:
+        # A record of what was seen, of any model in force: the definition stays.
+        current = catalog.get(name)
+        if current is None:
+            raise ModelNotFound(name)
+        return event.evolve(current)
     if catalog.is_declared(name):
         raise DeclaredInConfig(declared_refusal(event))
     new = event.evolve(catalog.aggregate(name).spec)

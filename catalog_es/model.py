@@ -77,6 +77,10 @@ class Model(msgspec.Struct, frozen=True, gc=False):
         what: ClassVar[str] = "change it"
         # The fields of the definition it can change: only their rules are checked.
         touches: ClassVar[tuple[str, ...]] = EVERY_FIELD
+        # A record of something seen rather than a change: it leaves the
+        # definition as it is, so it needs no validation and is accepted for a
+        # declared model too (configuration still decides what runs).
+        observation: ClassVar[bool] = False
 
         def evolve(self, current: ModelSpec | None) -> ModelSpec | None:
             """The definition after this event, given the one before it."""
@@ -190,6 +194,23 @@ class Model(msgspec.Struct, frozen=True, gc=False):
         def change(self, current: ModelSpec) -> ModelSpec:
             return msgspec.structs.replace(current, origin=self.origin)
 
+    class UpstreamChanged(Event, frozen=True, kw_only=True):
+        """Upstream moved away from what the model runs, first seen now: ``ref``
+        points to ``upstream`` (a commit, with its files), not to ``revision``
+        (the commit it runs) with the checksums it runs; and the paths that differ."""
+
+        ref: str
+        revision: str
+        upstream: Origin
+        added: tuple[str, ...] = ()
+        removed: tuple[str, ...] = ()
+        changed: tuple[str, ...] = ()
+        observation: ClassVar[bool] = True
+        touches: ClassVar[tuple[str, ...]] = ()
+
+        def evolve(self, current: ModelSpec | None) -> ModelSpec | None:
+            return current
+
     @classmethod
     def new(cls, name: str) -> Model:
         """A name never seen in the log."""
@@ -210,4 +231,5 @@ EVENT_TYPES: tuple[type[Model.Event], ...] = (
     Model.AdaptersSet,
     Model.SourceSet,
     Model.OriginSet,
+    Model.UpstreamChanged,
 )

@@ -20,6 +20,13 @@ class Applier(ABC):
     def replace_catalog(self, models: Sequence[ModelSpec], revision: int) -> None:
         """Make ``models`` the set that runs; ``revision`` is the log position it reflects."""
 
+    @abstractmethod
+    def replace_replicas(self, model: ModelSpec, revision: int) -> None:
+        """Move the running replicas of ``model`` onto this definition (new
+        weights), one at a time: each new replica is ready before the next old
+        one stops, so the model keeps serving throughout. ``revision`` is the
+        log position the definition went into force at."""
+
 
 class PreAddCheck(ABC):
     """Refuses, before it is added, a model whose weights the engine cannot load
@@ -36,6 +43,10 @@ class NoApplier(Applier):
     def replace_catalog(self, models: Sequence[ModelSpec], revision: int) -> None:
         return None
 
+    def replace_replicas(self, model: ModelSpec, revision: int) -> None:
+        # The controller sees the new source in the log and rolls the replicas itself.
+        return None
+
 
 class AcceptAll(PreAddCheck):
     def check(self, model: ModelSpec) -> None:
@@ -44,10 +55,15 @@ class AcceptAll(PreAddCheck):
 
 class JsonFileApplier(Applier):
     """Writes the catalog in force to a JSON file, atomically, for a controller
-    that watches a file. Readers see the old catalog or the new one, never half."""
+    that watches a file. Readers see the old catalog or the new one, never half.
+
+    Replica replacements are requests the controller works through in order:
+    one JSON line each, appended to ``<path>.replicas.jsonl``, because a later
+    catalog must not overwrite a request the controller has not read yet."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        self.replicas_path = path.with_name(f"{path.name}.replicas.jsonl")
 
     def replace_catalog(self, models: Sequence[ModelSpec], revision: int) -> None:
         body = msgspec.json.encode({"revision": revision, "models": list(models)})
@@ -62,3 +78,13 @@ class JsonFileApplier(Applier):
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
+
+    def replace_replicas(self, model: ModelSpec, revision: int) -> None:
+        line = msgspec.json.encode(
+            {"revision": revision, "model": model, "strategy": "one-at-a-time"}
+        )
+        self.replicas_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.replicas_path.open("ab") as f:
+            f.write(line + b"\n")
+            f.flush()
+            os.fsync(f.fileno())

@@ -1,0 +1,203 @@
+"""Where weights come from: the ``Registry`` port, and an offline mirror of a model hub.
+
+A hub client (Hugging Face, say) would implement the same four operations
+later: name the repository a source points at, resolve a branch to a commit,
+list a commit's files with their sha256, and fetch them to a local folder.
+Checking what was fetched is not the registry's word but ours
+(:func:`verify`): the files are hashed where they landed.
+
+The mirror is a directory tree, the shape an offline copy of a hub has::
+
+    <mirror>/<org>/<repo>/refs              one line per branch: "<branch> <commit>"
+    <mirror>/<org>/<repo>/<commit>/<files>  the files of that commit
+
+for the source ``hf://<org>/<repo>``. See docs/weights.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import tempfile
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping
+from pathlib import Path, PurePosixPath
+
+from catalog_es.errors import Refused
+
+SCHEME = "hf://"
+DEFAULT_BRANCH = "main"
+REFS_FILE = "refs"
+_PART = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+COMMIT_PATTERN = re.compile(r"[0-9a-f]{7,64}")
+_BRANCH = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,254}")
+
+
+class RegistryError(Refused):
+    """The registry cannot answer: no such repository, branch, commit or file."""
+
+
+def check_repository(repository: str) -> tuple[str, str]:
+    """``org/repo`` as its two folder names; anything else (``..``, a third
+    part) is refused, since the parts become paths."""
+    parts = repository.split("/")
+    if len(parts) != 2 or not all(_PART.fullmatch(p) and ".." not in p for p in parts):
+        raise RegistryError(f"repository {repository[:80]!r} is not org/name")
+    return parts[0], parts[1]
+
+
+def check_commit(revision: str) -> str:
+    if not COMMIT_PATTERN.fullmatch(revision):
+        raise RegistryError(f"revision {revision[:80]!r} is not a commit id (7-64 hex digits)")
+    return revision
+
+
+def relative_file(path: str) -> PurePosixPath:
+    """A file path inside a revision, refused if it could point outside it."""
+    pure = PurePosixPath(path)
+    if not path or pure.is_absolute() or any(part in ("", ".", "..") for part in path.split("/")):
+        raise RegistryError(f"file path {path[:80]!r} is not a plain path inside a revision")
+    return pure
+
+
+def sha256_of(path: Path) -> str:
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def checksums(folder: Path) -> dict[str, str]:
+    """Every file under ``folder`` (links to files followed, as in a hub cache
+    whose snapshots link to blobs) and its sha256, by POSIX path, sorted."""
+    found: dict[str, str] = {}
+    for directory, _dirs, names in os.walk(folder):
+        for name in names:
+            path = Path(directory, name)
+            if path.is_file():
+                found[path.relative_to(folder).as_posix()] = sha256_of(path)
+    return dict(sorted(found.items()))
+
+
+def verify(folder: Path, expected: Mapping[str, str]) -> list[str]:
+    """What is wrong with ``folder`` as a copy of exactly ``expected``
+    ({path: sha256}): files missing, files whose checksum differs, and files
+    that should not be there (an engine loading the folder would see them).
+    Empty when it is an exact copy."""
+    present = checksums(folder) if folder.is_dir() else {}
+    problems = []
+    for path, digest in sorted(expected.items()):
+        relative_file(path)
+        if path not in present:
+            problems.append(f"{path}: missing")
+        elif present[path] != digest:
+            problems.append(f"{path}: sha256 {present[path][:12]}…, expected {digest[:12]}…")
+    problems.extend(f"{path}: not part of the revision" for path in present.keys() - expected)
+    return problems
+
+
+class Registry(ABC):
+    """A source of model weights: a hub, or a mirror of one."""
+
+    @abstractmethod
+    def repository_for(self, source: str) -> str | None:
+        """The repository a model source names here (``hf://org/repo`` ->
+        ``org/repo``), ``None`` when the source is not one of this registry's."""
+
+    @abstractmethod
+    def resolve(self, repository: str, ref: str) -> str:
+        """The commit a branch points to; a commit id names itself. Raises
+        :class:`RegistryError` when the repository or the ref is unknown."""
+
+    @abstractmethod
+    def files(self, repository: str, revision: str) -> dict[str, str]:
+        """Each file of a commit and its sha256, as the registry states them."""
+
+    @abstractmethod
+    def fetch(self, repository: str, revision: str, paths: Iterable[str], into: Path) -> None:
+        """Copy the named files of a commit under ``into``, each one whole or
+        not at all. A path the commit does not have is not written:
+        :func:`verify` reports it."""
+
+
+class MirrorRegistry(Registry):
+    """A registry kept as folders on this machine (see the module docstring)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def _repository_folder(self, repository: str) -> Path:
+        org, name = check_repository(repository)
+        folder = self.root / org / name
+        if not folder.is_dir():
+            raise RegistryError(f"repository {repository} is not in the mirror {self.root}")
+        return folder
+
+    def _revision_folder(self, repository: str, revision: str) -> Path:
+        folder = self._repository_folder(repository) / check_commit(revision)
+        if not folder.is_dir():
+            raise RegistryError(f"{repository} has no commit {revision} in the mirror")
+        return folder
+
+    def refs(self, repository: str) -> dict[str, str]:
+        """The branches of a repository and the commit each points to."""
+        path = self._repository_folder(repository) / REFS_FILE
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as error:
+            raise RegistryError(f"{path}: cannot read the refs: {error}") from None
+        refs: dict[str, str] = {}
+        for number, line in enumerate(text.splitlines(), start=1):
+            words = line.split("#", 1)[0].split()
+            if not words:
+                continue
+            if (
+                len(words) != 2
+                or not _BRANCH.fullmatch(words[0])
+                or not COMMIT_PATTERN.fullmatch(words[1])
+            ):
+                raise RegistryError(f"{path} line {number}: expected '<branch> <commit>'")
+            if words[0] in refs:
+                raise RegistryError(f"{path} line {number}: branch {words[0]} is listed twice")
+            refs[words[0]] = words[1]
+        return refs
+
+    def repository_for(self, source: str) -> str | None:
+        if not source.startswith(SCHEME):
+            return None
+        return source.removeprefix(SCHEME).rstrip("/")
+
+    def resolve(self, repository: str, ref: str) -> str:
+        refs = self.refs(repository)
+        if ref in refs:
+            commit = refs[ref]
+        elif COMMIT_PATTERN.fullmatch(ref):
+            commit = ref
+        else:
+            known = ", ".join(sorted(refs)) or "none"
+            raise RegistryError(f"{repository} has no branch {ref!r} (branches: {known})")
+        self._revision_folder(repository, commit)
+        return commit
+
+    def files(self, repository: str, revision: str) -> dict[str, str]:
+        return checksums(self._revision_folder(repository, revision))
+
+    def fetch(self, repository: str, revision: str, paths: Iterable[str], into: Path) -> None:
+        folder = self._revision_folder(repository, revision)
+        for path in paths:
+            source = folder / relative_file(path)
+            if not source.is_file():
+                continue
+            target = into / relative_file(path)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            # Copied beside its place and renamed: a file in the folder is whole.
+            fd, partial = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
+            try:
+                with os.fdopen(fd, "wb") as out, source.open("rb") as src:
+                    shutil.copyfileobj(src, out, 1 << 20)
+                    out.flush()
+                    os.fsync(out.fileno())
+                Path(partial).replace(target)
+            except BaseException:
+                Path(partial).unlink(missing_ok=True)
+                raise

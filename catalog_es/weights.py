@@ -1,0 +1,479 @@
+"""Weights provenance: where each model's weights came from, what upstream has
+now, and moving a model between commits deliberately (issue 8).
+
+What a model runs is its origin (repository, commit, file checksums). A model
+whose origin was never recorded runs whatever its source named when it was
+first looked at: ``check-updates`` records that as its origin, by the system
+actor, so later changes upstream can be told apart. A declared model's origin
+is the config's, filled in from the registry where the config leaves it out.
+
+Moving a model (``update``, ``rollback``) fetches the commit into a folder of
+its own beside the others and verifies every checksum before anything is
+written; the model's source becomes that folder, so replicas load exactly the
+files that were checked. Fetching and hashing happen outside the write
+transaction (weights are large); inside it the move is refused if the model
+changed meanwhile.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from catalog_es.application import SYSTEM_ACTOR, Models
+from catalog_es.batch import Batch, Change
+from catalog_es.errors import ModelNotFound, Refused
+from catalog_es.mapper import UndecodableEvent, decode_event, topic_of
+from catalog_es.model import Model, model_id
+from catalog_es.persistence import events_table
+from catalog_es.registry import (
+    DEFAULT_BRANCH,
+    Registry,
+    RegistryError,
+    check_commit,
+    check_repository,
+    relative_file,
+    verify,
+)
+from catalog_es.spec import ModelSpec, Origin
+from catalog_es.views import event_view, model_view
+
+_UPSTREAM_TOPIC = topic_of(Model.UpstreamChanged)
+
+
+class VerificationFailed(Refused):
+    """Fetched weights are not an exact copy of the commit: nothing is written."""
+
+
+def file_changes(old: Mapping[str, str], new: Mapping[str, str]) -> dict[str, list[str]]:
+    """The paths ``new`` adds, removes and changes relative to ``old`` ({path: sha256})."""
+    return {
+        "added": sorted(new.keys() - old.keys()),
+        "removed": sorted(old.keys() - new.keys()),
+        "changed": sorted(p for p in old.keys() & new.keys() if old[p] != new[p]),
+    }
+
+
+class WeightsStore:
+    """Where fetched commits are kept, each in a folder of its own beside the
+    others (``<root>/<org>/<repo>/<commit>/``), and where replicas load them from."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def folder(self, repository: str, revision: str) -> Path:
+        org, name = check_repository(repository)
+        return self.root / org / name / check_commit(revision)
+
+    def source(self, origin: Origin) -> str:
+        """The model source of a commit kept here: a ``file://`` URL."""
+        return self.folder(origin.repository, origin.revision).absolute().as_uri()
+
+    def stage(self, registry: Registry, origin: Origin) -> None:
+        """Make the folder of ``origin`` an exact copy of its files: fetch those
+        not there yet, then hash every one. A file already there that differs
+        is reported, never replaced, so tampering stays visible."""
+        where = f"{origin.repository}@{origin.revision}"
+        if not origin.files:
+            raise VerificationFailed(f"{where} lists no files: there is nothing to verify")
+        folder = self.folder(origin.repository, origin.revision)
+        missing = [p for p in origin.files if not (folder / relative_file(p)).is_file()]
+        if missing:
+            registry.fetch(origin.repository, origin.revision, missing, folder)
+        problems = verify(folder, origin.files)
+        if problems:
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            raise VerificationFailed(
+                f"the weights of {where} in {folder} do not verify: {problems[0]}{more}; "
+                "nothing was written (delete the folder to fetch it again)"
+            )
+
+
+class _Lookups:
+    """One command's questions to the registry, each asked once: models share
+    repositories, and listing a commit hashes its files."""
+
+    def __init__(self, registry: Registry) -> None:
+        self.registry = registry
+        self._heads: dict[str, str] = {}
+        self._files: dict[tuple[str, str], dict[str, str]] = {}
+
+    def head(self, repository: str) -> str:
+        if repository not in self._heads:
+            self._heads[repository] = self.registry.resolve(repository, DEFAULT_BRANCH)
+        return self._heads[repository]
+
+    def files(self, repository: str, revision: str) -> dict[str, str]:
+        key = (repository, revision)
+        if key not in self._files:
+            self._files[key] = self.registry.files(repository, revision)
+        return self._files[key]
+
+    def holds(self, repository: str, revision: str) -> bool:
+        try:
+            self.registry.resolve(repository, revision)
+        except RegistryError:
+            return False
+        return True
+
+
+class _Finding(msgspec.Struct, frozen=True):
+    """A model whose upstream differs from what it runs."""
+
+    spec: ModelSpec
+    declared: bool
+    running: Origin
+    upstream: Origin
+    running_in_registry: bool
+
+    def event_fields(self) -> dict[str, Any]:
+        changes = file_changes(self.running.files, self.upstream.files)
+        return {
+            "ref": DEFAULT_BRANCH,
+            "revision": self.running.revision,
+            "upstream": self.upstream,
+            **{key: tuple(paths) for key, paths in changes.items()},
+        }
+
+    def recorded_by(self, event: Model.UpstreamChanged) -> bool:
+        return (event.revision, event.upstream) == (self.running.revision, self.upstream)
+
+
+class _Scan(msgspec.Struct):
+    """The catalog compared with the registry at one log revision."""
+
+    revision: int
+    findings: list[_Finding]
+    # Runtime models with no recorded origin, and the origin worked out for each.
+    unrecorded: list[tuple[ModelSpec, Origin]]
+    unchecked: list[dict[str, str]]
+
+
+def _last_finding(conn: Connection, name: str) -> tuple[int, Model.UpstreamChanged] | None:
+    """The newest upstream change recorded on a model, with its log revision."""
+    t = events_table.c
+    row = conn.execute(
+        sa.select(t.revision, t.state)
+        .where(t.originator_id == model_id(name), t.topic == _UPSTREAM_TOPIC)
+        .order_by(t.revision.desc())
+        .limit(1)
+    ).first()
+    if row is None:
+        return None
+    try:
+        event = decode_event(_UPSTREAM_TOPIC, row[1])
+    except UndecodableEvent:
+        return None
+    assert isinstance(event, Model.UpstreamChanged)
+    return int(row[0]), event
+
+
+def _origin_set_by(event: dict[str, Any]) -> Origin | None:
+    """The origin a logged event (``log_events`` shape) put in force, if it set one."""
+    fields = event["fields"]
+    # Added holds it in its definition; SourceSet and OriginSet carry it; an
+    # undecodable record has no fields.
+    data = (fields.get("spec") or fields).get("origin")
+    return msgspec.convert(data, Origin) if data else None
+
+
+def _weights_view(source: str, origin: Origin | None) -> dict[str, str]:
+    return {
+        "source": source,
+        "repository": origin.repository if origin else "",
+        "revision": origin.revision if origin else "",
+    }
+
+
+class Weights:
+    """Provenance queries and commands over the catalog, a registry and a weights store."""
+
+    def __init__(self, models: Models, registry: Registry, store: WeightsStore) -> None:
+        self.models = models
+        self.registry = registry
+        self.store = store
+
+    # -- what upstream has -----------------------------------------------------
+
+    def updates(self) -> dict[str, Any]:
+        """The models whose upstream commit or file checksums differ from what
+        they run, declared ones included; and the models that could not be
+        compared, with the reason. Reads only."""
+        return self._report(self._scan())
+
+    def check_updates(self, *, by: str, reason: str = "") -> dict[str, Any]:
+        """``updates``, recording what is new: the origin of each runtime model
+        that had none (``OriginSet`` by the system actor), then each finding
+        not recorded before (``UpstreamChanged``), declared models' too: the
+        record changes no definition, and the audit shows when it was first seen."""
+        scan = self._scan()
+        origins = self._record_origins(scan.unrecorded)
+        recorded = self._record_findings(scan.findings, by=by, reason=reason)
+        report = self._report(scan)
+        report.update(revision=self.models.revision, origins=origins, recorded=recorded)
+        return report
+
+    def _repository(self, spec: ModelSpec) -> str:
+        repository = (spec.origin.repository if spec.origin else "") or (
+            self.registry.repository_for(spec.source)
+        )
+        if not repository:
+            raise RegistryError(
+                f"source {spec.source} is not in the registry, and no origin names a repository"
+            )
+        return repository
+
+    def _running(self, spec: ModelSpec, lookups: _Lookups) -> Origin:
+        """What ``spec`` runs: its origin, with what it leaves out (all of it,
+        for a model that has none) worked out from the registry."""
+        origin = spec.origin or Origin()
+        repository = self._repository(spec)
+        revision = origin.revision or lookups.head(repository)
+        files = origin.files or lookups.files(repository, revision)
+        return Origin(repository=repository, revision=revision, files=files)
+
+    def _scan(self) -> _Scan:
+        catalog = self.models.catalog_at()
+        lookups = _Lookups(self.registry)
+        scan = _Scan(revision=catalog.revision, findings=[], unrecorded=[], unchecked=[])
+        for spec in catalog.models():
+            declared = catalog.is_declared(spec.name)
+            try:
+                running = self._running(spec, lookups)
+                head = lookups.head(running.repository)
+                upstream = Origin(
+                    repository=running.repository,
+                    revision=head,
+                    files=lookups.files(running.repository, head),
+                )
+            except RegistryError as error:
+                scan.unchecked.append(
+                    {"model": spec.name, "source": spec.source, "reason": str(error)}
+                )
+                continue
+            if spec.origin is None and not declared:
+                scan.unrecorded.append((spec, running))
+            if upstream != running:
+                held = lookups.holds(running.repository, running.revision)
+                scan.findings.append(_Finding(spec, declared, running, upstream, held))
+        return scan
+
+    def _report(self, scan: _Scan) -> dict[str, Any]:
+        with self.models.store.read() as conn:
+            updates = [self._finding_view(finding, conn) for finding in scan.findings]
+        return {"revision": scan.revision, "updates": updates, "unchecked": scan.unchecked}
+
+    def _finding_view(self, finding: _Finding, conn: Connection) -> dict[str, Any]:
+        last = _last_finding(conn, finding.spec.name)
+        first_seen = None
+        if last is not None and finding.recorded_by(last[1]):
+            logged = event_view(*last)
+            first_seen = {key: logged[key] for key in ("revision", "time", "by")}
+        return {
+            "model": finding.spec.name,
+            "declared": finding.declared,
+            "repository": finding.upstream.repository,
+            "ref": DEFAULT_BRANCH,
+            "running": finding.running.revision,
+            "upstream": finding.upstream.revision,
+            "running_in_registry": finding.running_in_registry,
+            **file_changes(finding.running.files, finding.upstream.files),
+            "first_seen": first_seen,
+        }
+
+    def _record_origins(self, unrecorded: list[tuple[ModelSpec, Origin]]) -> list[dict[str, str]]:
+        recorded: list[dict[str, str]] = []
+
+        def plan(batch: Batch) -> None:
+            for spec, origin in unrecorded:
+                if batch.catalog.get(spec.name) != spec:
+                    continue  # changed since it was read: the next run looks again
+                batch.decide(batch.event(Model.OriginSet, spec.name, origin=origin))
+                recorded.append({"model": spec.name, **_weights_view(spec.source, origin)})
+
+        if unrecorded:
+            self.models.write_plan(
+                plan, by=SYSTEM_ACTOR, reason="origin worked out from the registry"
+            )
+        return recorded
+
+    def _record_findings(self, findings: list[_Finding], *, by: str, reason: str) -> list[str]:
+        recorded: list[str] = []
+
+        def plan(batch: Batch) -> None:
+            # Inside the write transaction: two runs at once record a finding once.
+            for finding in findings:
+                name = finding.spec.name
+                if batch.catalog.get(name) != finding.spec:
+                    continue
+                last = _last_finding(batch.conn, name)
+                if last is not None and finding.recorded_by(last[1]):
+                    continue
+                batch.decide(batch.event(Model.UpstreamChanged, name, **finding.event_fields()))
+                recorded.append(name)
+
+        if findings:
+            self.models.write_plan(plan, by=by, reason=reason)
+        return recorded
+
+    # -- moving a model between commits ------------------------------------------
+
+    def update(
+        self,
+        name: str,
+        revision: str | None = None,
+        *,
+        by: str,
+        reason: str = "",
+        expected_revision: int | None = None,
+    ) -> dict[str, Any]:
+        """Move a runtime model to a commit of its repository (a commit id or a
+        branch; default: where ``main`` points), fetched and verified first."""
+        spec = self._movable(name, by=by, reason=reason, expected_revision=expected_revision)
+        repository = self._repository(spec)
+        commit = self.registry.resolve(repository, revision or DEFAULT_BRANCH)
+        target = Origin(
+            repository=repository, revision=commit, files=self.registry.files(repository, commit)
+        )
+        return self._move(spec, target, by=by, reason=reason, expected_revision=expected_revision)
+
+    def rollback(
+        self,
+        name: str,
+        to: str | None = None,
+        *,
+        by: str,
+        reason: str = "",
+        expected_revision: int | None = None,
+    ) -> dict[str, Any]:
+        """Move a runtime model back to weights it ran before, as the log
+        recorded them (checksums included), verified the same way: the ones
+        before the current by default, or the latest it ran of commit ``to``
+        (an id or a prefix of one). The event is marked with the log revision
+        those weights were recorded at."""
+        spec = self._movable(name, by=by, reason=reason, expected_revision=expected_revision)
+        recorded_at, target = self._earlier_weights(spec, to)
+        return self._move(
+            spec,
+            target,
+            by=by,
+            reason=reason,
+            expected_revision=expected_revision,
+            rollback_to=recorded_at,
+        )
+
+    def _movable(
+        self, name: str, *, by: str, reason: str, expected_revision: int | None
+    ) -> ModelSpec:
+        spec = self.models.catalog_at().get(name)
+        if spec is None:
+            raise ModelNotFound(name)
+        # Refused now, before anything is fetched, when the write would be: a
+        # declared model (configuration owns its weights), a log moved past
+        # --expected-revision.
+        self._write_source(
+            spec,
+            spec.source,
+            spec.origin,
+            by=by,
+            reason=reason,
+            expected_revision=expected_revision,
+            dry_run=True,
+        )
+        return spec
+
+    def _earlier_weights(self, spec: ModelSpec, to: str | None) -> tuple[int, Origin]:
+        name = spec.name
+        skipped = {s.revision for s in self.models.skipped() if s.model == name}
+        ran: list[tuple[int, Origin]] = []
+        for event in self.models.log_events(model=name):
+            origin = _origin_set_by(event)
+            if origin is not None and origin != spec.origin and event["revision"] not in skipped:
+                ran.append((event["revision"], origin))
+        if to is not None:
+            check_commit(to)
+            ran = [(r, origin) for r, origin in ran if origin.revision.startswith(to)]
+            if len({origin.revision for _, origin in ran}) > 1:
+                raise Refused(f"commit {to} is ambiguous among the weights model {name!r} ran")
+            if not ran:
+                raise Refused(
+                    f"model {name!r} has not run commit {to} before, by the log "
+                    f"(model update --revision {to} moves it to a commit it has not run)"
+                )
+        if not ran:
+            raise Refused(f"model {name!r}: the log records no earlier weights to go back to")
+        return ran[-1]
+
+    def _move(
+        self,
+        spec: ModelSpec,
+        target: Origin,
+        *,
+        by: str,
+        reason: str,
+        expected_revision: int | None,
+        rollback_to: int | None = None,
+    ) -> dict[str, Any]:
+        source = self.store.source(target)
+        result: dict[str, Any] = {
+            "rollback_to": rollback_to,
+            "from": _weights_view(spec.source, spec.origin),
+            "to": _weights_view(source, target),
+            **file_changes(spec.origin.files if spec.origin else {}, target.files),
+        }
+        if (source, target) == (spec.source, spec.origin):
+            view = model_view(spec, declared=False)
+            return {"revision": self.models.revision, "written": False, "model": view, **result}
+        self.store.stage(self.registry, target)
+        revision, changes = self._write_source(
+            spec,
+            source,
+            target,
+            by=by,
+            reason=reason,
+            expected_revision=expected_revision,
+            rollback_to=rollback_to,
+        )
+        new = changes[-1][1]
+        assert new is not None
+        self.models.applier.replace_replicas(new, revision)
+        view = model_view(new, declared=False)
+        return {"revision": revision, "written": True, "model": view, **result}
+
+    def _write_source(
+        self,
+        spec: ModelSpec,
+        source: str,
+        origin: Origin | None,
+        *,
+        by: str,
+        reason: str,
+        expected_revision: int | None,
+        rollback_to: int | None = None,
+        dry_run: bool = False,
+    ) -> tuple[int, list[Change]]:
+        """``SourceSet`` on ``spec``'s model, refused if its weights are no
+        longer those of ``spec`` by the time the write transaction holds."""
+
+        def plan(batch: Batch) -> None:
+            now = batch.catalog.get(spec.name)
+            if now is None or (now.source, now.origin) != (spec.source, spec.origin):
+                raise Refused(
+                    f"model {spec.name!r} changed while its weights were being fetched; "
+                    "nothing was written, run the command again"
+                )
+            batch.decide(batch.event(Model.SourceSet, spec.name, source=source, origin=origin))
+
+        return self.models.write_plan(
+            plan,
+            by=by,
+            reason=reason,
+            expected_revision=expected_revision,
+            rollback_to=rollback_to,
+            dry_run=dry_run,
+        )

@@ -1,0 +1,615 @@
+"""Weights provenance (issue 8): a registry mirror, upstream changes, update and rollback.
+
+Every test builds its own mirror in a temporary folder: repositories of a few
+small files, commits published and branches moved as an upstream would.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import sqlite3
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+from click.testing import CliRunner
+
+from catalog_es.application import SYSTEM_ACTOR, Models
+from catalog_es.bootstrap import MIRROR_ENV
+from catalog_es.cli import cli
+from catalog_es.errors import DeclaredInConfig, Refused
+from catalog_es.inputs import load_config, model_from_data
+from catalog_es.ports import Applier, JsonFileApplier, NoApplier
+from catalog_es.registry import MirrorRegistry, Registry, RegistryError, checksums, verify
+from catalog_es.spec import ModelSpec, Origin
+from catalog_es.weights import VerificationFailed, Weights, WeightsStore
+
+V1 = {
+    "config.json": b'{"layers": 2}',
+    "model.safetensors": b"weights, first cut",
+    "tokenizer.json": b'{"vocab": 10}',
+}
+# Re-quantised upstream: the weights change, the tokenizer goes, a file is added.
+V2 = {
+    "config.json": b'{"layers": 2}',
+    "model.safetensors": b"weights, re-quantised",
+    "generation_config.json": b'{"top_p": 0.9}',
+}
+BASE = {"model.safetensors": b"declared weights"}
+
+DECLARED_YAML = """
+models:
+  - name: base
+    engine: vllm
+    source: hf://org/base
+    origin: {{repository: org/base, revision: {revision}}}
+    profiles: [{{name: gpu, gpus: 1}}]
+  - name: follows-main
+    engine: vllm
+    source: hf://org/base
+    profiles: [{{name: gpu, gpus: 1}}]
+"""
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def origin_of(repository: str, commit: str, files: dict[str, bytes]) -> Origin:
+    return Origin(
+        repository=repository, revision=commit, files={p: sha(d) for p, d in sorted(files.items())}
+    )
+
+
+class Mirror:
+    """An offline registry being written to, as upstream would."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.refs: dict[str, dict[str, str]] = {}
+
+    def folder(self, repository: str, commit: str) -> Path:
+        return self.root / repository / commit
+
+    def publish(self, repository: str, files: dict[str, bytes], branch: str = "main") -> str:
+        """A new commit holding ``files``, with ``branch`` moved to it."""
+        commit = hashlib.sha1(f"{repository}:{sorted(files.items())}".encode()).hexdigest()
+        for path, data in files.items():
+            target = self.folder(repository, commit) / path
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(data)
+        self.point(repository, branch, commit)
+        return commit
+
+    def point(self, repository: str, branch: str, commit: str) -> None:
+        self.refs.setdefault(repository, {})[branch] = commit
+        lines = ["# branch commit"] + [f"{b} {c}" for b, c in self.refs[repository].items()]
+        (self.root / repository / "refs").write_text("\n".join(lines) + "\n")
+
+
+class RecordingApplier(Applier):
+    """A controller stand-in: replicas per model, replaced one at a time, each step recorded."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[Any, ...]] = []
+        self.replicas: dict[str, list[str]] = {}
+
+    def replace_catalog(self, models: Sequence[ModelSpec], revision: int) -> None:
+        self.steps.append(("catalog", revision, {m.name: m.source for m in models}))
+        for m in models:
+            self.replicas.setdefault(m.name, [m.source] * m.scaling.min)
+
+    def replace_replicas(self, model: ModelSpec, revision: int) -> None:
+        running = self.replicas[model.name]
+        for i, old in enumerate(running):
+            # The new replica is up before the old one goes: never fewer serving.
+            self.steps.append(("start", model.name, i, model.source))
+            self.steps.append(("stop", model.name, i, old))
+            running[i] = model.source
+
+
+class TamperingRegistry(MirrorRegistry):
+    """Delivers one fetched file with other bytes than the commit holds."""
+
+    def fetch(self, repository: str, revision: str, paths: Iterable[str], into: Path) -> None:
+        super().fetch(repository, revision, paths, into)
+        (into / "model.safetensors").write_bytes(b"not what was published")
+
+
+class LosingRegistry(MirrorRegistry):
+    """Delivers every file of a commit but one."""
+
+    def fetch(self, repository: str, revision: str, paths: Iterable[str], into: Path) -> None:
+        super().fetch(repository, revision, [p for p in paths if p != "config.json"], into)
+
+
+class World:
+    """A mirror, a declared config pinned to one of its commits, a database, a weights store."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.mirror = Mirror(root / "mirror")
+        self.store = root / "weights"
+        self.db = root / "catalog.db"
+        self.c1 = self.mirror.publish("org/m", V1)
+        self.base1 = self.mirror.publish("org/base", BASE)
+        self.config = root / "catalog.yaml"
+        self.config.write_text(DECLARED_YAML.format(revision=self.base1))
+        self.applier = RecordingApplier()
+        self._opened: list[Models] = []
+
+    def open(self, registry: Registry | None = None) -> Weights:
+        models = Models(
+            load_config(str(self.config)),
+            applier=self.applier,
+            env={"CATALOG_ES_DB": f"sqlite:///{self.db}"},
+        )
+        self._opened.append(models)
+        return Weights(
+            models, registry or MirrorRegistry(self.mirror.root), WeightsStore(self.store)
+        )
+
+    def rows(self) -> int:
+        with sqlite3.connect(self.db) as conn:
+            return int(conn.execute("SELECT count(*) FROM catalog_events").fetchone()[0])
+
+    def close(self) -> None:
+        for models in self._opened:
+            models.close()
+
+
+def spec(name: str, **fields: Any) -> ModelSpec:
+    data: dict[str, Any] = {
+        "name": name,
+        "engine": "vllm",
+        "source": f"hf://org/{name}",
+        "profiles": [{"name": "gpu", "gpus": 1}],
+    }
+    data.update(fields)
+    return model_from_data(data, "test")
+
+
+def events(weights: Weights, name: str) -> list[dict[str, Any]]:
+    return list(weights.models.log_events(model=name))
+
+
+@pytest.fixture
+def world(tmp_path: Path) -> Iterator[World]:
+    made = World(tmp_path)
+    yield made
+    made.close()
+
+
+@pytest.fixture
+def tracked(world: World) -> Weights:
+    """Runtime model ``m`` (three replicas) with its origin recorded: commit c1 of org/m."""
+    weights = world.open()
+    weights.models.add(spec("m", scaling={"min": 3, "max": 3}), by="alice")
+    weights.check_updates(by="cron")
+    return weights
+
+
+# -- the mirror ------------------------------------------------------------------------
+
+
+def test_the_mirror_resolves_branches_lists_checksums_and_fetches(world: World) -> None:
+    registry = MirrorRegistry(world.mirror.root)
+    nested = world.mirror.publish("org/n", {"a.bin": b"a", "onnx/model.onnx": b"b"}, "dev")
+    assert registry.repository_for("hf://org/n") == "org/n"
+    assert registry.repository_for("s3://bucket/n") is None
+    assert registry.resolve("org/n", "dev") == nested
+    assert registry.resolve("org/n", nested) == nested
+    assert registry.files("org/n", nested) == {"a.bin": sha(b"a"), "onnx/model.onnx": sha(b"b")}
+    registry.fetch("org/n", nested, ["onnx/model.onnx", "absent.bin"], world.root / "out")
+    assert checksums(world.root / "out") == {"onnx/model.onnx": sha(b"b")}
+    assert verify(world.root / "out", registry.files("org/n", nested)) == ["a.bin: missing"]
+
+
+@pytest.mark.parametrize(
+    ("refs", "ask", "message"),
+    [
+        ("main\n", "main", "line 1: expected '<branch> <commit>'"),
+        ("main abc1234\nmain abc1234\n", "main", "branch main is listed twice"),
+        ("main abc1234\n", "dev", "has no branch 'dev' (branches: main)"),
+        ("main abc1234\n", "main", "has no commit abc1234 in the mirror"),
+    ],
+)
+def test_the_mirror_refuses_bad_refs_and_unknown_names(
+    world: World, refs: str, ask: str, message: str
+) -> None:
+    (world.mirror.root / "org/m/refs").write_text(refs)
+    with pytest.raises(RegistryError, match=re.escape(message)):
+        MirrorRegistry(world.mirror.root).resolve("org/m", ask)
+
+
+@pytest.mark.parametrize(
+    ("repository", "path"), [("../org", "x"), ("org/m/extra", "x"), ("org/m", "../../etc")]
+)
+def test_names_that_could_leave_the_mirror_are_refused(
+    world: World, repository: str, path: str
+) -> None:
+    registry = MirrorRegistry(world.mirror.root)
+    with pytest.raises(RegistryError, match="is not"):
+        registry.fetch(repository, world.c1, [path], world.root / "out")
+
+
+# -- origins and upstream changes -----------------------------------------------------------
+
+
+def test_a_model_without_an_origin_gets_one_from_the_mirror_once(world: World) -> None:
+    weights = world.open()
+    weights.models.add(spec("m"), by="alice")
+    assert weights.updates()["updates"] == []
+    report = weights.check_updates(by="cron")
+    assert [o["model"] for o in report["origins"]] == ["m"]
+    origin_set = events(weights, "m")[-1]
+    assert (origin_set["event"], origin_set["by"]) == ("OriginSet", SYSTEM_ACTOR)
+    assert weights.models.get_model("m")["origin"] == msgspec.to_builtins(
+        origin_of("org/m", world.c1, V1)
+    )
+    # Declared models are left alone: their origin is worked out when needed.
+    assert {e["model"] for e in weights.models.log_events()} == {None, "m"}
+    rows = world.rows()
+    assert weights.check_updates(by="cron")["origins"] == []
+    assert world.rows() == rows
+
+
+def test_an_upstream_change_is_listed_once_and_recorded_once(
+    world: World, tracked: Weights
+) -> None:
+    c2 = world.mirror.publish("org/m", V2)
+    rows = world.rows()
+    report = tracked.updates()
+    assert world.rows() == rows  # a read writes nothing
+    [finding] = [u for u in report["updates"] if u["model"] == "m"]
+    assert finding == {
+        "model": "m",
+        "declared": False,
+        "repository": "org/m",
+        "ref": "main",
+        "running": world.c1,
+        "upstream": c2,
+        "running_in_registry": True,
+        "added": ["generation_config.json"],
+        "removed": ["tokenizer.json"],
+        "changed": ["model.safetensors"],
+        "first_seen": None,
+    }
+    first = tracked.check_updates(by="cron")
+    second = tracked.check_updates(by="cron")
+    assert "m" in first["recorded"] and second["recorded"] == []
+    seen = [e for e in events(tracked, "m") if e["event"] == "UpstreamChanged"]
+    assert len(seen) == 1
+    assert seen[0]["fields"]["upstream"]["revision"] == c2
+    [again] = [u for u in second["updates"] if u["model"] == "m"]
+    assert again["first_seen"] == {
+        "revision": seen[0]["revision"],
+        "time": seen[0]["time"],
+        "by": "cron",
+    }
+    # Another node, its own process, finds it recorded in the log.
+    assert world.open().check_updates(by="cron")["recorded"] == []
+
+
+def test_checksums_changed_under_the_same_commit_are_an_upstream_change(
+    world: World, tracked: Weights
+) -> None:
+    (world.mirror.folder("org/m", world.c1) / "model.safetensors").write_bytes(b"rewritten")
+    [finding] = [u for u in tracked.updates()["updates"] if u["model"] == "m"]
+    assert (finding["running"], finding["upstream"]) == (world.c1, world.c1)
+    assert finding["changed"] == ["model.safetensors"]
+
+
+def test_a_record_of_an_upstream_change_leaves_the_catalog_as_it_is(
+    world: World, tracked: Weights
+) -> None:
+    before = tracked.models.list_models()
+    world.mirror.publish("org/m", V2)
+    world.mirror.publish("org/base", {"model.safetensors": b"declared, new"})
+    assert set(tracked.check_updates(by="cron")["recorded"]) == {"m", "base"}
+    assert tracked.models.list_models() == before
+    reopened = world.open().models
+    assert reopened.list_models() == before
+    assert reopened.skipped() == []
+    # A rollback of the log does not take the declared model's record for history.
+    assert reopened.rollback(reopened.revision, by="ops")["notes"] == []
+
+
+# -- update -------------------------------------------------------------------------------
+
+
+def test_update_verifies_then_moves_source_and_origin_and_replaces_replicas_in_order(
+    world: World, tracked: Weights
+) -> None:
+    c2 = world.mirror.publish("org/m", V2)
+    world.applier.steps.clear()
+    result = tracked.update("m", by="bob", reason="re-quantised upstream")
+    new_folder = world.store / "org/m" / c2
+    assert result["written"] and result["to"]["source"] == new_folder.as_uri()
+    assert result["model"]["origin"] == msgspec.to_builtins(origin_of("org/m", c2, V2))
+    assert checksums(new_folder) == origin_of("org/m", c2, V2).files
+    m = tracked.models.get_model("m")
+    assert (m["source"], m["origin"]["revision"]) == (new_folder.as_uri(), c2)
+    old, new = "hf://org/m", new_folder.as_uri()
+    sources = {"base": "hf://org/base", "follows-main": "hf://org/base", "m": new}
+    assert world.applier.steps == [
+        ("catalog", result["revision"], sources),
+        ("start", "m", 0, new),
+        ("stop", "m", 0, old),
+        ("start", "m", 1, new),
+        ("stop", "m", 1, old),
+        ("start", "m", 2, new),
+        ("stop", "m", 2, old),
+    ]
+    rows = world.rows()
+    assert not tracked.update("m", by="bob")["written"]  # already there
+    assert world.rows() == rows
+    assert tracked.updates()["updates"] == []
+
+
+def test_update_to_a_named_commit_fetches_it_beside_the_running_one(
+    world: World, tracked: Weights
+) -> None:
+    c2 = world.mirror.publish("org/m", V2)
+    tracked.update("m", by="bob")
+    tracked.update("m", world.c1, by="bob")
+    assert tracked.models.get_model("m")["origin"]["revision"] == world.c1
+    assert sorted(p.name for p in (world.store / "org/m").iterdir()) == sorted([world.c1, c2])
+
+
+@pytest.mark.parametrize(
+    ("registry", "problem"),
+    [
+        (TamperingRegistry, r"model\.safetensors: sha256 [0-9a-f]{12}…, expected"),
+        (LosingRegistry, r"config\.json: missing"),
+    ],
+)
+def test_update_is_refused_when_a_fetched_file_differs_or_is_missing(
+    world: World, tracked: Weights, registry: type[MirrorRegistry], problem: str
+) -> None:
+    world.mirror.publish("org/m", V2)
+    weights = world.open(registry(world.mirror.root))
+    before = weights.models.get_model("m")
+    rows = world.rows()
+    world.applier.steps.clear()
+    with pytest.raises(VerificationFailed, match=problem):
+        weights.update("m", by="bob")
+    assert weights.models.get_model("m") == before
+    assert world.rows() == rows
+    assert world.applier.steps == []
+
+
+def test_a_tampered_copy_in_the_store_is_reported_not_replaced(
+    world: World, tracked: Weights
+) -> None:
+    c2 = world.mirror.publish("org/m", V2)
+    planted = world.store / "org/m" / c2 / "model.safetensors"
+    planted.parent.mkdir(parents=True)
+    planted.write_bytes(b"planted")
+    rows = world.rows()
+    with pytest.raises(VerificationFailed, match="delete the folder to fetch it again"):
+        tracked.update("m", by="bob")
+    assert planted.read_bytes() == b"planted"
+    assert world.rows() == rows
+
+
+def test_a_model_changed_while_its_weights_were_fetched_is_not_moved(
+    world: World, tracked: Weights
+) -> None:
+    world.mirror.publish("org/m", V2)
+    operator = world.open().models
+
+    class SlowRegistry(MirrorRegistry):
+        def fetch(self, repository: str, revision: str, paths: Iterable[str], into: Path) -> None:
+            super().fetch(repository, revision, paths, into)
+            operator.set_source("m", "hf://org/m", None, by="dave")  # meanwhile, elsewhere
+
+    weights = world.open(SlowRegistry(world.mirror.root))
+    with pytest.raises(Refused, match="changed while its weights were being fetched"):
+        weights.update("m", by="bob")
+    assert weights.models.get_model("m")["origin"] is None  # dave's change stands
+    assert events(weights, "m")[-1]["by"] == "dave"
+
+
+def test_a_commit_the_mirror_does_not_have_is_refused(world: World, tracked: Weights) -> None:
+    rows = world.rows()
+    with pytest.raises(RegistryError, match="has no commit 0000000 in the mirror"):
+        tracked.update("m", "0000000", by="bob")
+    assert world.rows() == rows
+
+
+# -- rollback -----------------------------------------------------------------------------
+
+
+def test_rollback_brings_the_previous_origin_back_verified(world: World, tracked: Weights) -> None:
+    origin_recorded_at = events(tracked, "m")[-1]["revision"]
+    world.mirror.publish("org/m", V2)
+    tracked.update("m", by="bob")
+    world.applier.steps.clear()
+    result = tracked.rollback("m", by="carol", reason="answers got worse")
+    m = tracked.models.get_model("m")
+    assert m["origin"] == msgspec.to_builtins(origin_of("org/m", world.c1, V1))
+    assert m["source"] == (world.store / "org/m" / world.c1).as_uri()
+    assert result["rollback_to"] == origin_recorded_at
+    assert events(tracked, "m")[-1]["rollback_to"] == origin_recorded_at
+    assert [s[0] for s in world.applier.steps] == ["catalog"] + ["start", "stop"] * 3
+
+
+def test_rollback_works_from_the_local_copy_after_upstream_drops_the_commit(
+    world: World, tracked: Weights
+) -> None:
+    tracked.update("m", by="bob")  # c1, fetched into the store
+    c2 = world.mirror.publish("org/m", V2)
+    tracked.update("m", by="bob")
+    for path in world.mirror.folder("org/m", world.c1).iterdir():
+        path.unlink()
+    world.mirror.folder("org/m", world.c1).rmdir()  # force-pushed away
+    tracked.rollback("m", world.c1[:8], by="carol")
+    [finding] = [u for u in tracked.updates()["updates"] if u["model"] == "m"]
+    assert (finding["running"], finding["upstream"]) == (world.c1, c2)
+    assert finding["running_in_registry"] is False
+
+
+def test_rollback_is_refused_when_the_old_weights_are_gone_everywhere(
+    world: World, tracked: Weights
+) -> None:
+    world.mirror.publish("org/m", V2)
+    tracked.update("m", by="bob")
+    (world.mirror.folder("org/m", world.c1) / "tokenizer.json").unlink()
+    rows = world.rows()
+    with pytest.raises(VerificationFailed, match=r"tokenizer\.json: missing"):
+        tracked.rollback("m", by="carol")
+    assert world.rows() == rows
+
+
+def test_rollback_passes_over_a_record_that_cannot_be_decoded(
+    world: World, tracked: Weights
+) -> None:
+    first_added = events(tracked, "m")[0]["revision"]
+    tracked.models.add(spec("m", scaling={"min": 3, "max": 3}), by="alice")  # no origin again
+    tracked.check_updates(by="cron")
+    world.mirror.publish("org/m", V2)
+    tracked.update("m", by="bob")
+    with sqlite3.connect(world.db) as conn:
+        conn.execute("UPDATE catalog_events SET state = x'00ff' WHERE revision = ?", (first_added,))
+    reopened = world.open()
+    assert reopened.rollback("m", by="carol")["to"]["revision"] == world.c1
+
+
+def test_rollback_to_a_commit_the_model_never_ran_is_refused(
+    world: World, tracked: Weights
+) -> None:
+    c2 = world.mirror.publish("org/m", V2)
+    with pytest.raises(Refused, match=f"has not run commit {c2} before"):
+        tracked.rollback("m", c2, by="carol")
+    fresh = world.open()
+    fresh.models.add(spec("n", source="s3://bucket/n"), by="alice")
+    with pytest.raises(Refused, match="no earlier weights"):
+        fresh.rollback("n", by="carol")
+
+
+def test_the_log_shows_the_whole_provenance_timeline(world: World, tracked: Weights) -> None:
+    c2 = world.mirror.publish("org/m", V2)
+    tracked.check_updates(by="cron")
+    tracked.update("m", by="bob")
+    tracked.rollback("m", by="carol")
+    timeline = [
+        (e["event"], e["by"], (e["fields"].get("origin") or {}).get("revision"), e["rollback_to"])
+        for e in events(tracked, "m")
+    ]
+    origin_at = events(tracked, "m")[1]["revision"]
+    assert timeline == [
+        ("Added", "alice", None, None),
+        ("OriginSet", SYSTEM_ACTOR, world.c1, None),
+        ("UpstreamChanged", "cron", None, None),
+        ("SourceSet", "bob", c2, None),
+        ("SourceSet", "carol", world.c1, origin_at),
+    ]
+
+
+# -- declared models ------------------------------------------------------------------------
+
+
+def test_a_declared_model_is_reported_but_update_and_rollback_say_edit_the_config(
+    world: World, tracked: Weights
+) -> None:
+    base2 = world.mirror.publish("org/base", {"model.safetensors": b"declared, new"})
+    [finding] = [u for u in tracked.updates()["updates"] if u["model"] == "base"]
+    assert finding["declared"] and (finding["running"], finding["upstream"]) == (
+        world.base1,
+        base2,
+    )
+    # follows-main pins no revision: it runs what main points to, so nothing is reported.
+    assert [u["model"] for u in tracked.updates()["updates"]] == ["base"]
+    rows = world.rows()
+    for move in (tracked.update, tracked.rollback):
+        with pytest.raises(DeclaredInConfig, match="change its source there"):
+            move("base", by="bob")
+    assert world.rows() == rows
+    assert not (world.store / "org/base").exists()
+
+
+# -- appliers ---------------------------------------------------------------------------------
+
+
+def test_the_json_file_applier_queues_replica_replacements_in_order(tmp_path: Path) -> None:
+    applier = JsonFileApplier(tmp_path / "catalog.json")
+    applier.replace_replicas(spec("a"), 7)
+    applier.replace_replicas(spec("b"), 8)
+    lines = [json.loads(line) for line in applier.replicas_path.read_text().splitlines()]
+    assert [(r["revision"], r["model"]["name"], r["strategy"]) for r in lines] == [
+        (7, "a", "one-at-a-time"),
+        (8, "b", "one-at-a-time"),
+    ]
+    assert NoApplier().replace_replicas(spec("a"), 7) is None
+
+
+# -- the CLI ----------------------------------------------------------------------------------
+
+
+def test_cli_updates_check_update_rollback_and_refusals(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(MIRROR_ENV, raising=False)
+    base = ["--db", f"sqlite:///{world.db}", "--config", str(world.config)]
+    where = ["--mirror", str(world.mirror.root), "--weights", str(world.store)]
+    runner = CliRunner()
+    definition = world.root / "m.yaml"
+    definition.write_text(
+        "name: m\nengine: vllm\nsource: hf://org/m\nprofiles: [{name: g, gpus: 1}]\n"
+    )
+    assert runner.invoke(cli, [*base, "model", "add", str(definition)]).exit_code == 0
+
+    checked = runner.invoke(cli, [*base, "model", "check-updates", *where])
+    assert checked.exit_code == 0, checked.stderr
+    assert f"recorded the origin of m: org/m@{world.c1[:12]}" in checked.stdout
+    c2 = world.mirror.publish("org/m", V2)
+
+    listed = runner.invoke(cli, [*base, "--json", "model", "updates", *where])
+    assert listed.exit_code == 0
+    report = json.loads(listed.stdout)
+    assert [(u["model"], u["upstream"]) for u in report["updates"]] == [("m", c2)]
+    assert runner.invoke(cli, [*base, "model", "check-updates", *where]).exit_code == 0
+    human = runner.invoke(cli, [*base, "model", "updates", *where])
+    assert "1 changed, 1 added, 1 removed" in human.stdout
+
+    rows = world.rows()
+    declared = runner.invoke(cli, [*base, "model", "update", "base", "--by", "bob", *where])
+    assert declared.exit_code == 1
+    assert declared.stderr.splitlines() == [
+        "error: model 'base' is declared in configuration; "
+        "change its source there, or it reverts on the next restart"
+    ]
+    unknown = runner.invoke(cli, [*base, "model", "update", "m", "--revision", "dev", *where])
+    assert unknown.exit_code == 1
+    assert unknown.stderr.splitlines() == ["error: org/m has no branch 'dev' (branches: main)"]
+    nowhere = runner.invoke(cli, [*base, "model", "updates"])
+    assert nowhere.exit_code == 1
+    assert nowhere.stderr.splitlines() == [
+        f"error: no registry to compare with: give --mirror DIR or set {MIRROR_ENV}"
+    ]
+    assert world.rows() == rows
+
+    updated = runner.invoke(cli, [*base, "model", "update", "m", "--by", "bob", *where])
+    assert updated.exit_code == 0, updated.stderr
+    assert f"to org/m@{c2[:12]}" in updated.stdout and "one at a time" in updated.stdout
+    back = runner.invoke(
+        cli, [*base, "--json", "model", "rollback", "m", "--to", world.c1, "--by", "carol", *where]
+    )
+    assert back.exit_code == 0, back.stderr
+    moved = json.loads(back.stdout)
+    assert (moved["from"]["revision"], moved["to"]["revision"]) == (c2, world.c1)
+    assert moved["written"] and moved["changed"] == ["model.safetensors"]
+
+    log = runner.invoke(cli, [*base, "--json", "log", "--model", "m"])
+    assert [json.loads(line)["event"] for line in log.stdout.splitlines()] == [
+        "Added",
+        "OriginSet",
+        "UpstreamChanged",
+        "SourceSet",
+        "SourceSet",
+    ]
