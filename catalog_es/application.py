@@ -34,7 +34,13 @@ from catalog_es.persistence import PollingSubscription, SQLRecorder, events_tabl
 from catalog_es.ports import AcceptAll, Applier, NoApplier, PreAddCheck
 from catalog_es.rollback import plan_rollback
 from catalog_es.spec import Adapter, ModelSpec, Origin
-from catalog_es.views import event_fields, event_view, model_view, undecodable_view
+from catalog_es.views import (
+    event_fields,
+    event_view,
+    model_view,
+    model_views,
+    undecodable_view,
+)
 from projections import pointintime, snapshots
 from projections.catalog import catch_up
 from projections.diff import diff_catalogs
@@ -470,7 +476,7 @@ class Models(Application[UUID]):
 
     def list_models(self, at: At = None) -> list[dict[str, Any]]:
         catalog = self.catalog_at(at)
-        return [model_view(m, declared=catalog.is_declared(m.name)) for m in catalog.models()]
+        return model_views(catalog.models(), catalog.is_declared)
 
     def get_model(self, name: str, at: At = None) -> dict[str, Any]:
         catalog = self.catalog_at(at)

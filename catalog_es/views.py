@@ -6,6 +6,7 @@ only by adding keys.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -18,7 +19,16 @@ from catalog_es.spec import ModelSpec
 def model_view(spec: ModelSpec, *, declared: bool) -> dict[str, Any]:
     """A model as it will run: every default filled in, the effective class, and
     where the definition comes from."""
-    view: dict[str, Any] = msgspec.json.decode(msgspec.json.encode(spec))
+    return _complete(msgspec.json.decode(msgspec.json.encode(spec)), spec, declared)
+
+
+def model_views(specs: list[ModelSpec], is_declared: Callable[[str], bool]) -> list[dict[str, Any]]:
+    """``model_view`` of many, converted in one pass (a catalog can be large)."""
+    plain: list[dict[str, Any]] = msgspec.json.decode(msgspec.json.encode(specs))
+    return [_complete(v, s, is_declared(s.name)) for v, s in zip(plain, specs, strict=True)]
+
+
+def _complete(view: dict[str, Any], spec: ModelSpec, declared: bool) -> dict[str, Any]:
     view["effective_class"] = spec.effective_class
     view["declared"] = declared
     missing = spec.missing_memory()

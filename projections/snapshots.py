@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import zlib
+from collections.abc import Iterator
 from datetime import datetime
 
 import msgspec
@@ -76,7 +77,14 @@ def restore(conn: Connection, catalog: Catalog, fingerprint: str, upto: int | No
     query = sa.select(t.revision, t.state).where(t.fingerprint == fingerprint)
     if upto is not None:
         query = query.where(t.revision <= upto)
-    for revision, blob in conn.execute(query.order_by(t.revision.desc()).limit(3)):
+    newest_first = query.order_by(t.revision.desc())
+
+    def candidates() -> Iterator[sa.Row[tuple[int, bytes]]]:
+        # Usually the newest serves; only a corrupt one costs a second round trip.
+        yield from conn.execute(newest_first.limit(1)).all()
+        yield from conn.execute(newest_first.offset(1).limit(2)).all()
+
+    for revision, blob in candidates():
         try:
             state = _decoder.decode(zlib.decompress(blob))
         except (zlib.error, msgspec.MsgspecError) as error:
