@@ -13,7 +13,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime, timedelta
-from typing import Any, ClassVar
+from typing import Any, ClassVar, overload
 from uuid import UUID
 
 import msgspec
@@ -79,6 +79,31 @@ def _check_meta(by: str, reason: str) -> None:
         raise InputError(f"actor {by[:40]!r}: must be 1-{MAX_ACTOR_LENGTH} printable characters")
     if len(reason) > MAX_REASON_LENGTH or not reason.replace("\n", " ").isprintable():
         raise InputError(f"reason: must be at most {MAX_REASON_LENGTH} printable characters")
+
+
+class InForce(Sequence[ModelSpec]):
+    """The models in force, as the applier is handed them: listed (and sorted)
+    only if the applier reads them, so an applier that follows the log itself
+    costs a command nothing on a large catalog. Read it during the call."""
+
+    def __init__(self, catalog: Catalog) -> None:
+        self._catalog = catalog
+        self._models: list[ModelSpec] | None = None
+
+    def _listed(self) -> list[ModelSpec]:
+        if self._models is None:
+            self._models = self._catalog.models()
+        return self._models
+
+    @overload
+    def __getitem__(self, index: int) -> ModelSpec: ...
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[ModelSpec]: ...
+    def __getitem__(self, index: int | slice) -> ModelSpec | Sequence[ModelSpec]:
+        return self._listed()[index]
+
+    def __len__(self) -> int:
+        return len(self._listed())
 
 
 class Watch:
@@ -302,6 +327,7 @@ class Models(Application[UUID]):
         outcomes: list[tuple[Model.Event, ModelSpec | None, bool]] = []
 
         def plan(batch: Batch) -> None:
+            batch.prefetch(step.name for step in steps)
             for number, step in enumerate(steps, start=1):
                 try:
                     outcomes.append(step.decide(batch))
@@ -314,6 +340,10 @@ class Models(Application[UUID]):
         revision, _ = self._write(
             plan, by=by, reason=reason, expected_revision=expected_revision, several=True
         )
+        definitions = model_views(
+            [new for _, new, _ in outcomes if new is not None], lambda _: False
+        )
+        by_model = iter(definitions)
         return {
             "revision": revision,
             "changes": len(outcomes),
@@ -322,7 +352,7 @@ class Models(Application[UUID]):
                     "model": event.model,
                     "event": type(event).__name__,
                     "replaced": replaced,
-                    "definition": model_view(new, declared=False) if new is not None else None,
+                    "definition": next(by_model) if new is not None else None,
                 }
                 for event, new, replaced in outcomes
             ],
@@ -427,7 +457,7 @@ class Models(Application[UUID]):
                     )
             revision = recordings[-1].notification.id
             self.catalog.revision = revision
-            self.applier.replace_catalog(self.catalog.models(), revision)
+            self.applier.replace_catalog(InForce(self.catalog), revision)
             if revision // self.snapshot_interval > head // self.snapshot_interval:
                 self._save_snapshot(self.catalog)
         return revision, batch.changes

@@ -11,6 +11,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime
+from functools import lru_cache
 from typing import Any, ClassVar
 
 import msgspec
@@ -23,6 +24,7 @@ _MODEL_NAMESPACE = uuid.uuid5(uuid.NAMESPACE_URL, "catalog-es:model")
 Upcaster = Callable[[dict[str, Any]], dict[str, Any]]
 
 
+@lru_cache(maxsize=200_000)
 def model_id(name: str) -> uuid.UUID:
     """The aggregate id of a model name: stable, so a name re-added after it
     was removed continues its own history."""

@@ -180,6 +180,26 @@ class SQLRecorder(ProcessRecorder):
                 revisions = [int(row[0])]
             finally:
                 cursor.close()
+        elif stored_events and self.dialect == "sqlite":
+            # Under the write lock, AUTOINCREMENT hands out consecutive rowids:
+            # the batch's revisions are the ones ending at the last inserted.
+            cursor = conn.connection.cursor()
+            try:
+                cursor.executemany(
+                    "INSERT INTO catalog_events"
+                    " (originator_id, originator_version, topic, state) VALUES (?, ?, ?, ?)",
+                    [
+                        (self._uuid(e.originator_id), e.originator_version, e.topic, e.state)
+                        for e in stored_events
+                    ],
+                )
+                cursor.execute("SELECT last_insert_rowid()")
+                row = cursor.fetchone()
+                assert row is not None
+                last = int(row[0])
+            finally:
+                cursor.close()
+            revisions = list(range(last - len(stored_events) + 1, last + 1))
         elif stored_events:
             rows = [
                 {
@@ -278,6 +298,29 @@ class SQLRecorder(ProcessRecorder):
         finally:
             cursor.close()
         return int(value or 0)
+
+    def stream_versions(self, conn: Connection, originator_ids: Sequence[UUID]) -> dict[UUID, int]:
+        """``stream_version`` of many streams in a few round trips."""
+        versions: dict[UUID, int] = {}
+        cursor = conn.connection.cursor()
+        try:
+            for start in range(0, len(originator_ids), 500):
+                chunk = list(originator_ids[start : start + 500])
+                # Stored form -> the caller's UUID, with no UUID parsing per row.
+                wanted = {self._uuid(u): u for u in chunk}
+                marks = ", ".join("?" * len(chunk))
+                cursor.execute(
+                    self._sql(
+                        "SELECT originator_id, max(originator_version) FROM catalog_events"
+                        f" WHERE originator_id IN ({marks}) GROUP BY originator_id"
+                    ),
+                    list(wanted),
+                )
+                for stored_id, version in cursor.fetchall():
+                    versions[wanted[stored_id]] = int(version)
+        finally:
+            cursor.close()
+        return {u: versions.get(u, 0) for u in originator_ids}
 
     def _sql(self, text: str) -> str:
         """Driver SQL written with ``?`` marks, in this driver's paramstyle."""

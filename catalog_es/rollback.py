@@ -125,6 +125,7 @@ def plan_rollback(
             raise Refused(f"model {model!r} has no runtime history to roll back")
         names = [model]
     steps: list[Step] = []
+    batch.prefetch(names)
     for name in names:
         if current.is_declared(name):
             if target.aggregate(name).version > 0:
