@@ -23,7 +23,7 @@ from sqlalchemy.engine import Connection
 
 from catalog_es.catalog import Catalog, Skipped
 from catalog_es.decisions import decide
-from catalog_es.errors import InputError, ModelNotFound, RevisionConflict
+from catalog_es.errors import ConfigError, InputError, ModelNotFound, RevisionConflict
 from catalog_es.inputs import DeclaredConfig
 from catalog_es.mapper import EventMapper, UndecodableEvent, decode_event, model_of_state
 from catalog_es.model import Model, model_id, utc_now
@@ -89,7 +89,13 @@ class Models(Application[UUID]):
             catch_up(self.catalog, self.store, conn)
 
     def _new_catalog(self) -> Catalog:
-        return Catalog(self.declared.models, self.declared.engines)
+        try:
+            return Catalog(self.declared.models, self.declared.engines)
+        except ConfigError as error:
+            # The catalog rules do not know the file; the operator must be told it.
+            if not self.declared.path:
+                raise
+            raise ConfigError(f"{self.declared.path}: {error}") from None
 
     # -- commands ----------------------------------------------------------------
 
