@@ -462,3 +462,30 @@ def test_configured_engines_replace_the_default_list() -> None:
 def test_an_invalid_declared_config_does_not_load(declared: list[Any], problem: str) -> None:
     with pytest.raises(ConfigError, match=problem):
         Catalog(declared)
+
+
+# -- cost -------------------------------------------------------------------------------
+
+
+def test_replaying_a_long_fallback_chain_is_linear(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Work is counted as catalog look-ups (wall time would be flaky): a replay
+    # must cost the same per event however deep the fallback chains already are.
+    lookups = 0
+    real_get = Catalog.get
+
+    def counting_get(self: Catalog, name: str) -> Any:
+        nonlocal lookups
+        lookups += 1
+        return real_get(self, name)
+
+    monkeypatch.setattr(Catalog, "get", counting_get)
+    depth = 400
+    chain = [added(spec("m0"))] + [
+        added(spec(f"m{i}", fallbacks=(f"m{i - 1}",))) for i in range(1, depth)
+    ]
+    catalog = given(*chain)
+    assert (len(catalog), catalog.skipped) == (depth, [])
+    assert lookups < 5 * depth
+    # And a change that could close the chain into a cycle is still caught.
+    with pytest.raises(InvalidModel, match=f"form a cycle: m0 -> m{depth - 1} -> "):
+        when(catalog, added(spec("m0", fallbacks=(f"m{depth - 1}",))))
