@@ -103,7 +103,7 @@ def _state(models: Models) -> tuple[Any, ...]:
     return catalog.models(), streams, catalog.revision, catalog.skipped
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(prelude, st.lists(commands, min_size=8, max_size=30))
 def test_the_catalog_rebuilt_from_the_log_is_the_one_in_force(
     prelude: list[Call], script: list[Call]
