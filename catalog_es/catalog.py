@@ -76,6 +76,10 @@ class Catalog:
         """Every model in force, by name."""
         return sorted([*self.declared.values(), *self.runtime()], key=lambda m: m.name)
 
+    def was_skipped(self, name: str) -> bool:
+        """Whether load left out an event of this model (so a removal can heal it)."""
+        return any(s.model == name for s in reversed(self.skipped))
+
     def referrers(self, name: str) -> set[str]:
         return self._referrers.get(name, set())
 

@@ -413,11 +413,6 @@ def test_an_unexpected_failure_is_still_one_line(tmp_path: Path) -> None:
     assert "unable to open database file" in line
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="parse_document treats any text starting with '{' as JSON, so a YAML flow "
-    "mapping ({name: m, ...}) is refused as 'not valid JSON'",
-)
 def test_a_flow_style_yaml_definition_is_accepted(run: Run, write: Any) -> None:
     flow = b"{name: flow, engine: vllm, source: hf://org/flow, profiles: [{name: g, gpus: 1}]}"
     ok(run("model", "add", write("flow.yaml", flow)))

@@ -269,15 +269,14 @@ def test_a_poisoned_later_event_leaves_the_model_as_it_was_and_usable(
     assert make_models().get_model("m")["scaling"] == {"min": 1, "max": 4}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=ModelNotFound,
-    reason="DESIGN.md: a skipped model's name 'can be re-added (which heals it) or removed'; "
-    "remove is refused with 'was not added at runtime' (the Go original allowed it)",
-)
 def test_a_skipped_model_can_be_removed(make_models: MakeModels, db_url: str) -> None:
     (engine_gone,) = [p for p in POISONS if p.id == "engine-gone"]
     models, _, config_now = _poisoned_log(make_models, db_url, [engine_gone])
     models.remove(engine_gone.victim.name, by=ACTOR)
     reopened = make_models(config_now)
     assert engine_gone.victim.name not in _names(reopened)
+    # Removed for good: the engine coming back does not bring the model back.
+    restored = make_models(config_yaml(KEPT, ANCHOR))
+    assert engine_gone.victim.name not in _names(restored)
+    with pytest.raises(ModelNotFound, match="was not added at runtime"):
+        restored.remove(engine_gone.victim.name, by=ACTOR)
