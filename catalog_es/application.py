@@ -28,7 +28,13 @@ from catalog_es import commands
 from catalog_es.batch import Batch, Change
 from catalog_es.catalog import Catalog, Skipped
 from catalog_es.configuration import Configuration, DeclaredConfig
-from catalog_es.errors import InputError, ModelNotFound, Refused, RevisionConflict
+from catalog_es.errors import (
+    ConfigError,
+    InputError,
+    ModelNotFound,
+    Refused,
+    RevisionConflict,
+)
 from catalog_es.mapper import EventMapper, UndecodableEvent, decode_event, model_of_state
 from catalog_es.model import Model, model_id, utc_now
 from catalog_es.persistence import PollingSubscription, SQLRecorder, events_table
@@ -161,7 +167,7 @@ class Models(Application[UUID]):
     def _load(self) -> Catalog:
         """The catalog in force: the newest snapshot over this config, then the
         log after it. A long tail is snapshotted so the next start is quick."""
-        catalog = Catalog(self.declared.models, self.declared.engines)
+        catalog = self._new_catalog()
         with self.store.read() as conn:
             snapshots.restore(conn, catalog, self.declared.fingerprint, upto=None)
             since = catalog.revision
@@ -182,6 +188,16 @@ class Models(Application[UUID]):
                 len(catalog.skipped) - 10,
             )
         return catalog
+
+    def _new_catalog(self) -> Catalog:
+        """The declared layer alone, its rules checked."""
+        try:
+            return Catalog(self.declared.models, self.declared.engines)
+        except ConfigError as error:
+            # The catalog rules do not know the file; the operator must be told it.
+            if not self.declared.path:
+                raise
+            raise ConfigError(f"{self.declared.path}: {error}") from None
 
     def _save_snapshot(self, catalog: Catalog) -> None:
         # Best effort: a snapshot only saves time, so failing to write one
@@ -616,7 +632,7 @@ class Models(Application[UUID]):
         with self._lock:
             with self.store.write() as conn:
                 snapshots.clear(conn)
-            catalog = Catalog(self.declared.models, self.declared.engines)
+            catalog = self._new_catalog()
             written = 0
             with self.store.read() as conn:
                 head = self.store.head(conn)

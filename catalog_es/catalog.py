@@ -76,6 +76,10 @@ class Catalog:
         """Every model in force, by name."""
         return sorted([*self.declared.values(), *self.runtime()], key=lambda m: m.name)
 
+    def was_skipped(self, name: str) -> bool:
+        """Whether load left out an event of this model (so a removal can heal it)."""
+        return any(s.model == name for s in reversed(self.skipped))
+
     def referrers(self, name: str) -> set[str]:
         return self._referrers.get(name, set())
 
@@ -119,19 +123,35 @@ class Catalog:
 
     def _cycle_through(self, name: str, new: ModelSpec) -> list[str]:
         """A fallback path from ``name`` back to itself, if the change makes one.
-        Only the changed model gains edges, so any new cycle passes through it."""
-        stack: list[tuple[str, list[str]]] = [(t, [name, t]) for t in new.fallbacks]
-        seen: set[str] = set()
+        Only the changed model gains edges, so any new cycle passes through it,
+        and enters it from a model naming it: with none, there is no cycle (the
+        common case, a model added before anything names it, costs nothing).
+        Each model is visited once and the path is rebuilt only when found, so
+        a deep chain costs its length, not its length squared."""
+        if not self.referrers(name) - {name}:
+            return []
+        came_from: dict[str, str] = {}
+        stack: list[str] = []
+        for target in new.fallbacks:
+            if target not in came_from:
+                came_from[target] = name
+                stack.append(target)
         while stack:
-            current, path = stack.pop()
+            current = stack.pop()
             if current == name:
-                return path
-            if current in seen:
-                continue
-            seen.add(current)
+                path = [name]
+                node = came_from[name]
+                while node != name:
+                    path.append(node)
+                    node = came_from[node]
+                return [name, *reversed(path)]
             spec = self.get(current)
-            if spec is not None:
-                stack.extend((t, [*path, t]) for t in spec.fallbacks)
+            if spec is None:
+                continue
+            for target in spec.fallbacks:
+                if target not in came_from:
+                    came_from[target] = current
+                    stack.append(target)
         return []
 
     # -- changing --------------------------------------------------------------

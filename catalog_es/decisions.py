@@ -45,7 +45,10 @@ def decide(catalog: Catalog, event: Model.Event) -> ModelSpec | None:
         return event.evolve(current)
     if catalog.is_declared(name):
         raise DeclaredInConfig(declared_refusal(event))
-    new = event.evolve(catalog.aggregate(name).spec)
+    current = catalog.aggregate(name).spec
+    if isinstance(event, Model.Removed) and current is None and not catalog.was_skipped(name):
+        raise ModelNotFound(name, "was not added at runtime")
+    new = event.evolve(current)
     catalog.check(name, new, event.touches)
     if new is not None:
         _check_memory(event, new)

@@ -169,16 +169,25 @@ def _no_constant(name: str) -> NoReturn:
 def parse_document(
     text: str, where: str, *, untrusted: bool = True, limit: int = MAX_INPUT_BYTES
 ) -> Any:
-    """YAML or JSON (JSON when it starts with ``{`` or ``[``) to plain data."""
+    """YAML or JSON to plain data. Text that starts like JSON is read as JSON
+    (stricter: no NaN); if it is not JSON, as YAML, whose flow style looks the
+    same (``{name: m, …}``), and a failure then is worded as JSON's."""
     if untrusted and len(text.encode("utf-8", "surrogatepass")) > limit:
         raise InputError(f"{where}: larger than {limit // 1024} KiB")
+    loader = _InputLoader if untrusted else _StrictLoader
     stripped = text.lstrip()
     try:
         if stripped[:1] in ("{", "["):
-            return json.loads(
-                stripped, object_pairs_hook=_no_duplicates, parse_constant=_no_constant
-            )
-        return yaml.load(text, Loader=_InputLoader if untrusted else _StrictLoader)
+            try:
+                return json.loads(
+                    stripped, object_pairs_hook=_no_duplicates, parse_constant=_no_constant
+                )
+            except json.JSONDecodeError as not_json:
+                try:
+                    return yaml.load(text, Loader=loader)
+                except yaml.YAMLError:
+                    raise not_json from None
+        return yaml.load(text, Loader=loader)
     except json.JSONDecodeError as error:
         raise InputError(
             f"{where}: not valid JSON: {error.msg} (line {error.lineno}, column {error.colno})"

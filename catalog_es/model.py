@@ -107,12 +107,14 @@ class Model(msgspec.Struct, frozen=True, gc=False):
             return self.spec
 
     class Removed(Event, frozen=True, kw_only=True):
+        """Ends the model's runtime definition. Whether there is one to end is
+        the decision's to say (a model whose events were skipped can be
+        removed too), so on replay a removal always stands."""
+
         what: ClassVar[str] = "remove it"
         touches: ClassVar[tuple[str, ...]] = ()
 
         def evolve(self, current: ModelSpec | None) -> ModelSpec | None:
-            if current is None:
-                raise ModelNotFound(self.model, "was not added at runtime")
             return None
 
     class Scaled(Event, frozen=True, kw_only=True):

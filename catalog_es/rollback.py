@@ -24,28 +24,16 @@ Step = tuple[type[Model.Event], str, dict[str, Any]]
 _Planner = Callable[[ModelSpec, ModelSpec], list[Step]]
 
 
-def _scaling(now: ModelSpec, then: ModelSpec) -> list[Step]:
-    if now.scaling == then.scaling:
-        return []
-    return [(Model.Scaled, then.name, {"scaling": then.scaling})]
+def _one_field(event_class: type[Model.Event], attribute: str) -> _Planner:
+    """The planner of a dimension one event sets whole, under the same name."""
 
+    def plan(now: ModelSpec, then: ModelSpec) -> list[Step]:
+        value = getattr(then, attribute)
+        if getattr(now, attribute) == value:
+            return []
+        return [(event_class, then.name, {attribute: value})]
 
-def _class(now: ModelSpec, then: ModelSpec) -> list[Step]:
-    if now.capacity_class == then.capacity_class:
-        return []
-    return [(Model.ClassSet, then.name, {"capacity_class": then.capacity_class})]
-
-
-def _owner(now: ModelSpec, then: ModelSpec) -> list[Step]:
-    if now.owner == then.owner:
-        return []
-    return [(Model.OwnerSet, then.name, {"owner": then.owner})]
-
-
-def _adapters(now: ModelSpec, then: ModelSpec) -> list[Step]:
-    if now.adapters == then.adapters:
-        return []
-    return [(Model.AdaptersSet, then.name, {"adapters": then.adapters})]
+    return plan
 
 
 def _source(now: ModelSpec, then: ModelSpec) -> list[Step]:
@@ -72,11 +60,11 @@ def _resources(now: ModelSpec, then: ModelSpec) -> list[Step]:
 
 DIMENSIONS: dict[str, _Planner] = {
     "source": _source,
-    "scaling": _scaling,
+    "scaling": _one_field(Model.Scaled, "scaling"),
     "resources": _resources,
-    "class": _class,
-    "owner": _owner,
-    "adapters": _adapters,
+    "class": _one_field(Model.ClassSet, "capacity_class"),
+    "owner": _one_field(Model.OwnerSet, "owner"),
+    "adapters": _one_field(Model.AdaptersSet, "adapters"),
 }
 
 

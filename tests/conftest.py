@@ -1,13 +1,27 @@
-"""Fixtures shared by the suite: the two backends, and a clean working folder."""
+"""Fixtures shared by the suite: the two backends, a clean working folder, the
+service on this test's database, and test implementations of the ports."""
 
 from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
+
+from catalog_es.application import Models
+from catalog_es.bootstrap import open_models
+from catalog_es.errors import Refused
+from catalog_es.ports import Applier, PreAddCheck
+from catalog_es.spec import ModelSpec
+from tests.helpers import count_events
+
+# eventsourcing lets the environment override an application's settings, and
+# the CLI reads CATALOG_ES_*: a developer's shell must not steer the tests.
+_LIBRARY_SETTINGS = ("PERSISTENCE_MODULE", "MAPPER_TOPIC", "COMPRESSOR_TOPIC", "CIPHER_TOPIC")
 
 PG_ENV = "CATALOG_ES_TEST_PG"
 PG_DEFAULT = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
@@ -57,20 +71,85 @@ def db_url(request: pytest.FixtureRequest, tmp_path: os.PathLike[str]) -> str:
     return str(request.getfixturevalue("pg_url"))
 
 
-def count_events(url: str) -> int:
-    """Rows in the log, read straight from the database."""
-    engine = sa.create_engine(url)
-    try:
-        with engine.connect() as conn:
-            return int(conn.execute(sa.text("SELECT count(*) FROM catalog_events")).scalar_one())
-    finally:
-        engine.dispose()
-
-
 @pytest.fixture(autouse=True)
 def _clean_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: os.PathLike[str]) -> None:
     """No test picks up the repo's catalog.yaml or the caller's CATALOG_ES_* settings."""
     for key in list(os.environ):
-        if key.startswith("CATALOG_ES_") and key != PG_ENV:
+        if (key.startswith("CATALOG_") and key != PG_ENV) or key in _LIBRARY_SETTINGS:
             monkeypatch.delenv(key)
     monkeypatch.chdir(tmp_path)
+
+
+class RecordingApplier(Applier):
+    """The controller's port, recording each catalog pushed and its revision."""
+
+    def __init__(self) -> None:
+        self.pushes: list[tuple[int, list[ModelSpec]]] = []
+        self.moves: list[tuple[int, ModelSpec]] = []
+
+    def replace_catalog(self, models: Sequence[ModelSpec], revision: int) -> None:
+        self.pushes.append((revision, list(models)))
+
+    def replace_replicas(self, model: ModelSpec, revision: int) -> None:
+        self.moves.append((revision, model))
+
+    @property
+    def revisions(self) -> list[int]:
+        return [revision for revision, _ in self.pushes]
+
+
+class RefuseSources(PreAddCheck):
+    """Refuses weights under a prefix, as an engine probe refuses what it cannot load."""
+
+    def __init__(self, prefix: str = "hf://broken/") -> None:
+        self.prefix = prefix
+        self.checked: list[str] = []
+
+    def check(self, model: ModelSpec) -> None:
+        self.checked.append(model.name)
+        if model.source.startswith(self.prefix):
+            raise Refused(f"model {model.name!r}: the engine cannot load {model.source}")
+
+
+@pytest.fixture
+def db_file(tmp_path: Path) -> Path:
+    return tmp_path / "catalog.db"
+
+
+@pytest.fixture
+def write_config(tmp_path: Path) -> Callable[..., str]:
+    """Writes a declared config file and returns its path; each call a new file,
+    so a test can reopen the same log over a config that has changed."""
+    written = 0
+
+    def write(text: str) -> str:
+        nonlocal written
+        written += 1
+        path = tmp_path / f"config-{written}.yaml"
+        path.write_text(text, encoding="utf-8")
+        return str(path)
+
+    return write
+
+
+@pytest.fixture
+def make_models(db_url: str, write_config: Callable[..., str]) -> Iterator[Callable[..., Models]]:
+    """``make_models(config_yaml=None, **ports)``: the service on this test's
+    database, its log replayed; every instance is closed at the end."""
+    opened: list[Models] = []
+
+    def make(config_yaml: str | None = None, **ports: Any) -> Models:
+        config = write_config(config_yaml) if config_yaml is not None else None
+        models = open_models(db_url, config, **ports)
+        opened.append(models)
+        return models
+
+    yield make
+    for models in opened:
+        models.close()
+
+
+@pytest.fixture
+def rows(db_url: str) -> Callable[[], int]:
+    """How many rows ``catalog_events`` holds now, read past the code under test."""
+    return lambda: count_events(db_url)

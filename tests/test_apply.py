@@ -12,7 +12,7 @@ from catalog_es.cli import cli
 from catalog_es.configuration import DeclaredConfig
 from catalog_es.errors import InputError, Refused
 from catalog_es.inputs import read_changes
-from tests.conftest import count_events
+from tests.helpers import count_events
 
 CHANGES = """
 - add: {name: a, engine: vllm, source: hf://o/a, profiles: [{name: g, gpus: 1}]}

@@ -21,7 +21,7 @@ import pytest
 from catalog_es.application import Models
 from catalog_es.errors import Refused
 from catalog_es.inputs import DeclaredConfig, load_config, model_from_data
-from tests.conftest import count_events
+from tests.helpers import count_events
 
 CONFIG = """
 models:

@@ -28,7 +28,7 @@ from catalog_es.inputs import DeclaredConfig, load_config, model_from_data
 from catalog_es.spec import ModelSpec
 from projections.catalog import catch_up
 from projections.snapshots import snapshots_table
-from tests.conftest import count_events
+from tests.helpers import count_events
 
 DECLARED_YAML = """
 models:

@@ -221,7 +221,10 @@ class CatalogGroup(click.Group):
         except Exception as error:  # the last guard: one line, not a traceback
             if os.environ.get("CATALOG_ES_DEBUG"):
                 raise
-            click.echo(f"error: unexpected {type(error).__name__}: {error}", err=True)
+            # Library errors (SQLAlchemy's) run on over several lines; the
+            # first says what went wrong.
+            first_line = next(iter(str(error).splitlines()), "")
+            click.echo(f"error: unexpected {type(error).__name__}: {first_line}", err=True)
             ctx.exit(1)
 
 

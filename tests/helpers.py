@@ -1,0 +1,110 @@
+"""Builders shared by the tests: model definitions, declared configs and events.
+
+Plain functions rather than fixtures, so a test reads as data: given these
+events, when this command, then this catalog.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import msgspec
+import sqlalchemy as sa
+import yaml
+
+from catalog_es.catalog import Catalog
+from catalog_es.model import Model, model_id, utc_now
+from catalog_es.spec import DEFAULT_ENGINES, ModelSpec, Profile
+
+GPU = Profile(name="gpu", gpus=1, gpu_memory_gb=24, min_memory_gb=32, cpu_cores=4)
+CPU = Profile(name="cpu", gpus=0, min_memory_gb=8, cpu_cores=4)
+# A CPU-only profile as models stored before the memory rule (and KubeAI's) have it.
+CPU_NO_MEMORY = Profile(name="cpu", gpus=0, cpu_cores=2)
+
+SHA = "ab" * 32
+ACTOR = "test-operator"
+
+
+def spec(name: str, **fields: Any) -> ModelSpec:
+    """A valid runtime definition; ``fields`` override the defaults."""
+    base: dict[str, Any] = {"engine": "vllm", "source": f"hf://org/{name}", "profiles": (GPU,)}
+    return ModelSpec(name=name, **{**base, **fields})
+
+
+def definition(name: str, **fields: Any) -> dict[str, Any]:
+    """The input form of :func:`spec` (what a YAML/JSON file holds): only what
+    a person would write, so the defaults are the service's to fill in."""
+    base: dict[str, Any] = {
+        "name": name,
+        "engine": "vllm",
+        "source": f"hf://org/{name}",
+        "profiles": [{"name": "gpu", "gpus": 1, "gpu_memory_gb": 24}],
+    }
+    return {**base, **fields}
+
+
+def config_yaml(*declared: ModelSpec, engines: Sequence[str] | None = None) -> str:
+    """A declared config holding ``declared`` (and ``engines:`` when given)."""
+    data: dict[str, Any] = {"models": [msgspec.to_builtins(m) for m in declared]}
+    if engines is not None:
+        data["engines"] = list(engines)
+    return yaml.safe_dump(data, sort_keys=False)
+
+
+# -- events ----------------------------------------------------------------------
+
+
+def event(cls: type[Model.Event], name: str, **fields: Any) -> Model.Event:
+    """An event of ``cls`` on model ``name``; its stream version is stamped by
+    :func:`given` or :func:`candidate`."""
+    return cls(
+        originator_id=model_id(name),
+        originator_version=0,
+        timestamp=utc_now(),
+        model=name,
+        by=ACTOR,
+        **fields,
+    )
+
+
+def added(definition: ModelSpec) -> Model.Event:
+    return event(Model.Added, definition.name, spec=definition)
+
+
+def removed(name: str) -> Model.Event:
+    return event(Model.Removed, name)
+
+
+def given(
+    *events: Model.Event,
+    declared: Sequence[ModelSpec] = (),
+    engines: Iterable[str] = DEFAULT_ENGINES,
+) -> Catalog:
+    """The catalog after replaying ``events`` (revisions 1..N) over ``declared``.
+    Replay never applies the command-only rules: what is given here is history."""
+    catalog = Catalog(declared, engines)
+    for revision, e in enumerate(events, start=1):
+        catalog.apply(candidate(catalog, e), revision)
+    return catalog
+
+
+def candidate(catalog: Catalog, e: Model.Event) -> Model.Event:
+    """``e`` as the next event of its stream in ``catalog``."""
+    version = catalog.aggregate(e.model).version + 1
+    return msgspec.structs.replace(e, originator_version=version)
+
+
+# -- the database ----------------------------------------------------------------
+
+
+def count_events(url: str) -> int:
+    """Rows in the log, read straight from the database (not through the code under test)."""
+    engine = sa.create_engine(url)
+    try:
+        if not sa.inspect(engine).has_table("catalog_events"):
+            return 0
+        with engine.connect() as conn:
+            return int(conn.execute(sa.text("SELECT count(*) FROM catalog_events")).scalar_one())
+    finally:
+        engine.dispose()

@@ -1,0 +1,418 @@
+"""The ``catalog-es`` command line: exit codes, the shared options, bad input.
+
+Every refusal is one ``error:`` line on stderr, exit code 1, and the log is
+exactly as long as before (counted in the file, not through the code).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from click.testing import CliRunner, Result
+
+from catalog_es.cli import cli
+from tests.helpers import config_yaml, definition, spec
+
+LOG_KEYS = {
+    "revision",
+    "time",
+    "by",
+    "reason",
+    "model",
+    "event",
+    "class_version",
+    "fields",
+    "rollback_to",
+}
+
+Run = Callable[..., Result]
+
+
+@pytest.fixture
+def run(db_url: str) -> Run:
+    """``run(*args, input=None)``: the CLI on this test's database."""
+
+    def invoke(*args: str, input: str | bytes | None = None) -> Result:
+        return CliRunner().invoke(cli, ["--db", db_url, *args], input=input)
+
+    return invoke
+
+
+@pytest.fixture
+def write(tmp_path: Path) -> Callable[[str, bytes], str]:
+    def write_file(name: str, content: bytes) -> str:
+        path = tmp_path / name
+        path.write_bytes(content)
+        return str(path)
+
+    return write_file
+
+
+def as_json(data: Any) -> bytes:
+    return json.dumps(data).encode()
+
+
+def as_yaml(data: Any) -> bytes:
+    return yaml.safe_dump(data).encode()
+
+
+def ok(result: Result) -> Result:
+    assert result.exit_code == 0, (result.stdout, result.stderr)
+    return result
+
+
+def refused_in_one_line(result: Result) -> str:
+    assert result.exit_code == 1, (result.stdout, result.stderr)
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: ")
+    assert "Traceback" not in result.stderr
+    assert result.stdout == ""
+    return lines[0]
+
+
+# -- exit codes -------------------------------------------------------------------
+
+
+def test_success_exits_0_and_prints_the_revision(run: Run, write: Any) -> None:
+    result = ok(run("model", "add", write("m.yaml", as_yaml(definition("m")))))
+    assert result.stdout.startswith("added m at revision 1\n")
+    listed = ok(run("model", "list")).stdout
+    assert "m" in listed and "runtime" in listed and "hf://org/m" in listed
+    shown = ok(run("model", "show", "m")).stdout
+    assert "standard (from scaling)" in shown
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        pytest.param(["no-such-command"], id="unknown-command"),
+        pytest.param(["model", "show"], id="missing-argument"),
+        pytest.param(["model", "scale", "m", "--min", "two"], id="not-an-int"),
+        pytest.param(["model", "scale", "m", "--min", "1.5"], id="float-option"),
+        pytest.param(["model", "adapters", "m"], id="adapters-neither"),
+        pytest.param(["model", "adapters", "m", "--none", "--adapter", "a=s3://x"], id="both"),
+        pytest.param(["--expected-revision", "-1", "model", "list"], id="negative-revision"),
+        pytest.param(["log", "--limit", "0"], id="limit-zero"),
+        pytest.param(["model", "list", "--no-such-option"], id="unknown-option"),
+    ],
+)
+def test_usage_errors_exit_2(run: Run, rows: Callable[[], int], args: list[str]) -> None:
+    result = run(*args)
+    assert result.exit_code == 2, (result.stdout, result.stderr)
+    assert rows() == 0
+
+
+# -- shared options, before and after the command ------------------------------------
+
+
+def _seeded(run: Run, write: Any) -> None:
+    ok(run("model", "add", write("m.yaml", as_yaml(definition("m")))))
+
+
+def test_json_before_and_after_the_command_is_the_same(run: Run, write: Any) -> None:
+    _seeded(run, write)
+    for command in (["model", "list"], ["model", "show", "m"], ["sources"], ["log"]):
+        before = ok(run("--json", *command)).stdout
+        after = ok(run(*command, "--json")).stdout
+        assert before == after, command
+        for line in before.splitlines():
+            json.loads(line)
+
+
+@pytest.mark.parametrize("where", ["root", "command"])
+def test_by_and_reason_work_before_and_after_the_command(run: Run, write: Any, where: str) -> None:
+    _seeded(run, write)
+    options = ["--by", "alice", "--reason", "load test"]
+    args = ["model", "scale", "m", "--max", "3"]
+    ok(run(*options, *args) if where == "root" else run(*args, *options))
+    (line,) = ok(run("log", "--json", "--after", "1")).stdout.splitlines()
+    assert (json.loads(line)["by"], json.loads(line)["reason"]) == ("alice", "load test")
+
+
+def test_a_command_option_wins_over_the_root_one(run: Run, write: Any) -> None:
+    _seeded(run, write)
+    ok(run("--by", "root-actor", "model", "scale", "m", "--max", "3", "--by", "command-actor"))
+    (line,) = ok(run("log", "--json", "--after", "1")).stdout.splitlines()
+    assert json.loads(line)["by"] == "command-actor"
+
+
+def test_the_actor_comes_from_the_environment_without_by(
+    run: Run, write: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CATALOG_ES_ACTOR", "ci-bot")
+    _seeded(run, write)
+    (line,) = ok(run("log", "--json")).stdout.splitlines()
+    assert json.loads(line)["by"] == "ci-bot"
+
+
+@pytest.mark.parametrize("where", ["root", "command"])
+def test_expected_revision_works_before_and_after_the_command(
+    run: Run, write: Any, rows: Callable[[], int], where: str
+) -> None:
+    _seeded(run, write)
+
+    def scale(revision: int) -> Result:
+        option = ["--expected-revision", str(revision)]
+        args = ["model", "scale", "m", "--max", "4"]
+        return run(*option, *args) if where == "root" else run(*args, *option)
+
+    assert "the log is at revision 1, not 0" in refused_in_one_line(scale(0))
+    assert rows() == 1
+    assert ok(scale(1)).stdout.startswith("scaled m at revision 2")
+
+
+def test_db_and_config_come_from_the_environment(
+    tmp_path: Path, write: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CATALOG_ES_DB", f"sqlite:///{tmp_path}/from-env.db")
+    monkeypatch.setenv(
+        "CATALOG_ES_CONFIG", write("declared.yaml", config_yaml(spec("declared")).encode())
+    )
+    listed = json.loads(ok(CliRunner().invoke(cli, ["model", "list", "--json"])).stdout)
+    assert [(m["name"], m["declared"]) for m in listed] == [("declared", True)]
+    ok(CliRunner().invoke(cli, ["model", "add", write("m.yaml", as_yaml(definition("m")))]))
+    assert (tmp_path / "from-env.db").exists()
+
+
+# -- reading a definition -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("encode", [as_json, as_yaml], ids=["json", "yaml"])
+def test_model_add_dash_reads_standard_input(run: Run, encode: Callable[[Any], bytes]) -> None:
+    result = ok(run("--json", "model", "add", "-", input=encode(definition("piped"))))
+    out = json.loads(result.stdout)
+    assert (out["revision"], out["model"]["name"], out["replaced"]) == (1, "piped", False)
+
+
+def test_re_adding_says_it_replaced(run: Run, write: Any) -> None:
+    _seeded(run, write)
+    path = write("m2.json", as_json(definition("m", source="s3://w/m-v2")))
+    assert ok(run("model", "add", path)).stdout.startswith("replaced m at revision 2")
+    assert json.loads(ok(run("--json", "model", "add", path)).stdout)["replaced"] is True
+
+
+# -- bad input: one line, exit 1, nothing written --------------------------------------
+
+TEN_KB_NAME = "n" * 10_240
+
+
+def _with(**fields: Any) -> dict[str, Any]:
+    return {**definition("new"), **fields}
+
+
+def _profile(**fields: Any) -> list[dict[str, Any]]:
+    return [{"name": "gpu", "gpus": 1, **fields}]
+
+
+BAD_FILES = [
+    pytest.param(b"name: [unclosed\nengine: vllm\n", "not valid YAML", id="malformed-yaml"),
+    pytest.param(b'{"name": "new", "engine": ', "not valid JSON", id="malformed-json"),
+    pytest.param(as_yaml(_with(colour="red")), "colour: unknown field", id="unknown-field"),
+    pytest.param(
+        as_yaml(_with(profiles=_profile(surprise=1))),
+        "profiles[0].surprise: unknown field",
+        id="unknown-nested-field",
+    ),
+    pytest.param(
+        as_json(_with(profiles=_profile(gpus="1"))), "profiles[0].gpus", id="string-for-int"
+    ),
+    pytest.param(
+        as_json(_with(profiles=_profile(gpus=True))), "profiles[0].gpus", id="bool-for-int"
+    ),
+    pytest.param(
+        as_yaml(_with(profiles=_profile(gpus=1.5))), "profiles[0].gpus", id="float-for-int"
+    ),
+    pytest.param(
+        as_json(_with(profiles=_profile(gpus=2.0))), "profiles[0].gpus", id="integral-float"
+    ),
+    pytest.param(as_yaml(_with(scaling={"min": "1"})), "scaling.min", id="string-scaling"),
+    pytest.param(as_yaml(_with(name=123)), "name", id="int-for-name"),
+    pytest.param(as_yaml(_with(name="has spaces")), "is not a valid name", id="name-spaces"),
+    pytest.param(as_json(_with(name=TEN_KB_NAME)), "is not a valid name", id="10kb-name"),
+    pytest.param(
+        as_json(_with(profiles=_profile(gpus=-1))), "profiles[0].gpus: cannot be negative", id="neg"
+    ),
+    pytest.param(
+        as_yaml(_with(scaling={"min": -1, "max": 2})), "scaling: min -1", id="negative-scaling"
+    ),
+    pytest.param(as_yaml(_with(profiles=[])), "at least one profile", id="empty-profiles"),
+    pytest.param(as_yaml(_with(name="declared")), "is declared in configuration", id="declared"),
+    pytest.param(b"name: new\nname: other\n", "duplicate key 'name'", id="duplicate-key-yaml"),
+    pytest.param(b'{"name": "new", "name": "x"}', "duplicate key 'name'", id="duplicate-key-json"),
+    pytest.param(
+        b"name: &n new\nengine: vllm\nsource: *n\nprofiles: [{name: g, gpus: 1}]\n",
+        "aliases (*name) are not accepted",
+        id="yaml-alias",
+    ),
+    pytest.param(as_json(_with(profiles=_profile())).replace(b"1}", b"NaN}"), "NaN", id="json-nan"),
+    pytest.param(
+        as_json(_with(profiles=_profile())).replace(b"1}", b"Infinity}"), "Infinity", id="json-inf"
+    ),
+    pytest.param(
+        as_yaml(_with(profiles=_profile())).replace(b"gpus: 1", b"gpus: .nan"),
+        "profiles[0].gpus",
+        id="yaml-nan",
+    ),
+    pytest.param("name: ünïcode\n".encode("latin-1"), "not UTF-8 text", id="not-utf8"),
+    pytest.param(b"", "(top level)", id="empty-file"),
+    pytest.param(b"- just\n- a list\n", "(top level)", id="not-a-mapping"),
+    pytest.param(
+        as_yaml(_with(profiles=[{"name": "cpu", "gpus": 0, "cpu_cores": 4}])),
+        "declares no memory",
+        id="cpu-without-memory",
+    ),
+    pytest.param(as_yaml(_with(fallbacks=["ghost"])), "names 'ghost'", id="fallback-ghost"),
+    pytest.param(as_yaml(_with(engine="triton")), "not a known engine", id="unknown-engine"),
+    pytest.param(b"name: !!python/object:os.system x\n", "not valid YAML", id="python-tag"),
+    pytest.param(b"#" * (1 << 20) + b"\n", "larger than 1024 KiB", id="oversized"),
+]
+
+
+@pytest.fixture
+def seeded(run: Run, write: Any, rows: Callable[[], int]) -> Callable[..., Result]:
+    """A catalog with a declared model and a runtime one; returns ``run`` with
+    that config, after checking the log length."""
+    config = write("declared.yaml", config_yaml(spec("declared")).encode())
+    ok(run("--config", config, "model", "add", write("m.yaml", as_yaml(definition("m")))))
+    assert rows() == 2  # the declared config's record, and the add
+    return lambda *args, **kw: run("--config", config, *args, **kw)
+
+
+@pytest.mark.parametrize(("content", "message"), BAD_FILES)
+def test_a_bad_definition_file_is_refused_in_one_line(
+    seeded: Run, write: Any, rows: Callable[[], int], content: bytes, message: str
+) -> None:
+    line = refused_in_one_line(seeded("model", "add", write("bad-definition", content)))
+    assert message in line
+    assert len(line) < 500  # a 10 kB name is not echoed back whole
+    assert rows() == 2
+
+
+@pytest.mark.parametrize(("content", "message"), BAD_FILES[:3])
+def test_a_bad_definition_on_standard_input_is_refused(
+    seeded: Run, rows: Callable[[], int], content: bytes, message: str
+) -> None:
+    line = refused_in_one_line(seeded("model", "add", "-", input=content))
+    assert "standard input" in line and message in line
+    assert rows() == 2
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        pytest.param(["model", "add", "missing.yaml"], "missing.yaml: No such file", id="no-file"),
+        pytest.param(["model", "add", "."], "Is a directory", id="directory"),
+        pytest.param(["model", "remove", "ghost"], "'ghost' was not added", id="remove-unknown"),
+        pytest.param(["model", "remove", "declared"], "remove it there", id="remove-declared"),
+        pytest.param(
+            ["model", "scale", "declared", "--max", "2"], "change its scaling there", id="d"
+        ),
+        pytest.param(["model", "scale", "m"], "say what to set", id="scale-nothing"),
+        pytest.param(["model", "scale", "m", "--min", "-1"], "scaling: min -1", id="scale-neg"),
+        pytest.param(["model", "scale", "m", "--min", "3"], "min 3, max 1", id="scale-min>max"),
+        pytest.param(
+            ["model", "resources", "m", "--memory-gb", "-2"],
+            "cannot be negative",
+            id="resources-neg",
+        ),
+        pytest.param(
+            ["model", "resources", "m", "--profile", "tpu", "--cpu-cores", "2"],
+            "has no profile 'tpu'",
+            id="resources-profile",
+        ),
+        pytest.param(["model", "class", "m", "gold"], "'gold' is not one of", id="class"),
+        pytest.param(["model", "owner", "m", "alice"], "is not org:ID", id="owner"),
+        pytest.param(
+            ["model", "adapters", "m", "--adapter", "x"], "expected NAME=VALUE", id="pair"
+        ),
+        pytest.param(["model", "source", "m", "hf://a b"], "white space", id="source-space"),
+        pytest.param(
+            ["model", "source", "m", "s3://w", "--file", "w.bin=nothex"], "sha256", id="sha"
+        ),
+        pytest.param(["model", "show", TEN_KB_NAME[:200]], "is not in the catalog", id="show"),
+        pytest.param(["--by", "x" * 200, "model", "remove", "m"], "actor", id="long-actor"),
+    ],
+)
+def test_a_refused_command_is_one_line_and_writes_nothing(
+    seeded: Run, rows: Callable[[], int], args: list[str], message: str
+) -> None:
+    assert message in refused_in_one_line(seeded(*args))
+    assert rows() == 2
+
+
+def test_a_bad_config_file_is_refused_in_one_line_naming_it(run: Run, write: Any) -> None:
+    config = write("broken.yaml", b"models: [{name: x, engine: vllm, source: s, profiles: []}]\n")
+    line = refused_in_one_line(run("--config", config, "model", "list"))
+    assert config in line and "'x'" in line and "profiles" in line
+
+
+def test_a_missing_config_file_is_refused_in_one_line(run: Run) -> None:
+    line = refused_in_one_line(run("--config", "absent.yaml", "model", "list"))
+    assert "absent.yaml: cannot read the config" in line
+
+
+def test_a_declared_cpu_model_without_memory_shows_with_a_warning(run: Run, write: Any) -> None:
+    kubeai = "/work/shared/data/kubeai-catalog.yaml"
+    result = ok(run("--config", kubeai, "model", "show", "opt-125m-cpu"))
+    assert "declared" in result.stdout
+    assert result.stderr.startswith("warning: profile 'cpu' runs without a GPU")
+
+
+# -- log --json -----------------------------------------------------------------------------
+
+
+def test_log_json_prints_one_object_per_event_with_the_documented_keys(
+    run: Run, write: Any
+) -> None:
+    ok(run("--by", "alice", "model", "add", write("m.yaml", as_yaml(definition("m")))))
+    ok(run("--by", "bob", "--reason", "peak", "model", "scale", "m", "--min", "0", "--max", "4"))
+    ok(run("model", "remove", "m", "--by", "carol"))
+    events = [json.loads(line) for line in ok(run("log", "--json")).stdout.splitlines()]
+    assert all(set(e) == LOG_KEYS for e in events)
+    assert [(e["revision"], e["by"], e["event"], e["model"]) for e in events] == [
+        (1, "alice", "Added", "m"),
+        (2, "bob", "Scaled", "m"),
+        (3, "carol", "Removed", "m"),
+    ]
+    assert events[0]["fields"]["spec"]["name"] == "m"
+    assert events[1]["fields"] == {"scaling": {"min": 0, "max": 4}}
+    assert (events[1]["reason"], events[1]["class_version"], events[1]["rollback_to"]) == (
+        "peak",
+        1,
+        None,
+    )
+    human = ok(run("log")).stdout
+    assert "alice" in human and "Scaled" in human and "peak" in human
+
+
+def test_python_m_catalog_es_runs(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "catalog_es", "--help"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "model" in done.stdout and "log" in done.stdout
+
+
+def test_an_unexpected_failure_is_still_one_line(tmp_path: Path) -> None:
+    unopenable = f"sqlite:///{tmp_path}/no-such-directory/catalog.db"
+    line = refused_in_one_line(CliRunner().invoke(cli, ["--db", unopenable, "model", "list"]))
+    assert line.startswith("error: unexpected OperationalError: ")
+    assert "unable to open database file" in line
+
+
+def test_a_flow_style_yaml_definition_is_accepted(run: Run, write: Any) -> None:
+    flow = b"{name: flow, engine: vllm, source: hf://org/flow, profiles: [{name: g, gpus: 1}]}"
+    ok(run("model", "add", write("flow.yaml", flow)))

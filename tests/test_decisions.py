@@ -1,0 +1,491 @@
+"""Deciding a command: given events, when a candidate event, then the definition
+it puts in force or the refusal (its type and what it tells the operator)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import pytest
+
+from catalog_es.catalog import Catalog
+from catalog_es.decisions import decide
+from catalog_es.errors import ConfigError, DeclaredInConfig, InvalidModel, ModelNotFound
+from catalog_es.model import Model, model_id
+from catalog_es.spec import Adapter, Origin, Profile, Scaling
+from tests.helpers import (
+    CPU,
+    CPU_NO_MEMORY,
+    GPU,
+    SHA,
+    added,
+    candidate,
+    event,
+    given,
+    removed,
+    spec,
+)
+
+
+def when(catalog: Catalog, e: Model.Event) -> Any:
+    """Decide ``e`` as the next event of its stream; the catalog must not change."""
+    before = (catalog.models(), {n: a.version for n, a in catalog.aggregates.items()})
+    try:
+        return decide(catalog, candidate(catalog, e))
+    finally:
+        # Deciding is pure: only a committed event changes the catalog.
+        assert before == (catalog.models(), {n: a.version for n, a in catalog.aggregates.items()})
+
+
+# -- every command's effect ------------------------------------------------------
+
+BASE = spec("base", profiles=(GPU, CPU), adapters=(Adapter(name="tone", source="s3://a/tone"),))
+ORIGIN = Origin(repository="org/base", revision="c0ffee", files={"model.safetensors": SHA})
+
+
+def _profiles(**changes: Any) -> tuple[Profile, ...]:
+    return tuple(msgspec.structs.replace(p, **changes) for p in BASE.profiles)
+
+
+@pytest.mark.parametrize(
+    ("command", "expected"),
+    [
+        pytest.param(
+            event(Model.Scaled, "base", scaling=Scaling(min=0, max=4)),
+            {"scaling": Scaling(min=0, max=4)},
+            id="scaled",
+        ),
+        pytest.param(
+            event(Model.ResourcesSet, "base", profile="cpu", memory_gb=16),
+            {"profiles": (GPU, msgspec.structs.replace(CPU, min_memory_gb=16))},
+            id="resources-one-profile",
+        ),
+        pytest.param(
+            event(Model.ResourcesSet, "base", memory_gb=64, cpu_cores=12),
+            {"profiles": _profiles(min_memory_gb=64, cpu_cores=12)},
+            id="resources-all-profiles",
+        ),
+        pytest.param(
+            event(Model.ResourcesSet, "base", cpu_cores=12),
+            {"profiles": _profiles(cpu_cores=12)},
+            id="resources-cores-only-keeps-memory",
+        ),
+        pytest.param(
+            event(Model.ClassSet, "base", capacity_class="critical"),
+            {"capacity_class": "critical"},
+            id="class",
+        ),
+        pytest.param(
+            event(Model.OwnerSet, "base", owner="team:search"), {"owner": "team:search"}, id="owner"
+        ),
+        pytest.param(
+            event(Model.AdaptersSet, "base", adapters=(Adapter(name="sql", source="s3://a/sql"),)),
+            {"adapters": (Adapter(name="sql", source="s3://a/sql"),)},
+            id="adapters",
+        ),
+        pytest.param(
+            event(Model.SourceSet, "base", source="s3://weights/base-v2", origin=ORIGIN),
+            {"source": "s3://weights/base-v2", "origin": ORIGIN},
+            id="source-with-origin",
+        ),
+        pytest.param(
+            event(Model.OriginSet, "base", origin=ORIGIN), {"origin": ORIGIN}, id="origin"
+        ),
+        pytest.param(removed("base"), None, id="removed"),
+    ],
+)
+def test_each_command_puts_its_change_in_force(
+    command: Model.Event, expected: dict[str, Any] | None
+) -> None:
+    catalog = given(added(BASE))
+    result = when(catalog, command)
+    assert result == (None if expected is None else msgspec.structs.replace(BASE, **expected))
+
+
+def test_re_adding_a_runtime_name_replaces_its_definition() -> None:
+    catalog = given(added(spec("a", owner="team:x")))
+    replacement = spec("a", source="s3://other/a")
+    assert when(catalog, added(replacement)) == replacement
+
+
+def test_remove_then_re_add_continues_the_same_stream() -> None:
+    catalog = given(added(spec("a")), removed("a"))
+    assert catalog.get("a") is None
+    stream = catalog.aggregate("a")
+    assert (stream.id, stream.version) == (model_id("a"), 2)
+    next_add = candidate(catalog, added(spec("a")))
+    assert (next_add.originator_id, next_add.originator_version) == (model_id("a"), 3)
+    assert decide(catalog, next_add) == spec("a")
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        pytest.param(removed("a"), id="removed-twice"),
+        pytest.param(event(Model.Scaled, "a", scaling=Scaling()), id="scaled"),
+        pytest.param(event(Model.OwnerSet, "a", owner="team:x"), id="owner"),
+    ],
+)
+def test_a_removed_model_cannot_be_changed(command: Model.Event) -> None:
+    with pytest.raises(ModelNotFound, match="'a' was not added at runtime"):
+        when(given(added(spec("a")), removed("a")), command)
+
+
+def test_a_name_never_added_cannot_be_changed() -> None:
+    with pytest.raises(ModelNotFound, match="'ghost'"):
+        when(given(), event(Model.Scaled, "ghost", scaling=Scaling()))
+
+
+# -- configuration wins -------------------------------------------------------------
+
+DECLARED = spec("declared")
+
+
+DECLARED_ADVICE = [
+    (added(spec("declared")), "edit that rather than adding a second definition"),
+    (removed("declared"), "remove it there, or it comes back on the next restart"),
+    (
+        event(Model.Scaled, "declared", scaling=Scaling(min=2, max=2)),
+        "change its scaling there, or it reverts on the next restart",
+    ),
+    (
+        event(Model.ResourcesSet, "declared", memory_gb=8),
+        "change its resources there, or it reverts",
+    ),
+    (
+        event(Model.ClassSet, "declared", capacity_class="critical"),
+        "change its class there, or it reverts",
+    ),
+    (event(Model.OwnerSet, "declared", owner="team:x"), "change its owner there, or it reverts"),
+    (
+        event(Model.AdaptersSet, "declared", adapters=()),
+        "change its adapters there, or it reverts",
+    ),
+    (
+        event(Model.SourceSet, "declared", source="s3://x"),
+        "change its source there, or it reverts",
+    ),
+    (
+        event(Model.OriginSet, "declared", origin=ORIGIN),
+        "record its origin there, or it reverts",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("command", "advice"),
+    [pytest.param(e, advice, id=type(e).__name__) for e, advice in DECLARED_ADVICE],
+)
+def test_a_declared_model_is_refused_with_advice_for_the_change(
+    command: Model.Event, advice: str
+) -> None:
+    catalog = given(declared=[DECLARED])
+    with pytest.raises(DeclaredInConfig) as refusal:
+        when(catalog, command)
+    message = str(refusal.value)
+    assert "model 'declared' is declared in configuration" in message
+    assert advice in message
+
+
+def test_a_declared_name_is_refused_even_when_the_runtime_definition_is_valid() -> None:
+    # Not a collision the catalog could resolve by replacing: config wins.
+    catalog = given(declared=[spec("declared", engine="tgi")])
+    with pytest.raises(DeclaredInConfig):
+        when(catalog, added(spec("declared", engine="vllm")))
+    assert catalog.get("declared") == spec("declared", engine="tgi")
+
+
+# -- fallbacks ---------------------------------------------------------------------
+
+
+def test_a_fallback_may_name_a_runtime_or_a_declared_model() -> None:
+    catalog = given(added(spec("runtime")), declared=[DECLARED])
+    model = spec("a", fallbacks=("runtime", "declared"))
+    assert when(catalog, added(model)) == model
+
+
+@pytest.mark.parametrize(
+    ("history", "model", "problem"),
+    [
+        pytest.param(
+            [],
+            spec("a", fallbacks=("ghost",)),
+            "fallbacks: names 'ghost', which is not in the catalog",
+            id="names-nothing",
+        ),
+        pytest.param(
+            [added(spec("gone")), removed("gone")],
+            spec("a", fallbacks=("gone",)),
+            "fallbacks: names 'gone', which is not in the catalog",
+            id="names-a-removed-model",
+        ),
+        pytest.param(
+            [],
+            spec("a", fallbacks=("a",)),
+            "fallbacks: a model cannot be its own fallback",
+            id="names-itself",
+        ),
+        pytest.param(
+            [added(spec("b")), added(spec("a", fallbacks=("b",)))],
+            spec("b", fallbacks=("a",)),
+            "fallbacks: form a cycle: b -> a -> b",
+            id="two-cycle",
+        ),
+        pytest.param(
+            [
+                added(spec("c")),
+                added(spec("b", fallbacks=("c",))),
+                added(spec("a", fallbacks=("b",))),
+            ],
+            spec("c", fallbacks=("a",)),
+            "fallbacks: form a cycle: c -> a -> b -> c",
+            id="three-cycle",
+        ),
+        pytest.param(
+            [added(spec("b"))],
+            spec("a", fallbacks=("b", "b")),
+            "fallbacks: 'b' appears more than once",
+            id="duplicate",
+        ),
+    ],
+)
+def test_fallbacks_must_name_other_models_without_a_cycle(
+    history: list[Model.Event], model: Any, problem: str
+) -> None:
+    with pytest.raises(InvalidModel) as refusal:
+        when(given(*history), added(model))
+    assert (refusal.value.model, refusal.value.field) == (model.name, "fallbacks")
+    assert problem in str(refusal.value)
+
+
+def test_removing_a_fallback_target_is_refused_until_no_model_names_it() -> None:
+    catalog = given(
+        added(spec("small")),
+        added(spec("big", fallbacks=("small",))),
+        added(spec("huge", fallbacks=("small",))),
+    )
+    with pytest.raises(InvalidModel) as refusal:
+        when(catalog, removed("small"))
+    assert refusal.value.field == "fallbacks"
+    assert "is a fallback of 'big', 'huge'; change their fallbacks first" in str(refusal.value)
+
+    for e, revision in ((added(spec("big")), 4), (removed("huge"), 5)):
+        catalog.apply(candidate(catalog, e), revision)
+    assert catalog.skipped == []
+    assert when(catalog, removed("small")) is None
+
+
+# -- the memory rule -----------------------------------------------------------------
+
+LEGACY = spec("legacy", profiles=(GPU, CPU_NO_MEMORY))
+
+
+def test_the_memory_rule_is_not_applied_on_replay_or_to_declared_models() -> None:
+    # Stored before the rule, and declared: both still load.
+    catalog = given(added(LEGACY), declared=[spec("kubeai-cpu", profiles=(CPU_NO_MEMORY,))])
+    assert catalog.skipped == []
+    assert catalog.get("legacy") == LEGACY
+    assert catalog.get("kubeai-cpu") is not None
+    # A runtime model may still lean on the declared one.
+    assert when(catalog, added(spec("a", fallbacks=("kubeai-cpu",)))) is not None
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        pytest.param(added(spec("a", profiles=(CPU_NO_MEMORY,))), id="add"),
+        pytest.param(added(spec("base", profiles=(GPU, CPU_NO_MEMORY))), id="replace"),
+        pytest.param(
+            event(Model.ResourcesSet, "base", profile="cpu", memory_gb=0), id="resources-to-zero"
+        ),
+        pytest.param(
+            event(Model.ResourcesSet, "legacy", cpu_cores=8), id="resources-all-leaving-zero"
+        ),
+        pytest.param(
+            event(Model.ResourcesSet, "legacy", profile="cpu", cpu_cores=8),
+            id="resources-one-leaving-zero",
+        ),
+    ],
+)
+def test_a_cpu_only_profile_without_memory_is_refused(command: Model.Event) -> None:
+    catalog = given(added(BASE), added(LEGACY))
+    with pytest.raises(InvalidModel) as refusal:
+        when(catalog, command)
+    assert refusal.value.field == "profile 'cpu'"
+    assert "runs without a GPU and declares no memory (min_memory_gb)" in str(refusal.value)
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        pytest.param(
+            event(Model.ResourcesSet, "legacy", profile="cpu", memory_gb=16),
+            id="resources-fixes-it",
+        ),
+        pytest.param(
+            event(Model.ResourcesSet, "legacy", profile="gpu", cpu_cores=8),
+            id="resources-on-another-profile",
+        ),
+        pytest.param(event(Model.Scaled, "legacy", scaling=Scaling(max=3)), id="scaled"),
+        pytest.param(event(Model.OwnerSet, "legacy", owner="team:x"), id="owner"),
+        pytest.param(added(spec("gpu-no-memory", profiles=(Profile(name="g", gpus=1),))), id="gpu"),
+    ],
+)
+def test_the_memory_rule_leaves_other_changes_alone(command: Model.Event) -> None:
+    assert when(given(added(LEGACY)), command) is not None
+
+
+# -- malformed fields ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fields", "field", "problem"),
+    [
+        pytest.param({"engine": "triton"}, "engine", "'triton' is not a known engine", id="engine"),
+        pytest.param({"owner": "bob"}, "owner", "is not org:ID, team:ID", id="owner-no-kind"),
+        pytest.param({"owner": "user:bob"}, "owner", "is not org:ID", id="owner-bad-kind"),
+        pytest.param({"owner": "team:"}, "owner", "is not org:ID", id="owner-no-id"),
+        pytest.param({"capacity_class": "gold"}, "class", "'gold' is not one of", id="class"),
+        pytest.param({"capacity_class": "Critical"}, "class", "is not one of", id="class-case"),
+        pytest.param(
+            {"profiles": (GPU, msgspec.structs.replace(CPU, name="gpu"))},
+            "profiles",
+            "'gpu' appears more than once",
+            id="duplicate-profile",
+        ),
+        pytest.param(
+            {"adapters": (Adapter(name="x", source="s3://a"), Adapter(name="x", source="s3://b"))},
+            "adapters",
+            "'x' appears more than once",
+            id="duplicate-adapter",
+        ),
+        pytest.param({"profiles": ()}, "profiles", "at least one profile", id="no-profiles"),
+        pytest.param(
+            {"profiles": (Profile(name="g", gpus=-1),)},
+            "profiles[0].gpus",
+            "cannot be negative",
+            id="negative-gpus",
+        ),
+        pytest.param(
+            {"profiles": (Profile(name="c", min_memory_gb=-8),)},
+            "profiles[0].min_memory_gb",
+            "cannot be negative",
+            id="negative-memory",
+        ),
+        pytest.param(
+            {"profiles": (Profile(name="bad name", gpus=1),)},
+            "profiles[0].name",
+            "is not a valid name",
+            id="profile-name",
+        ),
+        pytest.param(
+            {"scaling": Scaling(min=-1, max=1)}, "scaling", "need 0 <= min", id="negative-min"
+        ),
+        pytest.param({"scaling": Scaling(min=3, max=2)}, "scaling", "min 3, max 2", id="min>max"),
+        pytest.param({"scaling": Scaling(min=0, max=0)}, "scaling", "max >= 1", id="max-zero"),
+        pytest.param({"source": ""}, "source", "must not be empty", id="empty-source"),
+        pytest.param({"source": "hf://a b"}, "source", "white space", id="source-space"),
+        pytest.param({"source": "s3://" + "x" * 2048}, "source", "longer than", id="source-long"),
+        pytest.param(
+            {"adapters": (Adapter(name="-x", source="s3://a"),)},
+            "adapters[0].name",
+            "is not a valid name",
+            id="adapter-name",
+        ),
+        pytest.param(
+            {"origin": Origin(files={"w.bin": "ABC"})},
+            "origin.files['w.bin']",
+            "sha256",
+            id="origin-digest",
+        ),
+    ],
+)
+def test_a_malformed_field_is_refused_naming_the_model_and_field(
+    fields: dict[str, Any], field: str, problem: str
+) -> None:
+    with pytest.raises(InvalidModel) as refusal:
+        when(given(), added(spec("m", **fields)))
+    assert (refusal.value.model, refusal.value.field) == ("m", field)
+    assert problem in str(refusal.value)
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["has space", "-leading-dash", ".leading-dot", "x" * 129, "ünïcode", "tab\there", "new\nline"],
+)
+def test_a_bad_name_is_refused(name: str) -> None:
+    with pytest.raises(InvalidModel) as refusal:
+        when(given(), added(spec(name)))
+    assert refusal.value.field == "name"
+    assert "is not a valid name" in str(refusal.value)
+    assert "\n" not in str(refusal.value)  # one line, whatever the name holds
+
+
+@pytest.mark.parametrize("name", ["a", "Qwen/Qwen2.5-0.5B:q4_k_m", "x" * 128, "7b"])
+def test_a_good_name_is_accepted(name: str) -> None:
+    assert when(given(), added(spec(name))) == spec(name)
+
+
+def test_resources_for_an_unknown_profile_are_refused() -> None:
+    with pytest.raises(InvalidModel, match="has no profile 'nope' \\(it has: gpu, cpu\\)"):
+        when(given(added(BASE)), event(Model.ResourcesSet, "base", profile="nope", memory_gb=4))
+
+
+# -- engines -------------------------------------------------------------------------
+
+
+def test_configured_engines_replace_the_default_list() -> None:
+    catalog = given(engines=["vllm", "ollama"])
+    assert when(catalog, added(spec("a", engine="ollama"))) is not None
+    with pytest.raises(InvalidModel, match="'tgi' is not a known engine \\(known: ollama, vllm\\)"):
+        when(catalog, added(spec("a", engine="tgi")))
+
+
+# -- the declared layer ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("declared", "problem"),
+    [
+        pytest.param(
+            [spec("a", fallbacks=("b",))], "fallbacks: names 'b', which is not declared", id="ghost"
+        ),
+        pytest.param(
+            [spec("a", fallbacks=("b",)), spec("b", fallbacks=("a",))],
+            "form a cycle",
+            id="cycle",
+        ),
+        pytest.param([spec("a"), spec("a")], "'a' is declared more than once", id="duplicate"),
+        pytest.param([spec("a", engine="triton")], "not a known engine", id="engine"),
+    ],
+)
+def test_an_invalid_declared_config_does_not_load(declared: list[Any], problem: str) -> None:
+    with pytest.raises(ConfigError, match=problem):
+        Catalog(declared)
+
+
+# -- cost -------------------------------------------------------------------------------
+
+
+def test_replaying_a_long_fallback_chain_is_linear(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Work is counted as catalog look-ups (wall time would be flaky): a replay
+    # must cost the same per event however deep the fallback chains already are.
+    lookups = 0
+    real_get = Catalog.get
+
+    def counting_get(self: Catalog, name: str) -> Any:
+        nonlocal lookups
+        lookups += 1
+        return real_get(self, name)
+
+    monkeypatch.setattr(Catalog, "get", counting_get)
+    depth = 400
+    chain = [added(spec("m0"))] + [
+        added(spec(f"m{i}", fallbacks=(f"m{i - 1}",))) for i in range(1, depth)
+    ]
+    catalog = given(*chain)
+    assert (len(catalog), catalog.skipped) == (depth, [])
+    assert lookups < 5 * depth
+    # And a change that could close the chain into a cycle is still caught.
+    with pytest.raises(InvalidModel, match=f"form a cycle: m0 -> m{depth - 1} -> "):
+        when(catalog, added(spec("m0", fallbacks=(f"m{depth - 1}",))))

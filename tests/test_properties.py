@@ -1,0 +1,136 @@
+"""Property: whatever commands were run, accepted or refused, the catalog a
+fresh service rebuilds from the log is the catalog the live service holds,
+and the log's revisions are gapless."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from catalog_es.application import CommandResult, Models
+from catalog_es.bootstrap import open_models
+from catalog_es.errors import Refused
+from catalog_es.spec import Adapter, Origin, Scaling
+from tests.helpers import ACTOR, CPU, CPU_NO_MEMORY, GPU, SHA, config_yaml, spec
+
+# A small pool, so commands collide: fallbacks, replaces, removals of targets,
+# and refusals of the declared name.
+NAMES = ("a", "b", "c", "declared")
+DECLARED = spec("declared", profiles=(CPU_NO_MEMORY,))
+
+
+class Call(NamedTuple):
+    """One command, as data, so a failing example prints readably."""
+
+    method: str
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+    def __call__(self, models: Models) -> CommandResult:
+        result: CommandResult = getattr(models, self.method)(*self.args, **self.kwargs)
+        return result
+
+
+def call(method: str, *args: Any, **kwargs: Any) -> st.SearchStrategy[Call]:
+    """A strategy for ``models.method(*args, **kwargs)``, each argument a strategy."""
+    keys = list(kwargs)
+    return st.tuples(st.tuples(*args), st.tuples(*kwargs.values())).map(
+        lambda drawn: Call(method, drawn[0], dict(zip(keys, drawn[1], strict=True)))
+    )
+
+
+names = st.sampled_from(NAMES)
+runtime_names = st.sampled_from(NAMES[:-1])
+actor = st.just(ACTOR)
+bound = st.none() | st.integers(min_value=-1, max_value=3)
+# Mostly valid choices, so that most commands are accepted and the catalog
+# grows, with enough invalid ones that refusals are exercised too.
+definitions = st.builds(
+    spec,
+    names,
+    engine=st.sampled_from(["vllm", "vllm", "sglang", "no-such-engine"]),
+    profiles=st.sampled_from([(GPU,), (GPU,), (CPU,), (GPU, CPU), (CPU_NO_MEMORY,), ()]),
+    scaling=st.sampled_from(
+        [Scaling(), Scaling(min=0, max=2), Scaling(min=1, max=3), Scaling(2, 1)]
+    ),
+    fallbacks=st.just(()) | st.lists(names, max_size=2, unique=True).map(tuple),
+)
+adapters = st.lists(
+    st.builds(Adapter, name=st.sampled_from(["x", "y"]), source=st.just("s3://adapters/x")),
+    max_size=2,
+).map(tuple)
+origins = st.none() | st.builds(
+    Origin, repository=st.just("org/repo"), files=st.sampled_from([{}, {"w": SHA}, {"w": "bad"}])
+)
+
+# Commands mostly about names that exist: each script starts by adding some.
+prelude = st.lists(
+    st.builds(lambda name: Call("add", (spec(name),), {"by": ACTOR}), runtime_names),
+    min_size=1,
+    max_size=3,
+)
+
+commands = st.one_of(
+    call("add", definitions, by=actor),
+    call("add", definitions, by=actor),  # twice: the catalog needs models to change
+    call("remove", names, by=actor),
+    call("scale", names, bound, bound, by=actor),
+    call(
+        "set_resources",
+        names,
+        profile=st.sampled_from(["", "gpu", "cpu", "tpu"]),
+        memory_gb=st.sampled_from([None, 0, 16, -1]),
+        cpu_cores=st.sampled_from([None, 4]),
+        by=actor,
+    ),
+    call("set_class", names, st.sampled_from(["", "critical", "opportunistic", "gold"]), by=actor),
+    call("set_owner", names, st.sampled_from(["", "team:search", "nobody"]), by=actor),
+    call("set_adapters", names, adapters, by=actor),
+    call("set_source", names, st.sampled_from(["s3://weights/v2", "has space"]), origins, by=actor),
+    call("set_origin", names, origins),
+)
+
+
+def _state(models: Models) -> tuple[Any, ...]:
+    """Everything replay builds: the models in force, each stream's position
+    and definition, the revision, and what was skipped."""
+    catalog = models.catalog
+    streams = {name: (a.version, a.spec) for name, a in catalog.aggregates.items()}
+    return catalog.models(), streams, catalog.revision, catalog.skipped
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(prelude, st.lists(commands, min_size=8, max_size=30))
+def test_the_catalog_rebuilt_from_the_log_is_the_one_in_force(
+    prelude: list[Call], script: list[Call]
+) -> None:
+    # One database per example: tmp_path would be shared by all of them.
+    with tempfile.TemporaryDirectory() as directory:
+        config = Path(directory) / "catalog.yaml"
+        config.write_text(config_yaml(DECLARED), encoding="utf-8")
+        db = f"sqlite:///{directory}/catalog.db"
+        live = open_models(db, str(config))
+        written = 0
+        try:
+            for command in prelude + script:
+                try:
+                    result = command(live)
+                except Refused:
+                    continue
+                if result.written:
+                    # The first write records the declared config before itself.
+                    assert result.revision == written + (2 if written == 0 else 1)
+                    written = result.revision
+            rebuilt = open_models(db, str(config))
+            try:
+                assert _state(rebuilt) == _state(live)
+                assert rebuilt.catalog.skipped == []
+            finally:
+                rebuilt.close()
+            assert [e["revision"] for e in live.log_events()] == list(range(1, written + 1))
+        finally:
+            live.close()

@@ -1,0 +1,282 @@
+"""Skip on load: one bad record cannot take the cluster down.
+
+Each poison is planted straight into ``catalog_events`` (good events written
+by the service, then rows altered with SQLAlchemy) or comes from a config that
+changed under the log. On reopening, exactly the poisoned records are skipped
+and reported with their revision and reason; everything else loads, declared
+models always; and the poisoned name stays usable.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from catalog_es.application import Models
+from catalog_es.errors import DeclaredInConfig, ModelNotFound
+from catalog_es.persistence import events_table
+from catalog_es.spec import DEFAULT_ENGINES, Scaling
+from tests.helpers import ACTOR, config_yaml, spec
+
+MakeModels = Callable[..., Models]
+Tamper = Callable[[sa.Engine, int], None]
+
+ANCHOR = spec("anchor")  # declared, and gone from the config in one case
+KEPT = spec("kept-declared")  # declared throughout
+
+
+def _update_row(engine: sa.Engine, revision: int, **values: Any) -> None:
+    with engine.begin() as conn:
+        updated = conn.execute(
+            sa.update(events_table).where(events_table.c.revision == revision).values(**values)
+        )
+        assert updated.rowcount == 1
+
+
+def _edit_payload(edit: Callable[[dict[str, Any]], None]) -> Tamper:
+    """Rewrites the stored JSON of a row: what an older or newer writer, or a
+    hand-edit of the database, could have left there."""
+
+    def tamper(engine: sa.Engine, revision: int) -> None:
+        with engine.connect() as conn:
+            state = conn.execute(
+                sa.select(events_table.c.state).where(events_table.c.revision == revision)
+            ).scalar_one()
+        data = json.loads(state)
+        edit(data)
+        _update_row(engine, revision, state=json.dumps(data).encode())
+
+    return tamper
+
+
+def _set(path: Sequence[str], value: Any) -> Callable[[dict[str, Any]], None]:
+    def edit(data: dict[str, Any]) -> None:
+        for key in path[:-1]:
+            data = data[key]
+        data[path[-1]] = value
+
+    return edit
+
+
+def _move_to_another_model(data: dict[str, Any]) -> None:
+    # The record claims a model its stream id does not belong to.
+    data["model"] = data["spec"]["name"] = "someone-else"
+
+
+@dataclass(frozen=True)
+class Poison:
+    id: str
+    victim: Any  # the definition added at runtime, before the poisoning
+    reason: str  # what the skip report must say
+    tamper: Tamper | None = None
+    declare_victim: bool = False  # the new config declares the victim's name
+    drop_anchor: bool = False  # the new config no longer declares ``anchor``
+    drop_engine: str | None = None  # the new config's engines leave this one out
+    reported_as: str | None = None  # the model the report names, if not the victim
+
+    @property
+    def model(self) -> str:
+        return self.victim.name if self.reported_as is None else self.reported_as
+
+
+POISONS = [
+    Poison("declared-now", spec("v-declared"), "is declared in configuration", declare_victim=True),
+    Poison(
+        "engine-gone",
+        spec("v-engine", engine="tgi"),
+        "engine: 'tgi' is not a known engine",
+        drop_engine="tgi",
+    ),
+    Poison(
+        "fallback-gone",
+        spec("v-fallback", fallbacks=("anchor",)),
+        "fallbacks: names 'anchor', which is not in the catalog",
+        drop_anchor=True,
+    ),
+    Poison(
+        "corrupt-payload",
+        spec("v-corrupt"),
+        "corrupt payload",
+        tamper=lambda engine, rev: _update_row(engine, rev, state=b'{"model": "v-corr\x00\xff'),
+        reported_as="",
+    ),
+    Poison(
+        "unknown-topic",
+        spec("v-topic"),
+        "unknown event type 'catalog_es.model:Model.Exploded'",
+        tamper=lambda engine, rev: _update_row(
+            engine, rev, topic="catalog_es.model:Model.Exploded"
+        ),
+    ),
+    Poison(
+        "future-class-version",
+        spec("v-future"),
+        "written by a newer version of catalog-es (Model.Added class_version 99",
+        tamper=_edit_payload(_set(["class_version"], 99)),
+    ),
+    Poison(
+        "negative-scaling",
+        spec("v-negative"),
+        "scaling: min -1, max 1",
+        tamper=_edit_payload(_set(["spec", "scaling", "min"], -1)),
+    ),
+    Poison(
+        "wrong-type",
+        spec("v-wrong-type"),
+        "invalid payload",
+        tamper=_edit_payload(_set(["spec", "scaling", "min"], "one")),
+    ),
+    Poison(
+        "foreign-stream",
+        spec("v-foreign"),
+        "its aggregate id does not belong to model 'someone-else'",
+        tamper=_edit_payload(_move_to_another_model),
+        reported_as="someone-else",
+    ),
+]
+
+GOOD = ("good-a", "good-b", "good-c")
+
+
+def _poisoned_log(
+    make_models: MakeModels, db_url: str, poisons: Sequence[Poison]
+) -> tuple[Models, dict[str, int], str]:
+    """Good models around the victims, the victims poisoned, and the service
+    reopened over the config as it is now. Returns it, each victim's revision
+    and that config."""
+    before = make_models(config_yaml(ANCHOR, KEPT))
+    before.add(spec("good-a", fallbacks=("kept-declared",)), by=ACTOR)
+    revisions = {p.id: before.add(p.victim, by=ACTOR).revision for p in poisons}
+    before.add(spec("good-b", fallbacks=("good-a",)), by=ACTOR)
+    before.add(spec("good-c", engine="sglang"), by=ACTOR)
+    before.scale("good-a", 1, 3, by=ACTOR)
+
+    engine = sa.create_engine(db_url)
+    try:
+        for p in poisons:
+            if p.tamper is not None:
+                p.tamper(engine, revisions[p.id])
+    finally:
+        engine.dispose()
+
+    declared = [KEPT]
+    if not any(p.drop_anchor for p in poisons):
+        declared.append(ANCHOR)
+    declared += [
+        spec(p.victim.name, source="hf://config/owned") for p in poisons if p.declare_victim
+    ]
+    dropped = {p.drop_engine for p in poisons}
+    engines = [e for e in DEFAULT_ENGINES if e not in dropped]
+    config_now = config_yaml(*declared, engines=engines)
+    return make_models(config_now), revisions, config_now
+
+
+def _names(models: Models) -> set[str]:
+    return {m["name"] for m in models.list_models()}
+
+
+@pytest.mark.parametrize("poison", POISONS, ids=lambda p: p.id)
+def test_a_poisoned_record_is_skipped_and_reported_and_the_rest_loads(
+    make_models: MakeModels, db_url: str, caplog: pytest.LogCaptureFixture, poison: Poison
+) -> None:
+    caplog.set_level(logging.WARNING, logger="catalog_es.replay")
+    models, revisions, config_now = _poisoned_log(make_models, db_url, [poison])
+
+    (skipped,) = models.skipped()
+    assert (skipped.revision, skipped.model) == (revisions[poison.id], poison.model)
+    assert poison.reason in skipped.reason
+    assert f"skipped revision {skipped.revision} " in caplog.text
+
+    expected = {*GOOD, "kept-declared"} | ({"anchor"} if not poison.drop_anchor else set())
+    assert _names(models) == expected | ({poison.victim.name} if poison.declare_victim else set())
+    assert models.get_model("good-a")["scaling"] == {"min": 1, "max": 3}  # later events apply
+
+    # Other models stay commandable, on top of the skip.
+    head = models.revision
+    result = models.scale("good-b", 0, 2, by=ACTOR)
+    written = [e["event"] for e in models.log_events(after=head)]
+    # A write over a changed config records the declared layer first.
+    assert written in (["Scaled"], ["ConfigDeclared", "Scaled"])
+    assert result.revision == head + len(written)
+
+    if poison.declare_victim:
+        # Configuration wins: the declared definition is in force and cannot
+        # be changed at runtime.
+        assert models.get_model(poison.victim.name)["declared"] is True
+        with pytest.raises(DeclaredInConfig):
+            models.add(poison.victim, by=ACTOR)
+        return
+    with pytest.raises(ModelNotFound):
+        models.get_model(poison.victim.name)
+    # The poisoned name can be re-added, which heals it, and stays healed.
+    healed = spec(poison.victim.name)
+    assert models.add(healed, by=ACTOR).revision == result.revision + 1
+    assert models.scale(healed.name, 1, 2, by=ACTOR).revision == result.revision + 2
+    reopened = make_models(config_now)
+    assert reopened.get_model(healed.name)["scaling"] == {"min": 1, "max": 2}
+    assert [s.revision for s in reopened.skipped()] == [revisions[poison.id]]
+
+
+def test_exactly_the_poisoned_records_are_skipped_together(
+    make_models: MakeModels, db_url: str
+) -> None:
+    models, revisions, _ = _poisoned_log(make_models, db_url, POISONS)
+    report = {s.revision: (s.model, s.reason) for s in models.skipped()}
+    assert sorted(report) == sorted(revisions.values())
+    for p in POISONS:
+        model, reason = report[revisions[p.id]]
+        assert model == p.model
+        assert p.reason in reason
+    declared = {"kept-declared", *(p.victim.name for p in POISONS if p.declare_victim)}
+    assert _names(models) == {*GOOD, *declared}
+    assert {m["name"] for m in models.list_models() if m["declared"]} == declared
+
+
+def test_an_undecodable_record_is_shown_in_the_log_with_its_error(
+    make_models: MakeModels, db_url: str
+) -> None:
+    poisons = [p for p in POISONS if p.id in ("corrupt-payload", "unknown-topic")]
+    models, revisions, _ = _poisoned_log(make_models, db_url, poisons)
+    log = {e["revision"]: e for e in models.log_events()}
+    assert len(log) == models.revision  # nothing hidden
+    for p in poisons:
+        shown = log[revisions[p.id]]
+        assert p.reason in shown["error"]
+        assert shown["time"] is None and shown["fields"] == {}
+
+
+def test_a_poisoned_later_event_leaves_the_model_as_it_was_and_usable(
+    make_models: MakeModels, db_url: str
+) -> None:
+    models = make_models()
+    models.add(spec("m", scaling=Scaling(min=1, max=2)), by=ACTOR)
+    poisoned = models.scale("m", 2, 8, by=ACTOR).revision
+    engine = sa.create_engine(db_url)
+    _update_row(engine, poisoned, state=b"\x00")
+    engine.dispose()
+
+    reopened = make_models()
+    assert [s.revision for s in reopened.skipped()] == [poisoned]
+    assert reopened.get_model("m")["scaling"] == {"min": 1, "max": 2}
+    # Its stream moves on past the bad record: the next version is free.
+    assert reopened.scale("m", 1, 4, by=ACTOR).revision == poisoned + 1
+    assert make_models().get_model("m")["scaling"] == {"min": 1, "max": 4}
+
+
+def test_a_skipped_model_can_be_removed(make_models: MakeModels, db_url: str) -> None:
+    (engine_gone,) = [p for p in POISONS if p.id == "engine-gone"]
+    models, _, config_now = _poisoned_log(make_models, db_url, [engine_gone])
+    models.remove(engine_gone.victim.name, by=ACTOR)
+    reopened = make_models(config_now)
+    assert engine_gone.victim.name not in _names(reopened)
+    # Removed for good: the engine coming back does not bring the model back.
+    restored = make_models(config_yaml(KEPT, ANCHOR))
+    assert engine_gone.victim.name not in _names(restored)
+    with pytest.raises(ModelNotFound, match="was not added at runtime"):
+        restored.remove(engine_gone.victim.name, by=ACTOR)

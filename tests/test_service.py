@@ -1,0 +1,578 @@
+"""The ``Models`` service on a real SQLite file: every command, what it answers,
+what it writes, what it pushes to the applier, and its guards."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import yaml
+
+from catalog_es.application import Models
+from catalog_es.bootstrap import open_models
+from catalog_es.errors import (
+    ConfigError,
+    DeclaredInConfig,
+    InputError,
+    InvalidModel,
+    ModelNotFound,
+    Refused,
+    RevisionConflict,
+)
+from catalog_es.inputs import model_from_data
+from catalog_es.model import model_id
+from catalog_es.spec import Adapter, Origin, Scaling
+from tests.conftest import RecordingApplier, RefuseSources
+from tests.helpers import ACTOR, CPU, GPU, SHA, config_yaml, definition, spec
+
+KUBEAI_CATALOG = Path("/work/shared/data/kubeai-catalog.yaml")
+
+MakeModels = Callable[..., Models]
+Rows = Callable[[], int]
+
+
+# -- what a command answers ------------------------------------------------------
+
+
+def test_add_answers_the_model_as_it_will_run(make_models: MakeModels) -> None:
+    models = make_models()
+    # As a person writes it: no scaling, no class, no owner.
+    asked = model_from_data(definition("llama"), "test")
+    result = models.add(asked, by=ACTOR)
+    assert (result.revision, result.replaced, result.written) == (1, False, True)
+    assert result.model is not None
+    assert result.model["scaling"] == {"min": 1, "max": 1}
+    assert result.model["profiles"][0] == {
+        "name": "gpu",
+        "gpus": 1,
+        "gpu_memory_gb": 24,
+        "min_memory_gb": 0,
+        "cpu_cores": 0,
+    }
+    defaults = {"class": "", "effective_class": "standard", "owner": "", "declared": False}
+    assert {key: result.model[key] for key in defaults} == defaults
+    assert (result.model["adapters"], result.model["fallbacks"], result.model["origin"]) == (
+        [],
+        [],
+        None,
+    )
+    assert result.model == models.get_model("llama")
+
+
+@pytest.mark.parametrize(
+    ("scaling", "capacity_class", "effective"),
+    [
+        (Scaling(min=1, max=3), "", "standard"),
+        (Scaling(min=0, max=3), "", "opportunistic"),
+        (Scaling(min=0, max=3), "critical", "critical"),
+    ],
+)
+def test_the_effective_class_follows_scaling_unless_set(
+    make_models: MakeModels, scaling: Scaling, capacity_class: str, effective: str
+) -> None:
+    models = make_models()
+    result = models.add(spec("m", scaling=scaling, capacity_class=capacity_class), by=ACTOR)
+    assert result.model is not None
+    assert result.model["effective_class"] == effective
+
+
+BASE = spec(
+    "base",
+    profiles=(GPU, CPU),
+    scaling=Scaling(min=1, max=2),
+    adapters=(Adapter(name="tone", source="s3://adapters/tone"),),
+)
+ORIGIN = Origin(repository="org/base", revision="0123abc", files={"model.gguf": SHA})
+
+
+def _profiles(view: dict[str, Any], only: str = "", **changes: Any) -> list[dict[str, Any]]:
+    return [p | changes if not only or p["name"] == only else p for p in view["profiles"]]
+
+
+# (command, the change it makes to the model's view)
+COMMANDS: list[Any] = [
+    pytest.param(
+        lambda m: m.scale("base", 2, 4, by=ACTOR),
+        lambda v: {"scaling": {"min": 2, "max": 4}},
+        id="scale",
+    ),
+    pytest.param(
+        lambda m: m.scale("base", minimum=0, by=ACTOR),
+        lambda v: {
+            "scaling": {"min": 0, "max": v["scaling"]["max"]},
+            "effective_class": "opportunistic",
+        },
+        id="scale-min-only",
+    ),
+    pytest.param(
+        lambda m: m.scale("base", maximum=5, by=ACTOR),
+        lambda v: {"scaling": {"min": v["scaling"]["min"], "max": 5}},
+        id="scale-max-only",
+    ),
+    pytest.param(
+        lambda m: m.set_resources("base", profile="cpu", memory_gb=16, by=ACTOR),
+        lambda v: {"profiles": _profiles(v, "cpu", min_memory_gb=16)},
+        id="resources-one-profile",
+    ),
+    pytest.param(
+        lambda m: m.set_resources("base", memory_gb=64, cpu_cores=8, by=ACTOR),
+        lambda v: {"profiles": _profiles(v, min_memory_gb=64, cpu_cores=8)},
+        id="resources-all-profiles",
+    ),
+    pytest.param(
+        lambda m: m.set_class("base", "critical", by=ACTOR),
+        lambda v: {"class": "critical", "effective_class": "critical"},
+        id="class",
+    ),
+    pytest.param(
+        lambda m: m.set_owner("base", "project:rag", by=ACTOR),
+        lambda v: {"owner": "project:rag"},
+        id="owner",
+    ),
+    pytest.param(
+        lambda m: m.set_adapters(
+            "base", (Adapter(name="sql", source="s3://adapters/sql"),), by=ACTOR
+        ),
+        lambda v: {"adapters": [{"name": "sql", "source": "s3://adapters/sql"}]},
+        id="adapters",
+    ),
+    pytest.param(
+        lambda m: m.set_source("base", "s3://weights/base-v2", ORIGIN, by=ACTOR),
+        lambda v: {"source": "s3://weights/base-v2", "origin": msgspec.to_builtins(ORIGIN)},
+        id="source-with-origin",
+    ),
+    pytest.param(
+        lambda m: m.set_origin("base", ORIGIN),
+        lambda v: {"origin": msgspec.to_builtins(ORIGIN)},
+        id="origin",
+    ),
+]
+
+
+@pytest.mark.parametrize(("command", "change"), COMMANDS)
+def test_each_command_writes_one_event_and_answers_the_model(
+    make_models: MakeModels, rows: Rows, command: Any, change: Any
+) -> None:
+    models = make_models()
+    models.add(BASE, by=ACTOR)
+    before = models.get_model("base")
+
+    result = command(models)
+
+    assert (result.revision, result.written, result.replaced) == (2, True, False)
+    assert rows() == 2
+    assert result.model == before | change(before)
+    # What was answered is what is in force, here and for a fresh reader of the log.
+    assert result.model == models.get_model("base") == make_models().get_model("base")
+
+
+def test_remove_answers_the_name_and_no_model(make_models: MakeModels) -> None:
+    models = make_models()
+    models.add(BASE, by=ACTOR)
+    result = models.remove("base", by=ACTOR, reason="retired")
+    assert (result.revision, result.model, result.removed) == (2, None, "base")
+    with pytest.raises(ModelNotFound):
+        models.get_model("base")
+    assert [m["name"] for m in make_models().list_models()] == []
+
+
+def test_re_adding_says_it_replaced_and_adding_after_removal_does_not(
+    make_models: MakeModels,
+) -> None:
+    models = make_models()
+    assert models.add(spec("a"), by=ACTOR).replaced is False
+    replaced = models.add(spec("a", source="s3://w/a-v2"), by=ACTOR)
+    assert replaced.replaced is True
+    assert replaced.model is not None
+    assert replaced.model["source"] == "s3://w/a-v2"
+    models.remove("a", by=ACTOR)
+    assert models.add(spec("a"), by=ACTOR).replaced is False
+
+
+def test_remove_then_re_add_continues_the_same_stream(make_models: MakeModels) -> None:
+    models = make_models()
+    models.add(spec("a"), by=ACTOR)
+    models.add(spec("other"), by=ACTOR)
+    models.remove("a", by=ACTOR)
+    models.add(spec("a"), by=ACTOR)
+    stream = models.store.select_events(model_id("a"))
+    assert [e.originator_version for e in stream] == [1, 2, 3]
+    assert [e.topic.rpartition(".")[2] for e in stream] == ["Added", "Removed", "Added"]
+
+
+def test_revisions_are_gapless_and_the_log_says_who_and_why(make_models: MakeModels) -> None:
+    models = make_models()
+    answered = [
+        models.add(spec("a"), by="alice", reason="trial").revision,
+        models.scale("a", 1, 3, by="bob").revision,
+        models.set_owner("a", "team:x", by="carol", reason="handover").revision,
+    ]
+    with pytest.raises(Refused):
+        models.scale("a", 5, 1, by="dave")  # refused: no revision used
+    answered.append(models.remove("a", by="erin").revision)
+    log = list(models.log_events())
+    assert answered == [e["revision"] for e in log] == [1, 2, 3, 4]
+    assert [(e["by"], e["reason"], e["event"]) for e in log] == [
+        ("alice", "trial", "Added"),
+        ("bob", "", "Scaled"),
+        ("carol", "handover", "OwnerSet"),
+        ("erin", "", "Removed"),
+    ]
+    assert log[1]["fields"] == {"scaling": {"min": 1, "max": 3}}
+    assert all(e["time"].endswith("Z") for e in log)
+
+
+def test_log_events_can_be_filtered(make_models: MakeModels) -> None:
+    models = make_models()
+    for name in ("a", "b", "a"):
+        models.add(spec(name), by=ACTOR)
+    assert [e["revision"] for e in models.log_events(model="a")] == [1, 3]
+    assert [e["revision"] for e in models.log_events(after=1)] == [2, 3]
+    assert [e["revision"] for e in models.log_events(limit=2)] == [1, 2]
+
+
+# -- refusals write nothing ----------------------------------------------------------
+
+
+REFUSED: list[Any] = [
+    pytest.param(lambda m: m.add(spec("bad name"), by=ACTOR), InvalidModel, id="bad-name"),
+    pytest.param(lambda m: m.add(spec("base", engine="x"), by=ACTOR), InvalidModel, id="engine"),
+    pytest.param(lambda m: m.remove("ghost", by=ACTOR), ModelNotFound, id="remove-unknown"),
+    pytest.param(lambda m: m.scale("base", by=ACTOR), InputError, id="scale-nothing"),
+    pytest.param(lambda m: m.scale("base", 3, 2, by=ACTOR), InvalidModel, id="scale-range"),
+    pytest.param(lambda m: m.scale("base", maximum=0, by=ACTOR), InvalidModel, id="scale-max-0"),
+    pytest.param(lambda m: m.set_resources("base", by=ACTOR), InputError, id="resources-nothing"),
+    pytest.param(
+        lambda m: m.set_resources("base", profile="tpu", memory_gb=1, by=ACTOR),
+        InvalidModel,
+        id="resources-unknown-profile",
+    ),
+    pytest.param(
+        lambda m: m.set_resources("base", memory_gb=-1, by=ACTOR), InvalidModel, id="resources-neg"
+    ),
+    pytest.param(lambda m: m.set_class("base", "gold", by=ACTOR), InvalidModel, id="class"),
+    pytest.param(lambda m: m.set_owner("base", "bob", by=ACTOR), InvalidModel, id="owner"),
+    pytest.param(
+        lambda m: m.set_adapters(
+            "base",
+            (Adapter(name="a", source="s3://1"), Adapter(name="a", source="s3://2")),
+            by=ACTOR,
+        ),
+        InvalidModel,
+        id="adapters-duplicate",
+    ),
+    pytest.param(lambda m: m.set_source("base", "", by=ACTOR), InvalidModel, id="source-empty"),
+    pytest.param(lambda m: m.scale("declared", 2, 2, by=ACTOR), DeclaredInConfig, id="declared"),
+    pytest.param(lambda m: m.add(spec("declared"), by=ACTOR), DeclaredInConfig, id="declared-add"),
+    pytest.param(lambda m: m.add(spec("n"), by=""), InputError, id="no-actor"),
+    pytest.param(lambda m: m.add(spec("n"), by="x" * 129), InputError, id="long-actor"),
+    pytest.param(lambda m: m.add(spec("n"), by=ACTOR, reason="r" * 1001), InputError, id="reason"),
+]
+
+
+@pytest.mark.parametrize(("command", "refusal"), REFUSED)
+def test_a_refused_command_writes_and_pushes_nothing(
+    make_models: MakeModels, rows: Rows, command: Any, refusal: type[Refused]
+) -> None:
+    applier = RecordingApplier()
+    models = make_models(config_yaml(spec("declared")), applier=applier)
+    models.add(BASE, by=ACTOR)
+    in_force = models.list_models()
+    with pytest.raises(refusal):
+        command(models)
+    # The declared config's record and the add: nothing since.
+    assert rows() == 2
+    assert applier.revisions == [2]
+    assert (
+        models.list_models() == in_force == make_models(config_yaml(spec("declared"))).list_models()
+    )
+
+
+def test_expected_revision_is_compare_and_set(make_models: MakeModels, rows: Rows) -> None:
+    models = make_models()
+    assert models.add(spec("a"), by=ACTOR, expected_revision=0).revision == 1
+    assert models.scale("a", 1, 2, by=ACTOR, expected_revision=1).revision == 2
+    for stale in (0, 1, 3):
+        with pytest.raises(RevisionConflict, match="the log is at revision 2"):
+            models.scale("a", 1, 4, by=ACTOR, expected_revision=stale)
+    assert rows() == 2
+    assert models.get_model("a")["scaling"] == {"min": 1, "max": 2}
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        pytest.param(lambda m, rev: m.add(spec("b"), by=ACTOR, expected_revision=rev), id="add"),
+        pytest.param(lambda m, rev: m.remove("a", by=ACTOR, expected_revision=rev), id="remove"),
+        pytest.param(
+            lambda m, rev: m.scale("a", 0, 3, by=ACTOR, expected_revision=rev), id="scale"
+        ),
+        pytest.param(
+            lambda m, rev: m.set_resources("a", memory_gb=4, by=ACTOR, expected_revision=rev),
+            id="resources",
+        ),
+        pytest.param(
+            lambda m, rev: m.set_class("a", "critical", by=ACTOR, expected_revision=rev),
+            id="class",
+        ),
+        pytest.param(
+            lambda m, rev: m.set_owner("a", "org:x", by=ACTOR, expected_revision=rev), id="owner"
+        ),
+        pytest.param(
+            lambda m, rev: m.set_adapters("a", (), by=ACTOR, expected_revision=rev), id="adapters"
+        ),
+        pytest.param(
+            lambda m, rev: m.set_source("a", "s3://w", by=ACTOR, expected_revision=rev),
+            id="source",
+        ),
+        pytest.param(lambda m, rev: m.set_origin("a", ORIGIN, expected_revision=rev), id="origin"),
+    ],
+)
+def test_every_command_honours_expected_revision(
+    make_models: MakeModels, rows: Rows, command: Any
+) -> None:
+    models = make_models()
+    models.add(spec("a"), by=ACTOR)
+    models.add(spec("z"), by=ACTOR)
+    with pytest.raises(RevisionConflict):
+        command(models, 1)
+    assert rows() == 2
+    assert command(models, 2).revision == 3
+
+
+# -- the applier and the pre-add check ----------------------------------------------------
+
+
+def test_the_applier_gets_the_catalog_in_force_after_every_change_in_log_order(
+    make_models: MakeModels,
+) -> None:
+    applier = RecordingApplier()
+    models = make_models(config_yaml(spec("declared")), applier=applier)
+    assert applier.pushes == []  # opening is not a change
+    results = [
+        models.add(spec("a", fallbacks=("declared",)), by=ACTOR),
+        models.add(spec("b"), by=ACTOR),
+        models.scale("a", 0, 2, by=ACTOR),
+        models.remove("b", by=ACTOR),
+    ]
+    # Revision 1 is the record of the declared config the first write found.
+    assert applier.revisions == [r.revision for r in results] == [2, 3, 4, 5]
+    names = [[m.name for m in catalog] for _, catalog in applier.pushes]
+    assert names == [
+        ["a", "declared"],
+        ["a", "b", "declared"],
+        ["a", "b", "declared"],
+        ["a", "declared"],
+    ]
+    # Each push is the whole catalog in force, as a fresh reader rebuilds it.
+    assert applier.pushes[-1][1] == make_models(config_yaml(spec("declared"))).catalog.models()
+    assert applier.pushes[2][1][0].scaling == Scaling(min=0, max=2)
+
+
+def test_the_pre_add_check_can_refuse_and_then_nothing_is_written(
+    make_models: MakeModels, rows: Rows
+) -> None:
+    check, applier = RefuseSources("hf://broken/"), RecordingApplier()
+    models = make_models(pre_add_check=check, applier=applier)
+    with pytest.raises(Refused, match="the engine cannot load hf://broken/x"):
+        models.add(spec("x", source="hf://broken/x"), by=ACTOR)
+    assert (rows(), applier.pushes) == (0, [])
+    assert models.add(spec("y"), by=ACTOR).revision == 1
+    assert check.checked == ["x", "y"]
+
+
+# -- several writers -------------------------------------------------------------------
+
+
+def test_a_second_service_decides_on_the_first_ones_writes(make_models: MakeModels) -> None:
+    first, second_applier = make_models(), RecordingApplier()
+    second = make_models(applier=second_applier)  # opened on the empty log
+    first.add(spec("a"), by=ACTOR)
+
+    # The second has not looked since; its command must see "a" before deciding.
+    assert second.add(spec("b", fallbacks=("a",)), by=ACTOR).revision == 2
+    assert [m.name for m in second_applier.pushes[-1][1]] == ["a", "b"]
+    # And the first, stale in turn, must see "b" name "a".
+    with pytest.raises(InvalidModel, match="is a fallback of 'b'"):
+        first.remove("a", by=ACTOR)
+    with pytest.raises(RevisionConflict):
+        first.scale("a", 1, 3, by=ACTOR, expected_revision=1)
+    assert first.remove("b", by=ACTOR).revision == 3
+    assert second.remove("a", by=ACTOR).revision == 4
+    assert first.list_models() == second.list_models() == []
+    assert [e["revision"] for e in first.log_events()] == [1, 2, 3, 4]
+
+
+# -- declared models --------------------------------------------------------------------
+
+
+def test_recording_an_origin_on_a_declared_model_is_a_silent_no_op(
+    make_models: MakeModels, rows: Rows
+) -> None:
+    applier = RecordingApplier()
+    declared = spec("declared")
+    models = make_models(config_yaml(declared), applier=applier)
+    result = models.set_origin("declared", ORIGIN)
+    assert (result.written, result.revision, rows(), applier.pushes) == (False, 0, 0, [])
+    assert result.model == models.get_model("declared")
+    assert result.model is not None
+    assert (result.model["declared"], result.model["origin"]) == (True, None)
+
+
+def test_declared_models_are_listed_with_runtime_ones(make_models: MakeModels) -> None:
+    models = make_models(config_yaml(spec("declared")))
+    models.add(spec("runtime"), by=ACTOR)
+    assert [(m["name"], m["declared"]) for m in models.list_models()] == [
+        ("declared", True),
+        ("runtime", False),
+    ]
+
+
+def test_the_kubeai_catalog_loads_as_declared_config(make_models: MakeModels, rows: Rows) -> None:
+    text = KUBEAI_CATALOG.read_text(encoding="utf-8")
+    published = yaml.safe_load(text)
+    models = make_models(text)
+
+    listed = {m["name"]: m for m in models.list_models()}
+    assert sorted(listed) == sorted(m["name"] for m in published["models"])
+    assert all(m["declared"] for m in listed.values())
+    for entry in published["models"]:
+        cpu_without_memory = [
+            p["name"]
+            for p in entry["profiles"]
+            if p.get("gpus", 0) == 0 and p.get("min_memory_gb", 0) == 0
+        ]
+        warnings = listed[entry["name"]].get("warnings", [])
+        assert len(warnings) == len(cpu_without_memory), entry["name"]
+        for profile, warning in zip(cpu_without_memory, warnings, strict=True):
+            assert f"profile {profile!r}" in warning and "declares no memory" in warning
+    assert any(m.get("warnings") for m in listed.values())  # the point of this data set
+
+    # Its engines replace the default list.
+    with pytest.raises(InvalidModel, match="'sglang' is not a known engine"):
+        models.add(spec("mine", engine="sglang"), by=ACTOR)
+    cpu_fallback = next(n for n, m in listed.items() if m.get("warnings"))
+    added = models.add(
+        spec("mine", engine="ollama", profiles=(CPU,), fallbacks=(cpu_fallback,)), by=ACTOR
+    )
+    assert added.revision == 2  # after the record of the declared config
+    with pytest.raises(DeclaredInConfig, match="change its scaling there"):
+        models.scale(cpu_fallback, 1, 4, by=ACTOR)
+    assert rows() == 2
+
+
+# -- queries ---------------------------------------------------------------------------
+
+
+def test_sources_says_which_models_and_adapters_use_each_source(make_models: MakeModels) -> None:
+    shared = "s3://adapters/shared"
+    models = make_models(config_yaml(spec("declared", source="hf://org/common")))
+    models.add(spec("a", source="hf://org/common"), by=ACTOR)
+    models.add(
+        spec(
+            "b",
+            adapters=(
+                Adapter(name="x", source=shared),
+                Adapter(name="y", source="s3://adapters/y"),
+            ),
+        ),
+        by=ACTOR,
+    )
+    models.add(spec("c", adapters=(Adapter(name="z", source=shared),)), by=ACTOR)
+    assert models.sources() == {
+        "hf://org/b": [{"model": "b"}],
+        "hf://org/c": [{"model": "c"}],
+        "hf://org/common": [{"model": "a"}, {"model": "declared"}],
+        "s3://adapters/shared": [{"model": "b", "adapter": "x"}, {"model": "c", "adapter": "z"}],
+        "s3://adapters/y": [{"model": "b", "adapter": "y"}],
+    }
+
+
+# -- the declared config file --------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("body", "problem"),
+    [
+        pytest.param(
+            "models: [{name: m, engine: vllm, source: s, profiles: [{name: g}], oops: 1}]",
+            "models[0].oops: unknown field",
+            id="unknown-field",
+        ),
+        pytest.param(
+            "models: [{name: m, engine: vllm, source: s, profiles: [{name: g, gpus: '1'}]}]",
+            "models[0].profiles[0].gpus",
+            id="wrong-type",
+        ),
+        pytest.param(
+            "models: [{name: m, engine: nope, source: s, profiles: [{name: g}]}]",
+            "engine: 'nope' is not a known engine",
+            id="unknown-engine",
+        ),
+        pytest.param(
+            "models: [{name: m, engine: vllm, source: s, profiles: [{name: g}], fallbacks: [x]}]",
+            "fallbacks: names 'x', which is not declared",
+            id="fallback",
+        ),
+        pytest.param(
+            "models: [{name: m, engine: vllm, source: s, profiles: []}]",
+            "profiles: at least one profile",
+            id="no-profiles",
+        ),
+        pytest.param(
+            "models:\n- {name: m, engine: vllm, source: s, profiles: [{name: g}]}\n"
+            "- {name: m, engine: vllm, source: s, profiles: [{name: g}]}",
+            "declared more than once",
+            id="duplicate",
+        ),
+    ],
+)
+def test_a_bad_declared_config_is_refused_naming_file_model_and_field(
+    write_config: Callable[[str], str], db_url: str, body: str, problem: str
+) -> None:
+    path = write_config(body)
+    with pytest.raises(ConfigError) as error:
+        open_models(db_url, path)
+    message = str(error.value)
+    assert path in message
+    assert "'m'" in message
+    assert problem in message
+
+
+def test_concurrent_writers_on_one_file_serialise_into_one_gapless_log(
+    make_models: MakeModels,
+) -> None:
+    appliers = [RecordingApplier(), RecordingApplier()]
+    services = [make_models(applier=applier) for applier in appliers]
+    errors: list[BaseException] = []
+
+    def work(models: Models, prefix: str) -> None:
+        try:
+            for i in range(15):
+                models.add(spec(f"{prefix}-{i}"), by=prefix)
+                models.scale(f"{prefix}-{i}", 0, 2, by=prefix)
+        except BaseException as error:  # reported below, not lost in the thread
+            errors.append(error)
+
+    threads = [
+        threading.Thread(target=work, args=(models, prefix))
+        for models, prefix in zip(services, ("left", "right"), strict=True)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    assert [e["revision"] for e in services[0].log_events()] == list(range(1, 61))
+    for applier in appliers:
+        assert applier.revisions == sorted(applier.revisions)
+        assert len(applier.revisions) == 30
+    # Each push held every model written before it, whichever service wrote it.
+    for revision, pushed in appliers[0].pushes + appliers[1].pushes:
+        before = [e for e in services[0].log_events(limit=revision) if e["event"] == "Added"]
+        assert {m.name for m in pushed} == {e["model"] for e in before}
+    assert services[0].list_models() == services[1].list_models()
