@@ -109,6 +109,10 @@ Service = Annotated[Models, Depends(service)]
 _bearer = HTTPBearer(auto_error=False, description="A token from `catalog-es token add`.")
 
 
+def forbidden(caller: Caller, needs: str) -> HTTPException:
+    return HTTPException(403, f"{caller.actor!r} has the {caller.role.name} role; {needs}")
+
+
 def caller_with(role: Role) -> Callable[..., Caller]:
     """A dependency: the caller, refused unless its token has ``role`` or more."""
 
@@ -124,9 +128,7 @@ def caller_with(role: Role) -> Callable[..., Caller]:
         if found is None:
             raise HTTPException(401, "the token is not valid (unknown or revoked)", challenge)
         if found.role < role:
-            raise HTTPException(
-                403, f"{found.actor!r} has the {found.role.name} role; this needs {role.name}"
-            )
+            raise forbidden(found, f"this needs {role.name}")
         return found
 
     return caller
@@ -319,112 +321,78 @@ def remove_model(
     return command_response(models.remove(name, **command_meta(caller, reason, expected)))
 
 
-@route.post(MODEL + "/scale", tags=["commands"], openapi_extra=body_of(ScaleFields, "Bounds."))
-def scale_model(
-    name: str,
-    caller: Writer,
-    data: Document,
-    models: Service,
-    expected: ExpectedRevision,
-    reason: Reason = "",
-) -> Response:
-    """Replica bounds; a bound left out keeps its value."""
-    body = fields(ScaleFields, data)
-    meta = command_meta(caller, reason, expected)
-    return command_response(models.scale(name, body.min, body.max, **meta))
+# The per-model commands share one shape: the name in the path, the fields
+# in the body, a call of the service.
+Run = Callable[[Models, str, Fields, dict[str, Any]], CommandResult]
 
 
-@route.post(
-    MODEL + "/resources",
-    tags=["commands"],
-    openapi_extra=body_of(ResourcesFields, "Memory and cores of one profile (default: all)."),
+def model_command(verb: str, kind: type[Fields], summary: str, body: str, run: Run[Fields]) -> None:
+    """Register ``POST /models/NAME/<verb>``, as ``catalog-es model <verb> NAME``."""
+
+    def command(
+        name: str,
+        caller: Writer,
+        data: Document,
+        models: Service,
+        expected: ExpectedRevision,
+        reason: Reason = "",
+    ) -> Response:
+        meta = command_meta(caller, reason, expected)
+        return command_response(run(models, name, fields(kind, data), meta))
+
+    route.post(
+        f"{MODEL}/{verb}",
+        tags=["commands"],
+        name=f"model {verb}",
+        summary=summary,
+        openapi_extra=body_of(kind, body),
+    )(command)
+
+
+model_command(
+    "scale",
+    ScaleFields,
+    "Replica bounds; a bound left out keeps its value",
+    "`min`, `max`, or both.",
+    lambda models, name, body, meta: models.scale(name, body.min, body.max, **meta),
 )
-def set_resources(
-    name: str,
-    caller: Writer,
-    data: Document,
-    models: Service,
-    expected: ExpectedRevision,
-    reason: Reason = "",
-) -> Response:
-    """What a profile reserves of a node."""
-    body = fields(ResourcesFields, data)
-    result = models.set_resources(
-        name,
-        profile=body.profile,
-        memory_gb=body.memory_gb,
-        cpu_cores=body.cpu_cores,
-        **command_meta(caller, reason, expected),
-    )
-    return command_response(result)
-
-
-@route.post(MODEL + "/class", tags=["commands"], openapi_extra=body_of(ClassFields, "A class."))
-def set_class(
-    name: str,
-    caller: Writer,
-    data: Document,
-    models: Service,
-    expected: ExpectedRevision,
-    reason: Reason = "",
-) -> Response:
-    """critical, standard, opportunistic, or "" for what the scaling implies."""
-    body = fields(ClassFields, data)
-    meta = command_meta(caller, reason, expected)
-    return command_response(models.set_class(name, body.capacity_class, **meta))
-
-
-@route.post(MODEL + "/owner", tags=["commands"], openapi_extra=body_of(OwnerFields, "An owner."))
-def set_owner(
-    name: str,
-    caller: Writer,
-    data: Document,
-    models: Service,
-    expected: ExpectedRevision,
-    reason: Reason = "",
-) -> Response:
-    """org:ID, team:ID, project:ID, or "" for shared."""
-    body = fields(OwnerFields, data)
-    meta = command_meta(caller, reason, expected)
-    return command_response(models.set_owner(name, body.owner, **meta))
-
-
-@route.post(
-    MODEL + "/adapters",
-    tags=["commands"],
-    openapi_extra=body_of(AdaptersFields, "The new set of LoRA adapters ([] for none)."),
+model_command(
+    "resources",
+    ResourcesFields,
+    "What a profile reserves of a node",
+    "Memory and cores of one profile (default: every profile).",
+    lambda models, name, body, meta: models.set_resources(
+        name, profile=body.profile, memory_gb=body.memory_gb, cpu_cores=body.cpu_cores, **meta
+    ),
 )
-def set_adapters(
-    name: str,
-    caller: Writer,
-    data: Document,
-    models: Service,
-    expected: ExpectedRevision,
-    reason: Reason = "",
-) -> Response:
-    """Replace the LoRA adapters a runtime model serves."""
-    body = fields(AdaptersFields, data)
-    meta = command_meta(caller, reason, expected)
-    return command_response(models.set_adapters(name, body.to_adapters(), **meta))
-
-
-@route.post(
-    MODEL + "/source",
-    tags=["commands"],
-    openapi_extra=body_of(SourceFields, "Other weights, and where they came from."),
+model_command(
+    "class",
+    ClassFields,
+    "The capacity class",
+    'critical, standard, opportunistic, or "" for what the scaling implies.',
+    lambda models, name, body, meta: models.set_class(name, body.capacity_class, **meta),
 )
-def set_source(
-    name: str,
-    caller: Writer,
-    data: Document,
-    models: Service,
-    expected: ExpectedRevision,
-    reason: Reason = "",
-) -> Response:
-    """Move a runtime model to other weights."""
-    body = fields(SourceFields, data)
-    meta = command_meta(caller, reason, expected)
-    return command_response(models.set_source(name, body.source, body.to_origin(), **meta))
+model_command(
+    "owner",
+    OwnerFields,
+    "The owner",
+    'org:ID, team:ID, project:ID, or "" for shared.',
+    lambda models, name, body, meta: models.set_owner(name, body.owner, **meta),
+)
+model_command(
+    "adapters",
+    AdaptersFields,
+    "Replace the LoRA adapters a runtime model serves",
+    "The new set (`[]` for none).",
+    lambda models, name, body, meta: models.set_adapters(name, body.to_adapters(), **meta),
+)
+model_command(
+    "source",
+    SourceFields,
+    "Move a runtime model to other weights",
+    "The weights' location and where they came from.",
+    lambda models, name, body, meta: models.set_source(name, body.source, body.to_origin(), **meta),
+)
 
 
 @route.post(
@@ -477,9 +445,7 @@ def rollback(
     events in one transaction. Needs the admin role, except a dry run (a diff)."""
     body = fields(RollbackBody, data)
     if not body.dry_run and caller.role < Role.admin:
-        raise HTTPException(
-            403, f"{caller.actor!r} has the {caller.role.name} role; a rollback needs admin"
-        )
+        raise forbidden(caller, "a rollback needs admin")
     to = body.to if isinstance(body.to, int) else revision_or_time(body.to)
     result = models.rollback(
         to,
