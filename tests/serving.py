@@ -13,6 +13,7 @@ from pathlib import Path
 import uvicorn
 from fastapi import FastAPI
 
+from catalog_es.web.app import end_streams
 from catalog_es.web.tokens import TokenStore
 
 ROLES = ("read", "write", "admin")
@@ -37,6 +38,7 @@ def serving(app: FastAPI) -> Iterator[str]:
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
+        end_streams(app)
         server.should_exit = True
         thread.join(timeout=10)
         sock.close()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import FrameType
+
 import click
 
 from catalog_es import bootstrap
@@ -28,6 +30,8 @@ def serve(settings: Settings, host: str, port: int, tokens_file: str | None) -> 
     """
     import uvicorn  # loaded only to serve
 
+    from catalog_es.web.app import end_streams
+
     tokens = bootstrap.open_tokens(tokens_file)
     if not tokens.entries():
         raise InputError(
@@ -42,8 +46,18 @@ def serve(settings: Settings, host: str, port: int, tokens_file: str | None) -> 
         f"(console /console/, API docs /docs)",
         err=True,
     )
-    # Watch streams never end by themselves: give them a few seconds at shutdown.
-    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=3)
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5
+    )
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            # Watch streams never end by themselves: end them, or the
+            # shutdown waits for its grace period and then cancels them.
+            end_streams(app)
+            super().handle_exit(sig, frame)
+
+    Server(config).run()
 
 
 @cli.group("token")

@@ -12,6 +12,7 @@ the service blocks on the database.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Mapping
 from datetime import datetime
 from importlib.metadata import version
@@ -488,6 +489,7 @@ def skipped(caller: Reader, models: Service) -> Response:
     responses={200: {"content": {"text/event-stream": {}}, "description": "Server-sent events"}},
 )
 def watch(
+    request: Request,
     caller: Reader,
     models: Service,
     after: Annotated[
@@ -500,7 +502,7 @@ def watch(
     A reconnecting EventSource resumes after its Last-Event-ID."""
     if last_event_id is not None and last_event_id.strip().isdigit():
         after = int(last_event_id)
-    return event_stream(models.watch(after or 0))
+    return event_stream(models.watch(after or 0), request.app.state.closing)
 
 
 # -- the application -------------------------------------------------------------
@@ -543,6 +545,12 @@ def _errors(app: FastAPI) -> None:
         return error_response(422, describe_problems(list(error.errors())))
 
 
+def end_streams(app: FastAPI) -> None:
+    """Tell the open watch streams to end: the server is shutting down."""
+    closing: threading.Event = app.state.closing
+    closing.set()
+
+
 def create_app(models: Models, tokens: TokenStore) -> FastAPI:
     """The API and the console over one service and one tokens file."""
     app = FastAPI(
@@ -554,6 +562,7 @@ def create_app(models: Models, tokens: TokenStore) -> FastAPI:
     )
     app.state.models = models
     app.state.tokens = tokens
+    app.state.closing = threading.Event()  # set by ``end_streams``
     _errors(app)
     app.include_router(route)
     app.mount(

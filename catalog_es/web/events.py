@@ -7,12 +7,16 @@ last one is sent). When the client disconnects, the server cancels the
 stream; ``finally`` then stops the watch, which ends the blocked ``next``,
 and closes the generator on that same thread, so the subscription's
 ``with`` block (a PostgreSQL LISTEN connection) is left where it was entered.
+A server shutting down sets ``closing``: the streams end within a wake-up,
+rather than holding the shutdown until they are cancelled.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import threading
+import time
 from collections.abc import AsyncIterator, Generator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
@@ -24,6 +28,8 @@ from catalog_es.application import Watch
 # A comment line this often keeps proxies from closing a quiet stream, and
 # finds a client that left without a word.
 KEEP_ALIVE_SECONDS = 15.0
+# How often a waiting stream looks whether the server is closing.
+WAKE_UP_SECONDS = 0.5
 
 
 def sse_message(event: dict[str, Any]) -> str:
@@ -32,7 +38,7 @@ def sse_message(event: dict[str, Any]) -> str:
     return f"id: {event['revision']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
 
 
-async def _messages(watch: Watch) -> AsyncIterator[str]:
+async def _messages(watch: Watch, closing: threading.Event) -> AsyncIterator[str]:
     loop = asyncio.get_running_loop()
     worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="catalog-es-watch")
     # ``Watch.__iter__`` is a generator function: it can be closed.
@@ -41,13 +47,17 @@ async def _messages(watch: Watch) -> AsyncIterator[str]:
     try:
         # Sent at once, so a client knows the stream is open before any change.
         yield ": watching\n\n"
-        while True:
+        quiet_since = time.monotonic()
+        while not closing.is_set():
             if pending is None:
                 pending = loop.run_in_executor(worker, next, events, None)
-            done, _ = await asyncio.wait({pending}, timeout=KEEP_ALIVE_SECONDS)
+            done, _ = await asyncio.wait({pending}, timeout=WAKE_UP_SECONDS)
             if not done:
-                yield ": keep-alive\n\n"
+                if time.monotonic() - quiet_since >= KEEP_ALIVE_SECONDS:
+                    quiet_since = time.monotonic()
+                    yield ": keep-alive\n\n"
                 continue
+            quiet_since = time.monotonic()
             event = pending.result()
             pending = None
             if event is None:
@@ -60,9 +70,9 @@ async def _messages(watch: Watch) -> AsyncIterator[str]:
         worker.shutdown(wait=False)
 
 
-def event_stream(watch: Watch) -> StreamingResponse:
+def event_stream(watch: Watch, closing: threading.Event) -> StreamingResponse:
     return StreamingResponse(
-        _messages(watch),
+        _messages(watch, closing),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
