@@ -96,6 +96,8 @@ def shared_options(f: F) -> F:
 
 
 pass_settings = click.make_pass_decorator(Settings, ensure=True)
+
+
 def print_table(table: Table) -> None:
     # On a terminal, fit it; piped, never cut a name short.
     width = None if sys.stdout.isatty() else 10_000
