@@ -9,6 +9,9 @@ Revisions are the ``revision`` column: assigned inside the write lock
 (``BEGIN IMMEDIATE`` on SQLite, ``LOCK TABLE`` on PostgreSQL), so they
 increase in commit order and a reader can never see a later revision before
 an earlier one commits.
+
+Every event also gets its link in the hash chain (:mod:`catalog_es.chain`),
+computed in the same transaction from the head kept in ``catalog_head``.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from eventsourcing.persistence import (
 from eventsourcing.utils import Environment
 from sqlalchemy.engine import Connection, Engine
 
+from catalog_es.chain import GENESIS, ChainHead, ChainRow, link
 from catalog_es.errors import StorageBusy
 
 DEFAULT_URL = "sqlite:///catalog.db"
@@ -56,8 +60,20 @@ events_table = sa.Table(
     sa.Column("originator_version", _bigint, nullable=False),
     sa.Column("topic", sa.Text(), nullable=False),
     sa.Column("state", sa.LargeBinary(), nullable=False),
+    # sha256 hex of the previous event's hash and this event (catalog_es.chain).
+    sa.Column("hash", sa.String(64), nullable=False),
     sa.UniqueConstraint("originator_id", "originator_version", name="catalog_events_stream"),
     sqlite_autoincrement=True,
+)
+
+# The last revision and its hash, kept apart from the events so that deleting
+# the last events is noticed too. One row, written with the events it covers.
+head_table = sa.Table(
+    "catalog_head",
+    metadata,
+    sa.Column("id", sa.Integer(), sa.CheckConstraint("id = 1"), primary_key=True),
+    sa.Column("revision", _bigint, nullable=False),
+    sa.Column("hash", sa.String(64), nullable=False),
 )
 
 tracking_table = sa.Table(
@@ -146,24 +162,36 @@ class SQLRecorder(ProcessRecorder):
         tracking: Tracking | None = None,
         **_: Any,
     ) -> Sequence[int] | None:
+        """Append events, chained onto the head; ``conn`` must come from :meth:`write`."""
         if conn is None:
             with self.write() as own:
                 return self.insert_events(stored_events, conn=own, tracking=tracking)
         revisions: list[int] = []
         if stored_events:
-            rows = [
-                {
-                    "originator_id": e.originator_id,
-                    "originator_version": e.originator_version,
-                    "topic": e.topic,
-                    "state": e.state,
-                }
-                for e in stored_events
-            ]
+            head = self.chain_head(conn)
+            chained = head.hash if head is not None else GENESIS
+            rows = []
+            for e in stored_events:
+                originator_id = _uuid(e.originator_id)
+                chained = link(chained, originator_id, e.originator_version, e.topic, e.state)
+                rows.append(
+                    {
+                        "originator_id": originator_id,
+                        "originator_version": e.originator_version,
+                        "topic": e.topic,
+                        "state": e.state,
+                        "hash": chained,
+                    }
+                )
             statement = sa.insert(events_table).returning(
                 events_table.c.revision, sort_by_parameter_order=True
             )
             revisions = list(conn.execute(statement, rows).scalars())
+            new_head = {"revision": revisions[-1], "hash": chained}
+            if head is None:
+                conn.execute(sa.insert(head_table).values(id=1, **new_head))
+            else:
+                conn.execute(sa.update(head_table).values(**new_head))
         if tracking is not None:
             self._insert_tracking(conn, tracking)
         return revisions
@@ -179,8 +207,7 @@ class SQLRecorder(ProcessRecorder):
     ) -> Sequence[StoredEvent]:
         t = events_table.c
         query = sa.select(t.originator_id, t.originator_version, t.topic, t.state).where(
-            t.originator_id
-            == (UUID(originator_id) if isinstance(originator_id, str) else originator_id)
+            t.originator_id == _uuid(originator_id)
         )
         if gt is not None:
             query = query.where(t.originator_version > gt)
@@ -239,19 +266,42 @@ class SQLRecorder(ProcessRecorder):
         ).scalar()
         return int(value or 0)
 
+    def chain_head(self, conn: Connection) -> ChainHead | None:
+        """The head of the hash chain as stored, ``None`` before the first event."""
+        row = conn.execute(sa.select(head_table.c.revision, head_table.c.hash)).first()
+        return ChainHead(revision=row[0], hash=row[1]) if row is not None else None
+
     def scan(
         self, conn: Connection, after: int = 0, upto: int | None = None
     ) -> Iterator[tuple[int, str, bytes]]:
-        """``(revision, topic, state)`` after a revision, in order, in large pages.
-        Keyset paging on the primary key: each page is an index range scan."""
+        """``(revision, topic, state)`` after a revision, in order, in large pages."""
+        t = events_table.c
+        for row in self._pages(conn, (t.revision, t.topic, t.state), after, upto):
+            yield row[0], row[1], row[2]
+
+    def scan_chain(self, conn: Connection) -> Iterator[ChainRow]:
+        """Every stored event with its hash, in revision order."""
+        t = events_table.c
+        columns = (t.revision, t.originator_id, t.originator_version, t.topic, t.state, t.hash)
+        for row in self._pages(conn, columns, 0, None):
+            yield ChainRow(*row)
+
+    def _pages(
+        self,
+        conn: Connection,
+        columns: Sequence[sa.ColumnElement[Any]],
+        after: int,
+        upto: int | None,
+    ) -> Iterator[sa.Row[Any]]:
+        """Keyset paging on the primary key: each page is an index range scan.
+        The first column must be the revision."""
         t = events_table.c
         while True:
-            query = sa.select(t.revision, t.topic, t.state).where(t.revision > after)
+            query = sa.select(*columns).where(t.revision > after)
             if upto is not None:
                 query = query.where(t.revision <= upto)
             rows = conn.execute(query.order_by(t.revision).limit(PAGE_SIZE)).all()
-            for row in rows:
-                yield row[0], row[1], row[2]
+            yield from rows
             if len(rows) < PAGE_SIZE:
                 return
             after = rows[-1][0]
@@ -299,6 +349,10 @@ class SQLRecorder(ProcessRecorder):
                 )
             ).scalar()
             return int(value) if value is not None else None
+
+
+def _uuid(value: UUID | str) -> UUID:
+    return UUID(value) if isinstance(value, str) else value
 
 
 class PollingSubscription(Subscription[ApplicationRecorder]):
