@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable
+from typing import Any
 from uuid import UUID
 
 import msgspec
@@ -34,14 +35,15 @@ class ChainHead(msgspec.Struct, frozen=True):
 
 
 class ChainRow(msgspec.Struct, frozen=True):
-    """A stored event as the chain sees it."""
+    """A stored event as the chain sees it: the values as read, which a hand
+    edit may have left of any type (SQLite keeps whatever it is given)."""
 
     revision: int
-    originator_id: UUID
-    originator_version: int
-    topic: str
-    state: bytes
-    hash: str
+    originator_id: Any
+    originator_version: Any
+    topic: Any
+    state: Any
+    hash: Any
 
 
 class ChainBreak(msgspec.Struct, frozen=True):
@@ -91,11 +93,21 @@ def check_chain(rows: Iterable[ChainRow], head: ChainHead | None) -> ChainReport
     last = ChainHead(revision=0, hash=GENESIS)
     for row in rows:
         events += 1
-        expected = link(last.hash, row.originator_id, row.originator_version, row.topic, row.state)
-        if row.hash != expected:
+        if row.hash != _rehash(last.hash, row):
             return ChainReport(events=events, head=head, broken=_broken_link(last, row))
         last = ChainHead(revision=row.revision, hash=row.hash)
     return ChainReport(events=events, head=head, broken=_broken_tail(last, head))
+
+
+def _rehash(previous: str, row: ChainRow) -> str | None:
+    """The row's hash recomputed from what is stored; ``None`` when what is
+    stored cannot be what was written (not a UUID, a number, text, bytes)."""
+    state = row.state.encode("utf-8") if isinstance(row.state, str) else row.state
+    try:
+        originator_id = UUID(str(row.originator_id))
+        return link(previous, originator_id, int(row.originator_version), row.topic, bytes(state))
+    except (ValueError, TypeError, AttributeError, OverflowError):
+        return None
 
 
 def _broken_link(last: ChainHead, row: ChainRow) -> ChainBreak:

@@ -282,7 +282,9 @@ class SQLRecorder(ProcessRecorder):
     def scan_chain(self, conn: Connection) -> Iterator[ChainRow]:
         """Every stored event with its hash, in revision order."""
         t = events_table.c
-        columns = (t.revision, t.originator_id, t.originator_version, t.topic, t.state, t.hash)
+        # The id as stored, not parsed: a hand-edited one is a broken link, not a crash.
+        stored_id = sa.type_coerce(t.originator_id, sa.String())
+        columns = (t.revision, stored_id, t.originator_version, t.topic, t.state, t.hash)
         for row in self._pages(conn, columns, 0, None):
             yield ChainRow(*row)
 
