@@ -21,9 +21,10 @@ from eventsourcing.application import Application
 from eventsourcing.utils import EnvType, get_topic
 from sqlalchemy.engine import Connection
 
+from catalog_es.audit import AuditTrail
 from catalog_es.catalog import Catalog, Skipped
 from catalog_es.decisions import decide
-from catalog_es.errors import InputError, ModelNotFound, RevisionConflict
+from catalog_es.errors import InputError, ModelNotFound, Refused, RevisionConflict
 from catalog_es.inputs import DeclaredConfig
 from catalog_es.mapper import EventMapper, UndecodableEvent, decode_event, model_of_state
 from catalog_es.model import Model, model_id, utc_now
@@ -58,8 +59,9 @@ def _check_meta(by: str, reason: str) -> None:
         raise InputError(f"reason: must be at most {MAX_REASON_LENGTH} printable characters")
 
 
-class Models(Application[UUID]):
-    """The catalog's application service: commands, and queries returning plain data."""
+class Models(AuditTrail, Application[UUID]):
+    """The catalog's application service: commands, and queries returning plain data
+    (the audit queries come from :class:`catalog_es.audit.AuditTrail`)."""
 
     name = "catalog"
     env: ClassVar[dict[str, str]] = {
@@ -97,9 +99,13 @@ class Models(Application[UUID]):
         self, spec: ModelSpec, *, by: str, reason: str = "", expected_revision: int | None = None
     ) -> CommandResult:
         """Add a model, or replace the definition of a runtime one."""
-        check_name(spec.name)
-        _check_meta(by, reason)
-        self.pre_add_check.check(spec)
+        try:
+            check_name(spec.name)
+            _check_meta(by, reason)
+            self.pre_add_check.check(spec)
+        except Refused as refusal:
+            self._record_refusal(Model.Added, spec.name, by, reason, {"spec": spec}, refusal)
+            raise
         return self._command(Model.Added, spec.name, by, reason, expected_revision, spec=spec)
 
     def remove(
@@ -248,40 +254,44 @@ class Models(Application[UUID]):
     ) -> CommandResult:
         """Decide and append one event. ``derive`` computes fields that depend
         on the definition in force, read inside the write transaction."""
-        check_name(name)
-        _check_meta(by, reason)
-        with self._lock:
-            with self.store.write() as conn:
-                self._catch_up(conn)
-                head = self.catalog.revision
-                if expected_revision is not None and expected_revision != head:
-                    raise RevisionConflict(expected_revision, head)
-                current = self.catalog.get(name)
-                if derive is not None:
-                    fields.update(derive(current))
-                event = event_class(
-                    originator_id=model_id(name),
-                    originator_version=self.store.stream_version(conn, model_id(name)) + 1,
-                    timestamp=utc_now(),
-                    model=name,
-                    by=by,
-                    reason=reason,
-                    **fields,
-                )
-                new = decide(self.catalog, event)
-                (recording,) = self.events.put([event], conn=conn)
-            # Committed: only now is the change in force.
-            revision = recording.notification.id
-            self.catalog.commit(event, new)
-            self.catalog.revision = revision
-            log.info("%s %s at revision %d by %s", type(event).__name__, name, revision, by)
-            self.applier.replace_catalog(self.catalog.models(), revision)
-        return CommandResult(
-            revision=revision,
-            model=model_view(new, declared=False) if new is not None else None,
-            replaced=isinstance(event, Model.Added) and current is not None,
-            removed=name if new is None else None,
-        )
+        try:
+            check_name(name)
+            _check_meta(by, reason)
+            with self._lock:
+                with self.store.write() as conn:
+                    self._catch_up(conn)
+                    head = self.catalog.revision
+                    if expected_revision is not None and expected_revision != head:
+                        raise RevisionConflict(expected_revision, head)
+                    current = self.catalog.get(name)
+                    if derive is not None:
+                        fields.update(derive(current))
+                    event = event_class(
+                        originator_id=model_id(name),
+                        originator_version=self.store.stream_version(conn, model_id(name)) + 1,
+                        timestamp=utc_now(),
+                        model=name,
+                        by=by,
+                        reason=reason,
+                        **fields,
+                    )
+                    new = decide(self.catalog, event)
+                    (recording,) = self.events.put([event], conn=conn)
+                # Committed: only now is the change in force.
+                revision = recording.notification.id
+                self.catalog.commit(event, new)
+                self.catalog.revision = revision
+                log.info("%s %s at revision %d by %s", type(event).__name__, name, revision, by)
+                self.applier.replace_catalog(self.catalog.models(), revision)
+            return CommandResult(
+                revision=revision,
+                model=model_view(new, declared=False) if new is not None else None,
+                replaced=isinstance(event, Model.Added) and current is not None,
+                removed=name if new is None else None,
+            )
+        except Refused as refusal:
+            self._record_refusal(event_class, name, by, reason, fields, refusal)
+            raise
 
     # -- reading ---------------------------------------------------------------
 

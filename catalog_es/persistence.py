@@ -76,6 +76,23 @@ head_table = sa.Table(
     sa.Column("hash", sa.String(64), nullable=False),
 )
 
+# Commands that were refused: who tried what, and why. Not events: they have
+# no revision and never change the catalog.
+refusals_table = sa.Table(
+    "catalog_refusals",
+    metadata,
+    sa.Column("id", _bigint, primary_key=True, autoincrement=True),
+    sa.Column("time", sa.DateTime(), nullable=False),  # UTC
+    sa.Column("actor", sa.Text(), nullable=False),
+    sa.Column("model", sa.Text(), nullable=False),
+    sa.Column("event", sa.String(64), nullable=False),
+    sa.Column("refusal", sa.Text(), nullable=False),
+    sa.Column("reason", sa.Text(), nullable=False),
+    sa.Column("fields", sa.JSON(), nullable=False),
+    sa.Index("catalog_refusals_time", "time"),
+    sqlite_autoincrement=True,
+)
+
 tracking_table = sa.Table(
     "catalog_tracking",
     metadata,
