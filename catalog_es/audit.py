@@ -9,9 +9,8 @@ never change the catalog.
 from __future__ import annotations
 
 import logging
-from datetime import datetime
 from functools import cached_property
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Unpack
 
 import msgspec
 import sqlalchemy as sa
@@ -21,7 +20,14 @@ from catalog_es.errors import InputError, ModelNotFound, Refused, StorageBusy
 from catalog_es.inputs import DeclaredConfig
 from catalog_es.model import Model, utc_now
 from catalog_es.persistence import SQLRecorder, refusals_table
-from projections.audit import AuditFilter, AuditProjection, AuditView, stored_time, utc_text
+from projections.audit import (
+    AuditProjection,
+    AuditView,
+    Filters,
+    select_rows,
+    stored_time,
+    utc_text,
+)
 
 if TYPE_CHECKING:
     from catalog_es.catalog import Skipped
@@ -55,44 +61,21 @@ class AuditTrail:
             raise ModelNotFound(name, "has no history: it was never in the log or the config")
         return rows
 
-    def audit(
-        self,
-        *,
-        model: str | None = None,
-        by: str | None = None,
-        event_type: str | None = None,
-        since: datetime | None = None,
-        until: datetime | None = None,
-        limit: int | None = None,
-    ) -> list[dict[str, Any]]:
-        """The audit rows matching every filter given, oldest first; with a
-        limit, the most recent ones. ``since`` is inclusive, ``until`` not."""
+    def audit(self, **filters: Unpack[Filters]) -> list[dict[str, Any]]:
+        """The audit rows matching every filter given (``model``, ``by``,
+        ``event_type``, ``since`` inclusive, ``until`` exclusive), oldest first;
+        with a ``limit``, the most recent ones."""
         self._audit.catch_up(self.store, self.name)
-        query = AuditFilter(
-            model=model, by=by, event=event_type, since=since, until=until, limit=limit
-        )
-        return self._audit.view.changes(query)
+        return self._audit.view.changes(filters)
 
     def rebuild_audit(self) -> None:
         """Drop the audit tables and build them again from the log."""
         self._audit.rebuild(self.store, self.name)
 
-    def refusals(
-        self,
-        *,
-        model: str | None = None,
-        by: str | None = None,
-        event_type: str | None = None,
-        since: datetime | None = None,
-        until: datetime | None = None,
-        limit: int | None = None,
-    ) -> list[dict[str, Any]]:
-        """Refused commands matching every filter given, oldest first."""
-        query = AuditFilter(
-            model=model, by=by, event=event_type, since=since, until=until, limit=limit
-        )
+    def refusals(self, **filters: Unpack[Filters]) -> list[dict[str, Any]]:
+        """Refused commands matching every filter given, as :meth:`audit` takes them."""
         with self.store.read() as conn:
-            rows = query.rows(conn, refusals_table, refusals_table.c.id)
+            rows = select_rows(conn, refusals_table, refusals_table.c.id, filters)
         return [
             {
                 "id": row.id,

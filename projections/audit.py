@@ -23,7 +23,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypedDict
 
 import msgspec
 import sqlalchemy as sa
@@ -118,35 +118,41 @@ def utc_text(stored: datetime | None) -> str | None:
 # -- queries -----------------------------------------------------------------------
 
 
-class AuditFilter(msgspec.Struct, frozen=True, kw_only=True):
-    """What an audit query asks for; it applies to any table with ``time``,
-    ``actor``, ``model`` and ``event`` columns (the audit and the refusals)."""
+class Filters(TypedDict, total=False):
+    """What an audit query asks for. Every filter given must match."""
 
-    model: str | None = None
-    by: str | None = None
-    event: str | None = None
-    since: datetime | None = None  # inclusive
-    until: datetime | None = None  # exclusive
-    limit: int | None = None  # the most recent ones
+    model: str | None
+    by: str | None
+    event_type: str | None
+    since: datetime | None  # inclusive
+    until: datetime | None  # exclusive
+    limit: int | None  # the most recent ones
 
-    def rows(self, conn: Connection, table: sa.Table, order: sa.Column[Any]) -> list[sa.Row[Any]]:
-        """The matching rows, oldest first; with a limit, the last ``limit`` of them."""
-        c = table.c
-        query = sa.select(table)
-        if self.model is not None:
-            query = query.where(c.model == self.model)
-        if self.by is not None:
-            query = query.where(c.actor == self.by)
-        if self.event is not None:
-            query = query.where(c.event == self.event)
-        if self.since is not None:
-            query = query.where(c.time >= stored_time(self.since))
-        if self.until is not None:
-            query = query.where(c.time < stored_time(self.until))
-        if self.limit is None:
-            return list(conn.execute(query.order_by(order)))
-        latest = conn.execute(query.order_by(order.desc()).limit(self.limit))
-        return list(reversed(latest.all()))
+
+def select_rows(
+    conn: Connection, table: sa.Table, order: sa.Column[Any], filters: Filters
+) -> list[sa.Row[Any]]:
+    """The rows of ``table`` (one with ``time``, ``actor``, ``model`` and
+    ``event`` columns: the audit, the refusals) that match, oldest first; with
+    a limit, the last ``limit`` of them."""
+    c = table.c
+    query = sa.select(table)
+    for column, value in (
+        (c.model, filters.get("model")),
+        (c.actor, filters.get("by")),
+        (c.event, filters.get("event_type")),
+    ):
+        if value is not None:
+            query = query.where(column == value)
+    since, until, limit = filters.get("since"), filters.get("until"), filters.get("limit")
+    if since is not None:
+        query = query.where(c.time >= stored_time(since))
+    if until is not None:
+        query = query.where(c.time < stored_time(until))
+    if limit is None:
+        return list(conn.execute(query.order_by(order)))
+    latest = conn.execute(query.order_by(order.desc()).limit(limit))
+    return list(reversed(latest.all()))
 
 
 def change_view(row: sa.Row[Any]) -> dict[str, Any]:
@@ -274,9 +280,9 @@ class AuditView(TrackingRecorder):
             tracked = self._tracked(conn, application_name)
         return tracked.position if tracked is not None else None
 
-    def changes(self, query: AuditFilter) -> list[dict[str, Any]]:
+    def changes(self, filters: Filters) -> list[dict[str, Any]]:
         with _collector_paused(), self.engine.connect() as conn:
-            rows = query.rows(conn, changes_table, changes_table.c.revision)
+            rows = select_rows(conn, changes_table, changes_table.c.revision, filters)
             return [change_view(row) for row in rows]
 
     def mentions(self, model: str) -> bool:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterable
 from datetime import UTC, date, datetime
-from typing import Any
+from typing import Any, Unpack
 
 import click
 from rich.markup import escape
@@ -18,9 +18,10 @@ from rich.markup import escape
 from catalog_es.cli.base import F, Settings, cli, emit, pass_settings, shared_options, table
 from catalog_es.errors import InputError
 from catalog_es.model import EVENT_TYPES
+from projections.audit import Filters
 
 
-def parse_time(text: str, option: str = "time") -> datetime:
+def parse_time(text: str, option: str) -> datetime:
     """A UTC ISO 8601 time (``2026-11-30T12:00:00Z``, or another offset), or a
     date for its midnight UTC. A time without a zone is refused rather than guessed."""
     try:
@@ -61,7 +62,7 @@ def _event_option(_ctx: click.Context, _param: click.Parameter, value: str | Non
 def audit_filters(f: F) -> F:
     """The filters ``audit`` and ``refusals`` share (``--by`` is a shared option)."""
     options = [
-        click.option("--model", "model_name", metavar="NAME", help="Only this model."),
+        click.option("--model", metavar="NAME", help="Only this model."),
         click.option(
             "--type",
             "event_type",
@@ -144,23 +145,10 @@ def history(settings: Settings, name: str) -> None:
 @audit_filters
 @shared_options
 @pass_settings
-def audit(
-    settings: Settings,
-    model_name: str | None,
-    event_type: str | None,
-    since: datetime | None,
-    until: datetime | None,
-    limit: int | None,
-) -> None:
+def audit(settings: Settings, **filters: Unpack[Filters]) -> None:
     """Changes across the catalog, oldest first, filtered; --by names the actor."""
-    rows = settings.models().audit(
-        model=model_name,
-        by=settings.by,
-        event_type=event_type,
-        since=since,
-        until=until,
-        limit=limit,
-    )
+    filters["by"] = settings.by
+    rows = settings.models().audit(**filters)
     emit(settings, rows, _show_changes(rows, with_model=True))
 
 
@@ -168,23 +156,10 @@ def audit(
 @audit_filters
 @shared_options
 @pass_settings
-def refusals(
-    settings: Settings,
-    model_name: str | None,
-    event_type: str | None,
-    since: datetime | None,
-    until: datetime | None,
-    limit: int | None,
-) -> None:
+def refusals(settings: Settings, **filters: Unpack[Filters]) -> None:
     """Commands that were refused: who tried what, and why. They changed nothing."""
-    rows = settings.models().refusals(
-        model=model_name,
-        by=settings.by,
-        event_type=event_type,
-        since=since,
-        until=until,
-        limit=limit,
-    )
+    filters["by"] = settings.by
+    rows = settings.models().refusals(**filters)
     emit(
         settings,
         rows,
