@@ -419,11 +419,11 @@ def test_refused_commands_are_kept_apart_with_who_what_and_why(models: Models) -
 
 
 def test_a_refusal_writes_nothing_to_the_log(models: Models) -> None:
-    before = (event_count(models), len(models.refusals()), models.list_models())
+    catalog, refused = models.list_models(), len(models.refusals())
     refuse(lambda: models.set_owner("chat", "someone", by="eve"), InvalidModel)
-    assert (event_count(models), models.list_models()) == (before[0], before[2])
-    assert len(models.refusals()) == before[1] + 1
     assert event_count(models) == 7
+    assert models.list_models() == catalog
+    assert len(models.refusals()) == refused + 1
 
 
 # -- the read model ----------------------------------------------------------------
@@ -470,6 +470,29 @@ def test_the_audit_resumes_from_its_position_and_never_applies_twice(
     other.close()
 
 
+def test_a_catch_up_that_loses_a_race_starts_again_from_the_rows(
+    models: Models, db: str, config: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    other = open_service(db, config)
+    assert len(other.audit()) == len(models.audit()) == 7
+    models.scale("chat", 1, 2, by="bob")
+    view = other._audit.view
+    real_position = view.position
+    reads: list[int] = []
+
+    def position(name: str) -> int:
+        # The first read is stale: what ``other`` saw before ``models`` wrote revision 8.
+        reads.append(7 if not reads else real_position(name))
+        return reads[-1]
+
+    monkeypatch.setattr(view, "position", position)
+    models.audit()
+    assert [r["revision"] for r in other.audit(limit=2)] == [7, 8]
+    assert reads == [7, 8]  # its write of revision 8 was refused, and it started again
+    assert other.audit() == models.audit()
+    other.close()
+
+
 def test_another_declared_config_rebuilds_the_audit_over_it(
     models: Models, db: str, tmp_path: Path
 ) -> None:
@@ -503,6 +526,12 @@ def test_an_untouched_log_verifies(models: Models) -> None:
         "broken": None,
         "skipped": [],
     }
+
+
+def test_an_empty_log_verifies(db: str, config: Path) -> None:
+    empty = open_service(db, config)
+    assert empty.verify() == {"ok": True, "events": 0, "head": None, "broken": None, "skipped": []}
+    empty.close()
 
 
 def run_sql(models: Models, *statements: str) -> None:
