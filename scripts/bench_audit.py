@@ -28,6 +28,7 @@ from catalog_es.mapper import EventMapper
 from catalog_es.model import Model, model_id
 from catalog_es.persistence import SQLRecorder
 from catalog_es.spec import ModelSpec, Profile, Scaling
+from projections.audit import Filters
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 STEP = timedelta(seconds=30)
@@ -114,10 +115,14 @@ def main() -> None:
         print(f"audit tables built in {time.perf_counter() - started:.1f} s")
 
         pick = random.Random(11)
-        model = lambda: f"model-{pick.randrange(args.models):05d}"  # noqa: E731
-        actor = lambda: f"user-{pick.randrange(args.actors):03d}"  # noqa: E731
 
-        def window() -> dict[str, datetime]:
+        def model() -> str:
+            return f"model-{pick.randrange(args.models):05d}"
+
+        def actor() -> str:
+            return f"user-{pick.randrange(args.actors):03d}"
+
+        def window() -> Filters:
             since = T0 + pick.randrange(args.events) * STEP
             return {"since": since, "until": since + timedelta(hours=1)}
 
