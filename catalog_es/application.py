@@ -615,9 +615,9 @@ class Models(AuditTrail, Application[UUID]):
         return Watch(subscription)
 
     def rebuild(self, progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
-        """Replay the whole log into a new catalog and new snapshots (every
-        ``snapshot_interval`` revisions). Read models are disposable: this is
-        how they are made again."""
+        """Replay the whole log into a new catalog, new snapshots (every
+        ``snapshot_interval`` revisions) and new audit tables. Read models are
+        disposable: this is how they are made again."""
         with self._lock:
             with self.store.write() as conn:
                 snapshots.clear(conn)
@@ -638,6 +638,7 @@ class Models(AuditTrail, Application[UUID]):
 
                 catch_up(catalog, self.store, conn, upto=head, progress=step)
             self.catalog = catalog
+        self.rebuild_audit()
         return {
             "revision": catalog.revision,
             "models": len(catalog),
