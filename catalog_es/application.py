@@ -25,6 +25,7 @@ from eventsourcing.utils import EnvType, get_topic
 from sqlalchemy.engine import Connection
 
 from catalog_es import commands
+from catalog_es.audit import AuditTrail
 from catalog_es.batch import Batch, Change
 from catalog_es.catalog import Catalog, Skipped
 from catalog_es.configuration import Configuration, DeclaredConfig
@@ -132,8 +133,9 @@ class Watch:
         self._subscription.stop()
 
 
-class Models(Application[UUID]):
-    """The catalog's application service: commands, and queries returning plain data."""
+class Models(AuditTrail, Application[UUID]):
+    """The catalog's application service: commands, and queries returning plain data
+    (the audit queries come from :class:`catalog_es.audit.AuditTrail`)."""
 
     name = "catalog"
     env: ClassVar[dict[str, str]] = {
@@ -215,9 +217,13 @@ class Models(Application[UUID]):
         self, spec: ModelSpec, *, by: str, reason: str = "", expected_revision: int | None = None
     ) -> CommandResult:
         """Add a model, or replace the definition of a runtime one."""
-        step = commands.add(spec)
-        _check_meta(by, reason)
-        self.pre_add_check.check(spec)
+        try:
+            step = commands.add(spec)
+            _check_meta(by, reason)
+            self.pre_add_check.check(spec)
+        except Refused as refusal:
+            self._record_refusal(Model.Added, spec.name, by, reason, {"spec": spec}, refusal)
+            raise
         return self._command(step, by, reason, expected_revision)
 
     def remove(
@@ -384,7 +390,13 @@ class Models(Application[UUID]):
         def plan(batch: Batch) -> None:
             outcome.append(step.decide(batch))
 
-        revision, _ = self._write(plan, by=by, reason=reason, expected_revision=expected_revision)
+        try:
+            revision, _ = self._write(
+                plan, by=by, reason=reason, expected_revision=expected_revision
+            )
+        except Refused as refusal:
+            self._record_refusal(step.event_class, step.name, by, reason, step.fields, refusal)
+            raise
         _, new, replaced = outcome[0]
         log.info("%s %s at revision %d by %s", step.verb, step.name, revision, by)
         return CommandResult(
@@ -626,9 +638,9 @@ class Models(Application[UUID]):
         return Watch(subscription)
 
     def rebuild(self, progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
-        """Replay the whole log into a new catalog and new snapshots (every
-        ``snapshot_interval`` revisions). Read models are disposable: this is
-        how they are made again."""
+        """Replay the whole log into a new catalog, new snapshots (every
+        ``snapshot_interval`` revisions) and new audit tables. Read models are
+        disposable: this is how they are made again."""
         with self._lock:
             with self.store.write() as conn:
                 snapshots.clear(conn)
@@ -649,6 +661,7 @@ class Models(Application[UUID]):
 
                 catch_up(catalog, self.store, conn, upto=head, progress=step)
             self.catalog = catalog
+        self.rebuild_audit()
         return {
             "revision": catalog.revision,
             "models": len(catalog),

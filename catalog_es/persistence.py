@@ -9,6 +9,9 @@ Revisions are the ``revision`` column: assigned inside the write lock
 (``BEGIN IMMEDIATE`` on SQLite, ``LOCK TABLE`` on PostgreSQL), so they
 increase in commit order and a reader can never see a later revision before
 an earlier one commits.
+
+Every event also gets its link in the hash chain (:mod:`catalog_es.chain`),
+computed in the same transaction from the head kept in ``catalog_head``.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from eventsourcing.persistence import (
 from eventsourcing.utils import Environment
 from sqlalchemy.engine import Connection, Engine
 
+from catalog_es.chain import GENESIS, ChainHead, ChainRow, link
 from catalog_es.errors import StorageBusy
 
 DEFAULT_URL = "sqlite:///catalog.db"
@@ -61,7 +65,36 @@ events_table = sa.Table(
     sa.Column("originator_version", BIGINT, nullable=False),
     sa.Column("topic", sa.Text(), nullable=False),
     sa.Column("state", sa.LargeBinary(), nullable=False),
+    # sha256 hex of the previous event's hash and this event (catalog_es.chain).
+    sa.Column("hash", sa.String(64), nullable=False),
     sa.UniqueConstraint("originator_id", "originator_version", name="catalog_events_stream"),
+    sqlite_autoincrement=True,
+)
+
+# The last revision and its hash, kept apart from the events so that deleting
+# the last events is noticed too. One row, written with the events it covers.
+head_table = sa.Table(
+    "catalog_head",
+    metadata,
+    sa.Column("id", sa.Integer(), sa.CheckConstraint("id = 1"), primary_key=True),
+    sa.Column("revision", BIGINT, nullable=False),
+    sa.Column("hash", sa.String(64), nullable=False),
+)
+
+# Commands that were refused: who tried what, and why. Not events: they have
+# no revision and never change the catalog.
+refusals_table = sa.Table(
+    "catalog_refusals",
+    metadata,
+    sa.Column("id", BIGINT, primary_key=True, autoincrement=True),
+    sa.Column("time", sa.DateTime(), nullable=False),  # UTC
+    sa.Column("actor", sa.Text(), nullable=False),
+    sa.Column("model", sa.Text(), nullable=False),
+    sa.Column("event", sa.String(64), nullable=False),
+    sa.Column("refusal", sa.Text(), nullable=False),
+    sa.Column("reason", sa.Text(), nullable=False),
+    sa.Column("fields", sa.JSON(), nullable=False),
+    sa.Index("catalog_refusals_time", "time"),
     sqlite_autoincrement=True,
 )
 
@@ -158,65 +191,13 @@ class SQLRecorder(ProcessRecorder):
         tracking: Tracking | None = None,
         **_: Any,
     ) -> Sequence[int] | None:
+        """Append events, chained onto the head; ``conn`` must come from :meth:`write`."""
         if conn is None:
             with self.write() as own:
                 return self.insert_events(stored_events, conn=own, tracking=tracking)
         revisions: list[int] = []
-        if len(stored_events) == 1:
-            # The hot path, one command one event: straight through the driver.
-            e = stored_events[0]
-            cursor = conn.connection.cursor()
-            try:
-                cursor.execute(
-                    self._sql(
-                        "INSERT INTO catalog_events"
-                        " (originator_id, originator_version, topic, state)"
-                        " VALUES (?, ?, ?, ?) RETURNING revision"
-                    ),
-                    (self._uuid(e.originator_id), e.originator_version, e.topic, e.state),
-                )
-                row = cursor.fetchone()
-                assert row is not None, "INSERT … RETURNING returns the row"
-                revisions = [int(row[0])]
-            finally:
-                cursor.close()
-        elif stored_events and self.dialect == "sqlite":
-            # Under the write lock, AUTOINCREMENT hands out consecutive rowids:
-            # the batch's revisions are the ones ending at the last inserted.
-            cursor = conn.connection.cursor()
-            try:
-                cursor.executemany(
-                    "INSERT INTO catalog_events"
-                    " (originator_id, originator_version, topic, state) VALUES (?, ?, ?, ?)",
-                    [
-                        (self._uuid(e.originator_id), e.originator_version, e.topic, e.state)
-                        for e in stored_events
-                    ],
-                )
-                cursor.execute("SELECT last_insert_rowid()")
-                row = cursor.fetchone()
-                assert row is not None
-                last = int(row[0])
-            finally:
-                cursor.close()
-            revisions = list(range(last - len(stored_events) + 1, last + 1))
-        elif stored_events:
-            rows = [
-                {
-                    "originator_id": e.originator_id,
-                    "originator_version": e.originator_version,
-                    "topic": e.topic,
-                    "state": e.state,
-                }
-                for e in stored_events
-            ]
-            statement = sa.insert(events_table).returning(
-                events_table.c.revision, sort_by_parameter_order=True
-            )
-            revisions = list(conn.execute(statement, rows).scalars())
-        if stored_events and self.dialect == "postgresql":
-            # Delivered at commit, so a follower never wakes before it can read.
-            conn.exec_driver_sql(f"NOTIFY {CHANNEL}")
+        if stored_events:
+            revisions = self._append(conn, stored_events)
         if tracking is not None:
             self._insert_tracking(conn, tracking)
         return revisions
@@ -232,8 +213,7 @@ class SQLRecorder(ProcessRecorder):
     ) -> Sequence[StoredEvent]:
         t = events_table.c
         query = sa.select(t.originator_id, t.originator_version, t.topic, t.state).where(
-            t.originator_id
-            == (UUID(originator_id) if isinstance(originator_id, str) else originator_id)
+            t.originator_id == _as_uuid(originator_id)
         )
         if gt is not None:
             query = query.where(t.originator_version > gt)
@@ -335,13 +315,18 @@ class SQLRecorder(ProcessRecorder):
     def scan(
         self, conn: Connection, after: int = 0, upto: int | None = None
     ) -> Iterator[list[tuple[int, str, bytes]]]:
-        """Pages of ``(revision, topic, state)`` after a revision, in order.
+        """Pages of ``(revision, topic, state)`` after a revision, in order."""
+        return self._pages(conn, "revision, topic, state", after, upto)
 
-        The hot path of every replay, so it reads through the driver's own
-        cursor (in the caller's transaction) rather than building a SQLAlchemy
-        row per event. Keyset paging on the primary key: each page is an index
-        range scan."""
-        sql = "SELECT revision, topic, state FROM catalog_events WHERE revision > ?"
+    def _pages(
+        self, conn: Connection, columns: str, after: int, upto: int | None
+    ) -> Iterator[list[Any]]:
+        """Pages of rows after a revision, in order; ``columns`` starts with the
+        revision. The hot path of every replay, so it reads through the driver's
+        own cursor (in the caller's transaction) rather than building a
+        SQLAlchemy row per event. Keyset paging on the primary key: each page is
+        an index range scan."""
+        sql = f"SELECT {columns} FROM catalog_events WHERE revision > ?"
         if upto is not None:
             sql += f" AND revision <= {int(upto)}"
         sql = self._sql(sql + f" ORDER BY revision LIMIT {PAGE_SIZE}")
@@ -349,7 +334,7 @@ class SQLRecorder(ProcessRecorder):
         try:
             while True:
                 cursor.execute(sql, (after,))
-                rows: list[tuple[int, str, bytes]] = cursor.fetchall()  # type: ignore[assignment]
+                rows = list(cursor.fetchall())
                 if rows:
                     yield rows
                 if len(rows) < PAGE_SIZE:
@@ -357,6 +342,86 @@ class SQLRecorder(ProcessRecorder):
                 after = rows[-1][0]
         finally:
             cursor.close()
+
+    def chain_head(self, conn: Connection) -> ChainHead | None:
+        """The head of the hash chain as stored, ``None`` before the first event."""
+        cursor = conn.connection.cursor()
+        try:
+            cursor.execute("SELECT revision, hash FROM catalog_head")
+            row = cursor.fetchone()
+        finally:
+            cursor.close()
+        return ChainHead(revision=int(row[0]), hash=row[1]) if row is not None else None
+
+    def _append(self, conn: Connection, stored_events: Sequence[StoredEvent]) -> list[int]:
+        """Insert events, each chained onto the one before, and move the head:
+        one read and one write of the head per transaction, not per event.
+        Straight through the driver: this is every command's write."""
+        head = self.chain_head(conn)
+        chained = head.hash if head is not None else GENESIS
+        rows = []
+        for e in stored_events:
+            originator_id = _as_uuid(e.originator_id)
+            chained = link(chained, originator_id, e.originator_version, e.topic, e.state)
+            rows.append(
+                (self._uuid(originator_id), e.originator_version, e.topic, e.state, chained)
+            )
+        insert = self._sql(
+            "INSERT INTO catalog_events (originator_id, originator_version, topic, state, hash)"
+            " VALUES (?, ?, ?, ?, ?)"
+        )
+        cursor = conn.connection.cursor()
+        try:
+            if len(rows) == 1:
+                cursor.execute(insert + " RETURNING revision", rows[0])
+                row = cursor.fetchone()
+                assert row is not None, "INSERT … RETURNING returns the row"
+                revisions = [int(row[0])]
+            elif self.dialect == "sqlite":
+                # Under the write lock, AUTOINCREMENT hands out consecutive rowids:
+                # the batch's revisions are the ones ending at the last inserted.
+                cursor.executemany(insert, rows)
+                cursor.execute("SELECT last_insert_rowid()")
+                row = cursor.fetchone()
+                assert row is not None
+                revisions = list(range(int(row[0]) - len(rows) + 1, int(row[0]) + 1))
+            else:
+                revisions = []
+                # Multi-row VALUES in chunks: one round trip per thousand events,
+                # and never one statement so large it stalls the driver.
+                for start in range(0, len(rows), 1000):
+                    chunk = rows[start : start + 1000]
+                    values = ", ".join(["(%s, %s, %s, %s, %s)"] * len(chunk))
+                    cursor.execute(
+                        "INSERT INTO catalog_events"
+                        " (originator_id, originator_version, topic, state, hash)"
+                        f" VALUES {values} RETURNING revision",
+                        [v for r in chunk for v in r],
+                    )
+                    revisions += sorted(int(r[0]) for r in cursor.fetchall())
+            moved = (revisions[-1], chained)
+            if head is None:
+                cursor.execute(
+                    self._sql("INSERT INTO catalog_head (id, revision, hash) VALUES (1, ?, ?)"),
+                    moved,
+                )
+            else:
+                cursor.execute(self._sql("UPDATE catalog_head SET revision = ?, hash = ?"), moved)
+        finally:
+            cursor.close()
+        if self.dialect == "postgresql":
+            # Delivered at commit, so a follower never wakes before it can read.
+            conn.exec_driver_sql(f"NOTIFY {CHANNEL}")
+        return revisions
+
+    def scan_chain(self, conn: Connection) -> Iterator[ChainRow]:
+        """Every stored event with its hash, in revision order."""
+        # The id as stored, not parsed: a hand-edited one is a broken link, not a crash.
+        for page in self._pages(
+            conn, "revision, originator_id, originator_version, topic, state, hash", 0, None
+        ):
+            for row in page:
+                yield ChainRow(*row)
 
     def subscribe(
         self, gt: int | None = None, topics: Sequence[str] = ()
@@ -403,6 +468,10 @@ class SQLRecorder(ProcessRecorder):
                 )
             ).scalar()
             return int(value) if value is not None else None
+
+
+def _as_uuid(value: UUID | str) -> UUID:
+    return UUID(value) if isinstance(value, str) else value
 
 
 class PollingSubscription(Subscription[ApplicationRecorder]):

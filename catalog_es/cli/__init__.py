@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import sys
 
+from catalog_es.cli import audit as _audit  # noqa: F401  (registers the commands)
 from catalog_es.cli import models as _models  # noqa: F401  (registers the commands)
 from catalog_es.cli import revisions as _revisions  # noqa: F401
 from catalog_es.cli import serve as _serve  # noqa: F401

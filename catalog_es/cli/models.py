@@ -28,6 +28,7 @@ from catalog_es.spec import Adapter, Origin
 
 
 @cli.group()
+@shared_options
 def model() -> None:
     """Read and change the models in the catalog."""
 

@@ -139,7 +139,7 @@ def watch_command(settings: Settings, after: int) -> None:
 @shared_options
 @pass_settings
 def replay_command(settings: Settings) -> None:
-    """Rebuild the read models (the catalog and its snapshots) from the log."""
+    """Rebuild the read models (the catalog, its snapshots, the audit) from the log."""
     models = settings.models()
     with Progress(
         TextColumn("replaying"),

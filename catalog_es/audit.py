@@ -1,0 +1,141 @@
+"""The audit side of :class:`catalog_es.application.Models`: who changed what and
+when, who was refused, and whether the log is still the one that was written.
+
+Queries return plain data (the shapes documented in docs/audit.md). Refused
+commands are recorded here too, apart from the log: they have no revision and
+never change the catalog.
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import cached_property
+from typing import TYPE_CHECKING, Any, Unpack
+
+import msgspec
+import sqlalchemy as sa
+
+from catalog_es.chain import check_chain
+from catalog_es.errors import InputError, ModelNotFound, Refused, StorageBusy
+from catalog_es.inputs import DeclaredConfig
+from catalog_es.model import Model, utc_now
+from catalog_es.persistence import SQLRecorder, refusals_table
+from projections.audit import (
+    AuditProjection,
+    AuditView,
+    Filters,
+    select_rows,
+    stored_time,
+    utc_text,
+)
+
+if TYPE_CHECKING:
+    from catalog_es.catalog import Skipped
+
+log = logging.getLogger("catalog_es")
+
+
+class AuditTrail:
+    """Mixed into :class:`catalog_es.application.Models`, whose store, declared
+    config and name it uses."""
+
+    name: str
+    store: SQLRecorder
+    declared: DeclaredConfig
+
+    if TYPE_CHECKING:
+
+        def skipped(self) -> list[Skipped]: ...
+
+    @cached_property
+    def _audit(self) -> AuditProjection:
+        view = AuditView(self.store.engine, self.declared.fingerprint)
+        return AuditProjection(view, self.declared)
+
+    def history(self, name: str, *, by: str | None = None) -> list[dict[str, Any]]:
+        """Every stored event about one model, oldest first, with the field-level
+        change it made (or why load skips it)."""
+        rows = self.audit(model=name, by=by)
+        declared = any(m.name == name for m in self.declared.models)
+        if not rows and not declared and not self._audit.view.mentions(name):
+            raise ModelNotFound(name, "has no history: it was never in the log or the config")
+        return rows
+
+    def audit(self, **filters: Unpack[Filters]) -> list[dict[str, Any]]:
+        """The audit rows matching every filter given (``model``, ``by``,
+        ``event_type``, ``since`` inclusive, ``until`` exclusive), oldest first;
+        with a ``limit``, the most recent ones."""
+        self._audit.catch_up(self.store, self.name)
+        return self._audit.view.changes(filters)
+
+    def rebuild_audit(self) -> None:
+        """Drop the audit tables and build them again from the log."""
+        self._audit.rebuild(self.store, self.name)
+
+    def refusals(self, **filters: Unpack[Filters]) -> list[dict[str, Any]]:
+        """Refused commands matching every filter given, as :meth:`audit` takes them."""
+        with self.store.read() as conn:
+            rows = select_rows(conn, refusals_table, refusals_table.c.id, filters)
+        return [
+            {
+                "id": row.id,
+                "time": utc_text(row.time),
+                "by": row.actor,
+                "model": row.model,
+                "event": row.event,
+                "refusal": row.refusal,
+                "reason": row.reason,
+                "fields": row.fields,
+            }
+            for row in rows
+        ]
+
+    def verify(self) -> dict[str, Any]:
+        """Walk the hash chain: the first revision altered, removed or moved,
+        if any; and the events load skips, with why."""
+        with self.store.read() as conn:
+            report = check_chain(self.store.scan_chain(conn), self.store.chain_head(conn))
+        return {
+            "ok": report.broken is None,
+            "events": report.events,
+            "head": msgspec.to_builtins(report.head),
+            "broken": msgspec.to_builtins(report.broken),
+            "skipped": msgspec.to_builtins(self.skipped()),
+        }
+
+    def _record_refusal(
+        self,
+        event_class: type[Model.Event],
+        name: str,
+        by: str,
+        reason: str,
+        fields: dict[str, Any],
+        refusal: Refused,
+    ) -> None:
+        """Keep a refused command, in a transaction of its own (the refused one
+        has rolled back). Input that could not be read, and a database too busy
+        to write to, are not refusals by the rules and are not kept."""
+        if isinstance(refusal, InputError | StorageBusy):
+            return
+        row = {
+            "time": stored_time(utc_now()),
+            "actor": by,
+            "model": name,
+            "event": event_class.__name__,
+            "refusal": str(refusal),
+            "reason": reason,
+            "fields": msgspec.to_builtins(_stored_names(event_class, fields)),
+        }
+        try:
+            with self.store.engine.begin() as conn:
+                conn.execute(sa.insert(refusals_table).values(row))
+        except sa.exc.SQLAlchemyError as error:
+            # The refusal itself must reach the operator even if its record cannot.
+            log.warning("could not record the refusal of %s for %r: %s", row["event"], name, error)
+
+
+def _stored_names(event_class: type[Model.Event], fields: dict[str, Any]) -> dict[str, Any]:
+    """Command keywords under the names the event stores them by (``class``,
+    not ``capacity_class``), as ``log`` and ``audit`` show them."""
+    names = {f.name: f.encode_name for f in msgspec.structs.fields(event_class)}
+    return {names.get(key, key): value for key, value in fields.items()}

@@ -1,0 +1,205 @@
+"""The audit commands: ``history``, ``audit``, ``refusals`` and ``verify``.
+
+On these queries ``--by`` names the actor to look for. A ``--since``,
+``--until`` or ``--type`` value that cannot be read is one error line and
+exit 1, like any other unreadable input.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable
+from datetime import UTC, date, datetime
+from typing import Any, Unpack
+
+import click
+from rich.markup import escape
+
+from catalog_es.cli.base import F, Settings, cli, emit, pass_settings, shared_options, table
+from catalog_es.errors import InputError
+from catalog_es.model import EVENT_TYPES
+from projections.audit import Filters
+
+
+def parse_time(text: str, option: str) -> datetime:
+    """A UTC ISO 8601 time (``2026-11-30T12:00:00Z``, or another offset), or a
+    date for its midnight UTC. A time without a zone is refused rather than guessed."""
+    try:
+        day = date.fromisoformat(text)
+    except ValueError:
+        pass
+    else:
+        return datetime(day.year, day.month, day.day, tzinfo=UTC)
+    try:
+        moment = datetime.fromisoformat(text)
+    except ValueError:
+        moment = None
+    if moment is None or moment.tzinfo is None:
+        raise InputError(
+            f"{option} {text!r}: not a UTC time; write it like 2026-11-30T12:00:00Z "
+            "(or give a date, or another offset)"
+        )
+    return moment.astimezone(UTC)
+
+
+def _time_option(_ctx: click.Context, param: click.Parameter, value: str | None) -> datetime | None:
+    return parse_time(value, param.opts[0]) if value is not None else None
+
+
+_EVENT_NAMES = {cls.__name__.lower(): cls.__name__ for cls in EVENT_TYPES}
+
+
+def _event_option(_ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
+    if value is None:
+        return None
+    name = _EVENT_NAMES.get(value.lower())
+    if name is None:
+        known = ", ".join(_EVENT_NAMES.values())
+        raise InputError(f"--type {value!r}: not an event type (known: {known})")
+    return name
+
+
+def audit_filters(f: F) -> F:
+    """The filters ``audit`` and ``refusals`` share (``--by`` is a shared option)."""
+    options = [
+        click.option("--model", metavar="NAME", help="Only this model."),
+        click.option(
+            "--type",
+            "event_type",
+            metavar="EVENT",
+            callback=_event_option,
+            help="Only this event type (e.g. Scaled).",
+        ),
+        click.option(
+            "--since",
+            metavar="TIME",
+            callback=_time_option,
+            help="From this UTC time on (inclusive), e.g. 2026-11-30T12:00:00Z.",
+        ),
+        click.option(
+            "--until", metavar="TIME", callback=_time_option, help="Before this UTC time."
+        ),
+        click.option(
+            "--limit", type=click.IntRange(min=1), metavar="N", help="Only the N most recent."
+        ),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def _rows(rows: Iterable[Iterable[str]]) -> Iterable[list[str]]:
+    # Cells are data, not rich markup: "profiles[cpu]" must print as it is.
+    return ([escape(cell) for cell in row] for row in rows)
+
+
+def _value(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _changes_text(row: dict[str, Any]) -> str:
+    if row["skipped"] is not None:
+        return f"skipped on load: {row['skipped']}"
+    lines = [f"{c['field']}: {_value(c['before'])} → {_value(c['after'])}" for c in row["changes"]]
+    return "\n".join(lines) or "(no change)"
+
+
+def _event_text(row: dict[str, Any]) -> str:
+    if row["rollback_to"] is not None:
+        return f"{row['event']} (rollback to {row['rollback_to']})"
+    return str(row["event"])
+
+
+def _show_changes(rows: list[dict[str, Any]], *, with_model: bool) -> Callable[[], None]:
+    def human() -> None:
+        table(
+            ["REV", "TIME", "BY", *(["MODEL"] if with_model else []), "EVENT", "CHANGES", "REASON"],
+            _rows(
+                [
+                    str(r["revision"]),
+                    r["time"] or "?",
+                    r["by"] or "?",
+                    *([r["model"]] if with_model else []),
+                    _event_text(r),
+                    _changes_text(r),
+                    r["reason"] or "",
+                ]
+                for r in rows
+            ),
+        )
+
+    return human
+
+
+@cli.command("history")
+@click.argument("name")
+@shared_options
+@pass_settings
+def history(settings: Settings, name: str) -> None:
+    """Every change to one model, oldest first, field by field."""
+    rows = settings.models().history(name, by=settings.by)
+    emit(settings, rows, _show_changes(rows, with_model=False))
+
+
+@cli.command("audit")
+@audit_filters
+@shared_options
+@pass_settings
+def audit(settings: Settings, **filters: Unpack[Filters]) -> None:
+    """Changes across the catalog, oldest first, filtered; --by names the actor."""
+    filters["by"] = settings.by
+    rows = settings.models().audit(**filters)
+    emit(settings, rows, _show_changes(rows, with_model=True))
+
+
+@cli.command("refusals")
+@audit_filters
+@shared_options
+@pass_settings
+def refusals(settings: Settings, **filters: Unpack[Filters]) -> None:
+    """Commands that were refused: who tried what, and why. They changed nothing."""
+    filters["by"] = settings.by
+    rows = settings.models().refusals(**filters)
+    emit(
+        settings,
+        rows,
+        lambda: table(
+            ["TIME", "BY", "MODEL", "EVENT", "REFUSED BECAUSE", "REASON"],
+            _rows(
+                [r["time"], r["by"], r["model"], r["event"], r["refusal"], r["reason"]]
+                for r in rows
+            ),
+        ),
+    )
+
+
+def _skipped_rows(skipped: Iterable[dict[str, Any]]) -> Iterable[list[str]]:
+    return _rows([str(s["revision"]), s["model"], s["event"], s["reason"]] for s in skipped)
+
+
+@cli.command("verify")
+@shared_options
+@pass_settings
+def verify(settings: Settings) -> None:
+    """Check the hash chain over the log; exit 1 naming the first revision
+    altered, removed or moved. Lists the events load skips either way."""
+    report = settings.models().verify()
+
+    def human() -> None:
+        head = report["head"]
+        if report["ok"]:
+            at = f", head at revision {head['revision']} ({head['hash']})" if head else ""
+            click.echo(f"chain intact: {report['events']} events{at}")
+        if report["skipped"]:
+            click.echo("skipped on load:")
+            table(["REV", "MODEL", "EVENT", "REASON"], _skipped_rows(report["skipped"]))
+        else:
+            click.echo("no event is skipped on load")
+
+    emit(settings, report, human)
+    broken = report["broken"]
+    if broken is not None:
+        click.echo(
+            f"error: chain broken at revision {broken['revision']}: {broken['problem']}", err=True
+        )
+        raise click.exceptions.Exit(1)

@@ -1,0 +1,807 @@
+"""The audit trail: history and audit queries, refusals, the hash chain and verify.
+
+Given a scripted history by several actors (with a clock of our own, so times
+are known), each query returns exactly the expected rows; tampering with the
+stored log makes ``verify`` fail at the revision touched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from click.testing import CliRunner
+from eventsourcing.persistence import StoredEvent, Tracking
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import catalog_es.application
+import catalog_es.audit
+from catalog_es.application import Models
+from catalog_es.chain import link
+from catalog_es.cli import cli
+from catalog_es.errors import (
+    DeclaredInConfig,
+    InputError,
+    InvalidModel,
+    ModelNotFound,
+    Refused,
+    RevisionConflict,
+)
+from catalog_es.inputs import load_config
+from catalog_es.model import Model, model_id
+from catalog_es.persistence import events_table, head_table
+from catalog_es.ports import PreAddCheck
+from catalog_es.spec import ModelSpec, Profile, Scaling
+from projections.audit import AuditView, changes_table, tracking_table
+
+T0 = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
+
+CONFIG = """\
+models:
+  - name: base
+    engine: vllm
+    source: hf://org/base
+    profiles: [{name: a100, gpus: 1, gpu_memory_gb: 40, min_memory_gb: 32}]
+"""
+
+CHAT = ModelSpec(
+    name="chat",
+    engine="vllm",
+    source="hf://org/chat",
+    profiles=(Profile(name="h100", gpus=1, gpu_memory_gb=80, min_memory_gb=64),),
+    fallbacks=("base",),
+)
+EMBED = ModelSpec(
+    name="embed",
+    engine="tgi",
+    source="hf://org/embed",
+    profiles=(Profile(name="cpu", min_memory_gb=4, cpu_cores=2),),
+)
+CHAT_DEFINITION = {
+    "name": "chat",
+    "engine": "vllm",
+    "source": "hf://org/chat",
+    "profiles": [
+        {"name": "h100", "gpus": 1, "gpu_memory_gb": 80, "min_memory_gb": 64, "cpu_cores": 0}
+    ],
+    "scaling": {"min": 1, "max": 1},
+    "class": "",
+    "owner": "",
+    "adapters": [],
+    "fallbacks": ["base"],
+    "origin": None,
+}
+EMBED_DEFINITION = {
+    "name": "embed",
+    "engine": "tgi",
+    "source": "hf://org/embed",
+    "profiles": [
+        {"name": "cpu", "gpus": 0, "gpu_memory_gb": 0, "min_memory_gb": 4, "cpu_cores": 2}
+    ],
+    "scaling": {"min": 1, "max": 1},
+    "class": "",
+    "owner": "",
+    "adapters": [],
+    "fallbacks": [],
+    "origin": None,
+}
+
+
+def at(minutes: int) -> str:
+    return (T0 + timedelta(minutes=minutes)).isoformat().replace("+00:00", "Z")
+
+
+def added(definition: dict[str, Any]) -> list[dict[str, Any]]:
+    """The changes of adding a model: every field that has a value, from nothing."""
+    return [
+        {"field": k, "before": None, "after": v} for k, v in definition.items() if v is not None
+    ]
+
+
+def removed(definition: dict[str, Any]) -> list[dict[str, Any]]:
+    return [
+        {"field": k, "before": v, "after": None} for k, v in definition.items() if v is not None
+    ]
+
+
+def with_changes(definition: dict[str, Any], **changes: Any) -> dict[str, Any]:
+    return {**definition, **changes}
+
+
+class RefuseBrokenWeights(PreAddCheck):
+    def check(self, model: ModelSpec) -> None:
+        if model.source.startswith("s3://broken"):
+            raise Refused(f"the engine cannot load {model.source}: no safetensors found")
+
+
+class Clock:
+    """``utc_now`` for the service: T0 plus the minutes the script says."""
+
+    def __init__(self) -> None:
+        self.minutes = 0
+
+    def __call__(self) -> datetime:
+        return T0 + timedelta(minutes=self.minutes)
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
+    clock = Clock()
+    monkeypatch.setattr(catalog_es.application, "utc_now", clock)
+    monkeypatch.setattr(catalog_es.audit, "utc_now", clock)
+    return clock
+
+
+@pytest.fixture
+def config(tmp_path: Path) -> Path:
+    path = tmp_path / "catalog.yaml"
+    path.write_text(CONFIG)
+    return path
+
+
+@pytest.fixture
+def db(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'catalog.db'}"
+
+
+def open_service(db: str, config: Path) -> Models:
+    return Models(
+        load_config(str(config)), pre_add_check=RefuseBrokenWeights(), env={"CATALOG_ES_DB": db}
+    )
+
+
+def refuse(command: Callable[[], Any], error: type[Exception]) -> None:
+    with pytest.raises(error):
+        command()
+
+
+def script(models: Models, clock: Clock) -> None:
+    """Seven changes by three actors (revisions 2-8, at T0 + 1..7 minutes; the first
+    write records the declared config as revision 1 before its own), then
+    four refused attempts (at T0 + 8..11 minutes) and one unreadable one."""
+    broken = ModelSpec(
+        name="broken", engine="vllm", source="s3://broken/w", profiles=(Profile("g", gpus=1),)
+    )
+    steps: list[Callable[[], object]] = [
+        lambda: models.add(CHAT, by="alice", reason="first try"),
+        lambda: models.scale("chat", 0, 3, by="bob", reason="save GPUs at night"),
+        lambda: models.add(EMBED, by="alice"),
+        lambda: models.set_resources("embed", profile="cpu", memory_gb=8, by="carol", reason="OOM"),
+        lambda: models.set_class("chat", "critical", by="bob"),
+        lambda: models.remove("embed", by="alice", reason="unused"),
+        lambda: models.set_owner("chat", "team:search", by="carol"),
+        lambda: refuse(
+            lambda: models.add(load_base(models), by="dave", reason="laptop"), DeclaredInConfig
+        ),
+        lambda: refuse(
+            lambda: models.scale("chat", maximum=5, by="erin", expected_revision=1),
+            RevisionConflict,
+        ),
+        lambda: refuse(lambda: models.add(broken, by="dave"), Refused),
+        lambda: refuse(
+            lambda: models.set_class("chat", "gold", by="bob", reason="vip"), InvalidModel
+        ),
+        # Input that cannot be read is not a refusal by the rules: not recorded.
+        lambda: refuse(lambda: models.remove("chat", by=""), InputError),
+    ]
+    for minute, step in enumerate(steps, start=1):
+        clock.minutes = minute
+        step()
+
+
+def load_base(models: Models) -> ModelSpec:
+    return models.declared.models[0]
+
+
+@pytest.fixture
+def models(db: str, config: Path, clock: Clock) -> Iterator[Models]:
+    service = open_service(db, config)
+    script(service, clock)
+    yield service
+    service.close()
+
+
+def event_count(models: Models) -> int:
+    with models.store.read() as conn:
+        return int(conn.execute(sa.select(sa.func.count()).select_from(events_table)).scalar_one())
+
+
+# -- history and audit -------------------------------------------------------------
+
+
+def test_history_is_every_change_to_one_model_field_by_field(models: Models) -> None:
+    scaled = with_changes(CHAT_DEFINITION, scaling={"min": 0, "max": 3})
+    critical = with_changes(scaled, **{"class": "critical"})
+    owned = with_changes(critical, owner="team:search")
+    history = models.history("chat")
+    assert [(r["revision"], r["time"], r["by"], r["event"], r["reason"]) for r in history] == [
+        (2, at(1), "alice", "Added", "first try"),
+        (3, at(2), "bob", "Scaled", "save GPUs at night"),
+        (6, at(5), "bob", "ClassSet", ""),
+        (8, at(7), "carol", "OwnerSet", ""),
+    ]
+    assert [r["changes"] for r in history] == [
+        added(CHAT_DEFINITION),
+        [
+            {"field": "scaling.min", "before": 1, "after": 0},
+            {"field": "scaling.max", "before": 1, "after": 3},
+        ],
+        [{"field": "class", "before": "", "after": "critical"}],
+        [{"field": "owner", "before": "", "after": "team:search"}],
+    ]
+    assert [(r["before"], r["after"]) for r in history] == [
+        (None, CHAT_DEFINITION),
+        (CHAT_DEFINITION, scaled),
+        (scaled, critical),
+        (critical, owned),
+    ]
+    assert history[1] == {
+        "revision": 3,
+        "time": at(2),
+        "by": "bob",
+        "reason": "save GPUs at night",
+        "model": "chat",
+        "event": "Scaled",
+        "class_version": 1,
+        "fields": {"scaling": {"min": 0, "max": 3}},
+        "rollback_to": None,
+        "skipped": None,
+        "changes": history[1]["changes"],
+        "before": CHAT_DEFINITION,
+        "after": scaled,
+    }
+
+
+def test_history_of_a_removed_model_ends_with_its_removal(models: Models) -> None:
+    resized = with_changes(
+        EMBED_DEFINITION,
+        profiles=[
+            {"name": "cpu", "gpus": 0, "gpu_memory_gb": 0, "min_memory_gb": 8, "cpu_cores": 2}
+        ],
+    )
+    history = models.history("embed")
+    assert [(r["revision"], r["by"], r["event"], r["changes"]) for r in history] == [
+        (4, "alice", "Added", added(EMBED_DEFINITION)),
+        (
+            5,
+            "carol",
+            "ResourcesSet",
+            [{"field": "profiles[cpu].min_memory_gb", "before": 4, "after": 8}],
+        ),
+        (7, "alice", "Removed", removed(resized)),
+    ]
+    assert history[2]["after"] is None
+
+
+def test_history_of_an_unknown_name_is_not_found_and_of_a_declared_one_is_empty(
+    models: Models,
+) -> None:
+    with pytest.raises(ModelNotFound):
+        models.history("never-seen")
+    assert models.history("base") == []
+
+
+@pytest.mark.parametrize(
+    ("query", "revisions"),
+    [
+        # Revision 1 is the record of the declared config, by the first writer.
+        ({}, [1, 2, 3, 4, 5, 6, 7, 8]),
+        ({"by": "alice"}, [1, 2, 4, 7]),
+        ({"by": "bob"}, [3, 6]),
+        ({"model": "embed"}, [4, 5, 7]),
+        ({"model": "chat", "by": "carol"}, [8]),
+        ({"event_type": "Added"}, [2, 4]),
+        ({"event_type": "ConfigDeclared"}, [1]),
+        ({"since": T0 + timedelta(minutes=3)}, [4, 5, 6, 7, 8]),
+        ({"until": T0 + timedelta(minutes=3)}, [1, 2, 3]),
+        ({"since": T0 + timedelta(minutes=2), "until": T0 + timedelta(minutes=5)}, [3, 4, 5]),
+        ({"limit": 2}, [7, 8]),
+        ({"by": "alice", "limit": 2}, [4, 7]),
+        ({"by": "nobody"}, []),
+    ],
+)
+def test_audit_filters(models: Models, query: dict[str, Any], revisions: list[int]) -> None:
+    assert [r["revision"] for r in models.audit(**query)] == revisions
+
+
+def test_audit_rows_are_the_history_rows(models: Models) -> None:
+    everything = models.audit()
+    assert [r for r in everything if r["model"] == "chat"] == models.history("chat")
+    assert [(r["revision"], r["model"], r["by"], r["event"]) for r in everything] == [
+        (1, "", "alice", "ConfigDeclared"),
+        (2, "chat", "alice", "Added"),
+        (3, "chat", "bob", "Scaled"),
+        (4, "embed", "alice", "Added"),
+        (5, "embed", "carol", "ResourcesSet"),
+        (6, "chat", "bob", "ClassSet"),
+        (7, "embed", "alice", "Removed"),
+        (8, "chat", "carol", "OwnerSet"),
+    ]
+
+
+def append_directly(models: Models, *stored: StoredEvent) -> None:
+    """What another writer (a rollback, an older or newer version) put in the log."""
+    with models.store.write() as conn:
+        models.store.insert_events(list(stored), conn=conn)
+
+
+def test_rollback_rows_name_the_revision_rolled_back_to(models: Models, clock: Clock) -> None:
+    compensating = Model.Scaled(
+        originator_id=model_id("chat"),
+        originator_version=5,
+        timestamp=T0 + timedelta(hours=1),
+        model="chat",
+        by="frank",
+        reason="roll back to 1",
+        rollback_to=1,
+        scaling=Scaling(min=1, max=1),
+    )
+    append_directly(models, models.mapper.to_stored_event(compensating))
+    (row,) = models.audit(model="chat", limit=1)
+    assert (row["revision"], row["by"], row["event"], row["rollback_to"]) == (
+        9,
+        "frank",
+        "Scaled",
+        1,
+    )
+    assert row["changes"] == [
+        {"field": "scaling.min", "before": 0, "after": 1},
+        {"field": "scaling.max", "before": 3, "after": 1},
+    ]
+
+
+def test_skipped_events_are_in_the_audit_with_why(models: Models) -> None:
+    unreadable = StoredEvent(
+        originator_id=model_id("chat"),
+        originator_version=5,
+        topic="catalog_es.model:Model.Renamed",
+        state=b'{"model": "chat", "by": "zed"}',
+    )
+    over_declared = Model.Added(
+        originator_id=model_id("base"),
+        originator_version=1,
+        timestamp=T0 + timedelta(hours=1),
+        model="base",
+        by="mallory",
+        spec=CHAT,
+    )
+    append_directly(models, unreadable, models.mapper.to_stored_event(over_declared))
+    eight, nine = models.audit(limit=2)
+    assert (eight["revision"], eight["model"], eight["event"], eight["by"]) == (
+        9,
+        "chat",
+        "Renamed",
+        None,
+    )
+    assert eight["skipped"] == "unknown event type 'catalog_es.model:Model.Renamed'"
+    assert eight["changes"] == [] and eight["before"] == eight["after"]
+    assert (nine["revision"], nine["model"], nine["by"], nine["changes"]) == (
+        10,
+        "base",
+        "mallory",
+        [],
+    )
+    assert "declared in configuration" in nine["skipped"]
+    assert nine["before"] == nine["after"] != CHAT_DEFINITION
+    # The chain is intact: skipped is not tampered.
+    report = models.verify()
+    assert report["ok"] is True
+    assert [s["revision"] for s in report["skipped"]] == [9, 10]
+
+
+# -- refusals ----------------------------------------------------------------------
+
+
+def test_refused_commands_are_kept_apart_with_who_what_and_why(models: Models) -> None:
+    refusals = models.refusals()
+    assert [
+        (r["id"], r["time"], r["by"], r["model"], r["event"], r["reason"]) for r in refusals
+    ] == [
+        (1, at(8), "dave", "base", "Added", "laptop"),
+        (2, at(9), "erin", "chat", "Scaled", ""),
+        (3, at(10), "dave", "broken", "Added", ""),
+        (4, at(11), "bob", "chat", "ClassSet", "vip"),
+    ]
+    why = [r["refusal"] for r in refusals]
+    assert why[0].startswith("model 'base' is declared in configuration")
+    assert why[1].startswith("the log is at revision 8, not 1")
+    assert why[2] == "the engine cannot load s3://broken/w: no safetensors found"
+    assert why[3].startswith("model 'chat': class: 'gold' is not one of")
+    assert refusals[0]["fields"]["spec"]["source"] == "hf://org/base"
+    assert refusals[3]["fields"] == {"class": "gold"}
+    assert [r["id"] for r in models.refusals(by="dave")] == [1, 3]
+    assert [r["id"] for r in models.refusals(model="chat", limit=1)] == [4]
+    assert [r["id"] for r in models.refusals(since=T0 + timedelta(minutes=10))] == [3, 4]
+
+
+def test_a_refusal_writes_nothing_to_the_log(models: Models) -> None:
+    catalog, refused = models.list_models(), len(models.refusals())
+    refuse(lambda: models.set_owner("chat", "someone", by="eve"), InvalidModel)
+    assert event_count(models) == 8
+    assert models.list_models() == catalog
+    assert len(models.refusals()) == refused + 1
+
+
+# -- the read model ----------------------------------------------------------------
+
+
+def all_answers(models: Models) -> dict[str, Any]:
+    return {
+        "audit": models.audit(),
+        "chat": models.history("chat"),
+        "embed": models.history("embed"),
+        "alice": models.audit(by="alice"),
+    }
+
+
+def test_rebuilt_audit_tables_give_the_same_answers(models: Models, db: str, config: Path) -> None:
+    first = all_answers(models)
+    models.rebuild_audit()
+    assert all_answers(models) == first
+    with models.store.engine.begin() as conn:
+        conn.execute(sa.text("DROP TABLE audit_changes"))
+        conn.execute(sa.text("DROP TABLE audit_tracking"))
+    again = open_service(db, config)
+    assert all_answers(again) == first
+    again.close()
+
+
+def test_the_audit_resumes_from_its_position_and_never_applies_twice(
+    models: Models, db: str, config: Path
+) -> None:
+    assert len(models.audit()) == 8
+    models.scale("chat", 1, 2, by="bob")
+    other = open_service(db, config)  # another process: resumes from the tracked position
+    assert [r["revision"] for r in other.audit(by="bob")] == [3, 6, 9]
+    models.set_owner("chat", "", by="carol")
+    assert [r["revision"] for r in models.audit()] == [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+    assert [r["revision"] for r in other.audit(limit=1)] == [10]
+    view = AuditView(models.store.engine, models.declared.fingerprint)
+    assert view.max_tracking_id(models.name) == 10
+    with pytest.raises(sa.exc.IntegrityError):
+        view.insert_tracking(Tracking(models.name, 10))
+    with models.store.read() as conn:
+        count = conn.execute(sa.select(sa.func.count()).select_from(changes_table)).scalar()
+    assert count == 10
+    other.close()
+
+
+def test_a_catch_up_that_loses_a_race_starts_again_from_the_rows(
+    models: Models, db: str, config: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    other = open_service(db, config)
+    assert len(other.audit()) == len(models.audit()) == 8
+    models.scale("chat", 1, 2, by="bob")
+    view = other._audit.view
+    real_position = view.position
+    reads: list[int] = []
+
+    def position(name: str) -> int:
+        # The first read is stale: what ``other`` saw before ``models`` wrote revision 9.
+        reads.append(8 if not reads else real_position(name))
+        return reads[-1]
+
+    monkeypatch.setattr(view, "position", position)
+    models.audit()
+    assert [r["revision"] for r in other.audit(limit=2)] == [8, 9]
+    assert reads == [8, 9]  # its write of revision 9 was refused, and it started again
+    assert other.audit() == models.audit()
+    other.close()
+
+
+def test_another_declared_config_rebuilds_the_audit_over_it(
+    models: Models, db: str, tmp_path: Path
+) -> None:
+    assert models.history("chat")[0]["skipped"] is None
+    declares_chat = tmp_path / "declares-chat.yaml"
+    declares_chat.write_text(
+        CONFIG
+        + "  - {name: chat, engine: vllm, source: hf://x/c, profiles: [{name: g, gpus: 1}]}\n"
+    )
+    other = open_service(db, declares_chat)
+    assert all("declared in configuration" in r["skipped"] for r in other.history("chat"))
+    with other.store.read() as conn:
+        config = conn.execute(sa.select(tracking_table.c.config)).scalar()
+    assert config == other.declared.fingerprint
+    other.close()
+
+
+# -- the hash chain and verify -----------------------------------------------------
+
+
+def test_an_untouched_log_verifies(models: Models) -> None:
+    report = models.verify()
+    with models.store.read() as conn:
+        last_hash = conn.execute(
+            sa.select(events_table.c.hash).order_by(events_table.c.revision.desc()).limit(1)
+        ).scalar()
+    assert report == {
+        "ok": True,
+        "events": 8,
+        "head": {"revision": 8, "hash": last_hash},
+        "broken": None,
+        "skipped": [],
+    }
+
+
+def test_an_empty_log_verifies(db: str, config: Path) -> None:
+    empty = open_service(db, config)
+    assert empty.verify() == {"ok": True, "events": 0, "head": None, "broken": None, "skipped": []}
+    empty.close()
+
+
+def run_sql(models: Models, *statements: str) -> None:
+    with models.store.engine.begin() as conn:
+        for statement in statements:
+            conn.execute(sa.text(statement))
+
+
+def swap(models: Models, first: int, second: int) -> None:
+    """Swap two stored events, hash and all, keeping their revisions."""
+    t = events_table.c
+    columns = [t.originator_id, t.originator_version, t.topic, t.state, t.hash]
+    with models.store.engine.begin() as conn:
+        rows = {
+            r.revision: r._asdict()
+            for r in conn.execute(
+                sa.select(t.revision, *columns).where(t.revision.in_([first, second]))
+            )
+        }
+        conn.execute(sa.delete(events_table).where(t.revision.in_([first, second])))
+        conn.execute(
+            sa.insert(events_table),
+            [{**rows[second], "revision": first}, {**rows[first], "revision": second}],
+        )
+
+
+def rewrite_last_with_its_hash(models: Models) -> None:
+    """Alter the last event and recompute its own hash: only the head can tell."""
+    t = events_table.c
+    with models.store.engine.begin() as conn:
+        previous = conn.execute(sa.select(t.hash).where(t.revision == 7)).scalar_one()
+        last = conn.execute(sa.select(events_table).where(t.revision == 8)).one()
+        state = last.state.replace(b"team:search", b"team:mallory")
+        conn.execute(
+            sa.update(events_table)
+            .where(t.revision == 8)
+            .values(
+                state=state,
+                hash=link(previous, last.originator_id, last.originator_version, last.topic, state),
+            )
+        )
+
+
+TAMPERING: dict[str, tuple[Callable[[Models], None], int, str]] = {
+    "one event's bytes edited": (
+        lambda m: run_sql(
+            m,
+            "UPDATE catalog_events SET state = replace(state, 'save GPUs', 'save CPUs') "
+            "WHERE revision = 3",
+        ),
+        3,
+        "does not match its hash",
+    ),
+    "one event's model edited": (
+        lambda m: run_sql(m, "UPDATE catalog_events SET topic = topic || ' ' WHERE revision = 5"),
+        5,
+        "does not match its hash",
+    ),
+    "one event deleted": (
+        lambda m: run_sql(m, "DELETE FROM catalog_events WHERE revision = 4"),
+        4,
+        "revision 4 is missing",
+    ),
+    "two events deleted": (
+        lambda m: run_sql(m, "DELETE FROM catalog_events WHERE revision IN (3, 4)"),
+        3,
+        "revisions 3..4 are missing",
+    ),
+    "the last event deleted": (
+        lambda m: run_sql(m, "DELETE FROM catalog_events WHERE revision = 8"),
+        8,
+        "the last events were deleted",
+    ),
+    "two events swapped": (lambda m: swap(m, 3, 4), 3, "does not match its hash"),
+    "the last event rewritten and rehashed": (
+        rewrite_last_with_its_hash,
+        8,
+        "the head's hash does not match",
+    ),
+    "the head deleted": (
+        lambda m: run_sql(m, "DELETE FROM catalog_head"),
+        9,
+        "the head record (catalog_head) is missing",
+    ),
+}
+
+
+@pytest.mark.parametrize("tampering", TAMPERING, ids=list(TAMPERING))
+def test_tampering_makes_verify_fail_at_that_revision(
+    models: Models, db: str, config: Path, tampering: str
+) -> None:
+    tamper, revision, problem = TAMPERING[tampering]
+    tamper(models)
+    report = models.verify()
+    assert report["ok"] is False
+    assert report["broken"]["revision"] == revision
+    assert problem in report["broken"]["problem"]
+
+    result = invoke(db, config, "verify")
+    assert result.exit_code == 1
+    assert f"error: chain broken at revision {revision}: " in result.stderr
+    assert "chain intact" not in result.stdout
+
+
+def test_a_new_event_after_a_deleted_last_one_does_not_hide_it(models: Models) -> None:
+    run_sql(models, "DELETE FROM catalog_events WHERE revision = 7")
+    models.set_owner("chat", "team:other", by="carol")
+    assert models.verify()["broken"]["revision"] == 7
+
+
+@settings(
+    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(revision=st.integers(min_value=1, max_value=7), data=st.data())
+def test_any_flipped_byte_is_found_at_its_revision(
+    models: Models, revision: int, data: st.DataObject
+) -> None:
+    t = events_table.c
+    with models.store.engine.begin() as conn:
+        state = conn.execute(sa.select(t.state).where(t.revision == revision)).scalar_one()
+        at_byte = data.draw(st.integers(min_value=0, max_value=len(state) - 1))
+        flipped = state[:at_byte] + bytes([state[at_byte] ^ 0x01]) + state[at_byte + 1 :]
+        conn.execute(sa.update(events_table).where(t.revision == revision).values(state=flipped))
+    try:
+        assert models.verify()["broken"]["revision"] == revision
+    finally:
+        with models.store.engine.begin() as conn:
+            conn.execute(sa.update(events_table).where(t.revision == revision).values(state=state))
+    assert models.verify()["ok"] is True
+
+
+def test_the_head_moves_with_every_write(models: Models) -> None:
+    with models.store.read() as conn:
+        head = conn.execute(sa.select(head_table)).one()
+        last = conn.execute(sa.select(sa.func.max(events_table.c.revision))).scalar()
+    assert (head.id, head.revision) == (1, last)
+
+
+# -- the command line --------------------------------------------------------------
+
+
+def invoke(db: str, config: Path, *args: str) -> Any:
+    return CliRunner().invoke(cli, ["--db", db, "--config", str(config), *args])
+
+
+@pytest.fixture(autouse=True)
+def _clean_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    for name in ("CATALOG_ES_DB", "CATALOG_ES_CONFIG", "CATALOG_ES_ACTOR", "CATALOG_ES_DEBUG"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.chdir(tmp_path)
+
+
+def test_cli_history_table_shows_field_changes(models: Models, db: str, config: Path) -> None:
+    result = invoke(db, config, "history", "embed")
+    assert result.exit_code == 0, result.stderr
+    assert "profiles[cpu].min_memory_gb: 4 → 8" in result.stdout
+    assert "carol" in result.stdout and "OOM" in result.stdout
+
+
+def test_cli_json_is_what_the_queries_return(models: Models, db: str, config: Path) -> None:
+    cases = {
+        ("history", "chat", "--json"): models.history("chat"),
+        ("audit", "--by", "alice", "--json"): models.audit(by="alice"),
+        ("--json", "audit", "--type", "scaled", "--since", "2026-11-30T12:00:00Z"): models.audit(
+            event_type="Scaled", since=T0
+        ),
+        ("audit", "--until", "2026-11-30T13:02:00+01:00", "--json"): models.audit(
+            until=T0 + timedelta(minutes=2)
+        ),
+        ("refusals", "--by", "dave", "--json"): models.refusals(by="dave"),
+        ("verify", "--json"): models.verify(),
+    }
+    for args, expected in cases.items():
+        result = invoke(db, config, *args)
+        assert result.exit_code == 0, (args, result.stderr)
+        assert json.loads(result.stdout) == expected, args
+
+
+def test_cli_verify_lists_skipped_events_either_way(models: Models, db: str, config: Path) -> None:
+    unreadable = StoredEvent(
+        originator_id=uuid.uuid4(), originator_version=1, topic="x:Gone", state=b"{}"
+    )
+    append_directly(models, unreadable)
+    result = invoke(db, config, "verify")
+    assert result.exit_code == 0
+    assert "chain intact: 9 events, head at revision 9" in result.stdout
+    assert "unknown event type 'x:Gone'" in result.stdout
+    run_sql(models, "DELETE FROM catalog_events WHERE revision = 2")
+    result = invoke(db, config, "verify")
+    assert result.exit_code == 1
+    assert "unknown event type 'x:Gone'" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("audit", "--since", "yesterday"), "error: --since 'yesterday': not a UTC time"),
+        (("refusals", "--until", "2026-11-30T12:00"), "error: --until '2026-11-30T12:00': not a"),
+        (("audit", "--type", "Renamed"), "error: --type 'Renamed': not an event type"),
+        (("history", "nope"), "error: model 'nope' has no history"),
+    ],
+)
+def test_cli_bad_input_is_one_error_line_and_exit_1(
+    models: Models, db: str, config: Path, args: tuple[str, ...], message: str
+) -> None:
+    result = invoke(db, config, *args)
+    assert result.exit_code == 1
+    assert result.stderr.startswith(message)
+    assert result.stderr.count("\n") == 1
+
+
+def test_cli_refused_add_is_recorded(db: str, config: Path, tmp_path: Path, clock: Clock) -> None:
+    not_yaml = tmp_path / "bad.yaml"
+    not_yaml.write_text("name: [unclosed")
+    assert invoke(db, config, "model", "add", str(not_yaml), "--by", "gina").exit_code == 1
+    declared = tmp_path / "base.yaml"
+    declared.write_text(
+        "name: base\nengine: vllm\nsource: hf://x\nprofiles: [{name: g, gpus: 1}]\n"
+    )
+    result = invoke(db, config, "--by", "gina", "model", "add", str(declared), "--reason", "mine")
+    assert result.exit_code == 1
+    rows = invoke(db, config, "refusals", "--json")
+    (row,) = json.loads(rows.stdout)
+    assert (row["by"], row["model"], row["event"], row["reason"]) == (
+        "gina",
+        "base",
+        "Added",
+        "mine",
+    )
+    assert invoke(db, config, "audit", "--json").stdout.strip() == "[]"
+
+
+# -- PostgreSQL --------------------------------------------------------------------
+
+POSTGRES = os.environ.get(
+    "CATALOG_ES_TEST_POSTGRES", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+)
+
+
+@pytest.fixture
+def postgres_schema() -> Iterator[str]:
+    """A database URL whose tables live in a schema of this test's own, dropped after."""
+    schema = f"audit_test_{uuid.uuid4().hex[:12]}"
+    admin = sa.create_engine(POSTGRES)
+    try:
+        with admin.begin() as conn:
+            conn.execute(sa.text(f"CREATE SCHEMA {schema}"))
+    except sa.exc.OperationalError as error:
+        admin.dispose()
+        pytest.skip(f"PostgreSQL is not reachable: {error.orig}")
+    try:
+        yield f"{POSTGRES}?options=-csearch_path%3D{schema}"
+    finally:
+        with admin.begin() as conn:
+            conn.execute(sa.text(f"DROP SCHEMA {schema} CASCADE"))
+        admin.dispose()
+
+
+def test_the_hash_chain_on_postgresql(postgres_schema: str, config: Path, clock: Clock) -> None:
+    models = open_service(postgres_schema, config)
+    try:
+        script(models, clock)
+        assert models.verify()["ok"] is True
+        assert [r["revision"] for r in models.audit(by="alice")] == [1, 2, 4, 7]
+        assert len(models.refusals()) == 4
+        run_sql(models, "DELETE FROM catalog_events WHERE revision = 4")
+        assert models.verify()["broken"]["revision"] == 4
+    finally:
+        models.close()
