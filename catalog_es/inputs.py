@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Sequence
-from datetime import UTC, datetime
+from datetime import UTC, date, datetime
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from catalog_es import commands
 from catalog_es.configuration import DeclaredConfig as DeclaredConfig  # re-exported
 from catalog_es.errors import ConfigError, InputError, Refused
+from catalog_es.model import EVENT_TYPES
 from catalog_es.spec import DEFAULT_ENGINES, Adapter, ModelSpec, Origin
 
 # A model definition is a few hundred bytes; a megabyte is a mistake or an attack.
@@ -426,3 +427,36 @@ def revision_or_time(text: str) -> int | datetime:
     if moment.tzinfo is None:
         raise InputError(f"{text[:40]!r} has no time zone: give UTC, e.g. {text[:40]}Z")
     return moment.astimezone(UTC)
+
+
+def utc_time(text: str, option: str) -> datetime:
+    """A UTC ISO 8601 time (``2026-11-30T12:00:00Z``, or another offset), or a
+    date for its midnight UTC. A time without a zone is refused rather than guessed."""
+    try:
+        day = date.fromisoformat(text)
+    except ValueError:
+        pass
+    else:
+        return datetime(day.year, day.month, day.day, tzinfo=UTC)
+    try:
+        moment = datetime.fromisoformat(text)
+    except ValueError:
+        moment = None
+    if moment is None or moment.tzinfo is None:
+        raise InputError(
+            f"{option} {text!r}: not a UTC time; write it like 2026-11-30T12:00:00Z "
+            "(or give a date, or another offset)"
+        )
+    return moment.astimezone(UTC)
+
+
+_EVENT_NAMES = {cls.__name__.lower(): cls.__name__ for cls in EVENT_TYPES}
+
+
+def event_type(text: str, option: str) -> str:
+    """An event type's name (``Scaled``), in any case."""
+    name = _EVENT_NAMES.get(text.lower())
+    if name is None:
+        known = ", ".join(_EVENT_NAMES.values())
+        raise InputError(f"{option} {text!r}: not an event type (known: {known})")
+    return name

@@ -144,6 +144,14 @@ def test_console_models_history_time_travel_and_rollback(
         qwen.locator("a").click()
         expect(page.locator("#page h1")).to_contain_text("qwen2.5-7b-instruct")
         expect(page.locator("#definition")).to_contain_text("1..4")
+        timeline = page.locator("#history li.entry")
+        expect(timeline).to_have_count(3)
+        expect(timeline.nth(0)).to_contain_text("alice")
+        expect(timeline.nth(0)).to_contain_text("trying Qwen")
+        expect(timeline.nth(0)).to_contain_text("defined: vllm hf://Qwen/Qwen2.5-7B-Instruct")
+        expect(timeline.nth(1)).to_contain_text("scaling.max: 2 → 4")
+        expect(timeline.nth(2)).to_contain_text("carol")
+        expect(timeline.nth(2)).to_contain_text('owner: "" → "team:search"')
         screenshot(page, "model")
 
         # Back to revision 2: the model as it was, and the diff to now.

@@ -480,3 +480,47 @@ def _wait_for(url: str, headers: dict[str, str]) -> httpx.Response:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.05)
+
+
+# -- the audit trail -------------------------------------------------------------------
+
+
+def test_history_audit_refusals_and_verify(api: Api) -> None:
+    api.post("/models?reason=trying", definition("qwen"))
+    api.post("/models/qwen/scale", {"min": 0, "max": 3}, role="admin")
+    refused(api.post("/models/qwen/scale", {"min": 5, "max": 1}), 422)
+
+    history = ok(api.get("/history/qwen"))
+    assert [(r["revision"], r["event"], r["by"]) for r in history] == [
+        (2, "Added", "write-user"),
+        (3, "Scaled", "admin-user"),
+    ]
+    assert history[0]["reason"] == "trying"
+    assert {(c["field"], c["before"], c["after"]) for c in history[1]["changes"]} == {
+        ("scaling.min", 1, 0),
+        ("scaling.max", 1, 3),
+    }
+    assert [r["revision"] for r in ok(api.get("/history/qwen", params={"by": "admin-user"}))] == [
+        3
+    ]
+    assert refused(api.get("/history/never"), 404).startswith("model 'never' has no history")
+
+    everything = ok(api.get("/audit"))
+    assert [r["event"] for r in everything] == ["ConfigDeclared", "Added", "Scaled"]
+    assert ok(api.get("/audit", params={"by": "admin-user", "type": "scaled"})) == history[1:]
+    assert [r["revision"] for r in ok(api.get("/audit", params={"limit": 1}))] == [3]
+    assert ok(api.get("/audit", params={"since": "2999-01-01"})) == []
+    assert refused(api.get("/audit", params={"type": "Exploded"}), 422).startswith(
+        "type 'Exploded': not an event type"
+    )
+    assert refused(api.get("/audit", params={"until": "noon"}), 422).startswith(
+        "until 'noon': not a UTC time"
+    )
+
+    (refusal,) = ok(api.get("/refusals"))
+    assert (refusal["by"], refusal["model"], refusal["event"]) == ("write-user", "qwen", "Scaled")
+    assert refusal["refusal"].startswith("model 'qwen': scaling")
+    assert ok(api.get("/refusals", params={"by": "admin-user"})) == []
+
+    report = ok(api.get("/verify"))
+    assert report["ok"] is True and report["events"] == 3 and report["skipped"] == []

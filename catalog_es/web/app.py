@@ -49,12 +49,15 @@ from catalog_es.inputs import (
     changes_from_data,
     describe,
     describe_problems,
+    event_type,
     model_from_data,
     parse_document,
     revision_or_time,
+    utc_time,
 )
 from catalog_es.web.events import event_stream
 from catalog_es.web.tokens import Caller, Role, TokenStore
+from projections.audit import Filters
 
 REVISION_HEADER = "X-Catalog-Revision"
 BODY = "request body"
@@ -503,6 +506,66 @@ def watch(
     if last_event_id is not None and last_event_id.strip().isdigit():
         after = int(last_event_id)
     return event_stream(models.watch(after or 0), request.app.state.closing)
+
+
+# -- the audit trail ---------------------------------------------------------------
+
+
+def audit_filters(
+    model: Annotated[str | None, Query(description="Only this model.")] = None,
+    by: Annotated[str | None, Query(description="Only this actor's.")] = None,
+    event: Annotated[
+        str | None, Query(alias="type", description="Only this event type (e.g. `Scaled`).")
+    ] = None,
+    since: Annotated[
+        str | None, Query(description="From this UTC time (or date) on, inclusive.")
+    ] = None,
+    until: Annotated[str | None, Query(description="Before this UTC time (or date).")] = None,
+    limit: Annotated[int | None, Query(ge=1, description="Only the most recent N.")] = None,
+) -> Filters:
+    """The filters of ``catalog-es audit`` and ``refusals``, read as they read them."""
+    return Filters(
+        model=model,
+        by=by,
+        event_type=None if event is None else event_type(event, "type"),
+        since=None if since is None else utc_time(since, "since"),
+        until=None if until is None else utc_time(until, "until"),
+        limit=limit,
+    )
+
+
+AuditFilters = Annotated[Filters, Depends(audit_filters)]
+
+
+@route.get("/history/{name:path}", tags=["audit"])
+def history(
+    name: str,
+    caller: Reader,
+    models: Service,
+    by: Annotated[str | None, Query(description="Only this actor's.")] = None,
+) -> Response:
+    """Every change to one model, oldest first, field by field (before → after)."""
+    return respond(models.history(name, by=by))
+
+
+@route.get("/audit", tags=["audit"])
+def audit(caller: Reader, models: Service, filters: AuditFilters) -> Response:
+    """Changes across the catalog, oldest first, filtered."""
+    return respond(models.audit(**filters))
+
+
+@route.get("/refusals", tags=["audit"])
+def refusals(caller: Reader, models: Service, filters: AuditFilters) -> Response:
+    """Commands that were refused: who tried what, and why. They changed nothing."""
+    return respond(models.refusals(**filters))
+
+
+@route.get("/verify", tags=["audit"])
+def verify(caller: Reader, models: Service) -> Response:
+    """Walk the hash chain over the log: `ok`, or the first revision altered,
+    removed or moved (`broken`); and the events load skips. A broken chain is
+    still a 200: the report is the answer."""
+    return respond(models.verify())
 
 
 # -- the application -------------------------------------------------------------

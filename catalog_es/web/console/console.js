@@ -352,8 +352,21 @@ function definition(m) {
   return h("table", { class: "definition", id: "definition" }, h("tbody", {}, rows.map(([k, v]) => h("tr", {}, h("th", {}, k), h("td", {}, v)))));
 }
 
+function summary(m) {
+  return `${m.engine} ${m.source}, scaling ${scaling(m)}`;
+}
+
 function change(c) {
   return h("li", {}, h("code", {}, c.field || "(definition)"), ": ", h("span", { class: "before" }, show(c.before)), " → ", h("span", { class: "after" }, show(c.after)));
+}
+
+// What one history row did: a whole definition (added, removed) is
+// summarised, anything else listed field by field, before → after.
+function changes(r) {
+  if (r.skipped) return h("p", { class: "warning" }, `skipped on load: ${r.skipped}`);
+  if (!r.before && r.after) return h("ul", { class: "changes" }, h("li", {}, "defined: ", h("span", { class: "after" }, summary(r.after))));
+  if (r.before && !r.after) return h("ul", { class: "changes" }, h("li", {}, "removed: ", h("span", { class: "before" }, summary(r.before))));
+  return h("ul", { class: "changes" }, (r.changes || []).map(change));
 }
 
 async function timeline(name, at) {
@@ -376,7 +389,7 @@ async function timeline(name, at) {
         h("strong", {}, r.by || "?")
       ),
       h("div", { class: "what" }, r.event, r.rollback_to !== null ? ` (rollback to ${r.rollback_to})` : "", r.reason ? h("span", { class: "reason" }, ` “${r.reason}”`) : ""),
-      r.skipped ? h("p", { class: "warning" }, `skipped on load: ${r.skipped}`) : h("ul", { class: "changes" }, (r.changes || []).map(change))
+      changes(r)
     )
   );
   return h("section", { id: "history" }, h("h2", {}, "History"), items.length ? h("ol", { class: "timeline" }, items) : h("p", { class: "quiet" }, "No runtime changes."));
