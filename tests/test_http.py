@@ -500,9 +500,7 @@ def test_history_audit_refusals_and_verify(api: Api) -> None:
         ("scaling.min", 1, 0),
         ("scaling.max", 1, 3),
     }
-    assert [r["revision"] for r in ok(api.get("/history/qwen", params={"by": "admin-user"}))] == [
-        3
-    ]
+    assert [r["revision"] for r in ok(api.get("/history/qwen", params={"by": "admin-user"}))] == [3]
     assert refused(api.get("/history/never"), 404).startswith("model 'never' has no history")
 
     everything = ok(api.get("/audit"))
