@@ -637,10 +637,13 @@ class Models(AuditTrail, Application[UUID]):
             subscription.interval = poll_interval
         return Watch(subscription)
 
-    def rebuild(self, progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+    def rebuild(
+        self, progress: Callable[[int, int], None] | None = None, *, audit: bool = True
+    ) -> dict[str, Any]:
         """Replay the whole log into a new catalog, new snapshots (every
         ``snapshot_interval`` revisions) and new audit tables. Read models are
-        disposable: this is how they are made again."""
+        disposable: this is how they are made again. ``audit=False`` leaves the
+        audit tables as they are (they follow the log by themselves)."""
         with self._lock:
             with self.store.write() as conn:
                 snapshots.clear(conn)
@@ -661,7 +664,8 @@ class Models(AuditTrail, Application[UUID]):
 
                 catch_up(catalog, self.store, conn, upto=head, progress=step)
             self.catalog = catalog
-        self.rebuild_audit()
+        if audit:
+            self.rebuild_audit()
         return {
             "revision": catalog.revision,
             "models": len(catalog),

@@ -14,6 +14,7 @@ import sqlalchemy as sa
 import yaml
 
 from catalog_es.catalog import Catalog
+from catalog_es.inputs import model_from_data
 from catalog_es.model import Model, model_id, utc_now
 from catalog_es.spec import DEFAULT_ENGINES, ModelSpec, Profile
 
@@ -42,6 +43,11 @@ def definition(name: str, **fields: Any) -> dict[str, Any]:
         "profiles": [{"name": "gpu", "gpus": 1, "gpu_memory_gb": 24}],
     }
     return {**base, **fields}
+
+
+def parsed(name: str, **fields: Any) -> ModelSpec:
+    """:func:`definition` read the way a command's input is, defaults filled in."""
+    return model_from_data(definition(name, **fields), "test")
 
 
 def config_yaml(*declared: ModelSpec, engines: Sequence[str] | None = None) -> str:

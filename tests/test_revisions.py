@@ -24,11 +24,11 @@ from catalog_es.application import Models
 from catalog_es.catalog import Catalog
 from catalog_es.cli import cli
 from catalog_es.errors import Refused
-from catalog_es.inputs import DeclaredConfig, load_config, model_from_data
-from catalog_es.spec import ModelSpec
+from catalog_es.inputs import DeclaredConfig, load_config
 from projections.catalog import catch_up
 from projections.snapshots import snapshots_table
 from tests.helpers import count_events
+from tests.helpers import parsed as spec
 
 DECLARED_YAML = """
 models:
@@ -37,17 +37,6 @@ models:
     source: hf://org/base
     profiles: [{name: gpu, gpus: 1}]
 """
-
-
-def spec(name: str, **fields: Any) -> ModelSpec:
-    data: dict[str, Any] = {
-        "name": name,
-        "engine": "vllm",
-        "source": f"hf://org/{name}",
-        "profiles": [{"name": "gpu", "gpus": 1}],
-    }
-    data.update(fields)
-    return model_from_data(data, "test")
 
 
 def runtime(models: list[dict[str, Any]]) -> list[dict[str, Any]]:

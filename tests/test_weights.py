@@ -22,11 +22,12 @@ from catalog_es.application import SYSTEM_ACTOR, Models
 from catalog_es.bootstrap import MIRROR_ENV
 from catalog_es.cli import cli
 from catalog_es.errors import DeclaredInConfig, Refused
-from catalog_es.inputs import load_config, model_from_data
+from catalog_es.inputs import load_config
 from catalog_es.ports import Applier, JsonFileApplier, NoApplier
 from catalog_es.registry import MirrorRegistry, Registry, RegistryError, checksums, verify
 from catalog_es.spec import ModelSpec, Origin
 from catalog_es.weights import VerificationFailed, Weights, WeightsStore
+from tests.helpers import parsed as spec
 
 V1 = {
     "config.json": b'{"layers": 2}',
@@ -160,17 +161,6 @@ class World:
     def close(self) -> None:
         for models in self._opened:
             models.close()
-
-
-def spec(name: str, **fields: Any) -> ModelSpec:
-    data: dict[str, Any] = {
-        "name": name,
-        "engine": "vllm",
-        "source": f"hf://org/{name}",
-        "profiles": [{"name": "gpu", "gpus": 1}],
-    }
-    data.update(fields)
-    return model_from_data(data, "test")
 
 
 def events(weights: Weights, name: str) -> list[dict[str, Any]]:
