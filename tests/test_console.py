@@ -20,7 +20,7 @@ from playwright.sync_api import BrowserContext, Page, expect, sync_playwright
 from catalog_es.application import Models
 from catalog_es.inputs import load_config, model_from_data
 from catalog_es.web.app import create_app
-from tests.conftest import count_events
+from tests.helpers import count_events
 from tests.serving import serving, tokens_for_roles
 
 CHROMIUM = "/usr/bin/chromium"

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,10 +21,9 @@ from click.testing import CliRunner
 from catalog_es.application import Models
 from catalog_es.cli import cli
 from catalog_es.errors import StorageBusy
-from catalog_es.inputs import load_config
 from catalog_es.web.app import create_app
 from catalog_es.web.tokens import TokenStore
-from tests.conftest import count_events
+from tests.helpers import count_events, definition
 from tests.serving import bearer, free_port, serving, tokens_for_roles
 
 DECLARED_YAML = """
@@ -34,16 +33,6 @@ models:
     source: hf://org/base
     profiles: [{name: gpu, gpus: 1}]
 """
-
-
-def definition(name: str, **fields: Any) -> dict[str, Any]:
-    return {
-        "name": name,
-        "engine": "vllm",
-        "source": f"hf://org/{name}",
-        "profiles": [{"name": "gpu", "gpus": 1}],
-        **fields,
-    }
 
 
 @dataclass
@@ -66,19 +55,16 @@ class Api:
 
 
 @pytest.fixture
-def config_file(tmp_path: Path) -> Path:
-    path = tmp_path / "catalog.yaml"
-    path.write_text(DECLARED_YAML)
-    return path
+def config_file(write_config: Callable[..., str]) -> str:
+    return write_config(DECLARED_YAML)
 
 
 @pytest.fixture
-def api(db_url: str, tmp_path: Path, config_file: Path) -> Iterator[Api]:
-    models = Models(load_config(str(config_file)), env={"CATALOG_ES_DB": db_url})
+def api(db_url: str, tmp_path: Path, make_models: Callable[..., Models]) -> Iterator[Api]:
+    models = make_models(DECLARED_YAML)
     tokens, token = tokens_for_roles(tmp_path / "tokens.json")
     with serving(create_app(models, tokens)) as url, httpx.Client(base_url=url) as client:
         yield Api(url, db_url, models, tokens, token, client)
-    models.close()
 
 
 def ok(response: httpx.Response) -> Any:
@@ -244,7 +230,7 @@ def test_a_removed_token_is_refused_from_the_next_request(api: Api) -> None:
 
 
 def test_bad_bodies_are_422_with_the_clis_message_and_write_nothing(
-    api: Api, tmp_path: Path
+    api: Api, tmp_path: Path, config_file: str
 ) -> None:
     before = count_events(api.db)
     bad_definitions: list[Any] = [
@@ -260,7 +246,8 @@ def test_bad_bodies_are_422_with_the_clis_message_and_write_nothing(
         message = refused(api.post("/models", bad), 422)
         path = tmp_path / f"bad{number}.json"
         path.write_text(json.dumps(bad))
-        run = CliRunner().invoke(cli, ["--db", api.db, "model", "add", str(path)])
+        command = ["--db", api.db, "--config", config_file, "model", "add", str(path)]
+        run = CliRunner().invoke(cli, command)
         assert run.exit_code == 1
         cli_message = run.stderr.strip().removeprefix("error: ")
         assert message == cli_message.replace(str(path), "request body"), number
@@ -448,7 +435,7 @@ def test_token_commands(tmp_path: Path) -> None:
     assert gone.exit_code == 0 and TokenStore(tokens).verify(secret) is None
 
 
-def test_serve_records_the_declared_config_at_start(tmp_path: Path, config_file: Path) -> None:
+def test_serve_records_the_declared_config_at_start(tmp_path: Path, config_file: str) -> None:
     db = f"sqlite:///{tmp_path}/serve.db"
     tokens = tmp_path / "tokens.json"
     runner = CliRunner()
@@ -456,7 +443,7 @@ def test_serve_records_the_declared_config_at_start(tmp_path: Path, config_file:
     assert no_tokens.exit_code == 1 and "catalog-es token add" in no_tokens.stderr
     secret = TokenStore(tokens).add("ops", "read")[1]
     port = free_port()
-    command = [sys.executable, "-m", "catalog_es", "--db", db, "--config", str(config_file)]
+    command = [sys.executable, "-m", "catalog_es", "--db", db, "--config", config_file]
     command += ["--by", "deployer", "serve", "--port", str(port), "--tokens", str(tokens)]
     server = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
     try:
