@@ -23,16 +23,10 @@ from catalog_es.cli import cli
 from catalog_es.errors import StorageBusy
 from catalog_es.web.app import create_app
 from catalog_es.web.tokens import TokenStore
-from tests.helpers import count_events, definition
+from tests.helpers import config_yaml, count_events, definition, spec
 from tests.serving import bearer, free_port, serving, tokens_for_roles
 
-DECLARED_YAML = """
-models:
-  - name: base
-    engine: vllm
-    source: hf://org/base
-    profiles: [{name: gpu, gpus: 1}]
-"""
+DECLARED_YAML = config_yaml(spec("base"))  # one declared model
 
 
 @dataclass
