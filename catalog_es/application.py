@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from datetime import datetime, timedelta
 from typing import Any, ClassVar, overload
 from uuid import UUID
@@ -490,6 +491,15 @@ class Models(AuditTrail, Application[UUID]):
                 self._save_snapshot(self.catalog)
         return revision, batch.changes
 
+    def record_declaration(self, *, by: str) -> int:
+        """Record the declared config in the log if it differs from the one the
+        log last recorded (what ``serve`` does at start, so the log says which
+        layer a long-running server put in force). Answers the head."""
+        revision, _ = self._write(
+            lambda _batch: None, by=by, reason="", expected_revision=None, records_only=True
+        )
+        return revision
+
     def _next_timestamp(self) -> datetime:
         """Now, or just after the newest event in the log if this clock is behind."""
         now = utc_now()
@@ -523,6 +533,17 @@ class Models(AuditTrail, Application[UUID]):
                 return pointintime.resolve_time(conn, head, at)
             return pointintime.resolve_revision(conn, head, at)
 
+    @contextmanager
+    def _reading(self, at: At = None) -> Iterator[Catalog]:
+        """The catalog to read from, for the span of the ``with``: the one in
+        force is held under the command lock, because a command in another
+        thread (an HTTP server's) changes it in place; a past one is private."""
+        if at is None:
+            with self._lock:
+                yield self.catalog_at(None)
+        else:
+            yield self.catalog_at(at)
+
     def catalog_at(self, at: At = None) -> Catalog:
         """The catalog in force now, or at a past revision or time."""
         if at is None:
@@ -533,22 +554,24 @@ class Models(AuditTrail, Application[UUID]):
             return pointintime.catalog_at(self.store, conn, self.declared, revision)
 
     def list_models(self, at: At = None) -> list[dict[str, Any]]:
-        catalog = self.catalog_at(at)
-        return model_views(catalog.models(), catalog.is_declared)
+        with self._reading(at) as catalog:
+            specs = catalog.models()
+        return model_views(specs, catalog.is_declared)
 
     def get_model(self, name: str, at: At = None) -> dict[str, Any]:
-        catalog = self.catalog_at(at)
-        spec = catalog.get(name)
+        with self._reading(at) as catalog:
+            spec = catalog.get(name)
+            declared = catalog.is_declared(name)
         if spec is None:
             where = "" if at is None else f" at revision {catalog.revision}"
             raise ModelNotFound(name, f"is not in the catalog{where}")
-        return model_view(spec, declared=catalog.is_declared(name))
+        return model_view(spec, declared=declared)
 
     def diff(self, since: At, until: At = None, *, model: str | None = None) -> dict[str, Any]:
         """What changed from one revision (or time) to another (default: now)."""
         before = self.catalog_at(since)
-        after = self.catalog_at(until) if until is not None else self.catalog_at(None)
-        result = diff_catalogs(before, after, model=model)
+        with self._reading(until) as after:
+            result = diff_catalogs(before, after, model=model)
         result["declared"] = {
             "from": _declaration(before),
             "to": _declaration(after),
@@ -658,9 +681,10 @@ class Models(AuditTrail, Application[UUID]):
     def sources(self) -> dict[str, list[dict[str, str]]]:
         """Each weights source in the catalog, and the models (or adapters of
         models) that use it."""
-        self.refresh()
+        with self._reading() as catalog:
+            specs = catalog.models()
         out: dict[str, list[dict[str, str]]] = {}
-        for m in self.catalog.models():
+        for m in specs:
             out.setdefault(m.source, []).append({"model": m.name})
             for a in m.adapters:
                 out.setdefault(a.source, []).append({"model": m.name, "adapter": a.name})

@@ -5,6 +5,7 @@ from __future__ import annotations
 import getpass
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from catalog_es.application import Models
 from catalog_es.errors import InputError
@@ -12,15 +13,21 @@ from catalog_es.inputs import load_config
 from catalog_es.persistence import DEFAULT_URL
 from catalog_es.ports import Applier, PreAddCheck
 from catalog_es.registry import MirrorRegistry
+from catalog_es.web.tokens import TokenStore
 from catalog_es.weights import Weights, WeightsStore
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
 
 DB_ENV = "CATALOG_ES_DB"
 CONFIG_ENV = "CATALOG_ES_CONFIG"
 ACTOR_ENV = "CATALOG_ES_ACTOR"
 MIRROR_ENV = "CATALOG_ES_MIRROR"
 WEIGHTS_ENV = "CATALOG_ES_WEIGHTS"
+TOKENS_ENV = "CATALOG_ES_TOKENS"
 DEFAULT_CONFIG = "catalog.yaml"
 DEFAULT_WEIGHTS = "weights"
+DEFAULT_TOKENS = "catalog-tokens.json"
 
 
 def database_url(given: str | None = None) -> str:
@@ -76,3 +83,20 @@ def open_weights(models: Models, mirror: str | None = None, weights: str | None 
         raise InputError(f"mirror {root}: not a directory")
     store = Path(weights or os.environ.get(WEIGHTS_ENV) or DEFAULT_WEIGHTS)
     return Weights(models, MirrorRegistry(Path(root)), WeightsStore(store))
+
+
+def tokens_path(given: str | None = None) -> Path:
+    """``--tokens``, else ``CATALOG_ES_TOKENS``, else ``./catalog-tokens.json``."""
+    return Path(given or os.environ.get(TOKENS_ENV) or DEFAULT_TOKENS)
+
+
+def open_tokens(given: str | None = None) -> TokenStore:
+    return TokenStore(tokens_path(given))
+
+
+def open_web_app(models: Models, tokens: TokenStore) -> FastAPI:
+    """The HTTP API and the console over the service, each request's actor
+    the one its token stands for."""
+    from catalog_es.web.app import create_app  # FastAPI is loaded only to serve
+
+    return create_app(models, tokens)

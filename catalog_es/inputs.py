@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Sequence
+from datetime import UTC, date, datetime
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -20,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from catalog_es import commands
 from catalog_es.configuration import DeclaredConfig as DeclaredConfig  # re-exported
 from catalog_es.errors import ConfigError, InputError, Refused
+from catalog_es.model import EVENT_TYPES
 from catalog_es.spec import DEFAULT_ENGINES, Adapter, ModelSpec, Origin
 
 # A model definition is a few hundred bytes; a megabyte is a mistake or an attack.
@@ -96,7 +99,12 @@ def _problem(error: Any) -> str:
 
 def describe(error: ValidationError, prefix: tuple[int | str, ...] = ()) -> str:
     """A pydantic error as one line: the first problem and how many more there are."""
-    problems = error.errors()
+    return describe_problems(error.errors(), prefix)
+
+
+def describe_problems(problems: Sequence[Any], prefix: tuple[int | str, ...] = ()) -> str:
+    """``describe`` for a list of pydantic error dicts (what a web framework
+    hands over once it has validated a query string)."""
     first = problems[0]
     line = f"{_location(prefix + tuple(first['loc']))}: {_problem(first)}"
     if len(problems) > 1:
@@ -269,36 +277,71 @@ def load_config(path: str | None) -> DeclaredConfig:
 # -- a list of changes (``catalog-es apply``) ------------------------------------------
 
 
+# What each change sets (also the HTTP request bodies, where the name is in
+# the path), and the same with the model's name, as an ``apply`` file lists it.
+
+
 class _Named(_Input):
     name: str
 
 
-class ScaleChange(_Named):
+class ScaleFields(_Input):
     min: int | None = None
     max: int | None = None
 
 
-class ResourcesChange(_Named):
+class ResourcesFields(_Input):
     profile: str = ""
     memory_gb: int | None = None
     cpu_cores: int | None = None
 
 
-class ClassChange(_Named):
+class ClassFields(_Input):
     capacity_class: str = Field(alias="class")
 
 
-class OwnerChange(_Named):
+class OwnerFields(_Input):
     owner: str
 
 
-class AdaptersChange(_Named):
+class AdaptersFields(_Input):
     adapters: list[AdapterInput]
 
+    def to_adapters(self) -> tuple[Adapter, ...]:
+        return tuple(Adapter(a.name, a.source) for a in self.adapters)
 
-class SourceChange(_Named):
+
+class SourceFields(_Input):
     source: str
     origin: OriginInput | None = None
+
+    def to_origin(self) -> Origin | None:
+        return _origin(self.origin)
+
+
+# The name first, so a change without one says so before anything else.
+class ScaleChange(ScaleFields, _Named):
+    pass
+
+
+class ResourcesChange(ResourcesFields, _Named):
+    pass
+
+
+class ClassChange(ClassFields, _Named):
+    pass
+
+
+class OwnerChange(OwnerFields, _Named):
+    pass
+
+
+class AdaptersChange(AdaptersFields, _Named):
+    pass
+
+
+class SourceChange(SourceFields, _Named):
+    pass
 
 
 def _origin(value: OriginInput | None) -> Origin | None:
@@ -326,20 +369,25 @@ def _step(kind: str, value: Any) -> commands.Step:
         return commands.owner(o.name, o.owner)
     if kind == "adapters":
         a = AdaptersChange.model_validate(value)
-        return commands.adapters(a.name, tuple(Adapter(x.name, x.source) for x in a.adapters))
+        return commands.adapters(a.name, a.to_adapters())
     s2 = SourceChange.model_validate(value)
-    return commands.source(s2.name, s2.source, _origin(s2.origin))
+    return commands.source(s2.name, s2.source, s2.to_origin())
 
 
 CHANGE_KINDS = ("add", "remove", "scale", "resources", "class", "owner", "adapters", "source")
 MAX_CHANGES = 100_000
+MAX_CHANGES_BYTES = 64 * MAX_INPUT_BYTES
 
 
 def read_changes(path: str) -> list[commands.Step]:
     """A list of changes from YAML or JSON: each item one key, the kind of
     change (``add``, ``remove``, ``scale``…), holding what it takes."""
-    text, where = read_text(path, limit=64 * MAX_INPUT_BYTES)
-    data = parse_document(text, where, limit=64 * MAX_INPUT_BYTES)
+    text, where = read_text(path, limit=MAX_CHANGES_BYTES)
+    return changes_from_data(parse_document(text, where, limit=MAX_CHANGES_BYTES), where)
+
+
+def changes_from_data(data: Any, where: str) -> list[commands.Step]:
+    """``read_changes`` on data already parsed (an HTTP request body)."""
     if isinstance(data, dict) and set(data) == {"changes"}:
         data = data["changes"]
     if not isinstance(data, list) or not data:
@@ -361,3 +409,54 @@ def read_changes(path: str) -> list[commands.Step]:
         except Refused as error:
             raise InputError(f"{where}: change {number} ({kind}): {error}") from None
     return steps
+
+
+# -- revisions and times (``--at``, ``?at=``) ----------------------------------------
+
+
+def revision_or_time(text: str) -> int | datetime:
+    """A log revision (``1234``) or a UTC time (``2026-11-30T12:00:00Z``). A
+    time without a zone is refused rather than guessed."""
+    text = text.strip()
+    if text.isdigit():
+        return int(text)
+    try:
+        moment = datetime.fromisoformat(text)
+    except ValueError:
+        raise InputError(f"{text[:40]!r} is neither a revision nor an ISO 8601 time") from None
+    if moment.tzinfo is None:
+        raise InputError(f"{text[:40]!r} has no time zone: give UTC, e.g. {text[:40]}Z")
+    return moment.astimezone(UTC)
+
+
+def utc_time(text: str, option: str) -> datetime:
+    """A UTC ISO 8601 time (``2026-11-30T12:00:00Z``, or another offset), or a
+    date for its midnight UTC. A time without a zone is refused rather than guessed."""
+    try:
+        day = date.fromisoformat(text)
+    except ValueError:
+        pass
+    else:
+        return datetime(day.year, day.month, day.day, tzinfo=UTC)
+    try:
+        moment = datetime.fromisoformat(text)
+    except ValueError:
+        moment = None
+    if moment is None or moment.tzinfo is None:
+        raise InputError(
+            f"{option} {text!r}: not a UTC time; write it like 2026-11-30T12:00:00Z "
+            "(or give a date, or another offset)"
+        )
+    return moment.astimezone(UTC)
+
+
+_EVENT_NAMES = {cls.__name__.lower(): cls.__name__ for cls in EVENT_TYPES}
+
+
+def event_type(text: str, option: str) -> str:
+    """An event type's name (``Scaled``), in any case."""
+    name = _EVENT_NAMES.get(text.lower())
+    if name is None:
+        known = ", ".join(_EVENT_NAMES.values())
+        raise InputError(f"{option} {text!r}: not an event type (known: {known})")
+    return name

@@ -13,6 +13,7 @@ import sys
 from catalog_es.cli import audit as _audit  # noqa: F401  (registers the commands)
 from catalog_es.cli import models as _models  # noqa: F401  (registers the commands)
 from catalog_es.cli import revisions as _revisions  # noqa: F401
+from catalog_es.cli import serve as _serve  # noqa: F401
 from catalog_es.cli import weights as _weights  # noqa: F401
 from catalog_es.cli.base import cli
 

@@ -9,54 +9,23 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterable
-from datetime import UTC, date, datetime
+from datetime import datetime
 from typing import Any, Unpack
 
 import click
 from rich.markup import escape
 
 from catalog_es.cli.base import F, Settings, cli, emit, pass_settings, shared_options, table
-from catalog_es.errors import InputError
-from catalog_es.model import EVENT_TYPES
+from catalog_es.inputs import event_type, utc_time
 from projections.audit import Filters
 
 
-def parse_time(text: str, option: str) -> datetime:
-    """A UTC ISO 8601 time (``2026-11-30T12:00:00Z``, or another offset), or a
-    date for its midnight UTC. A time without a zone is refused rather than guessed."""
-    try:
-        day = date.fromisoformat(text)
-    except ValueError:
-        pass
-    else:
-        return datetime(day.year, day.month, day.day, tzinfo=UTC)
-    try:
-        moment = datetime.fromisoformat(text)
-    except ValueError:
-        moment = None
-    if moment is None or moment.tzinfo is None:
-        raise InputError(
-            f"{option} {text!r}: not a UTC time; write it like 2026-11-30T12:00:00Z "
-            "(or give a date, or another offset)"
-        )
-    return moment.astimezone(UTC)
-
-
 def _time_option(_ctx: click.Context, param: click.Parameter, value: str | None) -> datetime | None:
-    return parse_time(value, param.opts[0]) if value is not None else None
-
-
-_EVENT_NAMES = {cls.__name__.lower(): cls.__name__ for cls in EVENT_TYPES}
+    return utc_time(value, param.opts[0]) if value is not None else None
 
 
 def _event_option(_ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
-    if value is None:
-        return None
-    name = _EVENT_NAMES.get(value.lower())
-    if name is None:
-        known = ", ".join(_EVENT_NAMES.values())
-        raise InputError(f"--type {value!r}: not an event type (known: {known})")
-    return name
+    return None if value is None else event_type(value, "--type")
 
 
 def audit_filters(f: F) -> F:

@@ -11,7 +11,7 @@ import json
 import os
 import sys
 from collections.abc import Callable, Iterable
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any, TypeVar
 
 import click
@@ -20,7 +20,8 @@ from rich.table import Table
 
 from catalog_es import bootstrap
 from catalog_es.application import CommandResult, Models
-from catalog_es.errors import ConfigError, Refused
+from catalog_es.errors import ConfigError, InputError, Refused
+from catalog_es.inputs import revision_or_time
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -109,16 +110,10 @@ class RevisionOrTime(click.ParamType):  # type: ignore[type-arg]
     ) -> int | datetime:
         if isinstance(value, int | datetime):
             return value
-        text = str(value).strip()
-        if text.isdigit():
-            return int(text)
         try:
-            moment = datetime.fromisoformat(text)
-        except ValueError:
-            self.fail(f"{text!r} is neither a revision nor an ISO 8601 time", param, ctx)
-        if moment.tzinfo is None:
-            self.fail(f"{text!r} has no time zone: give UTC, e.g. {text}Z", param, ctx)
-        return moment.astimezone(UTC)
+            return revision_or_time(str(value))
+        except InputError as error:
+            self.fail(str(error), param, ctx)
 
 
 REVISION_OR_TIME = RevisionOrTime()

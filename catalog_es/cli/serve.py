@@ -1,0 +1,123 @@
+"""``serve`` (the HTTP API and the console) and ``token`` (who may use them)."""
+
+from __future__ import annotations
+
+from types import FrameType
+
+import click
+
+from catalog_es import bootstrap
+from catalog_es.cli.base import Settings, cli, emit, pass_settings, shared_options, table
+from catalog_es.errors import InputError
+from catalog_es.web.tokens import Role
+
+TOKENS_HELP = "The tokens file (env CATALOG_ES_TOKENS; default ./catalog-tokens.json)."
+
+
+@cli.command("serve")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True)
+@click.option("--tokens", "tokens_file", metavar="FILE", help=TOKENS_HELP)
+@shared_options
+@pass_settings
+def serve(settings: Settings, host: str, port: int, tokens_file: str | None) -> None:
+    """Serve the HTTP API (OpenAPI at /docs) and the console (/console/).
+
+    Every request needs a bearer token (catalog-es token add); changes are
+    recorded as the token's actor. If the declared config differs from the
+    one the log last recorded, it is recorded first, as --by (else
+    $CATALOG_ES_ACTOR, else the OS user).
+    """
+    import uvicorn  # loaded only to serve
+
+    from catalog_es.web.app import end_streams
+
+    tokens = bootstrap.open_tokens(tokens_file)
+    if not tokens.entries():
+        raise InputError(
+            f"no tokens in {tokens.path}: create one first, e.g. "
+            f"catalog-es token add alice --role admin --tokens {tokens.path}"
+        )
+    models = settings.models()
+    revision = models.record_declaration(by=settings.actor)
+    app = bootstrap.open_web_app(models, tokens)
+    click.echo(
+        f"serving the catalog at revision {revision} on http://{host}:{port}/ "
+        f"(console /console/, API docs /docs)",
+        err=True,
+    )
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5
+    )
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            # Watch streams never end by themselves: end them, or the
+            # shutdown waits for its grace period and then cancels them.
+            end_streams(app)
+            super().handle_exit(sig, frame)
+
+    Server(config).run()
+
+
+@cli.group("token")
+def token() -> None:
+    """Create, list and revoke the bearer tokens of the HTTP API."""
+
+
+@token.command("add")
+@click.argument("actor")
+@click.option(
+    "--role",
+    type=click.Choice([r.name for r in Role]),
+    default=Role.read.name,
+    show_default=True,
+    help="read: queries; write: model commands; admin: rollback too.",
+)
+@click.option("--tokens", "tokens_file", metavar="FILE", help=TOKENS_HELP)
+@shared_options
+@pass_settings
+def token_add(settings: Settings, actor: str, role: str, tokens_file: str | None) -> None:
+    """A new token for ACTOR, printed once (only its salted hash is kept)."""
+    entry, secret = bootstrap.open_tokens(tokens_file).add(actor, role)
+    emit(
+        settings,
+        {"id": entry.id, "actor": entry.actor, "role": entry.role, "token": secret},
+        lambda: click.echo(secret),
+    )
+    if not settings.json:
+        click.echo(
+            f"token {entry.id} for {entry.actor} ({entry.role}); it is not shown again", err=True
+        )
+
+
+@token.command("list")
+@click.option("--tokens", "tokens_file", metavar="FILE", help=TOKENS_HELP)
+@shared_options
+@pass_settings
+def token_list(settings: Settings, tokens_file: str | None) -> None:
+    """The tokens: id, actor, role, when created (never the tokens themselves)."""
+    entries = bootstrap.open_tokens(tokens_file).describe()
+    emit(
+        settings,
+        entries,
+        lambda: table(
+            ["ID", "ACTOR", "ROLE", "CREATED"],
+            ([e["id"], e["actor"], e["role"], e["created"]] for e in entries),
+        ),
+    )
+
+
+@token.command("remove")
+@click.argument("token_id", metavar="ID")
+@click.option("--tokens", "tokens_file", metavar="FILE", help=TOKENS_HELP)
+@shared_options
+@pass_settings
+def token_remove(settings: Settings, token_id: str, tokens_file: str | None) -> None:
+    """Revoke a token; a running server refuses it from its next request on."""
+    entry = bootstrap.open_tokens(tokens_file).remove(token_id)
+    emit(
+        settings,
+        {"id": entry.id, "actor": entry.actor, "role": entry.role},
+        lambda: click.echo(f"revoked token {entry.id} of {entry.actor}"),
+    )

@@ -1,0 +1,1 @@
+"""The HTTP API and the web console: a thin layer over the application service."""

@@ -1,0 +1,642 @@
+"""The HTTP API: every command and query of the CLI, over the same service.
+
+This layer only parses, calls :class:`catalog_es.application.Models` and maps
+domain errors to statuses; the rules live in the service. Bodies are parsed
+by the same functions as the CLI's files (:mod:`catalog_es.inputs`), so a bad
+one gets the CLI's one-line message, as ``{"error": "..."}``. Who did a
+change is the token's actor, never a field the client sends.
+
+Endpoints are plain ``def``: FastAPI runs them on its thread pool, because
+the service blocks on the database.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from datetime import datetime
+from importlib.metadata import version
+from typing import Annotated, Any, TypeVar
+
+import msgspec
+from fastapi import APIRouter, Depends, FastAPI, Header, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import RedirectResponse, Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.staticfiles import StaticFiles
+from pydantic import BaseModel, ConfigDict, ValidationError
+from starlette.exceptions import HTTPException
+
+from catalog_es.application import CommandResult, Models
+from catalog_es.errors import InputError, ModelNotFound, Refused, RevisionConflict, StorageBusy
+from catalog_es.inputs import (
+    MAX_CHANGES_BYTES,
+    MAX_INPUT_BYTES,
+    AdaptersChange,
+    AdaptersFields,
+    ClassChange,
+    ClassFields,
+    ModelInput,
+    OwnerChange,
+    OwnerFields,
+    ResourcesChange,
+    ResourcesFields,
+    ScaleChange,
+    ScaleFields,
+    SourceChange,
+    SourceFields,
+    changes_from_data,
+    describe,
+    describe_problems,
+    event_type,
+    model_from_data,
+    parse_document,
+    revision_or_time,
+    utc_time,
+)
+from catalog_es.web.events import event_stream
+from catalog_es.web.tokens import Caller, Role, TokenStore
+from projections.audit import Filters
+
+REVISION_HEADER = "X-Catalog-Revision"
+BODY = "request body"
+
+# The first of these a refusal is an instance of gives its status; every
+# other refusal is 422. 409 means exactly "read again and retry": a model
+# declared in config is refused with 422, since retrying cannot help.
+_STATUS_OF_REFUSAL: tuple[tuple[type[Refused], int], ...] = (
+    (RevisionConflict, 409),
+    (ModelNotFound, 404),
+    (StorageBusy, 503),
+)
+
+
+def _status(refusal: Refused) -> int:
+    for kind, status in _STATUS_OF_REFUSAL:
+        if isinstance(refusal, kind):
+            return status
+    return 422
+
+
+def error_response(status: int, message: str, headers: Mapping[str, str] | None = None) -> Response:
+    return Response(
+        msgspec.json.encode({"error": message}),
+        status_code=status,
+        media_type="application/json",
+        headers=headers,
+    )
+
+
+def respond(data: Any, revision: int | None = None) -> Response:
+    """JSON through msgspec (a catalog can be large), with the revision read
+    or written as a header and as the ETag an ``If-Match`` can send back."""
+    headers = None
+    if revision is not None:
+        headers = {REVISION_HEADER: str(revision), "ETag": f'"{revision}"'}
+    return Response(msgspec.json.encode(data), media_type="application/json", headers=headers)
+
+
+def command_response(result: CommandResult) -> Response:
+    return respond(msgspec.to_builtins(result), result.revision)
+
+
+# -- the service and who is calling ------------------------------------------------
+
+
+def service(request: Request) -> Models:
+    models: Models = request.app.state.models
+    return models
+
+
+Service = Annotated[Models, Depends(service)]
+_bearer = HTTPBearer(auto_error=False, description="A token from `catalog-es token add`.")
+
+
+def forbidden(caller: Caller, needs: str) -> HTTPException:
+    return HTTPException(403, f"{caller.actor!r} has the {caller.role.name} role; {needs}")
+
+
+def caller_with(role: Role) -> Callable[..., Caller]:
+    """A dependency: the caller, refused unless its token has ``role`` or more."""
+
+    def caller(
+        request: Request,
+        credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+    ) -> Caller:
+        challenge = {"WWW-Authenticate": "Bearer"}
+        if credentials is None:
+            raise HTTPException(401, "no token: send Authorization: Bearer <token>", challenge)
+        tokens: TokenStore = request.app.state.tokens
+        found = tokens.verify(credentials.credentials)
+        if found is None:
+            raise HTTPException(401, "the token is not valid (unknown or revoked)", challenge)
+        if found.role < role:
+            raise forbidden(found, f"this needs {role.name}")
+        return found
+
+    return caller
+
+
+Reader = Annotated[Caller, Depends(caller_with(Role.read))]
+Writer = Annotated[Caller, Depends(caller_with(Role.write))]
+
+
+def expected_revision(
+    if_match: Annotated[
+        str | None,
+        Header(
+            description="The revision the change is based on: refused (409) if the log "
+            'has moved past it. `12`, `"12"` (an ETag) or `*`.'
+        ),
+    ] = None,
+) -> int | None:
+    if if_match is None or if_match.strip() == "*":
+        return None
+    text = if_match.strip().removeprefix("W/").strip('"')
+    if not text.isdigit():
+        raise InputError(f"If-Match {if_match[:40]!r}: not a revision (e.g. If-Match: 12)")
+    return int(text)
+
+
+ExpectedRevision = Annotated[int | None, Depends(expected_revision)]
+Reason = Annotated[str, Query(description="Why, recorded with the change.")]
+
+
+def command_meta(caller: Caller, reason: str, expected: int | None) -> dict[str, Any]:
+    """``by``, ``reason``, ``expected_revision`` as every command takes them."""
+    return {"by": caller.actor, "reason": reason, "expected_revision": expected}
+
+
+def at_value(
+    at: Annotated[
+        str | None, Query(description="A revision (`120`) or a UTC time (`2026-11-30T12:00:00Z`).")
+    ] = None,
+) -> int | datetime | None:
+    return None if at is None else revision_or_time(at)
+
+
+At = Annotated[int | datetime | None, Depends(at_value)]
+
+
+# -- bodies ------------------------------------------------------------------------
+
+
+def document(limit: int) -> Callable[..., Any]:
+    """A dependency: the request body, JSON or YAML, parsed as the CLI parses a file."""
+
+    async def parsed(request: Request) -> Any:
+        raw = bytearray()
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > limit:
+                raise InputError(f"{BODY}: larger than {limit // 1024} KiB")
+        if not raw.strip():
+            raise InputError(f"{BODY}: empty; send a JSON (or YAML) document")
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise InputError(f"{BODY}: not UTF-8 text") from None
+        return parse_document(text, BODY, limit=limit)
+
+    return parsed
+
+
+Document = Annotated[Any, Depends(document(MAX_INPUT_BYTES))]
+Changes = Annotated[Any, Depends(document(MAX_CHANGES_BYTES))]
+
+
+Fields = TypeVar("Fields", bound=BaseModel)
+
+
+def fields(kind: type[Fields], data: Any) -> Fields:
+    """A body validated as ``kind``; a problem is one line, as the CLI words it."""
+    try:
+        return kind.model_validate(data)
+    except ValidationError as error:
+        raise InputError(f"{BODY}: {describe(error)}") from None
+
+
+class RollbackBody(BaseModel):
+    """What ``catalog-es rollback`` takes as options."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    to: int | str
+    model: str | None = None
+    only: str | None = None
+    dry_run: bool = False
+
+
+# Request bodies are documented in the schema by hand, since they are parsed
+# from the raw body (see ``document``); these are the models they follow.
+_BODY_MODELS: dict[str, type[BaseModel]] = {}
+
+
+def body_schema(schema: dict[str, Any], description: str) -> dict[str, Any]:
+    content = {media: {"schema": schema} for media in ("application/json", "application/yaml")}
+    return {"requestBody": {"required": True, "description": description, "content": content}}
+
+
+def body_of(model: type[BaseModel], description: str) -> dict[str, Any]:
+    _BODY_MODELS[model.__name__] = model
+    return body_schema({"$ref": f"#/components/schemas/{model.__name__}"}, description)
+
+
+_CHANGE_MODELS: dict[str, type[BaseModel]] = {
+    "add": ModelInput,
+    "scale": ScaleChange,
+    "resources": ResourcesChange,
+    "class": ClassChange,
+    "owner": OwnerChange,
+    "adapters": AdaptersChange,
+    "source": SourceChange,
+}
+
+
+def _changes_schema() -> dict[str, Any]:
+    properties: dict[str, Any] = {"remove": {"type": "string", "description": "a model's name"}}
+    for kind, model in _CHANGE_MODELS.items():
+        _BODY_MODELS[model.__name__] = model
+        properties[kind] = {"$ref": f"#/components/schemas/{model.__name__}"}
+    item = {"type": "object", "minProperties": 1, "maxProperties": 1, "properties": properties}
+    return {"type": "array", "minItems": 1, "items": item}
+
+
+# -- the routes --------------------------------------------------------------------
+
+route = APIRouter()
+MODEL = "/models/{name:path}"
+
+
+@route.get("/me", tags=["auth"])
+def who_am_i(caller: Reader) -> Response:
+    """The actor and role of the token sent."""
+    return respond({"actor": caller.actor, "role": caller.role.name})
+
+
+@route.get("/revision", tags=["queries"])
+def head(caller: Reader, models: Service) -> Response:
+    """The head of the log: the revision of the last change."""
+    models.refresh()
+    return respond({"revision": models.revision}, models.revision)
+
+
+@route.get("/models", tags=["models"])
+def list_models(caller: Reader, models: Service, at: At) -> Response:
+    """Every model in force (or at a revision or time), declared and runtime,
+    as `model list --json` prints them."""
+    # The head is read before the list: if a change lands in between, the
+    # header is the older revision, so an If-Match sent back can only fail
+    # (409), never overwrite a change its sender did not see.
+    past = None if at is None else models.resolve(at)
+    return respond(models.list_models(past), models.revision if past is None else past)
+
+
+@route.get(MODEL, tags=["models"])
+def show_model(name: str, caller: Reader, models: Service, at: At) -> Response:
+    """One model as it will run (or as it was at a revision or time)."""
+    past = None if at is None else models.resolve(at)
+    revision = models.revision if past is None else past
+    return respond(models.get_model(name, past), revision)
+
+
+@route.post(
+    "/models",
+    tags=["commands"],
+    openapi_extra=body_of(ModelInput, "A model definition, as `model add` takes it."),
+)
+def add_model(
+    caller: Writer,
+    spec_data: Document,
+    models: Service,
+    expected: ExpectedRevision,
+    reason: Reason = "",
+) -> Response:
+    """Add a model, or replace the definition of a runtime one (`replaced`)."""
+    spec = model_from_data(spec_data, BODY)
+    return command_response(models.add(spec, **command_meta(caller, reason, expected)))
+
+
+@route.delete(MODEL, tags=["commands"])
+def remove_model(
+    name: str, caller: Writer, models: Service, expected: ExpectedRevision, reason: Reason = ""
+) -> Response:
+    """Take a runtime model out of the catalog."""
+    return command_response(models.remove(name, **command_meta(caller, reason, expected)))
+
+
+# The per-model commands share one shape: the name in the path, the fields
+# in the body, a call of the service.
+Run = Callable[[Models, str, Fields, dict[str, Any]], CommandResult]
+
+
+def model_command(verb: str, kind: type[Fields], summary: str, body: str, run: Run[Fields]) -> None:
+    """Register ``POST /models/NAME/<verb>``, as ``catalog-es model <verb> NAME``."""
+
+    def command(
+        name: str,
+        caller: Writer,
+        data: Document,
+        models: Service,
+        expected: ExpectedRevision,
+        reason: Reason = "",
+    ) -> Response:
+        meta = command_meta(caller, reason, expected)
+        return command_response(run(models, name, fields(kind, data), meta))
+
+    route.post(
+        f"{MODEL}/{verb}",
+        tags=["commands"],
+        name=f"model {verb}",
+        summary=summary,
+        openapi_extra=body_of(kind, body),
+    )(command)
+
+
+model_command(
+    "scale",
+    ScaleFields,
+    "Replica bounds; a bound left out keeps its value",
+    "`min`, `max`, or both.",
+    lambda models, name, body, meta: models.scale(name, body.min, body.max, **meta),
+)
+model_command(
+    "resources",
+    ResourcesFields,
+    "What a profile reserves of a node",
+    "Memory and cores of one profile (default: every profile).",
+    lambda models, name, body, meta: models.set_resources(
+        name, profile=body.profile, memory_gb=body.memory_gb, cpu_cores=body.cpu_cores, **meta
+    ),
+)
+model_command(
+    "class",
+    ClassFields,
+    "The capacity class",
+    'critical, standard, opportunistic, or "" for what the scaling implies.',
+    lambda models, name, body, meta: models.set_class(name, body.capacity_class, **meta),
+)
+model_command(
+    "owner",
+    OwnerFields,
+    "The owner",
+    'org:ID, team:ID, project:ID, or "" for shared.',
+    lambda models, name, body, meta: models.set_owner(name, body.owner, **meta),
+)
+model_command(
+    "adapters",
+    AdaptersFields,
+    "Replace the LoRA adapters a runtime model serves",
+    "The new set (`[]` for none).",
+    lambda models, name, body, meta: models.set_adapters(name, body.to_adapters(), **meta),
+)
+model_command(
+    "source",
+    SourceFields,
+    "Move a runtime model to other weights",
+    "The weights' location and where they came from.",
+    lambda models, name, body, meta: models.set_source(name, body.source, body.to_origin(), **meta),
+)
+
+
+@route.post(
+    "/apply",
+    tags=["commands"],
+    openapi_extra=body_schema(
+        _changes_schema(), "A list of changes, each one key (as a `catalog-es apply` file)."
+    ),
+)
+def apply_changes(
+    caller: Writer,
+    data: Changes,
+    models: Service,
+    expected: ExpectedRevision,
+    reason: Reason = "",
+) -> Response:
+    """Several changes in one transaction, all or nothing."""
+    steps = changes_from_data(data, BODY)
+    result = models.apply_changes(steps, **command_meta(caller, reason, expected))
+    return respond(result, result["revision"])
+
+
+@route.get("/diff", tags=["revisions"])
+def diff(
+    caller: Reader,
+    models: Service,
+    since: Annotated[str, Query(description="A revision or UTC time.")],
+    until: Annotated[str | None, Query(description="Default: now.")] = None,
+    model: Annotated[str | None, Query(description="Only this model.")] = None,
+) -> Response:
+    """What changed from one revision (or time) to another, as `diff --json`."""
+    later = None if until is None else revision_or_time(until)
+    result = models.diff(revision_or_time(since), later, model=model)
+    return respond(result, result["to"])
+
+
+@route.post(
+    "/rollback",
+    tags=["revisions"],
+    openapi_extra=body_of(RollbackBody, "Where to go back to; `dry_run` writes nothing."),
+)
+def rollback(
+    caller: Reader,
+    data: Document,
+    models: Service,
+    expected: ExpectedRevision,
+    reason: Reason = "",
+) -> Response:
+    """Make the runtime catalog what it was at a revision, by compensating
+    events in one transaction. Needs the admin role, except a dry run (a diff)."""
+    body = fields(RollbackBody, data)
+    if not body.dry_run and caller.role < Role.admin:
+        raise forbidden(caller, "a rollback needs admin")
+    to = body.to if isinstance(body.to, int) else revision_or_time(body.to)
+    result = models.rollback(
+        to,
+        model=body.model,
+        only=body.only,
+        dry_run=body.dry_run,
+        **command_meta(caller, reason, expected),
+    )
+    return respond(result, result["revision"])
+
+
+@route.get("/sources", tags=["queries"])
+def sources(caller: Reader, models: Service) -> Response:
+    """Each weights source, and the models and adapters using it."""
+    return respond(models.sources())
+
+
+@route.get("/log", tags=["queries"])
+def log_events(
+    caller: Reader,
+    models: Service,
+    after: Annotated[int, Query(ge=0, description="Only events after this revision.")] = 0,
+    limit: Annotated[int | None, Query(ge=1, description="At most this many.")] = None,
+    model: Annotated[str | None, Query(description="Only this model's events.")] = None,
+) -> Response:
+    """The stored events with their revisions, oldest first (`log --json`, as a list)."""
+    return respond(list(models.log_events(after=after, limit=limit, model=model)))
+
+
+@route.get("/skipped", tags=["queries"])
+def skipped(caller: Reader, models: Service) -> Response:
+    """Stored events the catalog in force leaves out, and why."""
+    return respond([msgspec.to_builtins(s) for s in models.skipped()])
+
+
+@route.get(
+    "/events",
+    tags=["revisions"],
+    response_class=Response,
+    responses={200: {"content": {"text/event-stream": {}}, "description": "Server-sent events"}},
+)
+def watch(
+    request: Request,
+    caller: Reader,
+    models: Service,
+    after: Annotated[
+        int | None, Query(alias="from", ge=0, description="Every change after this revision.")
+    ] = None,
+    last_event_id: Annotated[str | None, Header(include_in_schema=False)] = None,
+) -> Response:
+    """Every change after a revision, in order, then live, as server-sent
+    events: `id` is the revision, `data` the event as `watch --json` prints it.
+    A reconnecting EventSource resumes after its Last-Event-ID."""
+    if last_event_id is not None and last_event_id.strip().isdigit():
+        after = int(last_event_id)
+    return event_stream(models.watch(after or 0), request.app.state.closing)
+
+
+# -- the audit trail ---------------------------------------------------------------
+
+
+def audit_filters(
+    model: Annotated[str | None, Query(description="Only this model.")] = None,
+    by: Annotated[str | None, Query(description="Only this actor's.")] = None,
+    event: Annotated[
+        str | None, Query(alias="type", description="Only this event type (e.g. `Scaled`).")
+    ] = None,
+    since: Annotated[
+        str | None, Query(description="From this UTC time (or date) on, inclusive.")
+    ] = None,
+    until: Annotated[str | None, Query(description="Before this UTC time (or date).")] = None,
+    limit: Annotated[int | None, Query(ge=1, description="Only the most recent N.")] = None,
+) -> Filters:
+    """The filters of ``catalog-es audit`` and ``refusals``, read as they read them."""
+    return Filters(
+        model=model,
+        by=by,
+        event_type=None if event is None else event_type(event, "type"),
+        since=None if since is None else utc_time(since, "since"),
+        until=None if until is None else utc_time(until, "until"),
+        limit=limit,
+    )
+
+
+AuditFilters = Annotated[Filters, Depends(audit_filters)]
+
+
+@route.get("/history/{name:path}", tags=["audit"])
+def history(
+    name: str,
+    caller: Reader,
+    models: Service,
+    by: Annotated[str | None, Query(description="Only this actor's.")] = None,
+) -> Response:
+    """Every change to one model, oldest first, field by field (before → after)."""
+    return respond(models.history(name, by=by))
+
+
+@route.get("/audit", tags=["audit"])
+def audit(caller: Reader, models: Service, filters: AuditFilters) -> Response:
+    """Changes across the catalog, oldest first, filtered."""
+    return respond(models.audit(**filters))
+
+
+@route.get("/refusals", tags=["audit"])
+def refusals(caller: Reader, models: Service, filters: AuditFilters) -> Response:
+    """Commands that were refused: who tried what, and why. They changed nothing."""
+    return respond(models.refusals(**filters))
+
+
+@route.get("/verify", tags=["audit"])
+def verify(caller: Reader, models: Service) -> Response:
+    """Walk the hash chain over the log: `ok`, or the first revision altered,
+    removed or moved (`broken`); and the events load skips. A broken chain is
+    still a 200: the report is the answer."""
+    return respond(models.verify())
+
+
+# -- the application -------------------------------------------------------------
+
+
+def _openapi(app: FastAPI) -> Callable[[], dict[str, Any]]:
+    def schema() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            document = get_openapi(
+                title=app.title,
+                version=app.version,
+                description=app.description,
+                routes=app.routes,
+            )
+            components = document.setdefault("components", {}).setdefault("schemas", {})
+            for name, model in _BODY_MODELS.items():
+                model_schema = model.model_json_schema(
+                    by_alias=True, ref_template="#/components/schemas/{model}"
+                )
+                components.update(model_schema.pop("$defs", {}))
+                components[name] = model_schema
+            app.openapi_schema = document
+        return app.openapi_schema
+
+    return schema
+
+
+def _errors(app: FastAPI) -> None:
+    @app.exception_handler(Refused)
+    async def refused(_request: Request, refusal: Refused) -> Response:
+        status = _status(refusal)
+        return error_response(status, str(refusal), {"Retry-After": "1"} if status == 503 else None)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_request: Request, error: HTTPException) -> Response:
+        return error_response(error.status_code, str(error.detail), error.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(_request: Request, error: RequestValidationError) -> Response:
+        return error_response(422, describe_problems(list(error.errors())))
+
+
+def end_streams(app: FastAPI) -> None:
+    """Tell the open watch streams to end: the server is shutting down."""
+    closing: threading.Event = app.state.closing
+    closing.set()
+
+
+def create_app(models: Models, tokens: TokenStore) -> FastAPI:
+    """The API and the console over one service and one tokens file."""
+    app = FastAPI(
+        title="catalog-es",
+        version=version("catalog-es"),
+        description="The model catalog of an LLM-serving gateway, kept as an event-sourced log. "
+        "Every command answers the revision it wrote (also in `ETag` and "
+        f'`{REVISION_HEADER}`); errors are `{{"error": "..."}}`.',
+    )
+    app.state.models = models
+    app.state.tokens = tokens
+    app.state.closing = threading.Event()  # set by ``end_streams``
+    _errors(app)
+    app.include_router(route)
+    app.mount(
+        "/console",
+        StaticFiles(packages=[("catalog_es.web", "console")], html=True),
+        name="console",
+    )
+
+    @app.get("/", include_in_schema=False)
+    def home() -> RedirectResponse:
+        return RedirectResponse("/console/")
+
+    app.openapi = _openapi(app)  # type: ignore[method-assign]
+    return app

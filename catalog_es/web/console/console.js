@@ -1,0 +1,456 @@
+// The catalog-es console: plain JavaScript over the HTTP API, no build step.
+// Pages are routed by the hash: #/models[?at=R] and #/model/NAME[?at=R].
+// Everything shown is built with textContent, never innerHTML: model names,
+// reasons and actors are data typed by other people.
+"use strict";
+
+const TOKEN_KEY = "catalog-es-token";
+const state = { head: 0, me: null, follow: null, rendering: 0, flash: null };
+
+// -- small helpers -------------------------------------------------------------
+
+function h(tag, attrs, ...children) {
+  const element = document.createElement(tag);
+  for (const [key, value] of Object.entries(attrs || {})) {
+    if (key.startsWith("on")) element.addEventListener(key.slice(2), value);
+    else if (value !== undefined && value !== null && value !== false) element.setAttribute(key, value);
+  }
+  for (const child of children.flat()) {
+    if (child === null || child === undefined || child === false) continue;
+    element.append(child instanceof Node ? child : document.createTextNode(String(child)));
+  }
+  return element;
+}
+
+const $ = (selector) => document.querySelector(selector);
+const show = (value) => JSON.stringify(value);
+const short = (text, length = 12) => (text && text.length > length ? text.slice(0, length) + "…" : text || "—");
+const scaling = (m) => `${m.scaling.min}..${m.scaling.max}`;
+
+class ApiError extends Error {
+  constructor(status, message) {
+    super(message);
+    this.status = status;
+  }
+}
+
+function token() {
+  return sessionStorage.getItem(TOKEN_KEY) || "";
+}
+
+async function api(path, { method = "GET", body, ifMatch } = {}) {
+  const headers = { Authorization: `Bearer ${token()}` };
+  if (body !== undefined) headers["Content-Type"] = "application/json";
+  if (ifMatch !== undefined) headers["If-Match"] = String(ifMatch);
+  const response = await fetch(path, {
+    method,
+    headers,
+    body: body === undefined ? undefined : JSON.stringify(body),
+  });
+  const data = await response.json().catch(() => null);
+  if (response.status === 401) signOut(data && data.error);
+  if (!response.ok) throw new ApiError(response.status, (data && data.error) || response.statusText);
+  return data;
+}
+
+function route() {
+  const [path, query] = location.hash.replace(/^#/, "").split("?");
+  const params = new URLSearchParams(query || "");
+  const at = params.has("at") ? Number(params.get("at")) : null;
+  if (path.startsWith("/model/")) return { page: "model", name: decodeURIComponent(path.slice(7)), at };
+  return { page: "models", at };
+}
+
+function href(page, name, at) {
+  const base = page === "model" ? `#/model/${encodeURIComponent(name)}` : "#/models";
+  return at === null || at === undefined ? base : `${base}?at=${at}`;
+}
+
+// -- signing in ----------------------------------------------------------------
+
+function signOut(message) {
+  sessionStorage.removeItem(TOKEN_KEY);
+  stopFollowing();
+  state.me = null;
+  $("#whoami").textContent = "";
+  $("#logout").hidden = true;
+  $("#page").replaceChildren();
+  $("#login").hidden = false;
+  $("#login-error").textContent = message || "";
+}
+
+async function signIn() {
+  try {
+    state.me = await api("/me");
+  } catch (error) {
+    if (error.status !== 401) $("#login-error").textContent = error.message;
+    return false;
+  }
+  $("#login").hidden = true;
+  $("#logout").hidden = false;
+  $("#whoami").textContent = `${state.me.actor} (${state.me.role})`;
+  return true;
+}
+
+// -- following the log ---------------------------------------------------------
+
+function stopFollowing() {
+  if (state.follow) state.follow.abort();
+  state.follow = null;
+  $("#live").classList.remove("on");
+}
+
+// Server-sent events through fetch, since EventSource cannot send a token.
+async function follow() {
+  stopFollowing();
+  const controller = new AbortController();
+  state.follow = controller;
+  try {
+    const response = await fetch(`/events?from=${state.head}`, {
+      headers: { Authorization: `Bearer ${token()}` },
+      signal: controller.signal,
+    });
+    if (!response.ok) throw new ApiError(response.status, "watch refused");
+    $("#live").classList.add("on");
+    const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
+    let buffer = "";
+    for (;;) {
+      const { value, done } = await reader.read();
+      if (done) break;
+      buffer += value;
+      let end;
+      while ((end = buffer.indexOf("\n\n")) >= 0) {
+        const block = buffer.slice(0, end);
+        buffer = buffer.slice(end + 2);
+        const data = block
+          .split("\n")
+          .filter((line) => line.startsWith("data: "))
+          .map((line) => line.slice(6))
+          .join("\n");
+        if (data) changed(JSON.parse(data));
+      }
+    }
+  } catch (error) {
+    if (controller.signal.aborted) return;
+  }
+  $("#live").classList.remove("on");
+  if (state.follow === controller) setTimeout(() => state.follow === controller && follow(), 2000);
+}
+
+let redraw = null;
+function changed(event) {
+  if (event.revision <= state.head) return;
+  state.head = event.revision;
+  // Redraw only the view of now, and never under an open rollback preview;
+  // a view of the past just learns that the log moved on.
+  if (route().at !== null || $(".rollback.open")) {
+    const behind = $("#behind");
+    if (behind) behind.textContent = `The log has moved on: now at revision ${state.head}.`;
+    return;
+  }
+  // Several events of one transaction arrive together: draw once.
+  clearTimeout(redraw);
+  redraw = setTimeout(() => render(), 150);
+}
+
+// -- shared pieces -------------------------------------------------------------
+
+function picker(at, onPick) {
+  const value = at === null ? state.head : at;
+  const label = h("output", { id: "revision-label" }, at === null ? `now (${state.head})` : String(at));
+  const slider = h("input", {
+    id: "revision",
+    type: "range",
+    min: "0",
+    max: String(state.head),
+    value: String(value),
+    "aria-label": "revision",
+    oninput: () => (label.textContent = slider.value),
+    onchange: () => onPick(Number(slider.value) >= state.head ? null : Number(slider.value)),
+  });
+  const number = h("input", {
+    id: "revision-number",
+    type: "number",
+    min: "0",
+    max: String(state.head),
+    value: String(value),
+    "aria-label": "revision number",
+    onchange: () => onPick(Number(number.value) >= state.head ? null : Number(number.value)),
+  });
+  return h(
+    "div",
+    { class: "picker" },
+    h("label", { for: "revision" }, "Revision"),
+    slider,
+    number,
+    label,
+    h("button", { type: "button", id: "now", onclick: () => onPick(null), disabled: at === null }, "Now")
+  );
+}
+
+function diffTable(diff) {
+  const rows = [];
+  for (const m of diff.added) rows.push(["+", m.name, "", "", m.source]);
+  for (const m of diff.removed) rows.push(["−", m.name, "", m.source, ""]);
+  for (const change of diff.changed) {
+    for (const [field, values] of Object.entries(change.fields)) {
+      rows.push(["~", change.model, field, show(values.before), show(values.after)]);
+    }
+  }
+  if (!rows.length) return h("p", { class: "quiet" }, "No change.");
+  return h(
+    "table",
+    { class: "diff" },
+    h("thead", {}, h("tr", {}, ["", "Model", "Field", "Before", "After"].map((t) => h("th", {}, t)))),
+    h(
+      "tbody",
+      {},
+      rows.map(([sign, ...cells]) =>
+        h("tr", { class: { "+": "added", "−": "removed", "~": "changed" }[sign] }, h("td", {}, sign), cells.map((c) => h("td", {}, c)))
+      )
+    )
+  );
+}
+
+// A rollback is shown first (a dry run), then confirmed with If-Match set to
+// the revision the preview was made at: what is written is what was shown.
+function rollbackPanel(to, model) {
+  const panel = h("div", { class: "rollback", id: "rollback" });
+  const what = model ? `${model} to revision ${to}` : `the catalog to revision ${to}`;
+  const preview = async () => {
+    panel.classList.add("open");
+    panel.replaceChildren(h("p", { class: "quiet" }, "Working out the compensating events…"));
+    try {
+      const plan = await api("/rollback", { method: "POST", body: { to, model, dry_run: true } });
+      const confirm = async () => {
+        try {
+          const done = await api("/rollback", {
+            method: "POST",
+            body: { to, model, dry_run: false },
+            ifMatch: plan.revision,
+          });
+          // Shown for a while, across the redraws its own events cause.
+          const text = done.written ? `Rolled back ${what}: now at revision ${done.revision}.` : "Nothing to write.";
+          state.flash = { text, until: Date.now() + 10000 };
+          location.hash = href(route().page, model, null);
+        } catch (error) {
+          panel.append(h("p", { class: "error" }, error.message));
+        }
+      };
+      panel.replaceChildren(
+        h("h3", {}, `Dry run: roll back ${what}`),
+        plan.notes.map((note) => h("p", { class: "note" }, note)),
+        h("p", {}, `${plan.events.length} compensating event(s) would be written:`),
+        h("ul", { class: "events" }, plan.events.map((e) => h("li", {}, `${e.model} ${e.event} ${show(e.fields)}`))),
+        diffTable(plan.diff),
+        plan.events.length
+          ? h("button", { type: "button", class: "danger", id: "rollback-confirm", onclick: confirm }, "Confirm rollback")
+          : h("p", { class: "quiet" }, "Already as it was: nothing to roll back."),
+        h("button", { type: "button", id: "rollback-cancel", onclick: cancel }, "Cancel")
+      );
+    } catch (error) {
+      panel.replaceChildren(start, h("p", { class: "error" }, error.message));
+    }
+  };
+  const cancel = () => {
+    panel.classList.remove("open");
+    panel.replaceChildren(start);
+  };
+  const start = h("button", { type: "button", id: "rollback-preview", onclick: preview }, `Roll back ${what}…`);
+  panel.append(start);
+  return panel;
+}
+
+async function diffSection(at, model) {
+  const query = new URLSearchParams({ since: String(at) });
+  if (model) query.set("model", model);
+  const diff = await api(`/diff?${query}`);
+  return h(
+    "section",
+    { id: "diff" },
+    h("h2", {}, `Changes from revision ${diff.from} to now (${diff.to})`),
+    diffTable(diff),
+    rollbackPanel(at, model)
+  );
+}
+
+// -- the Models page -----------------------------------------------------------
+
+async function modelsPage(at) {
+  const query = at === null ? "" : `?at=${at}`;
+  const [models, skipped] = await Promise.all([api(`/models${query}`), api("/skipped")]);
+  const rows = models.map((m) =>
+    h(
+      "tr",
+      { "data-model": m.name },
+      h("td", {}, h("a", { href: href("model", m.name, at) }, m.name)),
+      h("td", {}, h("span", { class: `badge ${m.declared ? "declared" : "runtime"}` }, m.declared ? "declared" : "runtime")),
+      h("td", {}, m.engine),
+      h("td", {}, m.effective_class, m.class ? "" : h("span", { class: "quiet" }, " (from scaling)")),
+      h("td", {}, m.owner || h("span", { class: "quiet" }, "shared")),
+      h("td", {}, scaling(m)),
+      h("td", { class: "source" }, m.source),
+      h("td", { title: (m.origin && m.origin.revision) || "" }, short(m.origin && m.origin.revision)),
+      h("td", { class: "warning" }, (m.warnings || []).join("; "))
+    )
+  );
+  const page = [
+    h("h1", {}, "Models ", h("small", {}, at === null ? `now, revision ${state.head}` : `at revision ${at}`)),
+    picker(at, (picked) => (location.hash = href("models", null, picked))),
+    h(
+      "table",
+      { id: "models", class: "models" },
+      h(
+        "thead",
+        {},
+        h("tr", {}, ["Name", "Layer", "Engine", "Class", "Owner", "Scaling", "Source", "Source revision", "Warnings"].map((t) => h("th", {}, t)))
+      ),
+      h("tbody", {}, rows.length ? rows : h("tr", {}, h("td", { colspan: "9", class: "quiet" }, "No models.")))
+    ),
+  ];
+  if (at !== null) page.push(await diffSection(at, null));
+  page.push(
+    h(
+      "section",
+      { id: "skipped" },
+      h("h2", {}, "Skipped events"),
+      skipped.length
+        ? h(
+            "ul",
+            {},
+            skipped.map((s) => h("li", {}, `revision ${s.revision}: ${s.model || "?"} ${s.event}: ${s.reason}`))
+          )
+        : h("p", { class: "quiet" }, "None: every stored event is in force.")
+    )
+  );
+  return page;
+}
+
+// -- a model's page ------------------------------------------------------------
+
+function definition(m) {
+  const profiles = m.profiles.map((p) => {
+    const parts = [p.gpus ? `${p.gpus} GPU` : "CPU"];
+    if (p.gpu_memory_gb) parts.push(`${p.gpu_memory_gb} GB GPU`);
+    if (p.min_memory_gb) parts.push(`${p.min_memory_gb} GB`);
+    if (p.cpu_cores) parts.push(`${p.cpu_cores} cores`);
+    return `${p.name} (${parts.join(", ")})`;
+  });
+  const rows = [
+    ["Layer", m.declared ? "declared (edit the config file to change it)" : "runtime"],
+    ["Engine", m.engine],
+    ["Source", m.source],
+    ["Source revision", m.origin ? `${m.origin.repository}@${m.origin.revision}` : "—"],
+    ["Profiles", profiles.join("; ")],
+    ["Scaling", scaling(m)],
+    ["Class", m.effective_class + (m.class ? "" : " (from scaling)")],
+    ["Owner", m.owner || "shared"],
+    ["Adapters", m.adapters.map((a) => `${a.name}=${a.source}`).join(", ") || "—"],
+    ["Fallbacks", m.fallbacks.join(", ") || "—"],
+  ];
+  for (const warning of m.warnings || []) rows.push(["Warning", warning]);
+  return h("table", { class: "definition", id: "definition" }, h("tbody", {}, rows.map(([k, v]) => h("tr", {}, h("th", {}, k), h("td", {}, v)))));
+}
+
+function summary(m) {
+  return `${m.engine} ${m.source}, scaling ${scaling(m)}`;
+}
+
+function change(c) {
+  return h("li", {}, h("code", {}, c.field || "(definition)"), ": ", h("span", { class: "before" }, show(c.before)), " → ", h("span", { class: "after" }, show(c.after)));
+}
+
+// What one history row did: a whole definition (added, removed) is
+// summarised, anything else listed field by field, before → after.
+function changes(r) {
+  if (r.skipped) return h("p", { class: "warning" }, `skipped on load: ${r.skipped}`);
+  if (!r.before && r.after) return h("ul", { class: "changes" }, h("li", {}, "defined: ", h("span", { class: "after" }, summary(r.after))));
+  if (r.before && !r.after) return h("ul", { class: "changes" }, h("li", {}, "removed: ", h("span", { class: "before" }, summary(r.before))));
+  return h("ul", { class: "changes" }, (r.changes || []).map(change));
+}
+
+async function timeline(name, at) {
+  let rows;
+  try {
+    rows = await api(`/history/${encodeURIComponent(name)}`);
+  } catch (error) {
+    if (error.status !== 404) throw error;
+    rows = [];
+  }
+  const items = rows.map((r) =>
+    h(
+      "li",
+      { class: `entry${at !== null && r.revision > at ? " later" : ""}`, "data-revision": r.revision },
+      h(
+        "div",
+        { class: "when" },
+        h("a", { href: href("model", name, r.revision), title: "the model at this revision" }, `revision ${r.revision}`),
+        ` · ${r.time || "?"} · `,
+        h("strong", {}, r.by || "?")
+      ),
+      h("div", { class: "what" }, r.event, r.rollback_to !== null ? ` (rollback to ${r.rollback_to})` : "", r.reason ? h("span", { class: "reason" }, ` “${r.reason}”`) : ""),
+      changes(r)
+    )
+  );
+  return h("section", { id: "history" }, h("h2", {}, "History"), items.length ? h("ol", { class: "timeline" }, items) : h("p", { class: "quiet" }, "No runtime changes."));
+}
+
+async function modelPage(name, at) {
+  const query = at === null ? "" : `?at=${at}`;
+  let model = null;
+  try {
+    model = await api(`/models/${encodeURIComponent(name)}${query}`);
+  } catch (error) {
+    if (error.status !== 404) throw error;
+  }
+  const page = [
+    h("p", {}, h("a", { href: href("models", null, at) }, "← Models")),
+    h("h1", {}, name, " ", model ? h("span", { class: `badge ${model.declared ? "declared" : "runtime"}` }, model.declared ? "declared" : "runtime") : "", h("small", {}, at === null ? ` now, revision ${state.head}` : ` at revision ${at}`)),
+    picker(at, (picked) => (location.hash = href("model", name, picked))),
+    model ? definition(model) : h("p", { class: "quiet", id: "definition" }, at === null ? "Not in the catalog now." : `Not in the catalog at revision ${at}.`),
+  ];
+  if (at !== null) page.push(await diffSection(at, name));
+  page.push(await timeline(name, at));
+  return page;
+}
+
+// -- drawing -------------------------------------------------------------------
+
+async function render() {
+  if (!state.me) return;
+  const number = ++state.rendering;
+  const where = route();
+  $("#error").textContent = "";
+  try {
+    state.head = Math.max(state.head, (await api("/revision")).revision);
+    const at = where.at !== null && where.at < state.head ? where.at : null;
+    const content = where.page === "model" ? await modelPage(where.name, at) : await modelsPage(at);
+    if (number !== state.rendering) return; // a newer draw started meanwhile
+    const flash = state.flash && Date.now() < state.flash.until ? h("p", { class: "ok", id: "flash" }, state.flash.text) : "";
+    $("#page").replaceChildren(flash, h("p", { id: "behind", class: "note" }), ...content);
+    document.title = where.page === "model" ? `${where.name} · catalog-es` : "Models · catalog-es";
+  } catch (error) {
+    if (number === state.rendering && state.me) $("#error").textContent = error.message;
+  }
+}
+
+async function start() {
+  $("#login").addEventListener("submit", async (event) => {
+    event.preventDefault();
+    sessionStorage.setItem(TOKEN_KEY, $("#token").value.trim());
+    $("#token").value = "";
+    if (await signIn()) begin();
+    else if (!$("#login-error").textContent) $("#login-error").textContent = "That token is not valid.";
+  });
+  $("#logout").addEventListener("click", () => signOut());
+  window.addEventListener("hashchange", render);
+  if (token() && (await signIn())) begin();
+  else signOut();
+}
+
+async function begin() {
+  await render();
+  follow();
+}
+
+start();

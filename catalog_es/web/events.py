@@ -1,0 +1,78 @@
+"""``watch`` as server-sent events, stopped when the client goes away.
+
+A :class:`~catalog_es.application.Watch` blocks its thread while it waits for
+the next change, so it is iterated on a thread of its own, one ``next`` at a
+time (which is also the backpressure: the next change is read only once the
+last one is sent). When the client disconnects, the server cancels the
+stream; ``finally`` then stops the watch, which ends the blocked ``next``,
+and closes the generator on that same thread, so the subscription's
+``with`` block (a PostgreSQL LISTEN connection) is left where it was entered.
+A server shutting down sets ``closing``: the streams end within a wake-up,
+rather than holding the shutdown until they are cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import AsyncIterator, Generator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, cast
+
+from fastapi.responses import StreamingResponse
+
+from catalog_es.application import Watch
+
+# A comment line this often keeps proxies from closing a quiet stream, and
+# finds a client that left without a word.
+KEEP_ALIVE_SECONDS = 15.0
+# How often a waiting stream looks whether the server is closing.
+WAKE_UP_SECONDS = 0.5
+
+
+def sse_message(event: dict[str, Any]) -> str:
+    """One event: ``id`` the revision (what a reconnecting EventSource sends
+    back as Last-Event-ID), ``data`` the event as ``watch --json`` prints it."""
+    return f"id: {event['revision']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
+
+
+async def _messages(watch: Watch, closing: threading.Event) -> AsyncIterator[str]:
+    loop = asyncio.get_running_loop()
+    worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="catalog-es-watch")
+    # ``Watch.__iter__`` is a generator function: it can be closed.
+    events = cast(Generator[dict[str, Any], None, None], iter(watch))
+    pending: asyncio.Future[dict[str, Any] | None] | None = None
+    try:
+        # Sent at once, so a client knows the stream is open before any change.
+        yield ": watching\n\n"
+        quiet_since = time.monotonic()
+        while not closing.is_set():
+            if pending is None:
+                pending = loop.run_in_executor(worker, next, events, None)
+            done, _ = await asyncio.wait({pending}, timeout=WAKE_UP_SECONDS)
+            if not done:
+                if time.monotonic() - quiet_since >= KEEP_ALIVE_SECONDS:
+                    quiet_since = time.monotonic()
+                    yield ": keep-alive\n\n"
+                continue
+            quiet_since = time.monotonic()
+            event = pending.result()
+            pending = None
+            if event is None:
+                return
+            yield sse_message(event)
+    finally:
+        watch.stop()
+        # Queued behind a pending ``next``, which the stop ends promptly.
+        worker.submit(events.close)
+        worker.shutdown(wait=False)
+
+
+def event_stream(watch: Watch, closing: threading.Event) -> StreamingResponse:
+    return StreamingResponse(
+        _messages(watch, closing),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )

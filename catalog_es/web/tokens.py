@@ -1,0 +1,195 @@
+"""Bearer tokens: who a request is, and what it may do.
+
+A token is ``ces_<id>_<secret>``. The tokens file keeps, per token, its id in
+clear (to find the entry without trying every one), the actor and role it
+stands for, a random salt and ``sha256(salt + secret)``; never the secret.
+The secret is 32 random bytes, so a fast salted hash is enough: a slow
+password hash (scrypt, argon2) defends low-entropy secrets that people pick,
+and would cost every request its time. The file is written atomically with
+mode 0600, and re-read when it changes, so adding or removing a token needs
+no restart.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import hmac
+import os
+import secrets
+import tempfile
+import threading
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from catalog_es.errors import InputError
+from catalog_es.model import utc_now
+
+TOKEN_PREFIX = "ces"
+_ID_BYTES = 6
+_SECRET_BYTES = 32
+
+
+class Role(enum.IntEnum):
+    """What a token may do; each role may do what the ones below it may."""
+
+    read = 1  # every query, a rollback's dry run
+    write = 2  # the commands that change models
+    admin = 3  # rollback
+
+
+class TokenEntry(msgspec.Struct, frozen=True):
+    """One token as the file keeps it."""
+
+    id: str
+    actor: str
+    role: str
+    salt: str
+    sha256: str
+    created: datetime
+
+
+class TokensFile(msgspec.Struct):
+    tokens: list[TokenEntry] = []
+
+
+class Caller(msgspec.Struct, frozen=True):
+    """Who a verified token stands for."""
+
+    actor: str
+    role: Role
+    token_id: str
+
+
+def _digest(salt: str, secret: str) -> str:
+    return hashlib.sha256(bytes.fromhex(salt) + secret.encode()).hexdigest()
+
+
+def parse_role(text: str) -> Role:
+    """``read``, ``write`` or ``admin``."""
+    try:
+        return Role[text]
+    except KeyError:
+        known = ", ".join(r.name for r in Role)
+        raise InputError(f"role {text!r}: not a role (known: {known})") from None
+
+
+class TokenStore:
+    """The tokens file: create, list, revoke, and verify a presented token."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+        self._loaded: tuple[float, int] | None = None  # mtime and size last read
+        self._by_id: dict[str, TokenEntry] = {}
+
+    # -- the file ----------------------------------------------------------------
+
+    def _read(self) -> TokensFile:
+        try:
+            data = self.path.read_bytes()
+        except FileNotFoundError:
+            return TokensFile()
+        except OSError as error:
+            raise InputError(f"{self.path}: {error.strerror or error}") from None
+        try:
+            return msgspec.json.decode(data, type=TokensFile)
+        except msgspec.MsgspecError as error:
+            raise InputError(f"{self.path}: not a tokens file: {error}") from None
+
+    def _write(self, content: TokensFile) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd, temporary = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.")
+        try:
+            os.fchmod(fd, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(msgspec.json.format(msgspec.json.encode(content)) + b"\n")
+            Path(temporary).replace(self.path)
+        except BaseException:
+            Path(temporary).unlink(missing_ok=True)
+            raise
+
+    def entries(self) -> list[TokenEntry]:
+        return list(self._read().tokens)
+
+    def add(self, actor: str, role: str) -> tuple[TokenEntry, str]:
+        """A new token for ``actor``: its entry and the token itself, which is
+        shown once and stored nowhere."""
+        if not actor.strip() or len(actor) > 128 or not actor.isprintable():
+            raise InputError(f"actor {actor[:40]!r}: must be 1-128 printable characters")
+        parse_role(role)
+        content = self._read()
+        token_id = secrets.token_hex(_ID_BYTES)
+        secret = secrets.token_urlsafe(_SECRET_BYTES)
+        salt = secrets.token_hex(16)
+        entry = TokenEntry(
+            id=token_id,
+            actor=actor,
+            role=role,
+            salt=salt,
+            sha256=_digest(salt, secret),
+            created=utc_now(),
+        )
+        content.tokens.append(entry)
+        self._write(content)
+        return entry, f"{TOKEN_PREFIX}_{token_id}_{secret}"
+
+    def remove(self, token_id: str) -> TokenEntry:
+        content = self._read()
+        for entry in content.tokens:
+            if entry.id == token_id:
+                content.tokens.remove(entry)
+                self._write(content)
+                return entry
+        raise InputError(f"no token with id {token_id!r} in {self.path}")
+
+    # -- verifying ---------------------------------------------------------------
+
+    def _current(self) -> dict[str, TokenEntry]:
+        """The entries by id, re-read when the file changed since last time."""
+        try:
+            stat = self.path.stat()
+            seen: tuple[float, int] | None = (stat.st_mtime, stat.st_size)
+        except FileNotFoundError:
+            seen = None
+        with self._lock:
+            if seen != self._loaded or seen is None:
+                self._by_id = {e.id: e for e in self._read().tokens}
+                self._loaded = seen
+            return self._by_id
+
+    def verify(self, token: str) -> Caller | None:
+        """The caller a presented token stands for, or ``None``."""
+        prefix, _, rest = token.partition("_")
+        token_id, _, secret = rest.partition("_")
+        if prefix != TOKEN_PREFIX or not token_id or not secret:
+            return None
+        entry = self._current().get(token_id)
+        if entry is None:
+            return None
+        try:
+            expected = _digest(entry.salt, secret)
+        except ValueError:  # a hand-edited salt that is not hex
+            return None
+        if not hmac.compare_digest(expected, entry.sha256):
+            return None
+        try:
+            role = parse_role(entry.role)
+        except InputError:
+            return None
+        return Caller(actor=entry.actor, role=role, token_id=entry.id)
+
+    def describe(self) -> list[dict[str, Any]]:
+        """The entries without their hashes, for ``token list``."""
+        return [
+            {
+                "id": e.id,
+                "actor": e.actor,
+                "role": e.role,
+                "created": e.created.isoformat().replace("+00:00", "Z"),
+            }
+            for e in self.entries()
+        ]

@@ -1,0 +1,192 @@
+"""The console (issue 9) in real headless Chromium, driven by Playwright.
+
+Debian's ``chromium`` is used (``executable_path``); Playwright's own browser
+downloads are never needed. Without Chromium the test fails, saying how to
+install it. With ``CONSOLE_SCREENSHOTS=DIR`` set, the pages are also saved
+there as PNG (that is how ``docs/console-*.png`` are made).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from playwright.sync_api import BrowserContext, Page, expect, sync_playwright
+
+from catalog_es.application import Models
+from catalog_es.inputs import load_config, model_from_data
+from catalog_es.web.app import create_app
+from tests.helpers import count_events
+from tests.serving import serving, tokens_for_roles
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_HELP = (
+    f"the console test needs Chromium at {CHROMIUM}: install it with "
+    "`apt-get update && apt-get install -y chromium` (never `playwright install`)"
+)
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+DECLARED_YAML = """
+models:
+  - name: llama-3.1-8b-instruct
+    engine: vllm
+    source: hf://meta-llama/Llama-3.1-8B-Instruct
+    profiles: [{name: l4, gpus: 1, gpu_memory_gb: 24}]
+    scaling: {min: 2, max: 8}
+    class: critical
+"""
+
+
+@pytest.fixture
+def browser() -> Iterator[BrowserContext]:
+    if not Path(CHROMIUM).is_file() or shutil.which(CHROMIUM) is None:
+        pytest.fail(CHROMIUM_HELP, pytrace=False)
+    with sync_playwright() as playwright, tempfile.TemporaryDirectory() as profile:
+        context = playwright.chromium.launch_persistent_context(
+            profile,  # a fresh user-data-dir, gone afterwards
+            executable_path=CHROMIUM,
+            headless=True,
+            args=CHROMIUM_ARGS,
+            viewport={"width": 1360, "height": 900},
+        )
+        # Only the test server is ever talked to.
+        context.route(
+            lambda url: not url.startswith("http://127.0.0.1:"),
+            lambda route: route.abort(),
+        )
+        yield context
+        context.close()
+
+
+def screenshot(page: Page, name: str) -> None:
+    folder = os.environ.get("CONSOLE_SCREENSHOTS")
+    if folder:
+        page.screenshot(path=str(Path(folder) / f"console-{name}.png"), full_page=True)
+
+
+def _history(models: Models) -> None:
+    """Some runtime history: a model tried, scaled, owned, and another added."""
+    qwen = {
+        "name": "qwen2.5-7b-instruct",
+        "engine": "vllm",
+        "source": "hf://Qwen/Qwen2.5-7B-Instruct",
+        "profiles": [{"name": "l4", "gpus": 1, "gpu_memory_gb": 24, "min_memory_gb": 32}],
+        "scaling": {"min": 0, "max": 2},
+        "fallbacks": ["llama-3.1-8b-instruct"],
+        "origin": {"repository": "Qwen/Qwen2.5-7B-Instruct", "revision": "a09a35458c70"},
+    }
+    models.add(model_from_data(qwen, "test"), by="alice", reason="trying Qwen")  # 2
+    models.scale("qwen2.5-7b-instruct", 1, 4, by="alice", reason="load test")  # 3
+    tiny = {
+        "name": "tinyllama-cpu",
+        "engine": "llamacpp",
+        "source": "hf://TinyLlama/TinyLlama-1.1B-Chat-v1.0-GGUF",
+        "profiles": [{"name": "cpu", "min_memory_gb": 4, "cpu_cores": 4}],
+    }
+    models.add(model_from_data(tiny, "test"), by="bob")  # 4
+    models.set_owner("qwen2.5-7b-instruct", "team:search", by="carol")  # 5
+
+
+def test_console_models_history_time_travel_and_rollback(
+    browser: BrowserContext, tmp_path: Path
+) -> None:
+    config = tmp_path / "catalog.yaml"
+    config.write_text(DECLARED_YAML)
+    db = f"sqlite:///{tmp_path}/console.db"
+    models = Models(load_config(str(config)), env={"CATALOG_ES_DB": db})
+    _history(models)
+    tokens, token = tokens_for_roles(tmp_path / "tokens.json")
+    page = browser.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda error: errors.append(str(error)))
+    with serving(create_app(models, tokens)) as url:
+        # Signing in: a bad token is refused, a good one is kept for the tab.
+        page.goto(f"{url}/")
+        page.fill("#token", "ces_nope_nope")
+        page.click("#login button")
+        expect(page.locator("#login-error")).to_have_text(
+            "the token is not valid (unknown or revoked)"
+        )
+        page.fill("#token", token["admin"])
+        page.click("#login button")
+        expect(page.locator("#whoami")).to_have_text("admin-user (admin)")
+
+        # The Models page: both layers, the columns the issue asks for.
+        table = page.locator("#models tbody")
+        expect(table.locator("tr")).to_have_count(3)
+        qwen = table.locator('tr[data-model="qwen2.5-7b-instruct"]')
+        expect(qwen).to_contain_text("runtime")
+        expect(qwen).to_contain_text("team:search")
+        expect(qwen).to_contain_text("1..4")
+        expect(qwen).to_contain_text("a09a35458c70")
+        expect(table.locator('tr[data-model="llama-3.1-8b-instruct"]')).to_contain_text("declared")
+        expect(page.locator("#skipped")).to_contain_text("None")
+        expect(page.locator("#live")).to_have_class("live on")
+        screenshot(page, "models")
+
+        # A change made elsewhere shows up live.
+        models.set_class("tinyllama-cpu", "opportunistic", by="dave")  # 6
+        expect(table.locator('tr[data-model="tinyllama-cpu"]')).to_contain_text("opportunistic")
+
+        # A model's page: its definition and history.
+        qwen.locator("a").click()
+        expect(page.locator("#page h1")).to_contain_text("qwen2.5-7b-instruct")
+        expect(page.locator("#definition")).to_contain_text("1..4")
+        timeline = page.locator("#history li.entry")
+        expect(timeline).to_have_count(3)
+        expect(timeline.nth(0)).to_contain_text("alice")
+        expect(timeline.nth(0)).to_contain_text("trying Qwen")
+        expect(timeline.nth(0)).to_contain_text("defined: vllm hf://Qwen/Qwen2.5-7B-Instruct")
+        expect(timeline.nth(1)).to_contain_text("scaling.max: 2 → 4")
+        expect(timeline.nth(2)).to_contain_text("carol")
+        expect(timeline.nth(2)).to_contain_text('owner: "" → "team:search"')
+        screenshot(page, "model")
+
+        # Back to revision 2: the model as it was, and the diff to now.
+        page.fill("#revision-number", "2")
+        page.dispatch_event("#revision-number", "change")
+        expect(page).to_have_url(f"{url}/console/#/model/qwen2.5-7b-instruct?at=2")
+        expect(page.locator("#definition")).to_contain_text("0..2")
+        diff = page.locator("#diff")
+        expect(diff).to_contain_text("Changes from revision 2 to now (6)")
+        expect(diff).to_contain_text('{"min":0,"max":2}')
+        expect(diff).to_contain_text('{"min":1,"max":4}')
+
+        # The whole catalog at revision 2: tinyllama was not there yet.
+        page.click("text=← Models")
+        expect(page).to_have_url(f"{url}/console/#/models?at=2")
+        expect(table.locator("tr")).to_have_count(2)
+        expect(page.locator("#diff tr.added")).to_contain_text("tinyllama-cpu")
+        screenshot(page, "revision")
+
+        # A rollback is a dry run first; nothing is written until confirmed.
+        written = count_events(db)
+        page.click("#rollback-preview")
+        plan = page.locator("#rollback")
+        expect(plan).to_contain_text("Dry run: roll back the catalog to revision 2")
+        expect(plan).to_contain_text("tinyllama-cpu Removed")
+        expect(plan).to_contain_text("qwen2.5-7b-instruct Scaled")
+        screenshot(page, "rollback")
+        assert count_events(db) == written
+        page.click("#rollback-confirm")
+        expect(page.locator("#flash")).to_contain_text("Rolled back the catalog to revision 2")
+        expect(page).to_have_url(f"{url}/console/#/models")
+        expect(table.locator("tr")).to_have_count(2)
+        assert count_events(db) > written
+        last = list(models.log_events(after=written))
+        assert {(e["by"], e["rollback_to"]) for e in last} == {("admin-user", 2)}
+        page.close()
+    assert errors == []
+    models.close()

@@ -1,0 +1,505 @@
+"""The HTTP API (issue 9), through a real server on 127.0.0.1, on SQLite and
+PostgreSQL: every endpoint, auth, bad bodies, compare-and-set, the watch stream.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from click.testing import CliRunner
+
+from catalog_es.application import Models
+from catalog_es.cli import cli
+from catalog_es.errors import StorageBusy
+from catalog_es.web.app import create_app
+from catalog_es.web.tokens import TokenStore
+from tests.helpers import config_yaml, count_events, definition, spec
+from tests.serving import bearer, free_port, serving, tokens_for_roles
+
+DECLARED_YAML = config_yaml(spec("base"))  # one declared model
+
+
+@dataclass
+class Api:
+    url: str
+    db: str
+    models: Models
+    tokens: TokenStore
+    token: dict[str, str]  # role -> token
+    client: httpx.Client
+
+    def as_(self, role: str) -> dict[str, str]:
+        return bearer(self.token[role])
+
+    def get(self, path: str, role: str = "read", **kwargs: Any) -> httpx.Response:
+        return self.client.get(path, headers=self.as_(role), **kwargs)
+
+    def post(self, path: str, body: Any, role: str = "write", **headers: str) -> httpx.Response:
+        return self.client.post(path, json=body, headers={**self.as_(role), **headers})
+
+
+@pytest.fixture
+def config_file(write_config: Callable[..., str]) -> str:
+    return write_config(DECLARED_YAML)
+
+
+@pytest.fixture
+def api(db_url: str, tmp_path: Path, make_models: Callable[..., Models]) -> Iterator[Api]:
+    models = make_models(DECLARED_YAML)
+    tokens, token = tokens_for_roles(tmp_path / "tokens.json")
+    with serving(create_app(models, tokens)) as url, httpx.Client(base_url=url) as client:
+        yield Api(url, db_url, models, tokens, token, client)
+
+
+def ok(response: httpx.Response) -> Any:
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def refused(response: httpx.Response, status: int) -> str:
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"] == "application/json"
+    message: str = response.json()["error"]
+    return message
+
+
+# -- commands ------------------------------------------------------------------------
+
+
+def test_every_command_answers_its_revision_and_records_the_tokens_actor(api: Api) -> None:
+    added = ok(api.post("/models?reason=trying", definition("qwen")))
+    assert added["revision"] == 2  # 1 is the declared config, recorded by the first write
+    assert added["model"]["name"] == "qwen" and added["replaced"] is False
+    assert api.post("/models", definition("qwen")).json()["replaced"] is True
+
+    steps: list[tuple[str, dict[str, Any], str, Any]] = [
+        ("scale", {"min": 0, "max": 3}, "scaling", {"min": 0, "max": 3}),
+        ("resources", {"memory_gb": 48, "cpu_cores": 8}, "profiles", None),
+        ("class", {"class": "critical"}, "class", "critical"),
+        ("owner", {"owner": "team:search"}, "owner", "team:search"),
+        ("adapters", {"adapters": [{"name": "sql", "source": "s3://a/sql"}]}, "adapters", None),
+        (
+            "source",
+            {"source": "hf://org/qwen-awq", "origin": {"repository": "org/qwen-awq"}},
+            "source",
+            "hf://org/qwen-awq",
+        ),
+    ]
+    revision = 3
+    for verb, body, field, value in steps:
+        response = api.post(f"/models/qwen/{verb}", body)
+        result = ok(response)
+        revision += 1
+        assert result["revision"] == revision, verb
+        assert response.headers["ETag"] == f'"{revision}"'
+        assert response.headers["X-Catalog-Revision"] == str(revision)
+        if value is not None:
+            assert result["model"][field] == value, verb
+    shown = ok(api.get("/models/qwen"))
+    assert shown["profiles"][0]["min_memory_gb"] == 48
+    assert shown["adapters"] == [{"name": "sql", "source": "s3://a/sql"}]
+    assert shown["origin"]["repository"] == "org/qwen-awq"
+
+    applied = ok(
+        api.post("/apply", [{"add": definition("tiny")}, {"scale": {"name": "tiny", "max": 2}}])
+    )
+    assert applied["revision"] == revision + 2 and applied["changes"] == 2
+
+    removed = ok(api.client.delete("/models/tiny", headers=api.as_("write")))
+    assert removed == {
+        "revision": revision + 3,
+        "model": None,
+        "replaced": False,
+        "removed": "tiny",
+        "written": True,
+    }
+    log = ok(api.get("/log", params={"after": 1}))
+    assert {e["by"] for e in log} == {"write-user"}
+    assert log[0]["reason"] == "trying"
+
+
+def test_a_body_or_query_that_names_the_actor_is_refused(api: Api) -> None:
+    before = count_events(api.db)
+    message = refused(api.post("/models", {**definition("qwen"), "by": "mallory"}), 422)
+    assert message == "request body: by: unknown field"
+    message = refused(api.post("/models/base/scale", {"max": 2, "by": "mallory"}), 422)
+    assert message == "request body: by: unknown field"
+    assert count_events(api.db) == before
+
+
+# -- queries ---------------------------------------------------------------------------
+
+
+def test_reads_now_and_in_the_past(api: Api) -> None:
+    assert ok(api.get("/models")) == api.models.list_models()
+    api.post("/models", definition("qwen"))
+    api.post("/models/qwen/scale", {"max": 4})
+    response = api.get("/models")
+    assert [m["name"] for m in response.json()] == ["base", "qwen"]
+    assert response.headers["ETag"] == '"3"'
+
+    past = api.get("/models", params={"at": "2"})
+    assert past.headers["X-Catalog-Revision"] == "2"
+    assert [m["scaling"]["max"] for m in past.json() if m["name"] == "qwen"] == [1]
+    assert ok(api.get("/models/qwen", params={"at": 2}))["scaling"]["max"] == 1
+    time_now = ok(api.get("/log"))[-1]["time"]
+    assert ok(api.get("/models/qwen", params={"at": time_now}))["scaling"]["max"] == 4
+    assert ok(api.get("/models", params={"at": 0})) == ok(api.get("/models", params={"at": 1}))
+
+    assert ok(api.get("/revision")) == {"revision": 3}
+    assert ok(api.get("/me")) == {"actor": "read-user", "role": "read"}
+    diff = ok(api.get("/diff", params={"since": 2}))
+    assert diff == api.models.diff(2)
+    assert diff["changed"][0]["fields"]["scaling"]["after"] == {"min": 1, "max": 4}
+    assert ok(api.get("/diff", params={"since": 1, "until": 2}))["added"][0]["name"] == "qwen"
+    assert ok(api.get("/sources"))["hf://org/qwen"] == [{"model": "qwen"}]
+    assert [e["event"] for e in ok(api.get("/log", params={"model": "qwen"}))] == [
+        "Added",
+        "Scaled",
+    ]
+    assert len(ok(api.get("/log", params={"limit": 1}))) == 1
+    assert ok(api.get("/skipped")) == []
+
+
+def test_the_openapi_schema_and_the_console_are_served(api: Api) -> None:
+    schema = ok(api.client.get("/openapi.json"))
+    for path in ("/models", "/models/{name}/scale", "/apply", "/rollback", "/events", "/diff"):
+        assert path in schema["paths"], path
+    body = schema["paths"]["/models"]["post"]["requestBody"]["content"]["application/json"]
+    assert body["schema"] == {"$ref": "#/components/schemas/ModelInput"}
+    assert "profiles" in schema["components"]["schemas"]["ModelInput"]["properties"]
+    assert api.client.get("/docs").status_code == 200
+    console = api.client.get("/", follow_redirects=True)
+    assert console.status_code == 200 and "catalog-es console" in console.text
+    assert api.client.get("/console/console.js").status_code == 200
+
+
+# -- refusals ----------------------------------------------------------------------
+
+
+def test_no_token_or_a_bad_one_is_401_and_writes_nothing(api: Api) -> None:
+    before = count_events(api.db)
+    for headers in ({}, bearer("ces_0000_nope"), bearer("garbage"), {"Authorization": "Basic x"}):
+        response = api.client.post("/models", json=definition("qwen"), headers=headers)
+        assert refused(response, 401)
+        assert response.headers["WWW-Authenticate"] == "Bearer"
+        assert api.client.get("/models", headers=headers).status_code == 401
+    # A bad body is not even read without a token.
+    assert api.client.post("/models", content=b"{", headers={}).status_code == 401
+    assert count_events(api.db) == before
+
+
+def test_a_role_too_low_is_403_and_writes_nothing(api: Api) -> None:
+    api.post("/models", definition("qwen"))
+    before = count_events(api.db)
+    for path, body in [
+        ("/models", definition("other")),
+        ("/models/qwen/scale", {"max": 2}),
+        ("/models/qwen/owner", {"owner": "team:x"}),
+        ("/apply", [{"remove": "qwen"}]),
+    ]:
+        assert "needs write" in refused(api.post(path, body, role="read"), 403)
+    assert refused(api.client.delete("/models/qwen", headers=api.as_("read")), 403)
+    for role in ("read", "write"):
+        message = refused(api.post("/rollback", {"to": 1}, role=role), 403)
+        assert message == f"'{role}-user' has the {role} role; a rollback needs admin"
+    assert count_events(api.db) == before
+
+
+def test_a_removed_token_is_refused_from_the_next_request(api: Api) -> None:
+    assert ok(api.get("/me"))["actor"] == "read-user"
+    (entry,) = [e for e in api.tokens.entries() if e.actor == "read-user"]
+    api.tokens.remove(entry.id)
+    assert refused(api.get("/me"), 401) == "the token is not valid (unknown or revoked)"
+
+
+def test_bad_bodies_are_422_with_the_clis_message_and_write_nothing(
+    api: Api, tmp_path: Path, config_file: str
+) -> None:
+    before = count_events(api.db)
+    bad_definitions: list[Any] = [
+        {"name": "qwen", "engine": "vllm", "source": "hf://x"},  # no profiles
+        definition("qwen", scaling={"min": "1"}),  # strict types
+        definition("qwen", engine="nope"),
+        definition("qwen", fallbacks=["missing"]),
+        definition("bad name!"),
+        definition("base"),  # declared in config
+        definition("cpu", profiles=[{"name": "cpu"}]),  # the memory rule
+    ]
+    for number, bad in enumerate(bad_definitions):
+        message = refused(api.post("/models", bad), 422)
+        path = tmp_path / f"bad{number}.json"
+        path.write_text(json.dumps(bad))
+        command = ["--db", api.db, "--config", config_file, "model", "add", str(path)]
+        run = CliRunner().invoke(cli, command)
+        assert run.exit_code == 1
+        cli_message = run.stderr.strip().removeprefix("error: ")
+        assert message == cli_message.replace(str(path), "request body"), number
+    for raw, expected in [
+        (b"", "request body: empty; send a JSON (or YAML) document"),
+        (b"{", "request body: not valid JSON"),
+        (b'{"a": 1, "a": 2}', "request body: duplicate key 'a'"),
+        (b"\xff", "request body: not UTF-8 text"),
+    ]:
+        response = api.client.post("/models", content=raw, headers=api.as_("write"))
+        assert refused(response, 422).startswith(expected)
+    assert refused(api.post("/models/base/scale", {"max": 2}), 422).startswith(
+        "model 'base' is declared in configuration"
+    )
+    assert refused(api.post("/models/base/scale", {}), 422) == (
+        "say what to set: the minimum, the maximum, or both"
+    )
+    assert refused(api.post("/models/base/scale", [1]), 422).startswith("request body: ")
+    assert refused(api.post("/apply", []), 422) == (
+        "request body: expected a non-empty list of changes"
+    )
+    assert refused(api.post("/rollback", {"to": "yesterday"}, role="admin"), 422) == (
+        "'yesterday' is neither a revision nor an ISO 8601 time"
+    )
+    assert refused(api.get("/models", params={"at": "99"}), 422) == (
+        f"revision 99 is beyond the head of the log ({api.models.revision})"
+    )
+    assert refused(api.get("/log", params={"limit": "x"}), 422).startswith("query.limit: ")
+    assert count_events(api.db) == before
+
+
+def test_not_found_is_404(api: Api) -> None:
+    assert refused(api.get("/models/nope"), 404) == "model 'nope' is not in the catalog"
+    assert refused(api.post("/models/nope/scale", {"max": 2}), 404).startswith("model 'nope'")
+    assert refused(api.client.delete("/models/nope", headers=api.as_("write")), 404)
+
+
+def test_a_stale_if_match_is_409_and_writes_nothing(api: Api) -> None:
+    read = api.get("/models")
+    etag = read.headers["ETag"]  # revision 0: nothing written yet
+    first = api.post("/models", definition("qwen"), **{"If-Match": etag})
+    assert ok(first)["revision"] == 2
+    before = count_events(api.db)
+    message = refused(api.post("/models/qwen/scale", {"max": 3}, **{"If-Match": etag}), 409)
+    assert message.startswith("the log is at revision 2, not 0")
+    assert count_events(api.db) == before
+    assert ok(api.post("/models/qwen/scale", {"max": 3}, **{"If-Match": "2"}))["revision"] == 3
+    assert ok(api.post("/models/qwen/scale", {"max": 4}, **{"If-Match": "*"}))["revision"] == 4
+    assert refused(api.post("/models/qwen/scale", {"max": 5}, **{"If-Match": "x"}), 422)
+    assert count_events(api.db) == before + 2
+
+
+def test_storage_busy_is_503(api: Api, monkeypatch: pytest.MonkeyPatch) -> None:
+    def busy(*args: Any, **kwargs: Any) -> None:
+        raise StorageBusy("the database stayed locked by another writer")
+
+    monkeypatch.setattr(api.models, "scale", busy)
+    response = api.post("/models/base/scale", {"max": 2})
+    assert refused(response, 503) == "the database stayed locked by another writer"
+    assert response.headers["Retry-After"] == "1"
+
+
+# -- rollback ----------------------------------------------------------------------------
+
+
+def test_rollback_dry_run_then_for_real(api: Api) -> None:
+    api.post("/models", definition("qwen"))
+    api.post("/models/qwen/scale", {"max": 4})
+    api.post("/models", definition("tiny"))
+    before = count_events(api.db)
+    plan = ok(api.post("/rollback", {"to": 2, "dry_run": True}, role="read"))
+    assert plan["dry_run"] is True and plan["written"] is False
+    assert {(e["model"], e["event"]) for e in plan["events"]} == {
+        ("qwen", "Scaled"),
+        ("tiny", "Removed"),
+    }
+    assert count_events(api.db) == before
+    only = ok(api.post("/rollback", {"to": 2, "model": "qwen", "dry_run": True}))
+    assert [e["model"] for e in only["events"]] == ["qwen"]
+
+    done = ok(api.post("/rollback?reason=bad", {"to": 2}, role="admin", **{"If-Match": "4"}))
+    assert done["written"] is True and done["revision"] == 6
+    assert [m["name"] for m in ok(api.get("/models"))] == ["base", "qwen"]
+    last = ok(api.get("/log", params={"after": 4}))
+    assert {(e["by"], e["rollback_to"], e["reason"]) for e in last} == {("admin-user", 2, "bad")}
+
+
+# -- watch -------------------------------------------------------------------------------
+
+
+def _sse_events(lines: Iterator[str], count: int) -> list[dict[str, Any]]:
+    events: list[dict[str, Any]] = []
+    ids: list[str] = []
+    for line in lines:
+        if line.startswith("id: "):
+            ids.append(line[4:])
+        elif line.startswith("data: "):
+            events.append(json.loads(line[6:]))
+            if len(events) == count:
+                break
+    assert ids == [str(e["revision"]) for e in events]
+    return events
+
+
+def _watch_threads() -> int:
+    return sum(1 for t in threading.enumerate() if t.name.startswith("catalog-es-watch"))
+
+
+def test_watch_streams_changes_after_a_revision_then_live(api: Api) -> None:
+    api.post("/models", definition("qwen"))
+    api.post("/models/qwen/scale", {"max": 4})
+    headers = api.as_("read")
+    with api.client.stream("GET", "/events", params={"from": 2}, headers=headers) as stream:
+        assert stream.status_code == 200
+        assert stream.headers["content-type"].startswith("text/event-stream")
+        lines = stream.iter_lines()
+        (backlog,) = _sse_events(lines, 1)
+        assert (backlog["revision"], backlog["event"], backlog["by"]) == (3, "Scaled", "write-user")
+        api.post("/models/qwen/owner", {"owner": "team:x"})
+        (live,) = _sse_events(lines, 1)
+        assert (live["revision"], live["event"]) == (4, "OwnerSet")
+        assert _watch_threads() == 1
+    # The client went away: the server stops the watch and its thread ends.
+    deadline = time.monotonic() + 5
+    while _watch_threads() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _watch_threads() == 0
+    # A reconnecting EventSource resumes after its Last-Event-ID.
+    with api.client.stream("GET", "/events", headers={**headers, "Last-Event-ID": "3"}) as stream:
+        (resumed,) = _sse_events(stream.iter_lines(), 1)
+        assert resumed["revision"] == 4
+    assert refused(api.get("/events", params={"from": 99}), 422).startswith("revision 99")
+    assert refused(api.client.get("/events"), 401)
+
+
+# -- concurrency ----------------------------------------------------------------------
+
+
+def test_concurrent_reads_and_writes_all_succeed(api: Api) -> None:
+    api.post("/models", definition("qwen"))
+    failures: list[str] = []
+
+    def writer() -> None:
+        for maximum in range(2, 12):
+            response = api.post("/models/qwen/scale", {"max": maximum})
+            if response.status_code != 200:
+                failures.append(response.text)
+
+    def reader() -> None:
+        for _ in range(15):
+            for path in ("/models", "/sources", "/models/qwen"):
+                response = api.get(path)
+                if response.status_code != 200:
+                    failures.append(response.text)
+
+    threads = [threading.Thread(target=writer)] + [
+        threading.Thread(target=reader) for _ in range(3)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert failures == []
+    assert ok(api.get("/models/qwen"))["scaling"]["max"] == 11
+
+
+# -- the commands around it ---------------------------------------------------------------
+
+
+def test_token_commands(tmp_path: Path) -> None:
+    tokens = tmp_path / "t.json"
+    runner = CliRunner()
+    made = runner.invoke(cli, ["token", "add", "alice", "--role", "admin", "--tokens", str(tokens)])
+    assert made.exit_code == 0, made.output
+    secret = made.stdout.strip()
+    assert secret.startswith("ces_") and secret not in tokens.read_text()
+    assert tokens.stat().st_mode & 0o777 == 0o600
+    assert TokenStore(tokens).verify(secret) is not None
+    listed = runner.invoke(cli, ["token", "list", "--json", "--tokens", str(tokens)])
+    (entry,) = json.loads(listed.stdout)
+    assert (entry["actor"], entry["role"]) == ("alice", "admin")
+    wrong = runner.invoke(cli, ["token", "add", "bob", "--role", "root", "--tokens", str(tokens)])
+    assert wrong.exit_code == 2
+    gone = runner.invoke(cli, ["token", "remove", entry["id"], "--tokens", str(tokens)])
+    assert gone.exit_code == 0 and TokenStore(tokens).verify(secret) is None
+
+
+def test_serve_records_the_declared_config_at_start(tmp_path: Path, config_file: str) -> None:
+    db = f"sqlite:///{tmp_path}/serve.db"
+    tokens = tmp_path / "tokens.json"
+    runner = CliRunner()
+    no_tokens = runner.invoke(cli, ["--db", db, "serve", "--tokens", str(tokens)])
+    assert no_tokens.exit_code == 1 and "catalog-es token add" in no_tokens.stderr
+    secret = TokenStore(tokens).add("ops", "read")[1]
+    port = free_port()
+    command = [sys.executable, "-m", "catalog_es", "--db", db, "--config", config_file]
+    command += ["--by", "deployer", "serve", "--port", str(port), "--tokens", str(tokens)]
+    server = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    try:
+        assert server.stderr is not None
+        assert "serving the catalog at revision 1" in server.stderr.readline()
+        response = _wait_for(f"http://127.0.0.1:{port}/log", bearer(secret))
+        (record,) = response.json()
+        assert (record["event"], record["by"]) == ("ConfigDeclared", "deployer")
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+    assert count_events(db) == 1
+
+
+def _wait_for(url: str, headers: dict[str, str]) -> httpx.Response:
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            return httpx.get(url, headers=headers)
+        except httpx.TransportError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+# -- the audit trail -------------------------------------------------------------------
+
+
+def test_history_audit_refusals_and_verify(api: Api) -> None:
+    api.post("/models?reason=trying", definition("qwen"))
+    api.post("/models/qwen/scale", {"min": 0, "max": 3}, role="admin")
+    refused(api.post("/models/qwen/scale", {"min": 5, "max": 1}), 422)
+
+    history = ok(api.get("/history/qwen"))
+    assert [(r["revision"], r["event"], r["by"]) for r in history] == [
+        (2, "Added", "write-user"),
+        (3, "Scaled", "admin-user"),
+    ]
+    assert history[0]["reason"] == "trying"
+    assert {(c["field"], c["before"], c["after"]) for c in history[1]["changes"]} == {
+        ("scaling.min", 1, 0),
+        ("scaling.max", 1, 3),
+    }
+    assert [r["revision"] for r in ok(api.get("/history/qwen", params={"by": "admin-user"}))] == [3]
+    assert refused(api.get("/history/never"), 404).startswith("model 'never' has no history")
+
+    everything = ok(api.get("/audit"))
+    assert [r["event"] for r in everything] == ["ConfigDeclared", "Added", "Scaled"]
+    assert ok(api.get("/audit", params={"by": "admin-user", "type": "scaled"})) == history[1:]
+    assert [r["revision"] for r in ok(api.get("/audit", params={"limit": 1}))] == [3]
+    assert ok(api.get("/audit", params={"since": "2999-01-01"})) == []
+    assert refused(api.get("/audit", params={"type": "Exploded"}), 422).startswith(
+        "type 'Exploded': not an event type"
+    )
+    assert refused(api.get("/audit", params={"until": "noon"}), 422).startswith(
+        "until 'noon': not a UTC time"
+    )
+
+    (refusal,) = ok(api.get("/refusals"))
+    assert (refusal["by"], refusal["model"], refusal["event"]) == ("write-user", "qwen", "Scaled")
+    assert refusal["refusal"].startswith("model 'qwen': scaling")
+    assert ok(api.get("/refusals", params={"by": "admin-user"})) == []
+
+    report = ok(api.get("/verify"))
+    assert report["ok"] is True and report["events"] == 3 and report["skipped"] == []
