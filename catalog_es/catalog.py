@@ -249,9 +249,7 @@ class Catalog:
                 self._unlink(old)
             if new is not None:
                 self._link(new)
-        self.aggregates[event.model] = Model(
-            aggregate.id, aggregate.name, event.originator_version, new
-        )
+        self.aggregates[event.model] = Model(aggregate.name, event.originator_version, new)
 
     def _link(self, spec: ModelSpec) -> None:
         for target in spec.fallbacks:

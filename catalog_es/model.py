@@ -65,12 +65,16 @@ class DomainEvent(msgspec.Struct, frozen=True, kw_only=True, gc=False):
 
 class Model(msgspec.Struct, frozen=True, gc=False):
     """A model's aggregate state: its stream position and the definition in force
-    (``None`` while it is removed, or while its events are skipped)."""
+    (``None`` while it is removed, or while its events are skipped). Its id is
+    the name's, worked out rather than stored: snapshots hold many of these."""
 
-    id: uuid.UUID
     name: str
     version: int
     spec: ModelSpec | None
+
+    @property
+    def id(self) -> uuid.UUID:
+        return model_id(self.name)
 
     class Event(DomainEvent, frozen=True, kw_only=True):
         model: str
@@ -218,11 +222,11 @@ class Model(msgspec.Struct, frozen=True, gc=False):
     @classmethod
     def new(cls, name: str) -> Model:
         """A name never seen in the log."""
-        return cls(id=model_id(name), name=name, version=0, spec=None)
+        return cls(name=name, version=0, spec=None)
 
     def mutate(self, event: Model.Event, spec: ModelSpec | None) -> Model:
         """This aggregate after ``event``, with the definition now in force."""
-        return Model(id=self.id, name=self.name, version=event.originator_version, spec=spec)
+        return Model(name=self.name, version=event.originator_version, spec=spec)
 
 
 EVENT_TYPES: tuple[type[Model.Event], ...] = (
