@@ -11,7 +11,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
 import msgspec
 
@@ -21,6 +21,12 @@ from catalog_es.spec import EVERY_FIELD, Adapter, ModelSpec, Origin, Scaling
 _MODEL_NAMESPACE = uuid.uuid5(uuid.NAMESPACE_URL, "catalog-es:model")
 
 Upcaster = Callable[[dict[str, Any]], dict[str, Any]]
+
+# A stored time must say its time zone: the log's times are compared with each
+# other and with now, and one naive time among them (a record written by hand,
+# say) would make every such comparison after it fail. Decoding refuses it, so
+# the record is skipped and reported like any other that cannot be read.
+UtcTime = Annotated[datetime, msgspec.Meta(tz=True)]
 
 
 def model_id(name: str) -> uuid.UUID:
@@ -40,7 +46,7 @@ class DomainEvent(msgspec.Struct, frozen=True, kw_only=True, gc=False):
 
     originator_id: uuid.UUID
     originator_version: int
-    timestamp: datetime
+    timestamp: UtcTime
     class_version: int = 1
     by: str
     reason: str = ""
