@@ -15,7 +15,7 @@ from typing import Annotated, Any, ClassVar
 
 import msgspec
 
-from catalog_es.errors import InvalidModel, ModelNotFound
+from catalog_es.errors import InvalidModel, ModelNotFound, shown
 from catalog_es.spec import EVERY_FIELD, Adapter, ModelSpec, Origin, Scaling
 
 _MODEL_NAMESPACE = uuid.uuid5(uuid.NAMESPACE_URL, "catalog-es:model")
@@ -141,7 +141,9 @@ class Model(msgspec.Struct, frozen=True, gc=False):
             if self.profile and all(p.name != self.profile for p in current.profiles):
                 names = ", ".join(p.name for p in current.profiles)
                 raise InvalidModel(
-                    self.model, "profiles", f"has no profile {self.profile!r} (it has: {names})"
+                    self.model,
+                    "profiles",
+                    f"has no profile {shown(self.profile)} (it has: {names})",
                 )
             profiles = tuple(
                 msgspec.structs.replace(
