@@ -101,7 +101,17 @@ def _upcast(cls: type[DomainEvent], state: bytes) -> DomainEvent:
             raise UndecodableEvent(
                 f"no upcaster for {cls.__qualname__} from class_version {version}"
             )
-        data = upcaster(data)
+        try:
+            data = upcaster(data)
+            if not isinstance(data, dict):
+                raise TypeError(f"it returned a {type(data).__name__}, not a dict")
+        except Exception as error:
+            # An old record the upcaster was not written for: that record is
+            # skipped and reported, the load goes on.
+            raise UndecodableEvent(
+                f"upcasting {cls.__qualname__} from class_version {version} failed: "
+                f"{type(error).__name__}: {error}"
+            ) from None
         version += 1
     data["class_version"] = current
     try:
