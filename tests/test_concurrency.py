@@ -28,7 +28,7 @@ from catalog_es.application import Models
 from catalog_es.cli import cli
 from catalog_es.errors import RevisionConflict
 from catalog_es.inputs import DeclaredConfig, model_from_data
-from catalog_es.persistence import LOCK_WAIT_ENV
+from catalog_es.persistence import LOCK_WAIT_ENV, SYNC_ENV
 from catalog_es.spec import ModelSpec
 from tests.conftest import count_events
 
@@ -254,14 +254,20 @@ def test_a_held_write_lock_refuses_a_command_after_the_bounded_wait(db_url: str)
     assert count_events(db_url) == rows + 1
 
 
-@pytest.mark.parametrize("value", ["soon", "0", "-1", "nan", "inf", "1e9"])
-def test_a_lock_wait_that_is_not_a_wait_is_refused_in_one_line(
-    value: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+LOCK_WAIT_REFUSAL = "must be a number of seconds above 0 and at most 3600, not {!r}"
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "refusal"),
+    [
+        *((LOCK_WAIT_ENV, v, LOCK_WAIT_REFUSAL) for v in ["soon", "0", "-1", "nan", "inf", "1e9"]),
+        (SYNC_ENV, "OFF", "must be FULL or NORMAL, not {!r}"),
+    ],
+)
+def test_a_storage_setting_out_of_range_is_refused_in_one_line(
+    variable: str, value: str, refusal: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    monkeypatch.setenv(LOCK_WAIT_ENV, value)
+    monkeypatch.setenv(variable, value)
     result = CliRunner().invoke(cli, ["--db", f"sqlite:///{tmp_path}/c.db", "model", "list"])
     assert result.exit_code == 1
-    assert result.stderr.splitlines() == [
-        f"error: {LOCK_WAIT_ENV} must be a number of seconds above 0 and at most 3600, "
-        f"not {value!r}"
-    ]
+    assert result.stderr.splitlines() == [f"error: {variable} {refusal.format(value)}"]
