@@ -116,13 +116,13 @@ def _increment(url: str, name: str, increments: int, start: Any, out: Any) -> No
 
 
 def test_no_update_is_lost_under_contention(tmp_path: Path) -> None:
-    """Five processes each add one to a counter fifteen times on one SQLite
+    """Six processes each add one to a counter twenty times on one SQLite
     file: every read-modify-write that succeeded is in the total, none
     overwrote another."""
     url = f"sqlite:///{tmp_path}/contended.db"
     Models(DeclaredConfig(), env={"CATALOG_ES_DB": url}).add(definition("counter"), by="setup")
     context = forkserver()
-    processes, increments = 5, 15
+    processes, increments = 6, 20
     start, out = context.Barrier(processes), context.Queue()
     workers = [
         context.Process(target=_increment, args=(url, "counter", increments, start, out))
@@ -134,7 +134,9 @@ def test_no_update_is_lost_under_contention(tmp_path: Path) -> None:
     for w in workers:
         w.join(timeout=30)
     assert [error for _, error in outcomes if error] == []
-    assert sum(conflicts for conflicts, _ in outcomes) > 0, "the processes never contended"
+    conflicts = sum(conflicts for conflicts, _ in outcomes)
+    assert conflicts > 0, "the processes never contended"
+    print(f"contention: {processes * increments} increments, {conflicts} retried after a conflict")
     reader = Models(DeclaredConfig(), env={"CATALOG_ES_DB": url})
     assert reader.get_model("counter")["scaling"]["max"] == 1 + processes * increments
     assert count_events(url) == 1 + processes * increments
