@@ -5,9 +5,13 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
+
+from catalog_es.inputs import model_from_data
+from catalog_es.spec import ModelSpec
 
 PG_ENV = "CATALOG_ES_TEST_PG"
 PG_DEFAULT = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
@@ -55,6 +59,21 @@ def db_url(request: pytest.FixtureRequest, tmp_path: os.PathLike[str]) -> str:
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path}/catalog.db"
     return str(request.getfixturevalue("pg_url"))
+
+
+def model_data(name: str) -> dict[str, Any]:
+    """A runtime model definition that validates: one GPU, everything else default."""
+    return {
+        "name": name,
+        "engine": "vllm",
+        "source": f"hf://org/{name}",
+        "profiles": [{"name": "gpu", "gpus": 1}],
+    }
+
+
+def model_spec(name: str, **fields: Any) -> ModelSpec:
+    """``model_data(name)`` with ``fields`` changed, parsed as input is."""
+    return model_from_data(model_data(name) | fields, "test")
 
 
 def count_events(url: str) -> int:

@@ -27,10 +27,9 @@ from click.testing import CliRunner
 from catalog_es.application import Models
 from catalog_es.cli import cli
 from catalog_es.errors import RevisionConflict
-from catalog_es.inputs import DeclaredConfig, model_from_data
+from catalog_es.inputs import DeclaredConfig
 from catalog_es.persistence import LOCK_WAIT_ENV, SYNC_ENV
-from catalog_es.spec import ModelSpec
-from tests.conftest import count_events
+from tests.conftest import count_events, model_data, model_spec
 
 
 def forkserver() -> ForkServerContext:
@@ -39,33 +38,10 @@ def forkserver() -> ForkServerContext:
     return context
 
 
-def definition(name: str) -> ModelSpec:
-    return model_from_data(
-        {
-            "name": name,
-            "engine": "vllm",
-            "source": f"hf://org/{name}",
-            "profiles": [{"name": "gpu", "gpus": 1}],
-        },
-        "test",
-    )
-
-
-def definition_json(name: str) -> str:
-    return json.dumps(
-        {
-            "name": name,
-            "engine": "vllm",
-            "source": f"hf://org/{name}",
-            "profiles": [{"name": "gpu", "gpus": 1}],
-        }
-    )
-
-
 def _start_and_add(url: str, name: str, start: Any, out: Any) -> None:
     start.wait()
     try:
-        Models(DeclaredConfig(), env={"CATALOG_ES_DB": url}).add(definition(name), by=name)
+        Models(DeclaredConfig(), env={"CATALOG_ES_DB": url}).add(model_spec(name), by=name)
         out.put((name, "ok"))
     except Exception as error:
         out.put((name, f"{type(error).__name__}: {error}"))
@@ -120,7 +96,7 @@ def test_no_update_is_lost_under_contention(tmp_path: Path) -> None:
     file: every read-modify-write that succeeded is in the total, none
     overwrote another."""
     url = f"sqlite:///{tmp_path}/contended.db"
-    Models(DeclaredConfig(), env={"CATALOG_ES_DB": url}).add(definition("counter"), by="setup")
+    Models(DeclaredConfig(), env={"CATALOG_ES_DB": url}).add(model_spec("counter"), by="setup")
     context = forkserver()
     processes, increments = 6, 20
     start, out = context.Barrier(processes), context.Queue()
@@ -151,7 +127,7 @@ def _cli_commands(url: str, worker: int, commands: int, start: Any, out: Any) ->
     outcomes = []
     for i in range(commands):
         if i % 3 == 0:
-            args, text = ["model", "add", "-"], definition_json(f"w{worker}-{i}")
+            args, text = ["model", "add", "-"], json.dumps(model_data(f"w{worker}-{i}"))
         elif i % 3 == 1:
             args, text = ["model", "scale", "shared", "--max", str(100 * worker + i)], None
         else:
@@ -163,7 +139,7 @@ def _cli_commands(url: str, worker: int, commands: int, start: Any, out: Any) ->
 
 def test_cli_under_contention_never_reports_a_locked_database(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path}/contended.db"
-    Models(DeclaredConfig(), env={"CATALOG_ES_DB": url}).add(definition("shared"), by="setup")
+    Models(DeclaredConfig(), env={"CATALOG_ES_DB": url}).add(model_spec("shared"), by="setup")
     context = forkserver()
     processes, commands = 4, 24
     start, out = context.Barrier(processes), context.Queue()
@@ -234,7 +210,7 @@ def catalog_es(url: str, *args: str, wait: str = "0.5") -> tuple[int, str, str, 
 
 
 def test_a_held_write_lock_refuses_a_command_after_the_bounded_wait(db_url: str) -> None:
-    Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url}).add(definition("m"), by="setup")
+    Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url}).add(model_spec("m"), by="setup")
     rows = count_events(db_url)
     with write_lock_held(db_url):
         # Readers do not wait for writers.

@@ -31,7 +31,6 @@ import pytest
 from catalog_es import application
 from catalog_es.application import Models
 from catalog_es.catalog import Catalog, Skipped
-from catalog_es.configuration import Configuration
 from catalog_es.inputs import load_config
 from catalog_es.mapper import decode_event
 from catalog_es.model import DomainEvent, Model
@@ -301,4 +300,3 @@ def test_sigkill_at_random_moments_loses_nothing(
         f"{in_flight_commits} commits caught unreported, "
         f"{resumed_from_snapshot} loads from a snapshot"
     )
-    assert any(isinstance(r.event, Configuration.Declared) for r in read_log(database))

@@ -35,10 +35,11 @@ from hypothesis import strategies as st
 from catalog_es.application import Models
 from catalog_es.catalog import Catalog
 from catalog_es.cli import cli
-from catalog_es.inputs import MAX_CHANGES, MAX_INPUT_BYTES, load_config, model_from_data
+from catalog_es.inputs import MAX_CHANGES, MAX_INPUT_BYTES, load_config
 from catalog_es.persistence import SQLRecorder, create_engine
 from catalog_es.views import model_view
 from projections.catalog import catch_up
+from tests.conftest import model_data, model_spec
 
 CONFIG = """
 models:
@@ -47,12 +48,7 @@ models:
     source: hf://org/base
     profiles: [{name: gpu, gpus: 1}]
 """
-GOOD = {
-    "name": "ok",
-    "engine": "vllm",
-    "source": "hf://o/ok",
-    "profiles": [{"name": "g", "gpus": 1}],
-}
+GOOD = model_data("ok")
 # Per example, start-up of the command included.
 MAX_SECONDS = 2.0
 # One line, and a short one: a message quotes what it refuses, not all of it.
@@ -94,7 +90,7 @@ class Harness:
         if missing:
             models = Models(load_config(str(self.config)), env={"CATALOG_ES_DB": self.url})
             for name in missing:
-                models.add(definition(name), by="setup")
+                models.add(model_spec(name), by="setup")
             models.close()
         self.follow()
 
@@ -102,7 +98,8 @@ class Harness:
         self.follow()
         return self.follower
 
-    def rows(self) -> int:
+    def head(self) -> int:
+        """The log's last revision: unchanged, nothing was written."""
         with self.recorder.read() as conn:
             return self.recorder.head(conn)
 
@@ -113,14 +110,15 @@ class Harness:
         assert skipped == [], f"a command wrote what replay skips: {skipped}"
 
     def run(self, args: list[str], stdin: bytes | None = None, *, timed: bool = True) -> Outcome:
-        before = self.rows()
+        before = self.head()
         started = time.monotonic()
         result = CliRunner().invoke(
             cli, ["--db", self.url, "--config", str(self.config), *args], input=stdin
         )
         took = time.monotonic() - started
         self.examples += 1
-        self.slowest = max(self.slowest, took)
+        if timed:
+            self.slowest = max(self.slowest, took)
         outcome = self.check(result, before, args, stdin)
         assert took < MAX_SECONDS or not timed, f"took {took:.2f} s: {args!r} {shorten(stdin)}"
         return outcome
@@ -142,12 +140,12 @@ class Harness:
             assert len(lines) == 1 and lines[0].startswith("error: "), (what, stderr)
             assert not lines[0].startswith("error: unexpected"), (what, stderr)
             assert len(lines[0]) <= MAX_MESSAGE, (what, len(lines[0]), lines[0][:200])
-            assert self.rows() == before, f"a refused command wrote: {what}"
+            assert self.head() == before, f"a refused command wrote: {what}"
         elif code == 2:
             # click's own text: the usage, perhaps, and one error line (which quotes
             # the argument as given, a newline in it too).
             assert sum(line.startswith("Error: ") for line in lines) == 1, (what, stderr)
-            assert self.rows() == before, f"a usage error wrote: {what}"
+            assert self.head() == before, f"a usage error wrote: {what}"
         else:
             raise AssertionError(f"exit code {code}: {what} {stderr}")
         self.outcomes[code] += 1
@@ -161,10 +159,6 @@ def shorten(data: bytes | None) -> str:
     if data is None:
         return ""
     return repr(data[:300]) + (f"… ({len(data)} bytes)" if len(data) > 300 else "")
-
-
-def definition(name: str) -> Any:
-    return model_from_data(GOOD | {"name": name, "source": f"hf://o/{name}"}, "test")
 
 
 @pytest.fixture
@@ -476,12 +470,12 @@ def test_fuzzed_apply_lists_apply_whole_or_are_refused_in_one_line(
     harness: Harness, document: bytes
 ) -> None:
     harness.ensure_models()
-    before = harness.rows()
+    before = harness.head()
     outcome = harness.run(["--json", "apply", "-"], document)
     if outcome.code == 0:
         result = json.loads(outcome.stdout)
         # All of it: every change is a row (and perhaps the declared config's record).
-        assert harness.rows() - before in (result["changes"], result["changes"] + 1)
+        assert harness.head() - before in (result["changes"], result["changes"] + 1)
 
 
 # -- any command line ---------------------------------------------------------------
@@ -626,11 +620,11 @@ def test_a_bad_argument_is_refused_in_one_short_line(
 
 
 def test_a_long_apply_is_all_or_nothing_and_too_long_a_one_is_refused(harness: Harness) -> None:
-    before = harness.rows()
+    before = harness.head()
     scales = [{"scale": {"name": "m", "max": 2 + i % 5}} for i in range(2_000)]
     outcome = harness.run(["--json", "apply", "-"], json.dumps(scales).encode())
     assert outcome.code == 0
-    assert harness.rows() - before in (2_000, 2_001)
+    assert harness.head() - before in (2_000, 2_001)
     too_many = json.dumps([{"remove": "m"}] * (MAX_CHANGES + 1)).encode()
     outcome = harness.run(["apply", "-"], too_many)
     assert outcome.code == 1 and f"more than {MAX_CHANGES} changes" in outcome.stderr

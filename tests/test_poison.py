@@ -29,11 +29,12 @@ from catalog_es.application import Models
 from catalog_es.cli import cli
 from catalog_es.configuration import CONFIGURATION_ID, Configuration
 from catalog_es.errors import DeclaredInConfig
-from catalog_es.inputs import load_config, model_from_data
+from catalog_es.inputs import load_config
 from catalog_es.mapper import topic_of
 from catalog_es.model import Model, model_id, utc_now
 from catalog_es.persistence import events_table
-from catalog_es.spec import ModelSpec, Scaling
+from catalog_es.spec import Scaling
+from tests.conftest import model_spec
 
 DECLARED = """
 models:
@@ -44,16 +45,6 @@ models:
 """
 # Later the config also declares "shadowed", which was added at runtime before.
 SHADOWED = DECLARED + DECLARED.split("models:")[1].replace("base", "shadowed")
-
-
-def spec(name: str, **fields: Any) -> ModelSpec:
-    data: dict[str, Any] = {
-        "name": name,
-        "engine": "vllm",
-        "source": f"hf://org/{name}",
-        "profiles": [{"name": "gpu", "gpus": 1}],
-    }
-    return model_from_data(data | fields, "test")
 
 
 class Planter:
@@ -149,7 +140,7 @@ POISONS = [
         lambda p, _: p.plant(
             Model.Added,
             "p-future",
-            p.event(Model.Added, "p-future", spec=spec("p-future")) | {"class_version": 99},
+            p.event(Model.Added, "p-future", spec=model_spec("p-future")) | {"class_version": 99},
         ),
     ),
     Poison(
@@ -193,7 +184,7 @@ POISONS = [
         lambda p, _: p.plant(
             Model.Added,
             "p-fallback",
-            p.event(Model.Added, "p-fallback", spec=spec("p-fallback", fallbacks=["ghost"])),
+            p.event(Model.Added, "p-fallback", spec=model_spec("p-fallback", fallbacks=["ghost"])),
         ),
         undecodable=False,
     ),
@@ -205,7 +196,7 @@ POISONS = [
         lambda p, _: p.insert(
             topic_of(Model.Added),
             json.dumps(
-                p.event(Model.Added, "p-foreign", spec=spec("p-foreign"))
+                p.event(Model.Added, "p-foreign", spec=model_spec("p-foreign"))
                 | {"originator_id": str(model_id("good-a"))}
             ).encode(),
             model_id("good-a"),
@@ -224,7 +215,7 @@ POISONS = [
         "shadowed",
         "Added",
         r"^model 'shadowed' is declared in configuration, which wins every conflict",
-        lambda _, m: m.add(spec("shadowed"), by="x").revision,
+        lambda _, m: m.add(model_spec("shadowed", source="hf://org/runtime"), by="x").revision,
         undecodable=False,
     ),
 ]
@@ -263,8 +254,8 @@ def poisoned(open_models: Callable[..., Models], configs: tuple[Path, Path]) -> 
     """Good models, every poison planted among them, and good changes after:
     the revision of each poison."""
     models = open_models(configs[0])
-    models.add(spec("good-a"), by="x")
-    models.add(spec("good-b", fallbacks=["good-a"]), by="x")
+    models.add(model_spec("good-a"), by="x")
+    models.add(model_spec("good-b", fallbacks=["good-a"]), by="x")
     planter = Planter(models)
     planted = {poison.plant(planter, models): poison for poison in POISONS}
     # The service goes on writing over the poison, on the config of the time.
@@ -329,12 +320,12 @@ def test_a_poisoned_name_can_be_added_again_which_heals_it(
     models = open_models(configs[1])
     skipped_before = models.skipped()
     for name in POISONED_NAMES:
-        result = models.add(spec(name), by="healer")
+        result = models.add(model_spec(name), by="healer")
         assert not result.replaced, f"{name} was not in force, so nothing is replaced"
     # A skipped model never blocks commands on the others.
     models.scale("good-b", 0, 2, by="x")
     with pytest.raises(DeclaredInConfig, match="edit that rather"):
-        models.add(spec("shadowed"), by="x")
+        models.add(model_spec("shadowed"), by="x")
     reopened = open_models(configs[1])
     assert sorted(m["name"] for m in reopened.list_models()) == sorted(
         ["base", "good-a", "good-b", "shadowed", *POISONED_NAMES]
@@ -353,7 +344,7 @@ def test_a_record_from_the_far_future_does_not_stop_commands(tmp_path: Path) -> 
     config = tmp_path / "c.yaml"
     config.write_text(DECLARED)
     models = Models(load_config(str(config)), env={"CATALOG_ES_DB": f"sqlite:///{tmp_path}/c.db"})
-    models.add(spec("a"), by="x")
+    models.add(model_spec("a"), by="x")
     planter = Planter(models)
     late = planter.event(Model.Scaled, "a", scaling=Scaling(0, 2))
     planter.plant(Model.Scaled, "a", late | {"timestamp": "9999-12-31T23:59:59.999999Z"})

@@ -27,11 +27,12 @@ from eventsourcing.persistence import StoredEvent
 from catalog_es import mapper
 from catalog_es.application import Models
 from catalog_es.cli import cli
-from catalog_es.inputs import DeclaredConfig, load_config, model_from_data
+from catalog_es.inputs import DeclaredConfig, load_config
 from catalog_es.mapper import EVENT_CLASSES, encode_event, topic_of
 from catalog_es.model import DomainEvent, Model, Upcaster, model_id, utc_now
 from catalog_es.persistence import SQLRecorder, create_engine
 from catalog_es.spec import Scaling
+from tests.conftest import model_spec
 
 FIXTURES = Path(__file__).parent / "fixtures"
 LOGS = sorted(path.name.removesuffix(".jsonl") for path in FIXTURES.glob("log-*.jsonl"))
@@ -161,8 +162,7 @@ def v1_log(tmp_path: Path) -> Iterator[tuple[str, Models]]:
     """A log with v1 ``Scaled`` records, written by this code."""
     url = f"sqlite:///{tmp_path}/upcast.db"
     models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": url})
-    definition = {"name": "m", "engine": "vllm", "source": "hf://o/m"}
-    models.add(model_from_data(definition | {"profiles": [{"name": "g", "gpus": 1}]}, "t"), by="x")
+    models.add(model_spec("m"), by="x")
     models.scale("m", 0, 2, by="x")
     models.scale("m", 1, 3, by="x")
     yield url, models
