@@ -224,8 +224,8 @@ def test_sigkill_at_random_moments_loses_nothing(
     loads: list[tuple[int, list[int]]] = []
 
     def recording_catch_up(catalog: Catalog, *args: Any, **kwargs: Any) -> list[Skipped]:
-        start, applied = catalog.revision, []
-        loads.append((start, applied))
+        applied: list[int] = []
+        loads.append((catalog.revision, applied))
         return catch_up(catalog, *args, **kwargs, progress=applied.append)
 
     monkeypatch.setattr(application, "catch_up", recording_catch_up)
