@@ -224,8 +224,8 @@ def test_a_held_write_lock_refuses_a_command_after_the_bounded_wait(db_url: str)
             "nothing was written, try again"
         ]
         assert stdout == ""
-        # It waited (start-up takes about a second more), and not for ever.
-        assert 0.5 <= took < 10
+        # The half second asked for (and a second of start-up), not the default ten.
+        assert took < 5
     assert count_events(db_url) == rows
     code, _, stderr, _ = catalog_es(db_url, "model", "scale", "m", "--max", "3")
     assert (code, stderr) == (0, "")

@@ -292,7 +292,7 @@ def test_sigkill_at_random_moments_loses_nothing(
     recorder.engine.dispose()
     assert kills >= 50, f"only {kills} writers were killed (seed {seed})"
     # Sanity of the experiment itself: it wrote, snapshotted, and caught commits in flight.
-    assert commands > 10 * KILLS, commands
+    assert commands > 3 * KILLS, commands
     assert resumed_from_snapshot > KILLS // 2, resumed_from_snapshot
     print(
         f"crash: seed {seed}, {kills} kills ({kills_inside_a_command} inside a command), "
