@@ -3,6 +3,16 @@ message is written for the operator who typed the command."""
 
 from __future__ import annotations
 
+# How much of a refused value a message quotes.
+SHOWN_LENGTH = 60
+
+
+def shown(value: object) -> str:
+    """``repr(value)`` cut short: a message quotes what it refuses, on one line
+    (``repr`` escapes line breaks), and never a megabyte of it."""
+    text = repr(value)
+    return text if len(text) <= SHOWN_LENGTH else f"{text[:SHOWN_LENGTH]}…"
+
 
 class Refused(Exception):
     """A command was refused: nothing was written."""

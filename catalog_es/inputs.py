@@ -9,6 +9,7 @@ pass them again on replay. Every failure is one line naming where it is.
 from __future__ import annotations
 
 import json
+import re
 import sys
 from collections.abc import Sequence
 from datetime import UTC, date, datetime
@@ -21,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from catalog_es import commands
 from catalog_es.configuration import DeclaredConfig as DeclaredConfig  # re-exported
-from catalog_es.errors import ConfigError, InputError, Refused
+from catalog_es.errors import ConfigError, InputError, Refused, shown
 from catalog_es.model import EVENT_TYPES
 from catalog_es.spec import DEFAULT_ENGINES, Adapter, ModelSpec, Origin
 
@@ -130,7 +131,7 @@ def _mapping(loader: _StrictLoader, node: yaml.MappingNode) -> dict[Any, Any]:
             )
         if key in result:
             raise yaml.constructor.ConstructorError(
-                None, None, f"duplicate key {key!r}", key_node.start_mark
+                None, None, f"duplicate key {shown(key)}", key_node.start_mark
             )
         result[key] = loader.construct_object(value_node, deep=True)
     return result
@@ -139,8 +140,20 @@ def _mapping(loader: _StrictLoader, node: yaml.MappingNode) -> dict[Any, Any]:
 _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping)
 
 
+# Far deeper than a definition or a list of changes goes (seven levels or so),
+# and shallow enough to stop before PyYAML's scanner, which slows with the
+# square of the depth of ``[[[…`` (half a second for a few kilobytes of it at
+# the recursion limit), takes any time.
+MAX_DEPTH = 64
+
+
 class _InputLoader(_StrictLoader):
-    """For runtime input: no aliases either, so nothing can expand into a bomb."""
+    """For runtime input: no aliases either, so nothing can expand into a bomb,
+    and no deeper than ``MAX_DEPTH``."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._depth = 0
 
     def compose_node(self, parent: Any, index: Any) -> Any:
         if self.check_event(yaml.events.AliasEvent):
@@ -151,20 +164,49 @@ class _InputLoader(_StrictLoader):
                 "aliases (*name) are not accepted in a model definition",
                 event.start_mark,
             )
-        return super().compose_node(parent, index)
+        if self._depth >= MAX_DEPTH:
+            event = self.peek_event()  # type: ignore[no-untyped-call]
+            raise yaml.composer.ComposerError(
+                None, None, f"nested too deeply (more than {MAX_DEPTH} levels)", event.start_mark
+            )
+        self._depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     result: dict[str, Any] = {}
     for key, value in pairs:
         if key in result:
-            raise ValueError(f"duplicate key {key!r}")
+            raise ValueError(f"duplicate key {shown(key)}")
         result[key] = value
     return result
 
 
 def _no_constant(name: str) -> NoReturn:
     raise ValueError(f"{name} is not a number")
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _refuse_surrogates(data: Any, where: str) -> None:
+    """Refuse text that is not Unicode: JSON's and YAML's ``\\ud800`` escapes make
+    lone surrogates, which no UTF-8 encodes, so they could never be stored."""
+    stack, seen = [data], set()
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if _SURROGATE.search(item):
+                raise InputError(
+                    f"{where}: {shown(item)} holds a lone surrogate, which is not Unicode text"
+                )
+        elif isinstance(item, dict | list) and id(item) not in seen:
+            # By identity: a trusted config's aliases share, or even contain, themselves.
+            seen.add(id(item))
+            stack.extend([*item.keys(), *item.values()] if isinstance(item, dict) else item)
 
 
 def parse_document(
@@ -180,15 +222,16 @@ def parse_document(
     try:
         if stripped[:1] in ("{", "["):
             try:
-                return json.loads(
+                data = json.loads(
                     stripped, object_pairs_hook=_no_duplicates, parse_constant=_no_constant
                 )
             except json.JSONDecodeError as not_json:
                 try:
-                    return yaml.load(text, Loader=loader)
+                    data = yaml.load(text, Loader=loader)
                 except yaml.YAMLError:
                     raise not_json from None
-        return yaml.load(text, Loader=loader)
+        else:
+            data = yaml.load(text, Loader=loader)
     except json.JSONDecodeError as error:
         raise InputError(
             f"{where}: not valid JSON: {error.msg} (line {error.lineno}, column {error.colno})"
@@ -201,6 +244,8 @@ def parse_document(
     except (ValueError, RecursionError) as error:
         problem = "nested too deeply" if isinstance(error, RecursionError) else str(error)
         raise InputError(f"{where}: {problem}") from None
+    _refuse_surrogates(data, where)
+    return data
 
 
 def read_text(path: str, limit: int = MAX_INPUT_BYTES) -> tuple[str, str]:
@@ -209,12 +254,16 @@ def read_text(path: str, limit: int = MAX_INPUT_BYTES) -> tuple[str, str]:
         data = sys.stdin.buffer.read(limit + 1)
         where = "standard input"
     else:
+        # Named as given, unless that would break the message's one line.
+        where = path if path.isprintable() else shown(path)
         try:
             with Path(path).open("rb") as f:
                 data = f.read(limit + 1)
         except OSError as error:
-            raise InputError(f"{path}: {error.strerror or error}") from None
-        where = path
+            raise InputError(f"{where}: {error.strerror or error}") from None
+        except (ValueError, UnicodeEncodeError):
+            # A NUL, or a lone surrogate no file name can hold.
+            raise InputError(f"{where}: not a file name") from None
     if len(data) > limit:
         raise InputError(f"{where}: larger than {limit // 1024} KiB")
     try:

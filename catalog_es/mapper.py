@@ -19,6 +19,7 @@ from eventsourcing.persistence import Compressor, Mapper, StoredEvent, Transcode
 from eventsourcing.utils import get_topic
 
 from catalog_es.configuration import Configuration
+from catalog_es.errors import InputError, shown
 from catalog_es.model import EVENT_TYPES, DomainEvent
 
 _STORED: tuple[type[DomainEvent], ...] = (*EVENT_TYPES, Configuration.Declared)
@@ -39,7 +40,17 @@ def topic_of(cls: type[DomainEvent]) -> str:
 
 
 def encode_event(event: DomainEvent) -> bytes:
-    return _encoder.encode(event)
+    try:
+        return _encoder.encode(event)
+    except UnicodeEncodeError as error:
+        # A lone surrogate: what Python makes of bytes that are not UTF-8 (an
+        # argument, a file name). No UTF-8 holds it, so it cannot be stored:
+        # refused like any bad input, and nothing is written.
+        text = error.object if isinstance(error.object, str) else ""
+        raise InputError(
+            f"{shown(text)} is not Unicode text (it holds a lone surrogate, as bytes "
+            "that are not UTF-8 become); it cannot be stored"
+        ) from None
 
 
 _VERSIONS: dict[type[DomainEvent], int] = {cls: cls.current_version() for cls in _STORED}
@@ -90,7 +101,17 @@ def _upcast(cls: type[DomainEvent], state: bytes) -> DomainEvent:
             raise UndecodableEvent(
                 f"no upcaster for {cls.__qualname__} from class_version {version}"
             )
-        data = upcaster(data)
+        try:
+            data = upcaster(data)
+            if not isinstance(data, dict):
+                raise TypeError(f"it returned a {type(data).__name__}, not a dict")
+        except Exception as error:
+            # An old record the upcaster was not written for: that record is
+            # skipped and reported, the load goes on.
+            raise UndecodableEvent(
+                f"upcasting {cls.__qualname__} from class_version {version} failed: "
+                f"{type(error).__name__}: {error}"
+            ) from None
         version += 1
     data["class_version"] = current
     try:

@@ -12,16 +12,22 @@ import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime
 from functools import lru_cache
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
 import msgspec
 
-from catalog_es.errors import InvalidModel, ModelNotFound
+from catalog_es.errors import InvalidModel, ModelNotFound, shown
 from catalog_es.spec import EVERY_FIELD, Adapter, ModelSpec, Origin, Scaling
 
 _MODEL_NAMESPACE = uuid.uuid5(uuid.NAMESPACE_URL, "catalog-es:model")
 
 Upcaster = Callable[[dict[str, Any]], dict[str, Any]]
+
+# A stored time must say its time zone: the log's times are compared with each
+# other and with now, and one naive time among them (a record written by hand,
+# say) would make every such comparison after it fail. Decoding refuses it, so
+# the record is skipped and reported like any other that cannot be read.
+UtcTime = Annotated[datetime, msgspec.Meta(tz=True)]
 
 
 @lru_cache(maxsize=200_000)
@@ -42,7 +48,7 @@ class DomainEvent(msgspec.Struct, frozen=True, kw_only=True, gc=False):
 
     originator_id: uuid.UUID
     originator_version: int
-    timestamp: datetime
+    timestamp: UtcTime
     class_version: int = 1
     by: str
     reason: str = ""
@@ -143,7 +149,9 @@ class Model(msgspec.Struct, frozen=True, gc=False):
             if self.profile and all(p.name != self.profile for p in current.profiles):
                 names = ", ".join(p.name for p in current.profiles)
                 raise InvalidModel(
-                    self.model, "profiles", f"has no profile {self.profile!r} (it has: {names})"
+                    self.model,
+                    "profiles",
+                    f"has no profile {shown(self.profile)} (it has: {names})",
                 )
             profiles = tuple(
                 msgspec.structs.replace(

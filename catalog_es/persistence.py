@@ -41,7 +41,7 @@ from eventsourcing.utils import Environment
 from sqlalchemy.engine import Connection, Engine
 
 from catalog_es.chain import GENESIS, ChainHead, ChainRow, link
-from catalog_es.errors import StorageBusy
+from catalog_es.errors import ConfigError, StorageBusy
 
 DEFAULT_URL = "sqlite:///catalog.db"
 # PostgreSQL's NOTIFY channel for new events.
@@ -49,6 +49,7 @@ CHANNEL = "catalog_events"
 # How long a writer waits for another to let go of the database before the
 # command is refused with a clear error rather than "database is locked".
 LOCK_WAIT_SECONDS = 10.0
+LOCK_WAIT_ENV = "CATALOG_ES_LOCK_WAIT"
 # Rows per round trip when scanning the log.
 PAGE_SIZE = 10_000
 
@@ -109,6 +110,24 @@ tracking_table = sa.Table(
 SYNC_ENV = "CATALOG_ES_SQLITE_SYNC"
 
 
+def lock_wait_seconds() -> float:
+    """The bounded wait for the write lock: ``CATALOG_ES_LOCK_WAIT`` seconds,
+    else ``LOCK_WAIT_SECONDS``."""
+    text = os.environ.get(LOCK_WAIT_ENV, "").strip()
+    if not text:
+        return LOCK_WAIT_SECONDS
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = float("nan")
+    # Written so that NaN fails too; an hour is already far past any useful wait.
+    if not 0 < seconds <= 3600:
+        raise ConfigError(
+            f"{LOCK_WAIT_ENV} must be a number of seconds above 0 and at most 3600, not {text!r}"
+        )
+    return seconds
+
+
 def create_engine(url: str) -> Engine:
     """An engine with the settings the log relies on."""
     if url.startswith("sqlite"):
@@ -116,8 +135,8 @@ def create_engine(url: str) -> Engine:
         # NORMAL: it survives the process being killed, not the machine losing power.
         synchronous = os.environ.get(SYNC_ENV, "FULL").upper()
         if synchronous not in ("FULL", "NORMAL"):
-            raise ValueError(f"{SYNC_ENV} must be FULL or NORMAL, not {synchronous!r}")
-        engine = sa.create_engine(url, connect_args={"timeout": LOCK_WAIT_SECONDS})
+            raise ConfigError(f"{SYNC_ENV} must be FULL or NORMAL, not {synchronous!r}")
+        engine = sa.create_engine(url, connect_args={"timeout": lock_wait_seconds()})
 
         @sa.event.listens_for(engine, "connect")
         def _connect(dbapi_connection: Any, _record: Any) -> None:
@@ -148,8 +167,22 @@ class SQLRecorder(ProcessRecorder):
     def __init__(self, engine: Engine, *, create_tables: bool = True) -> None:
         self.engine = engine
         self.dialect = engine.dialect.name
+        self.lock_wait = lock_wait_seconds()
         if create_tables:
-            metadata.create_all(engine)
+            self._create_tables()
+
+    def _create_tables(self) -> None:
+        """Several nodes may start at once on a new database. Unlocked, they race
+        (SQLite: "database is locked" from the deferred transaction DDL upgrades;
+        PostgreSQL: duplicate catalog types), so the tables are created under a
+        lock, and the lock is taken only when a table is missing: a start must
+        not wait for a writer when there is nothing to create."""
+        inspector = sa.inspect(self.engine)
+        if all(inspector.has_table(table.name) for table in metadata.sorted_tables):
+            return
+        # The events table may not exist yet to LOCK: an advisory lock instead.
+        with self._locked("SELECT pg_advisory_xact_lock(hashtext('catalog_es.tables'))") as conn:
+            metadata.create_all(conn)
 
     # -- transactions ------------------------------------------------------------
 
@@ -157,20 +190,28 @@ class SQLRecorder(ProcessRecorder):
     def write(self) -> Iterator[Connection]:
         """A write transaction holding the log's write lock: one writer at a time,
         across processes and nodes."""
+        with self._locked("LOCK TABLE catalog_events IN EXCLUSIVE MODE") as conn:
+            yield conn
+
+    @contextmanager
+    def _locked(self, postgresql_lock: str) -> Iterator[Connection]:
+        """A transaction that first waits, at most ``lock_wait`` seconds, for a
+        lock: the SQLite database's (``BEGIN IMMEDIATE``) or, on PostgreSQL,
+        the one ``postgresql_lock`` takes."""
         try:
             with self.engine.connect() as conn:
                 conn.execution_options(catalog_write=True)
                 with conn.begin():
                     if self.dialect == "postgresql":
                         conn.exec_driver_sql(
-                            f"SET LOCAL lock_timeout = '{int(LOCK_WAIT_SECONDS * 1000)}ms'"
+                            f"SET LOCAL lock_timeout = '{int(self.lock_wait * 1000)}ms'"
                         )
-                        conn.exec_driver_sql("LOCK TABLE catalog_events IN EXCLUSIVE MODE")
+                        conn.exec_driver_sql(postgresql_lock)
                     yield conn
         except sa.exc.OperationalError as error:
             if _is_busy(error):
                 raise StorageBusy(
-                    f"the database stayed locked by another writer for {LOCK_WAIT_SECONDS:g} s; "
+                    f"the database stayed locked by another writer for {self.lock_wait:g} s; "
                     "nothing was written, try again"
                 ) from None
             raise

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 
 import msgspec
 
-from catalog_es.errors import InvalidModel
+from catalog_es.errors import InvalidModel, shown
 
 DEFAULT_ENGINES: tuple[str, ...] = ("vllm", "sglang", "llamacpp", "tgi")
 CLASSES: tuple[str, ...] = ("critical", "standard", "opportunistic")
@@ -22,6 +22,10 @@ NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}")
 OWNER_PATTERN = re.compile(r"(org|team|project):[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 SHA256_PATTERN = re.compile(r"[0-9a-f]{64}")
 MAX_SOURCE_LENGTH = 2048
+# The largest count a field holds (GPUs, gigabytes, cores, replicas): a 64-bit
+# integer's, so that the controller, and anything else reading the catalog's
+# JSON into fixed-size integers, can read every number in it.
+MAX_COUNT = 2**63 - 1
 
 
 class Value(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False):
@@ -92,11 +96,11 @@ class ModelSpec(Value, frozen=True):
 
 def check_name(name: str, *, model: str | None = None, field: str = "name") -> None:
     if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
-        shown = name if isinstance(name, str) and len(name) <= 40 else f"{str(name)[:40]}…"
+        short = name if isinstance(name, str) and len(name) <= 40 else f"{str(name)[:40]}…"
         raise InvalidModel(
-            model if model is not None else shown,
+            model if model is not None else short,
             field,
-            f"{shown!r} is not a valid name: 1-128 characters of A-Z a-z 0-9 . _ : / -, "
+            f"{short!r} is not a valid name: 1-128 characters of A-Z a-z 0-9 . _ : / -, "
             "starting with a letter or digit",
         )
 
@@ -107,6 +111,17 @@ def _check_unique(model: str, field: str, names: Iterable[str]) -> None:
         if name in seen:
             raise InvalidModel(model, field, f"{name!r} appears more than once")
         seen.add(name)
+
+
+def _check_count(model: str, field: str, value: int) -> None:
+    if value < 0:
+        raise InvalidModel(model, field, "cannot be negative")
+    _check_not_huge(model, field, value)
+
+
+def _check_not_huge(model: str, field: str, value: int) -> None:
+    if value > MAX_COUNT:
+        raise InvalidModel(model, field, f"is larger than 2^63 - 1 ({MAX_COUNT})")
 
 
 _WHITE_SPACE = re.compile(r"\s")
@@ -133,7 +148,7 @@ def _engine(spec: ModelSpec, engines: frozenset[str]) -> None:
     if spec.engine not in engines:
         known = ", ".join(sorted(engines))
         raise InvalidModel(
-            spec.name, "engine", f"{spec.engine!r} is not a known engine (known: {known})"
+            spec.name, "engine", f"{shown(spec.engine)} is not a known engine (known: {known})"
         )
 
 
@@ -148,21 +163,24 @@ def _profiles(spec: ModelSpec, engines: frozenset[str]) -> None:
     for i, p in enumerate(spec.profiles):
         check_name(p.name, model=name, field=f"profiles[{i}].name")
         for field in ("gpus", "gpu_memory_gb", "min_memory_gb", "cpu_cores"):
-            if getattr(p, field) < 0:
-                raise InvalidModel(name, f"profiles[{i}].{field}", "cannot be negative")
+            _check_count(name, f"profiles[{i}].{field}", getattr(p, field))
     _check_unique(name, "profiles", (p.name for p in spec.profiles))
 
 
 def _resources(spec: ModelSpec, engines: frozenset[str]) -> None:
     """The numbers of each profile only: what a change of resources can break."""
     for i, p in enumerate(spec.profiles):
-        if p.min_memory_gb < 0 or p.cpu_cores < 0:
-            field = "min_memory_gb" if p.min_memory_gb < 0 else "cpu_cores"
-            raise InvalidModel(spec.name, f"profiles[{i}].{field}", "cannot be negative")
+        # Compared first, and the field named only when it fails: this runs on replay.
+        if not (0 <= p.min_memory_gb <= MAX_COUNT and 0 <= p.cpu_cores <= MAX_COUNT):
+            _check_count(spec.name, f"profiles[{i}].min_memory_gb", p.min_memory_gb)
+            _check_count(spec.name, f"profiles[{i}].cpu_cores", p.cpu_cores)
 
 
 def _scaling(spec: ModelSpec, engines: frozenset[str]) -> None:
     low, high = spec.scaling.min, spec.scaling.max
+    if high > MAX_COUNT or low > MAX_COUNT:
+        _check_not_huge(spec.name, "scaling.min", low)
+        _check_not_huge(spec.name, "scaling.max", high)
     if low < 0 or high < 1 or low > high:
         raise InvalidModel(
             spec.name, "scaling", f"min {low}, max {high}: need 0 <= min <= max and max >= 1"
@@ -174,14 +192,16 @@ def _class(spec: ModelSpec, engines: frozenset[str]) -> None:
         raise InvalidModel(
             spec.name,
             "class",
-            f"{spec.capacity_class!r} is not one of {', '.join(CLASSES)} (or empty)",
+            f"{shown(spec.capacity_class)} is not one of {', '.join(CLASSES)} (or empty)",
         )
 
 
 def _owner(spec: ModelSpec, engines: frozenset[str]) -> None:
     if spec.owner and not OWNER_PATTERN.fullmatch(spec.owner):
         raise InvalidModel(
-            spec.name, "owner", f"{spec.owner!r} is not org:ID, team:ID or project:ID (or empty)"
+            spec.name,
+            "owner",
+            f"{shown(spec.owner)} is not org:ID, team:ID or project:ID (or empty)",
         )
 
 
@@ -205,7 +225,9 @@ def _origin(spec: ModelSpec, engines: frozenset[str]) -> None:
         for path, digest in spec.origin.files.items():
             if not SHA256_PATTERN.fullmatch(digest):
                 raise InvalidModel(
-                    spec.name, f"origin.files[{path!r}]", "is not a lower-case hex sha256 digest"
+                    spec.name,
+                    f"origin.files[{shown(path)}]",
+                    "is not a lower-case hex sha256 digest",
                 )
 
 

@@ -19,13 +19,14 @@ from sqlalchemy.engine import Connection
 from catalog_es.catalog import Catalog
 from catalog_es.configuration import DeclaredConfig
 from catalog_es.errors import Refused
+from catalog_es.model import UtcTime
 from catalog_es.persistence import SQLRecorder, events_table
 from projections import snapshots
 from projections.catalog import catch_up
 
 
 class _Stamp(msgspec.Struct):
-    timestamp: datetime
+    timestamp: UtcTime
 
 
 _stamp_decoder = msgspec.json.Decoder(_Stamp)

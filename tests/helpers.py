@@ -45,6 +45,21 @@ def definition(name: str, **fields: Any) -> dict[str, Any]:
     return {**base, **fields}
 
 
+def model_data(name: str) -> dict[str, Any]:
+    """The smallest runtime definition that validates: one GPU, everything else default."""
+    return {
+        "name": name,
+        "engine": "vllm",
+        "source": f"hf://org/{name}",
+        "profiles": [{"name": "gpu", "gpus": 1}],
+    }
+
+
+def model_spec(name: str, **fields: Any) -> ModelSpec:
+    """``model_data(name)`` with ``fields`` changed, parsed as input is."""
+    return model_from_data(model_data(name) | fields, "test")
+
+
 def parsed(name: str, **fields: Any) -> ModelSpec:
     """:func:`definition` read the way a command's input is, defaults filled in."""
     return model_from_data(definition(name, **fields), "test")

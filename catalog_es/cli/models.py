@@ -22,7 +22,7 @@ from catalog_es.cli.base import (
     show_model,
     table,
 )
-from catalog_es.errors import InputError
+from catalog_es.errors import InputError, shown
 from catalog_es.inputs import read_changes, read_model
 from catalog_es.spec import Adapter, Origin
 
@@ -153,7 +153,7 @@ def _pairs(values: Iterable[str], what: str) -> list[tuple[str, str]]:
     for value in values:
         key, sep, rest = value.partition("=")
         if not sep or not key or not rest:
-            raise InputError(f"{what} {value!r}: expected NAME=VALUE")
+            raise InputError(f"{what} {shown(value)}: expected NAME=VALUE")
         pairs.append((key, rest))
     return pairs
 

@@ -1,0 +1,251 @@
+"""Several processes on one database at once (issue 7): no lost update, no
+"database is locked" for the operator, and a bounded wait with a clear error.
+
+The writers are separate OS processes, forked from a server that has the
+stack imported already (``forkserver``), so a test can start many of them.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import sqlite3
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from multiprocessing.context import ForkServerContext
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from click.testing import CliRunner
+
+from catalog_es.application import Models
+from catalog_es.cli import cli
+from catalog_es.errors import RevisionConflict
+from catalog_es.inputs import DeclaredConfig
+from catalog_es.persistence import LOCK_WAIT_ENV, SYNC_ENV
+from tests.helpers import count_events, model_data, model_spec
+
+
+def forkserver() -> ForkServerContext:
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["catalog_es.application", "catalog_es.cli"])
+    return context
+
+
+def _start_and_add(url: str, name: str, start: Any, out: Any) -> None:
+    start.wait()
+    try:
+        Models(DeclaredConfig(), env={"CATALOG_ES_DB": url}).add(model_spec(name), by=name)
+        out.put((name, "ok"))
+    except Exception as error:
+        out.put((name, f"{type(error).__name__}: {error}"))
+
+
+def test_nodes_starting_at_once_on_a_new_database_all_start(db_url: str) -> None:
+    """Six nodes started together on a database with no tables yet: one
+    creates them, the others wait for it, and all serve."""
+    context = forkserver()
+    nodes = 6
+    start, out = context.Barrier(nodes), context.Queue()
+    workers = [
+        context.Process(target=_start_and_add, args=(db_url, f"n{i}", start, out))
+        for i in range(nodes)
+    ]
+    for w in workers:
+        w.start()
+    outcomes = dict(out.get(timeout=60) for _ in workers)
+    for w in workers:
+        w.join(timeout=30)
+    assert outcomes == {f"n{i}": "ok" for i in range(nodes)}
+    assert count_events(db_url) == nodes
+
+
+def _increment(url: str, name: str, increments: int, start: Any, out: Any) -> None:
+    """Read the counter, write it plus one on the grounds of what was read
+    (``expected_revision``), retry when someone else got there first."""
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": url})
+    start.wait()
+    conflicts, done = 0, 0
+    try:
+        while done < increments:
+            current = models.get_model(name)["scaling"]["max"]
+            try:
+                models.scale(
+                    name,
+                    None,
+                    current + 1,
+                    by=f"pid{os.getpid()}",
+                    expected_revision=models.revision,
+                )
+                done += 1
+            except RevisionConflict:
+                conflicts += 1
+        out.put((conflicts, ""))
+    except Exception as error:
+        out.put((conflicts, f"{type(error).__name__}: {error}"))
+
+
+def test_no_update_is_lost_under_contention(tmp_path: Path) -> None:
+    """Six processes each add one to a counter twenty times on one SQLite
+    file: every read-modify-write that succeeded is in the total, none
+    overwrote another."""
+    url = f"sqlite:///{tmp_path}/contended.db"
+    Models(DeclaredConfig(), env={"CATALOG_ES_DB": url}).add(model_spec("counter"), by="setup")
+    context = forkserver()
+    processes, increments = 6, 20
+    start, out = context.Barrier(processes), context.Queue()
+    workers = [
+        context.Process(target=_increment, args=(url, "counter", increments, start, out))
+        for _ in range(processes)
+    ]
+    for w in workers:
+        w.start()
+    outcomes = [out.get(timeout=120) for _ in workers]
+    for w in workers:
+        w.join(timeout=30)
+    assert [error for _, error in outcomes if error] == []
+    conflicts = sum(conflicts for conflicts, _ in outcomes)
+    assert conflicts > 0, "the processes never contended"
+    print(f"contention: {processes * increments} increments, {conflicts} retried after a conflict")
+    reader = Models(DeclaredConfig(), env={"CATALOG_ES_DB": url})
+    assert reader.get_model("counter")["scaling"]["max"] == 1 + processes * increments
+    assert count_events(url) == 1 + processes * increments
+    assert reader.skipped() == []
+
+
+def _cli_commands(url: str, worker: int, commands: int, start: Any, out: Any) -> None:
+    """Commands as an operator types them, through the CLI, each one opening
+    the database afresh, racing the other workers on a shared model."""
+    runner = CliRunner()
+    start.wait()
+    outcomes = []
+    for i in range(commands):
+        if i % 3 == 0:
+            args, text = ["model", "add", "-"], json.dumps(model_data(f"w{worker}-{i}"))
+        elif i % 3 == 1:
+            args, text = ["model", "scale", "shared", "--max", str(100 * worker + i)], None
+        else:
+            args, text = ["model", "list"], None
+        result = runner.invoke(cli, ["--db", url, "--json", *args], input=text)
+        outcomes.append((args, result.exit_code, result.stdout, result.stderr))
+    out.put(outcomes)
+
+
+def test_cli_under_contention_never_reports_a_locked_database(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/contended.db"
+    Models(DeclaredConfig(), env={"CATALOG_ES_DB": url}).add(model_spec("shared"), by="setup")
+    context = forkserver()
+    processes, commands = 4, 24
+    start, out = context.Barrier(processes), context.Queue()
+    workers = [
+        context.Process(target=_cli_commands, args=(url, worker, commands, start, out))
+        for worker in range(processes)
+    ]
+    for w in workers:
+        w.start()
+    outcomes = [o for _ in workers for o in out.get(timeout=120)]
+    for w in workers:
+        w.join(timeout=30)
+    failures = [(args, code, err) for args, code, _, err in outcomes if code != 0 or err]
+    assert failures == []
+    writes = [json.loads(stdout) for args, _, stdout, _ in outcomes if args[1] != "list"]
+    revisions = sorted(w["revision"] for w in writes)
+    assert revisions == list(range(2, 2 + len(writes))), "a write is missing or answered twice"
+    assert count_events(url) == 1 + len(writes)
+    # Blind writes: what is in force is what the last one in log order wrote.
+    last_scale = max(
+        (w for w in writes if w["removed"] is None and w["model"]["name"] == "shared"),
+        key=lambda w: w["revision"],
+    )
+    reader = Models(DeclaredConfig(), env={"CATALOG_ES_DB": url})
+    assert reader.get_model("shared") == last_scale["model"]
+    assert reader.skipped() == []
+
+
+# -- the bounded wait -----------------------------------------------------------------
+
+
+@contextmanager
+def write_lock_held(url: str) -> Iterator[None]:
+    """Another connection holding the log's write lock, as a writer stuck
+    mid-transaction would: raw sqlite3 ``BEGIN IMMEDIATE``, or PostgreSQL's
+    table lock."""
+    if url.startswith("sqlite"):
+        raw = sqlite3.connect(url.removeprefix("sqlite:///"), isolation_level=None)
+        raw.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        finally:
+            raw.execute("ROLLBACK")
+            raw.close()
+        return
+    engine = sa.create_engine(url)
+    with engine.connect() as conn, conn.begin():
+        conn.exec_driver_sql("LOCK TABLE catalog_events IN EXCLUSIVE MODE")
+        yield
+    engine.dispose()
+
+
+def catalog_es(url: str, *args: str, wait: str = "0.5") -> tuple[int, str, str, float]:
+    """The real command line, in a process of its own: exit code, stdout,
+    stderr and how long it took."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CATALOG_ES_")}
+    env[LOCK_WAIT_ENV] = wait
+    started = time.monotonic()
+    done = subprocess.run(
+        # In the test's own folder (the fixture's): not this repo's catalog.yaml.
+        [sys.executable, "-m", "catalog_es", "--db", url, *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    return done.returncode, done.stdout, done.stderr, time.monotonic() - started
+
+
+def test_a_held_write_lock_refuses_a_command_after_the_bounded_wait(db_url: str) -> None:
+    Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url}).add(model_spec("m"), by="setup")
+    rows = count_events(db_url)
+    with write_lock_held(db_url):
+        # Readers do not wait for writers.
+        code, stdout, stderr, _ = catalog_es(db_url, "--json", "model", "list")
+        assert (code, stderr) == (0, "")
+        assert [m["name"] for m in json.loads(stdout)] == ["m"]
+        code, stdout, stderr, took = catalog_es(db_url, "model", "scale", "m", "--max", "3")
+        assert code == 1
+        assert stderr.splitlines() == [
+            "error: the database stayed locked by another writer for 0.5 s; "
+            "nothing was written, try again"
+        ]
+        assert stdout == ""
+        # The half second asked for (and a second of start-up), not the default ten.
+        assert took < 5
+    assert count_events(db_url) == rows
+    code, _, stderr, _ = catalog_es(db_url, "model", "scale", "m", "--max", "3")
+    assert (code, stderr) == (0, "")
+    assert count_events(db_url) == rows + 1
+
+
+LOCK_WAIT_REFUSAL = "must be a number of seconds above 0 and at most 3600, not {!r}"
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "refusal"),
+    [
+        *((LOCK_WAIT_ENV, v, LOCK_WAIT_REFUSAL) for v in ["soon", "0", "-1", "nan", "inf", "1e9"]),
+        (SYNC_ENV, "OFF", "must be FULL or NORMAL, not {!r}"),
+    ],
+)
+def test_a_storage_setting_out_of_range_is_refused_in_one_line(
+    variable: str, value: str, refusal: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv(variable, value)
+    result = CliRunner().invoke(cli, ["--db", f"sqlite:///{tmp_path}/c.db", "model", "list"])
+    assert result.exit_code == 1
+    assert result.stderr.splitlines() == [f"error: {variable} {refusal.format(value)}"]

@@ -1,0 +1,281 @@
+"""Upgrades (issue 7): logs written by earlier versions keep loading.
+
+``tests/fixtures/log-<version>.jsonl`` is a log as that version wrote it,
+every kind of stored event in it, committed once and never regenerated
+(``scripts/write_upgrade_fixture.py`` writes the next one). Each must load,
+on both backends, to the catalog it gave when written: a later change to an
+event's stored form must come with an upcaster, or these fail.
+
+Then the upcasting machinery itself, with a v2 of ``Scaled`` defined here
+under the topic the real one is stored with, as a release changing it would
+ship.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, ClassVar
+from uuid import UUID
+
+import msgspec
+import pytest
+from click.testing import CliRunner
+from eventsourcing.persistence import StoredEvent
+
+from catalog_es import mapper
+from catalog_es.application import Models
+from catalog_es.cli import cli
+from catalog_es.inputs import DeclaredConfig, load_config
+from catalog_es.mapper import EVENT_CLASSES, encode_event, topic_of
+from catalog_es.model import DomainEvent, Model, Upcaster, model_id, utc_now
+from catalog_es.persistence import SQLRecorder, create_engine
+from catalog_es.spec import Scaling
+from tests.helpers import model_spec
+
+FIXTURES = Path(__file__).parent / "fixtures"
+LOGS = sorted(path.name.removesuffix(".jsonl") for path in FIXTURES.glob("log-*.jsonl"))
+
+
+def load_fixture(url: str, log: str) -> int:
+    """The fixture's rows into a fresh database, as they were stored: their
+    revisions come back the same."""
+    rows = [json.loads(line) for line in (FIXTURES / f"{log}.jsonl").read_text().splitlines()]
+    stored = [
+        StoredEvent(
+            originator_id=UUID(row["originator_id"]),
+            originator_version=row["originator_version"],
+            topic=row["topic"],
+            state=msgspec.json.encode(row["state"]),
+        )
+        for row in rows
+    ]
+    recorder = SQLRecorder(create_engine(url))
+    with recorder.write() as conn:
+        revisions = recorder.insert_events(stored, conn=conn)
+    recorder.engine.dispose()
+    assert list(revisions or []) == [row["revision"] for row in rows]
+    return len(rows)
+
+
+def contains(actual: Any, expected: Any, where: str = "") -> None:
+    """``actual`` is ``expected``, or more: the output formats only ever gain
+    keys, and a field added with an upcaster shows up in ``fields``."""
+    if isinstance(expected, dict):
+        assert isinstance(actual, dict), where
+        for key, value in expected.items():
+            assert key in actual, f"{where}.{key} is gone"
+            # Decoded events report the class_version this code reads them as.
+            if key != "class_version":
+                contains(actual[key], value, f"{where}.{key}")
+    elif isinstance(expected, list):
+        assert isinstance(actual, list) and len(actual) == len(expected), where
+        for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
+            contains(a, e, f"{where}[{i}]")
+    else:
+        assert actual == expected, f"{where}: {actual!r} != {expected!r}"
+
+
+@pytest.mark.parametrize("log", LOGS)
+def test_a_log_written_by_an_earlier_version_still_loads(db_url: str, log: str) -> None:
+    events = load_fixture(db_url, log)
+    expected = json.loads((FIXTURES / f"{log}.expected.json").read_text())
+    config = load_config(str(FIXTURES / f"{log}.yaml"))
+    models = Models(config, env={"CATALOG_ES_DB": db_url})
+    assert models.revision == expected["revision"] == events
+    assert [msgspec.to_builtins(s) for s in models.skipped()] == expected["skipped"]
+    contains(models.list_models(), expected["models"], "models")
+    contains(list(models.log_events()), expected["log"], "log")
+    # Every stream goes on from where the old version left it.
+    for model in models.list_models():
+        if not model["declared"]:
+            models.set_owner(model["name"], "team:upgraded", by="upgrade")
+    reopened = Models(config, env={"CATALOG_ES_DB": db_url})
+    assert reopened.skipped() == models.skipped()
+    assert {m["owner"] for m in reopened.list_models() if not m["declared"]} == {"team:upgraded"}
+    replay = CliRunner().invoke(
+        cli, ["--db", db_url, "--config", str(FIXTURES / f"{log}.yaml"), "replay"]
+    )
+    assert replay.exit_code == 0, replay.stderr
+    assert replay.stdout.startswith(f"replayed to revision {reopened.revision}: ")
+    assert replay.stdout.rstrip().endswith(f" {len(expected['skipped'])} events skipped")
+    models.close()
+    reopened.close()
+
+
+def test_the_newest_fixture_holds_every_kind_of_stored_event() -> None:
+    """A new kind of event needs a new fixture (``scripts/write_upgrade_fixture.py``),
+    so the release after it is held to reading it."""
+    newest = LOGS[-1]
+    rows = (FIXTURES / f"{newest}.jsonl").read_text().splitlines()
+    topics = {json.loads(line)["topic"] for line in rows}
+    assert topics == set(EVENT_CLASSES), f"not in {newest}: {set(EVENT_CLASSES) - topics}"
+    rollbacks = [json.loads(line)["state"]["rollback_to"] for line in rows]
+    assert any(r is not None for r in rollbacks), "no compensating event in the fixture"
+
+
+# -- the upcasting machinery --------------------------------------------------------
+
+
+class V2:
+    class Scaled(Model.Scaled, frozen=True, kw_only=True):
+        """``Scaled`` as a later release might store it: with what caused it."""
+
+        class_version: int = 2
+        cause: str
+        upcasters: ClassVar[dict[int, Upcaster]] = {
+            1: lambda data: data | {"cause": "recorded before causes were"}
+        }
+
+
+class V3:
+    class Scaled(Model.Scaled, frozen=True, kw_only=True):
+        """Two releases later: causes became a list. A v1 record goes through both upcasters."""
+
+        class_version: int = 3
+        causes: tuple[str, ...]
+        upcasters: ClassVar[dict[int, Upcaster]] = {
+            1: V2.Scaled.upcasters[1],
+            2: lambda data: (
+                {k: v for k, v in data.items() if k != "cause"} | {"causes": [data["cause"]]}
+            ),
+        }
+
+
+@pytest.fixture
+def install(monkeypatch: pytest.MonkeyPatch) -> Callable[[type[DomainEvent]], None]:
+    """Make ``cls`` the class stored ``Scaled`` records decode to, as a release
+    that changed ``Scaled`` would: same topic, new class."""
+
+    def put(cls: type[DomainEvent]) -> None:
+        topic = topic_of(Model.Scaled)
+        monkeypatch.setitem(mapper.EVENT_CLASSES, topic, cls)
+        monkeypatch.setitem(mapper._decoders, topic, msgspec.json.Decoder(cls))
+        monkeypatch.setitem(mapper._VERSIONS, cls, cls.current_version())
+
+    return put
+
+
+@pytest.fixture
+def v1_log(tmp_path: Path) -> Iterator[tuple[str, Models]]:
+    """A log with v1 ``Scaled`` records, written by this code."""
+    url = f"sqlite:///{tmp_path}/upcast.db"
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": url})
+    models.add(model_spec("m"), by="x")
+    models.scale("m", 0, 2, by="x")
+    models.scale("m", 1, 3, by="x")
+    yield url, models
+    models.close()
+
+
+def plant(models: Models, event: DomainEvent) -> int:
+    """A record as a later release would write it."""
+    with models.store.write() as conn:
+        version = models.store.stream_version(conn, event.originator_id) + 1
+        stored = StoredEvent(
+            event.originator_id, version, topic_of(Model.Scaled), encode_event(event)
+        )
+        (revision,) = models.store.insert_events([stored], conn=conn) or [0]
+    return revision
+
+
+def scaled(cls: type[Model.Scaled], scaling: Scaling, **fields: Any) -> Model.Scaled:
+    return cls(
+        originator_id=model_id("m"),
+        originator_version=0,
+        timestamp=utc_now(),
+        by="later",
+        model="m",
+        scaling=scaling,
+        **fields,
+    )
+
+
+def test_v1_records_load_through_an_upcaster(
+    v1_log: tuple[str, Models], install: Callable[[type[DomainEvent]], None]
+) -> None:
+    url, writer = v1_log
+    install(V2.Scaled)
+    plant(writer, scaled(V2.Scaled, Scaling(0, 5), cause="traffic"))
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": url})
+    assert models.skipped() == []
+    assert models.get_model("m")["scaling"] == {"min": 0, "max": 5}
+    scalings = [e for e in models.log_events() if e["event"] == "Scaled"]
+    assert [(e["class_version"], e["fields"]["cause"]) for e in scalings] == [
+        (2, "recorded before causes were"),
+        (2, "recorded before causes were"),
+        (2, "traffic"),
+    ]
+    assert [e["fields"]["scaling"]["max"] for e in scalings] == [2, 3, 5]
+
+
+def test_upcasters_chain_from_any_older_version(
+    v1_log: tuple[str, Models], install: Callable[[type[DomainEvent]], None]
+) -> None:
+    url, writer = v1_log
+    install(V2.Scaled)
+    plant(writer, scaled(V2.Scaled, Scaling(0, 5), cause="traffic"))
+    install(V3.Scaled)
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": url})
+    assert models.skipped() == []
+    causes = [e["fields"]["causes"] for e in models.log_events() if e["event"] == "Scaled"]
+    assert causes == [["recorded before causes were"]] * 2 + [["traffic"]]
+
+
+class NoUpcaster:
+    class Scaled(V2.Scaled, frozen=True, kw_only=True):
+        upcasters: ClassVar[dict[int, Upcaster]] = {}
+
+
+class FailingUpcaster:
+    class Scaled(V2.Scaled, frozen=True, kw_only=True):
+        upcasters: ClassVar[dict[int, Upcaster]] = {1: lambda data: data | {"cause": data["why"]}}
+
+
+class ShapelessUpcaster:
+    class Scaled(V2.Scaled, frozen=True, kw_only=True):
+        upcasters: ClassVar[dict[int, Upcaster]] = {1: lambda data: data | {"cause": 7}}
+
+
+@pytest.mark.parametrize(
+    ("cls", "reason"),
+    [
+        (NoUpcaster.Scaled, "no upcaster for NoUpcaster.Scaled from class_version 1"),
+        (
+            FailingUpcaster.Scaled,
+            "upcasting FailingUpcaster.Scaled from class_version 1 failed: KeyError: 'why'",
+        ),
+        (ShapelessUpcaster.Scaled, "invalid payload: Expected `str`, got `int` - at `$.cause`"),
+    ],
+    ids=["missing", "raising", "shapeless"],
+)
+def test_an_upcaster_that_cannot_skips_those_records_and_nothing_else(
+    v1_log: tuple[str, Models],
+    install: Callable[[type[DomainEvent]], None],
+    cls: type[DomainEvent],
+    reason: str,
+) -> None:
+    url, _ = v1_log
+    install(cls)
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": url})
+    assert [(s.revision, s.reason) for s in models.skipped()] == [(2, reason), (3, reason)]
+    assert models.get_model("m")["scaling"] == {"min": 1, "max": 1}
+
+
+def test_a_record_from_a_newer_release_is_skipped_by_an_older_one(
+    v1_log: tuple[str, Models], install: Callable[[type[DomainEvent]], None]
+) -> None:
+    url, writer = v1_log
+    install(V3.Scaled)
+    newer = plant(writer, scaled(V3.Scaled, Scaling(0, 9), causes=("later",)))
+    install(V2.Scaled)
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": url})
+    assert [(s.revision, s.reason) for s in models.skipped()] == [
+        (
+            newer,
+            "written by a newer version of catalog-es (V2.Scaled class_version 3; "
+            "this one reads up to 2)",
+        )
+    ]
+    assert models.get_model("m")["scaling"] == {"min": 1, "max": 3}
