@@ -59,6 +59,8 @@ log = logging.getLogger("catalog_es")
 SYSTEM_ACTOR = "catalog-es"
 MAX_ACTOR_LENGTH = 128
 MAX_REASON_LENGTH = 1000
+# How far ahead of this node's clock the log's time may be and still be followed.
+MAX_CLOCK_SKEW = timedelta(hours=1)
 
 
 At = int | datetime | None
@@ -501,12 +503,22 @@ class Models(AuditTrail, Application[UUID]):
         return revision
 
     def _next_timestamp(self) -> datetime:
-        """Now, or just after the newest event in the log if this clock is behind."""
+        """Now, or just after the newest event in the log if this clock is behind
+        by no more than clocks drift apart; a time further ahead than that is a
+        bad record (or a bad clock), and following it would stamp every command
+        after it in the future, or past the end of time."""
         now = utc_now()
         last = self.catalog.last_timestamp
-        if last is not None and now <= last:
-            return last + timedelta(microseconds=1)
-        return now
+        if last is None or now > last:
+            return now
+        if last - now > MAX_CLOCK_SKEW:
+            log.warning(
+                "the log's newest time %s is %s ahead of this clock; not following it",
+                last.isoformat(),
+                last - now,
+            )
+            return now
+        return last + timedelta(microseconds=1)
 
     # -- reading ---------------------------------------------------------------
 
