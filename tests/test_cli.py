@@ -416,3 +416,10 @@ def test_an_unexpected_failure_is_still_one_line(tmp_path: Path) -> None:
 def test_a_flow_style_yaml_definition_is_accepted(run: Run, write: Any) -> None:
     flow = b"{name: flow, engine: vllm, source: hf://org/flow, profiles: [{name: g, gpus: 1}]}"
     ok(run("model", "add", write("flow.yaml", flow)))
+
+
+def test_table_cells_are_printed_as_data_not_markup(run: Run, write: Any) -> None:
+    definition_file = write("m.yaml", as_yaml(definition("m")))
+    ok(run("model", "add", definition_file, "--reason", "[urgent] fix [bold]now[/bold]"))
+    shown = ok(run("log"))
+    assert "[urgent] fix [bold]now[/bold]" in shown.stdout

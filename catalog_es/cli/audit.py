@@ -13,7 +13,6 @@ from datetime import datetime
 from typing import Any, Unpack
 
 import click
-from rich.markup import escape
 
 from catalog_es.cli.base import F, Settings, cli, emit, pass_settings, shared_options, table
 from catalog_es.inputs import event_type, utc_time
@@ -57,11 +56,6 @@ def audit_filters(f: F) -> F:
     return f
 
 
-def _rows(rows: Iterable[Iterable[str]]) -> Iterable[list[str]]:
-    # Cells are data, not rich markup: "profiles[cpu]" must print as it is.
-    return ([escape(cell) for cell in row] for row in rows)
-
-
 def _value(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False)
 
@@ -83,7 +77,7 @@ def _show_changes(rows: list[dict[str, Any]], *, with_model: bool) -> Callable[[
     def human() -> None:
         table(
             ["REV", "TIME", "BY", *(["MODEL"] if with_model else []), "EVENT", "CHANGES", "REASON"],
-            _rows(
+            (
                 [
                     str(r["revision"]),
                     r["time"] or "?",
@@ -134,16 +128,13 @@ def refusals(settings: Settings, **filters: Unpack[Filters]) -> None:
         rows,
         lambda: table(
             ["TIME", "BY", "MODEL", "EVENT", "REFUSED BECAUSE", "REASON"],
-            _rows(
-                [r["time"], r["by"], r["model"], r["event"], r["refusal"], r["reason"]]
-                for r in rows
-            ),
+            ([r["time"], r["by"], r["model"], r["event"], r["refusal"], r["reason"]] for r in rows),
         ),
     )
 
 
 def _skipped_rows(skipped: Iterable[dict[str, Any]]) -> Iterable[list[str]]:
-    return _rows([str(s["revision"]), s["model"], s["event"], s["reason"]] for s in skipped)
+    return ([str(s["revision"]), s["model"], s["event"], s["reason"]] for s in skipped)
 
 
 @cli.command("verify")

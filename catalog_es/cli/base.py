@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 import click
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from catalog_es import bootstrap
@@ -191,7 +192,7 @@ def show_model(m: dict[str, Any]) -> None:
     table.add_column(style="bold")
     table.add_column(overflow="fold")
     for key, value in rows:
-        table.add_row(key, value)
+        table.add_row(key, escape(value))
     print_table(table)
     for warning in m.get("warnings", []):
         click.echo(f"warning: {warning}", err=True)
@@ -200,7 +201,8 @@ def show_model(m: dict[str, Any]) -> None:
 def table(columns: Iterable[str], rows: Iterable[Iterable[str]]) -> None:
     table = Table(*columns, box=None, pad_edge=False, header_style="bold")
     for row in rows:
-        table.add_row(*row)
+        # Cells are data, not rich markup: "profiles[cpu]" prints as it is.
+        table.add_row(*(escape(cell) for cell in row))
     print_table(table)
 
 
