@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any
 from uuid import UUID
 
@@ -168,8 +169,50 @@ class SQLRecorder(ProcessRecorder):
         self.engine = engine
         self.dialect = engine.dialect.name
         self.lock_wait = lock_wait_seconds()
+        # The connection writes go through, held between them (see _writer_connection).
+        self._writer: Connection | None = None
+        self._writer_pid = 0
+        self._writer_used = 0.0
+        self._writer_lock = threading.Lock()
         if create_tables:
             self._create_tables()
+
+    @contextmanager
+    def _writer_connection(self) -> Iterator[Connection]:
+        """The connection for write transactions, held open between them:
+        checking one out of the pool, with its events, cost a command more than
+        its SQL did. One writer at a time in this process; a forked child opens
+        its own (the parent's is not its to use); a database error drops it,
+        in case it is broken, and the next write connects afresh."""
+        with self._writer_lock:
+            if self._writer_pid != os.getpid():
+                self._writer = None  # inherited through a fork: not ours to touch
+            if self._writer is not None and time.monotonic() - self._writer_used > 60:
+                # Long idle: the server may have closed it. Ask before relying on it.
+                try:
+                    self._writer.exec_driver_sql("SELECT 1")
+                    self._writer.rollback()
+                except sa.exc.SQLAlchemyError:
+                    self._writer = None
+            if self._writer is None:
+                self._writer = self.engine.connect()
+                self._writer.execution_options(catalog_write=True)
+                self._writer_pid = os.getpid()
+            self._writer_used = time.monotonic()
+            try:
+                yield self._writer
+            except sa.exc.SQLAlchemyError:
+                writer, self._writer = self._writer, None
+                with suppress(sa.exc.SQLAlchemyError):
+                    writer.close()
+                raise
+
+    def close(self) -> None:
+        """Let go of the held write connection."""
+        with self._writer_lock:
+            if self._writer is not None and self._writer_pid == os.getpid():
+                self._writer.close()
+            self._writer = None
 
     def _create_tables(self) -> None:
         """Several nodes may start at once on a new database. Unlocked, they race
@@ -199,15 +242,13 @@ class SQLRecorder(ProcessRecorder):
         lock: the SQLite database's (``BEGIN IMMEDIATE``) or, on PostgreSQL,
         the one ``postgresql_lock`` takes."""
         try:
-            with self.engine.connect() as conn:
-                conn.execution_options(catalog_write=True)
-                with conn.begin():
-                    if self.dialect == "postgresql":
-                        conn.exec_driver_sql(
-                            f"SET LOCAL lock_timeout = '{int(self.lock_wait * 1000)}ms'"
-                        )
-                        conn.exec_driver_sql(postgresql_lock)
-                    yield conn
+            with self._writer_connection() as conn, conn.begin():
+                if self.dialect == "postgresql":
+                    conn.exec_driver_sql(
+                        f"SET LOCAL lock_timeout = '{int(self.lock_wait * 1000)}ms'"
+                    )
+                    conn.exec_driver_sql(postgresql_lock)
+                yield conn
         except sa.exc.OperationalError as error:
             if _is_busy(error):
                 raise StorageBusy(
@@ -619,4 +660,6 @@ class Factory(InfrastructureFactory[TrackingRecorder]):
         return self.recorder()
 
     def close(self) -> None:
+        if self._recorder is not None:
+            self._recorder.close()
         self.engine.dispose()

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 
 from catalog_es.application import Models
 from catalog_es.errors import Refused
@@ -178,3 +179,22 @@ def test_two_nodes_cannot_both_remove_what_the_other_relies_on(db_url: str) -> N
         if first.catalog_at().get("a") is None:
             first.add(_definition("a", []), by="setup")
     assert Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url}).skipped() == []
+
+
+def test_a_write_after_the_server_dropped_the_idle_connection_still_lands(
+    pg_url: str, pg_admin: sa.Engine
+) -> None:
+    """Writes go through a held connection; one the server closed while it sat
+    idle (a restart, an idle timeout) is noticed and replaced, not failed on."""
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": pg_url})
+    models.add(_definition("a", []), by="setup")
+    writer = models.store._writer
+    assert writer is not None
+    pid = writer.exec_driver_sql("SELECT pg_backend_pid()").scalar_one()
+    writer.rollback()
+    with pg_admin.connect() as conn:
+        conn.execute(sa.text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+    models.store._writer_used -= 3600  # as if it had been idle for an hour
+    assert models.scale("a", 0, 2, by="ops").revision == models.revision
+    assert models.get_model("a")["scaling"] == {"min": 0, "max": 2}
+    models.close()
