@@ -8,13 +8,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from catalog_es.application import Models
-from catalog_es.errors import InputError
+from catalog_es.errors import ConfigError, InputError
 from catalog_es.inputs import load_config
 from catalog_es.persistence import DEFAULT_URL
 from catalog_es.ports import Applier, PreAddCheck
 from catalog_es.registry import MirrorRegistry
 from catalog_es.web.tokens import TokenStore
 from catalog_es.weights import Weights, WeightsStore
+from projections.snapshots import DEFAULT_INTERVAL
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -26,6 +27,7 @@ MIRROR_ENV = "CATALOG_ES_MIRROR"
 WEIGHTS_ENV = "CATALOG_ES_WEIGHTS"
 TOKENS_ENV = "CATALOG_ES_TOKENS"
 DEFAULT_CONFIG = "catalog.yaml"
+SNAPSHOT_ENV = "CATALOG_ES_SNAPSHOT_EVERY"
 DEFAULT_WEIGHTS = "weights"
 DEFAULT_TOKENS = "catalog-tokens.json"
 
@@ -68,8 +70,20 @@ def open_models(
         load_config(config_path(config)),
         applier=applier,
         pre_add_check=pre_add_check,
+        snapshot_interval=snapshot_interval(),
         env={"CATALOG_ES_DB": database_url(db)},
     )
+
+
+def snapshot_interval() -> int:
+    """``CATALOG_ES_SNAPSHOT_EVERY``: revisions between projection snapshots.
+    Fewer makes reads of the past faster and the database larger."""
+    text = os.environ.get(SNAPSHOT_ENV)
+    if text is None:
+        return DEFAULT_INTERVAL
+    if not text.strip().isdigit() or int(text) < 1:
+        raise ConfigError(f"{SNAPSHOT_ENV} must be a whole number of revisions, not {text!r}")
+    return int(text)
 
 
 def open_weights(models: Models, mirror: str | None = None, weights: str | None = None) -> Weights:

@@ -7,12 +7,13 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from catalog_es import commands
 from catalog_es.application import Models
 from catalog_es.cli import cli
 from catalog_es.configuration import DeclaredConfig
 from catalog_es.errors import InputError, Refused
 from catalog_es.inputs import read_changes
-from tests.helpers import count_events
+from tests.helpers import count_events, model_spec
 
 CHANGES = """
 - add: {name: a, engine: vllm, source: hf://o/a, profiles: [{name: g, gpus: 1}]}
@@ -96,3 +97,19 @@ def test_cli_apply_exit_codes_and_nothing_written_on_refusal(tmp_path: Path) -> 
     assert len(refused.stderr.strip().splitlines()) == 1
     assert refused.stderr.startswith("error: change 1 (remove a) refused")
     assert count_events(db) == rows
+
+
+def test_a_large_apply_lands_whole_and_its_rollback_too(db_url: str) -> None:
+    """Thousands of events in one transaction (PostgreSQL's pipeline mode is
+    known to stall on a single very large write): all land, in order, and one
+    rollback takes them all back in one transaction."""
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
+    steps = [commands.add(spec) for spec in (model_spec(f"m-{i:05d}") for i in range(6000))]
+    result = models.apply_changes(steps, by="ops")
+    assert result["changes"] == 6000
+    assert count_events(db_url) == 6000 == len(models.list_models())
+    back = models.rollback(0, by="ops")
+    assert len(back["events"]) == 6000
+    assert count_events(db_url) == 12000
+    assert models.list_models() == []
+    assert models.verify()["ok"] is True

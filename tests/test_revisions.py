@@ -476,3 +476,31 @@ def test_cli_reads_at_a_revision_diffs_and_rolls_back(
 
     replay = runner.invoke(cli, [*base, "replay"])
     assert replay.exit_code == 0 and "replayed to revision 4" in replay.stdout
+
+
+def test_the_snapshot_interval_comes_from_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    db = f"sqlite:///{tmp_path}/catalog.db"
+    definition = tmp_path / "a.yaml"
+    definition.write_text(
+        "name: a\nengine: vllm\nsource: hf://o/a\nprofiles: [{name: g, gpus: 1}]\n"
+    )
+    runner = CliRunner()
+    monkeypatch.setenv("CATALOG_ES_SNAPSHOT_EVERY", "often")
+    refused = runner.invoke(cli, ["--db", db, "model", "list"])
+    assert refused.exit_code == 1
+    assert refused.stderr.strip().splitlines() == [
+        "error: CATALOG_ES_SNAPSHOT_EVERY must be a whole number of revisions, not 'often'"
+    ]
+    monkeypatch.setenv("CATALOG_ES_SNAPSHOT_EVERY", "2")
+    assert runner.invoke(cli, ["--db", db, "model", "add", str(definition)]).exit_code == 0
+    for maximum in ("2", "3", "4"):
+        assert (
+            runner.invoke(cli, ["--db", db, "model", "scale", "a", "--max", maximum]).exit_code == 0
+        )
+    engine = sa.create_engine(db)
+    with engine.connect() as conn:
+        revisions = list(conn.execute(sa.select(snapshots_table.c.revision)).scalars())
+    engine.dispose()
+    assert revisions == [2, 4]
