@@ -346,14 +346,15 @@ class Models(AuditTrail, Application[UUID]):
         """Several changes in one transaction, all or nothing, each decided on
         the catalog the ones before it leave."""
         _check_meta(by, reason)
-        for step in steps:
-            if step.event_class is Model.Added:
-                self.pre_add_check.check(step.fields["spec"])
         outcomes: list[tuple[Model.Event, ModelSpec | None, bool]] = []
+        # The change a refusal is about: the one that could not go.
+        current = steps[0] if steps else None
 
         def plan(batch: Batch) -> None:
+            nonlocal current
             batch.prefetch(step.name for step in steps)
             for number, step in enumerate(steps, start=1):
+                current = step
                 try:
                     outcomes.append(step.decide(batch))
                 except Refused as refusal:
@@ -362,9 +363,20 @@ class Models(AuditTrail, Application[UUID]):
                         f"{refusal}"
                     ) from None
 
-        revision, _ = self._write(
-            plan, by=by, reason=reason, expected_revision=expected_revision, several=True
-        )
+        try:
+            for step in steps:
+                if step.event_class is Model.Added:
+                    current = step
+                    self.pre_add_check.check(step.fields["spec"])
+            revision, _ = self._write(
+                plan, by=by, reason=reason, expected_revision=expected_revision, several=True
+            )
+        except Refused as refusal:
+            if current is not None:
+                self._record_refusal(
+                    current.event_class, current.name, by, reason, current.fields, refusal
+                )
+            raise
         definitions = model_views(
             [new for _, new, _ in outcomes if new is not None], lambda _: False
         )

@@ -113,3 +113,23 @@ def test_a_large_apply_lands_whole_and_its_rollback_too(db_url: str) -> None:
     assert count_events(db_url) == 12000
     assert models.list_models() == []
     assert models.verify()["ok"] is True
+
+
+def test_a_refused_apply_is_kept_apart_naming_the_change_that_could_not_go(
+    db_url: str, tmp_path: Path
+) -> None:
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
+    models.apply_changes(read_changes(write(tmp_path, CHANGES)), by="ops")
+    rows = count_events(db_url)
+    bad = "- scale: {name: b, max: 5}\n- remove: a\n"
+    with pytest.raises(Refused):
+        models.apply_changes(read_changes(write(tmp_path, bad)), by="mallory", reason="tidy")
+    (refusal,) = models.refusals()
+    assert (refusal["by"], refusal["model"], refusal["event"], refusal["reason"]) == (
+        "mallory",
+        "a",
+        "Removed",
+        "tidy",
+    )
+    assert "change 2 (remove a) refused" in refusal["refusal"]
+    assert count_events(db_url) == rows
