@@ -37,7 +37,7 @@ from catalog_es.errors import (
     RevisionConflict,
 )
 from catalog_es.mapper import EventMapper, UndecodableEvent, decode_event, model_of_state
-from catalog_es.model import Model, model_id, utc_now
+from catalog_es.model import MAX_CLOCK_SKEW, Model, model_id, utc_now
 from catalog_es.persistence import PollingSubscription, SQLRecorder, events_table
 from catalog_es.ports import AcceptAll, Applier, NoApplier, PreAddCheck
 from catalog_es.rollback import plan_rollback
@@ -59,8 +59,6 @@ log = logging.getLogger("catalog_es")
 SYSTEM_ACTOR = "catalog-es"
 MAX_ACTOR_LENGTH = 128
 MAX_REASON_LENGTH = 1000
-# How far ahead of this node's clock the log's time may be and still be followed.
-MAX_CLOCK_SKEW = timedelta(hours=1)
 
 
 At = int | datetime | None

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from functools import lru_cache
 from typing import Annotated, Any, ClassVar
 
@@ -39,6 +39,12 @@ def model_id(name: str) -> uuid.UUID:
 
 def utc_now() -> datetime:
     return datetime.now(UTC)
+
+
+# How far ahead of a node's clock the log's time may be and still be trusted:
+# commands follow it (so the log's time never runs backwards), and reads of
+# the past resolve times by it. A time further ahead is a bad clock or record.
+MAX_CLOCK_SKEW = timedelta(hours=1)
 
 
 class DomainEvent(msgspec.Struct, frozen=True, kw_only=True, gc=False):

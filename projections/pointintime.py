@@ -19,7 +19,7 @@ from sqlalchemy.engine import Connection
 from catalog_es.catalog import Catalog
 from catalog_es.configuration import DeclaredConfig
 from catalog_es.errors import Refused
-from catalog_es.model import UtcTime
+from catalog_es.model import MAX_CLOCK_SKEW, UtcTime, utc_now
 from catalog_es.persistence import SQLRecorder, events_table
 from projections import snapshots
 from projections.catalog import catch_up
@@ -76,25 +76,44 @@ def resolve_revision(conn: Connection, head: int, revision: int) -> int:
 
 
 def resolve_time(conn: Connection, head: int, moment: datetime) -> int:
-    """The last revision written at or before ``moment`` (0: before the first)."""
+    """The last revision written at or before ``moment`` (0: before the first).
+
+    A binary search, so it relies on the log's time never running backwards.
+    A record stamped far ahead of this clock (a bad clock, a hand edit) would
+    break that, and commands do not follow such a time, so records beyond the
+    horizon, and undecodable ones, are passed over as untimed."""
     if moment.tzinfo is None:
         raise Refused(f"time {moment.isoformat()} has no time zone; give UTC, e.g. ...Z")
+    horizon = utc_now() + MAX_CLOCK_SKEW
     low, high = 0, head
     while low < high:
         middle = (low + high + 1) // 2
-        row = _row(
-            conn,
-            _rows.where(_t.revision >= middle, _t.revision <= high).order_by(_t.revision),
-        )
-        if row is None:
+        timed = _first_timed(conn, middle, high, horizon)
+        if timed is None:
             high = middle - 1
-            continue
-        stamp = _stamp(row[1])
-        if stamp is None or stamp <= moment:
-            low = row[0]
+        elif timed[1] <= moment:
+            low = timed[0]
         else:
             high = middle - 1
     return low
+
+
+def _first_timed(
+    conn: Connection, start: int, stop: int, horizon: datetime
+) -> tuple[int, datetime] | None:
+    """The first record in ``start..stop`` with a time to trust, and its time."""
+    while start <= stop:
+        rows = conn.execute(
+            _rows.where(_t.revision >= start, _t.revision <= stop).order_by(_t.revision).limit(64)
+        ).all()
+        for revision, state in rows:
+            stamp = _stamp(state)
+            if stamp is not None and stamp <= horizon:
+                return int(revision), stamp
+        if len(rows) < 64:
+            return None
+        start = rows[-1][0] + 1
+    return None
 
 
 def catalog_at(

@@ -504,3 +504,24 @@ def test_the_snapshot_interval_comes_from_the_environment(
         revisions = list(conn.execute(sa.select(snapshots_table.c.revision)).scalars())
     engine.dispose()
     assert revisions == [2, 4]
+
+
+def test_a_node_with_a_fast_clock_does_not_hide_later_changes_from_reads_by_time(
+    open_models: Callable[..., Models], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One write from a node whose clock is two hours fast: the nodes after it
+    stamp their own time (not after it), and a read at now still sees them."""
+    import catalog_es.application
+
+    models = open_models()
+    models.add(spec("a"), by="x")
+    real_now = catalog_es.application.utc_now
+    monkeypatch.setattr(catalog_es.application, "utc_now", lambda: real_now() + timedelta(hours=2))
+    models.add(spec("b"), by="fast-node")
+    monkeypatch.setattr(catalog_es.application, "utc_now", real_now)
+    models.add(spec("c"), by="y")
+    now = datetime.now(UTC)
+    assert models.resolve(now) == models.revision
+    assert [m["name"] for m in runtime(models.list_models(at=now))] == ["a", "b", "c"]
+    dry = models.rollback(now, dry_run=True, by="ops")
+    assert dry["events"] == []
