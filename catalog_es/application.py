@@ -498,7 +498,7 @@ class Models(AuditTrail, Application[UUID]):
                     )
             revision = recordings[-1].notification.id
             self.catalog.revision = revision
-            self.applier.replace_catalog(InForce(self.catalog), revision)
+            self._push(revision)
             if revision // self.snapshot_interval > head // self.snapshot_interval:
                 self._save_snapshot(self.catalog)
         return revision, batch.changes
@@ -511,6 +511,17 @@ class Models(AuditTrail, Application[UUID]):
             lambda _batch: None, by=by, reason="", expected_revision=None, records_only=True
         )
         return revision
+
+    def _push(self, revision: int) -> None:
+        """Hand the catalog to the applier. The change is written and in force
+        whatever the applier does, so its failure is logged, never reported as
+        a refusal: the controller also follows the log, and catches up."""
+        try:
+            self.applier.replace_catalog(InForce(self.catalog), revision)
+        except Exception:
+            log.exception(
+                "the applier failed on the catalog at revision %d; the change is written", revision
+            )
 
     def _next_timestamp(self) -> datetime:
         """Now, or just after the newest event in the log if this clock is behind

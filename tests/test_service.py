@@ -576,3 +576,21 @@ def test_concurrent_writers_on_one_file_serialise_into_one_gapless_log(
         before = [e for e in services[0].log_events(limit=revision) if e["event"] == "Added"]
         assert {m.name for m in pushed} == {e["model"] for e in before}
     assert services[0].list_models() == services[1].list_models()
+
+
+class FailingApplier(RecordingApplier):
+    """A controller that cannot be reached."""
+
+    def replace_catalog(self, models: Any, revision: int) -> None:
+        raise Refused("controller unreachable")
+
+
+def test_an_applier_that_fails_after_the_write_does_not_turn_it_into_a_refusal(
+    make_models: MakeModels, rows: Rows, caplog: pytest.LogCaptureFixture
+) -> None:
+    models = make_models(applier=FailingApplier())
+    result = models.add(spec("a"), by=ACTOR)
+    assert result.written and result.revision == 1
+    assert rows() == 1 and models.get_model("a")["name"] == "a"
+    assert models.refusals() == []
+    assert "the applier failed on the catalog at revision 1" in caplog.text
