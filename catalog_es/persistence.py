@@ -259,9 +259,15 @@ class SQLRecorder(ProcessRecorder):
 
     @contextmanager
     def read(self) -> Iterator[Connection]:
-        """A read transaction: one consistent view of the log."""
-        with self.engine.connect() as conn, conn.begin():
-            yield conn
+        """A read transaction: one consistent view of the log. On PostgreSQL that
+        takes REPEATABLE READ (its default, READ COMMITTED, lets each statement
+        see new commits, so a head read first and events read after would not
+        agree); SQLite's deferred BEGIN already reads one snapshot."""
+        with self.engine.connect() as conn:
+            if self.dialect == "postgresql":
+                conn.execution_options(isolation_level="REPEATABLE READ")
+            with conn.begin():
+                yield conn
 
     # -- events ------------------------------------------------------------------
 

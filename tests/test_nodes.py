@@ -198,3 +198,19 @@ def test_a_write_after_the_server_dropped_the_idle_connection_still_lands(
     assert models.scale("a", 0, 2, by="ops").revision == models.revision
     assert models.get_model("a")["scaling"] == {"min": 0, "max": 2}
     models.close()
+
+
+def test_a_read_sees_one_state_of_the_log_while_others_write(db_url: str) -> None:
+    """What verify and every multi-statement read rely on: a commit by another
+    node in the middle of a read is not half seen."""
+    reader = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
+    writer = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
+    writer.add(_definition("a", []), by="setup")
+    with reader.store.read() as conn:
+        head = reader.store.head(conn)
+        writer.scale("a", 0, 2, by="other-node")
+        assert reader.store.head(conn) == head
+        assert [r for page in reader.store.scan(conn) for r in page][-1][0] == head
+    assert reader.verify()["ok"] is True
+    reader.close()
+    writer.close()
