@@ -492,6 +492,7 @@ class Models(AuditTrail, Application[UUID]):
                     self.catalog.commit(event, new)
             for recording in recordings:
                 if isinstance(recording.domain_event, Configuration.Declared):
+                    self.catalog.saw(recording.domain_event.timestamp)
                     self.catalog.recorded_declaration = (
                         recording.domain_event.fingerprint,
                         recording.notification.id,

@@ -51,6 +51,8 @@ class Catalog:
         # The declared layer the log last recorded (fingerprint, from revision).
         self.recorded_declaration: tuple[str, int] | None = None
         self.skipped: list[Skipped] = []
+        # Models whose latest event load left out and no later one put right.
+        self._unhealed: set[str] = set()
         for spec in declared:
             self._add_declared(spec)
         self._check_declared_graph()
@@ -77,8 +79,9 @@ class Catalog:
         return sorted([*self.declared.values(), *self.runtime()], key=lambda m: m.name)
 
     def was_skipped(self, name: str) -> bool:
-        """Whether load left out an event of this model (so a removal can heal it)."""
-        return any(s.model == name for s in reversed(self.skipped))
+        """Whether load left out this model's latest event, and nothing applied
+        since (so a removal can heal it, once)."""
+        return name in self._unhealed
 
     def referrers(self, name: str) -> set[str]:
         return self._referrers.get(name, set())
@@ -175,6 +178,7 @@ class Catalog:
         self.last_timestamp = last_timestamp
         self.recorded_declaration = recorded_declaration
         self.skipped = list(skipped)
+        self._unhealed = {s.model for s in self.skipped if self.aggregate(s.model).spec is None}
 
     def copy(self) -> Catalog:
         """An independent catalog in the same state, to try a series of changes on."""
@@ -183,6 +187,7 @@ class Catalog:
         other.aggregates = dict(self.aggregates)
         other._referrers = {k: set(v) for k, v in self._referrers.items()}
         other.skipped = list(self.skipped)
+        other._unhealed = set(self._unhealed)
         return other
 
     def apply(self, event: DomainEvent, revision: int) -> Skipped | None:
@@ -228,6 +233,7 @@ class Catalog:
     def skip(self, revision: int, model: str, event: str, reason: str) -> Skipped:
         skipped = Skipped(revision=revision, model=model, event=event, reason=reason)
         self.skipped.append(skipped)
+        self._unhealed.add(model)
         self.revision = max(self.revision, revision)
         return skipped
 
@@ -250,6 +256,7 @@ class Catalog:
             if new is not None:
                 self._link(new)
         self.aggregates[event.model] = Model(aggregate.name, event.originator_version, new)
+        self._unhealed.discard(event.model)
 
     def _link(self, spec: ModelSpec) -> None:
         for target in spec.fallbacks:

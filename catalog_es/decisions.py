@@ -60,6 +60,10 @@ def _check_memory(event: Model.Event, new: ModelSpec) -> None:
     # everywhere as far as placement can tell, however many of it there already
     # are. Required of what is added or resized now; models stored before the
     # rule, and declared ones, still load and say what they are missing.
+    if event.rollback_to is not None:
+        # A rollback puts back a definition that was in force: it is not a new
+        # add, and a model stored before the rule must come back as it was.
+        return
     if isinstance(event, Model.Added):
         touched = new.missing_memory()
     elif isinstance(event, Model.ResourcesSet):

@@ -25,6 +25,7 @@ from catalog_es.catalog import Catalog
 from catalog_es.cli import cli
 from catalog_es.errors import Refused
 from catalog_es.inputs import DeclaredConfig, load_config
+from catalog_es.model import Model, model_id
 from projections.catalog import catch_up
 from projections.snapshots import snapshots_table
 from tests.helpers import count_events
@@ -525,3 +526,30 @@ def test_a_node_with_a_fast_clock_does_not_hide_later_changes_from_reads_by_time
     assert [m["name"] for m in runtime(models.list_models(at=now))] == ["a", "b", "c"]
     dry = models.rollback(now, dry_run=True, by="ops")
     assert dry["events"] == []
+
+
+def test_a_rollback_brings_back_a_model_stored_before_the_memory_rule(
+    open_models: Callable[..., Models],
+) -> None:
+    models = open_models()
+    legacy = spec("legacy", profiles=[{"name": "cpu", "gpus": 0, "cpu_cores": 2}])
+    with models.store.write() as conn:
+        # As an older version stored it: CPU-only, no host memory declared.
+        stored = Model.Added(
+            originator_id=model_id("legacy"),
+            originator_version=1,
+            timestamp=datetime.now(UTC),
+            by="old-version",
+            model="legacy",
+            spec=legacy,
+        )
+        models.events.put([stored], conn=conn)
+    reopened = open_models()
+    target = reopened.revision
+    reopened.remove("legacy", by="ops")
+    result = reopened.rollback(target, by="ops")
+    assert [e["event"] for e in result["events"]] == ["Added"]
+    assert reopened.get_model("legacy")["warnings"]
+    # A new add of the same definition is still refused by the rule.
+    with pytest.raises(Refused, match="declares no memory"):
+        reopened.add(spec("legacy2", profiles=[{"name": "cpu", "gpus": 0, "cpu_cores": 2}]), by="x")
