@@ -13,10 +13,12 @@ import pytest
 import sqlalchemy as sa
 
 from catalog_es.application import Models
-from catalog_es.bootstrap import open_models
+from catalog_es.configuration import DeclaredConfig
 from catalog_es.errors import Refused
+from catalog_es.inputs import load_config
 from catalog_es.ports import Applier, PreAddCheck
 from catalog_es.spec import ModelSpec
+from projections.snapshots import DEFAULT_INTERVAL
 from tests.helpers import count_events
 
 # eventsourcing lets the environment override an application's settings, and
@@ -133,20 +135,43 @@ def write_config(tmp_path: Path) -> Callable[..., str]:
 
 
 @pytest.fixture
-def make_models(db_url: str, write_config: Callable[..., str]) -> Iterator[Callable[..., Models]]:
-    """``make_models(config_yaml=None, **ports)``: the service on this test's
-    database, its log replayed; every instance is closed at the end."""
+def service(db_url: str) -> Iterator[Callable[..., Models]]:
+    """``service(config=None, snapshot_interval=…, **ports)``: the service on
+    this test's database over the declared config at a path (or none), its
+    log replayed; every instance is closed at the end."""
     opened: list[Models] = []
 
-    def make(config_yaml: str | None = None, **ports: Any) -> Models:
-        config = write_config(config_yaml) if config_yaml is not None else None
-        models = open_models(db_url, config, **ports)
+    def make(
+        config: str | Path | None = None,
+        *,
+        snapshot_interval: int = DEFAULT_INTERVAL,
+        **ports: Any,
+    ) -> Models:
+        models = Models(
+            load_config(str(config)) if config is not None else DeclaredConfig(),
+            snapshot_interval=snapshot_interval,
+            env={"CATALOG_ES_DB": db_url},
+            **ports,
+        )
         opened.append(models)
         return models
 
     yield make
     for models in opened:
         models.close()
+
+
+@pytest.fixture
+def make_models(
+    service: Callable[..., Models], write_config: Callable[..., str]
+) -> Callable[..., Models]:
+    """``make_models(config_yaml=None, **ports)``: ``service`` over a config
+    given as YAML text."""
+
+    def make(config_yaml: str | None = None, **ports: Any) -> Models:
+        return service(write_config(config_yaml) if config_yaml is not None else None, **ports)
+
+    return make
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -233,21 +233,10 @@ def configs(tmp_path: Path) -> tuple[Path, Path]:
 
 
 @pytest.fixture
-def open_models(db_url: str) -> Iterator[Callable[..., Models]]:
-    opened: list[Models] = []
-
-    def factory(config: Path, snapshot_interval: int = 1000) -> Models:
-        models = Models(
-            load_config(str(config)),
-            snapshot_interval=snapshot_interval,
-            env={"CATALOG_ES_DB": db_url},
-        )
-        opened.append(models)
-        return models
-
-    yield factory
-    for models in opened:
-        models.close()
+def open_models(service: Callable[..., Models]) -> Callable[..., Models]:
+    return lambda config, snapshot_interval=1000: service(
+        config, snapshot_interval=snapshot_interval
+    )
 
 
 @pytest.fixture

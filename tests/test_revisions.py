@@ -9,7 +9,7 @@ from __future__ import annotations
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -24,7 +24,7 @@ from catalog_es.application import Models
 from catalog_es.catalog import Catalog
 from catalog_es.cli import cli
 from catalog_es.errors import Refused
-from catalog_es.inputs import DeclaredConfig, load_config
+from catalog_es.inputs import load_config
 from catalog_es.model import Model, model_id
 from projections.catalog import catch_up
 from projections.snapshots import snapshots_table
@@ -52,22 +52,13 @@ def config_file(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def open_models(db_url: str, config_file: Path) -> Iterator[Callable[..., Models]]:
+def open_models(service: Callable[..., Models], config_file: Path) -> Callable[..., Models]:
     """Services on one database (SQLite file or PostgreSQL schema), closed after."""
-    opened: list[Models] = []
 
     def factory(config: Path | None = config_file, interval: int = 1000) -> Models:
-        models = Models(
-            load_config(str(config)) if config else DeclaredConfig(),
-            snapshot_interval=interval,
-            env={"CATALOG_ES_DB": db_url},
-        )
-        opened.append(models)
-        return models
+        return service(config, snapshot_interval=interval)
 
-    yield factory
-    for models in opened:
-        models.close()
+    return factory
 
 
 # -- point-in-time reads over a generated history -------------------------------------
