@@ -39,7 +39,3 @@ def diff_catalogs(before: Catalog, after: Catalog, *, model: str | None = None) 
         ],
         "changed": changed,
     }
-
-
-def is_empty(diff: dict[str, Any]) -> bool:
-    return not (diff["added"] or diff["removed"] or diff["changed"])
