@@ -483,21 +483,23 @@ class Models(AuditTrail, Application[UUID]):
                 if dry_run or not (batch.changes or (records_only and batch.records)):
                     conn.rollback()
                     return head, batch.changes
-                recordings = self.events.put(batch.records, conn=conn)
+                # Straight to the recorder: eventsourcing's EventStore.put would
+                # build a Recording per event only for us to read its revision.
+                revisions = self.store.insert_events(
+                    [self.mapper.to_stored_event(e) for e in batch.records], conn=conn
+                )
+                assert revisions
             # Committed: only now are the changes in force.
             if several:
                 self.catalog = batch.catalog
             else:
                 for event, new in batch.changes:
                     self.catalog.commit(event, new)
-            for recording in recordings:
-                if isinstance(recording.domain_event, Configuration.Declared):
-                    self.catalog.saw(recording.domain_event.timestamp)
-                    self.catalog.recorded_declaration = (
-                        recording.domain_event.fingerprint,
-                        recording.notification.id,
-                    )
-            revision = recordings[-1].notification.id
+            for record, written in zip(batch.records, revisions, strict=True):
+                if isinstance(record, Configuration.Declared):
+                    self.catalog.saw(record.timestamp)
+                    self.catalog.recorded_declaration = (record.fingerprint, written)
+            revision = revisions[-1]
             self.catalog.revision = revision
             self._push(revision)
             if revision // self.snapshot_interval > head // self.snapshot_interval:

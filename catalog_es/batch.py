@@ -24,6 +24,9 @@ from catalog_es.spec import ModelSpec
 
 Change = tuple[Model.Event, ModelSpec | None]
 
+# What a log that never recorded a declared layer has in force: nothing.
+_NOTHING_DECLARED = DeclaredConfig().fingerprint
+
 
 class Batch:
     """Events decided inside one write transaction.
@@ -104,7 +107,7 @@ class Batch:
     def record_declaration(self, declared: DeclaredConfig) -> None:
         """Record the declared layer when it differs from the one the log last recorded."""
         recorded = self.catalog.recorded_declaration
-        last = recorded[0] if recorded is not None else DeclaredConfig().fingerprint
+        last = recorded[0] if recorded is not None else _NOTHING_DECLARED
         if last != declared.fingerprint:
             self._append(
                 Configuration.Declared(

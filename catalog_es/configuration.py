@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import uuid
+from functools import cached_property
 
 import msgspec
 
@@ -21,14 +22,15 @@ from catalog_es.spec import DEFAULT_ENGINES, ModelSpec
 CONFIGURATION_ID = uuid.uuid5(uuid.NAMESPACE_URL, "catalog-es:configuration")
 
 
-class DeclaredConfig(msgspec.Struct, frozen=True):
-    """What configuration declares: in force on every start, whatever the log says."""
+class DeclaredConfig(msgspec.Struct, frozen=True, dict=True):
+    """What configuration declares: in force on every start, whatever the log says.
+    (``dict``: room for the fingerprint, worked out once, not on every command.)"""
 
     models: tuple[ModelSpec, ...] = ()
     engines: tuple[str, ...] = DEFAULT_ENGINES
     path: str = ""
 
-    @property
+    @cached_property
     def fingerprint(self) -> str:
         """Identifies the declared layer: same models and engines, same fingerprint."""
         canonical = msgspec.json.encode(

@@ -17,6 +17,7 @@ computed in the same transaction from the head kept in ``catalog_head``.
 from __future__ import annotations
 
 import os
+import sqlite3
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -151,7 +152,14 @@ def create_engine(url: str) -> Engine:
         @sa.event.listens_for(engine, "begin")
         def _begin(connection: Connection) -> None:
             write = connection.get_execution_options().get("catalog_write", False)
-            connection.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
+            statement = "BEGIN IMMEDIATE" if write else "BEGIN"
+            # On the driver: through exec_driver_sql this statement cost a
+            # command more than its insert did. Its errors are wrapped as
+            # SQLAlchemy would have (a busy database is waited for, then told).
+            try:
+                connection.connection.driver_connection.execute(statement)  # type: ignore[union-attr]
+            except sqlite3.OperationalError as error:
+                raise sa.exc.OperationalError(statement, None, error) from None
 
         return engine
     return sa.create_engine(url, pool_pre_ping=True)
