@@ -170,9 +170,11 @@ class Catalog:
     ) -> None:
         """Take up a snapshot's state. Only on a catalog that has replayed nothing."""
         assert self.revision == 0 and not self.aggregates
-        for aggregate in aggregates:
-            self.aggregates[aggregate.name] = aggregate
-            if aggregate.spec is not None:
+        # Every point-in-time read starts here, over thousands of models: one
+        # dict built at once, and links only for models that name a fallback.
+        self.aggregates = {aggregate.name: aggregate for aggregate in aggregates}
+        for aggregate in self.aggregates.values():
+            if aggregate.spec is not None and aggregate.spec.fallbacks:
                 self._link(aggregate.spec)
         self.revision = revision
         self.last_timestamp = last_timestamp
