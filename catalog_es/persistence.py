@@ -154,12 +154,13 @@ def create_engine(url: str) -> Engine:
             write = connection.get_execution_options().get("catalog_write", False)
             statement = "BEGIN IMMEDIATE" if write else "BEGIN"
             # On the driver: through exec_driver_sql this statement cost a
-            # command more than its insert did. Its errors are wrapped as
-            # SQLAlchemy would have (a busy database is waited for, then told).
+            # command more than its insert did. Every driver error is wrapped
+            # as SQLAlchemy wraps it (a busy database is waited for, then told;
+            # a broken connection is dropped by the writer), with its own class.
             try:
                 connection.connection.driver_connection.execute(statement)  # type: ignore[union-attr]
-            except sqlite3.OperationalError as error:
-                raise sa.exc.OperationalError(statement, None, error) from None
+            except sqlite3.Error as error:
+                raise sa.exc.DBAPIError.instance(statement, None, error, sqlite3.Error) from None
 
         return engine
     return sa.create_engine(url, pool_pre_ping=True)

@@ -249,3 +249,25 @@ def test_a_storage_setting_out_of_range_is_refused_in_one_line(
     result = CliRunner().invoke(cli, ["--db", f"sqlite:///{tmp_path}/c.db", "model", "list"])
     assert result.exit_code == 1
     assert result.stderr.splitlines() == [f"error: {variable} {refusal.format(value)}"]
+
+
+def test_a_write_connection_broken_underneath_is_dropped_and_the_next_write_reconnects(
+    tmp_path: Path,
+) -> None:
+    """BEGIN runs on the driver: its error must still reach the writer as
+    SQLAlchemy's, so the broken connection is let go rather than reused."""
+    url = f"sqlite:///{tmp_path}/catalog.db"
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": url})
+    models.add(model_spec("a"), by="ops")
+    before = count_events(url)
+    writer = models.store._writer
+    assert writer is not None
+    writer.connection.driver_connection.close()  # type: ignore[union-attr]
+    with pytest.raises(sa.exc.ProgrammingError, match="closed database"):
+        models.scale("a", 0, 2, by="ops")
+    assert count_events(url) == before
+    assert models.store._writer is None
+    models.scale("a", 0, 2, by="ops")
+    assert count_events(url) == before + 1
+    assert models.get_model("a")["scaling"] == {"min": 0, "max": 2}
+    models.close()
