@@ -53,6 +53,9 @@ class Catalog:
         self.skipped: list[Skipped] = []
         # Models whose latest event load left out and no later one put right.
         self._unhealed: set[str] = set()
+        # name -> its aggregate id as an int, for the check every replayed event
+        # passes: worked out once per name, not once per event.
+        self._ids: dict[str, int] = {}
         for spec in declared:
             self._add_declared(spec)
         self._check_declared_graph()
@@ -204,9 +207,12 @@ class Catalog:
         change: Model.Event = event  # type: ignore[assignment]  # every other kind is
         name = change.model
         aggregate = self.aggregates.get(name) or Model.new(name)
+        expected_id = self._ids.get(name)
+        if expected_id is None:
+            expected_id = self._ids[name] = aggregate.id.int
         try:
             # By value of the 128-bit ints: UUID.__eq__ is slow in a hot loop.
-            if change.originator_id.int != aggregate.id.int:
+            if change.originator_id.int != expected_id:
                 raise Refused(f"its aggregate id does not belong to model {name!r}")
             if name in self.declared and not change.observation:
                 raise Refused(
@@ -258,7 +264,8 @@ class Catalog:
             if new is not None:
                 self._link(new)
         self.aggregates[event.model] = Model(aggregate.name, event.originator_version, new)
-        self._unhealed.discard(event.model)
+        if self._unhealed:  # nearly always empty: the test is cheaper than a discard
+            self._unhealed.discard(event.model)
 
     def _link(self, spec: ModelSpec) -> None:
         for target in spec.fallbacks:

@@ -15,6 +15,7 @@ from functools import lru_cache
 from typing import Annotated, Any, ClassVar
 
 import msgspec
+from msgspec.structs import replace
 
 from catalog_es.errors import InvalidModel, ModelNotFound, shown
 from catalog_es.spec import EVERY_FIELD, Adapter, ModelSpec, Origin, Scaling
@@ -139,7 +140,7 @@ class Model(msgspec.Struct, frozen=True, gc=False):
         touches: ClassVar[tuple[str, ...]] = ("scaling",)
 
         def change(self, current: ModelSpec) -> ModelSpec:
-            return msgspec.structs.replace(current, scaling=self.scaling)
+            return replace(current, scaling=self.scaling)
 
     class ResourcesSet(Event, frozen=True, kw_only=True):
         """Host memory and CPU cores of one profile, or of all when ``profile`` is empty.
@@ -160,7 +161,7 @@ class Model(msgspec.Struct, frozen=True, gc=False):
                     f"has no profile {shown(self.profile)} (it has: {names})",
                 )
             profiles = tuple(
-                msgspec.structs.replace(
+                replace(
                     p,
                     min_memory_gb=p.min_memory_gb if self.memory_gb is None else self.memory_gb,
                     cpu_cores=p.cpu_cores if self.cpu_cores is None else self.cpu_cores,
@@ -169,7 +170,7 @@ class Model(msgspec.Struct, frozen=True, gc=False):
                 else p
                 for p in current.profiles
             )
-            return msgspec.structs.replace(current, profiles=profiles)
+            return replace(current, profiles=profiles)
 
     class ClassSet(Event, frozen=True, kw_only=True):
         capacity_class: str = msgspec.field(name="class")
@@ -177,7 +178,7 @@ class Model(msgspec.Struct, frozen=True, gc=False):
         touches: ClassVar[tuple[str, ...]] = ("class",)
 
         def change(self, current: ModelSpec) -> ModelSpec:
-            return msgspec.structs.replace(current, capacity_class=self.capacity_class)
+            return replace(current, capacity_class=self.capacity_class)
 
     class OwnerSet(Event, frozen=True, kw_only=True):
         owner: str
@@ -185,7 +186,7 @@ class Model(msgspec.Struct, frozen=True, gc=False):
         touches: ClassVar[tuple[str, ...]] = ("owner",)
 
         def change(self, current: ModelSpec) -> ModelSpec:
-            return msgspec.structs.replace(current, owner=self.owner)
+            return replace(current, owner=self.owner)
 
     class AdaptersSet(Event, frozen=True, kw_only=True):
         adapters: tuple[Adapter, ...]
@@ -193,7 +194,7 @@ class Model(msgspec.Struct, frozen=True, gc=False):
         touches: ClassVar[tuple[str, ...]] = ("adapters",)
 
         def change(self, current: ModelSpec) -> ModelSpec:
-            return msgspec.structs.replace(current, adapters=self.adapters)
+            return replace(current, adapters=self.adapters)
 
     class SourceSet(Event, frozen=True, kw_only=True):
         """Other weights; running replicas keep what they loaded until replaced."""
@@ -204,7 +205,7 @@ class Model(msgspec.Struct, frozen=True, gc=False):
         touches: ClassVar[tuple[str, ...]] = ("source", "origin")
 
         def change(self, current: ModelSpec) -> ModelSpec:
-            return msgspec.structs.replace(current, source=self.source, origin=self.origin)
+            return replace(current, source=self.source, origin=self.origin)
 
     class OriginSet(Event, frozen=True, kw_only=True):
         """Where the weights came from, recorded without changing them."""
@@ -214,7 +215,7 @@ class Model(msgspec.Struct, frozen=True, gc=False):
         touches: ClassVar[tuple[str, ...]] = ("origin",)
 
         def change(self, current: ModelSpec) -> ModelSpec:
-            return msgspec.structs.replace(current, origin=self.origin)
+            return replace(current, origin=self.origin)
 
     class UpstreamChanged(Event, frozen=True, kw_only=True):
         """Upstream moved away from what the model runs, first seen now: ``ref``
