@@ -385,16 +385,21 @@ class SQLRecorder(ProcessRecorder):
                 chunk = list(originator_ids[start : start + 500])
                 # Stored form -> the caller's UUID, with no UUID parsing per row.
                 wanted = {self._uuid(u): u for u in chunk}
-                marks = ", ".join("?" * len(chunk))
+                # One max() per stream, each a single seek on the stream index:
+                # GROUP BY over an IN list would read every version of every
+                # stream (4-5x slower on a log of long streams).
+                marks = ", ".join(["(?)"] * len(wanted))
                 cursor.execute(
                     self._sql(
-                        "SELECT originator_id, max(originator_version) FROM catalog_events"
-                        f" WHERE originator_id IN ({marks}) GROUP BY originator_id"
+                        "SELECT wanted.column1, (SELECT max(originator_version)"
+                        " FROM catalog_events WHERE originator_id = wanted.column1)"
+                        f" FROM (VALUES {marks}) AS wanted"
                     ),
                     list(wanted),
                 )
                 for stored_id, version in cursor.fetchall():
-                    versions[wanted[stored_id]] = int(version)
+                    if version is not None:
+                        versions[wanted[stored_id]] = int(version)
         finally:
             cursor.close()
         return {u: versions.get(u, 0) for u in originator_ids}
