@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import sqlalchemy as sa
 from click.testing import CliRunner
 
 from catalog_es import commands
@@ -133,3 +134,37 @@ def test_a_refused_apply_is_kept_apart_naming_the_change_that_could_not_go(
     )
     assert "change 2 (remove a) refused" in refusal["refusal"]
     assert count_events(db_url) == rows
+
+
+def test_a_batch_continues_each_stream_at_its_own_next_version(db_url: str) -> None:
+    """Streams of different lengths, one never written: every stream in the log
+    stays numbered 1, 2, 3… with no gap and no repeat."""
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
+    for name in ("long", "short"):
+        models.add(model_spec(name), by="ops")
+    for replicas in range(2, 7):
+        models.scale("long", 1, replicas, by="ops")
+    models.apply_changes(
+        [
+            commands.scale("long", 0, 2),
+            commands.scale("short", 0, 2),
+            commands.add(model_spec("new")),
+            commands.scale("long", 1, 3),
+        ],
+        by="ops",
+    )
+    engine = sa.create_engine(db_url)
+    try:
+        with engine.connect() as conn:
+            rows = conn.execute(
+                sa.text(
+                    "SELECT originator_id, originator_version FROM catalog_events ORDER BY revision"
+                )
+            ).all()
+    finally:
+        engine.dispose()
+    streams: dict[str, list[int]] = {}
+    for originator_id, version in rows:
+        streams.setdefault(str(originator_id), []).append(version)
+    assert sorted(map(len, streams.values())) == [1, 2, 8]
+    assert all(versions == list(range(1, len(versions) + 1)) for versions in streams.values())
