@@ -472,6 +472,9 @@ class SQLRecorder(ProcessRecorder):
             "INSERT INTO catalog_events (originator_id, originator_version, topic, state, hash)"
             " VALUES (?, ?, ?, ?, ?)"
         )
+        # The driver's errors, wrapped as SQLAlchemy wraps them: a stream
+        # version taken twice is an IntegrityError whichever driver runs.
+        dbapi_error: type[Exception] = conn.dialect.loaded_dbapi.Error
         cursor = conn.connection.cursor()
         try:
             if len(rows) == 1:
@@ -509,6 +512,8 @@ class SQLRecorder(ProcessRecorder):
                 )
             else:
                 cursor.execute(self._sql("UPDATE catalog_head SET revision = ?, hash = ?"), moved)
+        except dbapi_error as error:
+            raise sa.exc.DBAPIError.instance(insert, None, error, dbapi_error) from None
         finally:
             cursor.close()
         if self.dialect == "postgresql":
