@@ -35,7 +35,6 @@ from catalog_es.errors import (
     ModelNotFound,
     Refused,
     RevisionConflict,
-    StreamOutOfStep,
 )
 from catalog_es.mapper import EventMapper, UndecodableEvent, decode_event, model_of_state
 from catalog_es.model import MAX_CLOCK_SKEW, Model, model_id, utc_now
@@ -464,7 +463,7 @@ class Models(AuditTrail, Application[UUID]):
         writes the declared-config record even with no change planned."""
         _check_meta(by, reason)
         with self._lock:
-            with self._versions_checked(), self.store.write() as conn:
+            with self.store.write() as conn:
                 self._catch_up(conn)
                 head = self.catalog.revision
                 if expected_revision is not None and expected_revision != head:
@@ -506,20 +505,6 @@ class Models(AuditTrail, Application[UUID]):
             if revision // self.snapshot_interval > head // self.snapshot_interval:
                 self._save_snapshot(self.catalog)
         return revision, batch.changes
-
-    @contextmanager
-    def _versions_checked(self) -> Iterator[None]:
-        """Commands number events from the versions replay followed, and the
-        stream index refuses a number already taken. If it does, replay was
-        misled by a row edited by hand: from then on the rows are asked."""
-        try:
-            yield
-        except sa.exc.IntegrityError:
-            if not self.catalog.versions_exact:
-                raise
-            self.catalog.versions_exact = False
-            log.warning("a stream's rows are numbered otherwise than replay followed")
-            raise StreamOutOfStep() from None
 
     def record_declaration(self, *, by: str) -> int:
         """Record the declared config in the log if it differs from the one the

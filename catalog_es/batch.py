@@ -60,42 +60,30 @@ class Batch:
         self.changes: list[Change] = []
         self._versions: dict[UUID, int] = {}
 
-    def _next_version(self, originator_id: UUID, name: str | None) -> int:
+    def _next_version(self, originator_id: UUID) -> int:
+        # From the rows, not the catalog: a record replay skipped still holds its place.
         last = self._versions.get(originator_id)
         if last is None:
-            known = self.catalog.stream_version(name) if name is not None else None
-            if known is None:
-                # Only the rows know: a record replay could not follow holds its place.
-                known = self.store.stream_version(self.conn, originator_id)
-            last = self._versions[originator_id] = known
+            last = self._versions[originator_id] = self.store.stream_version(
+                self.conn, originator_id
+            )
         return last + 1
 
     def prefetch(self, names: Iterable[str]) -> None:
-        """Find the stream versions of models a batch will change: from the
-        catalog where it knows them, the others from the rows in one go rather
-        than one query per event."""
-        unknown = []
-        for name in dict.fromkeys(names):
-            originator_id = model_id(name)
-            if originator_id not in self._versions:
-                known = self.catalog.stream_version(name)
-                if known is None:
-                    unknown.append(originator_id)
-                else:
-                    self._versions[originator_id] = known
-        if unknown:
-            self._versions.update(self.store.stream_versions(self.conn, unknown))
+        """Read the stream versions of models a batch will change, in one go
+        rather than one query per event."""
+        ids = [i for i in dict.fromkeys(model_id(n) for n in names) if i not in self._versions]
+        if ids:
+            self._versions.update(self.store.stream_versions(self.conn, ids))
 
     def _append(self, event: DomainEvent) -> None:
         self._versions[event.originator_id] = event.originator_version
         self.records.append(event)
 
-    def _envelope(
-        self, originator_id: UUID, name: str | None, rollback_to: int | None
-    ) -> dict[str, Any]:
+    def _envelope(self, originator_id: UUID, rollback_to: int | None) -> dict[str, Any]:
         return {
             "originator_id": originator_id,
-            "originator_version": self._next_version(originator_id, name),
+            "originator_version": self._next_version(originator_id),
             "timestamp": self.timestamp,
             "by": self.by,
             "reason": self.reason,
@@ -104,7 +92,7 @@ class Batch:
 
     def event(self, event_class: type[Model.Event], name: str, **fields: Any) -> Model.Event:
         """A candidate event for model ``name``; not yet decided, nothing taken."""
-        envelope = self._envelope(model_id(name), name, self.rollback_to)
+        envelope = self._envelope(model_id(name), self.rollback_to)
         return event_class(**envelope, model=name, **fields)
 
     def decide(self, event: Model.Event) -> ModelSpec | None:
@@ -123,7 +111,7 @@ class Batch:
         if last != declared.fingerprint:
             self._append(
                 Configuration.Declared(
-                    **self._envelope(CONFIGURATION_ID, None, None),
+                    **self._envelope(CONFIGURATION_ID, None),
                     fingerprint=declared.fingerprint,
                     engines=declared.engines,
                     models=declared.models,

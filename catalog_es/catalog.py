@@ -56,10 +56,6 @@ class Catalog:
         # name -> its aggregate id as an int, for the check every replayed event
         # passes: worked out once per name, not once per event.
         self._ids: dict[str, int] = {}
-        # Whether each runtime stream's last version is the one its aggregate
-        # holds, so a command need not ask the rows. A record that could not be
-        # read, or did not follow on in its stream, makes it false for good.
-        self.versions_exact = True
         for spec in declared:
             self._add_declared(spec)
         self._check_declared_graph()
@@ -89,15 +85,6 @@ class Catalog:
         """Whether load left out this model's latest event, and nothing applied
         since (so a removal can heal it, once)."""
         return name in self._unhealed
-
-    def stream_version(self, name: str) -> int | None:
-        """The version of the last event in ``name``'s stream, or ``None`` when
-        only the rows can tell: after a record replay could not follow, and for
-        a declared model (a record about it advances no runtime stream here)."""
-        if not self.versions_exact or name in self.declared:
-            return None
-        aggregate = self.aggregates.get(name)
-        return aggregate.version if aggregate is not None else 0
 
     def referrers(self, name: str) -> set[str]:
         return self._referrers.get(name, set())
@@ -183,7 +170,6 @@ class Catalog:
         recorded_declaration: tuple[str, int] | None,
         aggregates: Iterable[Model],
         skipped: Iterable[Skipped],
-        versions_exact: bool,
     ) -> None:
         """Take up a snapshot's state. Only on a catalog that has replayed nothing."""
         assert self.revision == 0 and not self.aggregates
@@ -196,7 +182,6 @@ class Catalog:
         self.revision = revision
         self.last_timestamp = last_timestamp
         self.recorded_declaration = recorded_declaration
-        self.versions_exact = versions_exact
         self.skipped = list(skipped)
         self._unhealed = {s.model for s in self.skipped if self.aggregate(s.model).spec is None}
 
@@ -228,10 +213,7 @@ class Catalog:
         try:
             # By value of the 128-bit ints: UUID.__eq__ is slow in a hot loop.
             if change.originator_id.int != expected_id:
-                self.versions_exact = False
                 raise Refused(f"its aggregate id does not belong to model {name!r}")
-            if change.originator_version != aggregate.version + 1 and name not in self.declared:
-                self.versions_exact = False  # a gap or a repeat: written by hand
             if name in self.declared and not change.observation:
                 raise Refused(
                     f"model {name!r} is declared in configuration, which wins every conflict"
@@ -255,12 +237,6 @@ class Catalog:
         """Keep the newest event time seen."""
         if self.last_timestamp is None or timestamp > self.last_timestamp:
             self.last_timestamp = timestamp
-
-    def skip_unreadable(self, revision: int, model: str, event: str, reason: str) -> Skipped:
-        """Skip a record that is not an event this code can read: its stream,
-        and so every stream's version, is no longer known for certain."""
-        self.versions_exact = False
-        return self.skip(revision, model, event, reason)
 
     def skip(self, revision: int, model: str, event: str, reason: str) -> Skipped:
         skipped = Skipped(revision=revision, model=model, event=event, reason=reason)

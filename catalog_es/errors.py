@@ -69,14 +69,3 @@ class ConfigError(Exception):
 
 class StorageBusy(Refused):
     """The database stayed locked by another writer past the bounded wait."""
-
-
-class StreamOutOfStep(StorageBusy):
-    """A stream's rows are numbered otherwise than its records say (a row edited
-    by hand): nothing was written, and the next attempt asks the rows."""
-
-    def __init__(self) -> None:
-        super().__init__(
-            "a model's stream in the log is numbered otherwise than its records say "
-            "(a row edited by hand?); nothing was written, try again"
-        )

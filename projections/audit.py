@@ -475,7 +475,7 @@ class AuditProjection(Projection[AuditView]):
     @process_event.register
     def unreadable(self, record: Unreadable, tracking: Tracking) -> None:
         revision = tracking.notification_id
-        skipped = self.catalog.skip_unreadable(revision, record.model, record.event, record.error)
+        skipped = self.catalog.skip(revision, record.model, record.event, record.error)
         if revision <= self.recorded:
             return
         definition = self.catalog.get(record.model)

@@ -41,7 +41,7 @@ def catch_up(
                 event = decode_event(topic, state)
             except UndecodableEvent as error:
                 skipped.append(
-                    catalog.skip_unreadable(
+                    catalog.skip(
                         revision, model_of_state(state), topic.rpartition(".")[2], str(error)
                     )
                 )

@@ -43,8 +43,6 @@ class SnapshotState(msgspec.Struct, frozen=True):
     recorded_declaration: tuple[str, int] | None
     aggregates: list[Model]
     skipped: list[Skipped]
-    # Absent from snapshots written before it was kept: unknown, so not exact.
-    versions_exact: bool = False
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -58,7 +56,6 @@ def encode(catalog: Catalog) -> bytes:
         recorded_declaration=catalog.recorded_declaration,
         aggregates=list(catalog.aggregates.values()),
         skipped=catalog.skipped,
-        versions_exact=catalog.versions_exact,
     )
     return zlib.compress(_encoder.encode(state), 1)
 
@@ -99,7 +96,6 @@ def restore(conn: Connection, catalog: Catalog, fingerprint: str, upto: int | No
             recorded_declaration=state.recorded_declaration,
             aggregates=state.aggregates,
             skipped=state.skipped,
-            versions_exact=state.versions_exact,
         )
         return True
     return False

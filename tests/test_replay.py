@@ -11,23 +11,18 @@ from __future__ import annotations
 
 import json
 import logging
-import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import msgspec
 import pytest
 import sqlalchemy as sa
 
 from catalog_es.application import Models
-from catalog_es.catalog import Catalog
-from catalog_es.errors import DeclaredInConfig, ModelNotFound, StreamOutOfStep
-from catalog_es.model import Model
+from catalog_es.errors import DeclaredInConfig, ModelNotFound
 from catalog_es.persistence import events_table
-from catalog_es.spec import DEFAULT_ENGINES, Origin, Scaling
-from projections import snapshots
-from tests.helpers import ACTOR, added, config_yaml, event, given, spec
+from catalog_es.spec import DEFAULT_ENGINES, Scaling
+from tests.helpers import ACTOR, config_yaml, spec
 
 MakeModels = Callable[..., Models]
 Tamper = Callable[[sa.Engine, int], None]
@@ -287,80 +282,3 @@ def test_a_skipped_model_can_be_removed(make_models: MakeModels, db_url: str) ->
     assert engine_gone.victim.name not in _names(restored)
     with pytest.raises(ModelNotFound, match="was not added at runtime"):
         restored.remove(engine_gone.victim.name, by=ACTOR)
-
-
-# -- stream versions: followed by replay, so a command need not ask the rows ----------
-
-
-def test_replay_follows_each_stream_so_commands_need_not_ask_the_rows() -> None:
-    catalog = given(added(spec("a")), event(Model.Scaled, "a", scaling=Scaling(1, 2)))
-    assert catalog.stream_version("a") == 2
-    assert catalog.stream_version("never-seen") == 0
-    # A declared model's records advance no runtime stream: only the rows know.
-    assert given(declared=[spec("d")]).stream_version("d") is None
-
-
-def test_observations_of_a_declared_model_keep_the_others_exact() -> None:
-    catalog = Catalog([spec("d")])
-    for version in (1, 2):
-        catalog.apply(
-            msgspec.structs.replace(
-                event(Model.UpstreamChanged, "d", ref="main", revision="r1", upstream=Origin()),
-                originator_version=version,
-            ),
-            version,
-        )
-    assert catalog.versions_exact
-
-
-@pytest.mark.parametrize("version", [1, 3], ids=["repeated", "after-a-gap"])
-def test_a_record_out_of_step_with_its_stream_leaves_the_versions_to_the_rows(
-    version: int,
-) -> None:
-    catalog = given(added(spec("a")))
-    scaled = event(Model.Scaled, "a", scaling=Scaling(1, 2))
-    catalog.apply(msgspec.structs.replace(scaled, originator_version=version), 2)
-    assert catalog.stream_version("a") is None and catalog.stream_version("b") is None
-
-
-def test_a_row_renumbered_by_hand_fails_one_command_and_the_next_asks_the_rows(
-    make_models: MakeModels, db_url: str, rows: Callable[[], int]
-) -> None:
-    models = make_models()
-    models.add(spec("a"), by=ACTOR)
-    renumbered = models.scale("a", 1, 2, by=ACTOR).revision
-    engine = sa.create_engine(db_url)
-    try:
-        # The row now says version 4; its record still says 2, the next in step.
-        _update_row(engine, renumbered, originator_version=4)
-    finally:
-        engine.dispose()
-    models = make_models()
-    models.scale("a", 1, 3, by=ACTOR)  # version 3: free
-    before = rows()
-    with pytest.raises(StreamOutOfStep, match="nothing was written, try again"):
-        models.scale("a", 1, 4, by=ACTOR)  # version 4 is taken
-    assert rows() == before
-    models.scale("a", 1, 4, by=ACTOR)  # asks the rows: version 5
-    assert make_models().get_model("a")["scaling"] == {"min": 1, "max": 4}
-
-
-@pytest.mark.parametrize("poison", [p for p in POISONS if p.tamper], ids=lambda p: p.id)
-def test_a_snapshot_keeps_whether_replay_could_follow_every_stream(
-    make_models: MakeModels, db_url: str, poison: Poison
-) -> None:
-    _, _, config_now = _poisoned_log(make_models, db_url, [poison])
-    make_models(config_now, snapshot_interval=1).refresh()  # loads, and snapshots
-    from_snapshot = make_models(config_now, snapshot_interval=1)
-    name = poison.victim.name
-    # Adding the victim again takes the next free version at the first try.
-    from_snapshot.add(spec(name), by=ACTOR)
-    assert make_models(config_now).get_model(name)["name"] == name
-
-
-def test_a_snapshot_that_predates_the_flag_is_not_trusted_with_versions() -> None:
-    catalog = given(added(spec("a")))
-    stored = msgspec.msgpack.decode(zlib.decompress(snapshots.encode(catalog)))
-    del stored["versions_exact"]
-    older = zlib.compress(msgspec.msgpack.encode(stored))
-    assert snapshots._decoder.decode(zlib.decompress(older)).versions_exact is False
