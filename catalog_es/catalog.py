@@ -21,6 +21,8 @@ from catalog_es.errors import ConfigError, InvalidModel, Refused
 from catalog_es.model import DomainEvent, Model
 from catalog_es.spec import DEFAULT_ENGINES, EVERY_FIELD, ModelSpec, check_spec
 
+_DECLARED = Configuration.Declared
+
 
 class Skipped(msgspec.Struct, frozen=True):
     """A stored event that load did not apply, and why."""
@@ -198,9 +200,10 @@ class Catalog:
     def apply(self, event: DomainEvent, revision: int) -> Skipped | None:
         """Replay one stored event: apply it if the catalog stays valid, else
         skip it (the stream's version still advances) and say why. The hot
-        loop of every load: keep it lean (``catch_up`` keeps the time)."""
+        loop of every load: keep it lean (``catch_up`` keeps the time); each
+        attribute is read once, since in this loop reads are much of the cost."""
         self.revision = revision
-        if type(event) is Configuration.Declared:
+        if type(event) is _DECLARED:
             # Replay is always over today's config; the record says what was in force then.
             self.recorded_declaration = (event.fingerprint, revision)
             return None
@@ -210,27 +213,30 @@ class Catalog:
         expected_id = self._ids.get(name)
         if expected_id is None:
             expected_id = self._ids[name] = aggregate.id.int
+        declared = name in self.declared
+        observation = change.observation
+        current = aggregate.spec
         try:
             # By value of the 128-bit ints: UUID.__eq__ is slow in a hot loop.
             if change.originator_id.int != expected_id:
                 raise Refused(f"its aggregate id does not belong to model {name!r}")
-            if name in self.declared and not change.observation:
+            if declared and not observation:
                 raise Refused(
                     f"model {name!r} is declared in configuration, which wins every conflict"
                 )
-            new = change.evolve(aggregate.spec)
-            if change.observation:
-                pass
-            elif new is not None and "fallbacks" not in change.touches:
-                check_spec(new, self.engines, change.touches)
-            else:
-                self.check(name, new, change.touches)
+            new = change.evolve(current)
+            if not observation:
+                touches = change.touches
+                if new is not None and "fallbacks" not in touches:
+                    check_spec(new, self.engines, touches)
+                else:
+                    self.check(name, new, touches)
         except Refused as refusal:
-            self.aggregates[name] = aggregate.mutate(change, aggregate.spec)
+            self.aggregates[name] = aggregate.mutate(change, current)
             return self.skip(revision, name, type(change).__name__, str(refusal))
-        if change.observation and name in self.declared:
+        if observation and declared:
             return None  # see commit()
-        self._put(aggregate, change, new)
+        self._put(name, change.originator_version, current, new)
         return None
 
     def saw(self, timestamp: datetime) -> None:
@@ -252,10 +258,10 @@ class Catalog:
             # Configuration is its definition: there is no runtime stream to
             # advance, and a rollback must not take the record for runtime history.
             return
-        self._put(self.aggregate(event.model), event, new)
+        self._put(event.model, event.originator_version, self.aggregate(event.model).spec, new)
 
-    def _put(self, aggregate: Model, event: Model.Event, new: ModelSpec | None) -> None:
-        old = aggregate.spec
+    def _put(self, name: str, version: int, old: ModelSpec | None, new: ModelSpec | None) -> None:
+        """Version ``version`` of ``name``'s stream puts ``new`` in place of ``old``."""
         old_fallbacks = old.fallbacks if old is not None else ()
         new_fallbacks = new.fallbacks if new is not None else ()
         if old_fallbacks is not new_fallbacks and old_fallbacks != new_fallbacks:
@@ -263,9 +269,9 @@ class Catalog:
                 self._unlink(old)
             if new is not None:
                 self._link(new)
-        self.aggregates[event.model] = Model(aggregate.name, event.originator_version, new)
+        self.aggregates[name] = Model(name, version, new)
         if self._unhealed:  # nearly always empty: the test is cheaper than a discard
-            self._unhealed.discard(event.model)
+            self._unhealed.discard(name)
 
     def _link(self, spec: ModelSpec) -> None:
         for target in spec.fallbacks:

@@ -153,24 +153,25 @@ class Model(msgspec.Struct, frozen=True, gc=False):
         touches: ClassVar[tuple[str, ...]] = ("resources",)
 
         def change(self, current: ModelSpec) -> ModelSpec:
-            if self.profile and all(p.name != self.profile for p in current.profiles):
+            # A plain loop: replay runs this for every resources event.
+            wanted, memory, cores = self.profile, self.memory_gb, self.cpu_cores
+            profiles = []
+            found = False
+            for p in current.profiles:
+                if not wanted or p.name == wanted:
+                    found = True
+                    p = replace(
+                        p,
+                        min_memory_gb=p.min_memory_gb if memory is None else memory,
+                        cpu_cores=p.cpu_cores if cores is None else cores,
+                    )
+                profiles.append(p)
+            if not found and wanted:
                 names = ", ".join(p.name for p in current.profiles)
                 raise InvalidModel(
-                    self.model,
-                    "profiles",
-                    f"has no profile {shown(self.profile)} (it has: {names})",
+                    self.model, "profiles", f"has no profile {shown(wanted)} (it has: {names})"
                 )
-            profiles = tuple(
-                replace(
-                    p,
-                    min_memory_gb=p.min_memory_gb if self.memory_gb is None else self.memory_gb,
-                    cpu_cores=p.cpu_cores if self.cpu_cores is None else self.cpu_cores,
-                )
-                if not self.profile or p.name == self.profile
-                else p
-                for p in current.profiles
-            )
-            return replace(current, profiles=profiles)
+            return replace(current, profiles=tuple(profiles))
 
     class ClassSet(Event, frozen=True, kw_only=True):
         capacity_class: str = msgspec.field(name="class")
