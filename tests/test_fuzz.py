@@ -53,7 +53,9 @@ models:
     profiles: [{name: gpu, gpus: 1}]
 """
 GOOD = model_data("ok")
-# Per example, start-up of the command included.
+# Per example, start-up of the command included. CPU time of this process (the
+# CLI runs in it), not the wall clock: a pathological input spends CPU, while a
+# stalled machine (seen once in CI, the suite taking 450 s) is no slow command.
 MAX_SECONDS = 2.0
 # One line, and a short one: a message quotes what it refuses, not all of it.
 MAX_MESSAGE = 400
@@ -115,11 +117,11 @@ class Harness:
 
     def run(self, args: list[str], stdin: bytes | None = None, *, timed: bool = True) -> Outcome:
         before = self.head()
-        started = time.monotonic()
+        started = time.process_time()
         result = CliRunner().invoke(
             cli, ["--db", self.url, "--config", str(self.config), *args], input=stdin
         )
-        took = time.monotonic() - started
+        took = time.process_time() - started
         self.examples += 1
         if timed:
             self.slowest = max(self.slowest, took)
@@ -703,8 +705,8 @@ def test_a_config_with_an_alias_bomb_is_refused_quickly(harness: Harness, tmp_pa
     must not expand: the service refuses to start on it, quickly."""
     bomb = tmp_path / "bomb.yaml"
     bomb.write_text(billion_laughs(12, 12).replace("name:", "engines:") + "models: []\n")
-    started = time.monotonic()
+    started = time.process_time()
     result = CliRunner().invoke(cli, ["--db", harness.url, "--config", str(bomb), "model", "list"])
-    assert time.monotonic() - started < MAX_SECONDS
+    assert time.process_time() - started < MAX_SECONDS
     assert result.exit_code == 1
     assert result.stderr.startswith("error: ") and len(result.stderr.splitlines()) == 1
