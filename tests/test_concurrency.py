@@ -251,6 +251,55 @@ def test_a_storage_setting_out_of_range_is_refused_in_one_line(
     assert result.stderr.splitlines() == [f"error: {variable} {refusal.format(value)}"]
 
 
+# A trigger that refuses every insert (made, then dropped), by dialect.
+_REFUSING_TRIGGER = {
+    "sqlite": (
+        [
+            "CREATE TRIGGER refuse BEFORE INSERT ON catalog_events"
+            " BEGIN SELECT RAISE(ABORT, 'refused by a trigger'); END"
+        ],
+        "DROP TRIGGER refuse",
+    ),
+    "postgresql": (
+        [
+            "CREATE FUNCTION refuse() RETURNS trigger AS"
+            " $$ BEGIN RAISE EXCEPTION 'refused by a trigger'; END $$ LANGUAGE plpgsql",
+            "CREATE TRIGGER refuse BEFORE INSERT ON catalog_events"
+            " FOR EACH ROW EXECUTE FUNCTION refuse()",
+        ],
+        "DROP TRIGGER refuse ON catalog_events",
+    ),
+}
+
+
+def test_a_driver_error_in_the_insert_is_sqlalchemys_and_lets_the_writer_go(
+    db_url: str,
+) -> None:
+    """The append runs on the driver too: whatever it raises reaches the
+    caller as SQLAlchemy wraps it, nothing is written, and the writer
+    connection is let go, in case the error broke it."""
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
+    models.add(model_spec("a"), by="ops")
+    before = count_events(db_url)
+    engine = sa.create_engine(db_url)
+    create, drop = _REFUSING_TRIGGER[engine.dialect.name]
+    try:
+        with engine.begin() as conn:
+            for statement in create:
+                conn.exec_driver_sql(statement)
+        with pytest.raises(sa.exc.DBAPIError, match="refused by a trigger"):
+            models.scale("a", 0, 2, by="ops")
+        assert count_events(db_url) == before
+        assert models.store._writer is None
+        with engine.begin() as conn:
+            conn.exec_driver_sql(drop)
+    finally:
+        engine.dispose()
+    models.scale("a", 0, 2, by="ops")
+    assert count_events(db_url) == before + 1
+    models.close()
+
+
 def test_a_write_connection_broken_underneath_is_dropped_and_the_next_write_reconnects(
     tmp_path: Path,
 ) -> None:
