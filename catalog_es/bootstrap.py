@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from catalog_es.application import Models
 from catalog_es.errors import ConfigError, InputError
-from catalog_es.inputs import load_config
+from catalog_es.inputs import is_whole_number, load_config
 from catalog_es.persistence import DEFAULT_URL
 from catalog_es.ports import Applier, PreAddCheck
 from catalog_es.registry import MirrorRegistry
@@ -81,7 +81,7 @@ def snapshot_interval() -> int:
     text = os.environ.get(SNAPSHOT_ENV)
     if text is None:
         return DEFAULT_INTERVAL
-    if not text.strip().isdigit() or int(text) < 1:
+    if not is_whole_number(text.strip()) or int(text) < 1:
         raise ConfigError(f"{SNAPSHOT_ENV} must be a whole number of revisions, not {text!r}")
     return int(text)
 

@@ -463,11 +463,17 @@ def changes_from_data(data: Any, where: str) -> list[commands.Step]:
 # -- revisions and times (``--at``, ``?at=``) ----------------------------------------
 
 
+def is_whole_number(text: str) -> bool:
+    """ASCII digits only: ``str.isdigit`` also takes superscripts and circled
+    digits, which ``int`` then refuses with a ValueError."""
+    return text.isascii() and text.isdigit()
+
+
 def revision_or_time(text: str) -> int | datetime:
     """A log revision (``1234``) or a UTC time (``2026-11-30T12:00:00Z``). A
     time without a zone is refused rather than guessed."""
     text = text.strip()
-    if text.isdigit():
+    if is_whole_number(text):
         return int(text)
     try:
         moment = datetime.fromisoformat(text)

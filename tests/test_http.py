@@ -270,6 +270,9 @@ def test_bad_bodies_are_422_with_the_clis_message_and_write_nothing(
         f"revision 99 is beyond the head of the log ({api.models.revision})"
     )
     assert refused(api.get("/log", params={"limit": "x"}), 422).startswith("query.limit: ")
+    assert refused(api.get("/models", params={"at": "²"}), 422) == (
+        "'²' is neither a revision nor an ISO 8601 time"
+    )
     assert count_events(api.db) == before
 
 

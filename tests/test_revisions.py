@@ -462,6 +462,10 @@ def test_cli_reads_at_a_revision_diffs_and_rolls_back(
         "error: revision 99 is beyond the head of the log (4)"
     ]
     assert runner.invoke(cli, [*base, "model", "list", "--at", "noon"]).exit_code == 2
+    # Digits to str.isdigit, not to int (fuzzing found "diff ¹" escaping as ValueError).
+    for not_a_number in ("¹", "②", "3²"):
+        odd = runner.invoke(cli, [*base, "diff", not_a_number])
+        assert odd.exit_code == 2 and "neither a revision nor" in odd.stderr, odd.stderr
     assert (
         runner.invoke(cli, [*base, "model", "list", "--at", "2026-01-01T00:00:00"]).exit_code == 2
     )

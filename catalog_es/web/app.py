@@ -50,6 +50,7 @@ from catalog_es.inputs import (
     describe,
     describe_problems,
     event_type,
+    is_whole_number,
     model_from_data,
     parse_document,
     revision_or_time,
@@ -154,7 +155,7 @@ def expected_revision(
     if if_match is None or if_match.strip() == "*":
         return None
     text = if_match.strip().removeprefix("W/").strip('"')
-    if not text.isdigit():
+    if not is_whole_number(text):
         raise InputError(f"If-Match {if_match[:40]!r}: not a revision (e.g. If-Match: 12)")
     return int(text)
 
@@ -503,7 +504,7 @@ def watch(
     """Every change after a revision, in order, then live, as server-sent
     events: `id` is the revision, `data` the event as `watch --json` prints it.
     A reconnecting EventSource resumes after its Last-Event-ID."""
-    if last_event_id is not None and last_event_id.strip().isdigit():
+    if last_event_id is not None and is_whole_number(last_event_id.strip()):
         after = int(last_event_id)
     return event_stream(models.watch(after or 0), request.app.state.closing)
 
