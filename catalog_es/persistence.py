@@ -472,8 +472,8 @@ class SQLRecorder(ProcessRecorder):
             "INSERT INTO catalog_events (originator_id, originator_version, topic, state, hash)"
             " VALUES (?, ?, ?, ?, ?)"
         )
-        # The driver's errors, wrapped as SQLAlchemy wraps them: a stream
-        # version taken twice is an IntegrityError whichever driver runs.
+        # The driver's errors, wrapped as SQLAlchemy wraps them (as BEGIN's are):
+        # the held writer then lets go of a connection the error may have broken.
         dbapi_error: type[Exception] = conn.dialect.loaded_dbapi.Error
         cursor = conn.connection.cursor()
         try:
