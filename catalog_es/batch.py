@@ -58,13 +58,15 @@ class Batch:
         self.tentative = tentative
         self.records: list[DomainEvent] = []
         self.changes: list[Change] = []
-        self._versions: dict[UUID, int] = {}
+        # The last version of each stream, keyed by the id's ``int``: a UUID's
+        # own hash is Python code, run several times an event in a large batch.
+        self._versions: dict[int, int] = {}
 
     def _next_version(self, originator_id: UUID) -> int:
         # From the rows, not the catalog: a record replay skipped still holds its place.
-        last = self._versions.get(originator_id)
+        last = self._versions.get(originator_id.int)
         if last is None:
-            last = self._versions[originator_id] = self.store.stream_version(
+            last = self._versions[originator_id.int] = self.store.stream_version(
                 self.conn, originator_id
             )
         return last + 1
@@ -72,12 +74,14 @@ class Batch:
     def prefetch(self, names: Iterable[str]) -> None:
         """Read the stream versions of models a batch will change, in one go
         rather than one query per event."""
-        ids = [i for i in dict.fromkeys(model_id(n) for n in names) if i not in self._versions]
+        wanted = {i.int: i for i in map(model_id, names)}
+        ids = [i for key, i in wanted.items() if key not in self._versions]
         if ids:
-            self._versions.update(self.store.stream_versions(self.conn, ids))
+            versions = self.store.stream_versions(self.conn, ids)
+            self._versions.update(zip((i.int for i in ids), versions, strict=True))
 
     def _append(self, event: DomainEvent) -> None:
-        self._versions[event.originator_id] = event.originator_version
+        self._versions[event.originator_id.int] = event.originator_version
         self.records.append(event)
 
     def _envelope(self, originator_id: UUID, rollback_to: int | None) -> dict[str, Any]:

@@ -376,15 +376,15 @@ class SQLRecorder(ProcessRecorder):
             cursor.close()
         return int(value or 0)
 
-    def stream_versions(self, conn: Connection, originator_ids: Sequence[UUID]) -> dict[UUID, int]:
-        """``stream_version`` of many streams in a few round trips."""
-        versions: dict[UUID, int] = {}
+    def stream_versions(self, conn: Connection, originator_ids: Sequence[UUID]) -> list[int]:
+        """``stream_version`` of many streams, in the order given, in a few round trips."""
+        # Keyed by the stored form, so no UUID is parsed or hashed per row.
+        stored = [self._uuid(u) for u in originator_ids]
+        found: dict[Any, Any] = {}
         cursor = conn.connection.cursor()
         try:
-            for start in range(0, len(originator_ids), 500):
-                chunk = list(originator_ids[start : start + 500])
-                # Stored form -> the caller's UUID, with no UUID parsing per row.
-                wanted = {self._uuid(u): u for u in chunk}
+            for start in range(0, len(stored), 500):
+                wanted = list(dict.fromkeys(stored[start : start + 500]))
                 # One max() per stream, each a single seek on the stream index:
                 # GROUP BY over an IN list would read every version of every
                 # stream (4-5x slower on a log of long streams).
@@ -395,14 +395,12 @@ class SQLRecorder(ProcessRecorder):
                         " FROM catalog_events WHERE originator_id = wanted.column1)"
                         f" FROM (VALUES {marks}) AS wanted"
                     ),
-                    list(wanted),
+                    wanted,
                 )
-                for stored_id, version in cursor.fetchall():
-                    if version is not None:
-                        versions[wanted[stored_id]] = int(version)
+                found.update(cursor.fetchall())
         finally:
             cursor.close()
-        return {u: versions.get(u, 0) for u in originator_ids}
+        return [int(found.get(s) or 0) for s in stored]
 
     def _sql(self, text: str) -> str:
         """Driver SQL written with ``?`` marks, in this driver's paramstyle."""
