@@ -28,6 +28,7 @@ from catalog_es import commands
 from catalog_es.audit import AuditTrail
 from catalog_es.batch import Batch, Change
 from catalog_es.catalog import Catalog, Skipped
+from catalog_es.collector import collector_paused
 from catalog_es.configuration import Configuration, DeclaredConfig
 from catalog_es.errors import (
     ConfigError,
@@ -462,7 +463,7 @@ class Models(AuditTrail, Application[UUID]):
         plans and decides everything, then writes nothing; ``records_only``
         writes the declared-config record even with no change planned."""
         _check_meta(by, reason)
-        with self._lock:
+        with self._lock, collector_paused():
             with self.store.write() as conn:
                 self._catch_up(conn)
                 head = self.catalog.revision

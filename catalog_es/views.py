@@ -11,6 +11,7 @@ from typing import Any
 
 import msgspec
 
+from catalog_es.collector import collector_paused
 from catalog_es.configuration import Configuration
 from catalog_es.model import DomainEvent, Model
 from catalog_es.spec import ModelSpec
@@ -24,8 +25,9 @@ def model_view(spec: ModelSpec, *, declared: bool) -> dict[str, Any]:
 
 def model_views(specs: list[ModelSpec], is_declared: Callable[[str], bool]) -> list[dict[str, Any]]:
     """``model_view`` of many, converted in one pass (a catalog can be large)."""
-    plain: list[dict[str, Any]] = msgspec.json.decode(msgspec.json.encode(specs))
-    return [_complete(v, s, is_declared(s.name)) for v, s in zip(plain, specs, strict=True)]
+    with collector_paused():
+        plain: list[dict[str, Any]] = msgspec.json.decode(msgspec.json.encode(specs))
+        return [_complete(v, s, is_declared(s.name)) for v, s in zip(plain, specs, strict=True)]
 
 
 def _complete(view: dict[str, Any], spec: ModelSpec, declared: bool) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from sqlalchemy.engine import Connection
 
 from catalog_es.catalog import Catalog, Skipped
+from catalog_es.collector import collector_paused
 from catalog_es.mapper import UndecodableEvent, decode_event, model_of_state
 from catalog_es.model import DomainEvent
 from catalog_es.persistence import SQLRecorder
@@ -35,23 +36,24 @@ def catch_up(
     skipped: list[Skipped] = []
     apply = catalog.apply
     last: DomainEvent | None = None
-    for page in recorder.scan(conn, after=catalog.revision, upto=upto):
-        for revision, topic, state in page:
-            try:
-                event = decode_event(topic, state)
-            except UndecodableEvent as error:
-                skipped.append(
-                    catalog.skip(
-                        revision, model_of_state(state), topic.rpartition(".")[2], str(error)
+    with collector_paused():
+        for page in recorder.scan(conn, after=catalog.revision, upto=upto):
+            for revision, topic, state in page:
+                try:
+                    event = decode_event(topic, state)
+                except UndecodableEvent as error:
+                    skipped.append(
+                        catalog.skip(
+                            revision, model_of_state(state), topic.rpartition(".")[2], str(error)
+                        )
                     )
-                )
-            else:
-                last = event
-                outcome = apply(event, revision)
-                if outcome is not None:
-                    skipped.append(outcome)
-            if progress is not None:
-                progress(revision)
+                else:
+                    last = event
+                    outcome = apply(event, revision)
+                    if outcome is not None:
+                        skipped.append(outcome)
+                if progress is not None:
+                    progress(revision)
     if last is not None:
         # The log's time never runs backwards, so the last event is the newest.
         catalog.saw(last.timestamp)

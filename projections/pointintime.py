@@ -17,6 +17,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from catalog_es.catalog import Catalog
+from catalog_es.collector import collector_paused
 from catalog_es.configuration import DeclaredConfig
 from catalog_es.errors import Refused
 from catalog_es.model import MAX_CLOCK_SKEW, UtcTime, utc_now
@@ -123,6 +124,7 @@ def catalog_at(
     newest snapshot at or before it, and the events after that."""
     catalog = Catalog(declared.models, declared.engines)
     if revision > 0:
-        snapshots.restore(conn, catalog, declared.fingerprint, upto=revision)
-        catch_up(catalog, recorder, conn, upto=revision)
+        with collector_paused():
+            snapshots.restore(conn, catalog, declared.fingerprint, upto=revision)
+            catch_up(catalog, recorder, conn, upto=revision)
     return catalog

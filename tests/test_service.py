@@ -3,6 +3,7 @@ what it writes, what it pushes to the applier, and its guards."""
 
 from __future__ import annotations
 
+import gc
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -12,8 +13,10 @@ import msgspec
 import pytest
 import yaml
 
+from catalog_es import commands
 from catalog_es.application import Models
 from catalog_es.bootstrap import open_models
+from catalog_es.collector import collector_paused
 from catalog_es.errors import (
     ConfigError,
     DeclaredInConfig,
@@ -594,3 +597,57 @@ def test_an_applier_that_fails_after_the_write_does_not_turn_it_into_a_refusal(
     assert rows() == 1 and models.get_model("a")["name"] == "a"
     assert models.refusals() == []
     assert "the applier failed on the catalog at revision 1" in caplog.text
+
+
+# -- the garbage collector -------------------------------------------------------
+
+
+def test_bulk_work_leaves_the_collector_on_even_when_it_fails(make_models: MakeModels) -> None:
+    # Commands, replays and reads of the past pause the cyclic collector while
+    # they make thousands of objects; one that left it off would let a
+    # server's cyclic garbage pile up for good.
+    models = make_models()
+    models.add(BASE, by=ACTOR)
+    models.apply_changes([commands.scale(BASE.name, 1, 2)], by=ACTOR)
+    assert models.list_models(at=1) and models.get_model(BASE.name, at=2)
+    with pytest.raises(Refused):
+        models.apply_changes([commands.scale("nowhere", 1, 2)], by=ACTOR)
+    with pytest.raises(ModelNotFound):
+        models.get_model("nowhere", at=2)
+    models.rebuild(audit=True)
+    assert make_models().list_models()
+    assert gc.isenabled()
+
+
+def test_a_caller_that_turned_the_collector_off_finds_it_off(make_models: MakeModels) -> None:
+    models = make_models()
+    gc.disable()
+    try:
+        models.add(BASE, by=ACTOR)
+        models.list_models(at=1)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+def test_only_the_outermost_pause_turns_the_collector_back_on() -> None:
+    with collector_paused():
+        with collector_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    # Two threads in overlapping pauses: on again once both have left.
+    inside, leave = threading.Barrier(2), threading.Event()
+
+    def paused() -> None:
+        with collector_paused():
+            inside.wait()
+            leave.wait()
+
+    workers = [threading.Thread(target=paused) for _ in range(2)]
+    for worker in workers:
+        worker.start()
+    leave.set()
+    for worker in workers:
+        worker.join()
+    assert gc.isenabled()
