@@ -4,9 +4,10 @@ A catalog read or written in bulk makes tens of thousands of small objects
 (decoded events and definitions, answer dicts), none in a cycle, while the
 process already holds a large heap that lives as long as it does: the code
 imported and the catalog in force. Each full collection rescans all of it,
-about 20 ms for 10,000 models here, and bulk work sets one off every few
-thousand objects that outlive a young collection. Reference counting frees
-everything these sections make; a cycle made inside one is collected after.
+about 20 ms for 10,000 models here, and one runs whenever the objects that
+outlived young collections reach a quarter of that heap: bulk work got there
+every few reads of the past. Reference counting frees everything these
+sections make; a cycle made inside one is collected after.
 """
 
 from __future__ import annotations
