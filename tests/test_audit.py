@@ -305,6 +305,12 @@ def test_history_of_an_unknown_name_is_not_found_and_of_a_declared_one_is_empty(
         ({"since": T0 + timedelta(minutes=2), "until": T0 + timedelta(minutes=5)}, [3, 4, 5]),
         ({"limit": 2}, [7, 8]),
         ({"by": "alice", "limit": 2}, [4, 7]),
+        # A time bound and a limit: the newest before the bound, oldest first.
+        ({"until": T0 + timedelta(minutes=5), "limit": 2}, [4, 5]),
+        ({"since": T0 + timedelta(minutes=3), "limit": 2}, [7, 8]),
+        ({"since": T0 + timedelta(minutes=2), "until": T0 + timedelta(minutes=5), "limit": 1}, [5]),
+        ({"since": T0 + timedelta(days=1), "limit": 3}, []),
+        ({"model": "embed", "until": T0 + timedelta(minutes=6), "limit": 1}, [5]),
         ({"by": "nobody"}, []),
     ],
 )
@@ -420,6 +426,21 @@ def test_refused_commands_are_kept_apart_with_who_what_and_why(models: Models) -
     assert [r["id"] for r in models.refusals(by="dave")] == [1, 3]
     assert [r["id"] for r in models.refusals(model="chat", limit=1)] == [4]
     assert [r["id"] for r in models.refusals(since=T0 + timedelta(minutes=10))] == [3, 4]
+    assert [r["id"] for r in models.refusals(until=T0 + timedelta(minutes=11), limit=2)] == [2, 3]
+
+
+def test_a_limit_keeps_the_last_matches_in_log_order_when_clocks_disagree(
+    models: Models, clock: Clock
+) -> None:
+    # Refusals take each node's own clock: one running behind stamps a later
+    # refusal earlier. "The N most recent" are the last N of the unlimited
+    # answer, in the order they were recorded, not the N latest clock readings.
+    clock.minutes = 5
+    refuse(lambda: models.set_class("chat", "gold", by="frank"), InvalidModel)
+    since = T0 + timedelta(minutes=1)
+    assert [r["id"] for r in models.refusals(since=since)] == [1, 2, 3, 4, 5]
+    assert [r["id"] for r in models.refusals(since=since, limit=2)] == [4, 5]
+    assert [r["id"] for r in models.refusals(until=T0 + timedelta(minutes=10), limit=2)] == [2, 5]
 
 
 def test_a_refusal_writes_nothing_to_the_log(models: Models) -> None:
