@@ -13,15 +13,25 @@ sections make; a cycle made inside one is collected after.
 from __future__ import annotations
 
 import gc
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 
 @contextmanager
 def collector_paused() -> Iterator[None]:
-    """No cyclic collection for the span of the ``with``. Safe to nest and to
-    enter from several threads: only the one that found the collector on
-    turns it back on, so it never stays off because of this."""
+    """No cyclic collection for the span of the ``with``, in the main thread.
+
+    The collector is the whole process's. Threads pausing it in turn could
+    leave it off for good (one finds it off because another paused it, and
+    so never turns it back on), or keep it off while a server's requests
+    overlap; so a pause in any other thread (an HTTP server's workers) does
+    nothing, and a server freezes what it loaded at start instead (see
+    ``catalog-es serve``). Nested pauses leave it as the outermost found it.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
     enabled = gc.isenabled()
     gc.disable()
     try:

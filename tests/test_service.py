@@ -4,7 +4,9 @@ what it writes, what it pushes to the applier, and its guards."""
 from __future__ import annotations
 
 import gc
+import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -636,18 +638,36 @@ def test_only_the_outermost_pause_turns_the_collector_back_on() -> None:
             assert not gc.isenabled()
         assert not gc.isenabled()
     assert gc.isenabled()
-    # Two threads in overlapping pauses: on again once both have left.
-    inside, leave = threading.Barrier(2), threading.Event()
 
-    def paused() -> None:
-        with collector_paused():
-            inside.wait()
-            leave.wait()
 
-    workers = [threading.Thread(target=paused) for _ in range(2)]
-    for worker in workers:
-        worker.start()
-    leave.set()
-    for worker in workers:
-        worker.join()
-    assert gc.isenabled()
+def test_pauses_in_other_threads_never_leave_the_collector_off() -> None:
+    # Threads pausing it in turn could each find it off because another had
+    # paused it, and none turn it back on: only the main thread pauses it.
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # switch threads often, to open every window
+    stop = threading.Event()
+    worker_pauses: list[None] = []
+
+    def pausing() -> None:
+        while not stop.is_set():
+            with collector_paused():
+                worker_pauses.append(None)
+
+    workers = [threading.Thread(target=pausing) for _ in range(3)]
+    try:
+        for worker in workers:
+            worker.start()
+        until = time.monotonic() + 1.0
+        while time.monotonic() < until:
+            with collector_paused():
+                assert not gc.isenabled()
+        stop.set()
+        for worker in workers:
+            worker.join()
+    finally:
+        stop.set()
+        sys.setswitchinterval(interval)
+    left_on = gc.isenabled()
+    gc.enable()  # for the tests after this one, whatever happened here
+    assert left_on
+    assert worker_pauses  # the workers ran, alongside the main thread's pauses
