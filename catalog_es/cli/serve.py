@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from types import FrameType
 
 import click
@@ -41,6 +42,12 @@ def serve(settings: Settings, host: str, port: int, tokens_file: str | None) -> 
     models = settings.models()
     revision = models.record_declaration(by=settings.actor)
     app = bootstrap.open_web_app(models, tokens)
+    # What is loaded now (the code, the catalog) lives as long as the server:
+    # out of the collector's sight, a full collection rescans only what came
+    # after, not 20 ms of heap for 10,000 models, in the middle of a request.
+    # Collected first, so no garbage is frozen with it.
+    gc.collect()
+    gc.freeze()
     click.echo(
         f"serving the catalog at revision {revision} on http://{host}:{port}/ "
         f"(console /console/, API docs /docs)",
