@@ -33,8 +33,10 @@ def collector_paused() -> Iterator[None]:
         yield
         return
     enabled = gc.isenabled()
-    gc.disable()
     try:
+        # Inside the try: a KeyboardInterrupt raised as disable() returns
+        # must still turn it back on.
+        gc.disable()
         yield
     finally:
         if enabled:

@@ -640,6 +640,25 @@ def test_only_the_outermost_pause_turns_the_collector_back_on() -> None:
     assert gc.isenabled()
 
 
+def test_an_interrupt_as_the_pause_begins_leaves_the_collector_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Python runs signal handlers as a call returns: Ctrl-C can land just as
+    # the collector has been turned off, before the body of the pause starts.
+    real_disable = gc.disable
+
+    def disable_then_interrupted() -> None:
+        real_disable()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gc, "disable", disable_then_interrupted)
+    with pytest.raises(KeyboardInterrupt), collector_paused():
+        pass
+    left_on = gc.isenabled()
+    gc.enable()
+    assert left_on
+
+
 def test_pauses_in_other_threads_never_leave_the_collector_off() -> None:
     # Threads pausing it in turn could each find it off because another had
     # paused it, and none turn it back on: only the main thread pauses it.
