@@ -382,14 +382,15 @@ class AuditProjection(Projection[AuditView]):
             self._restart()  # the view was dropped behind this process's back
             self.recorded = self.view.position(application_name)
         start = self.recorded
-        with recorder.read() as conn:
-            for page in recorder.scan(conn, after=self.catalog.revision):
-                for revision, topic, state in page:
-                    record = read_record(topic, state)
-                    self.process_event(record, Tracking(application_name, revision))
-                    if len(self._staged) >= BATCH_SIZE:
-                        self.flush()
-        self.flush()
+        with collector_paused():
+            with recorder.read() as conn:
+                for page in recorder.scan(conn, after=self.catalog.revision):
+                    for revision, topic, state in page:
+                        record = read_record(topic, state)
+                        self.process_event(record, Tracking(application_name, revision))
+                        if len(self._staged) >= BATCH_SIZE:
+                            self.flush()
+            self.flush()
         if self.recorded - start >= ANALYZE_AFTER:
             self.view.analyze()
 
