@@ -130,6 +130,24 @@ def lock_wait_seconds() -> float:
     return seconds
 
 
+def _into_wal(cursor: sqlite3.Cursor, wait: float) -> None:
+    """WAL mode, which the file keeps once set. Setting it on a new file takes
+    the file for itself, and SQLite answers "database is locked" at once,
+    busy timeout or not, while other processes are opening it too (nodes
+    starting together): so that is waited for here, as the write lock is."""
+    deadline = time.monotonic() + wait
+    delay = 0.001
+    while True:
+        try:
+            cursor.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as error:
+            if "locked" not in str(error) or time.monotonic() > deadline:
+                raise
+        time.sleep(delay)
+        delay = min(2 * delay, 0.05)
+
+
 def create_engine(url: str) -> Engine:
     """An engine with the settings the log relies on."""
     if url.startswith("sqlite"):
@@ -145,7 +163,7 @@ def create_engine(url: str) -> Engine:
             # Let us issue BEGIN ourselves (pysqlite's own is deferred and late).
             dbapi_connection.isolation_level = None
             cursor = dbapi_connection.cursor()
-            cursor.execute("PRAGMA journal_mode=WAL")
+            _into_wal(cursor, lock_wait_seconds())
             cursor.execute(f"PRAGMA synchronous={synchronous}")
             cursor.close()
 
