@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -77,12 +78,20 @@ def test_one_refused_change_refuses_them_all(db_url: str, tmp_path: Path) -> Non
         ("- remove: {name: a}\n", "change 1 (remove): remove: give the model's name"),
         ("- owner: {name: 'a b', owner: ''}\n", "change 1 (owner): model 'a b': name"),
         ("- add: {name: a}\n", "change 1 (add): engine: required field is missing"),
+        (
+            '- add: {name: a, engine: vllm, source: "hf://o/a\\0", profiles: [{name: g}]}\n',
+            "change 1 (add): model 'a': source: holds U+0000, a control or format character",
+        ),
+        (
+            '- source: {name: a, source: "hf://o/\\e[2Jb"}\n',
+            "change 1 (source): model 'a': source: holds U+001B, a control or format character",
+        ),
     ],
 )
 def test_a_malformed_changes_file_is_one_clear_error(
     tmp_path: Path, text: str, message: str
 ) -> None:
-    with pytest.raises(InputError, match="^.*" + message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(InputError, match="^.*" + re.escape(message)):
         read_changes(write(tmp_path, text))
 
 

@@ -29,7 +29,7 @@ from catalog_es.errors import (
     RevisionConflict,
 )
 from catalog_es.inputs import model_from_data
-from catalog_es.model import model_id
+from catalog_es.model import Model, model_id, utc_now
 from catalog_es.spec import Adapter, Origin, Scaling
 from tests.conftest import RecordingApplier, RefuseSources
 from tests.helpers import ACTOR, CPU, GPU, SHA, config_yaml, definition, spec
@@ -271,12 +271,49 @@ REFUSED: list[Any] = [
         id="adapters-duplicate",
     ),
     pytest.param(lambda m: m.set_source("base", "", by=ACTOR), InvalidModel, id="source-empty"),
+    # Control and format characters: NUL, a terminal escape, a bidi override.
+    pytest.param(
+        lambda m: m.add(spec("n", source="hf://org/a\x00b"), by=ACTOR), InvalidModel, id="nul"
+    ),
+    pytest.param(
+        lambda m: m.set_source("base", "hf://org/\x1b[31mred", by=ACTOR),
+        InvalidModel,
+        id="source-escape",
+    ),
+    pytest.param(
+        lambda m: m.set_adapters(
+            "base", (Adapter(name="a", source="s3://x\u202egpj.exe"),), by=ACTOR
+        ),
+        InvalidModel,
+        id="adapter-bidi",
+    ),
     pytest.param(lambda m: m.scale("declared", 2, 2, by=ACTOR), DeclaredInConfig, id="declared"),
     pytest.param(lambda m: m.add(spec("declared"), by=ACTOR), DeclaredInConfig, id="declared-add"),
     pytest.param(lambda m: m.add(spec("n"), by=""), InputError, id="no-actor"),
     pytest.param(lambda m: m.add(spec("n"), by="x" * 129), InputError, id="long-actor"),
     pytest.param(lambda m: m.add(spec("n"), by=ACTOR, reason="r" * 1001), InputError, id="reason"),
 ]
+
+
+def test_a_record_stored_before_the_printable_source_rule_still_loads(
+    make_models: MakeModels,
+) -> None:
+    # The rule is the commands', not the stored rules a replay checks: a
+    # model written with a control character in its source stays in force.
+    models = make_models()
+    old = spec("old", source="hf://org/a\x00b")
+    event = Model.Added(
+        originator_id=model_id("old"),
+        originator_version=1,
+        timestamp=utc_now(),
+        by=ACTOR,
+        model="old",
+        spec=old,
+    )
+    models.store.insert_events([models.mapper.to_stored_event(event)])
+    reopened = make_models()
+    assert reopened.get_model("old")["source"] == "hf://org/a\x00b"
+    assert reopened.catalog.skipped == []
 
 
 @pytest.mark.parametrize(("command", "refusal"), REFUSED)
