@@ -8,13 +8,12 @@ minimum), so its fields are worked out inside the write transaction.
 
 from __future__ import annotations
 
-import unicodedata
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from catalog_es.batch import Batch
-from catalog_es.errors import InputError, InvalidModel
+from catalog_es.errors import InputError
 from catalog_es.model import Model
 from catalog_es.spec import Adapter, ModelSpec, Origin, Scaling, check_name
 
@@ -62,8 +61,6 @@ _VERBS: dict[type[Model.Event], str] = {
 
 
 def add(spec: ModelSpec) -> Step:
-    _check_printable(spec.name, "source", spec.source)
-    _check_adapter_sources(spec.name, spec.adapters)
     return Step(Model.Added, spec.name, {"spec": spec})
 
 
@@ -107,30 +104,12 @@ def owner(name: str, value: str) -> Step:
 
 
 def adapters(name: str, value: tuple[Adapter, ...]) -> Step:
-    _check_adapter_sources(name, value)
     return Step(Model.AdaptersSet, name, {"adapters": tuple(value)})
 
 
 def source(name: str, value: str, origin: Origin | None = None) -> Step:
-    _check_printable(name, "source", value)
     return Step(Model.SourceSet, name, {"source": value, "origin": origin})
 
 
 def origin(name: str, value: Origin | None) -> Step:
     return Step(Model.OriginSet, name, {"origin": value})
-
-
-def _check_adapter_sources(model: str, adapters: tuple[Adapter, ...]) -> None:
-    for i, adapter in enumerate(adapters):
-        _check_printable(model, f"adapters[{i}].source", adapter.source)
-
-
-def _check_printable(model: str, field: str, value: str) -> None:
-    # A control or format character in a weights location (NUL, a terminal
-    # escape, a bidi override) reaches loaders, logs and terminals as it is,
-    # or shows as what it is not. Refused in what is written from now on; a
-    # replay checks only the stored rules, so records written before still
-    # load, like declared models (the memory rule's precedent).
-    bad = next((c for c in value if unicodedata.category(c) in ("Cc", "Cf")), None)
-    if bad is not None:
-        raise InvalidModel(model, field, f"holds U+{ord(bad):04X}, a control or format character")

@@ -3,11 +3,13 @@
 Given the catalog (built by replaying events) and a candidate event, either
 the definition that will run comes back or the change is refused. The replay
 path (:meth:`Catalog.apply`) shares the catalog rules; what only a command
-faces — configuration's precedence worded as advice, the host-memory rule —
-is here.
+faces — configuration's precedence worded as advice, the host-memory rule,
+printable sources — is here.
 """
 
 from __future__ import annotations
+
+import unicodedata
 
 from catalog_es.catalog import Catalog
 from catalog_es.errors import DeclaredInConfig, InvalidModel, ModelNotFound
@@ -50,8 +52,11 @@ def decide(catalog: Catalog, event: Model.Event) -> ModelSpec | None:
         raise ModelNotFound(name, "was not added at runtime")
     new = event.evolve(current)
     catalog.check(name, new, event.touches)
-    if new is not None:
+    if new is not None and event.rollback_to is None:
+        # A rollback puts back a definition that was in force: it is not new
+        # input, and one stored before these rules must come back as it was.
         _check_memory(event, new)
+        _check_sources(event, new)
     return new
 
 
@@ -60,10 +65,6 @@ def _check_memory(event: Model.Event, new: ModelSpec) -> None:
     # everywhere as far as placement can tell, however many of it there already
     # are. Required of what is added or resized now; models stored before the
     # rule, and declared ones, still load and say what they are missing.
-    if event.rollback_to is not None:
-        # A rollback puts back a definition that was in force: it is not a new
-        # add, and a model stored before the rule must come back as it was.
-        return
     if isinstance(event, Model.Added):
         touched = new.missing_memory()
     elif isinstance(event, Model.ResourcesSet):
@@ -77,3 +78,21 @@ def _check_memory(event: Model.Event, new: ModelSpec) -> None:
             "runs without a GPU and declares no memory (min_memory_gb): "
             "placement could not tell when a node is full",
         )
+
+
+def _check_sources(event: Model.Event, new: ModelSpec) -> None:
+    # A control or format character in a weights location (NUL, a terminal
+    # escape, a bidi override) reaches loaders, logs and terminals as it is,
+    # or shows as what it is not. Required of the sources a change sets now;
+    # models stored before the rule, and declared ones, still load.
+    if isinstance(event, Model.Added | Model.SourceSet):
+        _check_printable(new.name, "source", new.source)
+    if isinstance(event, Model.Added | Model.AdaptersSet):
+        for i, adapter in enumerate(new.adapters):
+            _check_printable(new.name, f"adapters[{i}].source", adapter.source)
+
+
+def _check_printable(model: str, field: str, value: str) -> None:
+    bad = next((c for c in value if unicodedata.category(c) in ("Cc", "Cf")), None)
+    if bad is not None:
+        raise InvalidModel(model, field, f"holds U+{ord(bad):04X}, a control or format character")

@@ -78,14 +78,6 @@ def test_one_refused_change_refuses_them_all(db_url: str, tmp_path: Path) -> Non
         ("- remove: {name: a}\n", "change 1 (remove): remove: give the model's name"),
         ("- owner: {name: 'a b', owner: ''}\n", "change 1 (owner): model 'a b': name"),
         ("- add: {name: a}\n", "change 1 (add): engine: required field is missing"),
-        (
-            '- add: {name: a, engine: vllm, source: "hf://o/a\\0", profiles: [{name: g}]}\n',
-            "change 1 (add): model 'a': source: holds U+0000, a control or format character",
-        ),
-        (
-            '- source: {name: a, source: "hf://o/\\e[2Jb"}\n',
-            "change 1 (source): model 'a': source: holds U+001B, a control or format character",
-        ),
     ],
 )
 def test_a_malformed_changes_file_is_one_clear_error(
@@ -93,6 +85,32 @@ def test_a_malformed_changes_file_is_one_clear_error(
 ) -> None:
     with pytest.raises(InputError, match="^.*" + re.escape(message)):
         read_changes(write(tmp_path, text))
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (
+            '- add: {name: b, engine: vllm, source: "hf://b\\0", profiles: [{name: g, gpus: 1}]}\n',
+            "change 1 (add b) refused, nothing applied: model 'b': source: holds U+0000",
+        ),
+        (
+            '- scale: {name: a, max: 2}\n- source: {name: a, source: "hf://o/\\e[2Jb"}\n',
+            "change 2 (source a) refused, nothing applied: model 'a': source: holds U+001B",
+        ),
+    ],
+)
+def test_cli_apply_refuses_a_source_with_a_control_character_and_writes_nothing(
+    tmp_path: Path, text: str, message: str
+) -> None:
+    db = f"sqlite:///{tmp_path}/catalog.db"
+    runner = CliRunner()
+    assert runner.invoke(cli, ["--db", db, "apply", write(tmp_path, CHANGES)]).exit_code == 0
+    rows = count_events(db)
+    refused = runner.invoke(cli, ["--db", db, "apply", write(tmp_path, text)])
+    assert refused.exit_code == 1
+    assert refused.stderr.splitlines() == [f"error: {message}, a control or format character"]
+    assert count_events(db) == rows
 
 
 def test_cli_apply_exit_codes_and_nothing_written_on_refusal(tmp_path: Path) -> None:

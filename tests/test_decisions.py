@@ -335,6 +335,46 @@ def test_the_memory_rule_leaves_other_changes_alone(command: Model.Event) -> Non
     assert when(given(added(LEGACY)), command) is not None
 
 
+# -- printable sources ---------------------------------------------------------------
+
+ODD = spec("odd", source="hf://org/a\x00b", adapters=(Adapter("x", "s3://x\u202e"),))
+
+
+@pytest.mark.parametrize(
+    ("command", "field", "code"),
+    [
+        pytest.param(added(spec("a", source="hf://o/\x00")), "source", "U+0000", id="add-nul"),
+        pytest.param(
+            event(Model.SourceSet, "base", source="hf://o/\x1b[2J"), "source", "U+001B", id="esc"
+        ),
+        pytest.param(
+            event(Model.AdaptersSet, "base", adapters=(Adapter("x", "s3://x\u202egpj"),)),
+            "adapters[0].source",
+            "U+202E",
+            id="adapter-bidi",
+        ),
+    ],
+)
+def test_a_source_with_a_control_or_format_character_is_refused(
+    command: Model.Event, field: str, code: str
+) -> None:
+    with pytest.raises(InvalidModel) as refusal:
+        when(given(added(BASE)), command)
+    assert refusal.value.field == field
+    assert f"holds {code}, a control or format character" in str(refusal.value)
+
+
+def test_printable_sources_are_not_required_on_replay_rollback_or_other_changes() -> None:
+    # Stored before the rule: it loads, takes other changes, and a rollback
+    # may put it back as it was.
+    catalog = given(added(ODD))
+    assert catalog.skipped == [] and catalog.get("odd") == ODD
+    assert when(catalog, event(Model.OwnerSet, "odd", owner="team:x")) is not None
+    back = msgspec.structs.replace(event(Model.SourceSet, "odd", source=ODD.source), rollback_to=1)
+    assert when(catalog, back) is not None
+    assert when(catalog, added(spec("fine", source="file:///data/été/😀"))) is not None
+
+
 # -- malformed fields ----------------------------------------------------------------
 
 
