@@ -137,15 +137,21 @@ def _into_wal(cursor: sqlite3.Cursor, wait: float) -> None:
     starting together): so that is waited for here, as the write lock is."""
     deadline = time.monotonic() + wait
     delay = 0.001
-    while True:
-        try:
-            cursor.execute("PRAGMA journal_mode=WAL")
-            return
-        except sqlite3.OperationalError as error:
-            if "locked" not in str(error) or time.monotonic() > deadline:
-                raise
-        time.sleep(delay)
-        delay = min(2 * delay, 0.05)
+    try:
+        while True:
+            try:
+                cursor.execute("PRAGMA journal_mode=WAL")
+                return
+            except sqlite3.OperationalError as error:
+                left = deadline - time.monotonic()
+                if "locked" not in str(error) or left <= 0:
+                    raise
+            time.sleep(min(delay, left))
+            delay = min(2 * delay, 0.05)
+            # An attempt may also wait in the busy handler: only for what is left.
+            cursor.execute(f"PRAGMA busy_timeout = {max(1, int(left * 1000))}")
+    finally:
+        cursor.execute(f"PRAGMA busy_timeout = {int(wait * 1000)}")
 
 
 def create_engine(url: str) -> Engine:
