@@ -75,10 +75,10 @@ class Batch:
         """Read the stream versions of models a batch will change, in one go
         rather than one query per event."""
         wanted = {i.int: i for i in map(model_id, names)}
-        ids = [i for key, i in wanted.items() if key not in self._versions]
-        if ids:
-            versions = self.store.stream_versions(self.conn, ids)
-            self._versions.update(zip((i.int for i in ids), versions, strict=True))
+        missing = {key: i for key, i in wanted.items() if key not in self._versions}
+        if missing:
+            versions = self.store.stream_versions(self.conn, list(missing.values()))
+            self._versions.update(zip(missing, versions, strict=True))
 
     def _append(self, event: DomainEvent) -> None:
         self._versions[event.originator_id.int] = event.originator_version

@@ -137,20 +137,21 @@ def _into_wal(cursor: sqlite3.Cursor, wait: float) -> None:
     starting together): so that is waited for here, as the write lock is."""
     deadline = time.monotonic() + wait
     delay = 0.001
-    try:
-        while True:
-            try:
-                cursor.execute("PRAGMA journal_mode=WAL")
-                return
-            except sqlite3.OperationalError as error:
-                left = deadline - time.monotonic()
-                if "locked" not in str(error) or left <= 0:
-                    raise
-            time.sleep(min(delay, left))
-            delay = min(2 * delay, 0.05)
-            # An attempt may also wait in the busy handler: only for what is left.
-            cursor.execute(f"PRAGMA busy_timeout = {max(1, int(left * 1000))}")
-    finally:
+    retried = False
+    while True:
+        try:
+            cursor.execute("PRAGMA journal_mode=WAL")
+            break
+        except sqlite3.OperationalError as error:
+            left = deadline - time.monotonic()
+            if "locked" not in str(error) or left <= 0:
+                raise
+        time.sleep(min(delay, left))
+        delay = min(2 * delay, 0.05)
+        # An attempt may also wait in the busy handler: only for what is left.
+        cursor.execute(f"PRAGMA busy_timeout = {max(1, int(left * 1000))}")
+        retried = True
+    if retried:
         cursor.execute(f"PRAGMA busy_timeout = {int(wait * 1000)}")
 
 
@@ -162,14 +163,15 @@ def create_engine(url: str) -> Engine:
         synchronous = os.environ.get(SYNC_ENV, "FULL").upper()
         if synchronous not in ("FULL", "NORMAL"):
             raise ConfigError(f"{SYNC_ENV} must be FULL or NORMAL, not {synchronous!r}")
-        engine = sa.create_engine(url, connect_args={"timeout": lock_wait_seconds()})
+        wait = lock_wait_seconds()
+        engine = sa.create_engine(url, connect_args={"timeout": wait})
 
         @sa.event.listens_for(engine, "connect")
         def _connect(dbapi_connection: Any, _record: Any) -> None:
             # Let us issue BEGIN ourselves (pysqlite's own is deferred and late).
             dbapi_connection.isolation_level = None
             cursor = dbapi_connection.cursor()
-            _into_wal(cursor, lock_wait_seconds())
+            _into_wal(cursor, wait)
             cursor.execute(f"PRAGMA synchronous={synchronous}")
             cursor.close()
 
