@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from catalog_es import commands
 from catalog_es.configuration import DeclaredConfig as DeclaredConfig  # re-exported
-from catalog_es.errors import ConfigError, InputError, Refused, shown
+from catalog_es.errors import SHOWN_LENGTH, ConfigError, InputError, Refused, shown
 from catalog_es.model import EVENT_TYPES
 from catalog_es.spec import DEFAULT_ENGINES, Adapter, ModelSpec, Origin
 
@@ -82,7 +82,14 @@ class ConfigInput(_Input):
 def _location(loc: tuple[int | str, ...]) -> str:
     out = ""
     for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part and part.isprintable() and len(part) <= SHOWN_LENGTH:
+            out += f".{part}" if out else part
+        else:
+            # An unknown key is the sender's text: quoted and cut short, so a
+            # line break or a terminal escape in it cannot break the one line.
+            out += f"[{shown(part)}]"
     return out or "(top level)"
 
 

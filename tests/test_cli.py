@@ -222,6 +222,12 @@ BAD_FILES = [
         id="unknown-nested-field",
     ),
     pytest.param(
+        as_json(_with(profiles=_profile(**{"line\nbreak": 1}))),
+        "profiles[0]['line\\nbreak']: unknown field",
+        id="unknown-field-with-a-line-break",
+    ),
+    pytest.param(as_json(_with(**{"k" * 10_240: 1})), "['kkkk", id="10kb-unknown-field"),
+    pytest.param(
         as_json(_with(profiles=_profile(gpus="1"))), "profiles[0].gpus", id="string-for-int"
     ),
     pytest.param(
