@@ -475,6 +475,36 @@ def test_rebuilt_audit_tables_give_the_same_answers(models: Models, db: str, con
     again.close()
 
 
+def test_audit_tables_of_an_earlier_layout_are_built_again(
+    models: Models, db: str, config: Path
+) -> None:
+    """Up to 0.1.0 a row kept its JSON in four columns. Such tables, tracked up
+    to the head over the same config, are dropped and rebuilt, not misread."""
+    first = all_answers(models)
+    with models.store.engine.begin() as conn:
+        conn.execute(sa.text("DROP TABLE audit_changes"))
+        conn.execute(
+            sa.text(
+                "CREATE TABLE audit_changes (revision INTEGER PRIMARY KEY, time DATETIME,"
+                " actor TEXT, model TEXT NOT NULL, event VARCHAR(64) NOT NULL,"
+                " class_version INTEGER, reason TEXT, rollback_to INTEGER, skipped TEXT,"
+                " fields TEXT NOT NULL, before TEXT, after TEXT, changes TEXT NOT NULL)"
+            )
+        )
+        conn.execute(
+            sa.text(
+                "INSERT INTO audit_changes (revision, actor, model, event, fields, changes)"
+                " VALUES (1, 'mallory', 'chat', 'Removed', '{}', '[]')"
+            )
+        )
+    view = AuditView(models.store.engine, models.declared.fingerprint)
+    assert view.max_tracking_id(models.name) is None  # dropped with the rows
+    again = open_service(db, config)
+    assert all_answers(again) == first
+    assert again.audit(by="mallory") == []
+    again.close()
+
+
 def test_the_audit_resumes_from_its_position_and_never_applies_twice(
     models: Models, db: str, config: Path
 ) -> None:
