@@ -49,7 +49,7 @@ class AuditTrail:
 
     @cached_property
     def _audit(self) -> AuditProjection:
-        view = AuditView(self.store.engine, self.declared.fingerprint)
+        view = AuditView(self.store, self.declared.fingerprint)
         return AuditProjection(view, self.declared)
 
     def history(self, name: str, *, by: str | None = None) -> list[dict[str, Any]]:
@@ -66,7 +66,7 @@ class AuditTrail:
         ``event_type``, ``since`` inclusive, ``until`` exclusive), oldest first;
         with a ``limit``, the most recent ones."""
         self._audit.catch_up(self.store, self.name)
-        return self._audit.view.changes(filters)
+        return self._audit.view.changes(filters, self.name)
 
     def rebuild_audit(self) -> None:
         """Drop the audit tables and build them again from the log."""

@@ -50,12 +50,19 @@ ANALYZE_AFTER = 10_000
 RETRIES = 3
 
 
+# The tables' layout, in their names: bumped with any change to their columns,
+# so that each version of this code keeps tables of its own, and nodes of two
+# versions sharing a database during an upgrade each read tables they
+# understand. Tables of an earlier layout are left to the nodes that use them.
+LAYOUT = 2
+CHANGES = f"audit_changes_v{LAYOUT}"
+
 metadata = sa.MetaData()
 # INTEGER on SQLite, so the revision is the rowid itself.
 _revision = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
 
 changes_table = sa.Table(
-    "audit_changes",
+    CHANGES,
     metadata,
     sa.Column("revision", _revision, primary_key=True, autoincrement=False),
     # What the queries filter on. UTC; NULL, like actor, for a record that
@@ -70,19 +77,24 @@ changes_table = sa.Table(
     sa.Column("view", sa.Text(), nullable=False),
     # With the revision in each index, a filtered query reads its rows in
     # order, newest first for a limit, without sorting.
-    sa.Index("audit_changes_model", "model", "revision"),
-    sa.Index("audit_changes_actor", "actor", "revision"),
-    sa.Index("audit_changes_event", "event", "revision"),
-    sa.Index("audit_changes_time", "time", "revision"),
+    sa.Index(f"{CHANGES}_model", "model", "revision"),
+    sa.Index(f"{CHANGES}_actor", "actor", "revision"),
+    sa.Index(f"{CHANGES}_event", "event", "revision"),
+    sa.Index(f"{CHANGES}_time", "time", "revision"),
 )
 
 tracking_table = sa.Table(
-    "audit_tracking",
+    f"audit_tracking_v{LAYOUT}",
     metadata,
     sa.Column("application_name", sa.String(64), primary_key=True),
     sa.Column("notification_id", _revision, nullable=False),
     # Fingerprint of the declared config the rows were computed over.
     sa.Column("config", sa.String(64), nullable=False),
+    # Whether the rows' times never go back as the revisions go up (rows
+    # without a time aside), and the latest so far. While they do not, a time
+    # bound is a revision bound, which every index can seek.
+    sa.Column("times_in_order", sa.Boolean(), nullable=False),
+    sa.Column("latest_time", sa.DateTime()),
 )
 
 
@@ -121,13 +133,20 @@ def select_rows(
     order: sa.Column[Any],
     filters: Filters,
     columns: Sequence[sa.ColumnElement[Any]] = (),
+    within: tuple[int | None, int | None] = (None, None),
 ) -> list[sa.Row[Any]]:
     """The rows of ``table`` (one with ``time``, ``actor``, ``model`` and
     ``event`` columns: the audit, the refusals) that match, oldest first; with
     a limit, the last ``limit`` of them. ``columns``: what to read of each,
-    by default every column."""
+    by default every column; ``within``: the first and last ``order`` the
+    matches can have, when known."""
     c = table.c
     query = sa.select(*columns) if columns else sa.select(table)
+    first, last = within
+    if first is not None:
+        query = query.where(order >= first)
+    if last is not None:
+        query = query.where(order <= last)
     for column, value in (
         (c.model, filters.get("model")),
         (c.actor, filters.get("by")),
@@ -190,50 +209,67 @@ def _definition(spec: ModelSpec | None) -> dict[str, Any] | None:
 # -- the view ----------------------------------------------------------------------
 
 
+class TimeOrder(msgspec.Struct):
+    """Whether the rows' times have only gone up with their revisions, and the
+    latest of them. Clocks disagree (each node stamps its own events), so it
+    is watched rather than assumed."""
+
+    in_order: bool = True
+    latest: datetime | None = None
+
+    def see(self, time: datetime | None) -> None:
+        """The time of the next row; rows without one have no place in the order."""
+        if time is None:
+            return
+        if self.latest is not None and time < self.latest:
+            self.in_order = False
+        else:
+            self.latest = time
+
+
 class Tracked(msgspec.Struct, frozen=True):
     position: int
     config: str
+    times: TimeOrder
 
 
 class AuditView(TrackingRecorder):
     """The audit tables, for one declared config, and their tracking position."""
 
-    def __init__(self, engine: Engine, config: str) -> None:
-        self.engine = engine
+    def __init__(self, store: SQLRecorder, config: str) -> None:
+        self.store = store
+        self.engine: Engine = store.engine
         self.config = config
-        metadata.create_all(engine)
-        # Tables an earlier version laid out otherwise are disposable too: built again.
-        laid_out = {column["name"] for column in sa.inspect(engine).get_columns(changes_table.name)}
-        if laid_out != set(changes_table.c.keys()):
-            self.reset()
+        metadata.create_all(self.engine)
 
     def reset(self) -> None:
         """Drop the tables and create them empty."""
         metadata.drop_all(self.engine)
         metadata.create_all(self.engine)
 
-    def position(self, application_name: str) -> int:
-        """Where the rows are up to. Rows computed over another config, or
-        without a position, are dropped: the catch-up starts again from 0."""
+    def resume_from(self, application_name: str) -> Tracked:
+        """Where the rows are up to, and the order of their times. Rows computed
+        over another config, or without a position, are dropped: the catch-up
+        starts again from 0."""
         with self.engine.connect() as conn:
             tracked = self._tracked(conn, application_name)
             rows = conn.execute(sa.select(changes_table.c.revision).limit(1)).first()
         if tracked is not None and tracked.config == self.config:
-            return tracked.position
+            return tracked
         if tracked is not None or rows is not None:
             self.reset()
-        return 0
+        return Tracked(position=0, config=self.config, times=TimeOrder())
 
     def analyze(self) -> None:
         with self.engine.begin() as conn:
             conn.execute(sa.text(f"ANALYZE {changes_table.name}"))
 
-    def record(self, rows: Sequence[dict[str, Any]], tracking: Tracking) -> None:
+    def record(self, rows: Sequence[dict[str, Any]], tracking: Tracking, times: TimeOrder) -> None:
         """Rows and the position they bring the view up to, in one transaction.
         A revision recorded already is refused (IntegrityError): never twice."""
         with self.engine.begin() as conn:
             conn.execute(sa.insert(changes_table), list(rows))
-            self._track(conn, tracking)
+            self._track(conn, tracking, times)
 
     def insert_tracking(self, tracking: Tracking) -> None:
         with self.engine.begin() as conn:
@@ -244,16 +280,52 @@ class AuditView(TrackingRecorder):
             tracked = self._tracked(conn, application_name)
         return tracked.position if tracked is not None else None
 
-    def changes(self, filters: Filters) -> list[dict[str, Any]]:
-        with collector_paused(), self.engine.connect() as conn:
-            rows = select_rows(
-                conn, changes_table, changes_table.c.revision, filters, [changes_table.c.view]
-            )
+    def changes(self, filters: Filters, application_name: str) -> list[dict[str, Any]]:
+        c = changes_table.c
+        with collector_paused(), self.store.read() as conn:
+            within = self._revisions(conn, filters, application_name)
+            rows = select_rows(conn, changes_table, c.revision, filters, [c.view], within)
             # One JSON array of every row's view, decoded at once.
             answer: list[dict[str, Any]] = msgspec.json.decode(
                 "[" + ",".join([row[0] for row in rows]) + "]"
             )
             return answer
+
+    def _revisions(
+        self, conn: Connection, filters: Filters, application_name: str
+    ) -> tuple[int | None, int | None]:
+        """The time bounds as revision bounds, while times are in order: the
+        first revision at or after ``since`` and the last before ``until``.
+        Otherwise an upper bound far back with a limit walks back from the
+        end of the table through every row after it."""
+        since, until = filters.get("since"), filters.get("until")
+        if since is None and until is None:
+            return None, None
+        tracked = self._tracked(conn, application_name)
+        if tracked is None or not tracked.times.in_order:
+            return None, None
+        c = changes_table.c
+        nothing = (1, 0)
+        first = last = None
+        if since is not None:
+            first = conn.execute(
+                sa.select(c.revision)
+                .where(c.time >= stored_time(since))
+                .order_by(c.time, c.revision)
+                .limit(1)
+            ).scalar()
+            if first is None:
+                return nothing
+        if until is not None:
+            last = conn.execute(
+                sa.select(c.revision)
+                .where(c.time < stored_time(until))
+                .order_by(c.time.desc(), c.revision.desc())
+                .limit(1)
+            ).scalar()
+            if last is None:
+                return nothing
+        return first, last
 
     def mentions(self, model: str) -> bool:
         """Whether any stored event is about ``model``."""
@@ -264,26 +336,36 @@ class AuditView(TrackingRecorder):
     def _tracked(self, conn: Connection, application_name: str) -> Tracked | None:
         t = tracking_table.c
         row = conn.execute(
-            sa.select(t.notification_id, t.config).where(t.application_name == application_name)
+            sa.select(t.notification_id, t.config, t.times_in_order, t.latest_time).where(
+                t.application_name == application_name
+            )
         ).first()
-        return Tracked(position=row[0], config=row[1]) if row is not None else None
+        if row is None:
+            return None
+        return Tracked(position=row[0], config=row[1], times=TimeOrder(row[2], row[3]))
 
-    def _track(self, conn: Connection, tracking: Tracking) -> None:
+    def _track(self, conn: Connection, tracking: Tracking, times: TimeOrder | None = None) -> None:
+        """Move the position forward, and the time order with it when given."""
         t = tracking_table.c
+        values: dict[str, Any] = {
+            "notification_id": tracking.notification_id,
+            "config": self.config,
+        }
+        if times is not None:
+            values.update(times_in_order=times.in_order, latest_time=times.latest)
         moved = conn.execute(
             sa.update(tracking_table)
             .where(t.application_name == tracking.application_name)
             .where(t.notification_id < tracking.notification_id)
-            .values(notification_id=tracking.notification_id, config=self.config)
+            .values(values)
         )
         if moved.rowcount == 0:
             # No row yet, or one at or past this position: inserting tells them
             # apart, failing on the primary key for the second.
+            first = {"times_in_order": True, "latest_time": None, **values}
             conn.execute(
                 sa.insert(tracking_table).values(
-                    application_name=tracking.application_name,
-                    notification_id=tracking.notification_id,
-                    config=self.config,
+                    application_name=tracking.application_name, **first
                 )
             )
 
@@ -329,6 +411,7 @@ class AuditProjection(Projection[AuditView]):
         self.recorded = 0  # the position of the view: rows up to here are written
         self._staged: list[dict[str, Any]] = []
         self._tracking: Tracking | None = None
+        self.times = TimeOrder()  # of the rows written and staged
 
     # -- driving -----------------------------------------------------------------
 
@@ -353,10 +436,11 @@ class AuditProjection(Projection[AuditView]):
             self._catch_up(recorder, application_name)
 
     def _catch_up(self, recorder: SQLRecorder, application_name: str) -> None:
-        self.recorded = self.view.position(application_name)
-        if self.recorded < self.catalog.revision:
+        tracked = self.view.resume_from(application_name)
+        if tracked.position < self.catalog.revision:
             self._restart()  # the view was dropped behind this process's back
-            self.recorded = self.view.position(application_name)
+            tracked = self.view.resume_from(application_name)
+        self.recorded, self.times = tracked.position, tracked.times
         start = self.recorded
         with collector_paused():
             with recorder.read() as conn:
@@ -374,7 +458,7 @@ class AuditProjection(Projection[AuditView]):
         """Write the staged rows and the position they reach, together."""
         if self._tracking is None:
             return
-        self.view.record(self._staged, self._tracking)
+        self.view.record(self._staged, self._tracking, self.times)
         self.recorded = self._tracking.notification_id
         self._staged = []
         self._tracking = None
@@ -477,6 +561,7 @@ class AuditProjection(Projection[AuditView]):
             "before": old,
             "after": new,
         }
+        self.times.see(time)
         self._staged.append(
             {
                 "revision": tracking.notification_id,

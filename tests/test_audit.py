@@ -15,6 +15,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import sqlalchemy as sa
 from click.testing import CliRunner
@@ -37,10 +38,17 @@ from catalog_es.errors import (
 )
 from catalog_es.inputs import load_config
 from catalog_es.model import Model, model_id
-from catalog_es.persistence import events_table, head_table
+from catalog_es.persistence import create_engine, events_table, head_table
 from catalog_es.ports import PreAddCheck
 from catalog_es.spec import ModelSpec, Profile, Scaling
-from projections.audit import AuditView, changes_table, tracking_table
+from projections.audit import (
+    AuditView,
+    TimeOrder,
+    Tracked,
+    changes_table,
+    stored_time,
+    tracking_table,
+)
 
 T0 = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 
@@ -318,6 +326,76 @@ def test_audit_filters(models: Models, query: dict[str, Any], revisions: list[in
     assert [r["revision"] for r in models.audit(**query)] == revisions
 
 
+def test_the_audit_keeps_whether_times_went_up_with_revisions(models: Models, clock: Clock) -> None:
+    """While they do, a time bound is looked up as a revision bound. Commands
+    follow the log's time, but not one more than an hour ahead of their clock
+    (a bad clock): the next event is stamped earlier than it, which ends the
+    order for good, and the bounds are then applied row by row."""
+    view, latest = models._audit.view, stored_time(T0 + timedelta(minutes=7))
+    models.audit(limit=1)
+    assert view.resume_from(models.name).times == TimeOrder(True, latest)
+    clock.minutes = 200
+    models.scale("chat", 1, 2, by="bob")
+    clock.minutes = 3
+    models.scale("chat", 1, 3, by="bob")
+    assert [r["revision"] for r in models.audit(until=T0 + timedelta(minutes=4))] == [
+        1,
+        2,
+        3,
+        4,
+        10,
+    ]
+    assert view.resume_from(models.name).times == TimeOrder(False, latest + timedelta(minutes=193))
+    assert [r["revision"] for r in models.audit(since=T0 + timedelta(minutes=7))] == [8, 9]
+
+
+# Far enough apart for a command not to follow the log's time back (see above).
+minutes = st.integers(min_value=0, max_value=12).map(lambda m: m * 20)
+bound = st.none() | st.integers(min_value=0, max_value=250).map(lambda m: T0 + timedelta(minutes=m))
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    writes=st.lists(st.tuples(minutes, st.booleans()), min_size=1, max_size=10),
+    queries=st.lists(
+        st.tuples(bound, bound, st.none() | st.integers(1, 4), st.sampled_from([None, "u0"])),
+        min_size=1,
+        max_size=6,
+    ),
+)
+def test_time_bounds_answer_as_a_scan_of_every_row_would_whatever_the_clocks_did(
+    tmp_path_factory: pytest.TempPathFactory,
+    config: Path,
+    clock: Clock,
+    writes: list[tuple[int, bool]],
+    queries: list[tuple[datetime | None, datetime | None, int | None, str | None]],
+) -> None:
+    db = f"sqlite:///{tmp_path_factory.mktemp('clocks') / 'catalog.db'}"
+    models = open_service(db, config)
+    try:
+        models.add(EMBED, by="u1")
+        for i, (minute, query_after) in enumerate(writes):
+            clock.minutes = minute
+            models.scale("embed", 1, 2 + i, by=f"u{i % 2}")
+            if query_after:  # a catch-up between writes: the order is carried over
+                models.audit(limit=1)
+        every_row = models.audit()
+        for since, until, limit, by in queries:
+            matches = [
+                row
+                for row in every_row
+                if (since is None or datetime.fromisoformat(row["time"]) >= since)
+                and (until is None or datetime.fromisoformat(row["time"]) < until)
+                and by in (None, row["by"])
+            ]
+            expected = matches[-limit:] if limit else matches
+            assert models.audit(since=since, until=until, limit=limit, by=by) == expected
+    finally:
+        models.close()
+
+
 def test_audit_rows_are_the_history_rows(models: Models) -> None:
     everything = models.audit()
     assert [r for r in everything if r["model"] == "chat"] == models.history("chat")
@@ -468,21 +546,21 @@ def test_rebuilt_audit_tables_give_the_same_answers(models: Models, db: str, con
     models.rebuild_audit()
     assert all_answers(models) == first
     with models.store.engine.begin() as conn:
-        conn.execute(sa.text("DROP TABLE audit_changes"))
-        conn.execute(sa.text("DROP TABLE audit_tracking"))
+        conn.execute(sa.text(f"DROP TABLE {changes_table.name}"))
+        conn.execute(sa.text(f"DROP TABLE {tracking_table.name}"))
     again = open_service(db, config)
     assert all_answers(again) == first
     again.close()
 
 
-def test_audit_tables_of_an_earlier_layout_are_built_again(
-    models: Models, db: str, config: Path
+def test_audit_tables_of_an_earlier_layout_are_left_to_the_nodes_of_that_version(
+    db: str, config: Path, clock: Clock
 ) -> None:
-    """Up to 0.1.0 a row kept its JSON in four columns. Such tables, tracked up
-    to the head over the same config, are dropped and rebuilt, not misread."""
-    first = all_answers(models)
-    with models.store.engine.begin() as conn:
-        conn.execute(sa.text("DROP TABLE audit_changes"))
+    """Up to 0.1.0 a row kept its JSON in four columns, in tables of the same
+    names without the layout. A node of that version may still share the
+    database: its tables are neither read nor touched."""
+    engine = create_engine(db)
+    with engine.begin() as conn:
         conn.execute(
             sa.text(
                 "CREATE TABLE audit_changes (revision INTEGER PRIMARY KEY, time DATETIME,"
@@ -497,12 +575,16 @@ def test_audit_tables_of_an_earlier_layout_are_built_again(
                 " VALUES (1, 'mallory', 'chat', 'Removed', '{}', '[]')"
             )
         )
-    view = AuditView(models.store.engine, models.declared.fingerprint)
-    assert view.max_tracking_id(models.name) is None  # dropped with the rows
-    again = open_service(db, config)
-    assert all_answers(again) == first
-    assert again.audit(by="mallory") == []
-    again.close()
+    models = open_service(db, config)
+    script(models, clock)
+    assert [r["revision"] for r in models.audit()] == list(range(1, 9))
+    assert models.audit(by="mallory") == []
+    with engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT actor FROM audit_changes")).scalars().all() == [
+            "mallory"
+        ]
+    models.close()
+    engine.dispose()
 
 
 def test_the_audit_resumes_from_its_position_and_never_applies_twice(
@@ -515,7 +597,7 @@ def test_the_audit_resumes_from_its_position_and_never_applies_twice(
     models.set_owner("chat", "", by="carol")
     assert [r["revision"] for r in models.audit()] == [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
     assert [r["revision"] for r in other.audit(limit=1)] == [10]
-    view = AuditView(models.store.engine, models.declared.fingerprint)
+    view = AuditView(models.store, models.declared.fingerprint)
     assert view.max_tracking_id(models.name) == 10
     with pytest.raises(sa.exc.IntegrityError):
         view.insert_tracking(Tracking(models.name, 10))
@@ -532,15 +614,18 @@ def test_a_catch_up_that_loses_a_race_starts_again_from_the_rows(
     assert len(other.audit()) == len(models.audit()) == 8
     models.scale("chat", 1, 2, by="bob")
     view = other._audit.view
-    real_position = view.position
+    real_resume_from = view.resume_from
     reads: list[int] = []
 
-    def position(name: str) -> int:
+    def resume_from(name: str) -> Tracked:
         # The first read is stale: what ``other`` saw before ``models`` wrote revision 9.
-        reads.append(8 if not reads else real_position(name))
-        return reads[-1]
+        tracked = real_resume_from(name)
+        if not reads:
+            tracked = msgspec.structs.replace(tracked, position=8)
+        reads.append(tracked.position)
+        return tracked
 
-    monkeypatch.setattr(view, "position", position)
+    monkeypatch.setattr(view, "resume_from", resume_from)
     models.audit()
     assert [r["revision"] for r in other.audit(limit=2)] == [8, 9]
     assert reads == [8, 9]  # its write of revision 9 was refused, and it started again
@@ -851,6 +936,8 @@ def test_the_hash_chain_on_postgresql(postgres_schema: str, config: Path, clock:
         script(models, clock)
         assert models.verify()["ok"] is True
         assert [r["revision"] for r in models.audit(by="alice")] == [1, 2, 4, 7]
+        until = T0 + timedelta(minutes=5)
+        assert [r["revision"] for r in models.audit(until=until, limit=2)] == [4, 5]
         assert len(models.refusals()) == 4
         run_sql(models, "DELETE FROM catalog_events WHERE revision = 4")
         assert models.verify()["broken"]["revision"] == 4
