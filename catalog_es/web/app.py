@@ -92,10 +92,15 @@ def error_response(status: int, message: str, headers: Mapping[str, str] | None 
 def respond(data: Any, revision: int | None = None) -> Response:
     """JSON through msgspec (a catalog can be large), with the revision read
     or written as a header and as the ETag an ``If-Match`` can send back."""
+    return respond_json(msgspec.json.encode(data), revision)
+
+
+def respond_json(body: bytes, revision: int | None = None) -> Response:
+    """:func:`respond` for data that is JSON already."""
     headers = None
     if revision is not None:
         headers = {REVISION_HEADER: str(revision), "ETag": f'"{revision}"'}
-    return Response(msgspec.json.encode(data), media_type="application/json", headers=headers)
+    return Response(body, media_type="application/json", headers=headers)
 
 
 def command_response(result: CommandResult) -> Response:
@@ -552,7 +557,7 @@ def history(
 @route.get("/audit", tags=["audit"])
 def audit(caller: Reader, models: Service, filters: AuditFilters) -> Response:
     """Changes across the catalog, oldest first, filtered."""
-    return respond(models.audit(**filters))
+    return respond_json(models.audit_json(**filters))
 
 
 @route.get("/refusals", tags=["audit"])
