@@ -210,7 +210,7 @@ class SQLRecorder(ProcessRecorder):
         self._writer_used = 0.0
         self._writer_lock = threading.Lock()
         if create_tables:
-            self._create_tables()
+            self.create_tables()
 
     @contextmanager
     def _writer_connection(self) -> Iterator[Connection]:
@@ -249,18 +249,29 @@ class SQLRecorder(ProcessRecorder):
                 self._writer.close()
             self._writer = None
 
-    def _create_tables(self) -> None:
-        """Several nodes may start at once on a new database. Unlocked, they race
-        (SQLite: "database is locked" from the deferred transaction DDL upgrades;
-        PostgreSQL: duplicate catalog types), so the tables are created under a
-        lock, and the lock is taken only when a table is missing: a start must
-        not wait for a writer when there is nothing to create."""
+    def create_tables(self, tables: sa.MetaData = metadata) -> None:
+        """Create those of ``tables`` that are missing (the log's by default; a
+        read model passes its own). Several nodes may start at once on a new
+        database. Unlocked, they race (SQLite: "database is locked" from the
+        deferred transaction DDL upgrades; PostgreSQL: duplicate catalog
+        types), so the tables are created under a lock, and the lock is taken
+        only when a table is missing: a start must not wait for a writer when
+        there is nothing to create."""
         inspector = sa.inspect(self.engine)
-        if all(inspector.has_table(table.name) for table in metadata.sorted_tables):
+        if all(inspector.has_table(table.name) for table in tables.sorted_tables):
             return
         # The events table may not exist yet to LOCK: an advisory lock instead.
-        with self._locked("SELECT pg_advisory_xact_lock(hashtext('catalog_es.tables'))") as conn:
-            metadata.create_all(conn)
+        with self.locked("catalog_es.tables") as conn:
+            tables.create_all(conn)
+
+    @contextmanager
+    def locked(self, name: str) -> Iterator[Connection]:
+        """A write transaction holding the lock called ``name`` (a constant of
+        ours, not input), one process at a time across nodes: SQLite's one
+        write lock, or on PostgreSQL an advisory lock, which leaves the log's
+        writers alone."""
+        with self._locked(f"SELECT pg_advisory_xact_lock(hashtext('{name}'))") as conn:
+            yield conn
 
     # -- transactions ------------------------------------------------------------
 

@@ -46,7 +46,8 @@ BATCH_SIZE = 5_000
 # (SQLite keeps none unless asked), so a query on a model and an actor uses
 # the more selective of the two indexes.
 ANALYZE_AFTER = 10_000
-# Catch-ups that lost a race with another process, tried again before giving up.
+# Catch-ups that lost a race with another process (it reset the tables, or
+# wrote the first rows), tried again before giving up.
 RETRIES = 3
 
 
@@ -209,6 +210,11 @@ def _definition(spec: ModelSpec | None) -> dict[str, Any] | None:
 # -- the view ----------------------------------------------------------------------
 
 
+class ViewMoved(Exception):
+    """Another process reset the view since this one read its position: what
+    this one staged is not written."""
+
+
 class TimeOrder(msgspec.Struct):
     """Whether the rows' times have only gone up with their revisions, and the
     latest of them. Clocks disagree (each node stamps its own events), so it
@@ -240,18 +246,19 @@ class AuditView(TrackingRecorder):
         self.store = store
         self.engine: Engine = store.engine
         self.config = config
-        metadata.create_all(self.engine)
+        store.create_tables(metadata)
 
     def reset(self) -> None:
         """Drop the tables and create them empty."""
-        metadata.drop_all(self.engine)
-        metadata.create_all(self.engine)
+        with self.store.locked("catalog_es.tables") as conn:
+            metadata.drop_all(conn)
+            metadata.create_all(conn)
 
     def resume_from(self, application_name: str) -> Tracked:
         """Where the rows are up to, and the order of their times. Rows computed
         over another config, or without a position, are dropped: the catch-up
         starts again from 0."""
-        with self.engine.connect() as conn:
+        with self.store.read() as conn:  # both reads in one snapshot
             tracked = self._tracked(conn, application_name)
             rows = conn.execute(sa.select(changes_table.c.revision).limit(1)).first()
         if tracked is not None and tracked.config == self.config:
@@ -264,16 +271,33 @@ class AuditView(TrackingRecorder):
         with self.engine.begin() as conn:
             conn.execute(sa.text(f"ANALYZE {changes_table.name}"))
 
-    def record(self, rows: Sequence[dict[str, Any]], tracking: Tracking, times: TimeOrder) -> None:
-        """Rows and the position they bring the view up to, in one transaction.
-        A revision recorded already is refused (IntegrityError): never twice."""
-        with self.engine.begin() as conn:
-            conn.execute(sa.insert(changes_table), list(rows))
-            self._track(conn, tracking, times)
+    def record(
+        self, rows: Sequence[dict[str, Any]], tracking: Tracking, times: TimeOrder, after: int
+    ) -> None:
+        """Rows and the position they bring the view up to, from ``after``, in
+        one transaction, one process at a time. Another process may have
+        written some of them since this one read ``after``: the same rows, as
+        the replay is the same, so only those past its position are written.
+        If it reset the tables, or went over another config, the view is no
+        longer the one these rows follow (:class:`ViewMoved`)."""
+        with self.store.locked("catalog_es.audit") as conn:
+            tracked = self._tracked(conn, tracking.application_name)
+            position = 0 if tracked is None else tracked.position
+            if position < after or (tracked is not None and tracked.config != self.config):
+                raise ViewMoved(f"the audit position is {position}, no longer {after}")
+            if position >= tracking.notification_id:
+                return
+            conn.execute(
+                sa.insert(changes_table), [row for row in rows if row["revision"] > position]
+            )
+            self._track(conn, tracking, times, exists=tracked is not None)
 
     def insert_tracking(self, tracking: Tracking) -> None:
-        with self.engine.begin() as conn:
-            self._track(conn, tracking)
+        """The position alone; one at or past it already is refused (IntegrityError)."""
+        with self.store.locked("catalog_es.audit") as conn:
+            tracked = self._tracked(conn, tracking.application_name)
+            behind = tracked is not None and tracked.position < tracking.notification_id
+            self._track(conn, tracking, None, exists=behind)  # else the insert fails on the key
 
     def max_tracking_id(self, application_name: str) -> int | None:
         with self.engine.connect() as conn:
@@ -341,30 +365,27 @@ class AuditView(TrackingRecorder):
             return None
         return Tracked(position=row[0], config=row[1], times=TimeOrder(row[2], row[3]))
 
-    def _track(self, conn: Connection, tracking: Tracking, times: TimeOrder | None = None) -> None:
-        """Move the position forward, and the time order with it when given."""
+    def _track(
+        self, conn: Connection, tracking: Tracking, times: TimeOrder | None, *, exists: bool
+    ) -> None:
+        """Write the position, and the time order with it when known (a
+        position written without it claims no order)."""
         t = tracking_table.c
         values: dict[str, Any] = {
             "notification_id": tracking.notification_id,
             "config": self.config,
+            "times_in_order": times is not None and times.in_order,
+            "latest_time": times.latest if times is not None else None,
         }
-        if times is not None:
-            values.update(times_in_order=times.in_order, latest_time=times.latest)
-        moved = conn.execute(
-            sa.update(tracking_table)
-            .where(t.application_name == tracking.application_name)
-            .where(t.notification_id < tracking.notification_id)
-            .values(values)
-        )
-        if moved.rowcount == 0:
-            # No row yet, or one at or past this position: inserting tells them
-            # apart, failing on the primary key for the second.
-            first = {"times_in_order": True, "latest_time": None, **values}
+        if exists:
             conn.execute(
-                sa.insert(tracking_table).values(
-                    application_name=tracking.application_name, **first
-                )
+                sa.update(tracking_table)
+                .where(t.application_name == tracking.application_name)
+                .values(values)
             )
+        else:
+            values["application_name"] = tracking.application_name
+            conn.execute(sa.insert(tracking_table).values(values))
 
 
 # -- the projection ----------------------------------------------------------------
@@ -414,23 +435,29 @@ class AuditProjection(Projection[AuditView]):
 
     def catch_up(self, recorder: SQLRecorder, application_name: str) -> None:
         """Bring the view up to the head of the log. Another process catching
-        up at the same time makes one of them start again, from its rows."""
+        up at the same time makes one of them go on from the other's rows."""
         with self.lock:
-            for attempt in range(RETRIES):
-                try:
-                    self._catch_up(recorder, application_name)
-                    return
-                except sa.exc.IntegrityError:
-                    self._restart()
-                    if attempt == RETRIES - 1:
-                        raise
+            self._catch_up_racing(recorder, application_name)
 
     def rebuild(self, recorder: SQLRecorder, application_name: str) -> None:
         """Drop the tables and replay the whole log into them again."""
         with self.lock:
             self.view.reset()
             self._restart()
-            self._catch_up(recorder, application_name)
+            self._catch_up_racing(recorder, application_name)
+
+    def _catch_up_racing(self, recorder: SQLRecorder, application_name: str) -> None:
+        for attempt in range(RETRIES):
+            try:
+                self._catch_up(recorder, application_name)
+                return
+            except (sa.exc.IntegrityError, ViewMoved):
+                # What the other process wrote stands: go on from its position
+                # (from the start only if that is behind this catalog, which
+                # :meth:`_catch_up` sees).
+                self._staged, self._tracking = [], None
+                if attempt == RETRIES - 1:
+                    raise
 
     def _catch_up(self, recorder: SQLRecorder, application_name: str) -> None:
         tracked = self.view.resume_from(application_name)
@@ -455,7 +482,7 @@ class AuditProjection(Projection[AuditView]):
         """Write the staged rows and the position they reach, together."""
         if self._tracking is None:
             return
-        self.view.record(self._staged, self._tracking, self.times)
+        self.view.record(self._staged, self._tracking, self.times, self.recorded)
         self.recorded = self._tracking.notification_id
         self._staged = []
         self._tracking = None

@@ -15,7 +15,6 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import pytest
 import sqlalchemy as sa
 from click.testing import CliRunner
@@ -607,29 +606,56 @@ def test_the_audit_resumes_from_its_position_and_never_applies_twice(
     other.close()
 
 
-def test_a_catch_up_that_loses_a_race_starts_again_from_the_rows(
+def test_a_catch_up_that_another_process_overtook_writes_only_what_is_left(
     models: Models, db: str, config: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     other = open_service(db, config)
     assert len(other.audit()) == len(models.audit()) == 8
     models.scale("chat", 1, 2, by="bob")
+    models.scale("chat", 1, 3, by="bob")
     view = other._audit.view
     real_resume_from = view.resume_from
-    reads: list[int] = []
 
     def resume_from(name: str) -> Tracked:
-        # The first read is stale: what ``other`` saw before ``models`` wrote revision 9.
+        # ``other`` reads position 8; ``models`` then writes rows 9 and 10
+        # before ``other`` writes the rows it staged.
         tracked = real_resume_from(name)
-        if not reads:
-            tracked = msgspec.structs.replace(tracked, position=8)
-        reads.append(tracked.position)
+        models.audit()
         return tracked
 
     monkeypatch.setattr(view, "resume_from", resume_from)
-    models.audit()
-    assert [r["revision"] for r in other.audit(limit=2)] == [8, 9]
-    assert reads == [8, 9]  # its write of revision 9 was refused, and it started again
+    assert [r["revision"] for r in other.audit(limit=3)] == [8, 9, 10]
+    monkeypatch.undo()
+    models.scale("chat", 1, 4, by="bob")
     assert other.audit() == models.audit()
+    assert [r["revision"] for r in models.audit()] == list(range(1, 12))
+    other.close()
+
+
+def test_a_catch_up_racing_a_rebuild_leaves_no_gap(
+    models: Models, db: str, config: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``other`` reads its position, then ``models`` drops the tables to rebuild
+    them: the rows ``other`` staged follow a position that is gone, and are not
+    written over the gap; it starts again from the rebuilt rows."""
+    other = open_service(db, config)
+    assert len(other.audit()) == 8
+    models.scale("chat", 1, 2, by="bob")
+    view = other._audit.view
+    real_resume_from = view.resume_from
+    resets: list[None] = []
+
+    def resume_from(name: str) -> Tracked:
+        tracked = real_resume_from(name)
+        if not resets:
+            resets.append(models._audit.view.reset())
+        return tracked
+
+    monkeypatch.setattr(view, "resume_from", resume_from)
+    assert [r["revision"] for r in other.audit()] == list(range(1, 10))
+    monkeypatch.undo()
+    models.rebuild_audit()
+    assert [r["revision"] for r in open_service(db, config).audit()] == list(range(1, 10))
     other.close()
 
 
