@@ -509,7 +509,12 @@ def utc_time(text: str, option: str) -> datetime:
             f"{option} {text!r}: not a UTC time; write it like 2026-11-30T12:00:00Z "
             "(or give a date, or another offset)"
         )
-    return moment.astimezone(UTC)
+    try:
+        return moment.astimezone(UTC)
+    except OverflowError:
+        raise InputError(
+            f"{option} {text!r}: outside the times UTC can hold (years 1 to 9999)"
+        ) from None
 
 
 _EVENT_NAMES = {cls.__name__.lower(): cls.__name__ for cls in EVENT_TYPES}

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from datetime import UTC, datetime
+from datetime import MAXYEAR, UTC, datetime
 from typing import Any, TypedDict
 
 import msgspec
@@ -104,7 +104,20 @@ tracking_table = sa.Table(
 
 def stored_time(moment: datetime) -> datetime:
     """A timestamp as the audit tables keep it: naive UTC, the same on every database."""
-    return moment.astimezone(UTC).replace(tzinfo=None)
+    try:
+        return moment.astimezone(UTC).replace(tzinfo=None)
+    except OverflowError:
+        # Past an end of what UTC can hold, in an offset of its own (only a
+        # record written by hand gets there): that end, rather than a
+        # catch-up that fails on it every time.
+        return datetime.max if moment.year == MAXYEAR else datetime.min
+
+
+def filter_text(text: str | None) -> str | None:
+    """Text as a column queries filter on keeps it: PostgreSQL's text cannot
+    hold NUL, which only a record written by hand can carry (the row's
+    ``view`` keeps the text as it was)."""
+    return text.replace("\0", "\ufffd") if text is not None else None
 
 
 def utc_text(stored: datetime | None) -> str | None:
@@ -154,7 +167,7 @@ def select_rows(
         (c.event, filters.get("event_type")),
     ):
         if value is not None:
-            query = query.where(column == value)
+            query = query.where(column == filter_text(value))
     since, until, limit = filters.get("since"), filters.get("until"), filters.get("limit")
     if since is not None:
         query = query.where(c.time >= stored_time(since))
@@ -590,9 +603,9 @@ class AuditProjection(Projection[AuditView]):
             {
                 "revision": tracking.notification_id,
                 "time": time,
-                "actor": actor,
-                "model": row["model"],
-                "event": row["event"],
+                "actor": filter_text(actor),
+                "model": filter_text(row["model"]),
+                "event": filter_text(row["event"]),
                 "view": msgspec.json.encode(view).decode(),
             }
         )

@@ -897,6 +897,10 @@ def test_cli_verify_lists_skipped_events_either_way(models: Models, db: str, con
         (("audit", "--since", "yesterday"), "error: --since 'yesterday': not a UTC time"),
         (("refusals", "--until", "2026-11-30T12:00"), "error: --until '2026-11-30T12:00': not a"),
         (("audit", "--type", "Renamed"), "error: --type 'Renamed': not an event type"),
+        (
+            ("audit", "--until", "9999-12-31T23:00:00-02:00"),
+            "error: --until '9999-12-31T23:00:00-02:00': outside the times UTC can hold",
+        ),
         (("history", "nope"), "error: model 'nope' has no history"),
     ],
 )

@@ -134,6 +134,30 @@ POISONS = [
         ),
     ),
     Poison(
+        "a NUL in the name it gives (PostgreSQL's text cannot hold one)",
+        "p-nul\0",
+        "Exploded",
+        r"^unknown event type 'catalog_es\.model:Model\.Exploded'",
+        lambda p, _: p.insert(
+            "catalog_es.model:Model.Exploded",
+            json.dumps({"model": "p-nul\0"}).encode(),
+            model_id("p-nul"),
+        ),
+    ),
+    Poison(
+        "a time past the end of what UTC holds, in an offset of its own",
+        "p-late",
+        "Scaled",
+        r"^model 'p-late' was not added at runtime",
+        lambda p, _: p.plant(
+            Model.Scaled,
+            "p-late",
+            p.event(Model.Scaled, "p-late", scaling=Scaling(0, 2))
+            | {"timestamp": "9999-12-31T23:30:00-01:00"},
+        ),
+        undecodable=False,
+    ),
+    Poison(
         "an event from a newer version",
         "p-future",
         "Added",
@@ -272,6 +296,21 @@ def test_load_skips_exactly_the_poison_and_serves_everything_else(
     assert served["good-a"]["owner"] == ""
     assert served["good-b"]["scaling"] == {"min": 1, "max": 1}
     assert served["good-b"]["fallbacks"] == ["good-a"]
+
+
+def test_the_audit_shows_each_poison_with_why_and_answers_by_time(
+    poisoned: dict[int, Poison], open_models: Callable[..., Models], configs: tuple[Path, Path]
+) -> None:
+    models = open_models(configs[1])
+    skipped = {s.revision: s.reason for s in models.skipped()}
+    rows = models.audit()
+    assert {r["revision"]: r["skipped"] for r in rows if r["skipped"]} == skipped
+    assert set(poisoned) <= set(skipped)
+    assert models.audit(model="p-nul\0")[0]["model"] == "p-nul\0"
+    # The row from past the end of UTC keeps to that end: after every bound.
+    late = next(r["revision"] for r in rows if r["model"] == "p-late")
+    assert late not in [r["revision"] for r in models.audit(until=datetime.now(UTC))]
+    assert late in [r["revision"] for r in models.audit(since=datetime(9999, 1, 1, tzinfo=UTC))]
 
 
 def test_the_skips_survive_a_snapshot(
