@@ -51,10 +51,11 @@ ANALYZE_AFTER = 10_000
 RETRIES = 3
 
 
-# The tables' layout, in their names: bumped with any change to their columns,
-# so that each version of this code keeps tables of its own, and nodes of two
-# versions sharing a database during an upgrade each read tables they
-# understand. Tables of an earlier layout are left to the nodes that use them.
+# The tables' layout, in their names: bumped with any change to their columns
+# or to what a row's view holds (its keys, ``field_changes``, how times are
+# written), so that each version of this code keeps tables of its own, and
+# nodes of two versions sharing a database during an upgrade each read tables
+# they understand. Tables of an earlier layout are left to the nodes that use them.
 LAYOUT = 2
 CHANGES = f"audit_changes_v{LAYOUT}"
 
