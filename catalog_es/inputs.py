@@ -84,11 +84,12 @@ def _location(loc: tuple[int | str, ...]) -> str:
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part and part.isprintable() and len(part) <= SHOWN_LENGTH:
+        elif part.isidentifier() and len(part) <= SHOWN_LENGTH:
             out += f".{part}" if out else part
         else:
             # An unknown key is the sender's text: quoted and cut short, so a
-            # line break or a terminal escape in it cannot break the one line.
+            # line break or a terminal escape in it cannot break the one line,
+            # nor a key like "a[0].b" pass for a path.
             out += f"[{shown(part)}]"
     return out or "(top level)"
 

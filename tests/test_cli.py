@@ -228,6 +228,11 @@ BAD_FILES = [
     ),
     pytest.param(as_json(_with(**{"k" * 10_240: 1})), "['kkkk", id="10kb-unknown-field"),
     pytest.param(
+        as_json(_with(**{"profiles[0].gpus": 1})),
+        "['profiles[0].gpus']: unknown field",
+        id="unknown-field-like-a-path",
+    ),
+    pytest.param(
         as_json(_with(profiles=_profile(gpus="1"))), "profiles[0].gpus", id="string-for-int"
     ),
     pytest.param(
