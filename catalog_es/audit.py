@@ -56,19 +56,21 @@ class AuditTrail:
     def history(self, name: str, *, by: str | None = None) -> list[dict[str, Any]]:
         """Every stored event about one model, oldest first, with the field-level
         change it made (or why load skips it)."""
-        rows = self.audit(model=name, by=by)
+        return _rows(self.history_json(name, by=by))
+
+    def history_json(self, name: str, *, by: str | None = None) -> bytes:
+        """:meth:`history` as JSON, as :meth:`audit_json` answers."""
+        answer = self.audit_json(model=name, by=by)
         declared = any(m.name == name for m in self.declared.models)
-        if not rows and not declared and not self._audit.view.mentions(name):
+        if answer == b"[]" and not declared and not self._audit.view.mentions(name):
             raise ModelNotFound(name, "has no history: it was never in the log or the config")
-        return rows
+        return answer
 
     def audit(self, **filters: Unpack[Filters]) -> list[dict[str, Any]]:
         """The audit rows matching every filter given (``model``, ``by``,
         ``event_type``, ``since`` inclusive, ``until`` exclusive), oldest first;
         with a ``limit``, the most recent ones."""
-        with collector_paused():
-            rows: list[dict[str, Any]] = msgspec.json.decode(self.audit_json(**filters))
-        return rows
+        return _rows(self.audit_json(**filters))
 
     def audit_json(self, **filters: Unpack[Filters]) -> bytes:
         """:meth:`audit` as the JSON array it encodes to, made without building
@@ -141,6 +143,13 @@ class AuditTrail:
         except sa.exc.SQLAlchemyError as error:
             # The refusal itself must reach the operator even if its record cannot.
             log.warning("could not record the refusal of %s for %r: %s", row["event"], name, error)
+
+
+def _rows(answer: bytes) -> list[dict[str, Any]]:
+    """An answer of :meth:`AuditTrail.audit_json` as rows."""
+    with collector_paused():
+        rows: list[dict[str, Any]] = msgspec.json.decode(answer)
+    return rows
 
 
 def _stored_names(event_class: type[Model.Event], fields: dict[str, Any]) -> dict[str, Any]:

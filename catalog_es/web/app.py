@@ -551,7 +551,7 @@ def history(
     by: Annotated[str | None, Query(description="Only this actor's.")] = None,
 ) -> Response:
     """Every change to one model, oldest first, field by field (before → after)."""
-    return respond(models.history(name, by=by))
+    return respond_json(models.history_json(name, by=by))
 
 
 @route.get("/audit", tags=["audit"])
