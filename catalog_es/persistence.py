@@ -267,10 +267,13 @@ class SQLRecorder(ProcessRecorder):
     @contextmanager
     def locked(self, name: str) -> Iterator[Connection]:
         """A write transaction holding the lock called ``name`` (a constant of
-        ours, not input), one process at a time across nodes: SQLite's one
-        write lock, or on PostgreSQL an advisory lock, which leaves the log's
-        writers alone."""
-        with self._locked(f"SELECT pg_advisory_xact_lock(hashtext('{name}'))") as conn:
+        ours), one process at a time across nodes: SQLite's one write lock, or
+        on PostgreSQL an advisory lock, which leaves the log's writers alone.
+        On a connection of its own: never the one this process's commands
+        write through, which would wait behind it."""
+        with self._locked(
+            "SELECT pg_advisory_xact_lock(hashtext(%(name)s))", {"name": name}, shared=False
+        ) as conn:
             yield conn
 
     # -- transactions ------------------------------------------------------------
@@ -283,17 +286,21 @@ class SQLRecorder(ProcessRecorder):
             yield conn
 
     @contextmanager
-    def _locked(self, postgresql_lock: str) -> Iterator[Connection]:
+    def _locked(
+        self, postgresql_lock: str, params: dict[str, Any] | None = None, *, shared: bool = True
+    ) -> Iterator[Connection]:
         """A transaction that first waits, at most ``lock_wait`` seconds, for a
         lock: the SQLite database's (``BEGIN IMMEDIATE``) or, on PostgreSQL,
-        the one ``postgresql_lock`` takes."""
+        the one ``postgresql_lock`` takes. ``shared``: on the held connection
+        commands write through, else on one from the pool."""
         try:
-            with self._writer_connection() as conn, conn.begin():
+            connection = self._writer_connection() if shared else self._own_connection()
+            with connection as conn, conn.begin():
                 if self.dialect == "postgresql":
                     conn.exec_driver_sql(
                         f"SET LOCAL lock_timeout = '{int(self.lock_wait * 1000)}ms'"
                     )
-                    conn.exec_driver_sql(postgresql_lock)
+                    conn.exec_driver_sql(postgresql_lock, params)
                 yield conn
         except sa.exc.OperationalError as error:
             if _is_busy(error):
@@ -302,6 +309,14 @@ class SQLRecorder(ProcessRecorder):
                     "nothing was written, try again"
                 ) from None
             raise
+
+    @contextmanager
+    def _own_connection(self) -> Iterator[Connection]:
+        """A pooled connection whose transactions take the write lock as the
+        held one's do."""
+        with self.engine.connect() as conn:
+            conn.execution_options(catalog_write=True)
+            yield conn
 
     @contextmanager
     def read(self) -> Iterator[Connection]:

@@ -19,6 +19,7 @@ million events wants one transaction per batch.
 from __future__ import annotations
 
 import threading
+import uuid
 from collections.abc import Sequence
 from datetime import MAXYEAR, UTC, datetime
 from typing import Any, TypedDict
@@ -33,6 +34,7 @@ from sqlalchemy.engine import Connection, Engine
 from catalog_es.catalog import Catalog, Skipped
 from catalog_es.collector import collector_paused
 from catalog_es.configuration import Configuration
+from catalog_es.errors import StorageBusy
 from catalog_es.inputs import DeclaredConfig
 from catalog_es.mapper import UndecodableEvent, decode_event, model_of_state
 from catalog_es.model import DomainEvent, Model
@@ -97,6 +99,7 @@ tracking_table = sa.Table(
     # bound is a revision bound, which every index can seek.
     sa.Column("times_in_order", sa.Boolean(), nullable=False),
     sa.Column("latest_time", sa.DateTime()),
+    sa.Column("generation", sa.String(32), nullable=False),
 )
 
 
@@ -224,7 +227,7 @@ def _definition(spec: ModelSpec | None) -> dict[str, Any] | None:
 # -- the view ----------------------------------------------------------------------
 
 
-class ViewMoved(Exception):
+class ViewMoved(StorageBusy):
     """Another process reset the view since this one read its position: what
     this one staged is not written."""
 
@@ -251,6 +254,9 @@ class Tracked(msgspec.Struct, frozen=True):
     position: int
     config: str
     times: TimeOrder
+    # Drawn when the tables' first position is written: a position read before
+    # a reset, and met again as the same number after a rebuild, is not the same.
+    generation: str = ""
 
 
 class AuditView(TrackingRecorder):
@@ -286,32 +292,43 @@ class AuditView(TrackingRecorder):
             conn.execute(sa.text(f"ANALYZE {changes_table.name}"))
 
     def record(
-        self, rows: Sequence[dict[str, Any]], tracking: Tracking, times: TimeOrder, after: int
-    ) -> None:
-        """Rows and the position they bring the view up to, from ``after``, in
-        one transaction, one process at a time. Another process may have
-        written some of them since this one read ``after``: the same rows, as
-        the replay is the same, so only those past its position are written.
-        If it reset the tables, or went over another config, the view is no
-        longer the one these rows follow (:class:`ViewMoved`)."""
+        self,
+        rows: Sequence[dict[str, Any]],
+        tracking: Tracking,
+        times: TimeOrder,
+        after: int,
+        generation: str,
+    ) -> str:
+        """Rows and the position they bring the view up to, from ``after`` in
+        the tables of ``generation``, in one transaction, one process at a
+        time; answers the tables' generation. Another process may have written some of them
+        since: the same rows, as the replay is the same, so only those past
+        its position are written. If it reset the tables, or went over another
+        config, the view is no longer the one these rows follow (:class:`ViewMoved`)."""
         with self.store.locked("catalog_es.audit") as conn:
             tracked = self._tracked(conn, tracking.application_name)
-            position = 0 if tracked is None else tracked.position
-            if position < after or (tracked is not None and tracked.config != self.config):
-                raise ViewMoved(f"the audit position is {position}, no longer {after}")
-            if position >= tracking.notification_id:
-                return
+            if tracked is not None and tracked.config != self.config:
+                raise ViewMoved(
+                    "another node keeps the audit tables over another declared config "
+                    "(nodes sharing a database must declare the same)"
+                )
+            if after and (tracked is None or tracked.generation != generation):
+                raise ViewMoved("the audit tables were rebuilt by another process meanwhile")
+            if tracked is not None and tracked.position >= tracking.notification_id:
+                return tracked.generation
+            position = tracked.position if tracked is not None else 0
             conn.execute(
                 sa.insert(changes_table), [row for row in rows if row["revision"] > position]
             )
-            self._track(conn, tracking, times, exists=tracked is not None)
+            return self._track(conn, tracking, times, tracked)
 
     def insert_tracking(self, tracking: Tracking) -> None:
         """The position alone; one at or past it already is refused (IntegrityError)."""
         with self.store.locked("catalog_es.audit") as conn:
             tracked = self._tracked(conn, tracking.application_name)
-            behind = tracked is not None and tracked.position < tracking.notification_id
-            self._track(conn, tracking, None, exists=behind)  # else the insert fails on the key
+            if tracked is not None and tracked.position >= tracking.notification_id:
+                tracked = None  # so the insert fails on the key
+            self._track(conn, tracking, None, tracked)
 
     def max_tracking_id(self, application_name: str) -> int | None:
         with self.engine.connect() as conn:
@@ -364,26 +381,28 @@ class AuditView(TrackingRecorder):
 
     def mentions(self, model: str) -> bool:
         """Whether any stored event is about ``model``."""
-        query = sa.select(changes_table.c.revision).where(changes_table.c.model == model).limit(1)
+        c = changes_table.c
+        query = sa.select(c.revision).where(c.model == filter_text(model)).limit(1)
         with self.engine.connect() as conn:
             return conn.execute(query).first() is not None
 
     def _tracked(self, conn: Connection, application_name: str) -> Tracked | None:
         t = tracking_table.c
         row = conn.execute(
-            sa.select(t.notification_id, t.config, t.times_in_order, t.latest_time).where(
-                t.application_name == application_name
-            )
+            sa.select(
+                t.notification_id, t.config, t.times_in_order, t.latest_time, t.generation
+            ).where(t.application_name == application_name)
         ).first()
         if row is None:
             return None
-        return Tracked(position=row[0], config=row[1], times=TimeOrder(row[2], row[3]))
+        return Tracked(row[0], row[1], TimeOrder(row[2], row[3]), row[4])
 
     def _track(
-        self, conn: Connection, tracking: Tracking, times: TimeOrder | None, *, exists: bool
-    ) -> None:
-        """Write the position, and the time order with it when known (a
-        position written without it claims no order)."""
+        self, conn: Connection, tracking: Tracking, times: TimeOrder | None, tracked: Tracked | None
+    ) -> str:
+        """Write the position over the one ``tracked`` (none: insert it, in a
+        generation of its own), and the time order with it when known (a
+        position written without it claims no order). Answers the generation."""
         t = tracking_table.c
         values: dict[str, Any] = {
             "notification_id": tracking.notification_id,
@@ -391,15 +410,17 @@ class AuditView(TrackingRecorder):
             "times_in_order": times is not None and times.in_order,
             "latest_time": times.latest if times is not None else None,
         }
-        if exists:
+        if tracked is not None:
             conn.execute(
                 sa.update(tracking_table)
                 .where(t.application_name == tracking.application_name)
                 .values(values)
             )
-        else:
-            values["application_name"] = tracking.application_name
-            conn.execute(sa.insert(tracking_table).values(values))
+            return tracked.generation
+        generation = uuid.uuid4().hex
+        values.update(application_name=tracking.application_name, generation=generation)
+        conn.execute(sa.insert(tracking_table).values(values))
+        return generation
 
 
 # -- the projection ----------------------------------------------------------------
@@ -444,6 +465,7 @@ class AuditProjection(Projection[AuditView]):
         self._staged: list[dict[str, Any]] = []
         self._tracking: Tracking | None = None
         self.times = TimeOrder()  # of the rows written and staged
+        self.generation = ""  # of the tables the rows follow
 
     # -- driving -----------------------------------------------------------------
 
@@ -478,7 +500,11 @@ class AuditProjection(Projection[AuditView]):
         if tracked.position < self.catalog.revision:
             self._restart()  # the view was dropped behind this process's back
             tracked = self.view.resume_from(application_name)
-        self.recorded, self.times = tracked.position, tracked.times
+        self.recorded, self.times, self.generation = (
+            tracked.position,
+            tracked.times,
+            tracked.generation,
+        )
         start = self.recorded
         with collector_paused():
             with recorder.read() as conn:
@@ -496,7 +522,9 @@ class AuditProjection(Projection[AuditView]):
         """Write the staged rows and the position they reach, together."""
         if self._tracking is None:
             return
-        self.view.record(self._staged, self._tracking, self.times, self.recorded)
+        self.generation = self.view.record(
+            self._staged, self._tracking, self.times, self.recorded, self.generation
+        )
         self.recorded = self._tracking.notification_id
         self._staged = []
         self._tracking = None

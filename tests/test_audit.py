@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
@@ -659,6 +661,33 @@ def test_a_catch_up_racing_a_rebuild_leaves_no_gap(
     other.close()
 
 
+def test_a_catch_up_across_a_rebuild_keeps_nothing_of_the_old_tables(
+    models: Models, db: str, config: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``other`` reads position 8 of the old tables; ``models`` rebuilds them past
+    it. The position alone cannot tell, the generation does: ``other`` goes on
+    from the new tables, not with the time order it read from the old ones."""
+    other = open_service(db, config)
+    assert len(other.audit()) == 8
+    with models.store.engine.begin() as conn:  # a wrong order, for the rebuild to right
+        conn.execute(sa.update(tracking_table).values(times_in_order=False))
+    models.scale("chat", 1, 2, by="bob")
+    view = other._audit.view
+    real_resume_from = view.resume_from
+
+    def resume_from(name: str) -> Tracked:
+        monkeypatch.undo()
+        tracked = real_resume_from(name)
+        models.rebuild_audit()
+        models.scale("chat", 1, 3, by="bob")
+        return tracked
+
+    monkeypatch.setattr(view, "resume_from", resume_from)
+    assert [r["revision"] for r in other.audit()] == list(range(1, 11))
+    assert view.resume_from(models.name).times.in_order is True
+    other.close()
+
+
 def test_another_declared_config_rebuilds_the_audit_over_it(
     models: Models, db: str, tmp_path: Path
 ) -> None:
@@ -958,6 +987,32 @@ def postgres_schema() -> Iterator[str]:
         with admin.begin() as conn:
             conn.execute(sa.text(f"DROP SCHEMA {schema} CASCADE"))
         admin.dispose()
+
+
+def test_commands_do_not_wait_behind_an_audit_catch_up_on_postgresql(
+    postgres_schema: str, config: Path, clock: Clock
+) -> None:
+    """The audit's rows are written under a lock of their own, on a connection
+    of their own: a catch-up waiting for another node's does not hold up this
+    node's commands."""
+    models = open_service(postgres_schema, config)
+    holder = sa.create_engine(postgres_schema)
+    try:
+        script(models, clock)
+        with holder.begin() as conn:  # another node writing audit rows
+            conn.execute(sa.text("SELECT pg_advisory_xact_lock(hashtext('catalog_es.audit'))"))
+            waiting = threading.Thread(target=models.audit)
+            waiting.start()
+            time.sleep(0.3)
+            assert waiting.is_alive()
+            started = time.perf_counter()
+            models.scale("chat", 1, 2, by="bob")
+            assert time.perf_counter() - started < 1
+        waiting.join(10)
+        assert models.audit(limit=1)[0]["revision"] == 9
+    finally:
+        models.close()
+        holder.dispose()
 
 
 def test_the_hash_chain_on_postgresql(postgres_schema: str, config: Path, clock: Clock) -> None:

@@ -29,7 +29,7 @@ from eventsourcing.persistence import StoredEvent
 from catalog_es.application import Models
 from catalog_es.cli import cli
 from catalog_es.configuration import CONFIGURATION_ID, Configuration
-from catalog_es.errors import DeclaredInConfig
+from catalog_es.errors import DeclaredInConfig, ModelNotFound
 from catalog_es.inputs import load_config
 from catalog_es.mapper import topic_of
 from catalog_es.model import Model, model_id, utc_now
@@ -307,6 +307,8 @@ def test_the_audit_shows_each_poison_with_why_and_answers_by_time(
     assert {r["revision"]: r["skipped"] for r in rows if r["skipped"]} == skipped
     assert set(poisoned) <= set(skipped)
     assert models.audit(model="p-nul\0")[0]["model"] == "p-nul\0"
+    with pytest.raises(ModelNotFound):
+        models.history("never\0")
     # The row from past the end of UTC keeps to that end: after every bound.
     late = next(r["revision"] for r in rows if r["model"] == "p-late")
     assert late not in [r["revision"] for r in models.audit(until=datetime.now(UTC))]
