@@ -488,23 +488,30 @@ class AuditProjection(Projection[AuditView]):
                 self._catch_up(recorder, application_name)
                 return
             except (sa.exc.IntegrityError, ViewMoved):
-                # What the other process wrote stands: go on from its position
-                # (from the start only if that is behind this catalog, which
-                # :meth:`_catch_up` sees).
-                self._staged, self._tracking = [], None
+                # Another process wrote first: :meth:`_catch_up` goes on from
+                # what it wrote, or from the start if it rebuilt the tables.
                 if attempt == RETRIES - 1:
                     raise
+            except StorageBusy:
+                raise  # nothing written, nothing lost: the staged rows wait for the next try
+            except BaseException:
+                self._restart()  # the catalog may have moved past what was staged
+                raise
 
     def _catch_up(self, recorder: SQLRecorder, application_name: str) -> None:
         tracked = self.view.resume_from(application_name)
-        if tracked.position < self.catalog.revision:
-            self._restart()  # the view was dropped behind this process's back
-            tracked = self.view.resume_from(application_name)
-        self.recorded, self.times, self.generation = (
-            tracked.position,
-            tracked.times,
-            tracked.generation,
-        )
+        if tracked.position < self.recorded or (
+            self.recorded and tracked.generation != self.generation
+        ):
+            self._restart()  # the view was dropped or rebuilt behind this process's back
+        if not self._staged:
+            # Nothing of this process's waits to be written: go on from the
+            # view's position (the catalog is not past it).
+            self.recorded, self.times, self.generation = (
+                tracked.position,
+                tracked.times,
+                tracked.generation,
+            )
         start = self.recorded
         with collector_paused():
             with recorder.read() as conn:

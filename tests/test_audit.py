@@ -36,6 +36,7 @@ from catalog_es.errors import (
     ModelNotFound,
     Refused,
     RevisionConflict,
+    StorageBusy,
 )
 from catalog_es.inputs import load_config
 from catalog_es.model import Model, model_id
@@ -686,6 +687,47 @@ def test_a_catch_up_across_a_rebuild_keeps_nothing_of_the_old_tables(
     assert [r["revision"] for r in other.audit()] == list(range(1, 11))
     assert view.resume_from(models.name).times.in_order is True
     other.close()
+
+
+def test_a_catch_up_kept_waiting_keeps_its_rows_for_the_next_query(
+    models: Models, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A busy database refuses the write: the rows it staged wait for the next
+    query, which goes on from where this one stopped rather than replaying the
+    whole log again."""
+    assert len(models.audit()) == 8
+    models.scale("chat", 1, 2, by="bob")
+    view = models._audit.view
+
+    def busy(*args: Any) -> str:
+        raise StorageBusy("the database stayed locked by another writer for 1 s")
+
+    monkeypatch.setattr(view, "record", busy)
+    refuse(models.audit, StorageBusy)
+    monkeypatch.undo()
+    real_scan, scans = models.store.scan, []
+
+    def scan(conn: Any, after: int) -> Any:
+        scans.append(after)
+        return real_scan(conn, after=after)
+
+    monkeypatch.setattr(models.store, "scan", scan)
+    assert [r["revision"] for r in models.audit()] == list(range(1, 10))
+    assert scans == [9]
+
+
+def test_a_catch_up_that_fails_otherwise_starts_again_from_the_view(
+    models: Models, db: str, config: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert len(models.audit()) == 8
+    models.scale("chat", 1, 2, by="bob")
+    monkeypatch.setattr(models._audit, "_stage", lambda *args: 1 / 0)
+    refuse(models.audit, ZeroDivisionError)
+    monkeypatch.undo()
+    assert [r["revision"] for r in models.audit()] == list(range(1, 10))
+    fresh = open_service(db, config)
+    assert models.audit() == fresh.audit()
+    fresh.close()
 
 
 def test_another_declared_config_rebuilds_the_audit_over_it(
