@@ -74,7 +74,8 @@ changes_table = sa.Table(
     sa.Column("time", sa.DateTime()),
     sa.Column("actor", sa.Text()),
     sa.Column("model", sa.Text(), nullable=False),
-    sa.Column("event", sa.String(64), nullable=False),
+    # Text, not a bounded string: an unreadable record's topic can be any length.
+    sa.Column("event", sa.Text(), nullable=False),
     # The row as the queries return it, as JSON: an answer of ten thousand
     # rows is then one decode, not four columns and a dict a row, which was
     # most of its time.
@@ -288,8 +289,13 @@ class AuditView(TrackingRecorder):
         return Tracked(position=0, config=self.config, times=TimeOrder())
 
     def analyze(self) -> None:
-        with self.engine.begin() as conn:
-            conn.execute(sa.text(f"ANALYZE {changes_table.name}"))
+        """Refresh the planner's statistics; skipped while the database is busy,
+        as they only make queries faster (the next large catch-up tries again)."""
+        try:
+            with self.store.locked("catalog_es.audit") as conn:
+                conn.execute(sa.text(f"ANALYZE {changes_table.name}"))
+        except StorageBusy:
+            pass
 
     def record(
         self,
@@ -335,16 +341,25 @@ class AuditView(TrackingRecorder):
             tracked = self._tracked(conn, application_name)
         return tracked.position if tracked is not None else None
 
-    def changes_json(self, filters: Filters, application_name: str) -> bytes:
-        """The matching rows as one JSON array, made of their stored views."""
+    def changes_json(
+        self, filters: Filters, application_name: str, position: int, generation: str
+    ) -> bytes:
+        """The matching rows as one JSON array, made of their stored views,
+        from tables at ``position`` or past it in ``generation``: not from
+        tables another process is rebuilding (:class:`ViewMoved`)."""
         c = changes_table.c
         with self.store.read() as conn:
-            within = self._revisions(conn, filters, application_name)
+            tracked = self._tracked(conn, application_name)
+            if position and (
+                tracked is None or tracked.generation != generation or tracked.position < position
+            ):
+                raise ViewMoved("the audit tables are being rebuilt by another process")
+            within = self._revisions(conn, filters, tracked)
             rows = select_rows(conn, changes_table, c.revision, filters, [c.view], within)
         return ("[" + ",".join([row[0] for row in rows]) + "]").encode()
 
     def _revisions(
-        self, conn: Connection, filters: Filters, application_name: str
+        self, conn: Connection, filters: Filters, tracked: Tracked | None
     ) -> tuple[int | None, int | None]:
         """The time bounds as revision bounds, while times are in order: the
         first revision at or after ``since`` and the last before ``until``.
@@ -353,7 +368,6 @@ class AuditView(TrackingRecorder):
         since, until = filters.get("since"), filters.get("until")
         if since is None and until is None:
             return None, None
-        tracked = self._tracked(conn, application_name)
         if tracked is None or not tracked.times.in_order:
             return None, None
         c = changes_table.c
@@ -474,6 +488,21 @@ class AuditProjection(Projection[AuditView]):
         up at the same time makes one of them go on from the other's rows."""
         with self.lock:
             self._catch_up_racing(recorder, application_name)
+
+    def answer(self, recorder: SQLRecorder, application_name: str, filters: Filters) -> bytes:
+        """The rows matching ``filters`` once caught up, as JSON: read again
+        after catching up again if another process rebuilt the tables between
+        the catch-up and the read."""
+        for _ in range(RETRIES - 1):
+            self.catch_up(recorder, application_name)
+            try:
+                return self.view.changes_json(
+                    filters, application_name, self.recorded, self.generation
+                )
+            except ViewMoved:
+                continue
+        self.catch_up(recorder, application_name)
+        return self.view.changes_json(filters, application_name, self.recorded, self.generation)
 
     def rebuild(self, recorder: SQLRecorder, application_name: str) -> None:
         """Drop the tables and replay the whole log into them again."""

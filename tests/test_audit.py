@@ -730,6 +730,26 @@ def test_a_catch_up_that_fails_otherwise_starts_again_from_the_view(
     fresh.close()
 
 
+def test_an_answer_is_not_read_from_tables_another_process_is_rebuilding(
+    models: Models, db: str, config: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Between this process's catch-up and its read, another drops the tables
+    to rebuild them: the read sees it, and catches up again, rather than
+    answering the few rows (or none) written so far."""
+    other = open_service(db, config)
+    real_catch_up = models._audit.catch_up
+
+    def catch_up(*args: Any) -> None:
+        monkeypatch.undo()
+        real_catch_up(*args)
+        other._audit.view.reset()
+
+    monkeypatch.setattr(models._audit, "catch_up", catch_up)
+    assert [r["revision"] for r in models.audit()] == list(range(1, 9))
+    assert models.history("embed")[0]["revision"] == 4
+    other.close()
+
+
 def test_another_declared_config_rebuilds_the_audit_over_it(
     models: Models, db: str, tmp_path: Path
 ) -> None:

@@ -145,6 +145,17 @@ POISONS = [
         ),
     ),
     Poison(
+        "an event type named longer than any this code has",
+        "p-long",
+        "E" * 70,
+        r"^unknown event type 'catalog_es\.model:Model\.E{70}'",
+        lambda p, _: p.insert(
+            "catalog_es.model:Model." + "E" * 70,
+            json.dumps({"model": "p-long"}).encode(),
+            model_id("p-long"),
+        ),
+    ),
+    Poison(
         "a time past the end of what UTC holds, in an offset of its own",
         "p-late",
         "Scaled",
