@@ -307,10 +307,11 @@ class AuditView(TrackingRecorder):
     ) -> str:
         """Rows and the position they bring the view up to, from ``after`` in
         the tables of ``generation``, in one transaction, one process at a
-        time; answers the tables' generation. Another process may have written some of them
-        since: the same rows, as the replay is the same, so only those past
-        its position are written. If it reset the tables, or went over another
-        config, the view is no longer the one these rows follow (:class:`ViewMoved`)."""
+        time; answers the tables' generation. Another process may have written
+        some of them since: the same rows, as the replay is the same, so only
+        those past its position are written. If it reset the tables, or went
+        over another config, the view is no longer the one these rows follow
+        (:class:`ViewMoved`)."""
         with self.store.locked("catalog_es.audit") as conn:
             tracked = self._tracked(conn, tracking.application_name)
             if tracked is not None and tracked.config != self.config:
