@@ -146,7 +146,7 @@ class AuditTrail:
 
 def _rows(answer: bytes) -> list[dict[str, Any]]:
     """An answer of :meth:`AuditTrail.audit_json` as rows."""
-    with collector_paused():
+    with collector_paused(lasting=True):
         rows: list[dict[str, Any]] = msgspec.json.decode(answer)
     return rows
 

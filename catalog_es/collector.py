@@ -8,6 +8,13 @@ about 20 ms for 10,000 models here, and one runs whenever the objects that
 outlived young collections reach a quarter of that heap: bulk work got there
 every few reads of the past. Reference counting frees everything these
 sections make; a cycle made inside one is collected after.
+
+A section whose objects are kept (an answer of 10,000 audit rows, a page of
+model views, a past catalog) would still have them scanned as the collector
+comes back on: all of them are young, so the next young collection walks
+them, then the middle generation walks them again (30 ms and 47 ms for those
+audit rows here). Such a section is ``lasting``: it hands what it made
+straight to the oldest generation, where only a full collection looks.
 """
 
 from __future__ import annotations
@@ -19,8 +26,9 @@ from contextlib import contextmanager
 
 
 @contextmanager
-def collector_paused() -> Iterator[None]:
-    """No cyclic collection for the span of the ``with``, in the main thread.
+def collector_paused(*, lasting: bool = False) -> Iterator[None]:
+    """No cyclic collection for the span of the ``with``, in the main thread;
+    ``lasting``: what it made is moved to the oldest generation after.
 
     The collector is the whole process's. Threads pausing it in turn could
     leave it off for good (one finds it off because another paused it, and
@@ -33,6 +41,15 @@ def collector_paused() -> Iterator[None]:
         yield
         return
     enabled = gc.isenabled()
+    # Aging moves whatever is young, so what was young before the section is
+    # collected first: a cycle of the caller's must not wait for a full
+    # collection (a test run kept 180 MB more when it did). That costs about
+    # 0.1 ms, next to the milliseconds saved; worth it for bulk answers only,
+    # not for each command. A process that froze part of its heap (a server
+    # after start-up) is left as it is: thawing would hand that back.
+    aging = lasting and enabled and gc.get_freeze_count() == 0
+    if aging:
+        gc.collect(1)
     try:
         # Inside the try: a KeyboardInterrupt raised as disable() returns
         # must still turn it back on.
@@ -41,3 +58,11 @@ def collector_paused() -> Iterator[None]:
     finally:
         if enabled:
             gc.enable()
+            if aging:
+                _age_everything()
+
+
+def _age_everything() -> None:
+    # Freezing and thawing splice lists: nothing is scanned.
+    gc.freeze()
+    gc.unfreeze()

@@ -25,7 +25,7 @@ def model_view(spec: ModelSpec, *, declared: bool) -> dict[str, Any]:
 
 def model_views(specs: list[ModelSpec], is_declared: Callable[[str], bool]) -> list[dict[str, Any]]:
     """``model_view`` of many, converted in one pass (a catalog can be large)."""
-    with collector_paused():
+    with collector_paused(lasting=True):
         plain: list[dict[str, Any]] = msgspec.json.decode(msgspec.json.encode(specs))
         return [_complete(v, s, is_declared(s.name)) for v, s in zip(plain, specs, strict=True)]
 

@@ -124,7 +124,7 @@ def catalog_at(
     newest snapshot at or before it, and the events after that."""
     catalog = Catalog(declared.models, declared.engines)
     if revision > 0:
-        with collector_paused():
+        with collector_paused(lasting=True):
             snapshots.restore(conn, catalog, declared.fingerprint, upto=revision)
             catch_up(catalog, recorder, conn, upto=revision)
     return catalog

@@ -91,6 +91,9 @@ def measure(name: str, query: Callable[[], list[dict[str, Any]] | bytes], runs: 
         answer = query()
         times.append(time.perf_counter() - start)
         sizes.append(len(msgspec.json.decode(answer) if isinstance(answer, bytes) else answer))
+        # Let go before the next run starts: freeing 10,000 rows (about 25 ms)
+        # is the caller's, whenever it drops them, not the next query's.
+        del answer
     times.sort()
     p50 = statistics.median(times) * 1000
     p99 = times[min(len(times) - 1, round(0.99 * (len(times) - 1)))] * 1000
