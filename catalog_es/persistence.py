@@ -144,8 +144,15 @@ def _into_wal(cursor: sqlite3.Cursor, wait: float) -> None:
             break
         except sqlite3.OperationalError as error:
             left = deadline - time.monotonic()
-            if "locked" not in str(error) or left <= 0:
+            if "locked" not in str(error):
                 raise
+            if left <= 0:
+                # A file another program made (not yet WAL): its writer holds
+                # off readers too, until it is done.
+                raise StorageBusy(
+                    f"the database stayed locked by another process for {wait:g} s, "
+                    "before it could be put in WAL mode; nothing was read or written, try again"
+                ) from None
         time.sleep(min(delay, left))
         delay = min(2 * delay, 0.05)
         # An attempt may also wait in the busy handler: only for what is left.

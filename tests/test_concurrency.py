@@ -232,6 +232,30 @@ def test_a_held_write_lock_refuses_a_command_after_the_bounded_wait(db_url: str)
     assert count_events(db_url) == rows + 1
 
 
+def test_a_locked_file_not_yet_in_wal_mode_is_reported_busy(tmp_path: Path) -> None:
+    # A file made by another program, in SQLite's default journal mode, whose
+    # writer holds it: putting it in WAL mode needs the whole file.
+    path = tmp_path / "older.db"
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("CREATE TABLE theirs (a)")
+    holder.execute("BEGIN EXCLUSIVE")
+    try:
+        code, stdout, stderr, took = catalog_es(f"sqlite:///{path}", "model", "list")
+    finally:
+        holder.execute("ROLLBACK")
+    assert code == 1
+    assert stderr.splitlines() == [
+        "error: the database stayed locked by another process for 0.5 s, before it could "
+        "be put in WAL mode; nothing was read or written, try again"
+    ]
+    assert stdout == ""
+    assert took < 5
+    assert holder.execute("PRAGMA journal_mode").fetchone() == ("delete",)
+    tables = holder.execute("SELECT name FROM sqlite_master WHERE type = 'table'").fetchall()
+    assert tables == [("theirs",)]
+    holder.close()
+
+
 LOCK_WAIT_REFUSAL = "must be a number of seconds above 0 and at most 3600, not {!r}"
 
 
