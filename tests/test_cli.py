@@ -434,3 +434,33 @@ def test_table_cells_are_printed_as_data_not_markup(run: Run, write: Any) -> Non
     ok(run("model", "add", definition_file, "--reason", "[urgent] fix [bold]now[/bold]"))
     shown = ok(run("log"))
     assert "[urgent] fix [bold]now[/bold]" in shown.stdout
+
+
+# -- what a terminal is shown ---------------------------------------------------------
+
+
+def test_a_source_that_would_act_on_the_terminal_is_printed_escaped(run: Run, write: Any) -> None:
+    # The declared config is reviewed rather than checked for this, and older
+    # logs hold sources from before the rule: an escape sequence (clears the
+    # screen) or a bidi override (shows "evil.jpg" as "gpj.live") reaches the
+    # terminal written out, as repr writes it; JSON reads back as stored.
+    source = "hf://org/\x1b[2J\u202egpj.live"
+    config = write("declared.yaml", config_yaml(spec("declared", source=source)).encode())
+    for args in (["model", "show", "declared"], ["model", "list"]):
+        printed = ok(run("--config", config, *args)).stdout
+        assert "\x1b" not in printed
+        assert "\u202e" not in printed
+        assert "hf://org/\\x1b[2J\\u202egpj.live" in printed
+    printed = ok(run("--config", config, "model", "show", "declared", "--json")).stdout
+    assert "\x1b" not in printed
+    assert "\u202e" not in printed
+    assert json.loads(printed)["source"] == source
+
+
+def test_refused_input_is_printed_escaped_and_reads_back_as_given(run: Run, write: Any) -> None:
+    ok(run("model", "add", write("m.yaml", as_yaml(definition("m")))))
+    refused_in_one_line(run("model", "source", "m", "hf://org/\u202em"))
+    printed = ok(run("refusals", "--json")).stdout
+    assert "\u202e" not in printed
+    assert "\\u202e" in printed
+    assert json.loads(printed)[0]["fields"]["source"] == "hf://org/\u202em"

@@ -120,6 +120,31 @@ class RevisionOrTime(click.ParamType):  # type: ignore[type-arg]
 REVISION_OR_TIME = RevisionOrTime()
 
 
+def visible(text: str) -> str:
+    """``text`` for a terminal: a character it would act on or not show (an
+    escape sequence, a bidi override, a zero-width mark, a line separator) is
+    written as ``repr`` writes it (``\\x1b``, ``\\u202e``). Sources stored
+    before they were checked, and refused input, can hold any."""
+    return _escaped(text, lambda c: c.encode("unicode_escape").decode("ascii"))
+
+
+def json_line(data: Any) -> str:
+    """``data`` as one line of JSON that is safe to print: what :func:`visible`
+    escapes is a ``\\uXXXX`` escape here, which reads back as the same text."""
+    return _escaped(json.dumps(data, ensure_ascii=False), lambda c: json.dumps(c)[1:-1])
+
+
+def _escaped(text: str, escape_one: Callable[[str], str]) -> str:
+    if text.isprintable():  # nearly always: one pass in C
+        return text
+    return "".join(c if c.isprintable() else escape_one(c) for c in text)
+
+
+def say(text: str) -> None:
+    """A line of data for a person, on stdout."""
+    click.echo(visible(text))
+
+
 def print_table(table: Table) -> None:
     # On a terminal, fit it; piped, never cut a name short.
     width = None if sys.stdout.isatty() else 10_000
@@ -128,7 +153,7 @@ def print_table(table: Table) -> None:
 
 def emit(settings: Settings, data: Any, human: Callable[[], None]) -> None:
     if settings.json:
-        click.echo(json.dumps(data, ensure_ascii=False))
+        click.echo(json_line(data))
     else:
         human()
 
@@ -145,7 +170,7 @@ def emit_result(settings: Settings, result: CommandResult, verb: str) -> None:
     def human() -> None:
         name = result.removed or (result.model or {}).get("name", "")
         done = "replaced" if result.replaced else verb
-        click.echo(f"{done} {name} at revision {result.revision}")
+        say(f"{done} {name} at revision {result.revision}")
         if result.model is not None:
             show_model(result.model)
 
@@ -192,7 +217,7 @@ def show_model(m: dict[str, Any]) -> None:
     table.add_column(style="bold")
     table.add_column(overflow="fold")
     for key, value in rows:
-        table.add_row(key, escape(value))
+        table.add_row(key, escape(visible(value)))
     print_table(table)
     for warning in m.get("warnings", []):
         click.echo(f"warning: {warning}", err=True)
@@ -202,7 +227,7 @@ def table(columns: Iterable[str], rows: Iterable[Iterable[str]]) -> None:
     table = Table(*columns, box=None, pad_edge=False, header_style="bold")
     for row in rows:
         # Cells are data, not rich markup: "profiles[cpu]" prints as it is.
-        table.add_row(*(escape(cell) for cell in row))
+        table.add_row(*(escape(visible(cell)) for cell in row))
     print_table(table)
 
 

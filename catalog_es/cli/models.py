@@ -15,6 +15,7 @@ from catalog_es.cli.base import (
     cli,
     emit,
     emit_result,
+    json_line,
     meta,
     pass_settings,
     scaling_text,
@@ -253,7 +254,7 @@ def log_command(settings: Settings, model_name: str | None, after: int, limit: i
     events = settings.models().log_events(after=after, limit=limit, model=model_name)
     if settings.json:
         for e in events:
-            click.echo(json.dumps(e, ensure_ascii=False))
+            click.echo(json_line(e))
         return
     table(
         ["REV", "TIME", "BY", "MODEL", "EVENT", "CHANGE", "REASON"],

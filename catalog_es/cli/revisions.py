@@ -15,8 +15,10 @@ from catalog_es.cli.base import (
     Settings,
     cli,
     emit,
+    json_line,
     meta,
     pass_settings,
+    say,
     shared_options,
     table,
 )
@@ -124,10 +126,10 @@ def watch_command(settings: Settings, after: int) -> None:
     try:
         for event in models.watch(after):
             if settings.json:
-                click.echo(json.dumps(event, ensure_ascii=False))
+                click.echo(json_line(event))
             else:
                 what = event.get("error") or json.dumps(event["fields"], ensure_ascii=False)
-                click.echo(
+                say(
                     f"{event['revision']} {event['time']} {event['by']} "
                     f"{event['model'] or '-'} {event['event']} {what}"
                 )

@@ -8,7 +8,16 @@ from typing import Any, TypeVar
 import click
 
 from catalog_es import bootstrap
-from catalog_es.cli.base import Settings, emit, meta, pass_settings, shared_options, table
+from catalog_es.cli.base import (
+    Settings,
+    emit,
+    meta,
+    pass_settings,
+    say,
+    shared_options,
+    table,
+    visible,
+)
 from catalog_es.cli.models import model
 from catalog_es.weights import Weights
 
@@ -49,7 +58,8 @@ def _files_text(change: dict[str, Any]) -> str:
 
 def _show_updates(report: dict[str, Any]) -> None:
     for unchecked in report["unchecked"]:
-        click.echo(f"note: model {unchecked['model']} not checked: {unchecked['reason']}", err=True)
+        note = f"note: model {unchecked['model']} not checked: {unchecked['reason']}"
+        click.echo(visible(note), err=True)
     updates = report["updates"]
     if not updates:
         click.echo(f"no upstream changes at revision {report['revision']}")
@@ -96,7 +106,7 @@ def model_check_updates(settings: Settings, mirror: str | None, weights_dir: str
 
     def human() -> None:
         for origin in report["origins"]:
-            click.echo(
+            say(
                 f"recorded the origin of {origin['model']}: "
                 f"{origin['repository']}@{_short(origin['revision'])}"
             )
@@ -112,16 +122,16 @@ def _show_move(result: dict[str, Any], verb: str) -> None:
     before, after = result["from"], result["to"]
     if not result["written"]:
         where = f"{after['repository']}@{after['revision']}"
-        click.echo(f"{name} already runs {where}: nothing written")
+        say(f"{name} already runs {where}: nothing written")
         return
     back = f" (the weights of revision {result['rollback_to']})" if result["rollback_to"] else ""
-    click.echo(
+    say(
         f"{verb} {name} from {before['repository'] or before['source']}"
         f"@{_short(before['revision'])} to {after['repository']}@{_short(after['revision'])}"
         f"{back} at revision {result['revision']}: {_files_text(result)}; "
         "replicas are replaced one at a time"
     )
-    click.echo(f"source {after['source']}")
+    say(f"source {after['source']}")
 
 
 @model.command("update")
