@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import datetime, timedelta
 from typing import Any, ClassVar, overload
 from uuid import UUID
@@ -629,38 +629,46 @@ class Models(AuditTrail, Application[UUID]):
     ) -> dict[str, Any]:
         """Make the runtime layer what it was at ``to`` (over today's config), by
         appending compensating events in one transaction, each marked with the
-        revision rolled back to. ``dry_run`` shows the diff and writes nothing."""
-        target_revision = self.resolve(to)
-        with self.store.read() as conn:
-            # The log is append-only: the catalog at a past revision cannot change.
-            target = pointintime.catalog_at(self.store, conn, self.declared, target_revision)
-        notes: list[str] = []
-        result_diff: dict[str, Any] = {}
-
-        def plan(batch: Batch) -> None:
-            notes.extend(plan_rollback(batch, target, model=model, only=only))
-            result_diff.update(diff_catalogs(self.catalog, batch.catalog, model=model))
-
-        revision, changes = self.write_plan(
-            plan,
-            by=by,
-            reason=reason,
-            expected_revision=expected_revision,
-            rollback_to=target_revision,
-            dry_run=dry_run,
+        revision rolled back to. ``dry_run`` shows the diff and writes nothing.
+        A refused rollback is recorded as ``Rollback`` (a dry run tried nothing)."""
+        asked = {"to": to, **({"only": only} if only else {})}
+        recorded = (
+            nullcontext()
+            if dry_run
+            else self.refusals_recorded("Rollback", model or "", by, reason, asked)
         )
-        return {
-            "revision": revision,
-            "to": target_revision,
-            "dry_run": dry_run,
-            "written": bool(changes) and not dry_run,
-            "events": [
-                {"model": e.model, "event": type(e).__name__, "fields": event_fields(e)}
-                for e, _ in changes
-            ],
-            "diff": result_diff,
-            "notes": notes,
-        }
+        with recorded:
+            target_revision = self.resolve(to)
+            with self.store.read() as conn:
+                # The log is append-only: the catalog at a past revision cannot change.
+                target = pointintime.catalog_at(self.store, conn, self.declared, target_revision)
+            notes: list[str] = []
+            result_diff: dict[str, Any] = {}
+
+            def plan(batch: Batch) -> None:
+                notes.extend(plan_rollback(batch, target, model=model, only=only))
+                result_diff.update(diff_catalogs(self.catalog, batch.catalog, model=model))
+
+            revision, changes = self.write_plan(
+                plan,
+                by=by,
+                reason=reason,
+                expected_revision=expected_revision,
+                rollback_to=target_revision,
+                dry_run=dry_run,
+            )
+            return {
+                "revision": revision,
+                "to": target_revision,
+                "dry_run": dry_run,
+                "written": bool(changes) and not dry_run,
+                "events": [
+                    {"model": e.model, "event": type(e).__name__, "fields": event_fields(e)}
+                    for e, _ in changes
+                ],
+                "diff": result_diff,
+                "notes": notes,
+            }
 
     def watch(self, after: int = 0, *, poll_interval: float | None = None) -> Watch:
         """Every change after revision ``after``, in order and once each, then

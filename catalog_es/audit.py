@@ -9,6 +9,8 @@ never change the catalog.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Unpack
 
@@ -122,26 +124,54 @@ class AuditTrail:
         fields: dict[str, Any],
         refusal: Refused,
     ) -> None:
+        """:meth:`record_refusal` of a command that writes one kind of event,
+        its fields given as the command's keywords."""
+        stored = _stored_names(event_class, fields)
+        self.record_refusal(event_class.__name__, name, by, reason, stored, refusal)
+
+    @contextmanager
+    def refusals_recorded(
+        self, event: str, name: str, by: str, reason: str, fields: dict[str, Any]
+    ) -> Iterator[None]:
+        """:meth:`record_refusal` of whatever the ``with`` refuses."""
+        try:
+            yield
+        except Refused as refusal:
+            self.record_refusal(event, name, by, reason, fields, refusal)
+            raise
+
+    def record_refusal(
+        self,
+        event: str,
+        name: str,
+        by: str,
+        reason: str,
+        fields: dict[str, Any],
+        refusal: Refused,
+    ) -> None:
         """Keep a refused command, in a transaction of its own (the refused one
-        has rolled back). Input that could not be read, and a database too busy
-        to write to, are not refusals by the rules and are not kept."""
+        has rolled back): ``event``, what it would have written (or the
+        command, for one that writes several kinds), about model ``name``
+        (empty: the whole catalog). Input that could not be read, and a
+        database too busy to write to, are not refusals by the rules and are
+        not kept."""
         if isinstance(refusal, InputError | StorageBusy):
             return
         row = {
             "time": stored_time(utc_now()),
             "actor": by,
             "model": name,
-            "event": event_class.__name__,
+            "event": event,
             "refusal": str(refusal),
             "reason": reason,
-            "fields": msgspec.to_builtins(_stored_names(event_class, fields)),
+            "fields": msgspec.to_builtins(fields),
         }
         try:
             with self.store.engine.begin() as conn:
                 conn.execute(sa.insert(refusals_table).values(row))
         except sa.exc.SQLAlchemyError as error:
             # The refusal itself must reach the operator even if its record cannot.
-            log.warning("could not record the refusal of %s for %r: %s", row["event"], name, error)
+            log.warning("could not record the refusal of %s for %r: %s", event, name, error)
 
 
 def _rows(answer: bytes) -> list[dict[str, Any]]:

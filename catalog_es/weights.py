@@ -334,13 +334,19 @@ class Weights:
     ) -> dict[str, Any]:
         """Move a runtime model to a commit of its repository (a commit id or a
         branch; default: where ``main`` points), fetched and verified first."""
-        spec = self._movable(name, by=by, reason=reason, expected_revision=expected_revision)
-        repository = self._repository(spec)
-        commit = self.registry.resolve(repository, revision or DEFAULT_BRANCH)
-        target = Origin(
-            repository=repository, revision=commit, files=self.registry.files(repository, commit)
-        )
-        return self._move(spec, target, by=by, reason=reason, expected_revision=expected_revision)
+        asked = {"revision": revision or DEFAULT_BRANCH}
+        with self.models.refusals_recorded("SourceSet", name, by, reason, asked):
+            spec = self._movable(name, by=by, reason=reason, expected_revision=expected_revision)
+            repository = self._repository(spec)
+            commit = self.registry.resolve(repository, revision or DEFAULT_BRANCH)
+            target = Origin(
+                repository=repository,
+                revision=commit,
+                files=self.registry.files(repository, commit),
+            )
+            return self._move(
+                spec, target, by=by, reason=reason, expected_revision=expected_revision
+            )
 
     def rollback(
         self,
@@ -356,16 +362,17 @@ class Weights:
         before the current by default, or the latest it ran of commit ``to``
         (an id or a prefix of one). The event is marked with the log revision
         those weights were recorded at."""
-        spec = self._movable(name, by=by, reason=reason, expected_revision=expected_revision)
-        recorded_at, target = self._earlier_weights(spec, to)
-        return self._move(
-            spec,
-            target,
-            by=by,
-            reason=reason,
-            expected_revision=expected_revision,
-            rollback_to=recorded_at,
-        )
+        with self.models.refusals_recorded("SourceSet", name, by, reason, {"to": to}):
+            spec = self._movable(name, by=by, reason=reason, expected_revision=expected_revision)
+            recorded_at, target = self._earlier_weights(spec, to)
+            return self._move(
+                spec,
+                target,
+                by=by,
+                reason=reason,
+                expected_revision=expected_revision,
+                rollback_to=recorded_at,
+            )
 
     def _movable(
         self, name: str, *, by: str, reason: str, expected_revision: int | None

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from catalog_es.application import Models
 from catalog_es.catalog import Catalog
 from catalog_es.cli import cli
-from catalog_es.errors import Refused
+from catalog_es.errors import Refused, RevisionConflict
 from catalog_es.inputs import load_config
 from catalog_es.model import Model, model_id
 from projections.catalog import catch_up
@@ -316,7 +316,39 @@ def test_a_rollback_that_would_break_a_fallback_is_refused_and_writes_nothing(
     models.remove("b", by="y")  # ...so b could go
     rows = count_events(db_url)
     with pytest.raises(Refused, match="fallbacks: names 'b'"):
-        models.rollback(target, model="a", by="ops")
+        models.rollback(target, model="a", by="ops", reason="undo the split")
+    assert count_events(db_url) == rows
+    # Kept apart, as every refused command is: who tried, what, and why.
+    [kept] = models.refusals()
+    assert (kept["by"], kept["model"], kept["event"], kept["reason"]) == (
+        "ops",
+        "a",
+        "Rollback",
+        "undo the split",
+    )
+    assert kept["fields"] == {"to": target}
+    assert "fallbacks: names 'b'" in kept["refusal"]
+
+
+def test_a_refused_rollback_of_the_whole_catalog_is_kept_but_not_a_dry_runs(
+    open_models: Callable[..., Models], db_url: str
+) -> None:
+    models = open_models()
+    models.add(spec("a"), by="x")
+    stale = models.revision
+    models.scale("a", 2, 5, by="y")
+    rows = count_events(db_url)
+    with pytest.raises(RevisionConflict):
+        models.rollback(1, only="scaling", dry_run=True, expected_revision=stale, by="ops")
+    assert models.refusals() == []
+    with pytest.raises(RevisionConflict):
+        models.rollback(1, only="scaling", expected_revision=stale, by="ops")
+    [kept] = models.refusals()
+    assert (kept["model"], kept["event"], kept["fields"]) == (
+        "",
+        "Rollback",
+        {"to": 1, "only": "scaling"},
+    )
     assert count_events(db_url) == rows
 
 

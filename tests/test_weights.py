@@ -454,6 +454,15 @@ def test_rollback_is_refused_when_the_old_weights_are_gone_everywhere(
     with pytest.raises(VerificationFailed, match=r"tokenizer\.json: missing"):
         tracked.rollback("m", by="carol")
     assert world.rows() == rows
+    # Weights that failed verification are worth knowing someone asked for.
+    [kept] = tracked.models.refusals()
+    assert (kept["by"], kept["model"], kept["event"], kept["fields"]) == (
+        "carol",
+        "m",
+        "SourceSet",
+        {"to": None},
+    )
+    assert "tokenizer.json: missing" in kept["refusal"]
 
 
 def test_rollback_passes_over_a_record_that_cannot_be_decoded(
@@ -476,6 +485,9 @@ def test_rollback_to_a_commit_the_model_never_ran_is_refused(
     c2 = world.mirror.publish("org/m", V2)
     with pytest.raises(Refused, match=f"has not run commit {c2} before"):
         tracked.rollback("m", c2, by="carol")
+    assert [(r["event"], r["fields"]) for r in tracked.models.refusals()] == [
+        ("SourceSet", {"to": c2})
+    ]
     fresh = world.open()
     fresh.models.add(spec("n", source="s3://bucket/n"), by="alice")
     with pytest.raises(Refused, match="no earlier weights"):
@@ -521,6 +533,10 @@ def test_a_declared_model_is_reported_but_update_and_rollback_say_edit_the_confi
             move("base", by="bob")
     assert world.rows() == rows
     assert not (world.store / "org/base").exists()
+    assert [(r["model"], r["event"], r["fields"]) for r in tracked.models.refusals()] == [
+        ("base", "SourceSet", {"revision": "main"}),
+        ("base", "SourceSet", {"to": None}),
+    ]
 
 
 # -- appliers ---------------------------------------------------------------------------------
