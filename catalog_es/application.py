@@ -221,6 +221,13 @@ class Models(AuditTrail, Application[UUID]):
         try:
             step = commands.add(spec)
             _check_meta(by, reason)
+
+            def plan(batch: Batch) -> None:
+                step.decide(batch)
+
+            self._before_probing(
+                plan, by=by, reason=reason, expected_revision=expected_revision, several=False
+            )
             self.pre_add_check.check(spec)
         except Refused as refusal:
             self._record_refusal(Model.Added, spec.name, by, reason, {"spec": spec}, refusal)
@@ -363,10 +370,15 @@ class Models(AuditTrail, Application[UUID]):
                     ) from None
 
         try:
-            for step in steps:
-                if step.event_class is Model.Added:
-                    current = step
-                    self.pre_add_check.check(step.fields["spec"])
+            added = [step for step in steps if step.event_class is Model.Added]
+            if added:
+                self._before_probing(
+                    plan, by=by, reason=reason, expected_revision=expected_revision, several=True
+                )
+                outcomes.clear()
+            for step in added:
+                current = step
+                self.pre_add_check.check(step.fields["spec"])
             revision, _ = self._write(
                 plan, by=by, reason=reason, expected_revision=expected_revision, several=True
             )
@@ -393,6 +405,28 @@ class Models(AuditTrail, Application[UUID]):
                 for event, new, replaced in outcomes
             ],
         }
+
+    def _before_probing(
+        self,
+        plan: Callable[[Batch], None],
+        *,
+        by: str,
+        reason: str,
+        expected_revision: int | None,
+        several: bool,
+    ) -> None:
+        """Decide ``plan`` and write nothing, so that what the rules refuse (a
+        declared name, a stale ``expected_revision``, an invalid catalog) is
+        refused before the pre-add check probes the weights, which can be slow.
+        The write decides again: the log may move in between."""
+        self._write(
+            plan,
+            by=by,
+            reason=reason,
+            expected_revision=expected_revision,
+            several=several,
+            dry_run=True,
+        )
 
     def _command(
         self, step: commands.Step, by: str, reason: str, expected_revision: int | None

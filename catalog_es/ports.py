@@ -30,7 +30,9 @@ class Applier(ABC):
 
 class PreAddCheck(ABC):
     """Refuses, before it is added, a model whose weights the engine cannot load
-    (which would otherwise be placed and then fail on every node it is tried on)."""
+    (which would otherwise be placed and then fail on every node it is tried on).
+    Asked only about an add the rules accept, as the log stands: a probe can be
+    slow, and a declared name or a stale expected revision needs none."""
 
     @abstractmethod
     def check(self, model: ModelSpec) -> None:

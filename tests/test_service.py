@@ -774,3 +774,43 @@ def test_a_callers_young_cycle_is_collected_before_a_lasting_pause() -> None:
     alive = _cycle()
     with collector_paused(lasting=True):
         assert alive() is None
+
+
+def test_the_rules_refuse_before_the_pre_add_check_probes_the_weights(
+    make_models: MakeModels,
+) -> None:
+    # The probe can be slow (a listing of the weights fetched); what the rules
+    # refuse is answered without it, and with the rules' reason.
+    check = RefuseSources("hf://broken/")
+    models = make_models(config_yaml(spec("declared")), pre_add_check=check)
+    models.add(spec("a"), by=ACTOR)
+    head = models.revision
+    check.checked.clear()
+    with pytest.raises(DeclaredInConfig):
+        models.add(spec("declared", source="hf://broken/declared"), by=ACTOR)
+    with pytest.raises(RevisionConflict):
+        models.add(spec("b", source="hf://broken/b"), by=ACTOR, expected_revision=head - 1)
+    with pytest.raises(InvalidModel, match="fallbacks"):
+        models.add(spec("c", fallbacks=("nowhere",)), by=ACTOR)
+    with pytest.raises(Refused, match=r"change 2 \(scale nowhere\)"):
+        models.apply_changes([commands.add(spec("d")), commands.scale("nowhere", 1, 2)], by=ACTOR)
+    assert check.checked == []
+    assert models.revision == head
+    # What the rules accept is still probed, alone or in a batch.
+    with pytest.raises(Refused, match="cannot load hf://broken/e"):
+        models.add(spec("e", source="hf://broken/e"), by=ACTOR)
+    with pytest.raises(Refused, match="cannot load hf://broken/g"):
+        models.apply_changes(
+            [commands.add(spec("f")), commands.add(spec("g", source="hf://broken/g"))], by=ACTOR
+        )
+    assert check.checked == ["e", "f", "g"]
+    result = models.apply_changes([commands.add(spec("f")), commands.scale("a", 1, 2)], by=ACTOR)
+    assert (result["revision"], result["changes"]) == (head + 2, 2)
+    assert [r["event"] for r in models.refusals()] == [
+        "Added",
+        "Added",
+        "Added",
+        "Scaled",
+        "Added",
+        "Added",
+    ]
