@@ -464,3 +464,12 @@ def test_refused_input_is_printed_escaped_and_reads_back_as_given(run: Run, writ
     assert "\u202e" not in printed
     assert "\\u202e" in printed
     assert json.loads(printed)[0]["fields"]["source"] == "hf://org/\u202em"
+
+
+def test_text_that_is_only_unusual_is_printed_as_it_is(run: Run, write: Any) -> None:
+    # The joiners inside emoji and Persian words are text, not tricks: only
+    # what a terminal acts on or reorders is escaped.
+    source = "hf://org/می\u200cخواهم/👨\u200d👩\u200d👧"
+    config = write("declared.yaml", config_yaml(spec("declared", source=source)).encode())
+    assert source in ok(run("--config", config, "model", "show", "declared")).stdout
+    assert source in ok(run("--config", config, "model", "show", "declared", "--json")).stdout

@@ -347,7 +347,9 @@ def test_the_cli_reports_each_skip_with_its_revision_and_reason(
     reported = {int(line.split()[2]): line for line in lines[1:]}
     assert sorted(reported) == sorted(poisoned)
     for revision, poison in poisoned.items():
-        prefix = f"skipped revision {revision} ({poison.model or '?'}, {poison.event}): "
+        # A stored name is shown as repr shows it: "p-nul\\x00", not a raw NUL.
+        shown = poison.model.replace("\0", "\\x00") or "?"
+        prefix = f"skipped revision {revision} ({shown}, {poison.event}): "
         assert reported[revision].startswith(prefix), reported[revision]
         assert re.search(poison.reason, reported[revision].removeprefix(prefix))
     log = CliRunner().invoke(cli, [*base, "log", "--json"])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from collections.abc import Callable, Iterable
 from datetime import datetime
@@ -120,29 +121,34 @@ class RevisionOrTime(click.ParamType):  # type: ignore[type-arg]
 REVISION_OR_TIME = RevisionOrTime()
 
 
+# What a terminal acts on or draws other than as written: C0 and C1 controls
+# (an escape sequence can retitle or clear it), the bidi controls (an override
+# shows "evil\u202egpj.exe" as "evilexe.jpg"), the line and paragraph
+# separators, and lone surrogates. Not every character Python calls
+# unprintable: the joiners inside emoji and Persian words, and the no-break
+# and ideographic spaces, are text.
+_UNSAFE = re.compile(
+    "[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069\u2028\u2029\ud800-\udfff]"
+)
+
+
 def visible(text: str) -> str:
-    """``text`` for a terminal: a character it would act on or not show (an
-    escape sequence, a bidi override, a zero-width mark, a line separator) is
-    written as ``repr`` writes it (``\\x1b``, ``\\u202e``). Sources stored
-    before they were checked, and refused input, can hold any."""
-    return _escaped(text, lambda c: c.encode("unicode_escape").decode("ascii"))
+    """``text`` for a terminal, with what it would act on or hide written as
+    ``repr`` writes it (``\\x1b``, ``\\u202e``). Sources stored before they
+    were checked, and refused input, can hold any."""
+    return _UNSAFE.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
 
 
 def json_line(data: Any) -> str:
     """``data`` as one line of JSON that is safe to print: what :func:`visible`
     escapes is a ``\\uXXXX`` escape here, which reads back as the same text."""
-    return _escaped(json.dumps(data, ensure_ascii=False), lambda c: json.dumps(c)[1:-1])
+    text = json.dumps(data, ensure_ascii=False)
+    return _UNSAFE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
 
 
-def _escaped(text: str, escape_one: Callable[[str], str]) -> str:
-    if text.isprintable():  # nearly always: one pass in C
-        return text
-    return "".join(c if c.isprintable() else escape_one(c) for c in text)
-
-
-def say(text: str) -> None:
-    """A line of data for a person, on stdout."""
-    click.echo(visible(text))
+def say(text: str, *, err: bool = False) -> None:
+    """A line for a person: on stdout, or on stderr with ``err``."""
+    click.echo(visible(text), err=err)
 
 
 def print_table(table: Table) -> None:
@@ -241,7 +247,7 @@ class CatalogGroup(click.Group):
         try:
             return super().invoke(ctx)
         except (Refused, ConfigError) as refusal:
-            click.echo(f"error: {refusal}", err=True)
+            say(f"error: {refusal}", err=True)
             ctx.exit(1)
         except (click.ClickException, click.exceptions.Exit, click.Abort, KeyboardInterrupt):
             raise
@@ -251,7 +257,7 @@ class CatalogGroup(click.Group):
             # Library errors (SQLAlchemy's) run on over several lines; the
             # first says what went wrong.
             first_line = next(iter(str(error).splitlines()), "")
-            click.echo(f"error: unexpected {type(error).__name__}: {first_line}", err=True)
+            say(f"error: unexpected {type(error).__name__}: {first_line}", err=True)
             ctx.exit(1)
 
 

@@ -94,7 +94,7 @@ def rollback_command(
 
     def human() -> None:
         for note in result["notes"]:
-            click.echo(f"note: {note}", err=True)
+            say(f"note: {note}", err=True)
         show_diff({**result["diff"], "to": result["to"]})
         if dry_run:
             click.echo(f"dry run: {len(result['events'])} event(s) would be written; nothing was")
@@ -165,7 +165,7 @@ def replay_command(settings: Settings) -> None:
             f"{summary['snapshots']} snapshots, {len(summary['skipped'])} events skipped"
         )
         for s in summary["skipped"]:
-            click.echo(
+            say(
                 f"skipped revision {s['revision']} ({s['model'] or '?'}, {s['event']}): "
                 f"{s['reason']}"
             )

@@ -16,7 +16,6 @@ from catalog_es.cli.base import (
     say,
     shared_options,
     table,
-    visible,
 )
 from catalog_es.cli.models import model
 from catalog_es.weights import Weights
@@ -58,8 +57,7 @@ def _files_text(change: dict[str, Any]) -> str:
 
 def _show_updates(report: dict[str, Any]) -> None:
     for unchecked in report["unchecked"]:
-        note = f"note: model {unchecked['model']} not checked: {unchecked['reason']}"
-        click.echo(visible(note), err=True)
+        say(f"note: model {unchecked['model']} not checked: {unchecked['reason']}", err=True)
     updates = report["updates"]
     if not updates:
         click.echo(f"no upstream changes at revision {report['revision']}")
