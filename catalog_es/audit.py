@@ -27,6 +27,7 @@ from projections.audit import (
     AuditProjection,
     AuditView,
     Filters,
+    filter_text,
     select_rows,
     stored_time,
     utc_text,
@@ -160,9 +161,9 @@ class AuditTrail:
         row = {
             "time": stored_time(utc_now()),
             "actor": by,
-            "model": name,
+            "model": _kept(name, MAX_KEPT_NAME),
             "event": event,
-            "refusal": str(refusal),
+            "refusal": _kept(str(refusal), MAX_KEPT_REFUSAL),
             "reason": reason,
             "fields": msgspec.to_builtins(fields),
         }
@@ -179,6 +180,20 @@ def _rows(answer: bytes) -> list[dict[str, Any]]:
     with collector_paused(lasting=True):
         rows: list[dict[str, Any]] = msgspec.json.decode(answer)
     return rows
+
+
+# A refused name can be anything the caller sent (a valid one is at most 128
+# characters); what a refusal says quotes it. Enough of either is kept to
+# tell who tried what, and never a megabyte.
+MAX_KEPT_NAME = 256
+MAX_KEPT_REFUSAL = 2000
+
+
+def _kept(text: str, limit: int) -> str:
+    """``text`` as a refusal's column can keep it: no NUL (PostgreSQL's text
+    cannot hold one; filters match it the same way), cut at ``limit``."""
+    text = filter_text(text) or ""
+    return text if len(text) <= limit else f"{text[:limit]}…"
 
 
 def _stored_names(event_class: type[Model.Event], fields: dict[str, Any]) -> dict[str, Any]:

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 # How much of a refused value a message quotes.
 SHOWN_LENGTH = 60
+# A model name, quoted: any valid one whole (128 characters and the quotes).
+NAME_SHOWN_LENGTH = 130
 
 
-def shown(value: object) -> str:
+def shown(value: object, limit: int = SHOWN_LENGTH) -> str:
     """``repr(value)`` cut short: a message quotes what it refuses, on one line
     (``repr`` escapes line breaks), and never a megabyte of it."""
     text = repr(value)
-    return text if len(text) <= SHOWN_LENGTH else f"{text[:SHOWN_LENGTH]}…"
+    return text if len(text) <= limit else f"{text[:limit]}…"
 
 
 class Refused(Exception):
@@ -32,7 +34,7 @@ class InvalidModel(Refused):
         self.model = model
         self.field = field
         self.problem = problem
-        super().__init__(f"model {model!r}: {field}: {problem}")
+        super().__init__(f"model {shown(model, NAME_SHOWN_LENGTH)}: {field}: {problem}")
 
 
 class ModelNotFound(Refused):
@@ -40,7 +42,7 @@ class ModelNotFound(Refused):
 
     def __init__(self, name: str, detail: str = "is not in the catalog") -> None:
         self.name = name
-        super().__init__(f"model {name!r} {detail}")
+        super().__init__(f"model {shown(name, NAME_SHOWN_LENGTH)} {detail}")
 
 
 class DeclaredInConfig(Refused):

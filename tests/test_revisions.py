@@ -352,6 +352,23 @@ def test_a_refused_rollback_of_the_whole_catalog_is_kept_but_not_a_dry_runs(
     assert count_events(db_url) == rows
 
 
+def test_a_refused_name_is_kept_as_text_can_hold_it(
+    open_models: Callable[..., Models], db_url: str
+) -> None:
+    # The name is whatever the caller sent (HTTP does not check it first): a
+    # NUL, which PostgreSQL's text refuses, and a megabyte, are not lost with
+    # the record, nor kept whole.
+    models = open_models()
+    models.add(spec("a"), by="x")
+    stale = models.revision - 1
+    for name in ("a\0b", "x" * 1_000_000):
+        with pytest.raises(RevisionConflict):
+            models.rollback(0, model=name, expected_revision=stale, by="ops")
+    kept = [r["model"] for r in models.refusals()]
+    assert kept == ["a\ufffdb", "x" * 256 + "…"]
+    assert [r["model"] for r in models.refusals(model="a\0b")] == ["a\ufffdb"]
+
+
 def test_rollback_dry_run_and_rollback_to_now_write_nothing(
     open_models: Callable[..., Models], db_url: str
 ) -> None:
