@@ -16,7 +16,7 @@ import msgspec
 import pytest
 import yaml
 
-from catalog_es import commands
+from catalog_es import collector, commands
 from catalog_es.application import Models
 from catalog_es.bootstrap import open_models
 from catalog_es.collector import collector_paused
@@ -761,17 +761,32 @@ def _cycle() -> weakref.ref[_Node]:
     return weakref.ref(a)
 
 
-def test_a_cycle_made_in_a_lasting_pause_is_still_collected() -> None:
-    with collector_paused(lasting=True):
-        alive = _cycle()
-    gc.collect()
-    assert alive() is None
+def test_cycles_made_in_lasting_pauses_are_collected_unasked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # What a lasting pause ages is not counted toward CPython's own full
+    # collections: one runs as a lasting pause starts, once enough was aged.
+    monkeypatch.setattr(collector, "FULL_COLLECTION_AFTER", 5_000)
+    monkeypatch.setattr(collector, "_aged", 0)
+    cycles = []
+    for _ in range(4):
+        with collector_paused(lasting=True):
+            cycles.append(_cycle())
+            kept = [{} for _ in range(2_000)]
+        del kept
+    # Over 5,000 aged after the third: the fourth began with a full collection.
+    assert [cycle() for cycle in cycles[:3]] == [None, None, None]
 
 
 def test_a_callers_young_cycle_is_collected_before_a_lasting_pause() -> None:
-    # Aged with the pause's own objects, it would wait for a full collection,
-    # and a long-lived process would hold more and more such garbage.
-    alive = _cycle()
+    # Aged with the pause's own objects, it would wait for a full collection.
+    # In the middle generation: it outlived one young collection before it
+    # became garbage.
+    node = _Node()
+    node.other = node
+    alive = weakref.ref(node)
+    gc.collect(0)
+    del node
     with collector_paused(lasting=True):
         assert alive() is None
 
