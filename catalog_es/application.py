@@ -37,6 +37,7 @@ from catalog_es.errors import (
     Refused,
     RevisionConflict,
 )
+from catalog_es.inputs import zoned
 from catalog_es.mapper import EventMapper, UndecodableEvent, decode_event, model_of_state
 from catalog_es.model import MAX_CLOCK_SKEW, Model, model_id, utc_now
 from catalog_es.persistence import PollingSubscription, SQLRecorder, events_table
@@ -596,6 +597,8 @@ class Models(AuditTrail, Application[UUID]):
     def resolve(self, at: int | datetime) -> int:
         """The revision an ``at`` (a revision, or a UTC time) reads: a
         transaction boundary, refused when beyond the head."""
+        if isinstance(at, datetime):
+            zoned(at)
         with self.store.read() as conn:
             head = self.store.head(conn)
             if isinstance(at, datetime):

@@ -20,7 +20,7 @@ import sqlalchemy as sa
 from catalog_es.chain import check_chain
 from catalog_es.collector import collector_paused
 from catalog_es.errors import InputError, ModelNotFound, Refused, StorageBusy
-from catalog_es.inputs import DeclaredConfig
+from catalog_es.inputs import DeclaredConfig, zoned
 from catalog_es.model import Model, utc_now
 from catalog_es.persistence import SQLRecorder, refusals_table
 from projections.audit import (
@@ -79,6 +79,7 @@ class AuditTrail:
         """:meth:`audit` as the JSON array it encodes to, made without building
         the rows (what the HTTP API sends): most of a large answer's time is
         building them."""
+        _check_times(filters)
         return self._audit.answer(self.store, self.name, filters)
 
     def rebuild_audit(self) -> None:
@@ -87,6 +88,7 @@ class AuditTrail:
 
     def refusals(self, **filters: Unpack[Filters]) -> list[dict[str, Any]]:
         """Refused commands matching every filter given, as :meth:`audit` takes them."""
+        _check_times(filters)
         with self.store.read() as conn:
             rows = select_rows(conn, refusals_table, refusals_table.c.id, filters)
         return [
@@ -173,6 +175,14 @@ class AuditTrail:
         except sa.exc.SQLAlchemyError as error:
             # The refusal itself must reach the operator even if its record cannot.
             log.warning("could not record the refusal of %s for %r: %s", event, name, error)
+
+
+def _check_times(filters: Filters) -> None:
+    since, until = filters.get("since"), filters.get("until")
+    if since is not None:
+        zoned(since, "since")
+    if until is not None:
+        zoned(until, "until")
 
 
 def _rows(answer: bytes) -> list[dict[str, Any]]:

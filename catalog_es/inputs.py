@@ -492,6 +492,17 @@ def revision_or_time(text: str) -> int | datetime:
     return moment.astimezone(UTC)
 
 
+def zoned(moment: datetime, what: str = "time") -> datetime:
+    """``moment``, if it says which zone it is in: a library caller's time
+    without one is refused rather than taken for UTC or for local time."""
+    if moment.utcoffset() is None:
+        raise InputError(
+            f"{what} {moment.isoformat()} has no time zone: give it in UTC "
+            "(tzinfo=datetime.UTC) or with its offset"
+        )
+    return moment
+
+
 def utc_time(text: str, option: str) -> datetime:
     """A UTC ISO 8601 time (``2026-11-30T12:00:00Z``, or another offset), or a
     date for its midnight UTC. A time without a zone is refused rather than guessed."""

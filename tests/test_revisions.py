@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from catalog_es.application import Models
 from catalog_es.catalog import Catalog
 from catalog_es.cli import cli
-from catalog_es.errors import Refused, RevisionConflict
+from catalog_es.errors import InputError, Refused, RevisionConflict
 from catalog_es.inputs import load_config
 from catalog_es.model import Model, model_id
 from projections.catalog import catch_up
@@ -597,3 +597,26 @@ def test_a_rollback_brings_back_a_model_stored_before_the_memory_rule(
     # A new add of the same definition is still refused by the rule.
     with pytest.raises(Refused, match="declares no memory"):
         reopened.add(spec("legacy2", profiles=[{"name": "cpu", "gpus": 0, "cpu_cores": 2}]), by="x")
+
+
+def test_a_time_without_a_zone_is_refused_rather_than_guessed(
+    open_models: Callable[..., Models], db_url: str
+) -> None:
+    # UTC, or the machine's local time? A library caller's naive datetime says
+    # neither; the CLI and HTTP already refuse one as they parse it.
+    models = open_models()
+    models.add(spec("a"), by="x")
+    naive = datetime(2026, 1, 1)
+    reads: list[Callable[[], object]] = [
+        lambda: models.list_models(at=naive),
+        lambda: models.diff(naive),
+        lambda: models.audit(since=naive),
+        lambda: models.refusals(until=naive),
+        lambda: models.rollback(naive, by="ops"),
+    ]
+    for read in reads:
+        with pytest.raises(InputError, match="has no time zone"):
+            read()
+    assert models.refusals() == []
+    # The same time with its zone reads the catalog before "a" was added.
+    assert "a" not in [m["name"] for m in models.list_models(at=naive.replace(tzinfo=UTC))]
