@@ -209,6 +209,14 @@ def catalog_es(url: str, *args: str, wait: str = "0.5") -> tuple[int, str, str, 
     return done.returncode, done.stdout, done.stderr, time.monotonic() - started
 
 
+def refused_as_busy(outcome: tuple[int, str, str, float], message: str) -> None:
+    """Exit 1 with ``message`` as the one line, nothing on stdout, and after
+    the half second asked for (and a second of start-up), not the default ten."""
+    code, stdout, stderr, took = outcome
+    assert (code, stderr.splitlines(), stdout) == (1, [message], "")
+    assert took < 5
+
+
 def test_a_held_write_lock_refuses_a_command_after_the_bounded_wait(db_url: str) -> None:
     Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url}).add(model_spec("m"), by="setup")
     rows = count_events(db_url)
@@ -217,15 +225,11 @@ def test_a_held_write_lock_refuses_a_command_after_the_bounded_wait(db_url: str)
         code, stdout, stderr, _ = catalog_es(db_url, "--json", "model", "list")
         assert (code, stderr) == (0, "")
         assert [m["name"] for m in json.loads(stdout)] == ["m"]
-        code, stdout, stderr, took = catalog_es(db_url, "model", "scale", "m", "--max", "3")
-        assert code == 1
-        assert stderr.splitlines() == [
+        refused_as_busy(
+            catalog_es(db_url, "model", "scale", "m", "--max", "3"),
             "error: the database stayed locked by another writer for 0.5 s; "
-            "nothing was written, try again"
-        ]
-        assert stdout == ""
-        # The half second asked for (and a second of start-up), not the default ten.
-        assert took < 5
+            "nothing was written, try again",
+        )
     assert count_events(db_url) == rows
     code, _, stderr, _ = catalog_es(db_url, "model", "scale", "m", "--max", "3")
     assert (code, stderr) == (0, "")
@@ -240,16 +244,14 @@ def test_a_locked_file_not_yet_in_wal_mode_is_reported_busy(tmp_path: Path) -> N
     holder.execute("CREATE TABLE theirs (a)")
     holder.execute("BEGIN EXCLUSIVE")
     try:
-        code, stdout, stderr, took = catalog_es(f"sqlite:///{path}", "model", "list")
+        outcome = catalog_es(f"sqlite:///{path}", "model", "list")
     finally:
         holder.execute("ROLLBACK")
-    assert code == 1
-    assert stderr.splitlines() == [
+    refused_as_busy(
+        outcome,
         "error: the database stayed locked by another process for 0.5 s, before it could "
-        "be put in WAL mode; nothing was read or written, try again"
-    ]
-    assert stdout == ""
-    assert took < 5
+        "be put in WAL mode; nothing was read or written, try again",
+    )
     assert holder.execute("PRAGMA journal_mode").fetchone() == ("delete",)
     tables = holder.execute("SELECT name FROM sqlite_master WHERE type = 'table'").fetchall()
     assert tables == [("theirs",)]

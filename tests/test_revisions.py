@@ -330,13 +330,19 @@ def test_a_rollback_that_would_break_a_fallback_is_refused_and_writes_nothing(
     assert "fallbacks: names 'b'" in kept["refusal"]
 
 
+def scaled_after_adding(open_models: Callable[..., Models]) -> tuple[Models, int]:
+    """Model ``a`` added, then scaled: and the revision between the two."""
+    models = open_models()
+    models.add(spec("a"), by="x")
+    added = models.revision
+    models.scale("a", 2, 5, by="y")
+    return models, added
+
+
 def test_a_refused_rollback_of_the_whole_catalog_is_kept_but_not_a_dry_runs(
     open_models: Callable[..., Models], db_url: str
 ) -> None:
-    models = open_models()
-    models.add(spec("a"), by="x")
-    stale = models.revision
-    models.scale("a", 2, 5, by="y")
+    models, stale = scaled_after_adding(open_models)
     rows = count_events(db_url)
     with pytest.raises(RevisionConflict):
         models.rollback(1, only="scaling", dry_run=True, expected_revision=stale, by="ops")
@@ -372,10 +378,7 @@ def test_a_refused_name_is_kept_as_text_can_hold_it(
 def test_rollback_dry_run_and_rollback_to_now_write_nothing(
     open_models: Callable[..., Models], db_url: str
 ) -> None:
-    models = open_models()
-    models.add(spec("a"), by="x")
-    target = models.revision
-    models.scale("a", 2, 5, by="y")
+    models, target = scaled_after_adding(open_models)
     rows = count_events(db_url)
     dry = models.rollback(target, dry_run=True, by="ops")
     assert not dry["written"]
