@@ -142,19 +142,30 @@ class _StrictLoader(
         yaml.resolver.Resolver.__init__(self)
 
 
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
 def _mapping(loader: _StrictLoader, node: yaml.MappingNode) -> dict[Any, Any]:
+    # Merged keys (``<<: *shared``) come first once flattened, and the
+    # mapping's own keys override them, as YAML has it: only a key written
+    # twice in the mapping itself is a duplicate.
+    own = sum(1 for key_node, _ in node.value if key_node.tag != _MERGE_TAG)
     loader.flatten_mapping(node)
+    first_own = len(node.value) - own
     result: dict[Any, Any] = {}
-    for key_node, value_node in node.value:
+    own_keys: set[Any] = set()
+    for position, (key_node, value_node) in enumerate(node.value):
         key = loader.construct_object(key_node, deep=True)
         if not isinstance(key, str | int | float | bool) and key is not None:
             raise yaml.constructor.ConstructorError(
                 None, None, "a mapping key must be a plain value", key_node.start_mark
             )
-        if key in result:
-            raise yaml.constructor.ConstructorError(
-                None, None, f"duplicate key {shown(key)}", key_node.start_mark
-            )
+        if position >= first_own:
+            if key in own_keys:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {shown(key)}", key_node.start_mark
+                )
+            own_keys.add(key)
         result[key] = loader.construct_object(value_node, deep=True)
     return result
 
@@ -169,11 +180,15 @@ _StrictLoader.add_constructor(  # type: ignore[type-var]  # the stubs know only 
 # the recursion limit. (PyYAML's own scanner also slowed with the square of
 # the depth of ``[[[…``: half a second for a few kilobytes of it.)
 MAX_DEPTH = 64
+# No list in runtime input is longer than an apply's list of changes may be:
+# a longer one is refused as it is read, not after gigabytes of it are built
+# (60 MB of "- remove: a" took 214 s and 7 GB before its count was checked).
+MAX_ITEMS = 100_000
 
 
 class _InputLoader(_StrictLoader):
     """For runtime input: no aliases either, so nothing can expand into a bomb,
-    and no deeper than ``MAX_DEPTH``."""
+    no deeper than ``MAX_DEPTH`` and no list longer than ``MAX_ITEMS``."""
 
     def __init__(self, stream: str) -> None:
         super().__init__(stream)
@@ -184,6 +199,8 @@ class _InputLoader(_StrictLoader):
             self._refuse("aliases (*name) are not accepted in a model definition")
         if self._depth >= MAX_DEPTH:
             self._refuse(f"nested too deeply (more than {MAX_DEPTH} levels)")
+        if isinstance(index, int) and index >= MAX_ITEMS:  # an item of a list
+            self._refuse(f"a list of more than {MAX_ITEMS} items")
         self._depth += 1
         try:
             return super().compose_node(parent, index)
@@ -245,6 +262,8 @@ def parse_document(
     if untrusted and len(text.encode("utf-8", "surrogatepass")) > limit:
         raise InputError(f"{where}: larger than {limit // 1024} KiB")
     loader = _InputLoader if untrusted else _StrictLoader
+    # A byte order mark says nothing about the format: JSON with one is JSON.
+    text = text.removeprefix("\ufeff")
     stripped = text.lstrip()
     try:
         if stripped[:1] in ("{", "["):
@@ -451,7 +470,7 @@ def _step(kind: str, value: Any) -> commands.Step:
 
 
 CHANGE_KINDS = ("add", "remove", "scale", "resources", "class", "owner", "adapters", "source")
-MAX_CHANGES = 100_000
+MAX_CHANGES = MAX_ITEMS
 MAX_CHANGES_BYTES = 64 * MAX_INPUT_BYTES
 
 

@@ -473,3 +473,34 @@ def test_text_that_is_only_unusual_is_printed_as_it_is(run: Run, write: Any) -> 
     config = write("declared.yaml", config_yaml(spec("declared", source=source)).encode())
     assert source in ok(run("--config", config, "model", "show", "declared")).stdout
     assert source in ok(run("--config", config, "model", "show", "declared", "--json")).stdout
+
+
+# -- reading input --------------------------------------------------------------------
+
+
+def test_a_declared_config_merges_a_shared_definition_and_overrides_keys(
+    run: Run, write: Any
+) -> None:
+    # YAML's merge key: the mapping's own keys win over the merged ones; a key
+    # written twice in one mapping is still a duplicate.
+    config = write(
+        "declared.yaml",
+        b"models:\n"
+        b'  - &base {name: d1, engine: vllm, source: "hf://o/d1", profiles: [{name: g, gpus: 1}]}\n'
+        b"  - <<: *base\n"
+        b"    name: d2\n"
+        b"    source: hf://o/d2\n",
+    )
+    listed = json.loads(ok(run("--config", config, "model", "list", "--json")).stdout)
+    assert [(m["name"], m["source"]) for m in listed] == [("d1", "hf://o/d1"), ("d2", "hf://o/d2")]
+    twice = write("twice.yaml", b"models:\n  - {name: d1, name: d2, engine: vllm}\n")
+    assert "duplicate key 'name'" in refused_in_one_line(run("--config", twice, "model", "list"))
+
+
+def test_json_with_a_byte_order_mark_is_read_as_json(run: Run, write: Any) -> None:
+    # A surrogate pair escape is JSON's way to write an emoji; YAML has none.
+    document = json.dumps(definition("m", source="hf://o/\ud83d\ude00")).encode()
+    assert b"\\ud83d" in document
+    ok(run("model", "add", write("m.json", b"\xef\xbb\xbf" + document)))
+    shown = json.loads(ok(run("model", "show", "m", "--json")).stdout)
+    assert shown["source"] == "hf://o/\U0001f600"

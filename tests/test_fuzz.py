@@ -705,6 +705,18 @@ def test_a_long_apply_is_all_or_nothing_and_too_long_a_one_is_refused(harness: H
     assert outcome.code == 1 and f"more than {MAX_CHANGES} changes" in outcome.stderr
 
 
+def test_a_yaml_list_too_long_is_refused_as_it_is_read(harness: Harness) -> None:
+    # 24 MB of changes, twenty times too many: refused at the one past the
+    # limit, not after all of them are built (that took minutes and gigabytes).
+    far_too_many = b"- remove: m\n" * (20 * MAX_CHANGES)
+    started = time.process_time()
+    outcome = harness.run(["apply", "-"], far_too_many, timed=False)
+    took = time.process_time() - started
+    assert outcome.code == 1
+    assert f"a list of more than {MAX_CHANGES} items (line {MAX_CHANGES + 1}," in outcome.stderr
+    assert took < 15, f"took {took:.1f} s"
+
+
 def test_a_config_with_an_alias_bomb_is_refused_quickly(harness: Harness, tmp_path: Path) -> None:
     """The declared config may use aliases (it is reviewed), but a bomb in it
     must not expand: the service refuses to start on it, quickly."""
