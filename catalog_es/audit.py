@@ -167,7 +167,7 @@ class AuditTrail:
             "event": event,
             "refusal": _kept(str(refusal), MAX_KEPT_REFUSAL),
             "reason": reason,
-            "fields": msgspec.to_builtins(fields),
+            "fields": _kept_fields(fields),
         }
         try:
             with self.store.engine.begin() as conn:
@@ -197,6 +197,8 @@ def _rows(answer: bytes) -> list[dict[str, Any]]:
 # tell who tried what, and never a megabyte.
 MAX_KEPT_NAME = 256
 MAX_KEPT_REFUSAL = 2000
+# A refused add's fields are a kilobyte or two; an apply file can send 60 MB.
+MAX_KEPT_FIELDS = 64 * 1024
 
 
 def _kept(text: str, limit: int) -> str:
@@ -204,6 +206,15 @@ def _kept(text: str, limit: int) -> str:
     cannot hold one; filters match it the same way), cut at ``limit``."""
     text = filter_text(text) or ""
     return text if len(text) <= limit else f"{text[:limit]}…"
+
+
+def _kept_fields(fields: dict[str, Any]) -> Any:
+    """The refused command's fields, or what became of them when too large to keep."""
+    data = msgspec.to_builtins(fields)
+    size = len(msgspec.json.encode(data))
+    if size <= MAX_KEPT_FIELDS:
+        return data
+    return {"omitted": f"{size} bytes of fields; at most {MAX_KEPT_FIELDS} are kept"}
 
 
 def _stored_names(event_class: type[Model.Event], fields: dict[str, Any]) -> dict[str, Any]:

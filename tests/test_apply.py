@@ -163,6 +163,17 @@ def test_a_refused_apply_is_kept_apart_naming_the_change_that_could_not_go(
     assert count_events(db_url) == rows
 
 
+def test_a_refused_changes_fields_are_kept_only_up_to_a_size(db_url: str, tmp_path: Path) -> None:
+    # An apply file may be 64 MiB: its refused change is recorded, not copied whole.
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
+    models.apply_changes(read_changes(write(tmp_path, CHANGES)), by="ops")
+    huge = f"- owner: {{name: a, owner: team:{'x' * 200_000}}}\n"
+    with pytest.raises(Refused):
+        models.apply_changes(read_changes(write(tmp_path, huge)), by="mallory")
+    (refusal,) = models.refusals()
+    assert refusal["fields"] == {"omitted": "200017 bytes of fields; at most 65536 are kept"}
+
+
 def test_a_batch_continues_each_stream_at_its_own_next_version(db_url: str) -> None:
     """Streams of different lengths, one never written: every stream in the log
     stays numbered 1, 2, 3… with no gap and no repeat."""
