@@ -420,6 +420,8 @@ class Models(AuditTrail, Application[UUID]):
         declared name, a stale ``expected_revision``, an invalid catalog) is
         refused before the pre-add check probes the weights, which can be slow.
         The write decides again: the log may move in between."""
+        if not self.pre_add_check.probes:
+            return
         self._write(
             plan,
             by=by,
