@@ -196,7 +196,7 @@ class _InputLoader(_StrictLoader):
 
     def compose_node(self, parent: Any, index: Any) -> Any:
         if self.check_event(yaml.events.AliasEvent):
-            self._refuse("aliases (*name) are not accepted in a model definition")
+            self._refuse("aliases (*name) are not accepted in a definition or a list of changes")
         if self._depth >= MAX_DEPTH:
             self._refuse(f"nested too deeply (more than {MAX_DEPTH} levels)")
         if isinstance(index, int) and index >= MAX_ITEMS:  # an item of a list
