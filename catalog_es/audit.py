@@ -19,7 +19,7 @@ import sqlalchemy as sa
 
 from catalog_es.chain import check_chain
 from catalog_es.collector import collector_paused
-from catalog_es.errors import InputError, ModelNotFound, Refused, StorageBusy
+from catalog_es.errors import InputError, ModelNotFound, Refused, StorageBusy, cut_short
 from catalog_es.inputs import DeclaredConfig, zoned
 from catalog_es.model import Model, utc_now
 from catalog_es.persistence import SQLRecorder, refusals_table
@@ -204,8 +204,7 @@ MAX_KEPT_FIELDS = 64 * 1024
 def _kept(text: str, limit: int) -> str:
     """``text`` as a refusal's column can keep it: no NUL (PostgreSQL's text
     cannot hold one; filters match it the same way), cut at ``limit``."""
-    text = filter_text(text) or ""
-    return text if len(text) <= limit else f"{text[:limit]}…"
+    return cut_short(filter_text(text) or "", limit)
 
 
 def _kept_fields(fields: dict[str, Any]) -> Any:

@@ -12,7 +12,11 @@ NAME_SHOWN_LENGTH = 130
 def shown(value: object, limit: int = SHOWN_LENGTH) -> str:
     """``repr(value)`` cut short: a message quotes what it refuses, on one line
     (``repr`` escapes line breaks), and never a megabyte of it."""
-    text = repr(value)
+    return cut_short(repr(value), limit)
+
+
+def cut_short(text: str, limit: int) -> str:
+    """``text``, or its first ``limit`` characters and an ellipsis."""
     return text if len(text) <= limit else f"{text[:limit]}…"
 
 

@@ -23,7 +23,7 @@ from yaml._yaml import CParser
 
 from catalog_es import commands
 from catalog_es.configuration import DeclaredConfig as DeclaredConfig  # re-exported
-from catalog_es.errors import SHOWN_LENGTH, ConfigError, InputError, Refused, shown
+from catalog_es.errors import SHOWN_LENGTH, ConfigError, InputError, Refused, cut_short, shown
 from catalog_es.model import EVENT_TYPES
 from catalog_es.spec import DEFAULT_ENGINES, Adapter, ModelSpec, Origin
 
@@ -101,10 +101,8 @@ def _problem(error: Any) -> str:
     if error["type"] == "missing":
         return "required field is missing"
     value = error.get("input")
-    shown = repr(value) if not isinstance(value, dict | list) else type(value).__name__
-    if len(shown) > 40:
-        shown = shown[:40] + "…"
-    return f"{error['msg']} (got {shown})"
+    got = repr(value) if not isinstance(value, dict | list) else type(value).__name__
+    return f"{error['msg']} (got {cut_short(got, 40)})"
 
 
 def describe(error: ValidationError, prefix: tuple[int | str, ...] = ()) -> str:
