@@ -334,11 +334,11 @@ class Weights:
     ) -> dict[str, Any]:
         """Move a runtime model to a commit of its repository (a commit id or a
         branch; default: where ``main`` points), fetched and verified first."""
-        asked = {"revision": revision or DEFAULT_BRANCH}
-        with self.models.refusals_recorded("SourceSet", name, by, reason, asked):
+        ref = revision or DEFAULT_BRANCH
+        with self.models.refusals_recorded("SourceSet", name, by, reason, {"revision": ref}):
             spec = self._movable(name, by=by, reason=reason, expected_revision=expected_revision)
             repository = self._repository(spec)
-            commit = self.registry.resolve(repository, revision or DEFAULT_BRANCH)
+            commit = self.registry.resolve(repository, ref)
             target = Origin(
                 repository=repository,
                 revision=commit,
