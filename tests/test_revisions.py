@@ -617,9 +617,11 @@ def test_a_time_without_a_zone_is_refused_rather_than_guessed(
         lambda: models.refusals(until=naive),
         lambda: models.rollback(naive, by="ops"),
     ]
+    rows = count_events(db_url)
     for read in reads:
         with pytest.raises(InputError, match="has no time zone"):
             read()
+    assert count_events(db_url) == rows
     assert models.refusals() == []
     # The same time with its zone reads the catalog before "a" was added.
     assert "a" not in [m["name"] for m in models.list_models(at=naive.replace(tzinfo=UTC))]
