@@ -110,6 +110,7 @@ tracking_table = sa.Table(
 
 
 SYNC_ENV = "CATALOG_ES_SQLITE_SYNC"
+WAL_CHECKPOINT_PAGES = 4000
 
 
 def lock_wait_seconds() -> float:
@@ -180,6 +181,13 @@ def create_engine(url: str) -> Engine:
             cursor = dbapi_connection.cursor()
             _into_wal(cursor, wait)
             cursor.execute(f"PRAGMA synchronous={synchronous}")
+            # Each stream's versions sit at a random place in the stream index, so
+            # a batch of a thousand changes dirties about a thousand index pages:
+            # at SQLite's default (a checkpoint once the WAL holds 1,000 pages)
+            # every such batch also paid a checkpoint, copying and syncing them
+            # into the file. At 4,000 pages (16 MB) the pages a run of batches
+            # rewrites are copied once per run.
+            cursor.execute(f"PRAGMA wal_autocheckpoint={WAL_CHECKPOINT_PAGES}")
             cursor.close()
 
         @sa.event.listens_for(engine, "begin")

@@ -28,7 +28,12 @@ from catalog_es.application import Models
 from catalog_es.cli import cli
 from catalog_es.errors import RevisionConflict
 from catalog_es.inputs import DeclaredConfig
-from catalog_es.persistence import LOCK_WAIT_ENV, SYNC_ENV
+from catalog_es.persistence import (
+    LOCK_WAIT_ENV,
+    SYNC_ENV,
+    WAL_CHECKPOINT_PAGES,
+    create_engine,
+)
 from tests.helpers import count_events, model_data, model_spec
 
 
@@ -256,6 +261,29 @@ def test_a_locked_file_not_yet_in_wal_mode_is_reported_busy(tmp_path: Path) -> N
     tables = holder.execute("SELECT name FROM sqlite_master WHERE type = 'table'").fetchall()
     assert tables == [("theirs",)]
     holder.close()
+
+
+@pytest.mark.parametrize(("sync", "level"), [(None, 2), ("NORMAL", 1), ("full", 2)])
+def test_every_connection_to_a_file_keeps_the_settings_the_log_relies_on(
+    sync: str | None, level: int, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # FULL unless told otherwise (a command reported as written survives a power
+    # cut), and checkpoints rare enough that a batch of a thousand changes does
+    # not pay for one (it dirties about a thousand pages of the stream index).
+    if sync is not None:
+        monkeypatch.setenv(SYNC_ENV, sync)
+    engine = create_engine(f"sqlite:///{tmp_path}/c.db")
+    try:
+        for _ in range(2):  # the pool's first connection, then a new one beside it
+            with engine.connect() as conn, engine.connect() as other:
+                for c in (conn, other):
+                    settings = [
+                        c.exec_driver_sql(f"PRAGMA {name}").scalar()
+                        for name in ("journal_mode", "synchronous", "wal_autocheckpoint")
+                    ]
+                    assert settings == ["wal", level, WAL_CHECKPOINT_PAGES]
+    finally:
+        engine.dispose()
 
 
 LOCK_WAIT_REFUSAL = "must be a number of seconds above 0 and at most 3600, not {!r}"
