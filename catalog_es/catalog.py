@@ -210,6 +210,10 @@ class Catalog:
         change: Model.Event = event  # type: ignore[assignment]  # every other kind is
         name = change.model
         aggregate = self.aggregates.get(name) or Model.new(name)
+        # The first event's string from here on, the key of both dicts: the next
+        # lookup matches it by identity, and the aggregate no longer holds each
+        # event's own copy of the name, to be freed, cold, by the next event.
+        name = aggregate.name
         expected_id = self._ids.get(name)
         if expected_id is None:
             expected_id = self._ids[name] = aggregate.id.int
