@@ -65,12 +65,12 @@ def _check_memory(event: Model.Event, new: ModelSpec) -> None:
     # everywhere as far as placement can tell, however many of it there already
     # are. Required of what is added or resized now; models stored before the
     # rule, and declared ones, still load and say what they are missing.
-    if isinstance(event, Model.Added):
-        touched = new.missing_memory()
-    elif isinstance(event, Model.ResourcesSet):
+    if "resources" not in event.touches:
+        return
+    if isinstance(event, Model.ResourcesSet):
         touched = [p for p in new.missing_memory() if not event.profile or p == event.profile]
     else:
-        return
+        touched = new.missing_memory()
     if touched:
         raise InvalidModel(
             new.name,
@@ -85,9 +85,10 @@ def _check_sources(event: Model.Event, new: ModelSpec) -> None:
     # escape, a bidi override) reaches loaders, logs and terminals as it is,
     # or shows as what it is not. Required of the sources a change sets now;
     # models stored before the rule, and declared ones, still load.
-    if isinstance(event, Model.Added | Model.SourceSet):
+    touches = event.touches
+    if "source" in touches:
         _check_printable(new.name, "source", new.source)
-    if isinstance(event, Model.Added | Model.AdaptersSet):
+    if "adapters" in touches:
         for i, adapter in enumerate(new.adapters):
             _check_printable(new.name, f"adapters[{i}].source", adapter.source)
 
