@@ -49,7 +49,7 @@ def decide(catalog: Catalog, event: Model.Event) -> ModelSpec | None:
         raise DeclaredInConfig(declared_refusal(event))
     current = catalog.aggregate(name).spec
     if isinstance(event, Model.Removed) and current is None and not catalog.was_skipped(name):
-        raise ModelNotFound(name, "was not added at runtime")
+        raise ModelNotFound(name)
     new = event.evolve(current)
     catalog.check(name, new, event.touches)
     if new is not None and event.rollback_to is None:

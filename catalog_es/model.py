@@ -104,7 +104,7 @@ class Model(msgspec.Struct, frozen=True, gc=False):
         def evolve(self, current: ModelSpec | None) -> ModelSpec | None:
             """The definition after this event, given the one before it."""
             if current is None:
-                raise ModelNotFound(self.model, "was not added at runtime")
+                raise ModelNotFound(self.model)
             return self.change(current)
 
         def change(self, current: ModelSpec) -> ModelSpec:

@@ -321,7 +321,11 @@ def test_a_bad_definition_on_standard_input_is_refused(
     [
         pytest.param(["model", "add", "missing.yaml"], "missing.yaml: No such file", id="no-file"),
         pytest.param(["model", "add", "."], "Is a directory", id="directory"),
-        pytest.param(["model", "remove", "ghost"], "'ghost' was not added", id="remove-unknown"),
+        pytest.param(
+            ["model", "remove", "ghost"],
+            "error: model 'ghost' is not in the catalog",
+            id="remove-unknown",
+        ),
         pytest.param(["model", "remove", "declared"], "remove it there", id="remove-declared"),
         pytest.param(
             ["model", "scale", "declared", "--max", "2"], "change its scaling there", id="d"
@@ -349,6 +353,11 @@ def test_a_bad_definition_on_standard_input_is_refused(
             ["model", "source", "m", "s3://w", "--file", "w.bin=nothex"], "sha256", id="sha"
         ),
         pytest.param(["model", "show", TEN_KB_NAME[:200]], "is not in the catalog", id="show"),
+        pytest.param(
+            ["model", "scale", "nope", "--max", "2"],
+            "error: model 'nope' is not in the catalog",
+            id="scale-absent",
+        ),
         pytest.param(["--by", "x" * 200, "model", "remove", "m"], "actor", id="long-actor"),
     ],
 )

@@ -127,7 +127,7 @@ def test_remove_then_re_add_continues_the_same_stream() -> None:
     ],
 )
 def test_a_removed_model_cannot_be_changed(command: Model.Event) -> None:
-    with pytest.raises(ModelNotFound, match="'a' was not added at runtime"):
+    with pytest.raises(ModelNotFound, match="'a' is not in the catalog"):
         when(given(added(spec("a")), removed("a")), command)
 
 

@@ -159,7 +159,7 @@ POISONS = [
         "a time past the end of what UTC holds, in an offset of its own",
         "p-late",
         "Scaled",
-        r"^model 'p-late' was not added at runtime",
+        r"^model 'p-late' is not in the catalog",
         lambda p, _: p.plant(
             Model.Scaled,
             "p-late",

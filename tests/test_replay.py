@@ -273,12 +273,12 @@ def test_a_skipped_model_can_be_removed(make_models: MakeModels, db_url: str) ->
     (engine_gone,) = [p for p in POISONS if p.id == "engine-gone"]
     models, _, config_now = _poisoned_log(make_models, db_url, [engine_gone])
     models.remove(engine_gone.victim.name, by=ACTOR)
-    with pytest.raises(ModelNotFound, match="was not added at runtime"):
+    with pytest.raises(ModelNotFound, match="is not in the catalog"):
         models.remove(engine_gone.victim.name, by=ACTOR)  # healed: once is enough
     reopened = make_models(config_now)
     assert engine_gone.victim.name not in _names(reopened)
     # Removed for good: the engine coming back does not bring the model back.
     restored = make_models(config_yaml(KEPT, ANCHOR))
     assert engine_gone.victim.name not in _names(restored)
-    with pytest.raises(ModelNotFound, match="was not added at runtime"):
+    with pytest.raises(ModelNotFound, match="is not in the catalog"):
         restored.remove(engine_gone.victim.name, by=ACTOR)
