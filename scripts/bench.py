@@ -350,7 +350,7 @@ def command_figures(url: str, path: Path | None, models_n: int, commands: int) -
 
     for i in range(batch):
         steps.append(c.scale(names[i % len(names)], 1, 2 + i % 3))
-    rounds = 5
+    rounds = 20
     seconds, _ = timed(lambda: [models.apply_changes(steps, by="bench") for _ in range(rounds)])
     raw_many = raw_executemany_rate(path.with_suffix(".many"), batch) if path else None
     figures.append(
