@@ -111,6 +111,7 @@ tracking_table = sa.Table(
 
 SYNC_ENV = "CATALOG_ES_SQLITE_SYNC"
 WAL_CHECKPOINT_PAGES = 4000
+WRITER_CACHE_KIB = 16 * 1024
 
 
 def lock_wait_seconds() -> float:
@@ -247,6 +248,15 @@ class SQLRecorder(ProcessRecorder):
             if self._writer is None:
                 self._writer = self.engine.connect()
                 self._writer.execution_options(catalog_write=True)
+                if self.dialect == "sqlite":
+                    # A batch reads the stream index at one random place per model
+                    # it changes, then inserts there: with SQLite's 2 MB cache a
+                    # large log's pages were read from the file again by the
+                    # insert and by the next batch. Only this connection: readers
+                    # pass over pages once.
+                    cursor = self._writer.connection.cursor()
+                    cursor.execute(f"PRAGMA cache_size = -{WRITER_CACHE_KIB}")
+                    cursor.close()
                 self._writer_pid = os.getpid()
             self._writer_used = time.monotonic()
             try:

@@ -32,6 +32,8 @@ from catalog_es.persistence import (
     LOCK_WAIT_ENV,
     SYNC_ENV,
     WAL_CHECKPOINT_PAGES,
+    WRITER_CACHE_KIB,
+    SQLRecorder,
     create_engine,
 )
 from tests.helpers import count_events, model_data, model_spec
@@ -269,7 +271,8 @@ def test_every_connection_to_a_file_keeps_the_settings_the_log_relies_on(
 ) -> None:
     # FULL unless told otherwise (a command reported as written survives a power
     # cut), and checkpoints rare enough that a batch of a thousand changes does
-    # not pay for one (it dirties about a thousand pages of the stream index).
+    # not pay for one (it dirties about a thousand pages of the stream index);
+    # the one connection commands write through caches 16 MB of pages.
     if sync is not None:
         monkeypatch.setenv(SYNC_ENV, sync)
     engine = create_engine(f"sqlite:///{tmp_path}/c.db")
@@ -282,6 +285,11 @@ def test_every_connection_to_a_file_keeps_the_settings_the_log_relies_on(
                         for name in ("journal_mode", "synchronous", "wal_autocheckpoint")
                     ]
                     assert settings == ["wal", level, WAL_CHECKPOINT_PAGES]
+        recorder = SQLRecorder(engine)
+        with recorder.write() as writer, recorder.read() as reader:
+            assert writer.exec_driver_sql("PRAGMA cache_size").scalar() == -WRITER_CACHE_KIB
+            assert reader.exec_driver_sql("PRAGMA cache_size").scalar() != -WRITER_CACHE_KIB
+        recorder.close()
     finally:
         engine.dispose()
 
