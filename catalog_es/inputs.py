@@ -286,10 +286,23 @@ def parse_document(
         at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
         raise InputError(f"{where}: not valid YAML: {problem}{at}") from None
     except (ValueError, RecursionError) as error:
-        problem = "nested too deeply" if isinstance(error, RecursionError) else str(error)
+        problem = "nested too deeply" if isinstance(error, RecursionError) else _worded(error)
         raise InputError(f"{where}: {problem}") from None
     _refuse_surrogates(data, where)
     return data
+
+
+# Python's own refusal of a huge number names the call that lifts its limit,
+# which is no advice for someone writing a file.
+_TOO_MANY_DIGITS = re.compile(r"Exceeds the limit \((\d+) digits\).*value has (\d+) digits")
+
+
+def _worded(error: ValueError) -> str:
+    found = _TOO_MANY_DIGITS.search(str(error))
+    if found is None:
+        return str(error)
+    limit, digits = found.groups()
+    return f"holds a number of {digits} digits; a number may have at most {limit}"
 
 
 def read_text(path: str, limit: int = MAX_INPUT_BYTES) -> tuple[str, str]:

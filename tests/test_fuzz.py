@@ -634,6 +634,15 @@ NASTY = {
         good(profiles=[{"name": "g", "gpus": 10**30}]),
         "profiles[0].gpus: is larger than 2^63 - 1",
     ),
+    # Python refuses to read it and names the call that would lift its limit.
+    "a 5,000-digit JSON number": (
+        b'{"name": "m", "scaling": {"max": ' + b"9" * 5000 + b"}}",
+        "holds a number of 5000 digits; a number may have at most 4300",
+    ),
+    "a 5,000-digit YAML number": (
+        b"name: m\nscaling: {max: " + b"9" * 5000 + b"}\n",
+        "holds a number of 5000 digits; a number may have at most 4300",
+    ),
     "a megabyte engine name": (good(engine="e" * 1_000_000), "is not a known engine"),
     "a python tag": (
         b"!!python/object/apply:os.system [echo]\n",
