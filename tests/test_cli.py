@@ -374,6 +374,19 @@ def test_a_bad_config_file_is_refused_in_one_line_naming_it(run: Run, write: Any
     assert config in line and "'x'" in line and "profiles" in line
 
 
+def test_a_config_count_yaml_versions_read_differently_is_refused(run: Run, write: Any) -> None:
+    # YAML 1.1 reads 010 as eight: a reviewer reads ten.
+    config = write(
+        "octal.yaml",
+        b"models: [{name: x, engine: vllm, source: hf://o/x, profiles: [{name: g, gpus: 010}]}]\n",
+    )
+    line = refused_in_one_line(run("--config", config, "model", "list"))
+    assert line == (
+        f"error: {config}: not valid YAML: '010' has a leading zero, which YAML 1.1 reads as "
+        "octal: write the number in decimal (line 1, column 79)"
+    )
+
+
 def test_a_missing_config_file_is_refused_in_one_line(run: Run) -> None:
     line = refused_in_one_line(run("--config", "absent.yaml", "model", "list"))
     assert "absent.yaml: cannot read the config" in line

@@ -643,6 +643,15 @@ NASTY = {
         b"name: m\nscaling: {max: " + b"9" * 5000 + b"}\n",
         "holds a number of 5000 digits; a number may have at most 4300",
     ),
+    # YAML 1.1 reads these as 8 and 90, where a reviewer reads 10 and text.
+    "a YAML count with a leading zero": (
+        b"name: m\nengine: vllm\nsource: hf://o/m\nprofiles: [{name: g, gpus: 010}]\n",
+        "'010' has a leading zero, which YAML 1.1 reads as octal",
+    ),
+    "a YAML base-60 count": (
+        b"name: m\nscaling: {max: 1:30}\n",
+        "'1:30' is a base-60 number in YAML 1.1 (1:30 is 90)",
+    ),
     "a megabyte engine name": (good(engine="e" * 1_000_000), "is not a known engine"),
     "a python tag": (
         b"!!python/object/apply:os.system [echo]\n",
