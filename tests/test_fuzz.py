@@ -723,6 +723,19 @@ def test_a_long_apply_is_all_or_nothing_and_too_long_a_one_is_refused(harness: H
     assert outcome.code == 1 and f"more than {MAX_CHANGES} changes" in outcome.stderr
 
 
+def test_a_json_list_too_long_is_counted_before_it_is_parsed(harness: Harness) -> None:
+    # 34 MB of changes, twenty times too many: parsing them all (duplicate keys
+    # refused, so in Python) took seconds and gigabytes only for the count to
+    # refuse them.
+    far_too_many = b"[" + b",".join([b'{"remove": "m"}'] * (20 * MAX_CHANGES)) + b"]"
+    started = time.process_time()
+    outcome = harness.run(["apply", "-"], far_too_many, timed=False)
+    took = time.process_time() - started
+    assert outcome.code == 1
+    assert f"more than {MAX_CHANGES} changes in one apply" in outcome.stderr
+    assert took < 1.5, f"took {took:.1f} s"
+
+
 def test_a_yaml_list_too_long_is_refused_as_it_is_read(harness: Harness) -> None:
     # 24 MB of changes, twenty times too many: refused at the one past the
     # limit, not after all of them are built (that took minutes and gigabytes).

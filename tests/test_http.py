@@ -21,6 +21,7 @@ from click.testing import CliRunner
 from catalog_es.application import Models
 from catalog_es.cli import cli
 from catalog_es.errors import StorageBusy
+from catalog_es.inputs import MAX_CHANGES
 from catalog_es.web.app import create_app
 from catalog_es.web.tokens import TokenStore
 from tests.helpers import config_yaml, count_events, definition, spec
@@ -262,6 +263,10 @@ def test_bad_bodies_are_422_with_the_clis_message_and_write_nothing(
     assert refused(api.post("/models/base/scale", [1]), 422).startswith("request body: ")
     assert refused(api.post("/apply", []), 422) == (
         "request body: expected a non-empty list of changes"
+    )
+    too_many = {"changes": [{"remove": "qwen"}] * (MAX_CHANGES + 1)}
+    assert refused(api.post("/apply", too_many), 422) == (
+        f"request body: more than {MAX_CHANGES} changes in one apply"
     )
     assert refused(api.post("/rollback", {"to": "yesterday"}, role="admin"), 422) == (
         "'yesterday' is neither a revision nor an ISO 8601 time"

@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable, Mapping
 from datetime import datetime
 from importlib.metadata import version
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Protocol, TypeVar
 
 import msgspec
 from fastapi import APIRouter, Depends, FastAPI, Header, Query, Request
@@ -52,6 +52,7 @@ from catalog_es.inputs import (
     event_type,
     is_whole_number,
     model_from_data,
+    parse_changes,
     parse_document,
     revision_or_time,
     utc_time,
@@ -188,7 +189,11 @@ At = Annotated[int | datetime | None, Depends(at_value)]
 # -- bodies ------------------------------------------------------------------------
 
 
-def document(limit: int) -> Callable[..., Any]:
+class _Parser(Protocol):
+    def __call__(self, text: str, where: str, *, limit: int) -> Any: ...
+
+
+def document(limit: int, parse: _Parser) -> Callable[..., Any]:
     """A dependency: the request body, JSON or YAML, parsed as the CLI parses a file."""
 
     async def parsed(request: Request) -> Any:
@@ -203,13 +208,13 @@ def document(limit: int) -> Callable[..., Any]:
             text = raw.decode("utf-8")
         except UnicodeDecodeError:
             raise InputError(f"{BODY}: not UTF-8 text") from None
-        return parse_document(text, BODY, limit=limit)
+        return parse(text, BODY, limit=limit)
 
     return parsed
 
 
-Document = Annotated[Any, Depends(document(MAX_INPUT_BYTES))]
-Changes = Annotated[Any, Depends(document(MAX_CHANGES_BYTES))]
+Document = Annotated[Any, Depends(document(MAX_INPUT_BYTES, parse_document))]
+Changes = Annotated[Any, Depends(document(MAX_CHANGES_BYTES, parse_changes))]
 
 
 Fields = TypeVar("Fields", bound=BaseModel)
