@@ -244,7 +244,7 @@ class SQLRecorder(ProcessRecorder):
                     self._writer.exec_driver_sql("SELECT 1")
                     self._writer.rollback()
                 except sa.exc.SQLAlchemyError:
-                    self._writer = None
+                    self._discard_writer()
             if self._writer is None:
                 self._writer = self.engine.connect()
                 self._writer.execution_options(catalog_write=True)
@@ -262,16 +262,24 @@ class SQLRecorder(ProcessRecorder):
             try:
                 yield self._writer
             except sa.exc.SQLAlchemyError:
-                writer, self._writer = self._writer, None
-                with suppress(sa.exc.SQLAlchemyError):
-                    writer.close()
+                self._discard_writer()
                 raise
+
+    def _discard_writer(self) -> None:
+        """Close the held writer for good, rather than hand it back to the pool
+        that readers take connections from: it may be broken, and it keeps the
+        writer's page cache."""
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            with suppress(sa.exc.SQLAlchemyError):
+                writer.invalidate()
+                writer.close()
 
     def close(self) -> None:
         """Let go of the held write connection."""
         with self._writer_lock:
-            if self._writer is not None and self._writer_pid == os.getpid():
-                self._writer.close()
+            if self._writer_pid == os.getpid():
+                self._discard_writer()
             self._writer = None
 
     def create_tables(self, tables: sa.MetaData = metadata) -> None:

@@ -294,6 +294,25 @@ def test_every_connection_to_a_file_keeps_the_settings_the_log_relies_on(
         engine.dispose()
 
 
+def test_the_writers_page_cache_never_reaches_a_reader(tmp_path: Path) -> None:
+    # The held writer is dropped after a database error, and let go on close:
+    # neither may go back to the pool readers take connections from, 16 MB
+    # caches filling with the pages of every scan.
+    engine = create_engine(f"sqlite:///{tmp_path}/c.db")
+    recorder = SQLRecorder(engine)
+    try:
+        with pytest.raises(sa.exc.OperationalError), recorder.write() as conn:
+            conn.exec_driver_sql("SELECT * FROM no_such_table")
+        with recorder.write() as conn:
+            assert conn.exec_driver_sql("PRAGMA cache_size").scalar() == -WRITER_CACHE_KIB
+        recorder.close()
+        with recorder.read() as a, recorder.read() as b, recorder.read() as c:
+            for reader in (a, b, c):
+                assert reader.exec_driver_sql("PRAGMA cache_size").scalar() != -WRITER_CACHE_KIB
+    finally:
+        engine.dispose()
+
+
 LOCK_WAIT_REFUSAL = "must be a number of seconds above 0 and at most 3600, not {!r}"
 
 
