@@ -13,6 +13,7 @@ import re
 import sys
 from collections.abc import Sequence
 from datetime import UTC, date, datetime
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -140,6 +141,12 @@ class _StrictLoader(
         yaml.resolver.Resolver.__init__(self)
 
 
+class _NotAccepted(yaml.MarkedYAMLError):
+    """YAML that parses, refused by what this reader takes (a duplicate key, a
+    number two YAML versions read differently, an alias in runtime input):
+    said as it is, and never as a JSON error, though the text looked like JSON."""
+
+
 _MERGE_TAG = "tag:yaml.org,2002:merge"
 
 
@@ -155,14 +162,12 @@ def _mapping(loader: _StrictLoader, node: yaml.MappingNode) -> dict[Any, Any]:
     for position, (key_node, value_node) in enumerate(node.value):
         key = loader.construct_object(key_node, deep=True)
         if not isinstance(key, str | int | float | bool) and key is not None:
-            raise yaml.constructor.ConstructorError(
+            raise _NotAccepted(
                 None, None, "a mapping key must be a plain value", key_node.start_mark
             )
         if position >= first_own:
             if key in own_keys:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key {shown(key)}", key_node.start_mark
-                )
+                raise _NotAccepted(None, None, f"duplicate key {shown(key)}", key_node.start_mark)
             own_keys.add(key)
         result[key] = loader.construct_object(value_node, deep=True)
     return result
@@ -171,28 +176,40 @@ def _mapping(loader: _StrictLoader, node: yaml.MappingNode) -> dict[Any, Any]:
 # YAML 1.1, which PyYAML reads, takes 010 for eight (octal) and 1:30 for
 # ninety (base 60), where YAML 1.2 and a reviewer take 010 for ten and 1:30 for
 # text: eight GPUs read from a file that says ten look right to everyone.
-# Neither reading is guessed; the number is refused, saying how to write it.
-_AMBIGUOUS_NUMBERS = (
-    (
-        re.compile(r"[-+]?0[0-7_]+"),
-        "has a leading zero, which YAML 1.1 reads as octal: write the number in decimal",
-    ),
-    (
-        re.compile(r"[-+]?[1-9][0-9_]*(:[0-5]?[0-9])+"),
-        "is a base-60 number in YAML 1.1 (1:30 is 90): write a number in decimal, or quote text",
-    ),
-)
+# Neither reading is guessed; such a number is refused, saying how to write it.
+_OCTAL = re.compile(r"[-+]?0[0-7_]+")
+_BASE_60 = re.compile(r"[-+]?[1-9][0-9_]*(:[0-5]?[0-9])+")
+_WRITE_IT = "write a number in decimal, or quote text"
 
 
 def _int(loader: _StrictLoader, node: yaml.ScalarNode) -> int:
     text = loader.construct_scalar(node)
-    for pattern, reading in _AMBIGUOUS_NUMBERS:
-        if pattern.fullmatch(text):
-            raise yaml.constructor.ConstructorError(
-                None, None, f"{shown(text)} {reading}", node.start_mark
-            )
+    digits = text.replace("_", "").lstrip("+-")
+    problem = None
+    if _OCTAL.fullmatch(text) and int(digits, 8) != int(digits, 10):
+        problem = (
+            f"has a leading zero, which YAML 1.1 reads as octal ({digits} is {int(digits, 8)})"
+        )
+    elif _BASE_60.fullmatch(text):
+        problem = "is a base-60 number in YAML 1.1 (1:30 is 90)"
+    if problem is not None:
+        raise _NotAccepted(None, None, f"{shown(text)} {problem}: {_WRITE_IT}", node.start_mark)
     value: int = loader.construct_yaml_int(node)
+    # Hexadecimal and binary are read at any length, and such a number could
+    # not be printed, nor quoted back in a refusal.
+    limit = sys.get_int_max_str_digits()
+    if limit and abs(value) >= _smallest_too_long(limit):
+        raise _NotAccepted(
+            None, None, f"{shown(text)} is a number of more than {limit} digits", node.start_mark
+        )
     return value
+
+
+@lru_cache(maxsize=4)
+def _smallest_too_long(limit: int) -> int:
+    """The smallest number of more than ``limit`` digits."""
+    smallest: int = 10**limit
+    return smallest
 
 
 _StrictLoader.add_constructor(  # type: ignore[type-var]  # the stubs know only PyYAML's loaders
@@ -235,7 +252,7 @@ class _InputLoader(_StrictLoader):
 
     def _refuse(self, problem: str) -> NoReturn:
         mark = getattr(self.peek_event(), "start_mark", None)
-        raise yaml.composer.ComposerError(None, None, problem, mark)
+        raise _NotAccepted(None, None, problem, mark)
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -300,6 +317,8 @@ def parse_document(
             except json.JSONDecodeError as not_json:
                 try:
                     data = _load(text, loader)
+                except _NotAccepted:
+                    raise
                 except yaml.YAMLError:
                     raise not_json from None
         else:
@@ -312,7 +331,8 @@ def parse_document(
         mark = getattr(error, "problem_mark", None)
         problem = getattr(error, "problem", None) or str(error).splitlines()[0]
         at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
-        raise InputError(f"{where}: not valid YAML: {problem}{at}") from None
+        said = "" if isinstance(error, _NotAccepted) else "not valid YAML: "
+        raise InputError(f"{where}: {said}{problem}{at}") from None
     except (ValueError, RecursionError) as error:
         problem = "nested too deeply" if isinstance(error, RecursionError) else _worded(error)
         raise InputError(f"{where}: {problem}") from None
@@ -330,7 +350,7 @@ def _worded(error: ValueError) -> str:
     if found is None:
         return str(error)
     limit, digits = found.groups()
-    return f"holds a number of {digits} digits; a number may have at most {limit}"
+    return f"holds a number of {digits} digits; a number may have at most {limit} digits"
 
 
 def read_text(path: str, limit: int = MAX_INPUT_BYTES) -> tuple[str, str]:

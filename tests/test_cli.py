@@ -374,7 +374,7 @@ def test_a_bad_config_file_is_refused_in_one_line_naming_it(run: Run, write: Any
     assert config in line and "'x'" in line and "profiles" in line
 
 
-def test_a_config_count_yaml_versions_read_differently_is_refused(run: Run, write: Any) -> None:
+def test_a_config_number_yaml_versions_read_differently_is_refused(run: Run, write: Any) -> None:
     # YAML 1.1 reads 010 as eight: a reviewer reads ten.
     config = write(
         "octal.yaml",
@@ -382,9 +382,20 @@ def test_a_config_count_yaml_versions_read_differently_is_refused(run: Run, writ
     )
     line = refused_in_one_line(run("--config", config, "model", "list"))
     assert line == (
-        f"error: {config}: not valid YAML: '010' has a leading zero, which YAML 1.1 reads as "
-        "octal: write the number in decimal (line 1, column 79)"
+        f"error: {config}: '010' has a leading zero, which YAML 1.1 reads as octal (010 is 8): "
+        "write a number in decimal, or quote text (line 1, column 79)"
     )
+
+
+def test_a_leading_zero_both_yaml_versions_read_alike_is_a_number(run: Run, write: Any) -> None:
+    definition = write(
+        "zeros.yaml",
+        b"name: z\nengine: vllm\nsource: hf://o/z\nprofiles: [{name: g, gpus: 01}]\n"
+        b"scaling: {min: 00, max: 07}\n",
+    )
+    ok(run("model", "add", definition))
+    shown = json.loads(ok(run("--json", "model", "show", "z")).stdout)
+    assert (shown["profiles"][0]["gpus"], shown["scaling"]) == (1, {"min": 0, "max": 7})
 
 
 def test_a_missing_config_file_is_refused_in_one_line(run: Run) -> None:

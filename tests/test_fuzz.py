@@ -648,6 +648,14 @@ NASTY = {
         b"name: m\nengine: vllm\nsource: hf://o/m\nprofiles: [{name: g, gpus: 010}]\n",
         "'010' has a leading zero, which YAML 1.1 reads as octal",
     ),
+    "a leading zero in JSON (read as YAML flow style)": (
+        good(profiles=[{"name": "g", "gpus": 1}]).replace(b'"gpus": 1', b'"gpus": 010'),
+        "'010' has a leading zero, which YAML 1.1 reads as octal (010 is 8)",
+    ),
+    "a 5,000-digit YAML hexadecimal number": (
+        b"name: m\nscaling: {max: 0x" + b"f" * 5000 + b"}\n",
+        "is a number of more than 4300 digits (line 2, column 16)",
+    ),
     "a YAML base-60 count": (
         b"name: m\nscaling: {max: 1:30}\n",
         "'1:30' is a base-60 number in YAML 1.1 (1:30 is 90)",
