@@ -589,10 +589,16 @@ def changes_from_data(data: Any, where: str) -> list[commands.Step]:
 # -- revisions and times (``--at``, ``?at=``) ----------------------------------------
 
 
+# A revision or a count is a 64-bit integer: nineteen digits at most. (Past
+# 4,300 digits, Python will not even read a number.)
+_MAX_DIGITS = len(str(2**63 - 1))
+
+
 def is_whole_number(text: str) -> bool:
-    """ASCII digits only: ``str.isdigit`` also takes superscripts and circled
-    digits, which ``int`` then refuses with a ValueError."""
-    return text.isascii() and text.isdigit()
+    """ASCII digits only, no more than a revision or a count has: ``str.isdigit``
+    also takes superscripts and circled digits, which ``int`` then refuses with
+    a ValueError."""
+    return text.isascii() and text.isdigit() and len(text.lstrip("0")) <= _MAX_DIGITS
 
 
 def revision_or_time(text: str) -> int | datetime:
@@ -601,6 +607,8 @@ def revision_or_time(text: str) -> int | datetime:
     text = text.strip()
     if is_whole_number(text):
         return int(text)
+    if text.isascii() and text.isdigit():
+        raise InputError(f"{shown(text)} is past any revision a log can hold (2^63 - 1)")
     try:
         moment = datetime.fromisoformat(text)
     except ValueError:

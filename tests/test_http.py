@@ -278,6 +278,13 @@ def test_bad_bodies_are_422_with_the_clis_message_and_write_nothing(
     assert refused(api.get("/models", params={"at": "²"}), 422) == (
         "'²' is neither a revision nor an ISO 8601 time"
     )
+    # Past 4,300 digits Python will not read a number at all.
+    assert refused(api.get("/models", params={"at": "9" * 5000}), 422).endswith(
+        "… is past any revision a log can hold (2^63 - 1)"
+    )
+    assert refused(api.post("/models/qwen/scale", {"max": 2}, **{"If-Match": "9" * 5000}), 422) == (
+        f"If-Match {'9' * 40!r}: not a revision (e.g. If-Match: 12)"
+    )
     assert count_events(api.db) == before
 
 
