@@ -328,16 +328,27 @@ def parse_document(
             f"{where}: not valid JSON: {error.msg} (line {error.lineno}, column {error.colno})"
         ) from None
     except yaml.YAMLError as error:
-        mark = getattr(error, "problem_mark", None)
-        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
-        at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
         said = "" if isinstance(error, _NotAccepted) else "not valid YAML: "
-        raise InputError(f"{where}: {said}{problem}{at}") from None
+        raise InputError(f"{where}: {said}{_yaml_problem(error)}") from None
     except (ValueError, RecursionError) as error:
         problem = "nested too deeply" if isinstance(error, RecursionError) else _worded(error)
         raise InputError(f"{where}: {problem}") from None
     _refuse_surrogates(data, where)
     return data
+
+
+def _yaml_problem(error: yaml.YAMLError) -> str:
+    """What went wrong and where, on one line: libyaml says some of it as a
+    context (``expected a single document in the stream``) and the rest as
+    the problem (``but found another document``), each with its own place."""
+    if not isinstance(error, yaml.MarkedYAMLError):
+        return str(error).splitlines()[0]
+    parts = []
+    for text, mark in ((error.context, error.context_mark), (error.problem, error.problem_mark)):
+        if text:
+            at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+            parts.append(f"{text}{at}")
+    return ", ".join(parts) or str(error).splitlines()[0]
 
 
 # Python's own refusal of a huge number names the call that lifts its limit,

@@ -214,6 +214,19 @@ def _profile(**fields: Any) -> list[dict[str, Any]]:
 
 BAD_FILES = [
     pytest.param(b"name: [unclosed\nengine: vllm\n", "not valid YAML", id="malformed-yaml"),
+    # libyaml says half of these as a context, each half with its own place.
+    pytest.param(
+        b"name: a\n---\nname: b\n",
+        "not valid YAML: expected a single document in the stream (line 1, column 1), "
+        "but found another document (line 2, column 1)",
+        id="two-documents",
+    ),
+    pytest.param(
+        b"name: &n a\nowner: &n b\n",
+        "found duplicate anchor 'n'; first occurrence (line 1, column 7), "
+        "second occurrence (line 2, column 8)",
+        id="anchor-twice",
+    ),
     pytest.param(b'{"name": "new", "engine": ', "not valid JSON", id="malformed-json"),
     pytest.param(as_yaml(_with(colour="red")), "colour: unknown field", id="unknown-field"),
     pytest.param(
