@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from catalog_es.application import Models
-from catalog_es.errors import ConfigError, InputError
-from catalog_es.inputs import is_whole_number, load_config
+from catalog_es.errors import ConfigError, InputError, shown
+from catalog_es.inputs import load_config, whole_number
 from catalog_es.persistence import DEFAULT_URL
 from catalog_es.ports import Applier, PreAddCheck
 from catalog_es.registry import MirrorRegistry
@@ -81,9 +81,10 @@ def snapshot_interval() -> int:
     text = os.environ.get(SNAPSHOT_ENV)
     if text is None:
         return DEFAULT_INTERVAL
-    if not is_whole_number(text.strip()) or int(text) < 1:
-        raise ConfigError(f"{SNAPSHOT_ENV} must be a whole number of revisions, not {text!r}")
-    return int(text)
+    interval = whole_number(text.strip())
+    if interval is None or interval < 1:
+        raise ConfigError(f"{SNAPSHOT_ENV} must be a whole number of revisions, not {shown(text)}")
+    return interval
 
 
 def open_weights(models: Models, mirror: str | None = None, weights: str | None = None) -> Weights:

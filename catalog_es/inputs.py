@@ -194,14 +194,24 @@ def _int(loader: _StrictLoader, node: yaml.ScalarNode) -> int:
         problem = "is a base-60 number in YAML 1.1 (1:30 is 90)"
     if problem is not None:
         raise _NotAccepted(None, None, f"{shown(text)} {problem}: {_WRITE_IT}", node.start_mark)
-    value: int = loader.construct_yaml_int(node)
+    limit = sys.get_int_max_str_digits()
+    too_long = f"{shown(text)} is a number of more than {limit} digits"
+    try:
+        # ASCII only: int() reads any script's digits (an explicit !!int "١٢").
+        if not text.isascii():
+            raise ValueError(text)
+        value: int = loader.construct_yaml_int(node)
+    except (ValueError, IndexError) as error:  # !!int "", !!int abc: PyYAML's own
+        said = (
+            too_long
+            if _TOO_MANY_DIGITS.search(str(error))
+            else f"{shown(text)} is not a whole number"
+        )
+        raise _NotAccepted(None, None, said, node.start_mark) from None
     # Hexadecimal and binary are read at any length, and such a number could
     # not be printed, nor quoted back in a refusal.
-    limit = sys.get_int_max_str_digits()
     if limit and abs(value) >= _smallest_too_long(limit):
-        raise _NotAccepted(
-            None, None, f"{shown(text)} is a number of more than {limit} digits", node.start_mark
-        )
+        raise _NotAccepted(None, None, too_long, node.start_mark)
     return value
 
 
@@ -600,24 +610,31 @@ def changes_from_data(data: Any, where: str) -> list[commands.Step]:
 # -- revisions and times (``--at``, ``?at=``) ----------------------------------------
 
 
-# A revision or a count is a 64-bit integer: nineteen digits at most. (Past
-# 4,300 digits, Python will not even read a number.)
-_MAX_DIGITS = len(str(2**63 - 1))
+# A revision or a count is a 64-bit integer, which is what the databases hold.
+MAX_REVISION = 2**63 - 1
+_MAX_DIGITS = len(str(MAX_REVISION))
 
 
-def is_whole_number(text: str) -> bool:
-    """ASCII digits only, no more than a revision or a count has: ``str.isdigit``
-    also takes superscripts and circled digits, which ``int`` then refuses with
-    a ValueError."""
-    return text.isascii() and text.isdigit() and len(text.lstrip("0")) <= _MAX_DIGITS
+def whole_number(text: str) -> int | None:
+    """``text`` as a revision or a count, or ``None`` if it is not one: ASCII
+    digits only (``str.isdigit`` also takes superscripts and circled digits),
+    leading zeros aside no more than a 64-bit integer has. (Python reads no
+    number of more than 4,300 digits, leading zeros counted.)"""
+    if not (text.isascii() and text.isdigit()):
+        return None
+    significant = text.lstrip("0")
+    if len(significant) > _MAX_DIGITS:
+        return None
+    return int(significant or "0")
 
 
 def revision_or_time(text: str) -> int | datetime:
     """A log revision (``1234``) or a UTC time (``2026-11-30T12:00:00Z``). A
     time without a zone is refused rather than guessed."""
     text = text.strip()
-    if is_whole_number(text):
-        return int(text)
+    revision = whole_number(text)
+    if revision is not None:
+        return revision
     if text.isascii() and text.isdigit():
         raise InputError(f"{shown(text)} is past any revision a log can hold (2^63 - 1)")
     try:
@@ -626,7 +643,7 @@ def revision_or_time(text: str) -> int | datetime:
         raise InputError(f"{text[:40]!r} is neither a revision nor an ISO 8601 time") from None
     if moment.tzinfo is None:
         raise InputError(f"{text[:40]!r} has no time zone: give UTC, e.g. {text[:40]}Z")
-    return moment.astimezone(UTC)
+    return in_utc(moment, repr(text[:40]))
 
 
 def zoned(moment: datetime, what: str = "time") -> datetime:
@@ -658,12 +675,16 @@ def utc_time(text: str, option: str) -> datetime:
             f"{option} {text!r}: not a UTC time; write it like 2026-11-30T12:00:00Z "
             "(or give a date, or another offset)"
         )
+    return in_utc(moment, f"{option} {text!r}")
+
+
+def in_utc(moment: datetime, said: str) -> datetime:
+    """``moment`` in UTC; ``said``: how the caller wrote it, for the refusal of a
+    time near an end of the calendar whose offset takes it past that end."""
     try:
         return moment.astimezone(UTC)
     except OverflowError:
-        raise InputError(
-            f"{option} {text!r}: outside the times UTC can hold (years 1 to 9999)"
-        ) from None
+        raise InputError(f"{said}: outside the times UTC can hold (years 1 to 9999)") from None
 
 
 _EVENT_NAMES = {cls.__name__.lower(): cls.__name__ for cls in EVENT_TYPES}

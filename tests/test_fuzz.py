@@ -641,7 +641,13 @@ NASTY = {
     ),
     "a 5,000-digit YAML number": (
         b"name: m\nscaling: {max: " + b"9" * 5000 + b"}\n",
-        "holds a number of 5000 digits; a number may have at most 4300",
+        "… is a number of more than 4300 digits (line 2, column 16)",
+    ),
+    "an empty YAML !!int": (b'name: m\nscaling: {max: !!int ""}\n', "'' is not a whole number"),
+    # int() reads any script's digits: these would have been 12 replicas.
+    "Arabic-Indic digits as a YAML !!int": (
+        'name: m\nscaling: {max: !!int "١٢"}\n'.encode(),
+        "'١٢' is not a whole number (line 2, column 16)",
     ),
     # YAML 1.1 reads these as 8 and 90, where a reviewer reads 10 and text.
     "a YAML count with a leading zero": (

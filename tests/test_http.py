@@ -282,10 +282,25 @@ def test_bad_bodies_are_422_with_the_clis_message_and_write_nothing(
     assert refused(api.get("/models", params={"at": "9" * 5000}), 422).endswith(
         "… is past any revision a log can hold (2^63 - 1)"
     )
+    assert refused(api.get("/log", params={"after": str(2**63)}), 422).startswith("query.after: ")
+    assert refused(api.get("/models", params={"at": "0001-01-01T00:00:00+01:00"}), 422) == (
+        "'0001-01-01T00:00:00+01:00': outside the times UTC can hold (years 1 to 9999)"
+    )
     assert refused(api.post("/models/qwen/scale", {"max": 2}, **{"If-Match": "9" * 5000}), 422) == (
         f"If-Match {'9' * 40!r}: not a revision (e.g. If-Match: 12)"
     )
     assert count_events(api.db) == before
+
+
+def test_a_revision_written_with_thousands_of_leading_zeros_is_that_revision(api: Api) -> None:
+    # Python reads no number of more than 4,300 digits, leading zeros counted.
+    head = ok(api.post("/models", definition("qwen")))["revision"]
+    zeros = "0" * 5000
+    assert ok(api.get("/models", params={"at": f"{zeros}{head}"})) == ok(
+        api.get("/models", params={"at": str(head)})
+    )
+    scaled = ok(api.post("/models/qwen/scale", {"max": 2}, **{"If-Match": f'"{zeros}{head}"'}))
+    assert scaled["revision"] == head + 1
 
 
 def test_not_found_is_404(api: Api) -> None:

@@ -14,7 +14,16 @@ from typing import Any, Unpack
 
 import click
 
-from catalog_es.cli.base import F, Settings, cli, emit, pass_settings, shared_options, table
+from catalog_es.cli.base import (
+    COUNT,
+    F,
+    Settings,
+    cli,
+    emit,
+    pass_settings,
+    shared_options,
+    table,
+)
 from catalog_es.inputs import event_type, utc_time
 from projections.audit import Filters
 
@@ -47,9 +56,7 @@ def audit_filters(f: F) -> F:
         click.option(
             "--until", metavar="TIME", callback=_time_option, help="Before this UTC time."
         ),
-        click.option(
-            "--limit", type=click.IntRange(min=1), metavar="N", help="Only the N most recent."
-        ),
+        click.option("--limit", type=COUNT, metavar="N", help="Only the N most recent."),
     ]
     for option in reversed(options):
         f = option(f)

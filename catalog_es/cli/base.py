@@ -23,7 +23,12 @@ from rich.table import Table
 from catalog_es import bootstrap
 from catalog_es.application import CommandResult, Models
 from catalog_es.errors import ConfigError, InputError, Refused
-from catalog_es.inputs import revision_or_time
+from catalog_es.inputs import MAX_REVISION, revision_or_time
+
+# Revisions and counts, as the options that take them read them: no more than
+# the 64-bit columns they are compared with hold.
+REVISION = click.IntRange(0, MAX_REVISION)
+COUNT = click.IntRange(1, MAX_REVISION)
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -87,7 +92,7 @@ def shared_options(f: F) -> F:
         ),
         click.option(
             "--expected-revision",
-            type=click.IntRange(min=0),
+            type=REVISION,
             metavar="REV",
             expose_value=False,
             callback=_set("expected_revision"),

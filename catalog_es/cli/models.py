@@ -10,6 +10,8 @@ from typing import Any
 import click
 
 from catalog_es.cli.base import (
+    COUNT,
+    REVISION,
     REVISION_OR_TIME,
     Settings,
     cli,
@@ -241,12 +243,12 @@ def sources(settings: Settings) -> None:
 @click.option("--model", "model_name", metavar="NAME", help="Only this model's events.")
 @click.option(
     "--after",
-    type=click.IntRange(min=0),
+    type=REVISION,
     default=0,
     metavar="REV",
     help="Only events after this revision.",
 )
-@click.option("--limit", type=click.IntRange(min=1), metavar="N", help="At most N events.")
+@click.option("--limit", type=COUNT, metavar="N", help="At most N events.")
 @shared_options
 @pass_settings
 def log_command(settings: Settings, model_name: str | None, after: int, limit: int | None) -> None:

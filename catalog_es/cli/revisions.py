@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from catalog_es.cli.base import (
+    REVISION,
     REVISION_OR_TIME,
     Settings,
     cli,
@@ -113,7 +114,7 @@ def rollback_command(
 @click.option(
     "--from",
     "after",
-    type=click.IntRange(min=0),
+    type=REVISION,
     default=0,
     metavar="REV",
     help="Deliver every change after this revision first (default: all).",

@@ -33,6 +33,7 @@ from catalog_es.errors import InputError, ModelNotFound, Refused, RevisionConfli
 from catalog_es.inputs import (
     MAX_CHANGES_BYTES,
     MAX_INPUT_BYTES,
+    MAX_REVISION,
     AdaptersChange,
     AdaptersFields,
     ClassChange,
@@ -50,12 +51,12 @@ from catalog_es.inputs import (
     describe,
     describe_problems,
     event_type,
-    is_whole_number,
     model_from_data,
     parse_changes,
     parse_document,
     revision_or_time,
     utc_time,
+    whole_number,
 )
 from catalog_es.web.events import event_stream
 from catalog_es.web.tokens import Caller, Role, TokenStore
@@ -160,10 +161,10 @@ def expected_revision(
 ) -> int | None:
     if if_match is None or if_match.strip() == "*":
         return None
-    text = if_match.strip().removeprefix("W/").strip('"')
-    if not is_whole_number(text):
+    revision = whole_number(if_match.strip().removeprefix("W/").strip('"'))
+    if revision is None:
         raise InputError(f"If-Match {if_match[:40]!r}: not a revision (e.g. If-Match: 12)")
-    return int(text)
+    return revision
 
 
 ExpectedRevision = Annotated[int | None, Depends(expected_revision)]
@@ -482,8 +483,12 @@ def sources(caller: Reader, models: Service) -> Response:
 def log_events(
     caller: Reader,
     models: Service,
-    after: Annotated[int, Query(ge=0, description="Only events after this revision.")] = 0,
-    limit: Annotated[int | None, Query(ge=1, description="At most this many.")] = None,
+    after: Annotated[
+        int, Query(ge=0, le=MAX_REVISION, description="Only events after this revision.")
+    ] = 0,
+    limit: Annotated[
+        int | None, Query(ge=1, le=MAX_REVISION, description="At most this many.")
+    ] = None,
     model: Annotated[str | None, Query(description="Only this model's events.")] = None,
 ) -> Response:
     """The stored events with their revisions, oldest first (`log --json`, as a list)."""
@@ -507,15 +512,17 @@ def watch(
     caller: Reader,
     models: Service,
     after: Annotated[
-        int | None, Query(alias="from", ge=0, description="Every change after this revision.")
+        int | None,
+        Query(alias="from", ge=0, le=MAX_REVISION, description="Every change after this revision."),
     ] = None,
     last_event_id: Annotated[str | None, Header(include_in_schema=False)] = None,
 ) -> Response:
     """Every change after a revision, in order, then live, as server-sent
     events: `id` is the revision, `data` the event as `watch --json` prints it.
     A reconnecting EventSource resumes after its Last-Event-ID."""
-    if last_event_id is not None and is_whole_number(last_event_id.strip()):
-        after = int(last_event_id)
+    resumed = whole_number(last_event_id.strip()) if last_event_id is not None else None
+    if resumed is not None:
+        after = resumed
     return event_stream(models.watch(after or 0), request.app.state.closing)
 
 
@@ -532,7 +539,9 @@ def audit_filters(
         str | None, Query(description="From this UTC time (or date) on, inclusive.")
     ] = None,
     until: Annotated[str | None, Query(description="Before this UTC time (or date).")] = None,
-    limit: Annotated[int | None, Query(ge=1, description="Only the most recent N.")] = None,
+    limit: Annotated[
+        int | None, Query(ge=1, le=MAX_REVISION, description="Only the most recent N.")
+    ] = None,
 ) -> Filters:
     """The filters of ``catalog-es audit`` and ``refusals``, read as they read them."""
     return Filters(
