@@ -240,6 +240,12 @@ BAD_FILES = [
         id="unknown-field-with-a-line-break",
     ),
     pytest.param(as_json(_with(**{"k" * 10_240: 1})), "['kkkk", id="10kb-unknown-field"),
+    # Checked up to the first bad item, not into 100,000 error records.
+    pytest.param(
+        as_json(_with(profiles=[{"gpus": "x"}] * 50_000)),
+        "profiles[0].name: required field is missing (and 1 more problem)",
+        id="50000-bad-profiles",
+    ),
     pytest.param(
         as_json(_with(**{"profiles[0].gpus": 1})),
         "['profiles[0].gpus']: unknown field",
