@@ -649,7 +649,9 @@ def revision_or_time(text: str) -> int | datetime:
     except ValueError:
         raise InputError(f"{text[:40]!r} is neither a revision nor an ISO 8601 time") from None
     if moment.tzinfo is None:
-        raise InputError(f"{text[:40]!r} has no time zone: give UTC, e.g. {text[:40]}Z")
+        # A date alone is read as its midnight: the example must say that time.
+        example = text[:40] if "T" in text[:40] or " " in text[:40] else f"{text[:40]}T00:00:00"
+        raise InputError(f"{text[:40]!r} has no time zone: give UTC, e.g. {example}Z")
     return in_utc(moment, repr(text[:40]))
 
 

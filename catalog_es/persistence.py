@@ -43,7 +43,7 @@ from eventsourcing.utils import Environment
 from sqlalchemy.engine import Connection, Engine
 
 from catalog_es.chain import GENESIS, ChainHead, ChainRow, link
-from catalog_es.errors import ConfigError, StorageBusy
+from catalog_es.errors import ConfigError, StorageBusy, shown
 
 DEFAULT_URL = "sqlite:///catalog.db"
 # PostgreSQL's NOTIFY channel for new events.
@@ -127,7 +127,8 @@ def lock_wait_seconds() -> float:
     # Written so that NaN fails too; an hour is already far past any useful wait.
     if not 0 < seconds <= 3600:
         raise ConfigError(
-            f"{LOCK_WAIT_ENV} must be a number of seconds above 0 and at most 3600, not {text!r}"
+            f"{LOCK_WAIT_ENV} must be a number of seconds above 0 and at most 3600, "
+            f"not {shown(text)}"
         )
     return seconds
 

@@ -24,7 +24,7 @@ from catalog_es.application import Models
 from catalog_es.catalog import Catalog
 from catalog_es.cli import cli
 from catalog_es.errors import InputError, Refused, RevisionConflict
-from catalog_es.inputs import load_config
+from catalog_es.inputs import load_config, revision_or_time
 from catalog_es.model import Model, model_id
 from projections.catalog import catch_up
 from projections.snapshots import snapshots_table
@@ -625,3 +625,21 @@ def test_a_time_without_a_zone_is_refused_rather_than_guessed(
     assert models.refusals() == []
     # The same time with its zone reads the catalog before "a" was added.
     assert "a" not in [m["name"] for m in models.list_models(at=naive.replace(tzinfo=UTC))]
+
+
+@pytest.mark.parametrize(
+    ("written", "example"),
+    [
+        ("2026-01-01T10:00", "2026-01-01T10:00Z"),
+        ("2026-01-01 10:00", "2026-01-01 10:00Z"),
+        # A date alone: its example must name a time, or it too is refused.
+        ("2026-01-01", "2026-01-01T00:00:00Z"),
+    ],
+)
+def test_a_time_without_a_zone_is_refused_with_an_example_that_reads(
+    written: str, example: str
+) -> None:
+    with pytest.raises(InputError) as refusal:
+        revision_or_time(written)
+    assert str(refusal.value) == f"{written!r} has no time zone: give UTC, e.g. {example}"
+    assert revision_or_time(example) == datetime.fromisoformat(example).astimezone(UTC)
