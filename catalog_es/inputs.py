@@ -591,7 +591,12 @@ def parse_changes(text: str, where: str, *, limit: int = MAX_CHANGES_BYTES) -> A
 
 def changes_from_data(data: Any, where: str) -> list[commands.Step]:
     """``read_changes`` on data already parsed (an HTTP request body)."""
-    if isinstance(data, dict) and set(data) == {"changes"}:
+    if isinstance(data, dict) and "changes" in data:
+        others = sorted(map(str, set(data) - {"changes"}))
+        if others:
+            raise InputError(
+                f"{where}: {shown(others[0])} beside 'changes': the list of changes comes alone"
+            )
         data = data["changes"]
     if not isinstance(data, list) or not data:
         raise InputError(f"{where}: expected a non-empty list of changes")

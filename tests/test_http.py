@@ -264,6 +264,9 @@ def test_bad_bodies_are_422_with_the_clis_message_and_write_nothing(
     assert refused(api.post("/apply", []), 422) == (
         "request body: expected a non-empty list of changes"
     )
+    assert refused(api.post("/apply", {"changes": [{"remove": "qwen"}], "dry_run": True}), 422) == (
+        "request body: 'dry_run' beside 'changes': the list of changes comes alone"
+    )
     too_many = {"changes": [{"remove": "qwen"}] * (MAX_CHANGES + 1)}
     assert refused(api.post("/apply", too_many), 422) == (
         f"request body: more than {MAX_CHANGES} changes in one apply"
