@@ -25,7 +25,6 @@ from contextlib import contextmanager, suppress
 from typing import Any
 from uuid import UUID
 
-import psycopg
 import sqlalchemy as sa
 from eventsourcing.persistence import (
     AggregateRecorder,
@@ -723,6 +722,10 @@ class ListenSubscription(ListenNotifySubscription[ApplicationRecorder]):
             self._listen_thread.join()
 
     def _listen(self) -> None:
+        # Imported here, where PostgreSQL is listened to: every command on
+        # SQLite (each CLI run) paid 60 ms for this import before.
+        import psycopg
+
         try:
             with psycopg.connect(self._conninfo, autocommit=True) as conn:
                 conn.execute(f"LISTEN {CHANNEL}")
