@@ -184,33 +184,25 @@ def _mapping(loader: _StrictLoader, node: yaml.MappingNode) -> dict[Any, Any]:
 # ninety (base 60), where YAML 1.2 and a reviewer take 010 for ten and 1:30 for
 # text: eight GPUs read from a file that says ten look right to everyone.
 # Neither reading is guessed; such a number is refused, saying how to write it.
-_OCTAL = re.compile(r"[-+]?0[0-7_]+")
+_LEADING_ZERO = re.compile(r"[-+]?0[0-9_]+")
 _BASE_60 = re.compile(r"[-+]?[1-9][0-9_]*(:[0-5]?[0-9])+")
 _WRITE_IT = "write a number in decimal, or quote text"
 
 
 def _int(loader: _StrictLoader, node: yaml.ScalarNode) -> int:
     text = loader.construct_scalar(node)
-    digits = text.replace("_", "").lstrip("+-")
-    problem = None
-    if _OCTAL.fullmatch(text) and int(digits, 8) != int(digits, 10):
-        problem = (
-            f"has a leading zero, which YAML 1.1 reads as octal ({digits} is {int(digits, 8)})"
-        )
-    elif _BASE_60.fullmatch(text):
-        problem = "is a base-60 number in YAML 1.1 (1:30 is 90)"
-    if problem is not None:
-        raise _NotAccepted(None, None, f"{shown(text)} {problem}: {_WRITE_IT}", node.start_mark)
     limit = sys.get_int_max_str_digits()
-    too_long = f"{shown(text)} is a number of more than {limit} digits"
     try:
         # ASCII only: int() reads any script's digits (an explicit !!int "١٢").
         if not text.isascii():
             raise ValueError(text)
+        problem = _ambiguity(text)
+        if problem is not None:
+            raise _NotAccepted(None, None, f"{shown(text)} {problem}: {_WRITE_IT}", node.start_mark)
         value: int = loader.construct_yaml_int(node)
     except (ValueError, IndexError) as error:  # !!int "", !!int abc: PyYAML's own
         said = (
-            too_long
+            f"{shown(text)} is a number of more than {limit} digits"
             if _TOO_MANY_DIGITS.search(str(error))
             else f"{shown(text)} is not a whole number"
         )
@@ -218,8 +210,27 @@ def _int(loader: _StrictLoader, node: yaml.ScalarNode) -> int:
     # Hexadecimal and binary are read at any length, and such a number could
     # not be printed, nor quoted back in a refusal.
     if limit and abs(value) >= _smallest_too_long(limit):
-        raise _NotAccepted(None, None, too_long, node.start_mark)
+        raise _NotAccepted(
+            None, None, f"{shown(text)} is a number of more than {limit} digits", node.start_mark
+        )
     return value
+
+
+def _ambiguity(text: str) -> str | None:
+    """How YAML 1.1 reads ``text`` otherwise than YAML 1.2 and a reviewer, if it does."""
+    if _BASE_60.fullmatch(text):
+        return "is a base-60 number in YAML 1.1 (1:30 is 90)"
+    if not _LEADING_ZERO.fullmatch(text):
+        return None
+    digits = text.replace("_", "").lstrip("+-")
+    decimal = int(digits, 10)
+    try:
+        octal = int(digits, 8)
+    except ValueError:  # 08, 09: no octal number, and not the decimal one either
+        return "has a leading zero, which YAML 1.1 reads as octal"
+    if octal == decimal:
+        return None
+    return f"has a leading zero, which YAML 1.1 reads as octal ({digits} is {octal})"
 
 
 @lru_cache(maxsize=4)
@@ -637,7 +648,8 @@ def whole_number(text: str) -> int | None:
     significant = text.lstrip("0")
     if len(significant) > _MAX_DIGITS:
         return None
-    return int(significant or "0")
+    value = int(significant or "0")
+    return value if value <= MAX_REVISION else None
 
 
 def revision_or_time(text: str) -> int | datetime:
@@ -655,9 +667,17 @@ def revision_or_time(text: str) -> int | datetime:
         raise InputError(f"{text[:40]!r} is neither a revision nor an ISO 8601 time") from None
     if moment.tzinfo is None:
         # A date alone is read as its midnight: the example must say that time.
-        example = text[:40] if "T" in text[:40] or " " in text[:40] else f"{text[:40]}T00:00:00"
+        example = f"{text[:40]}T00:00:00" if _is_date(text) else text[:40]
         raise InputError(f"{text[:40]!r} has no time zone: give UTC, e.g. {example}Z")
     return in_utc(moment, repr(text[:40]))
+
+
+def _is_date(text: str) -> bool:
+    try:
+        date.fromisoformat(text)
+    except ValueError:
+        return False
+    return True
 
 
 def zoned(moment: datetime, what: str = "time") -> datetime:

@@ -722,11 +722,11 @@ class ListenSubscription(ListenNotifySubscription[ApplicationRecorder]):
             self._listen_thread.join()
 
     def _listen(self) -> None:
-        # Imported here, where PostgreSQL is listened to: every command on
-        # SQLite (each CLI run) paid 60 ms for this import before.
-        import psycopg
-
         try:
+            # Imported here, where PostgreSQL is listened to: every command on
+            # SQLite (each CLI run) paid 60 ms for this import before.
+            import psycopg
+
             with psycopg.connect(self._conninfo, autocommit=True) as conn:
                 conn.execute(f"LISTEN {CHANNEL}")
                 # Commits between the first pull and LISTEN would go unheard.

@@ -643,6 +643,10 @@ NASTY = {
         b"name: m\nscaling: {max: " + b"9" * 5000 + b"}\n",
         "… is a number of more than 4300 digits (line 2, column 16)",
     ),
+    "a YAML !!int with a leading zero and no octal reading": (
+        b'name: m\nscaling: {max: !!int "08"}\n',
+        "'08' has a leading zero, which YAML 1.1 reads as octal: write a number in decimal",
+    ),
     "an empty YAML !!int": (b'name: m\nscaling: {max: !!int ""}\n', "'' is not a whole number"),
     # int() reads any script's digits: these would have been 12 replicas.
     "Arabic-Indic digits as a YAML !!int": (

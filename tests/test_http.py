@@ -407,6 +407,10 @@ def test_watch_streams_changes_after_a_revision_then_live(api: Api) -> None:
         (resumed,) = _sse_events(stream.iter_lines(), 1)
         assert resumed["revision"] == 4
     assert refused(api.get("/events", params={"from": 99}), 422).startswith("revision 99")
+    long_id = {**headers, "Last-Event-ID": "9" * 25}
+    assert refused(api.client.get("/events", headers=long_id), 422) == (
+        f"Last-Event-ID {'9' * 25!r}: past any revision a log can hold"
+    )
     assert refused(api.client.get("/events"), 401)
 
 

@@ -634,6 +634,7 @@ def test_a_time_without_a_zone_is_refused_rather_than_guessed(
         ("2026-01-01 10:00", "2026-01-01 10:00Z"),
         # A date alone: its example must name a time, or it too is refused.
         ("2026-01-01", "2026-01-01T00:00:00Z"),
+        ("2026-01-01t10:00", "2026-01-01t10:00Z"),
     ],
 )
 def test_a_time_without_a_zone_is_refused_with_an_example_that_reads(
@@ -643,3 +644,11 @@ def test_a_time_without_a_zone_is_refused_with_an_example_that_reads(
         revision_or_time(written)
     assert str(refusal.value) == f"{written!r} has no time zone: give UTC, e.g. {example}"
     assert revision_or_time(example) == datetime.fromisoformat(example).astimezone(UTC)
+
+
+@pytest.mark.parametrize("written", [str(2**63), "9" * 19, "9" * 20, "9" * 5000])
+def test_a_revision_past_what_a_log_can_hold_is_refused_as_such(written: str) -> None:
+    with pytest.raises(InputError, match="is past any revision a log can hold"):
+        revision_or_time(written)
+    assert revision_or_time(str(2**63 - 1)) == 2**63 - 1
+    assert revision_or_time("0" * 5000 + "7") == 7

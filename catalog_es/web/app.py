@@ -29,7 +29,14 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.exceptions import HTTPException
 
 from catalog_es.application import CommandResult, Models
-from catalog_es.errors import InputError, ModelNotFound, Refused, RevisionConflict, StorageBusy
+from catalog_es.errors import (
+    InputError,
+    ModelNotFound,
+    Refused,
+    RevisionConflict,
+    StorageBusy,
+    shown,
+)
 from catalog_es.inputs import (
     MAX_CHANGES_BYTES,
     MAX_INPUT_BYTES,
@@ -520,9 +527,12 @@ def watch(
     """Every change after a revision, in order, then live, as server-sent
     events: `id` is the revision, `data` the event as `watch --json` prints it.
     A reconnecting EventSource resumes after its Last-Event-ID."""
-    resumed = whole_number(last_event_id.strip()) if last_event_id is not None else None
-    if resumed is not None:
-        after = resumed
+    resume = last_event_id.strip() if last_event_id is not None else ""
+    # Digits are a position, if one a log can have; other text names none.
+    if resume.isascii() and resume.isdigit():
+        after = whole_number(resume)
+        if after is None:
+            raise InputError(f"Last-Event-ID {shown(resume)}: past any revision a log can hold")
     return event_stream(models.watch(after or 0), request.app.state.closing)
 
 
