@@ -330,10 +330,13 @@ class SQLRecorder(ProcessRecorder):
             connection = self._writer_connection() if shared else self._own_connection()
             with connection as conn, conn.begin():
                 if self.dialect == "postgresql":
-                    conn.exec_driver_sql(
-                        f"SET LOCAL lock_timeout = '{int(self.lock_wait * 1000)}ms'"
-                    )
-                    conn.exec_driver_sql(postgresql_lock, params)
+                    timeout = f"SET LOCAL lock_timeout = '{int(self.lock_wait * 1000)}ms'"
+                    if params is None:
+                        # One round trip for both, on every command's path.
+                        conn.exec_driver_sql(f"{timeout}; {postgresql_lock}")
+                    else:
+                        conn.exec_driver_sql(timeout)
+                        conn.exec_driver_sql(postgresql_lock, params)
                 yield conn
         except sa.exc.OperationalError as error:
             if _is_busy(error):
