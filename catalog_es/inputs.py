@@ -192,6 +192,7 @@ _WRITE_IT = "write a number in decimal, or quote text"
 def _int(loader: _StrictLoader, node: yaml.ScalarNode) -> int:
     text = loader.construct_scalar(node)
     limit = sys.get_int_max_str_digits()
+    too_long = f"{shown(text)} is a number of more than {limit} digits"
     try:
         # ASCII only: int() reads any script's digits (an explicit !!int "١٢").
         if not text.isascii():
@@ -202,7 +203,7 @@ def _int(loader: _StrictLoader, node: yaml.ScalarNode) -> int:
         value: int = loader.construct_yaml_int(node)
     except (ValueError, IndexError) as error:  # !!int "", !!int abc: PyYAML's own
         said = (
-            f"{shown(text)} is a number of more than {limit} digits"
+            too_long
             if _TOO_MANY_DIGITS.search(str(error))
             else f"{shown(text)} is not a whole number"
         )
@@ -210,9 +211,7 @@ def _int(loader: _StrictLoader, node: yaml.ScalarNode) -> int:
     # Hexadecimal and binary are read at any length, and such a number could
     # not be printed, nor quoted back in a refusal.
     if limit and abs(value) >= _smallest_too_long(limit):
-        raise _NotAccepted(
-            None, None, f"{shown(text)} is a number of more than {limit} digits", node.start_mark
-        )
+        raise _NotAccepted(None, None, too_long, node.start_mark)
     return value
 
 
