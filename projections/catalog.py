@@ -10,6 +10,7 @@ load.
 from __future__ import annotations
 
 from collections.abc import Callable
+from uuid import UUID
 
 from sqlalchemy.engine import Connection
 
@@ -28,16 +29,18 @@ def catch_up(
     conn: Connection,
     *,
     upto: int | None = None,
+    stream: UUID | None = None,
     progress: Progress | None = None,
 ) -> list[Skipped]:
-    """Apply every event after ``catalog.revision`` (up to ``upto``), in order,
-    and return the ones skipped. Each event is applied once: the catalog's
-    revision is its tracking position."""
+    """Apply every event after ``catalog.revision`` (up to ``upto``; of one
+    aggregate's ``stream`` only, when given), in order, and return the ones
+    skipped. Each event is applied once: the catalog's revision is its
+    tracking position."""
     skipped: list[Skipped] = []
     apply = catalog.apply
     last: DomainEvent | None = None
     with collector_paused():
-        for page in recorder.scan(conn, after=catalog.revision, upto=upto):
+        for page in recorder.scan(conn, after=catalog.revision, upto=upto, stream=stream):
             for revision, topic, state in page:
                 try:
                     event = decode_event(topic, state)
