@@ -610,21 +610,15 @@ class Models(AuditTrail, Application[UUID]):
             return pointintime.resolve_revision(conn, head, at)
 
     @contextmanager
-    def _reading(self, at: At = None, *, one: str | None = None) -> Iterator[Catalog]:
+    def _reading(self, at: At = None) -> Iterator[Catalog]:
         """The catalog to read from, for the span of the ``with``: the one in
         force is held under the command lock, because a command in another
-        thread (an HTTP server's) changes it in place; a past one is private.
-        ``one``: only that model is read, so a past catalog need hold no other."""
+        thread (an HTTP server's) changes it in place; a past one is private."""
         if at is None:
             with self._lock:
                 yield self.catalog_at(None)
-        elif one is None:
-            yield self.catalog_at(at)
         else:
-            revision = self.resolve(at)
-            with self.store.read() as conn:
-                past = pointintime.model_at(self.store, conn, self.declared, revision, one)
-            yield past
+            yield self.catalog_at(at)
 
     def catalog_at(self, at: At = None) -> Catalog:
         """The catalog in force now, or at a past revision or time."""
@@ -641,11 +635,19 @@ class Models(AuditTrail, Application[UUID]):
         return model_views(specs, catalog.is_declared)
 
     def get_model(self, name: str, at: At = None) -> dict[str, Any]:
-        with self._reading(at, one=name) as catalog:
-            spec = catalog.get(name)
-            declared = catalog.is_declared(name)
+        where = ""
+        if at is None:
+            with self._reading() as catalog:
+                spec, declared = catalog.get(name), catalog.is_declared(name)
+        else:
+            # One model's past is read from its own events, not the whole catalog's.
+            revision = self.resolve(at)
+            with self.store.read() as conn:
+                spec, declared = pointintime.model_at(
+                    self.store, conn, self.declared, revision, name
+                )
+            where = f" at revision {revision}"
         if spec is None:
-            where = "" if at is None else f" at revision {catalog.revision}"
             raise ModelNotFound(name, f"is not in the catalog{where}")
         return model_view(spec, declared=declared)
 

@@ -501,41 +501,27 @@ class SQLRecorder(ProcessRecorder):
         return value.hex if self.dialect == "sqlite" else value
 
     def scan(
-        self,
-        conn: Connection,
-        after: int = 0,
-        upto: int | None = None,
-        stream: UUID | None = None,
+        self, conn: Connection, after: int = 0, upto: int | None = None
     ) -> Iterator[list[tuple[int, str, bytes]]]:
-        """Pages of ``(revision, topic, state)`` after a revision, in order; of
-        one aggregate's ``stream`` only, when given."""
-        return self._pages(conn, "revision, topic, state", after, upto, stream)
+        """Pages of ``(revision, topic, state)`` after a revision, in order."""
+        return self._pages(conn, "revision, topic, state", after, upto)
 
     def _pages(
-        self,
-        conn: Connection,
-        columns: str,
-        after: int,
-        upto: int | None,
-        stream: UUID | None = None,
+        self, conn: Connection, columns: str, after: int, upto: int | None
     ) -> Iterator[list[Any]]:
         """Pages of rows after a revision, in order; ``columns`` starts with the
         revision. The hot path of every replay, so it reads through the driver's
         own cursor (in the caller's transaction) rather than building a
         SQLAlchemy row per event. Keyset paging on the primary key: each page is
-        an index range scan (of the stream index, for one stream)."""
+        an index range scan."""
         sql = f"SELECT {columns} FROM catalog_events WHERE revision > ?"
-        parameters: tuple[Any, ...] = ()
         if upto is not None:
             sql += f" AND revision <= {int(upto)}"
-        if stream is not None:
-            sql += " AND originator_id = ?"
-            parameters = (self._uuid(stream),)
         sql = self._sql(sql + f" ORDER BY revision LIMIT {PAGE_SIZE}")
         cursor = conn.connection.cursor()
         try:
             while True:
-                cursor.execute(sql, (after, *parameters))
+                cursor.execute(sql, (after,))
                 rows = list(cursor.fetchall())
                 if rows:
                     yield rows

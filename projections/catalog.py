@@ -10,13 +10,12 @@ load.
 from __future__ import annotations
 
 from collections.abc import Callable
-from uuid import UUID
 
 from sqlalchemy.engine import Connection
 
 from catalog_es.catalog import Catalog, Skipped
 from catalog_es.collector import collector_paused
-from catalog_es.mapper import UndecodableEvent, decode_event, model_of_state
+from catalog_es.mapper import UndecodableEvent, decode_event, is_about_another, model_of_state
 from catalog_es.model import DomainEvent
 from catalog_es.persistence import SQLRecorder
 
@@ -29,18 +28,22 @@ def catch_up(
     conn: Connection,
     *,
     upto: int | None = None,
-    stream: UUID | None = None,
+    model: str | None = None,
     progress: Progress | None = None,
 ) -> list[Skipped]:
-    """Apply every event after ``catalog.revision`` (up to ``upto``; of one
-    aggregate's ``stream`` only, when given), in order, and return the ones
-    skipped. Each event is applied once: the catalog's revision is its
-    tracking position."""
+    """Apply every event after ``catalog.revision`` (up to ``upto``), in order,
+    and return the ones skipped. Each event is applied once: the catalog's
+    revision is its tracking position. ``model``: only the events that can
+    change that model are decoded and applied (the others' skips go
+    unreported)."""
     skipped: list[Skipped] = []
     apply = catalog.apply
     last: DomainEvent | None = None
     with collector_paused():
-        for page in recorder.scan(conn, after=catalog.revision, upto=upto, stream=stream):
+        pages = recorder.scan(conn, after=catalog.revision, upto=upto)
+        if model is not None:
+            pages = (_about(page, model) for page in pages)
+        for page in pages:
             for revision, topic, state in page:
                 try:
                     event = decode_event(topic, state)
@@ -61,3 +64,8 @@ def catch_up(
         # The log's time never runs backwards, so the last event is the newest.
         catalog.saw(last.timestamp)
     return skipped
+
+
+def _about(page: list[tuple[int, str, bytes]], model: str) -> list[tuple[int, str, bytes]]:
+    """The rows of ``page`` that may change ``model``, the rest left undecoded."""
+    return [row for row in page if not is_about_another(row[1], row[2], model)]

@@ -20,7 +20,7 @@ from catalog_es.catalog import Catalog
 from catalog_es.collector import collector_paused
 from catalog_es.configuration import DeclaredConfig
 from catalog_es.errors import Refused
-from catalog_es.model import MAX_CLOCK_SKEW, UtcTime, model_id, utc_now
+from catalog_es.model import MAX_CLOCK_SKEW, UtcTime, utc_now
 from catalog_es.persistence import SQLRecorder, events_table
 from catalog_es.spec import EVERY_FIELD, ModelSpec
 from projections import snapshots
@@ -133,21 +133,20 @@ def catalog_at(
 
 def model_at(
     recorder: SQLRecorder, conn: Connection, declared: DeclaredConfig, revision: int, name: str
-) -> Catalog:
-    """A catalog at ``revision`` in which ``name`` is as :func:`catalog_at`
-    has it, for a read of that model alone: the declared layer, the model from
-    the newest snapshot, and the events of its own stream after that. Only an
-    event whose outcome depends on other models (see :class:`_OneModel`)
-    costs the whole catalog."""
-    catalog = _OneModel(declared.models, declared.engines)
+) -> tuple[ModelSpec | None, bool]:
+    """The definition of ``name`` in force at ``revision``, as in
+    :func:`catalog_at`, and whether it is declared; read from the declared
+    layer, the model's entry in the newest snapshot, and the events after
+    that which name it. Only an event whose outcome depends on other models
+    (see :class:`_OneModel`) costs the whole catalog."""
+    catalog: Catalog = _OneModel(declared.models, declared.engines)
     if revision > 0:
         snapshots.restore_model(conn, catalog, declared.fingerprint, revision, name)
         try:
-            catch_up(catalog, recorder, conn, upto=revision, stream=model_id(name))
+            catch_up(catalog, recorder, conn, upto=revision, model=name)
         except _NeedsTheOthers:
-            return catalog_at(recorder, conn, declared, revision)
-        catalog.revision = revision
-    return catalog
+            catalog = catalog_at(recorder, conn, declared, revision)
+    return catalog.get(name), catalog.is_declared(name)
 
 
 class _NeedsTheOthers(Exception):
@@ -155,14 +154,15 @@ class _NeedsTheOthers(Exception):
 
 
 class _OneModel(Catalog):
-    """The declared layer and one runtime model, replayed from its stream alone.
+    """The declared layer and one runtime model, replayed from the events
+    that name it.
 
-    Only that model's events change its definition (one naming it in another
-    stream fails the aggregate-id check), and each decides the same here as
-    in the whole catalog as long as it reads that definition alone: every
-    rule does but two. A removal asks whether another model names it as a
-    fallback, and a definition naming fallbacks whether they exist and close
-    a cycle; those send the read to the whole catalog."""
+    Replay applies an event to the model it names, so only those can change
+    it, and each decides the same here as in the whole catalog as long as it
+    reads that model alone: every rule does but two. A removal asks whether
+    another model names it as a fallback, and a definition naming fallbacks
+    whether they exist and close a cycle; those send the read to the whole
+    catalog."""
 
     def check(
         self, name: str, new: ModelSpec | None, touches: tuple[str, ...] = EVERY_FIELD

@@ -98,8 +98,15 @@ class _Entry(msgspec.Struct, frozen=True, gc=False):
 
 
 class _Entries(msgspec.Struct, frozen=True, gc=False):
+    """A snapshot with each definition left undecoded. Every field of
+    :class:`SnapshotState` is required, so one the full decode would pass over
+    for a missing field is passed over here too."""
+
     revision: int
+    last_timestamp: msgspec.Raw
+    recorded_declaration: msgspec.Raw
     aggregates: list[_Entry]
+    skipped: msgspec.Raw
 
 
 _entries_decoder = msgspec.msgpack.Decoder(_Entries)
@@ -110,7 +117,10 @@ def restore_model(
     conn: Connection, catalog: Catalog, fingerprint: str, upto: int | None, name: str
 ) -> bool:
     """:func:`restore` of one model's aggregate alone (the catalog's revision is
-    the snapshot's): a read of one model decodes one definition, not ten thousand."""
+    the snapshot's): a read of one model decodes one definition, not ten
+    thousand. The others are not checked, so a snapshot whose other entries
+    are damaged in a way that still decompresses and parses serves this read,
+    where the whole catalog's passes it over."""
 
     def decode(blob: bytes) -> tuple[int, list[Model]]:
         state = _entries_decoder.decode(blob)

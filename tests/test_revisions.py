@@ -149,7 +149,10 @@ written_event = st.one_of(
         st.just("scale"), st.sampled_from(NAMES), st.tuples(st.integers(0, 3), st.integers(0, 3))
     ),
     st.tuples(st.just("resources"), st.sampled_from(NAMES), st.sampled_from(["gpu", "tpu", ""])),
+    # A change of the first model under the second's aggregate id, and one
+    # with its own id filed in the second's stream.
     st.tuples(st.just("stray"), st.sampled_from(NAMES), st.sampled_from(NAMES)),
+    st.tuples(st.just("misfiled"), st.sampled_from(NAMES), st.sampled_from(NAMES)),
     st.tuples(st.just("unreadable"), st.sampled_from(NAMES), st.none()),
 )
 
@@ -157,9 +160,9 @@ written_event = st.one_of(
 def write(models: Models, revision: int, step: tuple[str, str, Any]) -> None:
     """Append ``step`` to the log as the next event of its stream, stamped a second apart."""
     kind, name, arg = step
-    stream = model_id(arg if kind == "stray" else name)
+    stream = model_id(arg if kind in ("stray", "misfiled") else name)
     envelope: dict[str, Any] = {
-        "originator_id": stream,
+        "originator_id": model_id(name) if kind == "misfiled" else stream,
         "originator_version": 0,
         "timestamp": T0 + timedelta(seconds=revision),
         "by": "history",
@@ -174,6 +177,8 @@ def write(models: Models, revision: int, step: tuple[str, str, Any]) -> None:
         event = Model.Scaled(**envelope, scaling=Scaling(min=arg[0], max=arg[1]))
     elif kind == "resources":
         event = Model.ResourcesSet(**envelope, profile=arg, memory_gb=64)
+    elif kind == "misfiled":
+        event = Model.Scaled(**envelope, scaling=Scaling(min=2, max=3))
     else:
         event = Model.OwnerSet(**envelope, owner="team:a")
     stored = EventMapper().to_stored_event(event)
@@ -200,13 +205,15 @@ def answer(models: Models, name: str, revision: int) -> dict[str, Any] | str:
     max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(steps=st.lists(written_event, min_size=1, max_size=14))
-# The two events that read other models, each after the snapshot at 3, where
-# random histories seldom put them: a removal of a model another names (it
-# stands), and an add naming a fallback that exists (it is accepted).
+# Each after the snapshot at 3, where random histories seldom put them: the
+# two events that read other models, a removal of a model another names (it
+# stands) and an add naming a fallback that exists (it is accepted).
 @example(
     steps=[("add", "m2", []), ("add", "m1", ["m2"]), ("add", "m3", []), ("remove", "m2", None)]
 )
 @example(steps=[("add", "m2", []), ("add", "m3", []), ("add", "m3", []), ("add", "m1", ["m2"])])
+# A change filed in another model's stream still names its own: replay applies it.
+@example(steps=[("add", "m1", []), ("add", "m2", []), ("add", "m3", []), ("misfiled", "m1", "m2")])
 def test_a_read_of_one_model_at_any_revision_is_the_whole_replays(steps: list[Any]) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp, "catalog.yaml")
