@@ -9,7 +9,8 @@ from __future__ import annotations
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -100,18 +101,18 @@ def run(models: Models, step: tuple[str, Any, Any]) -> None:
         pass
 
 
-def full_replay(models: Models, revision: int) -> list[str]:
+def full_replay(models: Models, revision: int) -> Catalog:
+    """The catalog at ``revision`` replayed from the first event, no snapshot."""
     catalog = Catalog(models.declared.models, models.declared.engines)
     with models.store.read() as conn:
         catch_up(catalog, models.store, conn, upto=revision)
-    return [repr(m) for m in catalog.models()]
+    return catalog
 
 
-@settings(
-    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
-)
-@given(steps=st.lists(command, min_size=1, max_size=14))
-def test_the_catalog_at_every_revision_is_the_one_in_force_then(steps: list[Any]) -> None:
+@contextmanager
+def history_models() -> Iterator[Models]:
+    """A service on a new file, snapshots every 3 revisions: hypothesis runs
+    many examples in one test, so not the function-scoped fixture."""
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp, "catalog.yaml")
         config.write_text(DECLARED_YAML)
@@ -120,6 +121,18 @@ def test_the_catalog_at_every_revision_is_the_one_in_force_then(steps: list[Any]
             snapshot_interval=3,
             env={"CATALOG_ES_DB": f"sqlite:///{tmp}/c.db"},
         )
+        try:
+            yield models
+        finally:
+            models.close()
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(steps=st.lists(command, min_size=1, max_size=14))
+def test_the_catalog_at_every_revision_is_the_one_in_force_then(steps: list[Any]) -> None:
+    with history_models() as models:
         seen = {0: models.list_models()}
         for step in steps:
             run(models, step)
@@ -128,8 +141,8 @@ def test_the_catalog_at_every_revision_is_the_one_in_force_then(steps: list[Any]
             assert models.list_models(at=revision) == expected
             # Snapshots (every 3 revisions here) answer as a full replay does.
             at = models.catalog_at(revision)
-            assert [repr(m) for m in at.models()] == full_replay(models, revision)
-        models.close()
+            whole = full_replay(models, revision)
+            assert [repr(m) for m in at.models()] == [repr(m) for m in whole.models()]
 
 
 # -- a read of one model over any history -----------------------------------------------
@@ -215,21 +228,12 @@ def answer(models: Models, name: str, revision: int) -> dict[str, Any] | str:
 # A change filed in another model's stream still names its own: replay applies it.
 @example(steps=[("add", "m1", []), ("add", "m2", []), ("add", "m3", []), ("misfiled", "m1", "m2")])
 def test_a_read_of_one_model_at_any_revision_is_the_whole_replays(steps: list[Any]) -> None:
-    with tempfile.TemporaryDirectory() as tmp:
-        config = Path(tmp, "catalog.yaml")
-        config.write_text(DECLARED_YAML)
-        models = Models(
-            load_config(str(config)),
-            snapshot_interval=3,
-            env={"CATALOG_ES_DB": f"sqlite:///{tmp}/c.db"},
-        )
+    with history_models() as models:
         for revision, step in enumerate(steps, start=1):
             write(models, revision, step)
         models.rebuild(audit=False)
         for revision in range(len(steps) + 1):
-            whole = Catalog(models.declared.models, models.declared.engines)
-            with models.store.read() as conn:
-                catch_up(whole, models.store, conn, upto=revision)
+            whole = full_replay(models, revision)
             for name in [*NAMES, "base", "ghost"]:
                 definition = whole.get(name)
                 expected = (
@@ -238,7 +242,6 @@ def test_a_read_of_one_model_at_any_revision_is_the_whole_replays(steps: list[An
                     else f"model {name!r} is not in the catalog at revision {revision}"
                 )
                 assert answer(models, name, revision) == expected
-        models.close()
 
 
 def test_a_read_of_one_model_agrees_with_the_list_past_snapshots(
