@@ -98,15 +98,14 @@ class _Entry(msgspec.Struct, frozen=True, gc=False):
 
 
 class _Entries(msgspec.Struct, frozen=True, gc=False):
-    """A snapshot with each definition left undecoded. Every field of
-    :class:`SnapshotState` is required, so one the full decode would pass over
-    for a missing field is passed over here too."""
+    """:class:`SnapshotState` with each definition left undecoded: a snapshot
+    the full decode would pass over for anything else is passed over here too."""
 
     revision: int
-    last_timestamp: msgspec.Raw
-    recorded_declaration: msgspec.Raw
+    last_timestamp: datetime | None
+    recorded_declaration: tuple[str, int] | None
     aggregates: list[_Entry]
-    skipped: msgspec.Raw
+    skipped: list[Skipped]
 
 
 _entries_decoder = msgspec.msgpack.Decoder(_Entries)
@@ -118,9 +117,10 @@ def restore_model(
 ) -> bool:
     """:func:`restore` of one model's aggregate alone (the catalog's revision is
     the snapshot's): a read of one model decodes one definition, not ten
-    thousand. The others are not checked, so a snapshot whose other entries
-    are damaged in a way that still decompresses and parses serves this read,
-    where the whole catalog's passes it over."""
+    thousand. The other definitions are not checked: a snapshot written by
+    hand with one of them of the wrong shape serves this read, where the
+    whole catalog's passes it over (and a wrong answer for this model would
+    then differ from the whole catalog's)."""
 
     def decode(blob: bytes) -> tuple[int, list[Model]]:
         state = _entries_decoder.decode(blob)
