@@ -63,8 +63,8 @@ def decode_event(topic: str, state: bytes) -> DomainEvent:
         raise UndecodableEvent(f"unknown event type {topic!r}")
     try:
         event: DomainEvent = decoder.decode(state)
-    except msgspec.MsgspecError:
-        pass  # an older shape, perhaps: try the upcasting path
+    except (msgspec.MsgspecError, TypeError):
+        pass  # an older shape, perhaps, or not bytes at all: try the upcasting path
     else:
         if event.class_version == _VERSIONS[type(event)]:
             return event
@@ -90,16 +90,23 @@ def is_about_another(topic: str, state: bytes, model: str) -> bool:
         return True  # replay skips it
     try:
         about = _about.decode(state)
-    except msgspec.MsgspecError:
+    except (msgspec.MsgspecError, TypeError):
         return False
     return about.class_version == _VERSIONS[cls] and about.model != model
+
+
+def topic_name(topic: str) -> str:
+    """The event's class name from its topic, as the log shows an undecodable
+    record; a topic that is not text (SQLite lets a row hold any type) as
+    ``repr`` writes it."""
+    return topic.rpartition(".")[2] if isinstance(topic, str) else repr(topic)
 
 
 def model_of_state(state: bytes) -> str:
     """The model an undecodable record was about, when that much can be read."""
     try:
         data = _raw.decode(state)
-    except msgspec.MsgspecError:
+    except (msgspec.MsgspecError, TypeError):
         return ""
     value = data.get("model", "")
     return value if isinstance(value, str) else ""
@@ -109,7 +116,8 @@ def _upcast(cls: type[DomainEvent], state: bytes) -> DomainEvent:
     current = _VERSIONS[cls]
     try:
         data = _raw.decode(state)
-    except msgspec.MsgspecError as error:
+    except (msgspec.MsgspecError, TypeError) as error:
+        # TypeError: SQLite lets a row hold any type, a number for the payload say.
         raise UndecodableEvent(f"corrupt payload: {error}") from None
     version = data.get("class_version", 1)
     if not isinstance(version, int) or version < 1:

@@ -13,6 +13,7 @@ import msgspec
 
 from catalog_es.collector import collector_paused
 from catalog_es.configuration import Configuration
+from catalog_es.mapper import topic_name
 from catalog_es.model import DomainEvent, Model
 from catalog_es.spec import ModelSpec
 
@@ -91,7 +92,7 @@ def undecodable_view(revision: int, topic: str, model: str, error: str) -> dict[
         "by": None,
         "reason": None,
         "model": model,
-        "event": topic.rpartition(".")[2],
+        "event": topic_name(topic),
         "class_version": None,
         "fields": {},
         "rollback_to": None,

@@ -36,7 +36,7 @@ from catalog_es.collector import collector_paused
 from catalog_es.configuration import Configuration
 from catalog_es.errors import StorageBusy
 from catalog_es.inputs import DeclaredConfig
-from catalog_es.mapper import UndecodableEvent, decode_event, model_of_state
+from catalog_es.mapper import UndecodableEvent, decode_event, model_of_state, topic_name
 from catalog_es.model import DomainEvent, Model
 from catalog_es.persistence import SQLRecorder
 from catalog_es.spec import ModelSpec
@@ -453,9 +453,7 @@ def read_record(topic: str, state: bytes) -> DomainEvent | Unreadable:
     try:
         return decode_event(topic, state)
     except UndecodableEvent as error:
-        return Unreadable(
-            model=model_of_state(state), event=topic.rpartition(".")[2], error=str(error)
-        )
+        return Unreadable(model=model_of_state(state), event=topic_name(topic), error=str(error))
 
 
 class AuditProjection(Projection[AuditView]):

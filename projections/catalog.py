@@ -15,7 +15,13 @@ from sqlalchemy.engine import Connection
 
 from catalog_es.catalog import Catalog, Skipped
 from catalog_es.collector import collector_paused
-from catalog_es.mapper import UndecodableEvent, decode_event, is_about_another, model_of_state
+from catalog_es.mapper import (
+    UndecodableEvent,
+    decode_event,
+    is_about_another,
+    model_of_state,
+    topic_name,
+)
 from catalog_es.model import DomainEvent
 from catalog_es.persistence import SQLRecorder
 
@@ -49,9 +55,7 @@ def catch_up(
                     event = decode_event(topic, state)
                 except UndecodableEvent as error:
                     skipped.append(
-                        catalog.skip(
-                            revision, model_of_state(state), topic.rpartition(".")[2], str(error)
-                        )
+                        catalog.skip(revision, model_of_state(state), topic_name(topic), str(error))
                     )
                 else:
                     last = event

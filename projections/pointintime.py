@@ -37,7 +37,7 @@ _stamp_decoder = msgspec.json.Decoder(_Stamp)
 def _stamp(state: bytes) -> datetime | None:
     try:
         return _stamp_decoder.decode(state).timestamp
-    except msgspec.MsgspecError:
+    except (msgspec.MsgspecError, TypeError):  # TypeError: a payload that is not bytes
         return None
 
 

@@ -390,3 +390,31 @@ def test_a_record_from_the_far_future_does_not_stop_commands(tmp_path: Path) -> 
     (last,) = models.log_events(after=written.revision - 1)
     assert last["time"].startswith(str(datetime.now(UTC).year))
     assert models.get_model("a")["scaling"] == {"min": 0, "max": 3}
+
+
+def test_a_row_holding_values_of_the_wrong_type_is_skipped_like_any_other(
+    tmp_path: Path,
+) -> None:
+    # SQLite keeps whatever a hand-written INSERT gives a column: a topic
+    # stored as bytes, a payload stored as a number.
+    url = f"sqlite:///{tmp_path}/c.db"
+    models = Models(env={"CATALOG_ES_DB": url})
+    models.add(model_spec("a"), by="x")
+    models.close()
+    insert = (
+        "INSERT INTO catalog_events (originator_id, originator_version, topic, state, hash)"
+        " VALUES (?, 1, ?, ?, 'h')"
+    )
+    with sa.create_engine(url).begin() as conn:
+        conn.exec_driver_sql(insert, ("x", b"Scaled", b"{}"))
+        conn.exec_driver_sql(insert, ("y", topic_of(Model.Scaled), 7))
+    models = Models(env={"CATALOG_ES_DB": url})
+    assert [(s.revision, s.event, s.reason) for s in models.skipped()] == [
+        (2, "b'Scaled'", "unknown event type b'Scaled'"),
+        (3, "Scaled", "corrupt payload: a bytes-like object is required, not 'int'"),
+    ]
+    assert [m["name"] for m in models.list_models(at=3)] == ["a"]
+    assert models.get_model("a", at=3)["name"] == "a"
+    assert [e["event"] for e in models.log_events()] == ["Added", "b'Scaled'", "Scaled"]
+    assert [r["skipped"] is not None for r in models.audit()] == [False, True, True]
+    assert models.verify()["broken"]["revision"] == 2
