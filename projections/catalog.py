@@ -40,8 +40,8 @@ def catch_up(
     """Apply every event after ``catalog.revision`` (up to ``upto``), in order,
     and return the ones skipped. Each event is applied once: the catalog's
     revision is its tracking position. ``model``: only the events that can
-    change that model are decoded and applied (the others' skips go
-    unreported)."""
+    change that model are decoded and applied, for a read of it alone; the
+    catalog's revision, skips and time then say nothing of the others."""
     skipped: list[Skipped] = []
     apply = catalog.apply
     last: DomainEvent | None = None
