@@ -159,14 +159,15 @@ class _OneModel(Catalog):
 
     Replay applies an event to the model it names, so only those can change
     it, and each decides the same here as in the whole catalog as long as it
-    reads that model alone: every rule does but two. A removal asks whether
-    another model names it as a fallback, and a definition naming fallbacks
-    whether they exist and close a cycle; those send the read to the whole
-    catalog."""
+    reads that model and the declared layer alone: every rule does but two.
+    A removal asks whether another model names it as a fallback, and a
+    definition naming runtime fallbacks whether they exist and close a
+    cycle; those send the read to the whole catalog. Declared fallbacks are
+    all here, and name only declared models, so no cycle runs through them."""
 
     def check(
         self, name: str, new: ModelSpec | None, touches: tuple[str, ...] = EVERY_FIELD
     ) -> None:
-        if new is None or new.fallbacks:
+        if new is None or any(target not in self.declared for target in new.fallbacks):
             raise _NeedsTheOthers(name)
         super().check(name, new, touches)
