@@ -26,9 +26,12 @@ from contextlib import contextmanager
 
 
 @contextmanager
-def collector_paused(*, lasting: bool = False) -> Iterator[None]:
+def collector_paused(*, lasting: bool = False, cycles: bool = True) -> Iterator[None]:
     """No cyclic collection for the span of the ``with``, in the main thread;
-    ``lasting``: what it made is moved to the oldest generation after.
+    ``lasting``: what it made is moved to the oldest generation after;
+    ``cycles=False``: what it makes can hold no reference cycle (a decoded
+    JSON document, structs converted to builtins), so aging it brings no full
+    collection nearer.
 
     The collector is the whole process's. Threads pausing it in turn could
     leave it off for good (one finds it off because another paused it, and
@@ -59,16 +62,16 @@ def collector_paused(*, lasting: bool = False) -> Iterator[None]:
         if enabled:
             gc.enable()
             if aging:
-                _age_everything()
+                _age_everything(counted=cycles)
 
 
 # Objects aged since the last full collection. CPython runs a full one once
 # the objects its middle generation promoted reach a quarter of the old ones;
 # aged objects skip that count, so without this a cycle made in a lasting
-# section could wait for good. A million objects is four answers of 10,000
-# audit rows; the full collection runs as the next lasting section starts,
-# when the caller has usually let the last answer go (20 ms or so for a
-# catalog of 10,000 models).
+# section could wait for good. Only sections that may make cycles count (a
+# past catalog); answers, which are trees, do not. The full collection runs
+# as the next lasting section starts, when the caller has usually let the
+# last answer go (20 ms or so for a catalog of 10,000 models).
 FULL_COLLECTION_AFTER = 1_000_000
 _aged = 0
 
@@ -82,11 +85,12 @@ def _collect_before_aging() -> None:
         gc.collect(1)
 
 
-def _age_everything() -> None:
+def _age_everything(*, counted: bool) -> None:
     global _aged
-    # What the young generation counts now is, near enough, what the section
-    # made and kept: it was empty as the section started.
-    _aged += gc.get_count()[0]
+    if counted:
+        # What the young generation counts now is, near enough, what the
+        # section made and kept: it was empty as the section started.
+        _aged += gc.get_count()[0]
     # Freezing and thawing splice lists: nothing is scanned. Thawing in a
     # finally: an interrupt in between must not leave the heap frozen.
     try:

@@ -26,7 +26,7 @@ def model_view(spec: ModelSpec, *, declared: bool) -> dict[str, Any]:
 
 def model_views(specs: list[ModelSpec], is_declared: Callable[[str], bool]) -> list[dict[str, Any]]:
     """``model_view`` of many, converted in one pass (a catalog can be large)."""
-    with collector_paused(lasting=True):
+    with collector_paused(lasting=True, cycles=False):
         plain: list[dict[str, Any]] = msgspec.to_builtins(specs)
         return [_complete(v, s, is_declared(s.name)) for v, s in zip(plain, specs, strict=True)]
 

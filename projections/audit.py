@@ -349,15 +349,21 @@ class AuditView(TrackingRecorder):
         from tables at ``position`` or past it in ``generation``: not from
         tables another process is rebuilding (:class:`ViewMoved`)."""
         c = changes_table.c
-        with self.store.read() as conn:
+        # Paused, and the rows made and freed inside: otherwise the young
+        # collections walk them, as they are fetched and as the pause ends,
+        # and promote them to the oldest generation, which brings on a full
+        # collection every few answers (about 20 ms here, on reads of 25-30 ms).
+        with self.store.read() as conn, collector_paused():
             tracked = self._tracked(conn, application_name)
             if position and (
                 tracked is None or tracked.generation != generation or tracked.position < position
             ):
                 raise ViewMoved("the audit tables are being rebuilt by another process")
             within = self._revisions(conn, filters, tracked)
-            rows = select_rows(conn, changes_table, c.revision, filters, [c.view], within)
-        return ("[" + ",".join([row[0] for row in rows]) + "]").encode()
+            views = select_rows(conn, changes_table, c.revision, filters, [c.view], within)
+            answer = ("[" + ",".join([view for (view,) in views]) + "]").encode()
+            del views
+        return answer
 
     def _revisions(
         self, conn: Connection, filters: Filters, tracked: Tracked | None

@@ -6,7 +6,9 @@ events, when this command, then this catalog.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import gc
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import msgspec
@@ -129,3 +131,19 @@ def count_events(url: str) -> int:
             return int(conn.execute(sa.text("SELECT count(*) FROM catalog_events")).scalar_one())
     finally:
         engine.dispose()
+
+
+@contextmanager
+def collections_seen() -> Iterator[list[int]]:
+    """The generation of each cyclic collection that runs inside the ``with``."""
+    seen: list[int] = []
+
+    def note(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            seen.append(info["generation"])
+
+    gc.callbacks.append(note)
+    try:
+        yield seen
+    finally:
+        gc.callbacks.remove(note)

@@ -33,7 +33,16 @@ from catalog_es.inputs import model_from_data
 from catalog_es.model import Model, model_id, utc_now
 from catalog_es.spec import Adapter, Origin, Scaling
 from tests.conftest import RecordingApplier, RefuseSources
-from tests.helpers import ACTOR, CPU, GPU, SHA, config_yaml, definition, spec
+from tests.helpers import (
+    ACTOR,
+    CPU,
+    GPU,
+    SHA,
+    collections_seen,
+    config_yaml,
+    definition,
+    spec,
+)
 
 KUBEAI_CATALOG = Path("/work/shared/data/kubeai-catalog.yaml")
 
@@ -776,6 +785,22 @@ def test_cycles_made_in_lasting_pauses_are_collected_unasked(
         del kept
     # Over 5,000 aged after the third: the fourth began with a full collection.
     assert [cycle() for cycle in cycles[:3]] == [None, None, None]
+
+
+def test_a_lasting_pause_that_makes_no_cycle_brings_no_full_collection_nearer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A decoded answer, or structs converted to builtins, is a tree that
+    # reference counting frees whole: counted as aged, it brought on the full
+    # collection meant for cycles every few answers of 10,000 audit rows.
+    monkeypatch.setattr(collector, "FULL_COLLECTION_AFTER", 5_000)
+    monkeypatch.setattr(collector, "_aged", 0)
+    with collections_seen() as seen:
+        for _ in range(4):
+            with collector_paused(lasting=True, cycles=False):
+                kept = [{} for _ in range(2_000)]
+            del kept
+    assert 2 not in seen
 
 
 def test_a_callers_young_cycle_is_collected_before_a_lasting_pause() -> None:
