@@ -514,6 +514,10 @@ def main() -> None:
             tmp, (models_n, 2 * models_n), (500 // scale * 2, 1000 // scale * 2)
         )
         print("commands…", file=sys.stderr)
+        # What the steps before wrote (half a gigabyte of logs and snapshots)
+        # is still being written back to the disk: the commands' fsyncs would
+        # queue behind it, and the raw baseline, measured after, less so.
+        os.sync()
         cmd_path = tmp / "commands.db"
         figures += command_figures(f"sqlite:///{cmd_path}", cmd_path, models_n, 3000 // scale)
         figures.append(memory_figure(100_000 // scale))
