@@ -342,12 +342,12 @@ class AuditView(TrackingRecorder):
             tracked = self._tracked(conn, application_name)
         return tracked.position if tracked is not None else None
 
-    def changes_json(
+    def changes(
         self, filters: Filters, application_name: str, position: int, generation: str
-    ) -> bytes:
-        """The matching rows as one JSON array, made of their stored views,
-        from tables at ``position`` or past it in ``generation``: not from
-        tables another process is rebuilding (:class:`ViewMoved`)."""
+    ) -> list[str]:
+        """The stored views of the matching rows, each a row as JSON, from
+        tables at ``position`` or past it in ``generation``: not from tables
+        another process is rebuilding (:class:`ViewMoved`)."""
         c = changes_table.c
         # Paused, and the rows made and freed inside: otherwise the young
         # collections walk them, as they are fetched and as the pause ends,
@@ -360,10 +360,10 @@ class AuditView(TrackingRecorder):
             ):
                 raise ViewMoved("the audit tables are being rebuilt by another process")
             within = self._revisions(conn, filters, tracked)
-            views = select_rows(conn, changes_table, c.revision, filters, [c.view], within)
-            answer = ("[" + ",".join([view for (view,) in views]) + "]").encode()
-            del views
-        return answer
+            rows = select_rows(conn, changes_table, c.revision, filters, [c.view], within)
+            views = [view for (view,) in rows]
+            del rows
+        return views
 
     def _revisions(
         self, conn: Connection, filters: Filters, tracked: Tracked | None
@@ -494,20 +494,18 @@ class AuditProjection(Projection[AuditView]):
         with self.lock:
             self._catch_up_racing(recorder, application_name)
 
-    def answer(self, recorder: SQLRecorder, application_name: str, filters: Filters) -> bytes:
-        """The rows matching ``filters`` once caught up, as JSON: read again
-        after catching up again if another process rebuilt the tables between
-        the catch-up and the read."""
+    def answer(self, recorder: SQLRecorder, application_name: str, filters: Filters) -> list[str]:
+        """The views of the rows matching ``filters`` once caught up: read
+        again after catching up again if another process rebuilt the tables
+        between the catch-up and the read."""
         for _ in range(RETRIES - 1):
             self.catch_up(recorder, application_name)
             try:
-                return self.view.changes_json(
-                    filters, application_name, self.recorded, self.generation
-                )
+                return self.view.changes(filters, application_name, self.recorded, self.generation)
             except ViewMoved:
                 continue
         self.catch_up(recorder, application_name)
-        return self.view.changes_json(filters, application_name, self.recorded, self.generation)
+        return self.view.changes(filters, application_name, self.recorded, self.generation)
 
     def rebuild(self, recorder: SQLRecorder, application_name: str) -> None:
         """Drop the tables and replay the whole log into them again."""
