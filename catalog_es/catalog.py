@@ -11,7 +11,7 @@ take a good one with it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import datetime
 
 import msgspec
@@ -90,6 +90,13 @@ class Catalog:
 
     def referrers(self, name: str) -> set[str]:
         return self._referrers.get(name, set())
+
+    def runtime_fallbacks(self) -> Iterator[tuple[str, str]]:
+        """Each ``(model, fallback)`` where the fallback is a runtime model."""
+        for target, names in self._referrers.items():
+            if target not in self.declared:
+                for name in names:
+                    yield name, target
 
     def aggregate(self, name: str) -> Model:
         return self.aggregates.get(name) or Model.new(name)
@@ -186,6 +193,17 @@ class Catalog:
         self.recorded_declaration = recorded_declaration
         self.skipped = list(skipped)
         self._unhealed = {s.model for s in self.skipped if self.aggregate(s.model).spec is None}
+
+    def adopt(
+        self, aggregates: Iterable[Model], unhealed: Iterable[str], theirs: Callable[[str], bool]
+    ) -> None:
+        """Take over the models ``theirs`` tells apart from a replay of their
+        streams alone, from the same state as this one: their aggregates, and
+        which of them that replay left unhealed."""
+        for aggregate in aggregates:
+            old = self.aggregates.get(aggregate.name)
+            self._put(aggregate.name, aggregate.version, old.spec if old else None, aggregate.spec)
+        self._unhealed = {name for name in self._unhealed if not theirs(name)} | set(unhealed)
 
     def copy(self) -> Catalog:
         """An independent catalog in the same state, to try a series of changes on."""

@@ -5,12 +5,24 @@ or whose effect would make the catalog invalid, is skipped and recorded with
 its revision and the reason (``Catalog.skipped``), and the replay carries on.
 Declared models are in force before the first event is read, so they always
 load.
+
+A long replay from a SQLite file is split between two processes, one for the
+streams of each parity (see :func:`_split_replay`): deciding each event in
+Python costs twice what reading and decoding it does, and the machine has a
+second core.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+import signal
+import threading
+from collections.abc import Callable, Iterable
+from datetime import datetime
+from operator import attrgetter, itemgetter
+from typing import ClassVar
 
+import msgspec
 from sqlalchemy.engine import Connection
 
 from catalog_es.catalog import Catalog, Skipped
@@ -22,10 +34,17 @@ from catalog_es.mapper import (
     model_of_state,
     topic_name,
 )
-from catalog_es.model import DomainEvent
-from catalog_es.persistence import SQLRecorder
+from catalog_es.model import DomainEvent, Model, model_id
+from catalog_es.persistence import SQLRecorder, create_engine, stream_parity
+from catalog_es.spec import EVERY_FIELD, ModelSpec
 
 Progress = Callable[[int], None]
+Page = list[tuple[int, str, bytes]]
+
+# Events left to replay from which a replay is split in two: below this, the
+# second process costs more than it saves (forking and merging take a few
+# milliseconds, a thousand events about three).
+SPLIT_AFTER = 100_000
 
 
 def catch_up(
@@ -42,34 +61,249 @@ def catch_up(
     revision is its tracking position. ``model``: only the events that can
     change that model are decoded and applied, for a read of it alone; the
     catalog's revision, skips and time then say nothing of the others."""
-    skipped: list[Skipped] = []
-    apply = catalog.apply
-    last: DomainEvent | None = None
     with collector_paused():
+        if model is None and progress is None:
+            split = _split_replay(catalog, recorder, conn, upto)
+            if split is not None:
+                return split
         pages = recorder.scan(conn, after=catalog.revision, upto=upto)
         if model is not None:
             pages = (_about(page, model) for page in pages)
-        for page in pages:
-            for revision, topic, state in page:
-                try:
-                    event = decode_event(topic, state)
-                except UndecodableEvent as error:
-                    skipped.append(
-                        catalog.skip(revision, model_of_state(state), topic_name(topic), str(error))
-                    )
-                else:
-                    last = event
-                    outcome = apply(event, revision)
-                    if outcome is not None:
-                        skipped.append(outcome)
-                if progress is not None:
-                    progress(revision)
+        skipped, last = _replay(catalog, pages, progress)
     if last is not None:
         # The log's time never runs backwards, so the last event is the newest.
-        catalog.saw(last.timestamp)
+        catalog.saw(last[1])
     return skipped
+
+
+def _replay(
+    catalog: Catalog, pages: Iterable[Page], progress: Progress | None = None
+) -> tuple[list[Skipped], tuple[int, datetime] | None]:
+    """Apply each row of ``pages``: the skips, and the revision and time of the
+    last event decoded."""
+    skipped: list[Skipped] = []
+    apply = catalog.apply
+    last: DomainEvent | None = None
+    last_revision = 0
+    for page in pages:
+        for revision, topic, state in page:
+            try:
+                event = decode_event(topic, state)
+            except UndecodableEvent as error:
+                skipped.append(
+                    catalog.skip(revision, model_of_state(state), topic_name(topic), str(error))
+                )
+            else:
+                last, last_revision = event, revision
+                outcome = apply(event, revision)
+                if outcome is not None:
+                    skipped.append(outcome)
+            if progress is not None:
+                progress(revision)
+    return skipped, (last_revision, last.timestamp) if last is not None else None
 
 
 def _about(page: list[tuple[int, str, bytes]], model: str) -> list[tuple[int, str, bytes]]:
     """The rows of ``page`` that may change ``model``, the rest left undecoded."""
     return [row for row in page if not is_about_another(row[1], row[2], model)]
+
+
+# -- a replay split in two -----------------------------------------------------------
+
+
+def _parity(name: str) -> int:
+    return stream_parity(model_id(name))
+
+
+class _Crossed(Exception):
+    """An event of one half of the streams that reads or changes the other half."""
+
+
+class _Half(Catalog):
+    """The catalog as a replay of the streams of one parity alone makes it.
+
+    Replay applies an event to the model it names, and every rule reads that
+    model, the declared layer (whose fallbacks name only declared models) and
+    the models linked to it by fallbacks. So each half decides exactly as the
+    whole replay would, as long as no fallback links two runtime models of
+    different halves, and every event, and every skip, is of a model of its
+    own half. An event that would break that raises :class:`_Crossed`, and
+    the replay is made whole instead."""
+
+    parity: ClassVar[int]
+
+    @classmethod
+    def of(cls, catalog: Catalog) -> _Half:
+        half = cls.__new__(cls)
+        half.__dict__.update(catalog.copy().__dict__)
+        return half
+
+    def check(
+        self, name: str, new: ModelSpec | None, touches: tuple[str, ...] = EVERY_FIELD
+    ) -> None:
+        if new is not None and any(
+            target not in self.declared and _parity(target) != self.parity
+            for target in new.fallbacks
+        ):
+            raise _Crossed(name)
+        super().check(name, new, touches)
+
+    def changed_the_other_half(self, start: Catalog) -> bool:
+        before = start.aggregates
+        return any(
+            aggregate is not before.get(name) and self.parity_of(name) != self.parity
+            for name, aggregate in self.aggregates.items()
+        )
+
+    def own_aggregates(self) -> list[Model]:
+        return [a for a in self.aggregates.values() if self.parity_of(a.name) == self.parity]
+
+    def own_unhealed(self) -> list[str]:
+        return [name for name in self._unhealed if self.parity_of(name) == self.parity]
+
+    def parity_of(self, name: str) -> int:
+        # The id replay worked out, where there is one: not a hash a name.
+        known = self._ids.get(name)
+        return known & 1 if known is not None else _parity(name)
+
+
+class _Even(_Half):
+    parity = 0
+
+
+class _Odd(_Half):
+    parity = 1
+
+
+class _HalfReplayed(msgspec.Struct, frozen=True):
+    """What the replay of the odd streams sends back."""
+
+    revision: int
+    last: tuple[int, datetime] | None
+    recorded_declaration: tuple[str, int] | None
+    aggregates: list[Model]
+    skipped: list[Skipped]
+    unhealed: list[str]
+
+
+def _replay_half(
+    start: Catalog, half: _Half, pages: Iterable[Page]
+) -> tuple[list[Skipped], tuple[int, datetime] | None]:
+    skipped, last = _replay(half, pages)
+    if half.changed_the_other_half(start) or any(
+        half.parity_of(skip.model) != half.parity for skip in skipped
+    ):
+        # A record filed by hand in a stream of this half but about a model of
+        # the other: the check is made once, after, not on every event.
+        raise _Crossed()
+    return skipped, last
+
+
+def _split_replay(
+    catalog: Catalog, recorder: SQLRecorder, conn: Connection, upto: int | None
+) -> list[Skipped] | None:
+    """:func:`catch_up` in two processes, when it is worth it and safe: this one
+    replays the streams with an even id, a forked child those with an odd id,
+    each on its own connection, and this one then takes over the child's
+    models. The outcome is the one replay's, skips listed in revision order;
+    ``None`` (nothing changed) where the replay must be made whole: an event
+    crossed the halves, or the child failed."""
+    if not _can_split(catalog, recorder):
+        return None
+    head = recorder.head(conn) if upto is None else upto
+    if head - catalog.revision < SPLIT_AFTER:
+        return None
+    after = catalog.revision
+    reader, writer = os.pipe()
+    child = os.fork()
+    if child == 0:
+        # Whatever happens here ends here: the parent replays whole without an answer.
+        code = 1
+        try:
+            os.close(reader)
+            with os.fdopen(writer, "wb") as out:
+                out.write(_replay_odd(catalog, recorder, after, head))
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(writer)
+    answered = False
+    with os.fdopen(reader, "rb") as answer:
+        try:
+            even = _Even.of(catalog)
+            try:
+                skipped, last = _replay_half(
+                    catalog, even, recorder.scan(conn, after=after, upto=head, stream_parity=0)
+                )
+            except _Crossed:
+                return None
+            data = answer.read()
+            answered = True
+        finally:
+            if not answered:
+                os.kill(child, signal.SIGKILL)
+            _, status = os.waitpid(child, 0)
+    if status != 0:
+        return None
+    odd = msgspec.msgpack.decode(data, type=_HalfReplayed)
+    base = len(catalog.skipped)
+    catalog.__dict__.update(even.__dict__)
+    catalog.adopt(odd.aggregates, odd.unhealed, lambda name: _parity(name) == 1)
+    catalog.revision = max(catalog.revision, odd.revision)
+    skipped = sorted([*skipped, *odd.skipped], key=attrgetter("revision"))
+    catalog.skipped[base:] = skipped
+    # Both halves started from the same one; the later is the last recorded.
+    declarations = [d for d in (catalog.recorded_declaration, odd.recorded_declaration) if d]
+    if declarations:
+        catalog.recorded_declaration = max(declarations, key=itemgetter(1))
+    lasts = [x for x in (last, odd.last) if x is not None]
+    if lasts:
+        catalog.saw(max(lasts)[1])
+    return skipped
+
+
+def _replay_odd(catalog: Catalog, recorder: SQLRecorder, after: int, head: int) -> bytes:
+    """The forked child's half, on a connection of its own: the parent's is not
+    safe to use across a fork. It reads the rows the parent's transaction
+    sees: the log only grows, and SQLite commits one writer at a time."""
+    own = SQLRecorder(
+        create_engine(recorder.engine.url.render_as_string(False)), create_tables=False
+    )
+    odd = _Odd.of(catalog)
+    with own.read() as conn:
+        skipped, last = _replay_half(
+            catalog, odd, own.scan(conn, after=after, upto=head, stream_parity=1)
+        )
+    return msgspec.msgpack.encode(
+        _HalfReplayed(
+            revision=odd.revision,
+            last=last,
+            recorded_declaration=odd.recorded_declaration,
+            aggregates=odd.own_aggregates(),
+            skipped=skipped,
+            unhealed=odd.own_unhealed(),
+        )
+    )
+
+
+def _can_split(catalog: Catalog, recorder: SQLRecorder) -> bool:
+    """A SQLite file (each process opens its own connection), two cores, no
+    other thread (forking copies one thread: a lock another held stays held
+    in the child), and no fallback linking runtime models of two halves."""
+    url = recorder.engine.url
+    return (
+        recorder.dialect == "sqlite"
+        and url.database not in (None, "", ":memory:")
+        and "memory" not in str(url.query.get("mode", ""))
+        and hasattr(os, "fork")
+        and _cores() >= 2
+        and threading.active_count() == 1
+        and all(_parity(name) == _parity(target) for name, target in catalog.runtime_fallbacks())
+    )
+
+
+def _cores() -> int:
+    """The cores this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1

@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
+from unittest.mock import patch
 
 import pytest
 import sqlalchemy as sa
@@ -22,8 +23,9 @@ from eventsourcing.persistence import StoredEvent
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+import projections.catalog
 from catalog_es.application import Models
-from catalog_es.catalog import Catalog
+from catalog_es.catalog import Catalog, Skipped
 from catalog_es.cli import cli
 from catalog_es.errors import InputError, ModelNotFound, Refused, RevisionConflict
 from catalog_es.inputs import load_config, revision_or_time
@@ -166,16 +168,19 @@ written_event = st.one_of(
     # with its own id filed in the second's stream.
     st.tuples(st.just("stray"), st.sampled_from(NAMES), st.sampled_from(NAMES)),
     st.tuples(st.just("misfiled"), st.sampled_from(NAMES), st.sampled_from(NAMES)),
-    st.tuples(st.just("unreadable"), st.sampled_from(NAMES), st.none()),
+    st.tuples(st.just("misfiled-add"), st.sampled_from(NAMES), st.sampled_from(NAMES)),
+    # Filed in its own stream, or in another's.
+    st.tuples(st.just("unreadable"), st.sampled_from(NAMES), st.sampled_from([None, *NAMES])),
 )
 
 
 def write(models: Models, revision: int, step: tuple[str, str, Any]) -> None:
     """Append ``step`` to the log as the next event of its stream, stamped a second apart."""
     kind, name, arg = step
-    stream = model_id(arg if kind in ("stray", "misfiled") else name)
+    elsewhere = kind in ("stray", "misfiled", "misfiled-add") or (kind == "unreadable" and arg)
+    stream = model_id(arg if elsewhere else name)
     envelope: dict[str, Any] = {
-        "originator_id": model_id(name) if kind == "misfiled" else stream,
+        "originator_id": model_id(name) if kind.startswith("misfiled") else stream,
         "originator_version": 0,
         "timestamp": T0 + timedelta(seconds=revision),
         "by": "history",
@@ -184,6 +189,8 @@ def write(models: Models, revision: int, step: tuple[str, str, Any]) -> None:
     event: Model.Event
     if kind == "add":
         event = Model.Added(**envelope, spec=spec(name, fallbacks=arg))
+    elif kind == "misfiled-add":
+        event = Model.Added(**envelope, spec=spec(name))
     elif kind == "remove":
         event = Model.Removed(**envelope)
     elif kind == "scale":
@@ -242,6 +249,115 @@ def test_a_read_of_one_model_at_any_revision_is_the_whole_replays(steps: list[An
                     else f"model {name!r} is not in the catalog at revision {revision}"
                 )
                 assert answer(models, name, revision) == expected
+
+
+def replay_state(catalog: Catalog) -> tuple[Any, ...]:
+    """Everything a replay leaves in a catalog (not its cache of ids)."""
+    names = [*NAMES, "base", "ghost"]
+    return (
+        catalog.aggregates,
+        catalog.revision,
+        catalog.last_timestamp,
+        catalog.recorded_declaration,
+        catalog.skipped,
+        {name: (catalog.referrers(name), catalog.was_skipped(name)) for name in names},
+    )
+
+
+def split_replay(models: Models) -> tuple[Catalog, list[Skipped] | None]:
+    """The log replayed in two processes from the start, however short it is:
+    the catalog, and the skips (``None``: the split left it to a whole replay)."""
+    catalog = Catalog(models.declared.models, models.declared.engines)
+    with models.store.read() as conn, patch.object(projections.catalog, "SPLIT_AFTER", 0):
+        assert projections.catalog._can_split(catalog, models.store)
+        return catalog, projections.catalog._split_replay(catalog, models.store, conn, None)
+
+
+@settings(max_examples=40, deadline=None)
+@given(steps=st.lists(written_event, min_size=1, max_size=14))
+# m1's streams are odd, m2's and m3's even: a fallback within one half is
+# decided there; one across, a change filed in the other half's stream, or
+# a skip of the other half's model, leaves the replay to the whole log.
+@example(
+    steps=[("add", "m3", []), ("add", "m2", ["m3"]), ("add", "m1", []), ("remove", "m3", None)]
+)
+@example(steps=[("add", "m2", []), ("add", "m1", ["m2"])])
+@example(steps=[("add", "m1", []), ("add", "m2", []), ("misfiled", "m1", "m2")])
+@example(steps=[("add", "m1", []), ("add", "m2", []), ("stray", "m1", "m2")])
+@example(steps=[("add", "m1", []), ("unreadable", "m1", None), ("scale", "m2", (1, 2))])
+@example(steps=[("unreadable", "m1", "m2")])
+@example(steps=[("misfiled-add", "m1", "m2")])
+def test_a_replay_split_in_two_is_the_whole_replay_or_leaves_it_to_it(steps: list[Any]) -> None:
+    with history_models() as models:
+        for revision, step in enumerate(steps, start=1):
+            write(models, revision, step)
+        whole = Catalog(models.declared.models, models.declared.engines)
+        with models.store.read() as conn:
+            whole_skipped = catch_up(whole, models.store, conn)
+        fresh = replay_state(Catalog(models.declared.models, models.declared.engines))
+        split, skipped = split_replay(models)
+        if skipped is None:
+            assert replay_state(split) == fresh  # left as it was, for the whole replay
+        else:
+            assert skipped == whole_skipped
+            assert replay_state(split) == replay_state(whole)
+
+
+@pytest.mark.parametrize(
+    ("steps", "splits"),
+    [
+        ([("add", "m1", []), ("add", "m2", []), ("scale", "m1", (1, 2))], True),
+        ([("add", "m3", []), ("add", "m2", ["m3"]), ("remove", "m3", None)], True),
+        ([("add", "m2", []), ("add", "m1", ["m2"])], False),
+        ([("add", "m1", []), ("add", "m2", []), ("misfiled", "m1", "m2")], False),
+        ([("misfiled-add", "m1", "m2")], False),
+        ([("unreadable", "m1", "m2")], False),
+    ],
+)
+def test_a_replay_is_split_unless_an_event_reaches_across_the_halves(
+    steps: list[Any], splits: bool
+) -> None:
+    with history_models() as models:
+        for revision, step in enumerate(steps, start=1):
+            write(models, revision, step)
+        _, skipped = split_replay(models)
+        assert (skipped is not None) == splits
+
+
+def test_a_split_replay_whose_second_process_fails_is_made_whole(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def fail(*_: Any) -> bytes:
+        raise OSError("the second process could not read the log")
+
+    with history_models() as models:
+        for revision, step in enumerate(
+            [("add", "m1", []), ("add", "m2", []), ("scale", "m1", (1, 2))], start=1
+        ):
+            write(models, revision, step)
+        expected = replay_state(full_replay(models, 3))
+        monkeypatch.setattr(projections.catalog, "_replay_odd", fail)
+        catalog, skipped = split_replay(models)
+        assert skipped is None
+        monkeypatch.setattr(projections.catalog, "SPLIT_AFTER", 0)
+        with models.store.read() as conn:
+            catch_up(catalog, models.store, conn)
+        assert replay_state(catalog) == expected
+
+
+def test_a_replay_is_not_split_while_another_thread_runs() -> None:
+    # Forking copies one thread: a lock another holds would stay held in the child.
+    with history_models() as models:
+        catalog = Catalog(models.declared.models, models.declared.engines)
+        assert projections.catalog._can_split(catalog, models.store)
+        stop = threading.Event()
+        other = threading.Thread(target=stop.wait)
+        other.start()
+        try:
+            assert not projections.catalog._can_split(catalog, models.store)
+        finally:
+            stop.set()
+            other.join()
 
 
 def test_a_read_of_one_model_agrees_with_the_list_past_snapshots(
