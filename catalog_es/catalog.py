@@ -92,7 +92,7 @@ class Catalog:
         return self._referrers.get(name, set())
 
     def runtime_fallbacks(self) -> Iterator[tuple[str, str]]:
-        """Each ``(model, fallback)`` where the fallback is a runtime model."""
+        """Each ``(model, fallback)`` where the fallback is not declared."""
         for target, names in self._referrers.items():
             if target not in self.declared:
                 for name in names:

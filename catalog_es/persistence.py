@@ -519,7 +519,9 @@ class SQLRecorder(ProcessRecorder):
     ) -> Iterator[list[tuple[int, str, bytes]]]:
         """Pages of ``(revision, topic, state)`` after a revision, in order;
         ``stream_parity`` (SQLite only): only the rows of streams whose id is
-        odd (1) or even (0), as :func:`stream_parity` tells them apart."""
+        odd (1) or even (0), as :func:`stream_parity` tells them apart for an
+        id stored as hex (an id stored otherwise by hand counts as even; a
+        split replay then finds its events in the wrong half and gives up)."""
         where = ""
         if stream_parity is not None:
             # The id's last hex digit, as stored: 32 digits, or by hand with dashes.

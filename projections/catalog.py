@@ -162,7 +162,7 @@ class _Half(Catalog):
         return [name for name in self._unhealed if self.parity_of(name) == self.parity]
 
     def parity_of(self, name: str) -> int:
-        # The id replay worked out, where there is one: not a hash a name.
+        # The id replay worked out, where there is one, rather than hashing the name.
         known = self._ids.get(name)
         return known & 1 if known is not None else _parity(name)
 
@@ -206,16 +206,29 @@ def _split_replay(
     replays the streams with an even id, a forked child those with an odd id,
     each on its own connection, and this one then takes over the child's
     models. The outcome is the one replay's, skips listed in revision order;
-    ``None`` (nothing changed) where the replay must be made whole: an event
-    crossed the halves, or the child failed."""
+    ``None`` (the catalog as it was) where the replay must be made whole: an
+    event crossed the halves, or the child could not be started or failed."""
     if not _can_split(catalog, recorder):
         return None
-    head = recorder.head(conn) if upto is None else upto
+    # Read on this connection first, so that its transaction's view of the log
+    # is fixed before the child starts reading its own.
+    head = recorder.head(conn)
+    if upto is not None:
+        head = min(head, upto)
     if head - catalog.revision < SPLIT_AFTER:
         return None
     after = catalog.revision
-    reader, writer = os.pipe()
-    child = os.fork()
+    # No descriptor or process to spare: one process is enough.
+    try:
+        reader, writer = os.pipe()
+    except OSError:
+        return None
+    try:
+        child = os.fork()
+    except OSError:
+        os.close(reader)
+        os.close(writer)
+        return None
     if child == 0:
         # Whatever happens here ends here: the parent replays whole without an answer.
         code = 1
@@ -226,10 +239,11 @@ def _split_replay(
             code = 0
         finally:
             os._exit(code)
-    os.close(writer)
     answered = False
-    with os.fdopen(reader, "rb") as answer:
-        try:
+    status = 1
+    try:
+        os.close(writer)
+        with os.fdopen(reader, "rb") as answer:
             even = _Even.of(catalog)
             try:
                 skipped, last = _replay_half(
@@ -239,13 +253,19 @@ def _split_replay(
                 return None
             data = answer.read()
             answered = True
-        finally:
-            if not answered:
-                os.kill(child, signal.SIGKILL)
-            _, status = os.waitpid(child, 0)
+    finally:
+        if not answered:
+            os.kill(child, signal.SIGKILL)
+        try:
+            status = os.waitpid(child, 0)[1]
+        except ChildProcessError:  # reaped already (SIGCHLD ignored): judge by the answer
+            status = 0
     if status != 0:
         return None
-    odd = msgspec.msgpack.decode(data, type=_HalfReplayed)
+    try:
+        odd = msgspec.msgpack.decode(data, type=_HalfReplayed)
+    except msgspec.DecodeError:  # cut short: the child did not finish
+        return None
     base = len(catalog.skipped)
     catalog.__dict__.update(even.__dict__)
     catalog.adopt(odd.aggregates, odd.unhealed, lambda name: _parity(name) == 1)
@@ -264,8 +284,9 @@ def _split_replay(
 
 def _replay_odd(catalog: Catalog, recorder: SQLRecorder, after: int, head: int) -> bytes:
     """The forked child's half, on a connection of its own: the parent's is not
-    safe to use across a fork. It reads the rows the parent's transaction
-    sees: the log only grows, and SQLite commits one writer at a time."""
+    safe to use across a fork. Up to ``head``, read in the parent's transaction
+    before the fork, it reads the rows that transaction sees: the log only
+    grows, and SQLite commits one writer at a time."""
     own = SQLRecorder(
         create_engine(recorder.engine.url.render_as_string(False)), create_tables=False
     )

@@ -220,7 +220,7 @@ def replay_figures(url: str, path: Path | None, events: int) -> list[Figure]:
         figures.append(
             Figure(
                 "replay (rebuild the catalog)",
-                f"{events:,} events, split in two processes",
+                f"{events:,} events, as a load runs it (in two processes where it can)",
                 rate,
                 "events/s",
                 "raw scan + msgspec decode",

@@ -268,7 +268,12 @@ def split_replay(models: Models) -> tuple[Catalog, list[Skipped] | None]:
     """The log replayed in two processes from the start, however short it is:
     the catalog, and the skips (``None``: the split left it to a whole replay)."""
     catalog = Catalog(models.declared.models, models.declared.engines)
-    with models.store.read() as conn, patch.object(projections.catalog, "SPLIT_AFTER", 0):
+    with (
+        models.store.read() as conn,
+        patch.object(projections.catalog, "SPLIT_AFTER", 0),
+        # On a machine of one core too: what is tested is the outcome.
+        patch.object(projections.catalog, "_cores", lambda: 2),
+    ):
         assert projections.catalog._can_split(catalog, models.store)
         return catalog, projections.catalog._split_replay(catalog, models.store, conn, None)
 
@@ -347,7 +352,7 @@ def test_a_split_replay_whose_second_process_fails_is_made_whole(
 
 def test_a_replay_is_not_split_while_another_thread_runs() -> None:
     # Forking copies one thread: a lock another holds would stay held in the child.
-    with history_models() as models:
+    with history_models() as models, patch.object(projections.catalog, "_cores", lambda: 2):
         catalog = Catalog(models.declared.models, models.declared.engines)
         assert projections.catalog._can_split(catalog, models.store)
         stop = threading.Event()
