@@ -175,7 +175,7 @@ class Models(AuditTrail, Application[UUID]):
         with self.store.read() as conn:
             snapshots.restore(conn, catalog, self.declared.fingerprint, upto=None)
             since = catalog.revision
-            catch_up(catalog, self.store, conn)
+            catch_up(catalog, self.store, conn, split=True)
         if catalog.revision - since >= self.snapshot_interval:
             self._save_snapshot(catalog)
         for skip in catalog.skipped[:10]:

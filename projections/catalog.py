@@ -55,17 +55,21 @@ def catch_up(
     upto: int | None = None,
     model: str | None = None,
     progress: Progress | None = None,
+    split: bool = False,
 ) -> list[Skipped]:
     """Apply every event after ``catalog.revision`` (up to ``upto``), in order,
     and return the ones skipped. Each event is applied once: the catalog's
     revision is its tracking position. ``model``: only the events that can
     change that model are decoded and applied, for a read of it alone; the
-    catalog's revision, skips and time then say nothing of the others."""
+    catalog's revision, skips and time then say nothing of the others.
+    ``split``: a replay that may be long (a load, a past catalog) is split
+    between two processes where it can be (:func:`_split_replay`); not asked
+    by commands, whose few events would pay for finding out."""
     with collector_paused():
-        if model is None and progress is None:
-            split = _split_replay(catalog, recorder, conn, upto)
-            if split is not None:
-                return split
+        if split and model is None and progress is None:
+            halves = _split_replay(catalog, recorder, conn, upto)
+            if halves is not None:
+                return halves
         pages = recorder.scan(conn, after=catalog.revision, upto=upto)
         if model is not None:
             pages = (_about(page, model) for page in pages)

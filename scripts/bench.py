@@ -31,13 +31,11 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
-from unittest.mock import patch
 
 import sqlalchemy as sa
 from eventsourcing.domain import Aggregate
 from eventsourcing.persistence import JSONTranscoder, Mapper, StoredEvent
 
-import projections.catalog
 from catalog_es.application import Models
 from catalog_es.catalog import Catalog
 from catalog_es.collector import collector_paused
@@ -203,18 +201,17 @@ def replay_figures(url: str, path: Path | None, events: int) -> list[Figure]:
         )
     es_rate = eventsourcing_decode_rate(min(events, 200_000))
 
-    def replay() -> Catalog:
+    def replay(split: bool) -> Catalog:
         catalog = Catalog()
         with recorder.read() as conn:
-            catch_up(catalog, recorder, conn)
+            catch_up(catalog, recorder, conn, split=split)
         return catalog
 
-    replay_s, catalog = timed(replay)
+    replay_s, catalog = timed(lambda: replay(True))
     assert catalog.revision == events and not catalog.skipped
     rate = events / replay_s
     # The same replay kept in one process, as it runs where it cannot split.
-    with patch.object(projections.catalog, "SPLIT_AFTER", sys.maxsize):
-        whole_s, whole = timed(replay)
+    whole_s, whole = timed(lambda: replay(False))
     assert whole.aggregates == catalog.aggregates
     if floor is not None:
         figures.append(

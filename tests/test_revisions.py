@@ -346,7 +346,7 @@ def test_a_split_replay_whose_second_process_fails_is_made_whole(
         assert skipped is None
         monkeypatch.setattr(projections.catalog, "SPLIT_AFTER", 0)
         with models.store.read() as conn:
-            catch_up(catalog, models.store, conn)
+            catch_up(catalog, models.store, conn, split=True)
         assert replay_state(catalog) == expected
 
 
