@@ -15,10 +15,12 @@ second core.
 from __future__ import annotations
 
 import os
+import select
 import signal
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from datetime import datetime
+from io import BufferedReader
 from operator import attrgetter, itemgetter
 from typing import ClassVar
 
@@ -250,9 +252,8 @@ def _split_replay(
         with os.fdopen(reader, "rb") as answer:
             even = _Even.of(catalog)
             try:
-                skipped, last = _replay_half(
-                    catalog, even, recorder.scan(conn, after=after, upto=head, stream_parity=0)
-                )
+                pages = recorder.scan(conn, after=after, upto=head, stream_parity=0)
+                skipped, last = _replay_half(catalog, even, _while_answering(pages, answer))
             except _Crossed:
                 return None
             data = answer.read()
@@ -284,6 +285,16 @@ def _split_replay(
     if lasts:
         catalog.saw(max(lasts)[1])
     return skipped
+
+
+def _while_answering(pages: Iterable[Page], answer: BufferedReader) -> Iterator[Page]:
+    """The parent's pages, given up as soon as the child's half has failed
+    (its pipe closed with no answer): the child stops at its first crossing
+    event, and the rest of the parent's half would be time lost."""
+    for page in pages:
+        yield page
+        if select.select([answer], [], [], 0)[0] and not answer.peek(1):
+            raise _Crossed()
 
 
 def _replay_odd(catalog: Catalog, recorder: SQLRecorder, after: int, head: int) -> bytes:

@@ -6,6 +6,7 @@ the past is checked against what the live service answered at that moment.
 
 from __future__ import annotations
 
+import os
 import tempfile
 import threading
 import time
@@ -348,6 +349,25 @@ def test_a_split_replay_whose_second_process_fails_is_made_whole(
         with models.store.read() as conn:
             catch_up(catalog, models.store, conn, split=True)
         assert replay_state(catalog) == expected
+
+
+@pytest.mark.parametrize("answer", [b"", b"the child's half"])
+def test_the_parent_gives_up_its_half_once_the_child_has_failed(answer: bytes) -> None:
+    # A child that stops at an early crossing closes its pipe with nothing
+    # in it; the parent stops after the page it is on, not at the end of
+    # its half. A child that answered early leaves the parent to go on.
+    reader, writer = os.pipe()
+    os.write(writer, answer)
+    os.close(writer)
+    pages: list[list[tuple[int, str, bytes]]] = [[(1, "t", b"")], [(2, "t", b"")]]
+    with os.fdopen(reader, "rb") as pipe:
+        read = projections.catalog._while_answering(pages, pipe)
+        assert next(read) == pages[0]
+        if answer:
+            assert list(read) == pages[1:]
+        else:
+            with pytest.raises(projections.catalog._Crossed):
+                next(read)
 
 
 def test_a_replay_is_not_split_while_another_thread_runs() -> None:
