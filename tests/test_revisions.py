@@ -25,6 +25,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import projections.catalog
+from catalog_es import cpu
 from catalog_es.application import Models
 from catalog_es.catalog import Catalog, Skipped
 from catalog_es.cli import cli
@@ -273,7 +274,7 @@ def split_replay(models: Models) -> tuple[Catalog, list[Skipped] | None]:
         models.store.read() as conn,
         patch.object(projections.catalog, "SPLIT_AFTER", 0),
         # On a machine of one core too: what is tested is the outcome.
-        patch.object(projections.catalog, "_cores", lambda: 2),
+        patch.object(cpu, "allowance", lambda: 2.0),
     ):
         assert projections.catalog._can_split(catalog, models.store)
         return catalog, projections.catalog._split_replay(catalog, models.store, conn, None)
@@ -372,7 +373,7 @@ def test_the_parent_gives_up_its_half_once_the_child_has_failed(answer: bytes) -
 
 def test_a_replay_is_not_split_while_another_thread_runs() -> None:
     # Forking copies one thread: a lock another holds would stay held in the child.
-    with history_models() as models, patch.object(projections.catalog, "_cores", lambda: 2):
+    with history_models() as models:
         catalog = Catalog(models.declared.models, models.declared.engines)
         assert projections.catalog._can_split(catalog, models.store)
         stop = threading.Event()
