@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable, Iterator
 from datetime import datetime
 from io import BufferedReader
 from operator import attrgetter, itemgetter
+from pathlib import Path
 from typing import ClassVar
 
 import msgspec
@@ -329,8 +330,7 @@ def _replay_odd(catalog: Catalog, recorder: SQLRecorder, after: int, head: int) 
 
 
 def _can_split(catalog: Catalog, recorder: SQLRecorder) -> bool:
-    """A SQLite file (each process opens its own connection), no other thread
-    (forking copies one thread: a lock another held stays held in the child),
+    """A SQLite file (each process opens its own connection), no other thread,
     and no fallback linking runtime models of two halves."""
     url = recorder.engine.url
     return (
@@ -338,6 +338,19 @@ def _can_split(catalog: Catalog, recorder: SQLRecorder) -> bool:
         and url.database not in (None, "", ":memory:")
         and "memory" not in str(url.query.get("mode", ""))
         and hasattr(os, "fork")
-        and threading.active_count() == 1
+        and _alone()
         and all(_parity(name) == _parity(target) for name, target in catalog.runtime_fallbacks())
     )
+
+
+def _alone() -> bool:
+    """No other thread in this process: forking copies one thread, and a lock
+    another held stays held in the child. Counted by the system where it
+    lists them, which also sees threads the threading module did not start
+    (``_thread``'s, a C library's)."""
+    if threading.active_count() != 1:
+        return False
+    try:
+        return sum(1 for _ in Path("/proc/self/task").iterdir()) == 1
+    except OSError:
+        return True

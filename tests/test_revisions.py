@@ -6,6 +6,7 @@ the past is checked against what the live service answered at that moment.
 
 from __future__ import annotations
 
+import _thread
 import os
 import tempfile
 import threading
@@ -371,19 +372,51 @@ def test_the_parent_gives_up_its_half_once_the_child_has_failed(answer: bytes) -
                 next(read)
 
 
-def test_a_replay_is_not_split_while_another_thread_runs() -> None:
+def _threading_thread(wait: Callable[[], object]) -> None:
+    threading.Thread(target=wait).start()
+
+
+def _bare_thread(wait: Callable[[], object]) -> None:
+    # As a C library or _thread starts one: the threading module does not know it.
+    _thread.start_new_thread(wait, ())
+
+
+@pytest.mark.parametrize(
+    "start",
+    [
+        _threading_thread,
+        pytest.param(
+            _bare_thread,
+            marks=pytest.mark.skipif(
+                not Path("/proc/self/task").is_dir(), reason="the system lists no threads"
+            ),
+        ),
+    ],
+)
+def test_a_replay_is_not_split_while_another_thread_runs(
+    start: Callable[[Callable[[], object]], None],
+) -> None:
     # Forking copies one thread: a lock another holds would stay held in the child.
     with history_models() as models:
         catalog = Catalog(models.declared.models, models.declared.engines)
         assert projections.catalog._can_split(catalog, models.store)
-        stop = threading.Event()
-        other = threading.Thread(target=stop.wait)
-        other.start()
+        stop, stopped = threading.Event(), threading.Event()
+
+        def wait() -> None:
+            stop.wait()
+            stopped.set()
+
+        start(wait)
         try:
             assert not projections.catalog._can_split(catalog, models.store)
         finally:
             stop.set()
-            other.join()
+            stopped.wait()
+        # Gone from the system's list of threads too, before the next test forks.
+        deadline = time.monotonic() + 5
+        while not projections.catalog._can_split(catalog, models.store):
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
 
 
 def test_a_read_of_one_model_agrees_with_the_list_past_snapshots(
