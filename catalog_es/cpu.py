@@ -3,7 +3,8 @@
 The cores it may run on say too much in a container: a CPU limit (a cgroup's
 quota) lets it run on every core of the node, for a share of the time. Work
 split over two processes under a quota of one core takes longer than in one
-(a million-event replay: 4.5-4.9 s split, 3.7-3.9 s whole).
+(a million-event replay: 4.5-4.9 s split, 3.7-3.9 s whole). What the files
+say is never trusted to be well formed: anything unreadable is no quota.
 """
 
 from __future__ import annotations
@@ -33,9 +34,11 @@ def cgroup_quota(proc: Path = PROC_SELF) -> float | None:
     cgroup v2, ``cpu.cfs_quota_us`` in v1); ``None`` where none is set or
     none can be read, as off Linux."""
     try:
-        memberships = _memberships((proc / "cgroup").read_text())
-        mounts = (proc / "mountinfo").read_text().splitlines()
-    except OSError:
+        # Paths are the kernel's bytes, not always UTF-8: decoded as the file
+        # system decodes them, so they open as they were written.
+        memberships = _memberships(os.fsdecode((proc / "cgroup").read_bytes()))
+        mounts = os.fsdecode((proc / "mountinfo").read_bytes()).splitlines()
+    except (OSError, ValueError):
         return None
     return min((quota for mount in mounts for quota in _quotas(mount, memberships)), default=None)
 
@@ -56,17 +59,21 @@ def _quotas(mount: str, memberships: dict[str, str]) -> Iterator[float]:
     """The quotas set along the process's cgroup path, if ``mount`` (a line of
     ``/proc/<pid>/mountinfo``) is a cgroup hierarchy with the CPU controller."""
     fields, _, source = mount.partition(" - ")
+    # After the dash: the type, the source (empty for some mounts, and then
+    # not there at all once split) and the options.
     mounted, described = fields.split(), source.split()
-    if len(mounted) < 5 or len(described) < 3:
+    if len(mounted) < 5 or len(described) < 2:
         return
     read: Callable[[Path], float | None]
     if described[0] == "cgroup2":
         path, read = memberships.get(""), _cpu_max
-    elif described[0] == "cgroup" and "cpu" in described[2].split(","):
+    elif described[0] == "cgroup" and "cpu" in described[-1].split(","):
         path, read = memberships.get("cpu"), _cfs_quota
     else:
         return
-    if path is None:
+    # ".." in the path: the process sits outside the cgroup namespace whose
+    # hierarchy the mount shows (entered from the host), so no limit there is its.
+    if path is None or ".." in PurePosixPath(path).parts:
         return
     # The mount shows the hierarchy from ``root`` down (a container sees its own
     # cgroup as the top); the levels above it are not ours to read.
@@ -89,8 +96,8 @@ def _cpu_max(level: Path) -> float | None:
     """cgroup v2: ``cpu.max`` holds "QUOTA PERIOD", QUOTA "max" for none."""
     try:
         quota, period = (level / "cpu.max").read_text().split()
-        return None if quota == "max" else int(quota) / int(period)
-    except (OSError, ValueError, ZeroDivisionError):
+        return None if quota == "max" else _cores(int(quota), int(period))
+    except (OSError, ValueError):
         return None
 
 
@@ -98,10 +105,20 @@ def _cfs_quota(level: Path) -> float | None:
     """cgroup v1: a quota in microseconds per period, -1 for none."""
     try:
         quota = int((level / "cpu.cfs_quota_us").read_text())
-        if quota <= 0:
+        if quota == -1:
             return None
-        return quota / int((level / "cpu.cfs_period_us").read_text())
-    except (OSError, ValueError, ZeroDivisionError):
+        return _cores(quota, int((level / "cpu.cfs_period_us").read_text()))
+    except (OSError, ValueError):
+        return None
+
+
+def _cores(quota: int, period: int) -> float | None:
+    """A quota per period as cores; ``None`` for what no kernel writes."""
+    if quota <= 0 or period <= 0:
+        return None
+    try:
+        return quota / period
+    except OverflowError:
         return None
 
 

@@ -42,7 +42,7 @@ from catalog_es.collector import collector_paused
 from catalog_es.configuration import DeclaredConfig
 from catalog_es.mapper import EventMapper, decode_event
 from catalog_es.model import Model, model_id
-from catalog_es.persistence import WAL_CHECKPOINT_PAGES, SQLRecorder, create_engine
+from catalog_es.persistence import SYNC_ENV, WAL_CHECKPOINT_PAGES, SQLRecorder, create_engine
 from catalog_es.spec import ModelSpec, Profile, Scaling
 from projections.catalog import catch_up
 
@@ -306,11 +306,12 @@ def load_figures(tmp: Path, sizes: tuple[int, int], small: tuple[int, int]) -> l
 
 def raw_connection(path: Path) -> sqlite3.Connection:
     """A plain sqlite3 connection to a new file with the settings the log's
-    connections use (WAL, FULL sync, the same checkpoint interval), holding a
-    table of 300-byte rows: the floor for the log's writes."""
+    connections use (WAL, the sync ``CATALOG_ES_SQLITE_SYNC`` asks for, the
+    same checkpoint interval), holding a table of 300-byte rows: the floor
+    for the log's writes."""
     conn = sqlite3.connect(path, isolation_level=None)
     conn.execute("PRAGMA journal_mode=WAL")
-    conn.execute("PRAGMA synchronous=FULL")
+    conn.execute(f"PRAGMA synchronous={os.environ.get(SYNC_ENV, 'FULL').upper()}")
     conn.execute(f"PRAGMA wal_autocheckpoint={WAL_CHECKPOINT_PAGES}")
     conn.execute("CREATE TABLE IF NOT EXISTS t (id INTEGER PRIMARY KEY AUTOINCREMENT, b BLOB)")
     return conn
@@ -334,13 +335,30 @@ def alternating(runs: dict[str, Callable[[int], object]], count: int) -> dict[st
     (another tenant's writeback) then slows each alike, where timing one run
     after the other put the whole drift on one of them."""
     seconds = dict.fromkeys(runs, 0.0)
-    slice_ = min(250, count)
-    for _ in range(count // slice_):
+    slices = max(2, count // 250)
+    for _ in range(slices):
         for name, run in runs.items():
             start = time.perf_counter()
-            run(slice_)
+            run(count // slices)
             seconds[name] += time.perf_counter() - start
-    return {name: slice_ * (count // slice_) / spent for name, spent in seconds.items()}
+    return {name: count // slices * slices / spent for name, spent in seconds.items()}
+
+
+def until_the_wal_is_full(run: Callable[[int], object], database: Path) -> None:
+    """Commit through ``run`` until the WAL of ``database`` has grown to its
+    checkpoint size: from then on each commit rewrites it in place. While it
+    grows, each fsync also writes the file's new size (about 20 µs more a
+    commit on the twelfth machine)."""
+    wal = database.with_name(database.name + "-wal")
+    with sqlite3.connect(database) as conn:
+        (page_size,) = conn.execute("PRAGMA page_size").fetchone()
+    # A frame is a page and its 24-byte header.
+    full = WAL_CHECKPOINT_PAGES * (page_size + 24)
+    for _ in range(WAL_CHECKPOINT_PAGES):
+        if wal.exists() and wal.stat().st_size >= full:
+            return
+        run(50)
+    raise RuntimeError(f"{wal} did not reach {full:,} bytes")
 
 
 def command_figures(url: str, path: Path | None, models_n: int, commands: int) -> list[Figure]:
@@ -369,13 +387,11 @@ def command_figures(url: str, path: Path | None, models_n: int, commands: int) -
                 raw.execute("COMMIT")
 
         runs["raw"] = commit
-        # Both measured as a running server sees them: once the WAL has grown
-        # to its checkpoint size and each commit rewrites it in place. While it
-        # grows, each fsync also writes the file's new size (about 20 µs more a
-        # commit here), for a command's first 4,000 pages and the raw loop's,
-        # which writes half as many a commit, for twice as many commits.
-        commit(WAL_CHECKPOINT_PAGES // 2)
-        scale(WAL_CHECKPOINT_PAGES // 4)
+        # Both measured as a running server sees them, once the WAL stopped
+        # growing: the raw loop, writing half the pages a command does, would
+        # otherwise spend more of its run growing it.
+        until_the_wal_is_full(commit, path.with_suffix(".raw"))
+        until_the_wal_is_full(scale, path)
     rates = alternating(runs, commands)
     if path is not None:
         raw.close()
