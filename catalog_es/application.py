@@ -519,7 +519,7 @@ class Models(AuditTrail, Application[UUID]):
                 batch.record_declaration(self.declared)
                 plan(batch)
                 if dry_run or not (batch.changes or (records_only and batch.records)):
-                    conn.rollback()
+                    self.store.abandon(conn)
                     return head, batch.changes
                 # Straight to the recorder: eventsourcing's EventStore.put would
                 # build a Recording per event only for us to read its revision.

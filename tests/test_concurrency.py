@@ -7,6 +7,7 @@ stack imported already (``forkserver``), so a test can start many of them.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
 import os
@@ -16,6 +17,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import UTC, datetime
 from multiprocessing.context import ForkServerContext
 from pathlib import Path
 from typing import Any
@@ -23,11 +25,13 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from click.testing import CliRunner
+from eventsourcing.persistence import Tracking
 
 from catalog_es.application import Models
 from catalog_es.cli import cli
 from catalog_es.errors import RevisionConflict
 from catalog_es.inputs import DeclaredConfig
+from catalog_es.model import Model, model_id
 from catalog_es.persistence import (
     LOCK_WAIT_ENV,
     SYNC_ENV,
@@ -399,5 +403,50 @@ def test_a_write_connection_broken_underneath_is_dropped_and_the_next_write_reco
     assert models.store._writer is None
     models.scale("a", 0, 2, by="ops")
     assert count_events(url) == before + 1
+    assert models.get_model("a")["scaling"] == {"min": 0, "max": 2}
+    models.close()
+
+
+class _Stop(Exception):
+    pass
+
+
+@pytest.mark.parametrize("order", ["sqlalchemy-then-driver", "driver-then-sqlalchemy", "driver"])
+@pytest.mark.parametrize("end", ["commit", "raise", "abandon"])
+def test_a_write_ends_whole_whichever_layer_its_statements_went_through(
+    db_url: str, end: str, order: str
+) -> None:
+    """On SQLite a write transaction is begun and ended on the driver; a
+    statement made through SQLAlchemy inside it joins it. So a write that
+    raises or is abandoned leaves nothing of either kind, one that ends keeps
+    both, and nothing is left open for the next command."""
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
+    models.add(model_spec("a"), by="ops")
+    before = count_events(db_url)
+    added = Model.Added(
+        originator_id=model_id("b"),
+        originator_version=1,
+        timestamp=datetime.now(UTC),
+        by="ops",
+        model="b",
+        spec=model_spec("b"),
+    )
+    with contextlib.suppress(_Stop), models.store.write() as conn:
+        steps = {
+            "sqlalchemy": lambda: models.store._insert_tracking(conn, Tracking("test-reader", 7)),
+            "driver": lambda: models.events.put([added], conn=conn),
+        }
+        for layer in order.split("-then-"):
+            steps[layer]()
+        if end == "raise":
+            raise _Stop
+        if end == "abandon":
+            models.store.abandon(conn)
+    kept = end == "commit"
+    assert count_events(db_url) == before + kept
+    tracked = 7 if kept and "sqlalchemy" in order else None
+    assert models.store.max_tracking_id("test-reader") == tracked
+    models.scale("a", 0, 2, by="ops")
+    assert count_events(db_url) == before + kept + 1
     assert models.get_model("a")["scaling"] == {"min": 0, "max": 2}
     models.close()
