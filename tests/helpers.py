@@ -78,12 +78,12 @@ def config_yaml(*declared: ModelSpec, engines: Sequence[str] | None = None) -> s
 # -- events ----------------------------------------------------------------------
 
 
-def event(cls: type[Model.Event], name: str, **fields: Any) -> Model.Event:
+def event(cls: type[Model.Event], name: str, *, version: int = 0, **fields: Any) -> Model.Event:
     """An event of ``cls`` on model ``name``; its stream version is stamped by
-    :func:`given` or :func:`candidate`."""
+    :func:`given` or :func:`candidate`, or given as ``version`` to store it."""
     return cls(
         originator_id=model_id(name),
-        originator_version=0,
+        originator_version=version,
         timestamp=utc_now(),
         model=name,
         by=ACTOR,

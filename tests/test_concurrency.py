@@ -17,7 +17,6 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import UTC, datetime
 from multiprocessing.context import ForkServerContext
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,7 @@ from catalog_es.application import Models
 from catalog_es.cli import cli
 from catalog_es.errors import RevisionConflict
 from catalog_es.inputs import DeclaredConfig
-from catalog_es.model import Model, model_id
+from catalog_es.model import Model
 from catalog_es.persistence import (
     LOCK_WAIT_ENV,
     SYNC_ENV,
@@ -40,7 +39,7 @@ from catalog_es.persistence import (
     SQLRecorder,
     create_engine,
 )
-from tests.helpers import count_events, model_data, model_spec
+from tests.helpers import count_events, event, model_data, model_spec
 
 
 def forkserver() -> ForkServerContext:
@@ -423,14 +422,7 @@ def test_a_write_ends_whole_whichever_layer_its_statements_went_through(
     models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
     models.add(model_spec("a"), by="ops")
     before = count_events(db_url)
-    added = Model.Added(
-        originator_id=model_id("b"),
-        originator_version=1,
-        timestamp=datetime.now(UTC),
-        by="ops",
-        model="b",
-        spec=model_spec("b"),
-    )
+    added = event(Model.Added, "b", version=1, spec=model_spec("b"))
     with contextlib.suppress(_Stop), models.store.write() as conn:
         steps = {
             "sqlalchemy": lambda: models.store._insert_tracking(conn, Tracking("test-reader", 7)),
