@@ -663,19 +663,18 @@ class SQLRecorder(ProcessRecorder):
                     revisions += sorted(int(r[0]) for r in cursor.fetchall())
             moved = (revisions[-1], chained)
             if head is None:
-                cursor.execute(
-                    self._sql("INSERT INTO catalog_head (id, revision, hash) VALUES (1, ?, ?)"),
-                    moved,
-                )
+                move = "INSERT INTO catalog_head (id, revision, hash) VALUES (1, ?, ?)"
             else:
-                cursor.execute(self._sql("UPDATE catalog_head SET revision = ?, hash = ?"), moved)
+                move = "UPDATE catalog_head SET revision = ?, hash = ?"
+            if self.dialect == "postgresql":
+                # Followers are told with the head's move, in its round trip;
+                # delivered at commit, so a follower never wakes before it can read.
+                move += f" RETURNING pg_notify('{CHANNEL}', '')"
+            cursor.execute(self._sql(move), moved)
         except dbapi_error as error:
             raise sa.exc.DBAPIError.instance(insert, None, error, dbapi_error) from None
         finally:
             cursor.close()
-        if self.dialect == "postgresql":
-            # Delivered at commit, so a follower never wakes before it can read.
-            conn.exec_driver_sql(f"NOTIFY {CHANNEL}")
         return revisions
 
     def scan_chain(self, conn: Connection) -> Iterator[ChainRow]:
