@@ -203,14 +203,27 @@ def create_engine(url: str) -> Engine:
         @sa.event.listens_for(engine, "begin")
         def _begin(connection: Connection) -> None:
             driver = connection.connection.driver_connection
-            if driver.in_transaction:  # type: ignore[union-attr]
-                # A statement made through SQLAlchemy inside a write begun on
-                # the driver (:func:`_on_the_driver`) joins that transaction.
-                return
+            if connection.info.get(_OPEN_WRITE):
+                if _in_transaction(driver):
+                    # A statement made through SQLAlchemy inside a write begun on
+                    # the driver (:func:`_on_the_driver`) joins that transaction.
+                    return
+                # A second transaction, which the block's end would commit.
+                raise sa.exc.InvalidRequestError(
+                    "this write was rolled back inside its block: end the block"
+                )
             write = connection.get_execution_options().get("catalog_write", False)
             # On the driver: through exec_driver_sql this statement cost a
             # command more than its insert did.
             _driver(driver, "BEGIN IMMEDIATE" if write else "BEGIN")
+
+        @sa.event.listens_for(engine, "commit")
+        def _commit(connection: Connection) -> None:
+            if connection.info.get(_OPEN_WRITE):
+                # Committing part of a write would let go of the lock inside it.
+                raise sa.exc.InvalidRequestError(
+                    "a write is committed when its block ends, not inside it"
+                )
 
         return engine
     return sa.create_engine(url, pool_pre_ping=True)
@@ -227,26 +240,49 @@ def _driver(driver: Any, statement: str) -> None:
         raise sa.exc.DBAPIError.instance(statement, None, error, sqlite3.Error) from None
 
 
+# In a held writer's ``info`` while a write begun on its driver is open.
+_OPEN_WRITE = "catalog_es.open_write"
+
+
+def _in_transaction(driver: Any) -> bool:
+    """Whether the sqlite3 connection is in a transaction; the error of a closed
+    one wrapped as :func:`_driver` wraps them, so the writer lets it go."""
+    try:
+        return bool(driver.in_transaction)
+    except sqlite3.Error as error:
+        raise sa.exc.DBAPIError.instance("in_transaction", None, error, sqlite3.Error) from None
+
+
 @contextmanager
 def _on_the_driver(conn: Connection) -> Iterator[None]:
     """A write transaction begun and ended on the driver of SQLite connection
     ``conn``: SQLAlchemy's own, around the same two statements, cost a command
-    10 µs more (about 8% of one with the sync left to checkpoints). Ended by
-    SQLAlchemy where a statement it made began its transaction inside."""
+    10 µs more (about 8% of one with the sync left to checkpoints). A statement
+    made through SQLAlchemy inside joins it; ending it then is SQLAlchemy's.
+    Whatever interrupts it, BEGIN and COMMIT included (a signal's exception
+    lands just after a statement), rolls it back."""
     driver = conn.connection.driver_connection
-    _driver(driver, "BEGIN IMMEDIATE")
     try:
+        _driver(driver, "BEGIN IMMEDIATE")
+        conn.info[_OPEN_WRITE] = True
         yield
+        conn.info[_OPEN_WRITE] = False
+        _end(conn, driver, commit=True)
     except BaseException:
-        if conn.in_transaction():
-            conn.rollback()
-        elif driver.in_transaction:  # type: ignore[union-attr]
-            _driver(driver, "ROLLBACK")
+        with suppress(sa.exc.SQLAlchemyError):  # the first error is the one to tell
+            conn.info[_OPEN_WRITE] = False
+            _end(conn, driver, commit=False)
         raise
+
+
+def _end(conn: Connection, driver: Any, *, commit: bool) -> None:
     if conn.in_transaction():
-        conn.commit()
-    elif driver.in_transaction:  # type: ignore[union-attr]
-        _driver(driver, "COMMIT")
+        if commit:
+            conn.commit()
+        else:
+            conn.rollback()
+    elif _in_transaction(driver):
+        _driver(driver, "COMMIT" if commit else "ROLLBACK")
 
 
 def _is_busy(error: sa.exc.OperationalError) -> bool:
@@ -279,7 +315,11 @@ class SQLRecorder(ProcessRecorder):
         with self._writer_lock:
             if self._writer_pid != os.getpid():
                 self._writer = None  # inherited through a fork: not ours to touch
-            if self._writer is not None and time.monotonic() - self._writer_used > 60:
+            if (
+                self._writer is not None
+                and self.dialect != "sqlite"
+                and time.monotonic() - self._writer_used > 60
+            ):
                 # Long idle: the server may have closed it. Ask before relying on it.
                 try:
                     self._writer.exec_driver_sql("SELECT 1")
@@ -305,6 +345,27 @@ class SQLRecorder(ProcessRecorder):
             except sa.exc.SQLAlchemyError:
                 self._discard_writer()
                 raise
+            except BaseException:
+                # Interrupted where nothing could end its transaction (a signal
+                # between two statements): a writer left in one would hold the
+                # write lock, against every process, until its next write.
+                if not self._writer_is_idle():
+                    self._discard_writer()
+                raise
+
+    def _writer_is_idle(self) -> bool:
+        """Whether the held writer is in no transaction, its driver's included."""
+        writer = self._writer
+        if writer is None:
+            return True
+        try:
+            if writer.in_transaction():
+                return False
+            return self.dialect != "sqlite" or not _in_transaction(
+                writer.connection.driver_connection
+            )
+        except sa.exc.SQLAlchemyError:
+            return False
 
     def _discard_writer(self) -> None:
         """Close the held writer for good, rather than hand it back to the pool
@@ -368,7 +429,7 @@ class SQLRecorder(ProcessRecorder):
             conn.rollback()
         elif self.dialect == "sqlite":
             driver = conn.connection.driver_connection
-            if driver.in_transaction:  # type: ignore[union-attr]
+            if _in_transaction(driver):
                 _driver(driver, "ROLLBACK")
 
     @contextmanager

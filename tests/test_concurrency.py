@@ -11,6 +11,8 @@ import contextlib
 import json
 import multiprocessing
 import os
+import random
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -440,5 +442,80 @@ def test_a_write_ends_whole_whichever_layer_its_statements_went_through(
     assert models.store.max_tracking_id("test-reader") == tracked
     models.scale("a", 0, 2, by="ops")
     assert count_events(db_url) == before + kept + 1
+    assert models.get_model("a")["scaling"] == {"min": 0, "max": 2}
+    models.close()
+
+
+def test_a_write_is_committed_whole_at_the_end_of_its_block_or_refused(tmp_path: Path) -> None:
+    """Committing through SQLAlchemy inside a write, or writing again after
+    abandoning it, would let part of the block land on its own: both are
+    refused, and nothing of the block is written."""
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": f"sqlite:///{tmp_path}/c.db"})
+    models.add(model_spec("a"), by="ops")
+    track = "INSERT INTO catalog_tracking (application_name, notification_id) VALUES ('t', 1)"
+    committed = pytest.raises(sa.exc.InvalidRequestError, match="committed when its block ends")
+    with committed, models.store.write() as conn, conn.begin():
+        conn.exec_driver_sql(track)
+    reused = pytest.raises(sa.exc.InvalidRequestError, match="rolled back inside its block")
+    with reused, models.store.write() as conn:
+        models.store.abandon(conn)
+        conn.exec_driver_sql(track)
+    assert models.store.max_tracking_id("t") is None
+    models.scale("a", 0, 2, by="ops")
+    assert models.get_model("a")["scaling"] == {"min": 0, "max": 2}
+    models.close()
+
+
+def test_a_write_connection_closed_inside_a_write_is_let_go(tmp_path: Path) -> None:
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": f"sqlite:///{tmp_path}/c.db"})
+    models.add(model_spec("a"), by="ops")
+    closed = pytest.raises(sa.exc.ProgrammingError, match="closed database")
+    with closed, models.store.write() as conn:
+        conn.connection.driver_connection.close()  # type: ignore[union-attr]
+    assert models.store._writer is None
+    models.scale("a", 0, 2, by="ops")
+    assert models.get_model("a")["scaling"] == {"min": 0, "max": 2}
+    models.close()
+
+
+def test_an_interrupt_anywhere_in_a_write_leaves_no_lock_held(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C in a process that goes on (a REPL, a notebook) lands between any
+    two statements of a write, BEGIN and COMMIT included: what it interrupts
+    is rolled back or let go, so no other process waits on a lock that no one
+    will release, and the next command writes."""
+    monkeypatch.setenv(SYNC_ENV, "NORMAL")  # many commands in a short time
+    path = tmp_path / "c.db"
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": f"sqlite:///{path}"})
+    models.add(model_spec("a"), by="ops")
+    rng = random.Random(1)
+
+    def interrupt(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    interrupts = 0
+    try:
+        deadline = time.monotonic() + 2
+        while time.monotonic() < deadline:
+            # One signal, within the first few commands of the run.
+            signal.setitimer(signal.ITIMER_REAL, rng.uniform(0.00005, 0.0012))
+            try:
+                for i in range(1000):
+                    models.scale("a", i % 2, 3, by="ops")
+            except KeyboardInterrupt:
+                interrupts += 1
+            other = sqlite3.connect(path, timeout=0, isolation_level=None)
+            try:
+                other.execute("BEGIN IMMEDIATE")  # "database is locked" if one is held
+                other.execute("ROLLBACK")
+            finally:
+                other.close()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert interrupts > 100
+    models.scale("a", 0, 2, by="ops")
     assert models.get_model("a")["scaling"] == {"min": 0, "max": 2}
     models.close()
