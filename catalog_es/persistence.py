@@ -310,8 +310,9 @@ class SQLRecorder(ProcessRecorder):
         """The connection for write transactions, held open between them:
         checking one out of the pool, with its events, cost a command more than
         its SQL did. One writer at a time in this process; a forked child opens
-        its own (the parent's is not its to use); a database error drops it,
-        in case it is broken, and the next write connects afresh."""
+        its own (the parent's is not its to use); a database error other than
+        a busy database drops it, in case it is broken, and the next write
+        connects afresh."""
         with self._writer_lock:
             if self._writer_pid != os.getpid():
                 self._writer = None  # inherited through a fork: not ours to touch
@@ -342,8 +343,12 @@ class SQLRecorder(ProcessRecorder):
             self._writer_used = time.monotonic()
             try:
                 yield self._writer
-            except sa.exc.SQLAlchemyError:
-                self._discard_writer()
+            except sa.exc.SQLAlchemyError as error:
+                # Waiting out another writer broke nothing: the connection, and
+                # its cache, stay for the next write.
+                busy = isinstance(error, sa.exc.OperationalError) and _is_busy(error)
+                if not (busy and self._writer_is_idle()):
+                    self._discard_writer()
                 raise
             except BaseException:
                 # Interrupted where nothing could end its transaction (a signal
