@@ -350,6 +350,12 @@ class SQLRecorder(ProcessRecorder):
                 if not (busy and self._writer_is_idle()):
                     self._discard_writer()
                 raise
+            except self.engine.dialect.loaded_dbapi.Error as error:
+                # From a statement made straight on the driver (the hot reads):
+                # told as SQLAlchemy tells the others.
+                self._discard_writer()
+                dbapi_error = self.engine.dialect.loaded_dbapi.Error
+                raise sa.exc.DBAPIError.instance(None, None, error, dbapi_error) from None
             except BaseException:
                 # Interrupted where nothing could end its transaction (a signal
                 # between two statements): a writer left in one would hold the
