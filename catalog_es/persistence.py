@@ -20,6 +20,7 @@ import os
 import sqlite3
 import threading
 import time
+import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from typing import Any
@@ -175,6 +176,27 @@ def stream_parity(originator_id: UUID) -> int:
 
 def create_engine(url: str) -> Engine:
     """An engine with the settings the log relies on."""
+    engine = _settled_engine(url)
+    _forgotten_by_children(engine)
+    return engine
+
+
+def _forgotten_by_children(engine: Engine) -> None:
+    """A forked child must not use its parent's connections: a PostgreSQL
+    session's socket, a SQLite file's locks (which the child does not hold,
+    though its copy of the connection thinks it does). Its copy of the pool
+    lets them go, unclosed, as it starts, and it connects afresh."""
+    reference = weakref.ref(engine)
+
+    def forget() -> None:
+        inherited = reference()
+        if inherited is not None:
+            inherited.dispose(close=False)
+
+    os.register_at_fork(after_in_child=forget)
+
+
+def _settled_engine(url: str) -> Engine:
     if url.startswith("sqlite"):
         # FULL (the default): a command reported as written survives a power cut.
         # NORMAL: it survives the process being killed, not the machine losing power.

@@ -546,3 +546,33 @@ def test_a_busy_database_keeps_the_write_connection(
     assert models.store._writer is writer
     assert models.get_model("m")["scaling"] == {"min": 0, "max": 3}
     models.close()
+
+
+def test_a_forked_child_uses_connections_of_its_own(db_url: str) -> None:
+    """A process forked from one that wrote and read (multiprocessing's fork,
+    a pre-forking server) writes and reads through connections it opened
+    itself: the parent's SQLite locks are not its own, and a PostgreSQL
+    session cannot serve two processes."""
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
+    models.add(model_spec("a"), by="ops")
+    assert models.store._writer is not None
+    parents = [models.store._writer.connection.driver_connection]
+    with models.store.read() as conn:  # checked out of the pool, and back
+        parents.append(conn.connection.driver_connection)
+    child = os.fork()
+    if child == 0:
+        code = 1
+        try:
+            models.scale("a", 0, 2, by="child")
+            assert models.store._writer is not None
+            used = [models.store._writer.connection.driver_connection]
+            with models.store.read() as conn:
+                used.append(conn.connection.driver_connection)
+            code = 0 if all(u is not p for u in used for p in parents) else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    models.scale("a", 0, 3, by="parent")
+    assert models.get_model("a")["scaling"] == {"min": 0, "max": 3}
+    models.close()
