@@ -458,12 +458,10 @@ class SQLRecorder(ProcessRecorder):
         """Roll back the transaction of ``conn`` (from :meth:`write`), which on
         SQLite may be the driver's alone, where ``conn.rollback()`` would not
         reach it."""
-        if conn.in_transaction():
+        if self.dialect == "sqlite":
+            _end(conn, conn.connection.driver_connection, commit=False)
+        else:
             conn.rollback()
-        elif self.dialect == "sqlite":
-            driver = conn.connection.driver_connection
-            if _in_transaction(driver):
-                _driver(driver, "ROLLBACK")
 
     @contextmanager
     def _locked(
