@@ -318,6 +318,8 @@ class SQLRecorder(ProcessRecorder):
     def __init__(self, engine: Engine, *, create_tables: bool = True) -> None:
         self.engine = engine
         self.dialect = engine.dialect.name
+        # The driver's errors, which statements made straight on it raise.
+        self._dbapi_error: type[Exception] = engine.dialect.loaded_dbapi.Error
         self.lock_wait = lock_wait_seconds()
         # The connection writes go through, held between them (see _writer_connection).
         self._writer: Connection | None = None
@@ -372,12 +374,11 @@ class SQLRecorder(ProcessRecorder):
                 if not (busy and self._writer_is_idle()):
                     self._discard_writer()
                 raise
-            except self.engine.dialect.loaded_dbapi.Error as error:
+            except self._dbapi_error as error:
                 # From a statement made straight on the driver (the hot reads):
                 # told as SQLAlchemy tells the others.
                 self._discard_writer()
-                dbapi_error = self.engine.dialect.loaded_dbapi.Error
-                raise sa.exc.DBAPIError.instance(None, None, error, dbapi_error) from None
+                raise sa.exc.DBAPIError.instance(None, None, error, self._dbapi_error) from None
             except BaseException:
                 # Interrupted where nothing could end its transaction (a signal
                 # between two statements): a writer left in one would hold the
@@ -723,7 +724,6 @@ class SQLRecorder(ProcessRecorder):
         )
         # The driver's errors, wrapped as SQLAlchemy wraps them (as BEGIN's are):
         # the held writer then lets go of a connection the error may have broken.
-        dbapi_error: type[Exception] = conn.dialect.loaded_dbapi.Error
         cursor = conn.connection.cursor()
         try:
             if len(rows) == 1:
@@ -763,8 +763,8 @@ class SQLRecorder(ProcessRecorder):
                 # delivered at commit, so a follower never wakes before it can read.
                 move += f" RETURNING pg_notify('{CHANNEL}', '')"
             cursor.execute(self._sql(move), moved)
-        except dbapi_error as error:
-            raise sa.exc.DBAPIError.instance(insert, None, error, dbapi_error) from None
+        except self._dbapi_error as error:
+            raise sa.exc.DBAPIError.instance(insert, None, error, self._dbapi_error) from None
         finally:
             cursor.close()
         return revisions
