@@ -55,6 +55,11 @@ def encode_event(event: DomainEvent) -> bytes:
 
 _VERSIONS: dict[type[DomainEvent], int] = {cls: cls.current_version() for cls in _STORED}
 
+# What decoding a stored payload raises when it cannot be read: msgspec's
+# errors, and TypeError for one that is not bytes at all (SQLite lets a row
+# hold any type, a number for the payload say).
+UNREADABLE = (msgspec.MsgspecError, TypeError)
+
 
 def decode_event(topic: str, state: bytes) -> DomainEvent:
     """The event stored as ``state`` under ``topic``, upcast to this code's version."""
@@ -63,7 +68,7 @@ def decode_event(topic: str, state: bytes) -> DomainEvent:
         raise UndecodableEvent(f"unknown event type {topic!r}")
     try:
         event: DomainEvent = decoder.decode(state)
-    except (msgspec.MsgspecError, TypeError):
+    except UNREADABLE:
         pass  # an older shape, perhaps, or not bytes at all: try the upcasting path
     else:
         if event.class_version == _VERSIONS[type(event)]:
@@ -90,7 +95,7 @@ def is_about_another(topic: str, state: bytes, model: str) -> bool:
         return True  # replay skips it
     try:
         about = _about.decode(state)
-    except (msgspec.MsgspecError, TypeError):
+    except UNREADABLE:
         return False
     return about.class_version == _VERSIONS[cls] and about.model != model
 
@@ -106,7 +111,7 @@ def model_of_state(state: bytes) -> str:
     """The model an undecodable record was about, when that much can be read."""
     try:
         data = _raw.decode(state)
-    except (msgspec.MsgspecError, TypeError):
+    except UNREADABLE:
         return ""
     value = data.get("model", "")
     return value if isinstance(value, str) else ""
@@ -116,8 +121,7 @@ def _upcast(cls: type[DomainEvent], state: bytes) -> DomainEvent:
     current = _VERSIONS[cls]
     try:
         data = _raw.decode(state)
-    except (msgspec.MsgspecError, TypeError) as error:
-        # TypeError: SQLite lets a row hold any type, a number for the payload say.
+    except UNREADABLE as error:
         raise UndecodableEvent(f"corrupt payload: {error}") from None
     version = data.get("class_version", 1)
     if not isinstance(version, int) or version < 1:

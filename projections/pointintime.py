@@ -20,6 +20,7 @@ from catalog_es.catalog import Catalog
 from catalog_es.collector import collector_paused
 from catalog_es.configuration import DeclaredConfig
 from catalog_es.errors import Refused
+from catalog_es.mapper import UNREADABLE
 from catalog_es.model import MAX_CLOCK_SKEW, UtcTime, utc_now
 from catalog_es.persistence import SQLRecorder, events_table
 from catalog_es.spec import EVERY_FIELD, ModelSpec
@@ -37,7 +38,7 @@ _stamp_decoder = msgspec.json.Decoder(_Stamp)
 def _stamp(state: bytes) -> datetime | None:
     try:
         return _stamp_decoder.decode(state).timestamp
-    except (msgspec.MsgspecError, TypeError):  # TypeError: a payload that is not bytes
+    except UNREADABLE:
         return None
 
 
