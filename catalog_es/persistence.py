@@ -174,6 +174,16 @@ def stream_parity(originator_id: UUID) -> int:
     return originator_id.int & 1
 
 
+def sqlite_synchronous() -> str:
+    """SQLite's ``synchronous`` setting for the log, from ``CATALOG_ES_SQLITE_SYNC``.
+    FULL (the default): a command reported as written survives a power cut.
+    NORMAL: it survives the process being killed, not the machine losing power."""
+    synchronous = os.environ.get(SYNC_ENV, "FULL").upper()
+    if synchronous not in ("FULL", "NORMAL"):
+        raise ConfigError(f"{SYNC_ENV} must be FULL or NORMAL, not {synchronous!r}")
+    return synchronous
+
+
 def create_engine(url: str) -> Engine:
     """An engine with the settings the log relies on."""
     engine = _settled_engine(url)
@@ -198,11 +208,7 @@ def _forgotten_by_children(engine: Engine) -> None:
 
 def _settled_engine(url: str) -> Engine:
     if url.startswith("sqlite"):
-        # FULL (the default): a command reported as written survives a power cut.
-        # NORMAL: it survives the process being killed, not the machine losing power.
-        synchronous = os.environ.get(SYNC_ENV, "FULL").upper()
-        if synchronous not in ("FULL", "NORMAL"):
-            raise ConfigError(f"{SYNC_ENV} must be FULL or NORMAL, not {synchronous!r}")
+        synchronous = sqlite_synchronous()
         wait = lock_wait_seconds()
         engine = sa.create_engine(url, connect_args={"timeout": wait})
 

@@ -42,7 +42,12 @@ from catalog_es.collector import collector_paused
 from catalog_es.configuration import DeclaredConfig
 from catalog_es.mapper import EventMapper, decode_event
 from catalog_es.model import Model, model_id
-from catalog_es.persistence import SYNC_ENV, WAL_CHECKPOINT_PAGES, SQLRecorder, create_engine
+from catalog_es.persistence import (
+    WAL_CHECKPOINT_PAGES,
+    SQLRecorder,
+    create_engine,
+    sqlite_synchronous,
+)
 from catalog_es.spec import ModelSpec, Profile, Scaling
 from projections.catalog import catch_up
 
@@ -311,7 +316,7 @@ def raw_connection(path: Path) -> sqlite3.Connection:
     for the log's writes."""
     conn = sqlite3.connect(path, isolation_level=None)
     conn.execute("PRAGMA journal_mode=WAL")
-    conn.execute(f"PRAGMA synchronous={os.environ.get(SYNC_ENV, 'FULL').upper()}")
+    conn.execute(f"PRAGMA synchronous={sqlite_synchronous()}")
     conn.execute(f"PRAGMA wal_autocheckpoint={WAL_CHECKPOINT_PAGES}")
     conn.execute("CREATE TABLE IF NOT EXISTS t (id INTEGER PRIMARY KEY AUTOINCREMENT, b BLOB)")
     return conn
