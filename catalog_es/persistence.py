@@ -61,8 +61,11 @@ BIGINT = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
 events_table = sa.Table(
     "catalog_events",
     metadata,
-    # AUTOINCREMENT on SQLite: a revision is never reused, even after the last
-    # row is deleted (which verify must be able to notice).
+    # On SQLite the appender numbers the revisions itself, after both the head
+    # and the last stored row, so none is reused even after the last row is
+    # deleted (which verify must be able to notice). AUTOINCREMENT promised
+    # the same at the cost of a sqlite_sequence page in every command; logs
+    # made with it keep it, and it follows the numbers given.
     sa.Column("revision", BIGINT, primary_key=True, autoincrement=True),
     sa.Column("originator_id", sa.Uuid(), nullable=False),
     sa.Column("originator_version", BIGINT, nullable=False),
@@ -71,7 +74,6 @@ events_table = sa.Table(
     # sha256 hex of the previous event's hash and this event (catalog_es.chain).
     sa.Column("hash", sa.String(64), nullable=False),
     sa.UniqueConstraint("originator_id", "originator_version", name="catalog_events_stream"),
-    sqlite_autoincrement=True,
 )
 
 # The last revision and its hash, kept apart from the events so that deleting
@@ -705,46 +707,58 @@ class SQLRecorder(ProcessRecorder):
         """The head of the hash chain as stored, ``None`` before the first event."""
         cursor = conn.connection.cursor()
         try:
-            cursor.execute("SELECT revision, hash FROM catalog_head")
-            row = cursor.fetchone()
+            return self._tail(cursor)[0]
         finally:
             cursor.close()
-        return ChainHead(revision=int(row[0]), hash=row[1]) if row is not None else None
+
+    def _tail(self, cursor: Any) -> tuple[ChainHead | None, int]:
+        """The head of the hash chain as stored (``None`` before the first
+        event), and the revision a SQLite append numbers after: the larger of
+        the head's and the last stored row's (a row put past the head by hand
+        is not collided with; one deleted after it is not reused). One read."""
+        if self.dialect == "sqlite":
+            cursor.execute(
+                "SELECT (SELECT revision FROM catalog_head), (SELECT hash FROM catalog_head),"
+                " (SELECT max(revision) FROM catalog_events)"
+            )
+            revision, hash_, stored = cursor.fetchone()
+        else:
+            cursor.execute("SELECT revision, hash FROM catalog_head")
+            revision, hash_ = cursor.fetchone() or (None, None)
+            stored = None
+        head = ChainHead(revision=int(revision), hash=hash_) if revision is not None else None
+        return head, max(int(revision or 0), int(stored or 0))
 
     def _append(self, conn: Connection, stored_events: Sequence[StoredEvent]) -> list[int]:
         """Insert events, each chained onto the one before, and move the head:
         one read and one write of the head per transaction, not per event.
         Straight through the driver: this is every command's write."""
-        head = self.chain_head(conn)
-        chained = head.hash if head is not None else GENESIS
-        rows = []
-        for e in stored_events:
-            originator_id = _as_uuid(e.originator_id)
-            chained = link(chained, originator_id, e.originator_version, e.topic, e.state)
-            rows.append(
-                (self._uuid(originator_id), e.originator_version, e.topic, e.state, chained)
-            )
-        insert = self._sql(
-            "INSERT INTO catalog_events (originator_id, originator_version, topic, state, hash)"
-            " VALUES (?, ?, ?, ?, ?)"
-        )
+        columns = "originator_id, originator_version, topic, state, hash"
         # The driver's errors, wrapped as SQLAlchemy wraps them (as BEGIN's are):
         # the held writer then lets go of a connection the error may have broken.
         cursor = conn.connection.cursor()
         try:
-            if len(rows) == 1:
-                cursor.execute(insert + " RETURNING revision", rows[0])
-                row = cursor.fetchone()
-                assert row is not None, "INSERT … RETURNING returns the row"
-                revisions = [int(row[0])]
-            elif self.dialect == "sqlite":
-                # Under the write lock, AUTOINCREMENT hands out consecutive rowids:
-                # the batch's revisions are the ones ending at the last inserted.
-                cursor.executemany(insert, rows)
-                cursor.execute("SELECT last_insert_rowid()")
-                row = cursor.fetchone()
-                assert row is not None
-                revisions = list(range(int(row[0]) - len(rows) + 1, int(row[0]) + 1))
+            head, last = self._tail(cursor)
+            chained = head.hash if head is not None else GENESIS
+            rows = []
+            for e in stored_events:
+                originator_id = _as_uuid(e.originator_id)
+                chained = link(chained, originator_id, e.originator_version, e.topic, e.state)
+                rows.append(
+                    (self._uuid(originator_id), e.originator_version, e.topic, e.state, chained)
+                )
+            if self.dialect == "sqlite":
+                # Under the write lock nothing else appends: the next revisions
+                # are known, and no sqlite_sequence page is written for them.
+                revisions = list(range(last + 1, last + 1 + len(rows)))
+                insert = (
+                    f"INSERT INTO catalog_events (revision, {columns}) VALUES (?, ?, ?, ?, ?, ?)"
+                )
+                numbered = [(n, *row) for n, row in zip(revisions, rows, strict=True)]
+                if len(numbered) == 1:
+                    cursor.execute(insert, numbered[0])
+                else:
+                    cursor.executemany(insert, numbered)
             else:
                 revisions = []
                 # Multi-row VALUES in chunks: one round trip per thousand events,
@@ -752,12 +766,8 @@ class SQLRecorder(ProcessRecorder):
                 for start in range(0, len(rows), 1000):
                     chunk = rows[start : start + 1000]
                     values = ", ".join(["(%s, %s, %s, %s, %s)"] * len(chunk))
-                    cursor.execute(
-                        "INSERT INTO catalog_events"
-                        " (originator_id, originator_version, topic, state, hash)"
-                        f" VALUES {values} RETURNING revision",
-                        [v for r in chunk for v in r],
-                    )
+                    insert = f"INSERT INTO catalog_events ({columns}) VALUES {values}"
+                    cursor.execute(insert + " RETURNING revision", [v for r in chunk for v in r])
                     revisions += sorted(int(r[0]) for r in cursor.fetchall())
             moved = (revisions[-1], chained)
             if head is None:
@@ -770,7 +780,7 @@ class SQLRecorder(ProcessRecorder):
                 move += f" RETURNING pg_notify('{CHANNEL}', '')"
             cursor.execute(self._sql(move), moved)
         except self._dbapi_error as error:
-            raise sa.exc.DBAPIError.instance(insert, None, error, self._dbapi_error) from None
+            raise sa.exc.DBAPIError.instance(None, None, error, self._dbapi_error) from None
         finally:
             cursor.close()
         return revisions

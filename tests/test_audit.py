@@ -941,6 +941,70 @@ def test_a_new_event_after_a_deleted_last_one_does_not_hide_it(models: Models) -
     assert models.verify()["broken"]["revision"] == 7
 
 
+def test_a_row_put_past_the_head_by_hand_is_numbered_after_not_collided_with(
+    models: Models,
+) -> None:
+    """A row appended without moving the head (by hand, by another tool) is
+    followed: the next command takes the revision after it, not the head's
+    next, which that row holds."""
+    run_sql(
+        models,
+        "INSERT INTO catalog_events (originator_id, originator_version, topic, state, hash)"
+        " SELECT originator_id, 99, topic, state, hash FROM catalog_events WHERE revision = 8",
+    )
+    assert models.set_owner("chat", "team:other", by="carol").revision == 10
+    assert models.verify()["broken"]["revision"] == 9
+
+
+def test_a_new_log_numbers_revisions_without_sqlite_sequence(models: Models) -> None:
+    """Every command's transaction writes one page fewer than AUTOINCREMENT's."""
+    run_sql(models, "DELETE FROM catalog_events WHERE revision = 8")
+    models.set_owner("chat", "team:other", by="carol")
+    with models.store.read() as conn:
+        sequences = conn.execute(sa.text("SELECT name FROM sqlite_sequence")).scalars().all()
+        revisions = (
+            conn.execute(sa.select(events_table.c.revision).order_by(events_table.c.revision))
+            .scalars()
+            .all()
+        )
+    assert "catalog_events" not in sequences
+    assert revisions == [1, 2, 3, 4, 5, 6, 7, 9]
+
+
+# What the log's table was on SQLite before the appender numbered revisions.
+AUTOINCREMENT_TABLE = """
+CREATE TABLE catalog_events (
+    revision INTEGER NOT NULL PRIMARY KEY AUTOINCREMENT,
+    originator_id CHAR(32) NOT NULL,
+    originator_version INTEGER NOT NULL,
+    topic TEXT NOT NULL,
+    state BLOB NOT NULL,
+    hash VARCHAR(64) NOT NULL,
+    CONSTRAINT catalog_events_stream UNIQUE (originator_id, originator_version)
+)
+"""
+
+
+def test_a_log_made_with_autoincrement_goes_on_numbering(
+    db: str, config: Path, clock: Clock
+) -> None:
+    engine = create_engine(db)
+    with engine.begin() as conn:
+        conn.execute(sa.text(AUTOINCREMENT_TABLE))
+    engine.dispose()
+    models = open_service(db, config)
+    script(models, clock)
+    run_sql(models, "DELETE FROM catalog_events WHERE revision = 8")
+    assert models.set_owner("chat", "team:other", by="carol").revision == 9
+    with models.store.read() as conn:
+        sequence = conn.execute(
+            sa.text("SELECT seq FROM sqlite_sequence WHERE name = 'catalog_events'")
+        ).scalar()
+    assert sequence == 9
+    assert models.verify()["broken"]["revision"] == 8
+    models.close()
+
+
 @settings(
     max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
