@@ -442,7 +442,7 @@ class Models(AuditTrail, Application[UUID]):
 
         try:
             revision, _ = self._write(
-                plan, by=by, reason=reason, expected_revision=expected_revision
+                plan, by=by, reason=reason, expected_revision=expected_revision, streams=[step.name]
             )
         except Refused as refusal:
             self._record_refusal(step.event_class, step.name, by, reason, step.fields, refusal)
@@ -492,17 +492,24 @@ class Models(AuditTrail, Application[UUID]):
         several: bool = False,
         dry_run: bool = False,
         records_only: bool = False,
+        streams: Sequence[str] = (),
     ) -> tuple[int, list[Change]]:
         """Read the log to its head, plan the events against the catalog in
         force and append them, in one write transaction; then put them in force
         and push the catalog to the applier, still serialised. Answers the last
         revision written (the head, when the plan wrote nothing). ``dry_run``
         plans and decides everything, then writes nothing; ``records_only``
-        writes the declared-config record even with no change planned."""
+        writes the declared-config record even with no change planned;
+        ``streams``: the models whose stream versions the plan will need."""
         _check_meta(by, reason)
         with self._lock, collector_paused():
             with self.store.write() as conn:
-                self._catch_up(conn)
+                # One read says whether another writer moved the log since this
+                # service last looked, what to chain onto, and the versions of
+                # the streams the plan names.
+                standing = self.store.standing(conn, [model_id(name) for name in streams])
+                if standing.last > self.catalog.revision:
+                    self._catch_up(conn)
                 head = self.catalog.revision
                 if expected_revision is not None and expected_revision != head:
                     raise RevisionConflict(expected_revision, head)
@@ -515,6 +522,7 @@ class Models(AuditTrail, Application[UUID]):
                     timestamp=self._next_timestamp(),
                     rollback_to=rollback_to,
                     tentative=several,
+                    versions=standing.versions,
                 )
                 batch.record_declaration(self.declared)
                 plan(batch)
@@ -524,7 +532,9 @@ class Models(AuditTrail, Application[UUID]):
                 # Straight to the recorder: eventsourcing's EventStore.put would
                 # build a Recording per event only for us to read its revision.
                 revisions = self.store.insert_events(
-                    [self.mapper.to_stored_event(e) for e in batch.records], conn=conn
+                    [self.mapper.to_stored_event(e) for e in batch.records],
+                    conn=conn,
+                    standing=standing,
                 )
                 assert revisions
             # Committed: only now are the changes in force.

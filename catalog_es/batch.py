@@ -47,6 +47,7 @@ class Batch:
         timestamp: datetime,
         rollback_to: int | None = None,
         tentative: bool,
+        versions: dict[int, int] | None = None,
     ) -> None:
         self.store = store
         self.conn = conn
@@ -60,7 +61,8 @@ class Batch:
         self.changes: list[Change] = []
         # The last version of each stream, keyed by the id's ``int``: a UUID's
         # own hash is Python code, run several times an event in a large batch.
-        self._versions: dict[int, int] = {}
+        # ``versions``: those already read, in this transaction.
+        self._versions: dict[int, int] = dict(versions or {})
 
     def _next_version(self, originator_id: UUID) -> int:
         # From the rows, not the catalog: a record replay skipped still holds its place.

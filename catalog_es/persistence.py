@@ -23,7 +23,7 @@ import time
 import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
-from typing import Any
+from typing import Any, NamedTuple
 from uuid import UUID
 
 import sqlalchemy as sa
@@ -114,6 +114,18 @@ tracking_table = sa.Table(
 SYNC_ENV = "CATALOG_ES_SQLITE_SYNC"
 WAL_CHECKPOINT_PAGES = 4000
 WRITER_CACHE_KIB = 16 * 1024
+
+
+class Standing(NamedTuple):
+    """Where the log stands: the head of the hash chain (``None`` before the
+    first event); the last revision taken, the head's or that of a row put
+    past it by hand, after which SQLite numbers the next (so a deleted last
+    revision is not handed out again, nor a row past the head collided with);
+    and the last version of each stream asked about, by its id's ``int``."""
+
+    head: ChainHead | None
+    last: int
+    versions: dict[int, int]
 
 
 def lock_wait_seconds() -> float:
@@ -533,15 +545,18 @@ class SQLRecorder(ProcessRecorder):
         *,
         conn: Connection | None = None,
         tracking: Tracking | None = None,
+        standing: Standing | None = None,
         **_: Any,
     ) -> Sequence[int] | None:
-        """Append events, chained onto the head; ``conn`` must come from :meth:`write`."""
+        """Append events, chained onto the head; ``conn`` must come from :meth:`write`.
+        ``standing``: read in this transaction with nothing appended since, it
+        spares the append reading the head again."""
         if conn is None:
             with self.write() as own:
                 return self.insert_events(stored_events, conn=own, tracking=tracking)
         revisions: list[int] = []
         if stored_events:
-            revisions = self._append(conn, stored_events)
+            revisions = self._append(conn, stored_events, standing)
         if tracking is not None:
             self._insert_tracking(conn, tracking)
         return revisions
@@ -705,48 +720,55 @@ class SQLRecorder(ProcessRecorder):
 
     def chain_head(self, conn: Connection) -> ChainHead | None:
         """The head of the hash chain as stored, ``None`` before the first event."""
+        return self.standing(conn).head
+
+    def standing(self, conn: Connection, streams: Sequence[UUID] = ()) -> Standing:
+        """Where the log stands, in one read: for a write, at its start, to
+        know whether to catch up, what to chain onto, and the versions of the
+        streams it names (a command's is on the way anyway)."""
+        versions = ", (SELECT max(originator_version) FROM catalog_events WHERE originator_id = ?)"
         cursor = conn.connection.cursor()
         try:
-            return self._tail(cursor)[0]
+            cursor.execute(
+                self._sql(
+                    "SELECT (SELECT revision FROM catalog_head), (SELECT hash FROM catalog_head),"
+                    " (SELECT max(revision) FROM catalog_events)" + versions * len(streams)
+                ),
+                [self._uuid(s) for s in streams],
+            )
+            row = cursor.fetchone()
+        except self._dbapi_error as error:
+            raise sa.exc.DBAPIError.instance(None, None, error, self._dbapi_error) from None
         finally:
             cursor.close()
+        assert row is not None, "a SELECT of scalars answers one row"
+        revision, hash_, stored, *found = row
+        return Standing(
+            head=ChainHead(revision=int(revision), hash=hash_) if revision is not None else None,
+            last=max(int(revision or 0), int(stored or 0)),
+            versions={s.int: int(v or 0) for s, v in zip(streams, found, strict=True)},
+        )
 
-    def _tail(self, cursor: Any) -> tuple[ChainHead | None, int]:
-        """The head of the hash chain as stored (``None`` before the first
-        event), and the revision a SQLite append numbers after: the larger of
-        the head's and the last stored row's (a row put past the head by hand
-        is not collided with; one deleted after it is not reused). One read."""
-        if self.dialect == "sqlite":
-            cursor.execute(
-                "SELECT (SELECT revision FROM catalog_head), (SELECT hash FROM catalog_head),"
-                " (SELECT max(revision) FROM catalog_events)"
-            )
-            revision, hash_, stored = cursor.fetchone()
-        else:
-            cursor.execute("SELECT revision, hash FROM catalog_head")
-            revision, hash_ = cursor.fetchone() or (None, None)
-            stored = None
-        head = ChainHead(revision=int(revision), hash=hash_) if revision is not None else None
-        return head, max(int(revision or 0), int(stored or 0))
-
-    def _append(self, conn: Connection, stored_events: Sequence[StoredEvent]) -> list[int]:
+    def _append(
+        self, conn: Connection, stored_events: Sequence[StoredEvent], standing: Standing | None
+    ) -> list[int]:
         """Insert events, each chained onto the one before, and move the head:
         one read and one write of the head per transaction, not per event.
         Straight through the driver: this is every command's write."""
+        head, last, _ = standing or self.standing(conn)
+        chained = head.hash if head is not None else GENESIS
+        rows = []
+        for e in stored_events:
+            originator_id = _as_uuid(e.originator_id)
+            chained = link(chained, originator_id, e.originator_version, e.topic, e.state)
+            rows.append(
+                (self._uuid(originator_id), e.originator_version, e.topic, e.state, chained)
+            )
         columns = "originator_id, originator_version, topic, state, hash"
         # The driver's errors, wrapped as SQLAlchemy wraps them (as BEGIN's are):
         # the held writer then lets go of a connection the error may have broken.
         cursor = conn.connection.cursor()
         try:
-            head, last = self._tail(cursor)
-            chained = head.hash if head is not None else GENESIS
-            rows = []
-            for e in stored_events:
-                originator_id = _as_uuid(e.originator_id)
-                chained = link(chained, originator_id, e.originator_version, e.topic, e.state)
-                rows.append(
-                    (self._uuid(originator_id), e.originator_version, e.topic, e.state, chained)
-                )
             if self.dialect == "sqlite":
                 # Under the write lock nothing else appends: the next revisions
                 # are known, and no sqlite_sequence page is written for them.

@@ -358,6 +358,20 @@ _REFUSING_TRIGGER = {
 }
 
 
+def test_a_command_on_a_log_nobody_else_moved_reads_it_once(tmp_path: Path) -> None:
+    """Whether to catch up, the head to chain onto and the stream's version
+    come from one read: a command is five statements, two of them writes."""
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": f"sqlite:///{tmp_path / 'c.db'}"})
+    models.add(model_spec("a"), by="setup")
+    statements: list[str] = []
+    with models.store._writer_connection() as writer:
+        writer.connection.driver_connection.set_trace_callback(statements.append)
+    models.scale("a", 0, 2, by="ops")
+    verbs = [statement.split()[0] for statement in statements]
+    assert verbs == ["BEGIN", "SELECT", "INSERT", "UPDATE", "COMMIT"], statements
+    models.close()
+
+
 def test_a_driver_error_in_the_insert_is_sqlalchemys_and_lets_the_writer_go(
     db_url: str,
 ) -> None:

@@ -181,6 +181,24 @@ def test_two_nodes_cannot_both_remove_what_the_other_relies_on(db_url: str) -> N
     assert Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url}).skipped() == []
 
 
+def test_a_command_decides_on_the_one_event_another_node_wrote_just_before(
+    db_url: str,
+) -> None:
+    """A node finds out that the log moved from the read its write begins with,
+    and catches up before deciding, even when the log moved by one event."""
+    first = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
+    second = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
+    first.add(_definition("a", []), by="setup")
+    first.add(_definition("c", []), by="setup")
+    second.remove("a", by="node2")
+    with pytest.raises(Refused, match="'a'"):
+        first.add(_definition("c", ["a"]), by="node1")
+    assert first.revision == second.revision == 3
+    first.scale("c", 0, 2, by="node1")
+    assert second.scale("c", maximum=3, by="node2").model["scaling"] == {"min": 0, "max": 3}
+    assert Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url}).skipped() == []
+
+
 def test_a_write_after_the_server_dropped_the_idle_connection_still_lands(
     pg_url: str, pg_admin: sa.Engine
 ) -> None:
