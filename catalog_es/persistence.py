@@ -346,6 +346,8 @@ class SQLRecorder(ProcessRecorder):
         self._writer_pid = 0
         self._writer_used = 0.0
         self._writer_lock = threading.Lock()
+        # Whether SQLite keeps a sequence the log's revisions must stay past.
+        self._sequence_kept: bool | None = None
         if create_tables:
             self.create_tables()
 
@@ -731,8 +733,10 @@ class SQLRecorder(ProcessRecorder):
         try:
             cursor.execute(
                 self._sql(
-                    "SELECT (SELECT revision FROM catalog_head), (SELECT hash FROM catalog_head),"
-                    " (SELECT max(revision) FROM catalog_events)" + versions * len(streams)
+                    "SELECT (SELECT revision FROM catalog_head WHERE id = 1),"
+                    " (SELECT hash FROM catalog_head WHERE id = 1), "
+                    + self._last_taken(cursor)
+                    + versions * len(streams)
                 ),
                 [self._uuid(s) for s in streams],
             )
@@ -742,12 +746,31 @@ class SQLRecorder(ProcessRecorder):
         finally:
             cursor.close()
         assert row is not None, "a SELECT of scalars answers one row"
-        revision, hash_, stored, *found = row
+        revision, hash_, taken, *found = row
         return Standing(
             head=ChainHead(revision=int(revision), hash=hash_) if revision is not None else None,
-            last=max(int(revision or 0), int(stored or 0)),
+            last=max(int(revision or 0), int(taken or 0)),
             versions={s.int: int(v or 0) for s, v in zip(streams, found, strict=True)},
         )
+
+    def _last_taken(self, cursor: Any) -> str:
+        """SQL for the last revision the rows have taken: the last row's, and
+        on a SQLite log made with AUTOINCREMENT the one its sequence kept, so
+        such a log still never hands out a deleted revision again, even once
+        its head is gone too. Looked up once: whether the sequence is there
+        does not change under a running log."""
+        if self._sequence_kept is None:
+            sequence = False
+            if self.dialect == "sqlite":
+                cursor.execute("SELECT 1 FROM sqlite_master WHERE name = 'sqlite_sequence'")
+                sequence = cursor.fetchone() is not None
+            self._sequence_kept = sequence
+        if self._sequence_kept:
+            return (
+                "max(coalesce((SELECT max(revision) FROM catalog_events), 0),"
+                " coalesce((SELECT seq FROM sqlite_sequence WHERE name = 'catalog_events'), 0))"
+            )
+        return "(SELECT max(revision) FROM catalog_events)"
 
     def _append(
         self, conn: Connection, stored_events: Sequence[StoredEvent], standing: Standing | None
@@ -781,26 +804,39 @@ class SQLRecorder(ProcessRecorder):
                     cursor.execute(insert, numbered[0])
                 else:
                     cursor.executemany(insert, numbered)
+                if head is None:
+                    move = "INSERT INTO catalog_head (id, revision, hash) VALUES (1, ?, ?)"
+                else:
+                    move = "UPDATE catalog_head SET revision = ?, hash = ?"
+                cursor.execute(move, (revisions[-1], chained))
             else:
                 revisions = []
                 # Multi-row VALUES in chunks: one round trip per thousand events,
-                # and never one statement so large it stalls the driver.
+                # and never one statement so large it stalls the driver. The last
+                # moves the head in the same round trip, and tells followers:
+                # delivered at commit, so a follower never wakes before it can read.
+                if head is None:
+                    move = "INSERT INTO catalog_head (id, revision, hash)"
+                    move += " SELECT 1, max(revision), %s FROM added"
+                else:
+                    move = "UPDATE catalog_head SET revision = (SELECT max(revision) FROM added),"
+                    move += " hash = %s"
                 for start in range(0, len(rows), 1000):
                     chunk = rows[start : start + 1000]
                     values = ", ".join(["(%s, %s, %s, %s, %s)"] * len(chunk))
-                    insert = f"INSERT INTO catalog_events ({columns}) VALUES {values}"
-                    cursor.execute(insert + " RETURNING revision", [v for r in chunk for v in r])
-                    revisions += sorted(int(r[0]) for r in cursor.fetchall())
-            moved = (revisions[-1], chained)
-            if head is None:
-                move = "INSERT INTO catalog_head (id, revision, hash) VALUES (1, ?, ?)"
-            else:
-                move = "UPDATE catalog_head SET revision = ?, hash = ?"
-            if self.dialect == "postgresql":
-                # Followers are told with the head's move, in its round trip;
-                # delivered at commit, so a follower never wakes before it can read.
-                move += f" RETURNING pg_notify('{CHANNEL}', '')"
-            cursor.execute(self._sql(move), moved)
+                    params = [v for r in chunk for v in r]
+                    answer = "SELECT array_agg(revision) FROM added"
+                    if start + 1000 >= len(rows):
+                        answer = f"{move} RETURNING ({answer}), pg_notify('{CHANNEL}', '')"
+                        params.append(chained)
+                    cursor.execute(
+                        f"WITH added AS (INSERT INTO catalog_events ({columns})"
+                        f" VALUES {values} RETURNING revision) {answer}",
+                        params,
+                    )
+                    row = cursor.fetchone()
+                    assert row is not None, "the chunk's revisions come back in one row"
+                    revisions += sorted(int(r) for r in row[0])
         except self._dbapi_error as error:
             raise sa.exc.DBAPIError.instance(None, None, error, self._dbapi_error) from None
         finally:

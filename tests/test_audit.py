@@ -1002,6 +1002,26 @@ def test_a_log_made_with_autoincrement_goes_on_numbering(
         ).scalar()
     assert sequence == 9
     assert models.verify()["broken"]["revision"] == 8
+    # The sequence still remembers 9 when its row and the head are both gone.
+    run_sql(models, "DELETE FROM catalog_events WHERE revision = 9", "DELETE FROM catalog_head")
+    assert models.set_owner("chat", "team:third", by="carol").revision == 10
+    models.close()
+
+
+def test_a_second_head_row_put_in_by_hand_is_not_read(
+    pg_url: str, config: Path, clock: Clock
+) -> None:
+    """PostgreSQL: with the head's CHECK dropped and a copy of it added, writes
+    and verify read the head (id 1) alone."""
+    models = open_service(pg_url, config)
+    script(models, clock)
+    run_sql(
+        models,
+        "ALTER TABLE catalog_head DROP CONSTRAINT catalog_head_id_check",
+        "INSERT INTO catalog_head (id, revision, hash) SELECT 2, revision, hash FROM catalog_head",
+    )
+    assert models.set_owner("chat", "team:other", by="carol").revision == 9
+    assert models.verify()["ok"] is True
     models.close()
 
 

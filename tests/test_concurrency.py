@@ -365,7 +365,9 @@ def test_a_command_on_a_log_nobody_else_moved_reads_it_once(tmp_path: Path) -> N
     models.add(model_spec("a"), by="setup")
     statements: list[str] = []
     with models.store._writer_connection() as writer:
-        writer.connection.driver_connection.set_trace_callback(statements.append)
+        driver = writer.connection.driver_connection
+    assert driver is not None
+    driver.set_trace_callback(statements.append)
     models.scale("a", 0, 2, by="ops")
     verbs = [statement.split()[0] for statement in statements]
     assert verbs == ["BEGIN", "SELECT", "INSERT", "UPDATE", "COMMIT"], statements

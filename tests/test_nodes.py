@@ -195,7 +195,8 @@ def test_a_command_decides_on_the_one_event_another_node_wrote_just_before(
         first.add(_definition("c", ["a"]), by="node1")
     assert first.revision == second.revision == 3
     first.scale("c", 0, 2, by="node1")
-    assert second.scale("c", maximum=3, by="node2").model["scaling"] == {"min": 0, "max": 3}
+    scaled = second.scale("c", maximum=3, by="node2").model
+    assert scaled is not None and scaled["scaling"] == {"min": 0, "max": 3}
     assert Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url}).skipped() == []
 
 

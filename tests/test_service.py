@@ -241,6 +241,25 @@ def test_revisions_are_gapless_and_the_log_says_who_and_why(make_models: MakeMod
     assert all(e["time"].endswith("Z") for e in log)
 
 
+def test_a_batch_larger_than_one_statement_lands_whole_and_chained(
+    make_models: MakeModels,
+) -> None:
+    """PostgreSQL takes a batch a thousand events a statement, the last of them
+    moving the head: revisions still come back in order, and the chain holds."""
+    models = make_models()
+    answer = models.apply_changes([commands.add(spec(f"m{i:04d}")) for i in range(2_100)], by=ACTOR)
+    log = list(models.log_events())
+    assert answer["revision"] == log[-1]["revision"] == models.revision
+    assert [e["model"] for e in log] == [f"m{i:04d}" for i in range(2_100)]
+    assert [e["revision"] for e in log] == sorted({e["revision"] for e in log})
+    report = models.verify()
+    assert (report["ok"], report["events"], report["head"]["revision"]) == (
+        True,
+        2_100,
+        answer["revision"],
+    )
+
+
 def test_log_events_can_be_filtered(make_models: MakeModels) -> None:
     models = make_models()
     for name in ("a", "b", "a"):
