@@ -65,7 +65,7 @@ events_table = sa.Table(
     # and the last stored row, so none is reused even after the last row is
     # deleted (which verify must be able to notice). AUTOINCREMENT promised
     # the same at the cost of a sqlite_sequence page in every command; logs
-    # made with it keep it, and it follows the numbers given.
+    # made with it keep it, and its sequence is read too (_last_taken).
     sa.Column("revision", BIGINT, primary_key=True, autoincrement=True),
     sa.Column("originator_id", sa.Uuid(), nullable=False),
     sa.Column("originator_version", BIGINT, nullable=False),
@@ -118,10 +118,11 @@ WRITER_CACHE_KIB = 16 * 1024
 
 class Standing(NamedTuple):
     """Where the log stands: the head of the hash chain (``None`` before the
-    first event); the last revision taken, the head's or that of a row put
-    past it by hand, after which SQLite numbers the next (so a deleted last
-    revision is not handed out again, nor a row past the head collided with);
-    and the last version of each stream asked about, by its id's ``int``."""
+    first event); the last revision taken, the head's or a later one the rows
+    took (a row put past the head by hand), after which SQLite numbers the
+    next, so a deleted last revision is not handed out again, nor a row past
+    the head collided with; and the last version of each stream asked about,
+    by its id's ``int``."""
 
     head: ChainHead | None
     last: int

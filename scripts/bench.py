@@ -313,8 +313,8 @@ def raw_connection(path: Path) -> sqlite3.Connection:
     """A plain sqlite3 connection to a new file with the settings the log's
     connections use (WAL, the sync ``CATALOG_ES_SQLITE_SYNC`` asks for, the
     same checkpoint interval), holding a table of 300-byte rows keyed as the
-    log's are (a rowid the writer gives, no AUTOINCREMENT): the floor for the
-    log's writes."""
+    log's are (a plain rowid, no AUTOINCREMENT): the floor for the log's
+    writes."""
     conn = sqlite3.connect(path, isolation_level=None)
     conn.execute("PRAGMA journal_mode=WAL")
     conn.execute(f"PRAGMA synchronous={sqlite_synchronous()}")
