@@ -756,16 +756,18 @@ class SQLRecorder(ProcessRecorder):
 
     def _last_taken(self, cursor: Any) -> str:
         """SQL for the last revision the rows have taken: the last row's, and
-        on a SQLite log made with AUTOINCREMENT the one its sequence kept, so
-        such a log still never hands out a deleted revision again, even once
-        its head is gone too. Looked up once: whether the sequence is there
-        does not change under a running log."""
-        if self._sequence_kept is None:
-            sequence = False
-            if self.dialect == "sqlite":
-                cursor.execute("SELECT 1 FROM sqlite_master WHERE name = 'sqlite_sequence'")
-                sequence = cursor.fetchone() is not None
-            self._sequence_kept = sequence
+        on a SQLite log whose table was made with AUTOINCREMENT the one its
+        sequence kept, so such a log never hands out a deleted revision
+        again, even once its head is gone too. Looked up once the table is
+        there: how it was made does not change under a running log."""
+        if self._sequence_kept is None and self.dialect == "sqlite":
+            cursor.execute(
+                "SELECT sql LIKE '%AUTOINCREMENT%' FROM sqlite_master"
+                " WHERE type = 'table' AND name = 'catalog_events'"
+            )
+            made = cursor.fetchone()
+            if made is not None:
+                self._sequence_kept = bool(made[0])
         if self._sequence_kept:
             return (
                 "max(coalesce((SELECT max(revision) FROM catalog_events), 0),"
@@ -808,7 +810,7 @@ class SQLRecorder(ProcessRecorder):
                 if head is None:
                     move = "INSERT INTO catalog_head (id, revision, hash) VALUES (1, ?, ?)"
                 else:
-                    move = "UPDATE catalog_head SET revision = ?, hash = ?"
+                    move = "UPDATE catalog_head SET revision = ?, hash = ? WHERE id = 1"
                 cursor.execute(move, (revisions[-1], chained))
             else:
                 revisions = []
@@ -816,12 +818,13 @@ class SQLRecorder(ProcessRecorder):
                 # and never one statement so large it stalls the driver. The last
                 # moves the head in the same round trip, and tells followers:
                 # delivered at commit, so a follower never wakes before it can read.
-                if head is None:
-                    move = "INSERT INTO catalog_head (id, revision, hash)"
-                    move += " SELECT 1, max(revision), %s FROM added"
-                else:
-                    move = "UPDATE catalog_head SET revision = (SELECT max(revision) FROM added),"
-                    move += " hash = %s"
+                # An upsert: the lock is the events table's, and a head deleted
+                # meanwhile by hand is put back rather than left missing.
+                move = (
+                    "INSERT INTO catalog_head (id, revision, hash)"
+                    " SELECT 1, max(revision), %s FROM added ON CONFLICT (id)"
+                    " DO UPDATE SET revision = excluded.revision, hash = excluded.hash"
+                )
                 for start in range(0, len(rows), 1000):
                     chunk = rows[start : start + 1000]
                     values = ", ".join(["(%s, %s, %s, %s, %s)"] * len(chunk))

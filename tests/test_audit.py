@@ -42,8 +42,9 @@ from catalog_es.errors import (
     StorageBusy,
 )
 from catalog_es.inputs import load_config
+from catalog_es.mapper import EventMapper
 from catalog_es.model import Model, model_id
-from catalog_es.persistence import create_engine, events_table, head_table
+from catalog_es.persistence import SQLRecorder, create_engine, events_table, head_table
 from catalog_es.ports import PreAddCheck
 from catalog_es.spec import ModelSpec, Profile, Scaling
 from projections.audit import (
@@ -54,7 +55,7 @@ from projections.audit import (
     stored_time,
     tracking_table,
 )
-from tests.helpers import collections_seen
+from tests.helpers import collections_seen, event
 
 T0 = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 
@@ -1005,6 +1006,53 @@ def test_a_log_made_with_autoincrement_goes_on_numbering(
     # The sequence still remembers 9 when its row and the head are both gone.
     run_sql(models, "DELETE FROM catalog_events WHERE revision = 9", "DELETE FROM catalog_head")
     assert models.set_owner("chat", "team:third", by="carol").revision == 10
+    models.close()
+
+
+def test_a_recorder_opened_before_the_log_was_made_reads_how_it_was_made(
+    tmp_path: Path,
+) -> None:
+    """A recorder that looked before the table existed decides again once it
+    does: an AUTOINCREMENT table made after it still has its sequence read."""
+    url = f"sqlite:///{tmp_path / 'late.db'}"
+    recorder = SQLRecorder(create_engine(url), create_tables=False)
+    mapper = EventMapper()
+
+    def append(version: int) -> int:
+        stored = mapper.to_stored_event(event(Model.Removed, "m", version=version))
+        (revision,) = recorder.insert_events([stored]) or [0]
+        return revision
+
+    with pytest.raises(sa.exc.OperationalError, match="no such table"):
+        append(1)
+    with recorder.engine.begin() as conn:
+        conn.execute(sa.text(AUTOINCREMENT_TABLE))
+    recorder.create_tables()
+    assert [append(1), append(2), append(3)] == [1, 2, 3]
+    with recorder.engine.begin() as conn:
+        conn.execute(sa.text("DELETE FROM catalog_events WHERE revision = 3"))
+        conn.execute(sa.text("DELETE FROM catalog_head"))
+    assert append(3) == 4
+    recorder.close()
+    recorder.engine.dispose()
+
+
+def test_a_head_deleted_while_a_postgresql_write_runs_is_put_back(
+    pg_url: str, config: Path, clock: Clock
+) -> None:
+    """The write lock is the events table's: the head can be deleted by hand
+    between a write's first read and its append, which then puts it back."""
+    models = open_service(pg_url, config)
+    script(models, clock)
+    stored = models.mapper.to_stored_event(
+        event(Model.OwnerSet, "chat", version=5, owner="team:late")
+    )
+    with models.store.write() as conn:
+        standing = models.store.standing(conn)
+        run_sql(models, "DELETE FROM catalog_head")
+        (revision,) = models.store.insert_events([stored], conn=conn, standing=standing) or [0]
+    assert revision == 9
+    assert models.verify()["ok"] is True
     models.close()
 
 
