@@ -989,6 +989,8 @@ CREATE TABLE catalog_events (
 def test_a_log_made_with_autoincrement_goes_on_numbering(
     db: str, config: Path, clock: Clock
 ) -> None:
+    """A log made before revisions were numbered by the append keeps its
+    AUTOINCREMENT table: the sequence follows the numbers given, and is read."""
     engine = create_engine(db)
     with engine.begin() as conn:
         conn.execute(sa.text(AUTOINCREMENT_TABLE))
