@@ -401,7 +401,7 @@ class SQLRecorder(ProcessRecorder):
                 # From a statement made straight on the driver (the hot reads):
                 # told as SQLAlchemy tells the others.
                 self._discard_writer()
-                raise sa.exc.DBAPIError.instance(None, None, error, self._dbapi_error) from None
+                raise self._as_sqlalchemys(error) from None
             except BaseException:
                 # Interrupted where nothing could end its transaction (a signal
                 # between two statements): a writer left in one would hold the
@@ -409,6 +409,12 @@ class SQLRecorder(ProcessRecorder):
                 if not self._writer_is_idle():
                     self._discard_writer()
                 raise
+
+    def _as_sqlalchemys(self, error: Exception) -> sa.exc.StatementError:
+        """A driver error from a statement made straight on the driver, wrapped
+        as SQLAlchemy wraps its own: callers handle one kind, and the held
+        writer lets go of a connection the error may have broken."""
+        return sa.exc.DBAPIError.instance(None, None, error, self._dbapi_error)
 
     def _writer_is_idle(self) -> bool:
         """Whether the held writer is in no transaction, its driver's included."""
@@ -743,7 +749,7 @@ class SQLRecorder(ProcessRecorder):
             )
             row = cursor.fetchone()
         except self._dbapi_error as error:
-            raise sa.exc.DBAPIError.instance(None, None, error, self._dbapi_error) from None
+            raise self._as_sqlalchemys(error) from None
         finally:
             cursor.close()
         assert row is not None, "a SELECT of scalars answers one row"
@@ -842,7 +848,7 @@ class SQLRecorder(ProcessRecorder):
                     assert row is not None, "the chunk's revisions come back in one row"
                     revisions += sorted(int(r) for r in row[0])
         except self._dbapi_error as error:
-            raise sa.exc.DBAPIError.instance(None, None, error, self._dbapi_error) from None
+            raise self._as_sqlalchemys(error) from None
         finally:
             cursor.close()
         return revisions
