@@ -524,9 +524,10 @@ def test_an_interrupt_anywhere_in_a_write_leaves_no_lock_held(
     try:
         deadline = time.monotonic() + 2
         while time.monotonic() < deadline:
-            # One signal, within the first few commands of the run.
-            signal.setitimer(signal.ITIMER_REAL, rng.uniform(0.00005, 0.0012))
             try:
+                # One signal, within the first few commands of the run; armed
+                # inside the try, as a loaded machine may deliver it at once.
+                signal.setitimer(signal.ITIMER_REAL, rng.uniform(0.00005, 0.0012))
                 for i in range(1000):
                     models.scale("a", i % 2, 3, by="ops")
             except KeyboardInterrupt:
