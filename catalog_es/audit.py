@@ -19,7 +19,14 @@ import sqlalchemy as sa
 
 from catalog_es.chain import check_chain
 from catalog_es.collector import collector_paused
-from catalog_es.errors import InputError, ModelNotFound, Refused, StorageBusy, cut_short
+from catalog_es.errors import (
+    DamagedLog,
+    InputError,
+    ModelNotFound,
+    Refused,
+    StorageBusy,
+    cut_short,
+)
 from catalog_es.inputs import DeclaredConfig, zoned
 from catalog_es.model import Model, utc_now
 from catalog_es.persistence import SQLRecorder, refusals_table
@@ -162,10 +169,10 @@ class AuditTrail:
         """Keep a refused command, in a transaction of its own (the refused one
         has rolled back): ``event``, what it would have written (or the
         command, for one that writes several kinds), about model ``name``
-        (empty: the whole catalog). Input that could not be read, and a
-        database too busy to write to, are not refusals by the rules and are
-        not kept."""
-        if isinstance(refusal, InputError | StorageBusy):
+        (empty: the whole catalog). Input that could not be read, a
+        database too busy to write to and a log edited past appending to are
+        not refusals by the rules and are not kept."""
+        if isinstance(refusal, InputError | StorageBusy | DamagedLog):
             return
         row = {
             "time": stored_time(utc_now()),

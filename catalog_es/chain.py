@@ -23,6 +23,8 @@ from uuid import UUID
 
 import msgspec
 
+from catalog_es.errors import shown
+
 # The "previous hash" of the first event.
 GENESIS = "0" * 64
 
@@ -32,6 +34,24 @@ class ChainHead(msgspec.Struct, frozen=True):
 
     revision: int
     hash: str
+
+
+class DamagedHead(msgspec.Struct, frozen=True):
+    """A head record a hand edit left unreadable: what is wrong with it."""
+
+    problem: str
+
+
+def stored_head(revision: object, hash_: object) -> ChainHead | DamagedHead | None:
+    """The head from its stored columns (``None`` when there is no head row),
+    which SQLite keeps of whatever type a hand edit gave them."""
+    if revision is None:
+        return None
+    if type(revision) is not int:
+        return DamagedHead(f"its revision is {shown(revision)}, not a whole number")
+    if not isinstance(hash_, str) or not hash_.isascii():
+        return DamagedHead(f"its hash is {shown(hash_)}, not hex text")
+    return ChainHead(revision=revision, hash=hash_)
 
 
 class ChainRow(msgspec.Struct, frozen=True):
@@ -80,7 +100,7 @@ def link(
     return digest.hexdigest()
 
 
-def check_chain(rows: Iterable[ChainRow], head: ChainHead | None) -> ChainReport:
+def check_chain(rows: Iterable[ChainRow], head: ChainHead | DamagedHead | None) -> ChainReport:
     """Walk the stored events in revision order and find the first break.
 
     A row whose hash does not follow from the previous row's was altered, or
@@ -91,12 +111,13 @@ def check_chain(rows: Iterable[ChainRow], head: ChainHead | None) -> ChainReport
     """
     events = 0
     last = ChainHead(revision=0, hash=GENESIS)
+    readable = head if isinstance(head, ChainHead) else None
     for row in rows:
         events += 1
         if row.hash != _rehash(last.hash, row):
-            return ChainReport(events=events, head=head, broken=_broken_link(last, row))
+            return ChainReport(events=events, head=readable, broken=_broken_link(last, row))
         last = ChainHead(revision=row.revision, hash=row.hash)
-    return ChainReport(events=events, head=head, broken=_broken_tail(last, head))
+    return ChainReport(events=events, head=readable, broken=_broken_tail(last, head))
 
 
 def _rehash(previous: str, row: ChainRow) -> str | None:
@@ -126,7 +147,7 @@ def _broken_link(last: ChainHead, row: ChainRow) -> ChainBreak:
     )
 
 
-def _broken_tail(last: ChainHead, head: ChainHead | None) -> ChainBreak | None:
+def _broken_tail(last: ChainHead, head: ChainHead | DamagedHead | None) -> ChainBreak | None:
     if head is None:
         if last.revision == 0:
             return None
@@ -134,6 +155,12 @@ def _broken_tail(last: ChainHead, head: ChainHead | None) -> ChainBreak | None:
             revision=last.revision + 1,
             problem="the head record (catalog_head) is missing: events after revision "
             f"{last.revision} may have been deleted",
+        )
+    if isinstance(head, DamagedHead):
+        return ChainBreak(
+            revision=last.revision + 1,
+            problem=f"the head record (catalog_head) is damaged ({head.problem}): events "
+            f"after revision {last.revision} may have been deleted",
         )
     if head.revision > last.revision:
         return ChainBreak(

@@ -75,3 +75,8 @@ class ConfigError(Exception):
 
 class StorageBusy(Refused):
     """The database stayed locked by another writer past the bounded wait."""
+
+
+class DamagedLog(Refused):
+    """The log holds what its write path never writes (a hand edit): nothing
+    can be appended to it as it is; ``catalog-es verify`` says what else."""

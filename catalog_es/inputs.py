@@ -26,6 +26,7 @@ from catalog_es import commands
 from catalog_es.configuration import DeclaredConfig as DeclaredConfig  # re-exported
 from catalog_es.errors import SHOWN_LENGTH, ConfigError, InputError, Refused, cut_short, shown
 from catalog_es.model import EVENT_TYPES
+from catalog_es.persistence import MAX_REVISION as MAX_REVISION  # re-exported
 from catalog_es.spec import DEFAULT_ENGINES, Adapter, ModelSpec, Origin
 
 # A model definition is a few hundred bytes; a megabyte is a mistake or an attack.
@@ -631,9 +632,6 @@ def changes_from_data(data: Any, where: str) -> list[commands.Step]:
 
 # -- revisions and times (``--at``, ``?at=``) ----------------------------------------
 
-
-# A revision or a count is a 64-bit integer, which is what the databases hold.
-MAX_REVISION = 2**63 - 1
 _MAX_DIGITS = len(str(MAX_REVISION))
 
 

@@ -42,8 +42,8 @@ from eventsourcing.persistence import (
 from eventsourcing.utils import Environment
 from sqlalchemy.engine import Connection, Engine
 
-from catalog_es.chain import GENESIS, ChainHead, ChainRow, link
-from catalog_es.errors import ConfigError, StorageBusy, shown
+from catalog_es.chain import GENESIS, ChainHead, ChainRow, DamagedHead, link, stored_head
+from catalog_es.errors import ConfigError, DamagedLog, StorageBusy, shown
 
 DEFAULT_URL = "sqlite:///catalog.db"
 # PostgreSQL's NOTIFY channel for new events.
@@ -110,6 +110,9 @@ tracking_table = sa.Table(
     sa.Column("notification_id", BIGINT, nullable=False),
 )
 
+
+# A revision or a count is a 64-bit integer, which is what the databases hold.
+MAX_REVISION = 2**63 - 1
 
 SYNC_ENV = "CATALOG_ES_SQLITE_SYNC"
 WAL_CHECKPOINT_PAGES = 4000
@@ -727,14 +730,38 @@ class SQLRecorder(ProcessRecorder):
         finally:
             cursor.close()
 
-    def chain_head(self, conn: Connection) -> ChainHead | None:
+    def chain_head(self, conn: Connection) -> ChainHead | DamagedHead | None:
         """The head of the hash chain as stored, ``None`` before the first event."""
-        return self.standing(conn).head
+        revision, hash_, _ = self._read_standing(conn, ())
+        return stored_head(revision, hash_)
 
     def standing(self, conn: Connection, streams: Sequence[UUID] = ()) -> Standing:
         """Where the log stands, in one read: for a write, at its start, to
         know whether to catch up, what to chain onto, and the versions of the
         streams it names (a command's is on the way anyway)."""
+        revision, hash_, (taken, *found) = self._read_standing(conn, streams)
+        head = stored_head(revision, hash_)
+        if isinstance(head, DamagedHead):
+            raise DamagedLog(
+                f"the log's head record (catalog_head) is damaged: {head.problem}; "
+                "nothing was written (catalog-es verify tells what else was edited)"
+            )
+        if any(v is not None and type(v) is not int for v in (taken, *found)):
+            raise DamagedLog(
+                "the log holds a revision or a model's version that is not a whole number; "
+                "nothing was written (catalog-es verify tells which event was edited)"
+            )
+        return Standing(
+            head=head,
+            last=max(head.revision if head is not None else 0, taken or 0),
+            versions={s.int: v or 0 for s, v in zip(streams, found, strict=True)},
+        )
+
+    def _read_standing(
+        self, conn: Connection, streams: Sequence[UUID]
+    ) -> tuple[Any, Any, list[Any]]:
+        """The head's columns as stored, then the last revision taken and the
+        last version of each of ``streams``, in one statement."""
         versions = ", (SELECT max(originator_version) FROM catalog_events WHERE originator_id = ?)"
         cursor = conn.connection.cursor()
         try:
@@ -753,12 +780,8 @@ class SQLRecorder(ProcessRecorder):
         finally:
             cursor.close()
         assert row is not None, "a SELECT of scalars answers one row"
-        revision, hash_, taken, *found = row
-        return Standing(
-            head=ChainHead(revision=int(revision), hash=hash_) if revision is not None else None,
-            last=max(int(revision or 0), int(taken or 0)),
-            versions={s.int: int(v or 0) for s, v in zip(streams, found, strict=True)},
-        )
+        revision, hash_, *rest = row
+        return revision, hash_, rest
 
     def _last_taken(self, cursor: Any) -> str:
         """SQL for the last revision the rows have taken: the last row's, and
@@ -849,6 +872,13 @@ class SQLRecorder(ProcessRecorder):
                     revisions += sorted(int(r) for r in row[0])
         except self._dbapi_error as error:
             raise self._as_sqlalchemys(error) from None
+        except OverflowError:
+            # SQLite's driver refuses a number past 2**63 - 1, which only a
+            # head or a version raised by hand brings within reach.
+            raise DamagedLog(
+                f"the log's next revision or a model's next version would pass {MAX_REVISION:,},"
+                " the largest SQLite stores; nothing was written (catalog-es verify)"
+            ) from None
         finally:
             cursor.close()
         return revisions

@@ -840,6 +840,16 @@ def run_sql(models: Models, *statements: str) -> None:
             conn.execute(sa.text(statement))
 
 
+def stored_log(models: Models) -> list[tuple[Any, ...]]:
+    """Every row of the log and its head, as stored."""
+    with models.store.engine.connect() as conn:
+        return [
+            tuple(row)
+            for table in ("catalog_events ORDER BY revision", "catalog_head")
+            for row in conn.execute(sa.text(f"SELECT * FROM {table}"))
+        ]
+
+
 def swap(models: Models, first: int, second: int) -> None:
     """Swap two stored events, hash and all, keeping their revisions."""
     t = events_table.c
@@ -916,7 +926,64 @@ TAMPERING: dict[str, tuple[Callable[[Models], None], int, str]] = {
         9,
         "the head record (catalog_head) is missing",
     ),
+    "the head's revision made text": (
+        lambda m: run_sql(m, "UPDATE catalog_head SET revision = 'eight'"),
+        9,
+        "the head record (catalog_head) is damaged (its revision is 'eight', not a whole number)",
+    ),
+    "the head's hash made bytes": (
+        lambda m: run_sql(m, "UPDATE catalog_head SET hash = x'ff'"),
+        9,
+        "the head record (catalog_head) is damaged (its hash is b'\\xff', not hex text)",
+    ),
 }
+
+# Hand edits the write path cannot append after: each refuses every command
+# with one line naming what is wrong, and writes nothing.
+UNWRITABLE: dict[str, tuple[tuple[str, ...], str]] = {
+    "the head's revision made text": (
+        ("UPDATE catalog_head SET revision = 'eight'",),
+        "error: the log's head record (catalog_head) is damaged: its revision is 'eight', "
+        "not a whole number; nothing was written",
+    ),
+    "the head's hash made bytes": (
+        ("UPDATE catalog_head SET hash = x'ff'",),
+        "error: the log's head record (catalog_head) is damaged: its hash is b'\\xff', "
+        "not hex text; nothing was written",
+    ),
+    "a version made text": (
+        ("UPDATE catalog_events SET originator_version = 'x' WHERE revision = 8",),
+        "error: the log holds a revision or a model's version that is not a whole number",
+    ),
+    "the head raised to the largest revision": (
+        ("UPDATE catalog_head SET revision = 9223372036854775807",),
+        "error: the log's next revision or a model's next version would pass "
+        "9,223,372,036,854,775,807",
+    ),
+    "a version raised to the largest": (
+        (
+            "UPDATE catalog_events SET originator_version = 9223372036854775807"
+            " WHERE revision = (SELECT max(revision) FROM catalog_events"
+            "  WHERE topic LIKE '%OwnerSet' OR topic LIKE '%Added')",
+        ),
+        "error: the log's next revision or a model's next version would pass",
+    ),
+}
+
+
+@pytest.mark.parametrize("edit", UNWRITABLE, ids=list(UNWRITABLE))
+def test_a_log_edited_past_what_can_be_appended_refuses_writes_and_is_left_as_it_is(
+    models: Models, db: str, config: Path, edit: str
+) -> None:
+    statements, message = UNWRITABLE[edit]
+    run_sql(models, *statements)
+    before, refusals = stored_log(models), models.refusals()
+    result = invoke(db, config, "model", "owner", "chat", "team:other")
+    assert result.exit_code == 1
+    assert result.stderr.startswith(message)
+    assert result.stderr.count("\n") == 1
+    assert stored_log(models) == before
+    assert models.refusals() == refusals  # the storage's state refused it, not a rule
 
 
 @pytest.mark.parametrize("tampering", TAMPERING, ids=list(TAMPERING))

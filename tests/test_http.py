@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
+import sqlalchemy as sa
 from click.testing import CliRunner
 
 from catalog_es.application import Models
@@ -335,6 +336,18 @@ def test_storage_busy_is_503(api: Api, monkeypatch: pytest.MonkeyPatch) -> None:
     response = api.post("/models/base/scale", {"max": 2})
     assert refused(response, 503) == "the database stayed locked by another writer"
     assert response.headers["Retry-After"] == "1"
+
+
+def test_a_log_edited_by_hand_past_appending_is_500_and_writes_nothing(api: Api) -> None:
+    if not api.db.startswith("sqlite"):
+        pytest.skip("only SQLite keeps a text revision in an integer column")
+    ok(api.post("/models", definition("qwen")))
+    with api.models.store.engine.begin() as conn:
+        conn.execute(sa.text("UPDATE catalog_head SET revision = 'two'"))
+    before = count_events(api.db)
+    message = refused(api.post("/models/qwen/scale", {"max": 3}), 500)
+    assert message.startswith("the log's head record (catalog_head) is damaged")
+    assert count_events(api.db) == before
 
 
 # -- rollback ----------------------------------------------------------------------------

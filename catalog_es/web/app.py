@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException
 
 from catalog_es.application import CommandResult, Models
 from catalog_es.errors import (
+    DamagedLog,
     InputError,
     ModelNotFound,
     Refused,
@@ -74,11 +75,13 @@ BODY = "request body"
 
 # The first of these a refusal is an instance of gives its status; every
 # other refusal is 422. 409 means exactly "read again and retry": a model
-# declared in config is refused with 422, since retrying cannot help.
+# declared in config is refused with 422, since retrying cannot help. A log
+# edited by hand is the server's fault, not the request's.
 _STATUS_OF_REFUSAL: tuple[tuple[type[Refused], int], ...] = (
     (RevisionConflict, 409),
     (ModelNotFound, 404),
     (StorageBusy, 503),
+    (DamagedLog, 500),
 )
 
 
