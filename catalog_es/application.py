@@ -173,7 +173,7 @@ class Models(AuditTrail, Application[UUID]):
         log after it. A long tail is snapshotted so the next start is quick."""
         catalog = self._new_catalog()
         with self.store.read() as conn:
-            snapshots.restore(conn, catalog, self.declared.fingerprint, upto=None)
+            snapshots.restore(conn, catalog, self.declared.fingerprint, upto=None, deciding=True)
             since = catalog.revision
             catch_up(catalog, self.store, conn, split=True)
         if catalog.revision - since >= self.snapshot_interval:

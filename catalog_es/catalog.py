@@ -88,6 +88,10 @@ class Catalog:
         since (so a removal can heal it, once)."""
         return name in self._unhealed
 
+    def unhealed(self) -> list[str]:
+        """Every model :meth:`was_skipped` tells of, by name."""
+        return sorted(self._unhealed)
+
     def referrers(self, name: str) -> set[str]:
         return self._referrers.get(name, set())
 
@@ -179,8 +183,13 @@ class Catalog:
         recorded_declaration: tuple[str, int] | None,
         aggregates: Iterable[Model],
         skipped: Iterable[Skipped],
+        unhealed: Iterable[str] | None,
     ) -> None:
-        """Take up a snapshot's state. Only on a catalog that has replayed nothing."""
+        """Take up a snapshot's state. Only on a catalog that has replayed nothing.
+        ``unhealed``: the skipped models no later event has healed; ``None``
+        from a snapshot written before they were kept, where it is taken to
+        be every skipped model with no definition, which also counts one a
+        removal has healed since (enough for reads, not for deciding)."""
         assert self.revision == 0 and not self.aggregates
         # Every point-in-time read starts here, over thousands of models: one
         # dict built at once, and links only for models that name a fallback.
@@ -192,7 +201,9 @@ class Catalog:
         self.last_timestamp = last_timestamp
         self.recorded_declaration = recorded_declaration
         self.skipped = list(skipped)
-        self._unhealed = {s.model for s in self.skipped if self.aggregate(s.model).spec is None}
+        if unhealed is None:
+            unhealed = (s.model for s in self.skipped if self.aggregate(s.model).spec is None)
+        self._unhealed = set(unhealed)
 
     def adopt(
         self, aggregates: Iterable[Model], unhealed: Iterable[str], theirs: Callable[[str], bool]

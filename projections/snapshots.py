@@ -47,6 +47,10 @@ class SnapshotState(msgspec.Struct, frozen=True):
     recorded_declaration: tuple[str, int] | None
     aggregates: list[Model]
     skipped: list[Skipped]
+    # Which skipped models no later event has healed: a removal heals one and
+    # leaves no definition, so the aggregates cannot tell. None in snapshots
+    # written before it was kept.
+    unhealed: list[str] | None = None
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -60,6 +64,7 @@ def encode(catalog: Catalog) -> bytes:
         recorded_declaration=catalog.recorded_declaration,
         aggregates=list(catalog.aggregates.values()),
         skipped=catalog.skipped,
+        unhealed=catalog.unhealed(),
     )
     return zlib.compress(_encoder.encode(state), 1)
 
@@ -74,16 +79,24 @@ def save(conn: Connection, fingerprint: str, revision: int, state: bytes) -> Non
     )
 
 
-def restore(conn: Connection, catalog: Catalog, fingerprint: str, upto: int | None) -> bool:
+def restore(
+    conn: Connection, catalog: Catalog, fingerprint: str, upto: int | None, *, deciding: bool
+) -> bool:
     """Bring a fresh ``catalog`` to the newest usable snapshot at or before
-    ``upto``; False when there is none."""
+    ``upto``; False when there is none. ``deciding``: the catalog will decide
+    commands, which a snapshot that did not keep which models are unhealed
+    cannot serve (the first start after an upgrade replays the log)."""
     for state in _newest(conn, fingerprint, upto, _decoder.decode):
+        if deciding and state.unhealed is None:
+            log.info("snapshot at %d passed over: written by an older version", state.revision)
+            continue
         catalog.restore(
             revision=state.revision,
             last_timestamp=state.last_timestamp,
             recorded_declaration=state.recorded_declaration,
             aggregates=state.aggregates,
             skipped=state.skipped,
+            unhealed=state.unhealed,
         )
         return True
     return False
@@ -138,6 +151,7 @@ def restore_model(
             recorded_declaration=None,
             aggregates=found,
             skipped=(),
+            unhealed=(),
         )
         return True
     return False

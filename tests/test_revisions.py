@@ -11,6 +11,7 @@ import os
 import tempfile
 import threading
 import time
+import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 from unittest.mock import patch
 
+import msgspec
 import pytest
 import sqlalchemy as sa
 from click.testing import CliRunner
@@ -529,6 +531,60 @@ def test_a_corrupt_snapshot_is_passed_over(
     with models.store.write() as conn:
         conn.execute(sa.update(snapshots_table).values(state=b"\x00\xff"))
     assert open_models(interval=2).list_models() == models.list_models()
+
+
+def _skipped_then_removed(
+    open_models: Callable[..., Models], tmp_path: Path
+) -> tuple[Models, Path, int]:
+    """'x' added over the default engines, then skipped by a config without
+    its engine, and removed there (which heals it): a snapshot at every
+    revision. Answers the service and the config, and the revision before the
+    removal."""
+    open_models(interval=1).add(spec("x", engine="sglang"), by="x")
+    narrower = tmp_path / "narrower.yaml"
+    narrower.write_text("engines: [vllm]\n" + DECLARED_YAML)
+    models = open_models(config=narrower, interval=1)
+    assert models.catalog.was_skipped("x")
+    before = models.revision
+    models.remove("x", by="x")
+    return models, narrower, before
+
+
+def test_a_removal_that_healed_a_skipped_model_holds_past_a_snapshot(
+    open_models: Callable[..., Models], tmp_path: Path
+) -> None:
+    """A restart from a snapshot decides as one that replays the whole log:
+    the model is gone, and a second removal is refused."""
+    models, narrower, _ = _skipped_then_removed(open_models, tmp_path)
+    with pytest.raises(ModelNotFound):
+        models.remove("x", by="x")
+    again = open_models(config=narrower, interval=1)
+    assert again.catalog.revision == models.revision  # from the snapshot, nothing after it
+    assert not again.catalog.was_skipped("x")
+    with pytest.raises(ModelNotFound):
+        again.remove("x", by="x")
+    assert again.revision == models.revision
+
+
+def test_a_snapshot_from_before_unhealed_models_were_kept_serves_reads_not_commands(
+    open_models: Callable[..., Models], tmp_path: Path
+) -> None:
+    models, narrower, before = _skipped_then_removed(open_models, tmp_path)
+    with models.store.write() as conn:
+        t = snapshots_table.c
+        for revision, blob in conn.execute(sa.select(t.revision, t.state)).all():
+            state = msgspec.msgpack.decode(zlib.decompress(blob))
+            del state["unhealed"]
+            conn.execute(
+                sa.update(snapshots_table)
+                .where(t.revision == revision)
+                .values(state=zlib.compress(msgspec.msgpack.encode(state)))
+            )
+    again = open_models(config=narrower, interval=1)
+    with pytest.raises(ModelNotFound):
+        again.remove("x", by="x")
+    assert again.revision == models.revision
+    assert again.list_models(before) == models.list_models(before)
 
 
 # -- declared config records ------------------------------------------------------------
