@@ -704,7 +704,16 @@ class Models(AuditTrail, Application[UUID]):
 
             def plan(batch: Batch) -> None:
                 notes.extend(plan_rollback(batch, target, model=model, only=only))
-                result_diff.update(diff_catalogs(self.catalog, batch.catalog, model=model))
+                # From the head to what the rollback makes: the catalog at ``to``.
+                result_diff.update(
+                    diff_catalogs(self.catalog, batch.catalog, model=model),
+                    to=target_revision,
+                    declared={
+                        "from": _declaration(self.catalog),
+                        "to": _declaration(target),
+                        "today": self.declared.fingerprint,
+                    },
+                )
 
             revision, changes = self.write_plan(
                 plan,

@@ -756,6 +756,8 @@ def test_rollback_dry_run_and_rollback_to_now_write_nothing(
         {"model": "a", "event": "Scaled", "fields": {"scaling": {"min": 1, "max": 1}}}
     ]
     assert dry["diff"]["changed"][0]["fields"]["scaling"]["after"] == {"min": 1, "max": 1}
+    # As `diff` from the head to the revision rolled back to answers it.
+    assert dry["diff"] == models.diff(models.revision, target)
     now = models.rollback(models.revision, by="ops")
     assert not now["written"] and now["events"] == []
     assert count_events(db_url) == rows

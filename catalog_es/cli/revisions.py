@@ -96,7 +96,7 @@ def rollback_command(
     def human() -> None:
         for note in result["notes"]:
             say(f"note: {note}", err=True)
-        show_diff({**result["diff"], "to": result["to"]})
+        show_diff(result["diff"])
         if dry_run:
             click.echo(f"dry run: {len(result['events'])} event(s) would be written; nothing was")
         elif result["written"]:
