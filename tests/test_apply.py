@@ -127,6 +127,20 @@ def test_cli_apply_exit_codes_and_nothing_written_on_refusal(tmp_path: Path) -> 
     assert count_events(db) == rows
 
 
+def test_cli_apply_says_which_adds_replaced_a_model(tmp_path: Path) -> None:
+    db = f"sqlite:///{tmp_path}/catalog.db"
+    runner = CliRunner()
+    assert runner.invoke(cli, ["--db", db, "apply", write(tmp_path, CHANGES)]).exit_code == 0
+    again = (
+        "- scale: {name: a, max: 2}\n"
+        "- add: {name: b, engine: vllm, source: hf://o/b3, profiles: [{name: g, gpus: 1}]}\n"
+    )
+    both = runner.invoke(cli, ["--db", db, "apply", write(tmp_path, again)])
+    assert both.exit_code == 0, both.stderr
+    head = count_events(db)
+    assert both.stdout.splitlines() == [f"applied 2 changes, now at revision {head}", "replaced b"]
+
+
 def test_a_large_apply_lands_whole_and_its_rollback_too(db_url: str) -> None:
     """Thousands of events in one transaction (PostgreSQL's pipeline mode is
     known to stall on a single very large write): all land, in order, and one

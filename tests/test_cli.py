@@ -9,10 +9,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import click
 import pytest
 import yaml
 from click.testing import CliRunner, Result
@@ -98,6 +99,8 @@ def test_success_exits_0_and_prints_the_revision(run: Run, write: Any) -> None:
         pytest.param(["model", "scale", "m", "--min", "two"], id="not-an-int"),
         pytest.param(["model", "scale", "m", "--min", "1.5"], id="float-option"),
         pytest.param(["model", "adapters", "m"], id="adapters-neither"),
+        pytest.param(["model", "scale", "m"], id="scale-nothing"),
+        pytest.param(["model", "resources", "m", "--profile", "gpu"], id="resources-nothing"),
         pytest.param(["model", "adapters", "m", "--none", "--adapter", "a=s3://x"], id="both"),
         pytest.param(["--expected-revision", "-1", "model", "list"], id="negative-revision"),
         pytest.param(["log", "--limit", "0"], id="limit-zero"),
@@ -115,6 +118,20 @@ def test_usage_errors_exit_2(run: Run, rows: Callable[[], int], args: list[str])
 
 def _seeded(run: Run, write: Any) -> None:
     ok(run("model", "add", write("m.yaml", as_yaml(definition("m")))))
+
+
+def test_every_group_and_command_takes_the_shared_options() -> None:
+    """As the root does: an operator puts them where the command line has room."""
+
+    def walk(command: click.Command, path: tuple[str, ...]) -> Iterator[tuple[str, ...]]:
+        names = {opt for param in command.params for opt in param.opts}
+        assert {"--json", "--by", "--reason", "--expected-revision"} <= names, path
+        yield path
+        if isinstance(command, click.Group):
+            for name, sub in command.commands.items():
+                yield from walk(sub, (*path, name))
+
+    assert ("token", "list") in set(walk(cli, ()))
 
 
 def test_json_before_and_after_the_command_is_the_same(run: Run, write: Any) -> None:
@@ -349,7 +366,6 @@ def test_a_bad_definition_on_standard_input_is_refused(
         pytest.param(
             ["model", "scale", "declared", "--max", "2"], "change its scaling there", id="d"
         ),
-        pytest.param(["model", "scale", "m"], "say what to set", id="scale-nothing"),
         pytest.param(["model", "scale", "m", "--min", "-1"], "scaling: min -1", id="scale-neg"),
         pytest.param(["model", "scale", "m", "--min", "3"], "min 3, max 1", id="scale-min>max"),
         pytest.param(

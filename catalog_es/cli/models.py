@@ -107,6 +107,8 @@ def model_remove(settings: Settings, name: str) -> None:
 @pass_settings
 def model_scale(settings: Settings, name: str, minimum: int | None, maximum: int | None) -> None:
     """Change how many replicas a runtime model runs."""
+    if minimum is None and maximum is None:
+        raise click.UsageError("give --min, --max, or both")
     result = settings.models().scale(name, minimum, maximum, **meta(settings))
     emit_result(settings, result, "scaled")
 
@@ -122,6 +124,8 @@ def model_resources(
     settings: Settings, name: str, profile: str, memory_gb: int | None, cpu_cores: int | None
 ) -> None:
     """Set what a profile reserves of a node."""
+    if memory_gb is None and cpu_cores is None:
+        raise click.UsageError("give --memory-gb, --cpu-cores, or both")
     result = settings.models().set_resources(
         name, profile=profile, memory_gb=memory_gb, cpu_cores=cpu_cores, **meta(settings)
     )
@@ -307,10 +311,11 @@ def apply_command(settings: Settings, file: str) -> None:
     owner {name, owner}, adapters {name, adapters}, source {name, source, origin}.
     """
     result = settings.models().apply_changes(read_changes(file), **meta(settings))
-    emit(
-        settings,
-        result,
-        lambda: click.echo(
-            f"applied {result['changes']} changes, now at revision {result['revision']}"
-        ),
-    )
+
+    def text() -> None:
+        click.echo(f"applied {result['changes']} changes, now at revision {result['revision']}")
+        for change in result["models"]:
+            if change["replaced"]:
+                click.echo(f"replaced {change['model']}")
+
+    emit(settings, result, text)

@@ -69,6 +69,7 @@ def serve(settings: Settings, host: str, port: int, tokens_file: str | None) -> 
 
 
 @cli.group("token")
+@shared_options
 def token() -> None:
     """Create, list and revoke the bearer tokens of the HTTP API."""
 
