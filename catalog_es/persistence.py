@@ -204,9 +204,44 @@ def sqlite_synchronous() -> str:
 
 def create_engine(url: str) -> Engine:
     """An engine with the settings the log relies on."""
-    engine = _settled_engine(url)
+    engine = _settled_engine(_log_url(url))
     _forgotten_by_children(engine)
     return engine
+
+
+# The drivers the log is written through: the standard library's sqlite3, and
+# psycopg 3 (which a bare postgresql:// means here; SQLAlchemy's default for
+# it, psycopg2, is not installed).
+_DRIVERS = {
+    "sqlite": "sqlite",
+    "sqlite+pysqlite": "sqlite",
+    "postgresql": "postgresql+psycopg",
+    "postgresql+psycopg": "postgresql+psycopg",
+}
+
+
+def _log_url(url: str) -> sa.URL:
+    """``url`` as a URL the log can be kept at, or one line saying why not."""
+    usage = "give sqlite:///FILE or postgresql+psycopg://USER@HOST/DATABASE"
+    try:
+        parsed = sa.make_url(url)
+    except sa.exc.ArgumentError:
+        raise ConfigError(f"the database URL {shown(url)} is not a URL: {usage}") from None
+    told = shown(parsed.render_as_string(hide_password=True))
+    driver = _DRIVERS.get(parsed.drivername)
+    if driver is None:
+        raise ConfigError(
+            f"the database URL {told}: the log is kept in SQLite, or in PostgreSQL "
+            f"through psycopg; {usage}"
+        )
+    if driver == "sqlite" and parsed.database in (None, "", ":memory:"):
+        # Each connection would get a database of its own, gone when it closes:
+        # a command would answer a revision that no later read can find.
+        raise ConfigError(
+            f"the database URL {told} names no file, and a database in memory "
+            f"keeps nothing: {usage}"
+        )
+    return parsed.set(drivername=driver)
 
 
 def _forgotten_by_children(engine: Engine) -> None:
@@ -224,8 +259,8 @@ def _forgotten_by_children(engine: Engine) -> None:
     os.register_at_fork(after_in_child=forget)
 
 
-def _settled_engine(url: str) -> Engine:
-    if url.startswith("sqlite"):
+def _settled_engine(url: sa.URL) -> Engine:
+    if url.drivername == "sqlite":
         synchronous = sqlite_synchronous()
         wait = lock_wait_seconds()
         engine = sa.create_engine(url, connect_args={"timeout": wait})

@@ -485,11 +485,97 @@ def test_python_m_catalog_es_runs(tmp_path: Path) -> None:
     assert "model" in done.stdout and "log" in done.stdout
 
 
-def test_an_unexpected_failure_is_still_one_line(tmp_path: Path) -> None:
+def test_a_database_that_cannot_be_used_is_one_line_saying_so(tmp_path: Path) -> None:
     unopenable = f"sqlite:///{tmp_path}/no-such-directory/catalog.db"
     line = refused_in_one_line(CliRunner().invoke(cli, ["--db", unopenable, "model", "list"]))
-    assert line.startswith("error: unexpected OperationalError: ")
-    assert "unable to open database file" in line
+    assert line == "error: the database could not be used: unable to open database file"
+    not_sqlite = tmp_path / "notes.db"
+    not_sqlite.write_text("not a database\n" * 100)
+    for command in (["model", "list"], ["verify"], ["model", "scale", "m", "--max", "2"]):
+        result = CliRunner().invoke(cli, ["--db", f"sqlite:///{not_sqlite}", *command])
+        line = refused_in_one_line(result)
+        assert line == "error: the database could not be used: file is not a database"
+    assert not_sqlite.read_text() == "not a database\n" * 100
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("sqlite://", "names no file, and a database in memory keeps nothing"),
+        ("sqlite:///", "names no file"),
+        ("sqlite:///:memory:", "names no file"),
+        ("catalog.db", "is not a URL"),
+        ("http://x/catalog", "the log is kept in SQLite, or in PostgreSQL through psycopg"),
+        ("postgresql+psycopg2://ops:s3cret@db/x", "'postgresql+psycopg2://ops:***@db/x'"),
+    ],
+)
+def test_a_database_url_the_log_cannot_be_kept_at_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, url: str, message: str
+) -> None:
+    """Above all a database in memory: each connection would have its own,
+    and a command would answer a revision no later read finds."""
+    monkeypatch.chdir(tmp_path)
+    Path("m.yaml").write_bytes(as_yaml(definition("m")))
+    line = refused_in_one_line(CliRunner().invoke(cli, ["--db", url, "model", "add", "m.yaml"]))
+    assert line.startswith("error: the database URL ")
+    assert message in line
+    assert "s3cret" not in line
+    assert [p.name for p in tmp_path.iterdir()] == ["m.yaml"]  # no file made
+
+
+def test_a_bare_postgresql_url_means_psycopg(pg_url: str) -> None:
+    bare = pg_url.replace("postgresql+psycopg://", "postgresql://", 1)
+    assert bare != pg_url
+    result = CliRunner().invoke(cli, ["--db", bare, "model", "list", "--json"])
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout) == []
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly(tmp_path: Path) -> None:
+    """`catalog-es log | head -1`: no error about the closed pipe."""
+    db = f"sqlite:///{tmp_path}/catalog.db"
+    runner = CliRunner()
+    spec_file = tmp_path / "m.yaml"
+    spec_file.write_bytes(as_yaml(definition("m")))
+    assert runner.invoke(cli, ["--db", db, "model", "add", str(spec_file)]).exit_code == 0
+    for maximum in range(2, 400):
+        assert runner.invoke(cli, ["--db", db, "model", "scale", "m", "--max", str(maximum)])
+    log = subprocess.Popen(
+        [sys.executable, "-m", "catalog_es", "--db", db, "log", "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert log.stdout is not None and log.stderr is not None
+    assert json.loads(log.stdout.readline())["revision"] == 1
+    log.stdout.close()  # as head does, after its first line
+    assert log.wait(timeout=60) == 1
+    assert log.stderr.read() == b""
+
+
+def test_warnings_escape_what_a_terminal_would_act_on(tmp_path: Path) -> None:
+    """A skipped record's reason can quote what a hand edit or a config put
+    there; printed raw, an escape sequence retitles or clears the terminal."""
+    config = tmp_path / "catalog.yaml"
+    config.write_text('engines: [vllm, "\\e]0;PWNED\\a\\e[2J"]\nmodels: []\n')
+    db = f"sqlite:///{tmp_path}/catalog.db"
+    spec_file = tmp_path / "m.yaml"
+    spec_file.write_bytes(as_yaml(definition("m", engine="tgi")))
+    before = tmp_path / "before.yaml"
+    before.write_text("models: []\n")  # the default engines, tgi among them
+    added = CliRunner().invoke(
+        cli, ["--db", db, "--config", str(before), "model", "add", str(spec_file)]
+    )
+    assert added.exit_code == 0, added.stderr
+    done = subprocess.run(
+        [sys.executable, "-m", "catalog_es", "--db", db, "--config", str(config), "model", "list"],
+        capture_output=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert b"warning: skipped revision" in done.stderr
+    assert b"\\x1b]0;PWNED\\x07\\x1b[2J" in done.stderr
+    assert b"\x1b" not in done.stderr and b"\x07" not in done.stderr
 
 
 def test_a_flow_style_yaml_definition_is_accepted(run: Run, write: Any) -> None:

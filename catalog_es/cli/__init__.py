@@ -15,12 +15,14 @@ from catalog_es.cli import models as _models  # noqa: F401  (registers the comma
 from catalog_es.cli import revisions as _revisions  # noqa: F401
 from catalog_es.cli import serve as _serve  # noqa: F401
 from catalog_es.cli import weights as _weights  # noqa: F401
-from catalog_es.cli.base import cli
+from catalog_es.cli.base import VisibleWarnings, cli
 
 __all__ = ["cli", "main"]
 
 
 def main() -> None:
     """The console script."""
-    logging.basicConfig(level=logging.WARNING, format="warning: %(message)s", stream=sys.stderr)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(VisibleWarnings("warning: %(message)s"))
+    logging.basicConfig(level=logging.WARNING, handlers=[handler])
     cli(prog_name="catalog-es")

@@ -8,6 +8,7 @@ or JSON with ``--json``), warnings and errors to stderr. Exit 0 on success,
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import sys
@@ -16,6 +17,7 @@ from datetime import datetime
 from typing import Any, TypeVar
 
 import click
+import sqlalchemy as sa
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
@@ -156,6 +158,14 @@ def say(text: str, *, err: bool = False) -> None:
     click.echo(visible(text), err=err)
 
 
+class VisibleWarnings(logging.Formatter):
+    """Log lines as :func:`say` writes them: a record or a config can carry
+    what a terminal would act on into a warning."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return visible(super().format(record))
+
+
 def print_table(table: Table) -> None:
     # On a terminal, fit it; piped, never cut a name short.
     width = None if sys.stdout.isatty() else 10_000
@@ -256,14 +266,30 @@ class CatalogGroup(click.Group):
             ctx.exit(1)
         except (click.ClickException, click.exceptions.Exit, click.Abort, KeyboardInterrupt):
             raise
+        except BrokenPipeError:
+            # The reader went away (`catalog-es log | head`): nothing to tell
+            # it, and nothing left to flush into the closed pipe at exit.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            ctx.exit(1)
         except Exception as error:  # the last guard: one line, not a traceback
             if os.environ.get("CATALOG_ES_DEBUG"):
                 raise
-            # Library errors (SQLAlchemy's) run on over several lines; the
-            # first says what went wrong.
-            first_line = next(iter(str(error).splitlines()), "")
-            say(f"error: unexpected {type(error).__name__}: {first_line}", err=True)
+            say(failure_line(error), err=True)
             ctx.exit(1)
+
+
+def failure_line(error: Exception) -> str:
+    """The one line an exception no command expected comes to. Library errors
+    (SQLAlchemy's) run on over several lines; the first says what went wrong."""
+    if isinstance(error, sa.exc.OperationalError) or type(error) is sa.exc.DatabaseError:
+        # The database itself: not there, not reachable, not SQLite's, not the
+        # log's tables. The driver's words say which.
+        return f"error: the database could not be used: {_first_line(str(error.orig))}"
+    return f"error: unexpected {type(error).__name__}: {_first_line(str(error))}"
+
+
+def _first_line(text: str) -> str:
+    return next(iter(text.strip().splitlines()), "")
 
 
 @click.group(cls=CatalogGroup, context_settings={"help_option_names": ["-h", "--help"]})
