@@ -124,9 +124,11 @@ def _rehash(previous: str, row: ChainRow) -> str | None:
     """The row's hash recomputed from what is stored; ``None`` when what is
     stored cannot be what was written (not a UUID, a number, text, bytes)."""
     state = row.state.encode("utf-8") if isinstance(row.state, str) else row.state
+    if type(row.originator_version) is not int:  # 1.5 is no version the write path wrote
+        return None
     try:
         originator_id = UUID(str(row.originator_id))
-        return link(previous, originator_id, int(row.originator_version), row.topic, bytes(state))
+        return link(previous, originator_id, row.originator_version, row.topic, bytes(state))
     except (ValueError, TypeError, AttributeError, OverflowError):
         return None
 

@@ -919,11 +919,12 @@ class SQLRecorder(ProcessRecorder):
         return revisions
 
     def scan_chain(self, conn: Connection) -> Iterator[ChainRow]:
-        """Every stored event with its hash, in revision order."""
+        """Every stored event with its hash, in revision order, from the
+        first: a row put before revision 1 by hand too, which nothing else
+        reads."""
         # The id as stored, not parsed: a hand-edited one is a broken link, not a crash.
-        for page in self._pages(
-            conn, "revision, originator_id, originator_version, topic, state, hash", 0, None
-        ):
+        columns = "revision, originator_id, originator_version, topic, state, hash"
+        for page in self._pages(conn, columns, -MAX_REVISION - 1, None):
             for row in page:
                 yield ChainRow(*row)
 

@@ -926,6 +926,25 @@ TAMPERING: dict[str, tuple[Callable[[Models], None], int, str]] = {
         9,
         "the head record (catalog_head) is missing",
     ),
+    "one event's version made a fraction": (
+        lambda m: run_sql(
+            m,
+            "UPDATE catalog_events SET originator_version = originator_version + 0.5"
+            " WHERE revision = 6",
+        ),
+        6,
+        "does not match its hash",
+    ),
+    "a row put before the first revision": (
+        lambda m: run_sql(
+            m,
+            "INSERT INTO catalog_events (revision, originator_id, originator_version, topic,"
+            " state, hash) SELECT -1, originator_id, 99, topic, state, hash"
+            " FROM catalog_events WHERE revision = 2",
+        ),
+        -1,
+        "does not match its hash",
+    ),
     "the head's revision made text": (
         lambda m: run_sql(m, "UPDATE catalog_head SET revision = 'eight'"),
         9,
