@@ -4,7 +4,7 @@ Given the catalog (built by replaying events) and a candidate event, either
 the definition that will run comes back or the change is refused. The replay
 path (:meth:`Catalog.apply`) shares the catalog rules; what only a command
 faces — configuration's precedence worded as advice, the host-memory rule,
-printable sources — is here.
+printable sources, origins a registry could name — is here.
 """
 
 from __future__ import annotations
@@ -12,9 +12,10 @@ from __future__ import annotations
 import unicodedata
 
 from catalog_es.catalog import Catalog
-from catalog_es.errors import DeclaredInConfig, InvalidModel, ModelNotFound
+from catalog_es.errors import DeclaredInConfig, InvalidModel, ModelNotFound, Refused, shown
 from catalog_es.model import Model
-from catalog_es.spec import ModelSpec
+from catalog_es.registry import check_repository
+from catalog_es.spec import ModelSpec, Origin
 
 
 def declared_refusal(event: Model.Event) -> str:
@@ -91,6 +92,29 @@ def _check_sources(event: Model.Event, new: ModelSpec) -> None:
     if "adapters" in touches:
         for i, adapter in enumerate(new.adapters):
             _check_printable(new.name, f"adapters[{i}].source", adapter.source)
+    if "origin" in touches and new.origin is not None:
+        _check_origin(new.name, new.origin)
+
+
+def _check_origin(model: str, origin: Origin) -> None:
+    # An origin says where in a registry the weights came from, and `update`
+    # and `rollback` later build paths from it: the repository and the files
+    # as the registry names them, the commit as one word.
+    if origin.repository:
+        try:
+            check_repository(origin.repository)
+        except Refused as refusal:
+            raise InvalidModel(model, "origin.repository", str(refusal)) from None
+    if origin.revision and (" " in origin.revision or not origin.revision.isprintable()):
+        raise InvalidModel(model, "origin.revision", f"{shown(origin.revision)} is not one word")
+    for path in origin.files:
+        parts = path.split("/")
+        if not path.isprintable() or "" in parts or ".." in parts or "\\" in path:
+            raise InvalidModel(
+                model,
+                f"origin.files[{shown(path)}]",
+                "is not a relative path inside the repository",
+            )
 
 
 def _check_printable(model: str, field: str, value: str) -> None:

@@ -375,6 +375,66 @@ def test_printable_sources_are_not_required_on_replay_rollback_or_other_changes(
     assert when(catalog, added(spec("fine", source="file:///data/été/😀"))) is not None
 
 
+# -- origins -------------------------------------------------------------------------
+
+DIGEST = "a" * 64
+GOOD_ORIGIN = Origin(repository="Qwen/Qwen2.5-7B", revision="1f3c9a", files={"sub/m.gguf": DIGEST})
+
+
+@pytest.mark.parametrize(
+    ("origin", "field", "problem"),
+    [
+        pytest.param(Origin(repository="../etc"), "origin.repository", "is not org/name", id="up"),
+        pytest.param(Origin(repository="a/b/c"), "origin.repository", "is not org/name", id="deep"),
+        pytest.param(Origin(revision="a commit"), "origin.revision", "is not one word", id="sp"),
+        pytest.param(Origin(revision="x\ny"), "origin.revision", "is not one word", id="newline"),
+        pytest.param(
+            Origin(files={"../../etc/passwd": DIGEST}),
+            "origin.files['../../etc/passwd']",
+            "is not a relative path inside the repository",
+            id="file-up",
+        ),
+        pytest.param(
+            Origin(files={"": DIGEST}), "origin.files['']", "is not a relative path", id="empty"
+        ),
+        pytest.param(
+            Origin(files={"/abs": DIGEST}), "origin.files['/abs']", "is not a relative", id="abs"
+        ),
+        pytest.param(
+            Origin(files={"a\x1b[2J": DIGEST}),
+            "origin.files['a\\x1b[2J']",
+            "is not a relative",
+            id="file-esc",
+        ),
+    ],
+)
+@pytest.mark.parametrize("how", ["add", "source"])
+def test_an_origin_no_registry_could_name_is_refused(
+    origin: Origin, field: str, problem: str, how: str
+) -> None:
+    command = (
+        added(spec("a", origin=origin))
+        if how == "add"
+        else event(Model.SourceSet, "base", source="hf://o/b2", origin=origin)
+    )
+    with pytest.raises(InvalidModel) as refusal:
+        when(given(added(BASE)), command)
+    assert refusal.value.field == field
+    assert problem in refusal.value.problem
+
+
+def test_origins_are_checked_only_as_new_input() -> None:
+    stored = spec("odd", origin=Origin(repository="../x", revision="a b", files={"": DIGEST}))
+    catalog = given(added(stored))
+    assert catalog.skipped == [] and catalog.get("odd") == stored
+    assert when(catalog, event(Model.OwnerSet, "odd", owner="team:x")) is not None
+    back = msgspec.structs.replace(
+        event(Model.SourceSet, "odd", source=stored.source, origin=stored.origin), rollback_to=1
+    )
+    assert when(catalog, back) is not None
+    assert when(catalog, added(spec("fine", origin=GOOD_ORIGIN))) is not None
+
+
 # -- malformed fields ----------------------------------------------------------------
 
 
