@@ -73,9 +73,10 @@ class AuditTrail:
         return _json(self._history_views(name, by))
 
     def _history_views(self, name: str, by: str | None) -> list[str]:
-        views = self._views({"model": name, "by": by})
+        # No name filters nothing: every row would be this "history".
+        views = self._views({"model": name, "by": by}) if name else []
         declared = any(m.name == name for m in self.declared.models)
-        if not views and not declared and not self._audit.view.mentions(name):
+        if not views and not declared and not (name and self._audit.view.mentions(name)):
             raise ModelNotFound(name, "has no history: it was never in the log or the config")
         return views
 

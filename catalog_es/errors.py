@@ -59,9 +59,13 @@ class RevisionConflict(Refused):
     def __init__(self, expected: int, head: int) -> None:
         self.expected = expected
         self.head = head
+        why = (
+            "someone changed the catalog since you read it"
+            if expected < head
+            else "that revision has not been written yet"
+        )
         super().__init__(
-            f"the log is at revision {head}, not {expected}: someone changed the catalog "
-            "since you read it; read it again and retry"
+            f"the log is at revision {head}, not {expected}: {why}; read it again and retry"
         )
 
 

@@ -196,9 +196,10 @@ def sqlite_synchronous() -> str:
     """SQLite's ``synchronous`` setting for the log, from ``CATALOG_ES_SQLITE_SYNC``.
     FULL (the default): a command reported as written survives a power cut.
     NORMAL: it survives the process being killed, not the machine losing power."""
-    synchronous = os.environ.get(SYNC_ENV, "FULL").upper()
+    given = os.environ.get(SYNC_ENV, "FULL")
+    synchronous = given.upper()
     if synchronous not in ("FULL", "NORMAL"):
-        raise ConfigError(f"{SYNC_ENV} must be FULL or NORMAL, not {synchronous!r}")
+        raise ConfigError(f"{SYNC_ENV} must be FULL or NORMAL, not {shown(given)}")
     return synchronous
 
 

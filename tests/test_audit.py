@@ -1255,6 +1255,7 @@ def test_cli_verify_lists_skipped_events_either_way(models: Models, db: str, con
             "error: --until '9999-12-31T23:00:00-02:00': outside the times UTC can hold",
         ),
         (("history", "nope"), "error: model 'nope' has no history"),
+        (("history", ""), "error: model '' has no history"),  # not every row's
     ],
 )
 def test_cli_bad_input_is_one_error_line_and_exit_1(

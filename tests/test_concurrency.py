@@ -326,6 +326,7 @@ LOCK_WAIT_REFUSAL = "must be a number of seconds above 0 and at most 3600, not {
     [
         *((LOCK_WAIT_ENV, v, LOCK_WAIT_REFUSAL) for v in ["soon", "0", "-1", "nan", "inf", "1e9"]),
         (SYNC_ENV, "OFF", "must be FULL or NORMAL, not {!r}"),
+        (SYNC_ENV, "garbage", "must be FULL or NORMAL, not {!r}"),  # as given
     ],
 )
 def test_a_storage_setting_out_of_range_is_refused_in_one_line(

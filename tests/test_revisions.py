@@ -896,6 +896,7 @@ def test_cli_reads_at_a_revision_diffs_and_rolls_back(
 
     replay = runner.invoke(cli, [*base, "replay"])
     assert replay.exit_code == 0 and "replayed to revision 4" in replay.stdout
+    assert replay.stderr == ""  # the progress bar is for a terminal, and leaves nothing piped
 
 
 def test_the_snapshot_interval_comes_from_the_environment(

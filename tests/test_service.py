@@ -367,8 +367,12 @@ def test_expected_revision_is_compare_and_set(make_models: MakeModels, rows: Row
     models = make_models()
     assert models.add(spec("a"), by=ACTOR, expected_revision=0).revision == 1
     assert models.scale("a", 1, 2, by=ACTOR, expected_revision=1).revision == 2
-    for stale in (0, 1, 3):
-        with pytest.raises(RevisionConflict, match="the log is at revision 2"):
+    for stale, why in (
+        (0, "someone changed"),
+        (1, "someone changed"),
+        (3, "that revision has not"),
+    ):
+        with pytest.raises(RevisionConflict, match=f"the log is at revision 2, not {stale}: {why}"):
             models.scale("a", 1, 4, by=ACTOR, expected_revision=stale)
     assert rows() == 2
     assert models.get_model("a")["scaling"] == {"min": 1, "max": 2}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from datetime import datetime
 from typing import Any
 
@@ -151,6 +152,7 @@ def replay_command(settings: Settings) -> None:
         TimeRemainingColumn(),
         console=Console(stderr=True),
         transient=True,
+        disable=not sys.stderr.isatty(),  # piped, it left an empty line behind
     ) as bar:
         task = bar.add_task("replay", total=None)
 
