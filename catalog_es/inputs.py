@@ -31,6 +31,8 @@ from catalog_es.spec import DEFAULT_ENGINES, Adapter, ModelSpec, Origin
 
 # A model definition is a few hundred bytes; a megabyte is a mistake or an attack.
 MAX_INPUT_BYTES = 1 << 20
+# The declared config: a hundred thousand models fit in a tenth of this.
+MAX_CONFIG_BYTES = 256 << 20
 
 
 class _Input(BaseModel):
@@ -87,6 +89,29 @@ class ModelInput(_Input):
 class ConfigInput(_Input):
     engines: list[str] | None = None
     models: Items[ModelInput] = []
+
+
+# An engine is named in every model that runs on it, and by the controller.
+ENGINE_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def _checked_engines(engines: list[str] | None) -> tuple[str, ...]:
+    """The config's engines (the defaults when it names none), or why not: at
+    least one (with none, every runtime model would be skipped on load), each
+    a name, once."""
+    if engines is None:
+        return DEFAULT_ENGINES
+    if not engines:
+        raise InputError("engines: at least one is needed (leave it out for the defaults)")
+    for i, engine in enumerate(engines):
+        if not ENGINE_PATTERN.fullmatch(engine):
+            raise InputError(
+                f"engines[{i}]: {shown(engine)} is not an engine name "
+                "(a letter or digit, then up to 63 of A-Z a-z 0-9 . _ -)"
+            )
+        if engine in engines[:i]:
+            raise InputError(f"engines[{i}]: {shown(engine)} is listed more than once")
+    return tuple(engines)
 
 
 def _location(loc: tuple[int | str, ...]) -> str:
@@ -448,7 +473,13 @@ def load_config(path: str | None) -> DeclaredConfig:
     if path is None:
         return DeclaredConfig()
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        with Path(path).open("rb") as file:
+            # Reviewed YAML, trusted but not unbounded: a path to a device or a
+            # runaway file must not take the process's memory.
+            raw = file.read(MAX_CONFIG_BYTES + 1)
+        if len(raw) > MAX_CONFIG_BYTES:
+            raise ConfigError(f"{path}: the config is larger than {MAX_CONFIG_BYTES >> 20} MiB")
+        text = raw.decode("utf-8")
     except (OSError, UnicodeDecodeError) as error:
         raise ConfigError(f"{path}: cannot read the config: {error}") from None
     try:
@@ -461,7 +492,10 @@ def load_config(path: str | None) -> DeclaredConfig:
         parsed = ConfigInput.model_validate(data)
     except ValidationError as error:
         raise ConfigError(f"{path}: {_named(data, error)}{describe(error)}") from None
-    engines = tuple(parsed.engines) if parsed.engines is not None else DEFAULT_ENGINES
+    try:
+        engines = _checked_engines(parsed.engines)
+    except InputError as error:
+        raise ConfigError(f"{path}: {error}") from None
     return DeclaredConfig(
         models=tuple(m.to_spec() for m in parsed.models), engines=engines, path=path
     )

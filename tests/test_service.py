@@ -618,6 +618,33 @@ def test_a_bad_declared_config_is_refused_naming_file_model_and_field(
     assert problem in message
 
 
+@pytest.mark.parametrize(
+    ("engines", "problem"),
+    [
+        pytest.param("[]", "engines: at least one is needed", id="none"),
+        pytest.param("['', vllm]", "engines[0]: '' is not an engine name", id="empty"),
+        pytest.param("[vllm, 'v llm']", "engines[1]: 'v llm' is not an engine name", id="space"),
+        pytest.param("[vllm, tgi, vllm]", "engines[2]: 'vllm' is listed more than", id="twice"),
+    ],
+)
+def test_a_config_whose_engines_no_model_could_name_is_refused(
+    write_config: Callable[[str], str], db_url: str, engines: str, problem: str
+) -> None:
+    path = write_config(f"engines: {engines}\nmodels: []\n")
+    with pytest.raises(ConfigError) as error:
+        open_models(db_url, path)
+    assert str(error.value).startswith(f"{path}: {problem}")
+
+
+def test_a_config_past_its_size_is_refused_without_reading_it_all(
+    tmp_path: Path, db_url: str
+) -> None:
+    endless = tmp_path / "catalog.yaml"
+    endless.symlink_to("/dev/zero")  # a path to a device, or a runaway file
+    with pytest.raises(ConfigError, match="the config is larger than 256 MiB"):
+        open_models(db_url, str(endless))
+
+
 def test_concurrent_writers_on_one_file_serialise_into_one_gapless_log(
     make_models: MakeModels,
 ) -> None:
