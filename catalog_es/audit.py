@@ -236,10 +236,26 @@ def _kept(text: str, limit: int) -> str:
 def _kept_fields(fields: dict[str, Any]) -> Any:
     """The refused command's fields, or what became of them when too large to keep."""
     data = msgspec.to_builtins(fields)
-    size = len(msgspec.json.encode(data))
+    try:
+        size = len(msgspec.json.encode(data))
+    except UnicodeEncodeError:
+        # A lone surrogate (an argument no codec could read) has no UTF-8:
+        # kept written out as Python writes it, ``\udcff``.
+        data = _encodable(data)
+        size = len(msgspec.json.encode(data))
     if size <= MAX_KEPT_FIELDS:
         return data
     return {"omitted": f"{size} bytes of fields; at most {MAX_KEPT_FIELDS} are kept"}
+
+
+def _encodable(value: Any) -> Any:
+    if isinstance(value, str):
+        return value.encode("utf-8", "backslashreplace").decode("utf-8")
+    if isinstance(value, list):
+        return [_encodable(v) for v in value]
+    if isinstance(value, dict):
+        return {_encodable(k): _encodable(v) for k, v in value.items()}
+    return value
 
 
 def _stored_names(event_class: type[Model.Event], fields: dict[str, Any]) -> dict[str, Any]:

@@ -31,8 +31,8 @@ from catalog_es.spec import DEFAULT_ENGINES, Adapter, ModelSpec, Origin
 
 # A model definition is a few hundred bytes; a megabyte is a mistake or an attack.
 MAX_INPUT_BYTES = 1 << 20
-# The declared config: a hundred thousand models fit in a tenth of this.
-MAX_CONFIG_BYTES = 256 << 20
+# The declared config: a hundred thousand models take about a third of this.
+MAX_CONFIG_BYTES = 64 << 20
 
 
 class _Input(BaseModel):
@@ -468,18 +468,26 @@ def _named(data: Any, error: ValidationError) -> str:
     return ""
 
 
+def _read_at_most(path: Path, limit: int) -> bytes:
+    """The file's bytes, read a megabyte at a time (``read(limit)`` would take
+    ``limit`` of memory at once): reviewed YAML, trusted but not unbounded, so a
+    path to a device or a runaway file cannot take the process's memory."""
+    chunks, size = [], 0
+    with path.open("rb") as file:
+        while chunk := file.read(1 << 20):
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > limit:
+                raise ConfigError(f"{path}: the config is larger than {limit >> 20} MiB")
+    return b"".join(chunks)
+
+
 def load_config(path: str | None) -> DeclaredConfig:
     """The declared config from a YAML file; no file means nothing declared."""
     if path is None:
         return DeclaredConfig()
     try:
-        with Path(path).open("rb") as file:
-            # Reviewed YAML, trusted but not unbounded: a path to a device or a
-            # runaway file must not take the process's memory.
-            raw = file.read(MAX_CONFIG_BYTES + 1)
-        if len(raw) > MAX_CONFIG_BYTES:
-            raise ConfigError(f"{path}: the config is larger than {MAX_CONFIG_BYTES >> 20} MiB")
-        text = raw.decode("utf-8")
+        text = _read_at_most(Path(path), MAX_CONFIG_BYTES).decode("utf-8")
     except (OSError, UnicodeDecodeError) as error:
         raise ConfigError(f"{path}: cannot read the config: {error}") from None
     try:

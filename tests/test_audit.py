@@ -46,7 +46,7 @@ from catalog_es.mapper import EventMapper
 from catalog_es.model import Model, model_id
 from catalog_es.persistence import SQLRecorder, create_engine, events_table, head_table
 from catalog_es.ports import PreAddCheck
-from catalog_es.spec import ModelSpec, Profile, Scaling
+from catalog_es.spec import ModelSpec, Origin, Profile, Scaling
 from projections.audit import (
     AuditView,
     TimeOrder,
@@ -550,6 +550,16 @@ def test_refused_commands_are_kept_apart_with_who_what_and_why(models: Models) -
     assert [r["id"] for r in models.refusals(model="chat", limit=1)] == [4]
     assert [r["id"] for r in models.refusals(since=T0 + timedelta(minutes=10))] == [3, 4]
     assert [r["id"] for r in models.refusals(until=T0 + timedelta(minutes=11), limit=2)] == [2, 3]
+
+
+def test_a_refusal_of_text_no_codec_could_read_is_kept_written_out(models: Models) -> None:
+    """A lone surrogate (an argument from a file name no codec could read) has
+    no UTF-8: the refusal is kept with it as Python writes it."""
+    with pytest.raises(Refused, match="is not org/name"):
+        models.set_source("chat", "hf://org/x", Origin(repository="org/\udcff"), by="bob")
+    kept = models.refusals()[-1]
+    assert (kept["by"], kept["event"]) == ("bob", "SourceSet")
+    assert kept["fields"]["origin"]["repository"] == "org/\\udcff"
 
 
 def test_a_limit_keeps_the_last_matches_in_log_order_when_clocks_disagree(

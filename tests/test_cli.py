@@ -7,8 +7,10 @@ exactly as long as before (counted in the file, not through the code).
 from __future__ import annotations
 
 import json
+import sqlite3
 import subprocess
 import sys
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -553,28 +555,27 @@ def test_a_reader_that_goes_away_ends_the_command_quietly(tmp_path: Path) -> Non
 
 
 def test_warnings_escape_what_a_terminal_would_act_on(tmp_path: Path) -> None:
-    """A skipped record's reason can quote what a hand edit or a config put
-    there; printed raw, an escape sequence retitles or clears the terminal."""
-    config = tmp_path / "catalog.yaml"
-    config.write_text('engines: [vllm, "\\e]0;PWNED\\a\\e[2J"]\nmodels: []\n')
-    db = f"sqlite:///{tmp_path}/catalog.db"
+    """A skipped record's reason quotes what a hand edit put there; printed
+    raw, an escape sequence retitles or clears the terminal."""
+    db = tmp_path / "catalog.db"
     spec_file = tmp_path / "m.yaml"
-    spec_file.write_bytes(as_yaml(definition("m", engine="tgi")))
-    before = tmp_path / "before.yaml"
-    before.write_text("models: []\n")  # the default engines, tgi among them
-    added = CliRunner().invoke(
-        cli, ["--db", db, "--config", str(before), "model", "add", str(spec_file)]
-    )
+    spec_file.write_bytes(as_yaml(definition("m")))
+    added = CliRunner().invoke(cli, ["--db", f"sqlite:///{db}", "model", "add", str(spec_file)])
     assert added.exit_code == 0, added.stderr
+    with sqlite3.connect(db) as conn:
+        conn.execute(
+            "INSERT INTO catalog_events VALUES (100, ?, 1, ?, x'7b7d', ?)",
+            (uuid.uuid4().hex, "catalog_es.model:Model.X\x1b]0;PWNED\x07\x1b[2J", "0" * 64),
+        )
     done = subprocess.run(
-        [sys.executable, "-m", "catalog_es", "--db", db, "--config", str(config), "model", "list"],
+        [sys.executable, "-m", "catalog_es", "--db", f"sqlite:///{db}", "model", "list"],
         capture_output=True,
         timeout=60,
         check=False,
     )
     assert done.returncode == 0, done.stderr
-    assert b"warning: skipped revision" in done.stderr
-    assert b"\\x1b]0;PWNED\\x07\\x1b[2J" in done.stderr
+    assert b"warning: skipped revision 100" in done.stderr
+    assert b"X\\x1b]0;PWNED\\x07\\x1b[2J" in done.stderr
     assert b"\x1b" not in done.stderr and b"\x07" not in done.stderr
 
 

@@ -706,7 +706,7 @@ BAD_ARGUMENTS = {
     ),
     "a repository that is not UTF-8": (
         ["model", "source", "m", "hf://x", "--repository", "org/\udcff"],
-        "'org/\\udcff' is not Unicode text",
+        "repository 'org/\\udcff' is not org/name",  # refused before it is encoded
     ),
     "a memory size past 64 bits": (
         ["model", "resources", "m", "--memory-gb", str(2**63)],

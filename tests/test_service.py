@@ -641,7 +641,7 @@ def test_a_config_past_its_size_is_refused_without_reading_it_all(
 ) -> None:
     endless = tmp_path / "catalog.yaml"
     endless.symlink_to("/dev/zero")  # a path to a device, or a runaway file
-    with pytest.raises(ConfigError, match="the config is larger than 256 MiB"):
+    with pytest.raises(ConfigError, match="the config is larger than 64 MiB"):
         open_models(db_url, str(endless))
 
 
