@@ -21,7 +21,7 @@ import sqlite3
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from typing import Any, NamedTuple
 from uuid import UUID
@@ -684,7 +684,8 @@ class SQLRecorder(ProcessRecorder):
             (value,) = cursor.fetchone() or (None,)
         finally:
             cursor.close()
-        return int(value or 0)
+        _check_whole([value])
+        return value or 0
 
     def stream_versions(self, conn: Connection, originator_ids: Sequence[UUID]) -> list[int]:
         """``stream_version`` of many streams, in the order given, in a few round trips."""
@@ -710,7 +711,8 @@ class SQLRecorder(ProcessRecorder):
                 found.update(cursor.fetchall())
         finally:
             cursor.close()
-        return [int(found.get(s) or 0) for s in stored]
+        _check_whole(found.values())
+        return [found.get(s) or 0 for s in stored]
 
     def _sql(self, text: str) -> str:
         """Driver SQL written with ``?`` marks, in this driver's paramstyle."""
@@ -782,11 +784,7 @@ class SQLRecorder(ProcessRecorder):
                 f"the log's head record (catalog_head) is damaged: {head.problem}; "
                 "nothing was written (catalog-es verify tells what else was edited)"
             )
-        if any(v is not None and type(v) is not int for v in (taken, *found)):
-            raise DamagedLog(
-                "the log holds a revision or a model's version that is not a whole number; "
-                "nothing was written (catalog-es verify tells which event was edited)"
-            )
+        _check_whole((taken, *found))
         return Standing(
             head=head,
             last=max(head.revision if head is not None else 0, taken or 0),
@@ -974,6 +972,16 @@ class SQLRecorder(ProcessRecorder):
                 )
             ).scalar()
             return int(value) if value is not None else None
+
+
+def _check_whole(numbers: Iterable[object]) -> None:
+    """Refuse to write after revisions or versions read back as something
+    other than whole numbers (SQLite keeps what a hand edit gives it)."""
+    if any(n is not None and type(n) is not int for n in numbers):
+        raise DamagedLog(
+            "the log holds a revision or a model's version that is not a whole number; "
+            "nothing was written (catalog-es verify tells which event was edited)"
+        )
 
 
 def _as_uuid(value: UUID | str) -> UUID:

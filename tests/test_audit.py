@@ -1000,14 +1000,18 @@ UNWRITABLE: dict[str, tuple[tuple[str, ...], str]] = {
 }
 
 
+@pytest.mark.parametrize("how", ["command", "apply"])
 @pytest.mark.parametrize("edit", UNWRITABLE, ids=list(UNWRITABLE))
 def test_a_log_edited_past_what_can_be_appended_refuses_writes_and_is_left_as_it_is(
-    models: Models, db: str, config: Path, edit: str
+    models: Models, db: str, config: Path, tmp_path: Path, edit: str, how: str
 ) -> None:
     statements, message = UNWRITABLE[edit]
     run_sql(models, *statements)
     before, refusals = stored_log(models), models.refusals()
-    result = invoke(db, config, "model", "owner", "chat", "team:other")
+    changes = tmp_path / "changes.yaml"
+    changes.write_text("- owner: {name: chat, owner: 'team:other'}\n")
+    args = ["apply", str(changes)] if how == "apply" else ["model", "owner", "chat", "team:other"]
+    result = invoke(db, config, *args)
     assert result.exit_code == 1
     assert result.stderr.startswith(message)
     assert result.stderr.count("\n") == 1
