@@ -24,6 +24,7 @@ from uuid import UUID
 import msgspec
 
 from catalog_es.errors import shown
+from catalog_es.spec import SHA256_PATTERN
 
 # The "previous hash" of the first event.
 GENESIS = "0" * 64
@@ -49,8 +50,8 @@ def stored_head(revision: object, hash_: object) -> ChainHead | DamagedHead | No
         return None
     if type(revision) is not int:
         return DamagedHead(f"its revision is {shown(revision)}, not a whole number")
-    if not isinstance(hash_, str) or not hash_.isascii():
-        return DamagedHead(f"its hash is {shown(hash_)}, not hex text")
+    if not isinstance(hash_, str) or not SHA256_PATTERN.fullmatch(hash_):
+        return DamagedHead(f"its hash is {shown(hash_)}, not a sha256 digest in hex")
     return ChainHead(revision=revision, hash=hash_)
 
 

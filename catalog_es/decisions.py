@@ -10,11 +10,12 @@ printable sources, origins a registry could name — is here.
 from __future__ import annotations
 
 import unicodedata
+from collections.abc import Callable
 
 from catalog_es.catalog import Catalog
 from catalog_es.errors import DeclaredInConfig, InvalidModel, ModelNotFound, Refused, shown
 from catalog_es.model import Model
-from catalog_es.registry import check_repository
+from catalog_es.registry import check_commit, check_repository, relative_file
 from catalog_es.spec import ModelSpec, Origin
 
 
@@ -98,23 +99,21 @@ def _check_sources(event: Model.Event, new: ModelSpec) -> None:
 
 def _check_origin(model: str, origin: Origin) -> None:
     # An origin says where in a registry the weights came from, and `update`
-    # and `rollback` later build paths from it: the repository and the files
-    # as the registry names them, the commit as one word.
+    # and `rollback` later build paths from it: held to the rules they read
+    # it by, so what is written now can be moved back to.
     if origin.repository:
-        try:
-            check_repository(origin.repository)
-        except Refused as refusal:
-            raise InvalidModel(model, "origin.repository", str(refusal)) from None
-    if origin.revision and (" " in origin.revision or not origin.revision.isprintable()):
-        raise InvalidModel(model, "origin.revision", f"{shown(origin.revision)} is not one word")
+        _held_to(model, "origin.repository", check_repository, origin.repository)
+    if origin.revision:
+        _held_to(model, "origin.revision", check_commit, origin.revision)
     for path in origin.files:
-        parts = path.split("/")
-        if not path.isprintable() or "" in parts or ".." in parts or "\\" in path:
-            raise InvalidModel(
-                model,
-                f"origin.files[{shown(path)}]",
-                "is not a relative path inside the repository",
-            )
+        _held_to(model, f"origin.files[{shown(path)}]", relative_file, path)
+
+
+def _held_to(model: str, field: str, check: Callable[[str], object], value: str) -> None:
+    try:
+        check(value)
+    except Refused as refusal:
+        raise InvalidModel(model, field, str(refusal)) from None
 
 
 def _check_printable(model: str, field: str, value: str) -> None:

@@ -17,6 +17,7 @@ computed in the same transaction from the head kept in ``catalog_head``.
 from __future__ import annotations
 
 import os
+import re
 import sqlite3
 import threading
 import time
@@ -226,8 +227,10 @@ def _log_url(url: str) -> sa.URL:
     usage = "give sqlite:///FILE or postgresql+psycopg://USER@HOST/DATABASE"
     try:
         parsed = sa.make_url(url)
-    except sa.exc.ArgumentError:
-        raise ConfigError(f"the database URL {shown(url)} is not a URL: {usage}") from None
+        parsed.port  # noqa: B018  (parsed on first use: a port that is not a number)
+    except (sa.exc.ArgumentError, ValueError):
+        told = shown(re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", url))  # no password
+        raise ConfigError(f"the database URL {told} is not a URL: {usage}") from None
     told = shown(parsed.render_as_string(hide_password=True))
     driver = _DRIVERS.get(parsed.drivername)
     if driver is None:
@@ -235,7 +238,7 @@ def _log_url(url: str) -> sa.URL:
             f"the database URL {told}: the log is kept in SQLite, or in PostgreSQL "
             f"through psycopg; {usage}"
         )
-    if driver == "sqlite" and parsed.database in (None, "", ":memory:"):
+    if driver == "sqlite" and in_memory(parsed):
         # Each connection would get a database of its own, gone when it closes:
         # a command would answer a revision that no later read can find.
         raise ConfigError(
@@ -258,6 +261,16 @@ def _forgotten_by_children(engine: Engine) -> None:
             inherited.dispose(close=False)
 
     os.register_at_fork(after_in_child=forget)
+
+
+def in_memory(url: sa.URL) -> bool:
+    """Whether a SQLite URL names a database in memory, in any of its forms."""
+    database = url.database or ""
+    return (
+        database in ("", ":memory:")
+        or database.startswith("file::memory:")
+        or "memory" in str(url.query.get("mode", ""))
+    )
 
 
 def _settled_engine(url: sa.URL) -> Engine:
@@ -845,6 +858,14 @@ class SQLRecorder(ProcessRecorder):
         one read and one write of the head per transaction, not per event.
         Straight through the driver: this is every command's write."""
         head, last, _ = standing or self.standing(conn)
+        if any(e.originator_version > MAX_REVISION for e in stored_events) or (
+            self.dialect == "sqlite" and last + len(stored_events) > MAX_REVISION
+        ):
+            # Only a head or a version raised by hand brings the limit within reach.
+            raise DamagedLog(
+                f"the log's next revision or a model's next version would pass {MAX_REVISION:,},"
+                " the largest the database stores; nothing was written (catalog-es verify)"
+            )
         chained = head.hash if head is not None else GENESIS
         rows = []
         for e in stored_events:
@@ -883,10 +904,13 @@ class SQLRecorder(ProcessRecorder):
                 # delivered at commit, so a follower never wakes before it can read.
                 # An upsert: the lock is the events table's, and a head deleted
                 # meanwhile by hand is put back rather than left missing.
+                # Never backwards: a head past what the sequence hands out was
+                # raised by hand, and moving it back would hide that.
                 move = (
                     "INSERT INTO catalog_head (id, revision, hash)"
                     " SELECT 1, max(revision), %s FROM added ON CONFLICT (id)"
                     " DO UPDATE SET revision = excluded.revision, hash = excluded.hash"
+                    " WHERE catalog_head.revision < excluded.revision"
                 )
                 for start in range(0, len(rows), 1000):
                     chunk = rows[start : start + 1000]
@@ -902,17 +926,15 @@ class SQLRecorder(ProcessRecorder):
                         params,
                     )
                     row = cursor.fetchone()
-                    assert row is not None, "the chunk's revisions come back in one row"
+                    if row is None:  # the head did not move
+                        raise DamagedLog(
+                            "the log's head record (catalog_head) is past the revision this"
+                            " write was given: it was raised by hand; nothing was written"
+                            " (catalog-es verify)"
+                        )
                     revisions += sorted(int(r) for r in row[0])
         except self._dbapi_error as error:
             raise self._as_sqlalchemys(error) from None
-        except OverflowError:
-            # SQLite's driver refuses a number past 2**63 - 1, which only a
-            # head or a version raised by hand brings within reach.
-            raise DamagedLog(
-                f"the log's next revision or a model's next version would pass {MAX_REVISION:,},"
-                " the largest SQLite stores; nothing was written (catalog-es verify)"
-            ) from None
         finally:
             cursor.close()
         return revisions

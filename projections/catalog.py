@@ -39,7 +39,7 @@ from catalog_es.mapper import (
     topic_name,
 )
 from catalog_es.model import DomainEvent, Model, model_id
-from catalog_es.persistence import SQLRecorder, create_engine, stream_parity
+from catalog_es.persistence import SQLRecorder, create_engine, in_memory, stream_parity
 from catalog_es.spec import EVERY_FIELD, ModelSpec
 
 Progress = Callable[[int], None]
@@ -335,8 +335,7 @@ def _can_split(catalog: Catalog, recorder: SQLRecorder) -> bool:
     url = recorder.engine.url
     return (
         recorder.dialect == "sqlite"
-        and url.database not in (None, "", ":memory:")
-        and "memory" not in str(url.query.get("mode", ""))
+        and not in_memory(url)
         and hasattr(os, "fork")
         and _alone()
         and all(_parity(name) == _parity(target) for name, target in catalog.runtime_fallbacks())

@@ -25,7 +25,7 @@ CHANGES = """
 - class: {name: b, class: critical}
 - owner: {name: b, owner: "team:x"}
 - adapters: {name: a, adapters: [{name: sql, source: "s3://adapters/sql"}]}
-- source: {name: b, source: "hf://o/b2", origin: {repository: o/b2, revision: abc}}
+- source: {name: b, source: "hf://o/b2", origin: {repository: o/b2, revision: abc1234}}
 """
 
 

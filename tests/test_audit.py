@@ -33,6 +33,7 @@ from catalog_es.application import Models
 from catalog_es.chain import link
 from catalog_es.cli import cli
 from catalog_es.errors import (
+    DamagedLog,
     DeclaredInConfig,
     InputError,
     InvalidModel,
@@ -963,7 +964,7 @@ TAMPERING: dict[str, tuple[Callable[[Models], None], int, str]] = {
     "the head's hash made bytes": (
         lambda m: run_sql(m, "UPDATE catalog_head SET hash = x'ff'"),
         9,
-        "the head record (catalog_head) is damaged (its hash is b'\\xff', not hex text)",
+        "the head record (catalog_head) is damaged (its hash is b'\\xff', not a sha256",
     ),
 }
 
@@ -975,10 +976,15 @@ UNWRITABLE: dict[str, tuple[tuple[str, ...], str]] = {
         "error: the log's head record (catalog_head) is damaged: its revision is 'eight', "
         "not a whole number; nothing was written",
     ),
+    "the head's hash made other text": (
+        ("UPDATE catalog_head SET hash = '123'",),
+        "error: the log's head record (catalog_head) is damaged: its hash is '123', "
+        "not a sha256 digest in hex; nothing was written",
+    ),
     "the head's hash made bytes": (
         ("UPDATE catalog_head SET hash = x'ff'",),
         "error: the log's head record (catalog_head) is damaged: its hash is b'\\xff', "
-        "not hex text; nothing was written",
+        "not a sha256 digest in hex; nothing was written",
     ),
     "a version made text": (
         ("UPDATE catalog_events SET originator_version = 'x' WHERE revision = 8",),
@@ -1365,5 +1371,32 @@ def test_the_hash_chain_on_postgresql(postgres_schema: str, config: Path, clock:
         assert len(models.refusals()) == 4
         run_sql(models, "DELETE FROM catalog_events WHERE revision = 4")
         assert models.verify()["broken"]["revision"] == 4
+    finally:
+        models.close()
+
+
+@pytest.mark.parametrize(
+    "statement",
+    [
+        "UPDATE catalog_head SET revision = 9223372036854775807",
+        "UPDATE catalog_events SET originator_version = 9223372036854775807"
+        " WHERE revision = (SELECT max(revision) FROM catalog_events"
+        "  WHERE topic LIKE '%OwnerSet' OR topic LIKE '%Added')",
+    ],
+    ids=["head raised", "version raised"],
+)
+def test_a_postgresql_log_edited_past_appending_refuses_writes_as_sqlites_does(
+    postgres_schema: str, config: Path, clock: Clock, statement: str
+) -> None:
+    """PostgreSQL numbers the rows itself: a head raised past them would have
+    been moved back by the next write, and the edit with it."""
+    models = open_service(postgres_schema, config)
+    try:
+        script(models, clock)
+        run_sql(models, statement)
+        before = stored_log(models)
+        with pytest.raises(DamagedLog):
+            models.set_owner("chat", "team:other", by="carol")
+        assert stored_log(models) == before
     finally:
         models.close()

@@ -7,6 +7,7 @@ exactly as long as before (counted in the file, not through the code).
 from __future__ import annotations
 
 import json
+import logging
 import sqlite3
 import subprocess
 import sys
@@ -17,10 +18,14 @@ from typing import Any
 
 import click
 import pytest
+import sqlalchemy as sa
 import yaml
 from click.testing import CliRunner, Result
 
+from catalog_es.application import Models
 from catalog_es.cli import cli
+from catalog_es.cli.base import VisibleWarnings
+from catalog_es.inputs import DeclaredConfig
 from tests.helpers import config_yaml, definition, spec
 
 LOG_KEYS = {
@@ -525,6 +530,38 @@ def test_a_database_url_the_log_cannot_be_kept_at_is_refused(
     assert [p.name for p in tmp_path.iterdir()] == ["m.yaml"]  # no file made
 
 
+@pytest.mark.parametrize("dialect", ["sqlite", "postgresql"])
+def test_tables_of_that_name_that_are_not_the_logs_are_one_line(
+    dialect: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    url = (
+        f"sqlite:///{tmp_path}/other.db"
+        if dialect == "sqlite"
+        else str(request.getfixturevalue("pg_url"))
+    )
+    engine = sa.create_engine(url)
+    with engine.begin() as conn:
+        conn.execute(sa.text("CREATE TABLE catalog_events (id integer, body text)"))
+    engine.dispose()
+    line = refused_in_one_line(CliRunner().invoke(cli, ["--db", url, "model", "list"]))
+    assert line.startswith("error: the database could not be used: ")
+    assert "revision" in line
+
+
+def test_a_warning_escapes_its_line_and_leaves_a_traceback_readable() -> None:
+    formatter = VisibleWarnings("warning: %(message)s")
+    try:
+        raise ValueError("inner")
+    except ValueError:
+        record = logging.LogRecord(
+            "catalog_es", logging.WARNING, __file__, 1, "skipped %s", ("\x1b[2J",), sys.exc_info()
+        )
+    lines = formatter.format(record).splitlines()
+    assert lines[0] == "warning: skipped \\x1b[2J"
+    assert lines[1] == "Traceback (most recent call last):"
+    assert lines[-1] == "ValueError: inner"
+
+
 def test_a_bare_postgresql_url_means_psycopg(pg_url: str) -> None:
     bare = pg_url.replace("postgresql+psycopg://", "postgresql://", 1)
     assert bare != pg_url
@@ -536,12 +573,11 @@ def test_a_bare_postgresql_url_means_psycopg(pg_url: str) -> None:
 def test_a_reader_that_goes_away_ends_the_command_quietly(tmp_path: Path) -> None:
     """`catalog-es log | head -1`: no error about the closed pipe."""
     db = f"sqlite:///{tmp_path}/catalog.db"
-    runner = CliRunner()
-    spec_file = tmp_path / "m.yaml"
-    spec_file.write_bytes(as_yaml(definition("m")))
-    assert runner.invoke(cli, ["--db", db, "model", "add", str(spec_file)]).exit_code == 0
-    for maximum in range(2, 400):
-        assert runner.invoke(cli, ["--db", db, "model", "scale", "m", "--max", str(maximum)])
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db})
+    models.add(spec("m"), by="ops")
+    for maximum in range(2, 1000):  # far more than a pipe's buffer holds
+        models.scale("m", 0, maximum, by="ops")
+    models.close()
     log = subprocess.Popen(
         [sys.executable, "-m", "catalog_es", "--db", db, "log", "--json"],
         stdout=subprocess.PIPE,

@@ -40,7 +40,7 @@ def when(catalog: Catalog, e: Model.Event) -> Any:
 # -- every command's effect ------------------------------------------------------
 
 BASE = spec("base", profiles=(GPU, CPU), adapters=(Adapter(name="tone", source="s3://a/tone"),))
-ORIGIN = Origin(repository="org/base", revision="c0ffee", files={"model.safetensors": SHA})
+ORIGIN = Origin(repository="org/base", revision="c0ffee0", files={"model.safetensors": SHA})
 
 
 def _profiles(**changes: Any) -> tuple[Profile, ...]:
@@ -378,7 +378,8 @@ def test_printable_sources_are_not_required_on_replay_rollback_or_other_changes(
 # -- origins -------------------------------------------------------------------------
 
 DIGEST = "a" * 64
-GOOD_ORIGIN = Origin(repository="Qwen/Qwen2.5-7B", revision="1f3c9a", files={"sub/m.gguf": DIGEST})
+GOOD_ORIGIN = Origin(repository="Qwen/Qwen2.5-7B", revision="1f3c9a0", files={"sub/m.gguf": DIGEST})
+NOT_A_PATH = "is not a plain path inside a revision"
 
 
 @pytest.mark.parametrize(
@@ -386,26 +387,17 @@ GOOD_ORIGIN = Origin(repository="Qwen/Qwen2.5-7B", revision="1f3c9a", files={"su
     [
         pytest.param(Origin(repository="../etc"), "origin.repository", "is not org/name", id="up"),
         pytest.param(Origin(repository="a/b/c"), "origin.repository", "is not org/name", id="deep"),
-        pytest.param(Origin(revision="a commit"), "origin.revision", "is not one word", id="sp"),
-        pytest.param(Origin(revision="x\ny"), "origin.revision", "is not one word", id="newline"),
+        pytest.param(Origin(revision="main"), "origin.revision", "is not a commit id", id="branch"),
+        pytest.param(Origin(revision="x\ny"), "origin.revision", "is not a commit", id="newline"),
         pytest.param(
             Origin(files={"../../etc/passwd": DIGEST}),
             "origin.files['../../etc/passwd']",
-            "is not a relative path inside the repository",
+            NOT_A_PATH,
             id="file-up",
         ),
-        pytest.param(
-            Origin(files={"": DIGEST}), "origin.files['']", "is not a relative path", id="empty"
-        ),
-        pytest.param(
-            Origin(files={"/abs": DIGEST}), "origin.files['/abs']", "is not a relative", id="abs"
-        ),
-        pytest.param(
-            Origin(files={"a\x1b[2J": DIGEST}),
-            "origin.files['a\\x1b[2J']",
-            "is not a relative",
-            id="file-esc",
-        ),
+        pytest.param(Origin(files={"": DIGEST}), "origin.files['']", NOT_A_PATH, id="empty"),
+        pytest.param(Origin(files={"/abs": DIGEST}), "origin.files['/abs']", NOT_A_PATH, id="abs"),
+        pytest.param(Origin(files={"./m": DIGEST}), "origin.files['./m']", NOT_A_PATH, id="dot"),
     ],
 )
 @pytest.mark.parametrize("how", ["add", "source"])

@@ -160,10 +160,11 @@ def say(text: str, *, err: bool = False) -> None:
 
 class VisibleWarnings(logging.Formatter):
     """Log lines as :func:`say` writes them: a record or a config can carry
-    what a terminal would act on into a warning."""
+    what a terminal would act on into a warning. A traceback after the line
+    is left as it is, one frame a line."""
 
-    def format(self, record: logging.LogRecord) -> str:
-        return visible(super().format(record))
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        return visible(super().formatMessage(record))
 
 
 def print_table(table: Table) -> None:
@@ -278,13 +279,18 @@ class CatalogGroup(click.Group):
             ctx.exit(1)
 
 
+# The drivers' errors that mean the database itself cannot be used: not there,
+# not reachable, not SQLite's, or tables of that name that are not the log's.
+_UNUSABLE = {"OperationalError", "DatabaseError", "UndefinedTable", "UndefinedColumn"}
+
+
 def failure_line(error: Exception) -> str:
     """The one line an exception no command expected comes to. Library errors
     (SQLAlchemy's) run on over several lines; the first says what went wrong."""
-    if isinstance(error, sa.exc.OperationalError) or type(error) is sa.exc.DatabaseError:
-        # The database itself: not there, not reachable, not SQLite's, not the
-        # log's tables. The driver's words say which.
-        return f"error: the database could not be used: {_first_line(str(error.orig))}"
+    driver = error.orig if isinstance(error, sa.exc.DBAPIError) else error
+    kind = type(driver)
+    if kind.__module__.split(".")[0] in ("sqlite3", "psycopg") and kind.__name__ in _UNUSABLE:
+        return f"error: the database could not be used: {_first_line(str(driver))}"
     return f"error: unexpected {type(error).__name__}: {_first_line(str(error))}"
 
 

@@ -180,7 +180,8 @@ def _pairs(values: Iterable[str], what: str) -> list[tuple[str, str]]:
 def model_adapters(settings: Settings, name: str, adapters: tuple[str, ...], clear: bool) -> None:
     """Replace the LoRA adapters a runtime model serves."""
     if bool(adapters) == clear:
-        raise click.UsageError("give --adapter NAME=SOURCE (one or more), or --none, not both")
+        both = ", not both" if clear else ""
+        raise click.UsageError(f"give --adapter NAME=SOURCE (one or more), or --none{both}")
     parsed = tuple(Adapter(name=k, source=v) for k, v in _pairs(adapters, "--adapter"))
     result = settings.models().set_adapters(name, parsed, **meta(settings))
     emit_result(settings, result, "adapters set on")
