@@ -74,11 +74,12 @@ class AuditTrail:
 
     def _history_views(self, name: str, by: str | None) -> list[str]:
         # No name filters nothing: every row would be this "history".
-        views = self._views({"model": name, "by": by}) if name else []
-        declared = any(m.name == name for m in self.declared.models)
-        if not views and not declared and not (name and self._audit.view.mentions(name)):
-            raise ModelNotFound(name, "has no history: it was never in the log or the config")
-        return views
+        if name:
+            views = self._views({"model": name, "by": by})
+            declared = any(m.name == name for m in self.declared.models)
+            if views or declared or self._audit.view.mentions(name):
+                return views
+        raise ModelNotFound(name, "has no history: it was never in the log or the config")
 
     def audit(self, **filters: Unpack[Filters]) -> list[dict[str, Any]]:
         """The audit rows matching every filter given (``model``, ``by``,

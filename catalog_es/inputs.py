@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from datetime import UTC, date, datetime
 from functools import lru_cache
 from pathlib import Path
-from typing import Annotated, Any, NoReturn, TypeVar
+from typing import Annotated, Any, BinaryIO, NoReturn, TypeVar
 
 import msgspec
 import yaml
@@ -411,23 +411,36 @@ def _worded(error: ValueError) -> str:
     return f"holds a number of {digits} digits; a number may have at most {limit} digits"
 
 
+def _read_at_most(file: BinaryIO, limit: int) -> bytes | None:
+    """What ``file`` holds, or ``None`` if that is more than ``limit`` bytes:
+    read a megabyte at a time, since one ``read(limit)`` takes ``limit`` of
+    memory at once, and a path to a device or a runaway file has no end."""
+    chunks, size = [], 0
+    while chunk := file.read(min(1 << 20, limit + 1 - size)):
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > limit:
+            return None
+    return b"".join(chunks)
+
+
 def read_text(path: str, limit: int = MAX_INPUT_BYTES) -> tuple[str, str]:
     """The text of a file, or of standard input for ``-``, and how to name it."""
     if path == "-":
-        data = sys.stdin.buffer.read(limit + 1)
+        data = _read_at_most(sys.stdin.buffer, limit)
         where = "standard input"
     else:
         # Named as given, unless that would break the message's one line.
         where = path if path.isprintable() else shown(path)
         try:
             with Path(path).open("rb") as f:
-                data = f.read(limit + 1)
+                data = _read_at_most(f, limit)
         except OSError as error:
             raise InputError(f"{where}: {error.strerror or error}") from None
         except (ValueError, UnicodeEncodeError):
             # A NUL, or a lone surrogate no file name can hold.
             raise InputError(f"{where}: not a file name") from None
-    if len(data) > limit:
+    if data is None:
         raise InputError(f"{where}: larger than {limit // 1024} KiB")
     try:
         return data.decode("utf-8"), where
@@ -462,26 +475,17 @@ def _named(data: Any, error: ValidationError) -> str:
     return ""
 
 
-def _read_at_most(path: Path, limit: int) -> bytes:
-    """The file's bytes, read a megabyte at a time (``read(limit)`` would take
-    ``limit`` of memory at once): reviewed YAML, trusted but not unbounded, so a
-    path to a device or a runaway file cannot take the process's memory."""
-    chunks, size = [], 0
-    with path.open("rb") as file:
-        while chunk := file.read(1 << 20):
-            chunks.append(chunk)
-            size += len(chunk)
-            if size > limit:
-                raise ConfigError(f"{path}: the config is larger than {limit >> 20} MiB")
-    return b"".join(chunks)
-
-
 def load_config(path: str | None) -> DeclaredConfig:
     """The declared config from a YAML file; no file means nothing declared."""
     if path is None:
         return DeclaredConfig()
     try:
-        text = _read_at_most(Path(path), MAX_CONFIG_BYTES).decode("utf-8")
+        # Reviewed YAML, trusted but not unbounded.
+        with Path(path).open("rb") as file:
+            raw = _read_at_most(file, MAX_CONFIG_BYTES)
+        if raw is None:
+            raise ConfigError(f"{path}: the config is larger than {MAX_CONFIG_BYTES >> 20} MiB")
+        text = raw.decode("utf-8")
     except (OSError, UnicodeDecodeError) as error:
         raise ConfigError(f"{path}: cannot read the config: {error}") from None
     try:
