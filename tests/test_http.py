@@ -328,6 +328,32 @@ def test_a_stale_if_match_is_409_and_writes_nothing(api: Api) -> None:
     assert count_events(api.db) == before + 2
 
 
+def test_a_list_sent_while_a_change_lands_never_lets_if_match_overwrite_it(
+    api: Api, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Requests are served on several threads: a change may land between
+    reading the head and reading the list. The list's tag must then be the
+    older revision, so an If-Match sent back with it fails rather than
+    overwriting a change its sender never saw."""
+    ok(api.post("/models", definition("qwen")))
+    listing = api.models.list_models
+
+    def a_change_lands_meanwhile(at: Any = None) -> list[dict[str, Any]]:
+        listed = listing(at)
+        api.models.scale("qwen", maximum=5, by="bob")
+        return listed
+
+    monkeypatch.setattr(api.models, "list_models", a_change_lands_meanwhile)
+    read = api.get("/models")
+    monkeypatch.undo()
+    seen = next(m for m in ok(read) if m["name"] == "qwen")
+    assert seen["scaling"]["max"] == 1
+    before = count_events(api.db)
+    refused(api.post("/models/qwen/scale", {"max": 2}, **{"If-Match": read.headers["ETag"]}), 409)
+    assert count_events(api.db) == before
+    assert ok(api.get("/models/qwen"))["scaling"]["max"] == 5
+
+
 def test_storage_busy_is_503(api: Api, monkeypatch: pytest.MonkeyPatch) -> None:
     def busy(*args: Any, **kwargs: Any) -> None:
         raise StorageBusy("the database stayed locked by another writer")

@@ -311,7 +311,8 @@ def list_models(caller: Reader, models: Service, at: At) -> Response:
     # header is the older revision, so an If-Match sent back can only fail
     # (409), never overwrite a change its sender did not see.
     past = None if at is None else models.resolve(at)
-    return respond(models.list_models(past), models.revision if past is None else past)
+    revision = models.revision if past is None else past
+    return respond(models.list_models(past), revision)
 
 
 @route.get(MODEL, tags=["models"])
