@@ -26,7 +26,7 @@ from sqlalchemy.engine import Connection
 
 from catalog_es import commands
 from catalog_es.audit import AuditTrail
-from catalog_es.batch import Batch, Change
+from catalog_es.batch import Batch, Change, KnownVersions
 from catalog_es.catalog import Catalog, Skipped
 from catalog_es.collector import collector_paused
 from catalog_es.configuration import Configuration, DeclaredConfig
@@ -163,6 +163,7 @@ class Models(AuditTrail, Application[UUID]):
         # Serialises commands in this process; the write transaction serialises
         # them across processes.
         self._lock = threading.RLock()
+        self._known = KnownVersions()
         super().__init__(env)
         assert isinstance(self.recorder, SQLRecorder)
         self.store: SQLRecorder = self.recorder
@@ -503,41 +504,59 @@ class Models(AuditTrail, Application[UUID]):
         ``streams``: the models whose stream versions the plan will need."""
         _check_meta(by, reason)
         with self._lock, collector_paused():
-            with self.store.write() as conn:
-                # One read says whether another writer moved the log since this
-                # service last looked, what to chain onto, and the versions of
-                # the streams the plan names.
-                standing = self.store.standing(conn, [model_id(name) for name in streams])
-                if standing.last > self.catalog.revision:
-                    self._catch_up(conn)
-                head = self.catalog.revision
-                if expected_revision is not None and expected_revision != head:
-                    raise RevisionConflict(expected_revision, head)
-                batch = Batch(
-                    self.store,
-                    conn,
-                    self.catalog.copy() if several else self.catalog,
-                    by=by,
-                    reason=reason,
-                    timestamp=self._next_timestamp(),
-                    rollback_to=rollback_to,
-                    tentative=several,
-                    versions=standing.versions,
-                )
-                batch.record_declaration(self.declared)
-                plan(batch)
-                if dry_run or not (batch.changes or (records_only and batch.records)):
-                    self.store.abandon(conn)
-                    return head, batch.changes
-                # Straight to the recorder: eventsourcing's EventStore.put would
-                # build a Recording per event only for us to read its revision.
-                revisions = self.store.insert_events(
-                    [self.mapper.to_stored_event(e) for e in batch.records],
-                    conn=conn,
-                    standing=standing,
-                )
-                assert revisions
+            known = self._known
+            try:
+                with self.store.write() as conn:
+                    # One read says whether another writer moved the log since
+                    # this service last looked, what to chain onto, and the
+                    # versions of the streams the plan names that it does not know.
+                    ids = [model_id(name) for name in streams]
+                    wanted = known.unknown(ids)
+                    standing = self.store.standing(conn, wanted)
+                    if standing.last != known.at:
+                        # Moved by another writer: what this service knew may not hold.
+                        known.forget()
+                        if len(wanted) < len(ids):
+                            standing = self.store.standing(conn, ids)
+                    if standing.last > self.catalog.revision:
+                        self._catch_up(conn)
+                    head = self.catalog.revision
+                    if expected_revision is not None and expected_revision != head:
+                        raise RevisionConflict(expected_revision, head)
+                    batch = Batch(
+                        self.store,
+                        conn,
+                        self.catalog.copy() if several else self.catalog,
+                        by=by,
+                        reason=reason,
+                        timestamp=self._next_timestamp(),
+                        rollback_to=rollback_to,
+                        tentative=several,
+                        versions=standing.versions,
+                        known=known.versions,
+                    )
+                    batch.record_declaration(self.declared)
+                    plan(batch)
+                    if dry_run or not (batch.changes or (records_only and batch.records)):
+                        self.store.abandon(conn)
+                        return head, batch.changes
+                    # Straight to the recorder: eventsourcing's EventStore.put
+                    # would build a Recording per event only for us to read its
+                    # revision.
+                    revisions = self.store.insert_events(
+                        [self.mapper.to_stored_event(e) for e in batch.records],
+                        conn=conn,
+                        standing=standing,
+                    )
+                    assert revisions
+            except BaseException:
+                # A database error may come of a version this service thought it
+                # knew (rows edited by hand): all are read again next time.
+                known.forget()
+                raise
             # Committed: only now are the changes in force.
+            revision = revisions[-1]
+            known.learn(batch.versions, revision)
             if several:
                 self.catalog = batch.catalog
             else:
@@ -547,7 +566,6 @@ class Models(AuditTrail, Application[UUID]):
                 if isinstance(record, Configuration.Declared):
                     self.catalog.saw(record.timestamp)
                     self.catalog.recorded_declaration = (record.fingerprint, written)
-            revision = revisions[-1]
             self.catalog.revision = revision
             self._push(revision)
             if revision // self.snapshot_interval > head // self.snapshot_interval:

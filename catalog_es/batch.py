@@ -8,7 +8,7 @@ is valid at every step, not only at the end.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from datetime import datetime
 from typing import Any
 from uuid import UUID
@@ -26,6 +26,29 @@ Change = tuple[Model.Event, ModelSpec | None]
 
 # What a log that never recorded a declared layer has in force: nothing.
 _NOTHING_DECLARED = DeclaredConfig().fingerprint
+
+
+class KnownVersions:
+    """The last version of each stream this service wrote or read, by its id's
+    ``int``, and the log's last revision then (``at``). While that is still
+    the log's last revision, no other writer has appended since, and they
+    spare each write a read of the stream index (a batch of 1,000 changes
+    spent a tenth of its time on it)."""
+
+    def __init__(self) -> None:
+        self.at: int | None = None
+        self.versions: dict[int, int] = {}
+
+    def unknown(self, streams: Iterable[UUID]) -> list[UUID]:
+        return [s for s in streams if s.int not in self.versions]
+
+    def learn(self, versions: Mapping[int, int], at: int) -> None:
+        self.versions.update(versions)
+        self.at = at
+
+    def forget(self) -> None:
+        self.at = None
+        self.versions.clear()
 
 
 class Batch:
@@ -48,6 +71,7 @@ class Batch:
         rollback_to: int | None = None,
         tentative: bool,
         versions: dict[int, int] | None = None,
+        known: Mapping[int, int] | None = None,
     ) -> None:
         self.store = store
         self.conn = conn
@@ -61,29 +85,37 @@ class Batch:
         self.changes: list[Change] = []
         # The last version of each stream, keyed by the id's ``int``: a UUID's
         # own hash is Python code, run several times an event in a large batch.
-        # ``versions``: those already read, in this transaction.
-        self._versions: dict[int, int] = dict(versions or {})
+        # ``versions``: those already read, in this transaction; ``known``:
+        # those the service knows still hold, read or written before.
+        self.versions: dict[int, int] = dict(versions or {})
+        self._known: Mapping[int, int] = known or {}
 
     def _next_version(self, originator_id: UUID) -> int:
         # From the rows, not the catalog: a record replay skipped still holds its place.
-        last = self._versions.get(originator_id.int)
+        key = originator_id.int
+        last = self.versions.get(key)
         if last is None:
-            last = self._versions[originator_id.int] = self.store.stream_version(
-                self.conn, originator_id
-            )
+            last = self._known.get(key)
+            if last is None:
+                last = self.store.stream_version(self.conn, originator_id)
+            self.versions[key] = last
         return last + 1
 
     def prefetch(self, names: Iterable[str]) -> None:
         """Read the stream versions of models a batch will change, in one go
         rather than one query per event."""
         wanted = {i.int: i for i in map(model_id, names)}
-        missing = {key: i for key, i in wanted.items() if key not in self._versions}
+        missing = {
+            key: i
+            for key, i in wanted.items()
+            if key not in self.versions and key not in self._known
+        }
         if missing:
             versions = self.store.stream_versions(self.conn, list(missing.values()))
-            self._versions.update(zip(missing, versions, strict=True))
+            self.versions.update(zip(missing, versions, strict=True))
 
     def _append(self, event: DomainEvent) -> None:
-        self._versions[event.originator_id.int] = event.originator_version
+        self.versions[event.originator_id.int] = event.originator_version
         self.records.append(event)
 
     def _envelope(self, originator_id: UUID, rollback_to: int | None) -> dict[str, Any]:

@@ -28,6 +28,7 @@ import sqlalchemy as sa
 from click.testing import CliRunner
 from eventsourcing.persistence import Tracking
 
+from catalog_es import commands
 from catalog_es.application import Models
 from catalog_es.cli import cli
 from catalog_es.errors import RevisionConflict, StorageBusy
@@ -40,6 +41,7 @@ from catalog_es.persistence import (
     WRITER_CACHE_KIB,
     SQLRecorder,
     create_engine,
+    events_table,
 )
 from tests.helpers import count_events, event, model_data, model_spec
 
@@ -372,6 +374,75 @@ def test_a_command_on_a_log_nobody_else_moved_reads_it_once(tmp_path: Path) -> N
     models.scale("a", 0, 2, by="ops")
     verbs = [statement.split()[0] for statement in statements]
     assert verbs == ["BEGIN", "SELECT", "INSERT", "UPDATE", "COMMIT"], statements
+    models.close()
+
+
+def _versions(models: Models, name: str) -> list[int]:
+    """The stored versions of ``name``'s stream, in revision order."""
+    t = events_table.c
+    query = (
+        sa.select(t.originator_version)
+        .where(t.originator_id == model_id(name))
+        .order_by(t.revision)
+    )
+    with models.store.engine.connect() as conn:
+        return list(conn.execute(query).scalars())
+
+
+def test_a_service_reads_no_version_it_wrote_while_nobody_else_wrote(tmp_path: Path) -> None:
+    """The versions a service wrote still hold while the log's last revision
+    is its own: its next batch on the same models reads none of them."""
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": f"sqlite:///{tmp_path / 'c.db'}"})
+    models.apply_changes([commands.add(model_spec(n)) for n in "abc"], by="setup")
+    statements: list[str] = []
+    with models.store._writer_connection() as writer:
+        driver = writer.connection.driver_connection
+    assert driver is not None
+    driver.set_trace_callback(statements.append)
+    models.apply_changes([commands.scale(n, 0, 2) for n in "abc"], by="ops")
+    models.scale("b", 1, 3, by="ops")
+    assert not [s for s in statements if "originator_version" in s and s.startswith("SELECT")]
+    assert [_versions(models, n) for n in "abc"] == [[1, 2], [1, 2, 3], [1, 2]]
+    models.close()
+
+
+def test_versions_another_writer_moved_are_read_again(db_url: str) -> None:
+    """Once another service has appended, what this one knew may not hold."""
+    mine = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
+    theirs = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
+    try:
+        mine.add(model_spec("a"), by="me")
+        theirs.scale("a", 0, 2, by="them")
+        theirs.apply_changes([commands.scale("a", 0, 3), commands.owner("a", "team:x")], by="them")
+        mine.scale("a", 1, 4, by="me")
+        mine.apply_changes([commands.scale("a", 0, 5)], by="me")
+        assert _versions(mine, "a") == [1, 2, 3, 4, 5, 6]
+        assert mine.get_model("a")["scaling"] == theirs.get_model("a")["scaling"]
+    finally:
+        mine.close()
+        theirs.close()
+
+
+def test_a_version_put_in_by_hand_fails_one_write_then_is_read(tmp_path: Path) -> None:
+    """A row written by hand behind the log's last revision takes the version
+    a running service would write next: that write fails on the database's
+    constraint, and the next one reads the versions again rather than failing
+    the same way for as long as the service runs."""
+    url = f"sqlite:///{tmp_path / 'c.db'}"
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": url})
+    models.add(model_spec("a"), by="setup")
+    with models.store.engine.begin() as conn:
+        conn.exec_driver_sql(
+            "INSERT INTO catalog_events (revision, originator_id, originator_version, topic,"
+            " state, hash) SELECT 0, originator_id, 2, topic, state, hash FROM catalog_events"
+            " WHERE revision = 1"
+        )
+    before = count_events(url)
+    with pytest.raises(sa.exc.IntegrityError):
+        models.scale("a", 0, 2, by="ops")
+    assert count_events(url) == before
+    models.scale("a", 0, 2, by="ops")
+    assert _versions(models, "a") == [2, 1, 3]
     models.close()
 
 
