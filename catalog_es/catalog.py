@@ -258,9 +258,9 @@ class Catalog:
                     f"model {name!r} is declared in configuration, which wins every conflict"
                 )
             new = change.evolve(current)
-            if not observation:
+            if new is not None and not observation:
                 touches = change.touches
-                if new is not None and "fallbacks" not in touches:
+                if "fallbacks" not in touches:
                     check_spec(new, self.engines, touches)
                 else:
                     self.check(name, new, touches)
@@ -270,7 +270,34 @@ class Catalog:
         if observation and declared:
             return None  # see commit()
         self._put(name, change.originator_version, current, new)
+        if new is None and name in self._referrers:
+            self._fall_with(name, revision)
         return None
+
+    def _fall_with(self, removed: str, revision: int) -> None:
+        """Take out of force each runtime model that names ``removed`` as a
+        fallback, and each naming one of those in turn, reported as skipped
+        at ``revision``. A removal always stands on replay: a command decided
+        it while those models were not in force (skipped, say, while the
+        config declared their name), and putting the removed model back when
+        they return would run what its operator took away. The original
+        control plane ends the same way: the row deleted, the model naming it
+        skipped on load, its fallback gone."""
+        falling = [(removed, name) for name in sorted(self.referrers(removed))]
+        while falling:
+            gone, name = falling.pop(0)
+            aggregate = self.aggregates.get(name)
+            if aggregate is None or aggregate.spec is None or name in self.declared:
+                continue
+            self._put(name, aggregate.version, aggregate.spec, None)
+            self.skip(
+                revision,
+                name,
+                "Removed",
+                f"model {name!r}: fallbacks: names {gone!r}, which this revision removed; "
+                "out of force until added again",
+            )
+            falling += [(name, referrer) for referrer in sorted(self.referrers(name))]
 
     def saw(self, timestamp: datetime) -> None:
         """Keep the newest event time seen."""

@@ -93,7 +93,8 @@ def _replay(
 ) -> tuple[list[Skipped], tuple[int, datetime] | None]:
     """Apply each row of ``pages``: the skips, and the revision and time of the
     last event decoded."""
-    skipped: list[Skipped] = []
+    # Read from the catalog after: a removal's replay can skip other models too.
+    base = len(catalog.skipped)
     apply = catalog.apply
     last: DomainEvent | None = None
     last_revision = 0
@@ -102,16 +103,13 @@ def _replay(
             try:
                 event = decode_event(topic, state)
             except UndecodableEvent as error:
-                skipped.append(
-                    catalog.skip(revision, model_of_state(state), topic_name(topic), str(error))
-                )
+                catalog.skip(revision, model_of_state(state), topic_name(topic), str(error))
             else:
                 last, last_revision = event, revision
-                outcome = apply(event, revision)
-                if outcome is not None:
-                    skipped.append(outcome)
+                apply(event, revision)
             if progress is not None:
                 progress(revision)
+    skipped = catalog.skipped[base:]
     return skipped, (last_revision, last.timestamp) if last is not None else None
 
 

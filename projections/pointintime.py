@@ -144,10 +144,16 @@ def model_at(
     if revision > 0:
         snapshots.restore_model(conn, catalog, declared.fingerprint, revision, name)
         try:
+            if _leans_on_others(catalog, catalog.get(name)):
+                raise _NeedsTheOthers(name)
             catch_up(catalog, recorder, conn, upto=revision, model=name)
         except _NeedsTheOthers:
             catalog = catalog_at(recorder, conn, declared, revision)
     return catalog.get(name), catalog.is_declared(name)
+
+
+def _leans_on_others(catalog: Catalog, spec: ModelSpec | None) -> bool:
+    return spec is not None and any(target not in catalog.declared for target in spec.fallbacks)
 
 
 class _NeedsTheOthers(Exception):
@@ -160,15 +166,16 @@ class _OneModel(Catalog):
 
     Replay applies an event to the model it names, so only those can change
     it, and each decides the same here as in the whole catalog as long as it
-    reads that model and the declared layer alone: every rule does but two.
-    A removal asks whether another model names it as a fallback, and a
-    definition naming runtime fallbacks whether they exist and close a
-    cycle; those send the read to the whole catalog. Declared fallbacks are
-    all here, and name only declared models, so no cycle runs through them."""
+    reads that model and the declared layer alone: every rule does but one.
+    A definition naming runtime fallbacks asks whether they exist and close
+    a cycle, and falls out of force when one of them is removed (an event
+    that does not name it); one restored or replayed sends the read to the
+    whole catalog. Declared fallbacks are all here, are never removed at
+    runtime, and name only declared models, so no cycle runs through them."""
 
     def check(
         self, name: str, new: ModelSpec | None, touches: tuple[str, ...] = EVERY_FIELD
     ) -> None:
-        if new is None or any(target not in self.declared for target in new.fallbacks):
+        if _leans_on_others(self, new):
             raise _NeedsTheOthers(name)
         super().check(name, new, touches)

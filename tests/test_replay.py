@@ -13,13 +13,17 @@ import json
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
 
+import projections.catalog
 from catalog_es.application import Models
-from catalog_es.errors import DeclaredInConfig, ModelNotFound
+from catalog_es.configuration import DeclaredConfig
+from catalog_es.errors import DeclaredInConfig, InvalidModel, ModelNotFound
+from catalog_es.inputs import load_config
 from catalog_es.persistence import events_table
 from catalog_es.spec import DEFAULT_ENGINES, Scaling
 from tests.helpers import ACTOR, config_yaml, spec
@@ -282,3 +286,91 @@ def test_a_skipped_model_can_be_removed(make_models: MakeModels, db_url: str) ->
     assert engine_gone.victim.name not in _names(restored)
     with pytest.raises(ModelNotFound, match="is not in the catalog"):
         restored.remove(engine_gone.victim.name, by=ACTOR)
+
+
+@pytest.mark.parametrize("while_away", ["declared", "engine-gone"])
+def test_a_removal_stands_when_the_models_naming_it_come_back(
+    make_models: MakeModels, db_url: str, while_away: str
+) -> None:
+    """A fallback removed while the models naming it were skipped (their name
+    declared for a while, or their engine out of the build) stays removed
+    when they come back: they fall out of force with it, each reported at
+    the removal's revision, and can be added again or removed. The original
+    control plane ends the same way (the row deleted, the model naming it
+    skipped on load); putting the removed model back would run what its
+    operator took away."""
+    engine = "vllm" if while_away == "declared" else "sglang"
+    first = make_models(snapshot_interval=1)
+    first.add(spec("f"), by=ACTOR)
+    first.add(spec("x", engine=engine, fallbacks=("f",)), by=ACTOR)
+    first.add(spec("y", fallbacks=("x",)), by=ACTOR)
+    away = (
+        config_yaml(spec("x"))
+        if while_away == "declared"
+        else config_yaml(engines=[e for e in DEFAULT_ENGINES if e != "sglang"])
+    )
+    # Nothing in force names f meanwhile: the runtime x is skipped (and y with
+    # it, or y names the declared x), so f can go.
+    removed = make_models(away).remove("f", by=ACTOR).revision
+
+    back = make_models()
+    assert _names(back) == set()
+    fell = {s.model: s for s in back.skipped() if s.revision == removed}
+    assert sorted(fell) == ["x", "y"]
+    assert fell["x"].event == "Removed"
+    assert "names 'f', which this revision removed" in fell["x"].reason
+    assert "names 'x', which this revision removed" in fell["y"].reason
+    # Read at a past revision, one model at a time or the whole catalog, from
+    # the snapshots the first service wrote before the removal: the same answer.
+    for revision in range(1, removed + 1):
+        listed = {m["name"]: m for m in back.list_models(revision)}
+        for name in ("f", "x", "y"):
+            if name in listed:
+                assert back.get_model(name, revision) == listed[name]
+            else:
+                with pytest.raises(ModelNotFound):
+                    back.get_model(name, revision)
+    assert sorted(m["name"] for m in back.list_models(removed - 1)) == ["f", "x", "y"]
+    assert back.list_models(removed) == []
+    # Out of force, not gone from the log: each can be added again, or removed.
+    back.remove("y", by=ACTOR)
+    with pytest.raises(InvalidModel, match="names 'f', which is not in the catalog"):
+        back.add(spec("x", fallbacks=("f",)), by=ACTOR)
+    back.add(spec("x"), by=ACTOR)
+    assert _names(make_models()) == {"x"}
+    assert _names(make_models(snapshot_interval=1)) == {"x"}
+
+
+def test_a_replay_split_in_two_lets_fall_what_a_whole_one_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The models a removal takes out of force are skips of the half that
+    replays it: a load in two processes reports them as one does."""
+    url = f"sqlite:///{tmp_path / 'c.db'}"
+    declaring_b = tmp_path / "declaring-b.yaml"
+    declaring_b.write_text(config_yaml(spec("b")))
+
+    def load(config: Path | None = None) -> Models:
+        declared = load_config(str(config)) if config else DeclaredConfig()
+        return Models(declared, env={"CATALOG_ES_DB": url})
+
+    first = load()
+    # g, b and e replay in the same half (their streams' parity is 0).
+    for name, fallbacks in [("g", ()), ("b", ("g",)), ("e", ("b",))]:
+        first.add(spec(name, fallbacks=fallbacks), by=ACTOR)
+    removed = load(declaring_b).remove("g", by=ACTOR).revision
+    whole = load()
+    split = projections.catalog._split_replay
+    answers: list[object] = []
+    monkeypatch.setattr(projections.catalog, "SPLIT_AFTER", 0)
+    monkeypatch.setattr(projections.catalog, "SPLIT_CORES", 0)
+    monkeypatch.setattr(
+        projections.catalog,
+        "_split_replay",
+        lambda *args: answers.append(split(*args)) or answers[-1],
+    )
+    halves = load()
+    assert answers and answers[0] is not None, "the load was split"
+    assert [(s.revision, s.model) for s in halves.skipped()] == [(removed, "b"), (removed, "e")]
+    assert halves.skipped() == whole.skipped()
+    assert halves.list_models() == whole.list_models() == []
