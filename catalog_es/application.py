@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from datetime import datetime, timedelta
@@ -36,6 +37,7 @@ from catalog_es.errors import (
     ModelNotFound,
     Refused,
     RevisionConflict,
+    StorageBusy,
 )
 from catalog_es.inputs import zoned
 from catalog_es.mapper import EventMapper, UndecodableEvent, decode_event, model_of_state
@@ -160,9 +162,13 @@ class Models(AuditTrail, Application[UUID]):
         self.declared = declared or DeclaredConfig()
         self.applier = applier or NoApplier()
         self.pre_add_check = pre_add_check or AcceptAll()
-        # Serialises commands in this process; the write transaction serialises
-        # them across processes.
+        # Serialises commands in this process, held while one waits for the
+        # database; the write transaction serialises them across processes.
         self._lock = threading.RLock()
+        # Guards the catalog in force, which commands change in place. A
+        # command takes it only once it holds the database, so a read (an
+        # HTTP server's) never waits on a write that waits for another process.
+        self._state = threading.RLock()
         self._known = KnownVersions()
         super().__init__(env)
         assert isinstance(self.recorder, SQLRecorder)
@@ -332,16 +338,14 @@ class Models(AuditTrail, Application[UUID]):
     ) -> CommandResult:
         """Record where a model's weights came from without changing them. For a
         declared model this is a no-op: its origin is worked out again when needed."""
-        with self._lock:
-            self.refresh()
-            if self.catalog.is_declared(name):
-                spec = self.catalog.declared[name]
+        if self.catalog.is_declared(name):
+            with self._reading() as catalog:
                 return CommandResult(
-                    revision=self.catalog.revision,
-                    model=model_view(spec, declared=True),
+                    revision=catalog.revision,
+                    model=model_view(catalog.declared[name], declared=True),
                     written=False,
                 )
-            return self._command(commands.origin(name, origin), by, reason, expected_revision)
+        return self._command(commands.origin(name, origin), by, reason, expected_revision)
 
     def apply_changes(
         self,
@@ -503,74 +507,97 @@ class Models(AuditTrail, Application[UUID]):
         writes the declared-config record even with no change planned;
         ``streams``: the models whose stream versions the plan will need."""
         _check_meta(by, reason)
-        with self._lock, collector_paused():
-            known = self._known
-            try:
-                with self.store.write() as conn:
-                    # One read says whether another writer moved the log since
-                    # this service last looked, what to chain onto, and the
-                    # versions of the streams the plan names that it does not know.
-                    ids = [model_id(name) for name in streams]
-                    wanted = known.unknown(ids)
-                    standing = self.store.standing(conn, wanted)
-                    if standing.last != known.at:
-                        # Moved by another writer: what this service knew may not hold.
-                        known.forget()
-                        if len(wanted) < len(ids):
-                            standing = self.store.standing(conn, ids)
-                    if standing.last > self.catalog.revision:
-                        self._catch_up(conn)
-                    head = self.catalog.revision
-                    if expected_revision is not None and expected_revision != head:
-                        raise RevisionConflict(expected_revision, head)
-                    batch = Batch(
-                        self.store,
-                        conn,
-                        self.catalog.copy() if several else self.catalog,
-                        by=by,
-                        reason=reason,
-                        timestamp=self._next_timestamp(),
-                        rollback_to=rollback_to,
-                        tentative=several,
-                        versions=standing.versions,
-                        known=known.versions,
-                    )
-                    batch.record_declaration(self.declared)
-                    plan(batch)
-                    if dry_run or not (batch.changes or (records_only and batch.records)):
-                        self.store.abandon(conn)
-                        return head, batch.changes
-                    # Straight to the recorder: eventsourcing's EventStore.put
-                    # would build a Recording per event only for us to read its
-                    # revision.
-                    revisions = self.store.insert_events(
-                        [self.mapper.to_stored_event(e) for e in batch.records],
-                        conn=conn,
-                        standing=standing,
-                    )
-                    assert revisions
-            except BaseException:
-                # A database error may come of a version this service thought it
-                # knew (rows edited by hand): all are read again next time.
-                known.forget()
-                raise
-            # Committed: only now are the changes in force.
-            revision = revisions[-1]
-            known.learn(batch.versions, revision)
-            if several:
-                self.catalog = batch.catalog
-            else:
-                for event, new in batch.changes:
-                    self.catalog.commit(event, new)
-            for record, written in zip(batch.records, revisions, strict=True):
-                if isinstance(record, Configuration.Declared):
-                    self.catalog.saw(record.timestamp)
-                    self.catalog.recorded_declaration = (record.fingerprint, written)
-            self.catalog.revision = revision
-            self._push(revision)
-            if revision // self.snapshot_interval > head // self.snapshot_interval:
-                self._save_snapshot(self.catalog)
-        return revision, batch.changes
+        wait = self._take_write_lock()
+        known, state, holding = self._known, self._state, False
+        try:
+            with collector_paused():
+                try:
+                    with self.store.write(wait) as conn:
+                        state.acquire()
+                        holding = True
+                        # One read says whether another writer moved the log since
+                        # this service last looked, what to chain onto, and the
+                        # versions of the streams the plan names that it does not know.
+                        ids = [model_id(name) for name in streams]
+                        wanted = known.unknown(ids)
+                        standing = self.store.standing(conn, wanted)
+                        if standing.last != known.at:
+                            # Moved by another writer: what this service knew may not hold.
+                            known.forget()
+                            if len(wanted) < len(ids):
+                                standing = self.store.standing(conn, ids)
+                        if standing.last > self.catalog.revision:
+                            self._catch_up(conn)
+                        head = self.catalog.revision
+                        if expected_revision is not None and expected_revision != head:
+                            raise RevisionConflict(expected_revision, head)
+                        batch = Batch(
+                            self.store,
+                            conn,
+                            self.catalog.copy() if several else self.catalog,
+                            by=by,
+                            reason=reason,
+                            timestamp=self._next_timestamp(),
+                            rollback_to=rollback_to,
+                            tentative=several,
+                            versions=standing.versions,
+                            known=known.versions,
+                        )
+                        batch.record_declaration(self.declared)
+                        plan(batch)
+                        if dry_run or not (batch.changes or (records_only and batch.records)):
+                            self.store.abandon(conn)
+                            return head, batch.changes
+                        # Straight to the recorder: eventsourcing's EventStore.put
+                        # would build a Recording per event only for us to read its
+                        # revision.
+                        revisions = self.store.insert_events(
+                            [self.mapper.to_stored_event(e) for e in batch.records],
+                            conn=conn,
+                            standing=standing,
+                        )
+                        assert revisions
+                except BaseException:
+                    # A database error may come of a version this service thought it
+                    # knew (rows edited by hand): all are read again next time.
+                    known.forget()
+                    raise
+                # Committed: only now are the changes in force.
+                revision = revisions[-1]
+                known.learn(batch.versions, revision)
+                if several:
+                    self.catalog = batch.catalog
+                else:
+                    for event, new in batch.changes:
+                        self.catalog.commit(event, new)
+                for record, written in zip(batch.records, revisions, strict=True):
+                    if isinstance(record, Configuration.Declared):
+                        self.catalog.saw(record.timestamp)
+                        self.catalog.recorded_declaration = (record.fingerprint, written)
+                self.catalog.revision = revision
+                self._push(revision)
+                if revision // self.snapshot_interval > head // self.snapshot_interval:
+                    self._save_snapshot(self.catalog)
+            return revision, batch.changes
+        finally:
+            if holding:
+                state.release()
+            self._lock.release()
+
+    def _take_write_lock(self) -> float | None:
+        """Take this process's write lock, waiting for another thread's command
+        no longer than a command waits for the database, and answer what is
+        left of that wait (``None``: all of it): commands queued behind one
+        that waits for another process each get their refusal within the one
+        bound, not one bound after another."""
+        started = time.monotonic()
+        if not self._lock.acquire(timeout=self.store.lock_wait):
+            raise StorageBusy(
+                f"the log stayed locked by another write for {self.store.lock_wait:g} s; "
+                "nothing was written, try again"
+            )
+        waited = time.monotonic() - started
+        return None if waited < 0.001 else max(0.001, self.store.lock_wait - waited)
 
     def record_declaration(self, *, by: str) -> int:
         """Record the declared config in the log if it differs from the one the
@@ -617,7 +644,7 @@ class Models(AuditTrail, Application[UUID]):
 
     def refresh(self) -> None:
         """Apply what other writers appended since this service last looked."""
-        with self._lock, self.store.read() as conn:
+        with self._state, self.store.read() as conn:
             self._catch_up(conn)
 
     @property
@@ -640,10 +667,10 @@ class Models(AuditTrail, Application[UUID]):
     @contextmanager
     def _reading(self, at: At = None) -> Iterator[Catalog]:
         """The catalog to read from, for the span of the ``with``: the one in
-        force is held under the command lock, because a command in another
-        thread (an HTTP server's) changes it in place; a past one is private."""
+        force is held under its lock, because a command in another thread (an
+        HTTP server's) changes it in place; a past one is private."""
         if at is None:
-            with self._lock:
+            with self._state:
                 yield self.catalog_at(None)
         else:
             yield self.catalog_at(at)
@@ -792,7 +819,8 @@ class Models(AuditTrail, Application[UUID]):
                         progress(revision, head)
 
                 catch_up(catalog, self.store, conn, upto=head, progress=step)
-            self.catalog = catalog
+            with self._state:
+                self.catalog = catalog
         if audit:
             self.rebuild_audit()
         return {
@@ -804,8 +832,8 @@ class Models(AuditTrail, Application[UUID]):
 
     def skipped(self) -> list[Skipped]:
         """Stored events the catalog in force leaves out, and why."""
-        self.refresh()
-        return list(self.catalog.skipped)
+        with self._reading() as catalog:
+            return list(catalog.skipped)
 
     def sources(self) -> dict[str, list[dict[str, str]]]:
         """Each weights source in the catalog, and the models (or adapters of

@@ -325,7 +325,7 @@ def _settled_engine(url: sa.URL) -> Engine:
 
 
 def _driver(driver: Any, statement: str) -> None:
-    """``statement`` (BEGIN, COMMIT or ROLLBACK) on the sqlite3 connection
+    """``statement`` (BEGIN, COMMIT, ROLLBACK or a PRAGMA) on the sqlite3 connection
     itself. Its errors are wrapped as SQLAlchemy wraps them, with their own
     class: a busy database is waited for, then told; a broken connection is
     dropped by the writer."""
@@ -378,6 +378,13 @@ def _end(conn: Connection, driver: Any, *, commit: bool) -> None:
             conn.rollback()
     elif _in_transaction(driver):
         _driver(driver, "COMMIT" if commit else "ROLLBACK")
+
+
+def _busy_timeout(conn: Connection, seconds: float) -> None:
+    """How long SQLite's busy handler waits on ``conn`` for another writer."""
+    _driver(
+        conn.connection.driver_connection, f"PRAGMA busy_timeout = {max(1, int(seconds * 1000))}"
+    )
 
 
 def _is_busy(error: sa.exc.OperationalError) -> bool:
@@ -529,11 +536,13 @@ class SQLRecorder(ProcessRecorder):
     # -- transactions ------------------------------------------------------------
 
     @contextmanager
-    def write(self) -> Iterator[Connection]:
+    def write(self, wait: float | None = None) -> Iterator[Connection]:
         """A write transaction holding the log's write lock: one writer at a time,
         across processes and nodes. Committed at the end of the block, rolled
-        back if it raises; :meth:`abandon` rolls it back early."""
-        with self._locked("LOCK TABLE catalog_events IN EXCLUSIVE MODE") as conn:
+        back if it raises; :meth:`abandon` rolls it back early. ``wait``: the
+        seconds left to wait for the lock, when less than ``lock_wait`` is
+        (a command that queued behind another in this process)."""
+        with self._locked("LOCK TABLE catalog_events IN EXCLUSIVE MODE", wait=wait) as conn:
             yield conn
 
     def abandon(self, conn: Connection) -> None:
@@ -547,22 +556,38 @@ class SQLRecorder(ProcessRecorder):
 
     @contextmanager
     def _locked(
-        self, postgresql_lock: str, params: dict[str, Any] | None = None, *, shared: bool = True
+        self,
+        postgresql_lock: str,
+        params: dict[str, Any] | None = None,
+        *,
+        shared: bool = True,
+        wait: float | None = None,
     ) -> Iterator[Connection]:
-        """A transaction that first waits, at most ``lock_wait`` seconds, for a
-        lock: the SQLite database's (``BEGIN IMMEDIATE``) or, on PostgreSQL,
-        the one ``postgresql_lock`` takes. ``shared``: on the held connection
-        commands write through, else on one from the pool."""
+        """A transaction that first waits, at most ``lock_wait`` seconds (or
+        ``wait``), for a lock: the SQLite database's (``BEGIN IMMEDIATE``) or,
+        on PostgreSQL, the one ``postgresql_lock`` takes. ``shared``: on the
+        held connection commands write through, else on one from the pool."""
         try:
             if shared and self.dialect == "sqlite":
                 # Every command's transaction.
-                with self._writer_connection() as conn, _on_the_driver(conn):
-                    yield conn
+                with self._writer_connection() as conn:
+                    if wait is None:
+                        with _on_the_driver(conn):
+                            yield conn
+                        return
+                    _busy_timeout(conn, wait)
+                    try:
+                        with _on_the_driver(conn):
+                            yield conn
+                    finally:
+                        with suppress(self._dbapi_error, sa.exc.SQLAlchemyError):
+                            _busy_timeout(conn, self.lock_wait)
                 return
             connection = self._writer_connection() if shared else self._own_connection()
             with connection as conn, conn.begin():
                 if self.dialect == "postgresql":
-                    timeout = f"SET LOCAL lock_timeout = '{int(self.lock_wait * 1000)}ms'"
+                    waiting = self.lock_wait if wait is None else wait
+                    timeout = f"SET LOCAL lock_timeout = '{max(1, int(waiting * 1000))}ms'"
                     if params is None:
                         # One round trip for both, on every command's path.
                         conn.exec_driver_sql(f"{timeout}; {postgresql_lock}")

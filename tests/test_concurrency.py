@@ -16,6 +16,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -248,6 +249,49 @@ def test_a_held_write_lock_refuses_a_command_after_the_bounded_wait(db_url: str)
     code, _, stderr, _ = catalog_es(db_url, "model", "scale", "m", "--max", "3")
     assert (code, stderr) == (0, "")
     assert count_events(db_url) == rows + 1
+
+
+def test_a_server_waiting_for_another_writer_still_answers_reads_and_refuses_in_time(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In one process serving many requests, a command waiting for another
+    process's write lock holds up neither the reads of the catalog in force
+    nor, past the one bounded wait, the commands queued behind it: each is
+    refused within that wait of its own start, not one wait after another."""
+    monkeypatch.setenv(LOCK_WAIT_ENV, "1")
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
+    models.add(model_spec("m"), by="setup")
+    rows = count_events(db_url)
+    outcomes: list[tuple[str, float]] = []
+
+    def scale() -> None:
+        start = time.monotonic()
+        try:
+            models.scale("m", 0, 3, by="ops")
+            outcomes.append(("written", time.monotonic() - start))
+        except StorageBusy:
+            outcomes.append(("busy", time.monotonic() - start))
+
+    with write_lock_held(db_url):
+        commands_ = [threading.Thread(target=scale) for _ in range(3)]
+        for thread in commands_:
+            thread.start()
+            time.sleep(0.05)
+        start = time.monotonic()
+        assert [m["name"] for m in models.list_models()] == ["m"]
+        assert models.get_model("m")["scaling"]["max"] == 1
+        assert models.skipped() == []
+        models.refresh()
+        assert time.monotonic() - start < 0.5, "reads waited for the writes"
+        assert all(thread.is_alive() for thread in commands_)
+        for thread in commands_:
+            thread.join()
+    assert [outcome for outcome, _ in outcomes] == ["busy"] * 3
+    assert max(seconds for _, seconds in outcomes) < 1.5, outcomes
+    assert count_events(db_url) == rows
+    models.scale("m", 0, 3, by="ops")  # the full wait again, and the write goes
+    assert count_events(db_url) == rows + 1
+    models.close()
 
 
 def test_a_locked_file_not_yet_in_wal_mode_is_reported_busy(tmp_path: Path) -> None:
