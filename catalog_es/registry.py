@@ -184,20 +184,24 @@ class MirrorRegistry(Registry):
 
     def fetch(self, repository: str, revision: str, paths: Iterable[str], into: Path) -> None:
         folder = self._revision_folder(repository, revision)
-        for path in paths:
-            source = folder / relative_file(path)
-            if not source.is_file():
-                continue
-            target = into / relative_file(path)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            # Copied beside its place and renamed: a file in the folder is whole.
-            fd, partial = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
-            try:
-                with os.fdopen(fd, "wb") as out, source.open("rb") as src:
+        # Partial copies are made in a folder of this fetch's own beside the
+        # revision's, and renamed into place: a file in the revision's folder
+        # is whole, and what a killed or a concurrent fetch has there under
+        # way is never taken for part of the revision.
+        into.parent.mkdir(parents=True, exist_ok=True)
+        partials = Path(tempfile.mkdtemp(dir=into.parent, prefix=f".{into.name}.partial."))
+        try:
+            for path in paths:
+                source = folder / relative_file(path)
+                if not source.is_file():
+                    continue
+                target = into / relative_file(path)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                partial = partials / "copy"
+                with partial.open("wb") as out, source.open("rb") as src:
                     shutil.copyfileobj(src, out, 1 << 20)
                     out.flush()
                     os.fsync(out.fileno())
-                Path(partial).replace(target)
-            except BaseException:
-                Path(partial).unlink(missing_ok=True)
-                raise
+                partial.replace(target)
+        finally:
+            shutil.rmtree(partials, ignore_errors=True)

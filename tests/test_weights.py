@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import shutil
 import sqlite3
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -403,6 +404,33 @@ def test_a_model_changed_while_its_weights_were_fetched_is_not_moved(
         weights.update("m", by="bob")
     assert weights.models.get_model("m")["origin"] is None  # dave's change stands
     assert events(weights, "m")[-1]["by"] == "dave"
+
+
+def test_a_fetch_under_way_elsewhere_is_not_taken_for_part_of_the_revision(
+    world: World, tracked: Weights, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two updates of one commit at once (two processes, or one killed
+    mid-copy and run again): the copy one has under way is never in the
+    revision's folder, so the other's check of that folder passes."""
+    c2 = world.mirror.publish("org/m", V2)
+    other = world.open()
+    copy = shutil.copyfileobj
+    meanwhile: list[Any] = []
+
+    def copy_while_another_updates(source: Any, target: Any, length: int = 0) -> None:
+        if not meanwhile:
+            meanwhile.append("under way")
+            meanwhile.append(other.update("m", by="carol"))
+        copy(source, target, length)
+
+    monkeypatch.setattr(shutil, "copyfileobj", copy_while_another_updates)
+    with pytest.raises(Refused, match="changed while its weights were being fetched"):
+        tracked.update("m", by="bob")
+    assert tracked.models.get_model("m")["origin"]["revision"] == c2
+    assert events(tracked, "m")[-1]["by"] == "carol"
+    folder = world.store / "org/m" / c2
+    assert sorted(p.name for p in folder.iterdir()) == sorted(V2)
+    assert verify(folder, origin_of("org/m", c2, V2).files) == []
 
 
 def test_a_commit_the_mirror_does_not_have_is_refused(world: World, tracked: Weights) -> None:
