@@ -180,11 +180,11 @@ class Models(AuditTrail, Application[UUID]):
         log after it. A long tail is snapshotted so the next start is quick."""
         catalog = self._new_catalog()
         with self.store.read() as conn:
-            snapshots.restore(conn, catalog, self.declared.fingerprint, upto=None, deciding=True)
+            snapshots.restore(conn, catalog, self.declared.fingerprint, upto=None)
             since = catalog.revision
             catch_up(catalog, self.store, conn, split=True)
         if catalog.revision - since >= self.snapshot_interval:
-            self._save_snapshot(catalog)
+            self._save_snapshot(catalog.revision, snapshots.encode(catalog))
         for skip in catalog.skipped[:10]:
             log.warning(
                 "skipped revision %d (model %r, %s): %s",
@@ -210,15 +210,14 @@ class Models(AuditTrail, Application[UUID]):
                 raise
             raise ConfigError(f"{self.declared.path}: {error}") from None
 
-    def _save_snapshot(self, catalog: Catalog) -> None:
+    def _save_snapshot(self, revision: int, state: bytes) -> None:
         # Best effort: a snapshot only saves time, so failing to write one
         # (a read-only database, a busy one) must not fail what asked for it.
         try:
-            state = snapshots.encode(catalog)
             with self.store.write() as conn:
-                snapshots.save(conn, self.declared.fingerprint, catalog.revision, state)
+                snapshots.save(conn, self.declared.fingerprint, revision, state)
         except (sa.exc.SQLAlchemyError, Refused) as error:
-            log.debug("no snapshot at revision %d: %s", catalog.revision, error)
+            log.debug("no snapshot at revision %d: %s", revision, error)
 
     # -- commands ----------------------------------------------------------------
 
@@ -509,6 +508,7 @@ class Models(AuditTrail, Application[UUID]):
         _check_meta(by, reason)
         wait = self._take_write_lock()
         known, state, holding = self._known, self._state, False
+        snapshot: bytes | None = None
         try:
             with collector_paused():
                 try:
@@ -577,7 +577,14 @@ class Models(AuditTrail, Application[UUID]):
                 self.catalog.revision = revision
                 self._push(revision)
                 if revision // self.snapshot_interval > head // self.snapshot_interval:
-                    self._save_snapshot(self.catalog)
+                    snapshot = snapshots.encode(self.catalog)
+                # Written with the catalog let go: another process may hold the
+                # database by then, and reads must not wait for it. (Marked let
+                # go first: an interrupt in between must not release it twice.)
+                holding = False
+                state.release()
+                if snapshot is not None:
+                    self._save_snapshot(revision, snapshot)
             return revision, batch.changes
         finally:
             if holding:

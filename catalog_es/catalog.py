@@ -183,13 +183,10 @@ class Catalog:
         recorded_declaration: tuple[str, int] | None,
         aggregates: Iterable[Model],
         skipped: Iterable[Skipped],
-        unhealed: Iterable[str] | None,
+        unhealed: Iterable[str],
     ) -> None:
         """Take up a snapshot's state. Only on a catalog that has replayed nothing.
-        ``unhealed``: the skipped models no later event has healed; ``None``
-        from a snapshot written before they were kept, where it is taken to
-        be every skipped model with no definition, which also counts one a
-        removal has healed since (enough for reads, not for deciding)."""
+        ``unhealed``: the skipped models no later event has healed."""
         assert self.revision == 0 and not self.aggregates
         # Every point-in-time read starts here, over thousands of models: one
         # dict built at once, and links only for models that name a fallback.
@@ -201,8 +198,6 @@ class Catalog:
         self.last_timestamp = last_timestamp
         self.recorded_declaration = recorded_declaration
         self.skipped = list(skipped)
-        if unhealed is None:
-            unhealed = (s.model for s in self.skipped if self.aggregate(s.model).spec is None)
         self._unhealed = set(unhealed)
 
     def adopt(

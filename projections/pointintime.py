@@ -127,7 +127,7 @@ def catalog_at(
     catalog = Catalog(declared.models, declared.engines)
     if revision > 0:
         with collector_paused(lasting=True):
-            snapshots.restore(conn, catalog, declared.fingerprint, upto=revision, deciding=False)
+            snapshots.restore(conn, catalog, declared.fingerprint, upto=revision)
             catch_up(catalog, recorder, conn, upto=revision, split=True)
     return catalog
 

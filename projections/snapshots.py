@@ -15,7 +15,7 @@ import logging
 import zlib
 from collections.abc import Callable, Iterator
 from datetime import datetime
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import msgspec
 import sqlalchemy as sa
@@ -28,9 +28,24 @@ from catalog_es.spec import ModelSpec
 
 log = logging.getLogger("catalog_es.snapshots")
 
-T = TypeVar("T")
+
+class _Built(Protocol):
+    """A decoded snapshot: what ``_newest`` reads of each."""
+
+    @property
+    def rules(self) -> int: ...
+
+
+T = TypeVar("T", bound=_Built)
 
 DEFAULT_INTERVAL = 5_000
+
+# The replay rules a snapshot is built under. Built under older ones, it may
+# hold another catalog than the log now replays to, and is passed over (the
+# first start after an upgrade replays the log; `catalog-es replay` makes them
+# all again): 1, every snapshot written before the rules were recorded; 2,
+# the unhealed models kept, and a removal always standing on replay.
+RULES = 2
 
 snapshots_table = sa.Table(
     "catalog_snapshots",
@@ -48,9 +63,9 @@ class SnapshotState(msgspec.Struct, frozen=True):
     aggregates: list[Model]
     skipped: list[Skipped]
     # Which skipped models no later event has healed: a removal heals one and
-    # leaves no definition, so the aggregates cannot tell. None in snapshots
-    # written before it was kept.
-    unhealed: list[str] | None = None
+    # leaves no definition, so the aggregates cannot tell.
+    unhealed: list[str] = []
+    rules: int = 1
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -65,6 +80,7 @@ def encode(catalog: Catalog) -> bytes:
         aggregates=list(catalog.aggregates.values()),
         skipped=catalog.skipped,
         unhealed=catalog.unhealed(),
+        rules=RULES,
     )
     return zlib.compress(_encoder.encode(state), 1)
 
@@ -79,17 +95,10 @@ def save(conn: Connection, fingerprint: str, revision: int, state: bytes) -> Non
     )
 
 
-def restore(
-    conn: Connection, catalog: Catalog, fingerprint: str, upto: int | None, *, deciding: bool
-) -> bool:
+def restore(conn: Connection, catalog: Catalog, fingerprint: str, upto: int | None) -> bool:
     """Bring a fresh ``catalog`` to the newest usable snapshot at or before
-    ``upto``; False when there is none. ``deciding``: the catalog will decide
-    commands, which a snapshot that did not keep which models are unhealed
-    cannot serve (the first start after an upgrade replays the log)."""
+    ``upto``; False when there is none."""
     for state in _newest(conn, fingerprint, upto, _decoder.decode):
-        if deciding and state.unhealed is None:
-            log.info("snapshot at %d passed over: written by an older version", state.revision)
-            continue
         catalog.restore(
             revision=state.revision,
             last_timestamp=state.last_timestamp,
@@ -119,6 +128,7 @@ class _Entries(msgspec.Struct, frozen=True, gc=False):
     recorded_declaration: tuple[str, int] | None
     aggregates: list[_Entry]
     skipped: list[Skipped]
+    rules: int = 1
 
 
 _entries_decoder = msgspec.msgpack.Decoder(_Entries)
@@ -135,18 +145,14 @@ def restore_model(
     whole catalog's passes it over (and a wrong answer for this model would
     then differ from the whole catalog's)."""
 
-    def decode(blob: bytes) -> tuple[int, list[Model]]:
-        state = _entries_decoder.decode(blob)
+    for state in _newest(conn, fingerprint, upto, _entries_decoder.decode):
         found = [
             Model(entry.name, entry.version, _spec_decoder.decode(entry.spec))
             for entry in state.aggregates
             if entry.name == name
         ]
-        return state.revision, found
-
-    for revision, found in _newest(conn, fingerprint, upto, decode):
         catalog.restore(
-            revision=revision,
+            revision=state.revision,
             last_timestamp=None,
             recorded_declaration=None,
             aggregates=found,
@@ -161,7 +167,7 @@ def _newest(
     conn: Connection, fingerprint: str, upto: int | None, decode: Callable[[bytes], T]
 ) -> Iterator[T]:
     """The newest snapshots at or before ``upto``, newest first, decoded; one
-    that cannot be is passed over."""
+    that cannot be, or was built under older replay rules, is passed over."""
     t = snapshots_table.c
     query = sa.select(t.revision, t.state).where(t.fingerprint == fingerprint)
     if upto is not None:
@@ -178,6 +184,9 @@ def _newest(
             state = decode(zlib.decompress(blob))
         except (zlib.error, msgspec.MsgspecError) as error:
             log.warning("snapshot at revision %d passed over: %s", revision, error)
+            continue
+        if state.rules < RULES:
+            log.info("snapshot at %d passed over: built under older replay rules", revision)
             continue
         yield state
 

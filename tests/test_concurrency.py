@@ -44,6 +44,8 @@ from catalog_es.persistence import (
     create_engine,
     events_table,
 )
+from catalog_es.ports import Applier
+from projections import snapshots
 from tests.helpers import count_events, event, model_data, model_spec
 
 
@@ -291,6 +293,62 @@ def test_a_server_waiting_for_another_writer_still_answers_reads_and_refuses_in_
     assert count_events(db_url) == rows
     models.scale("m", 0, 3, by="ops")  # the full wait again, and the write goes
     assert count_events(db_url) == rows + 1
+    models.close()
+
+
+class _AnotherWriterMeanwhile(Applier):
+    """Once armed, lets another process's connection take the write lock
+    while the catalog is pushed, and hold it for ``seconds``: between a
+    command's commit and the snapshot it then writes."""
+
+    def __init__(self, path: Path, seconds: float) -> None:
+        self.path, self.seconds = path, seconds
+        self.armed = False
+        self.locked = threading.Event()
+
+    def replace_catalog(self, models: Any, revision: int) -> None:
+        if self.armed:
+            self.armed = False
+            threading.Thread(target=self._hold).start()
+            self.locked.wait()
+
+    def replace_replicas(self, model: Any, revision: int) -> None:
+        raise NotImplementedError
+
+    def _hold(self) -> None:
+        raw = sqlite3.connect(self.path, isolation_level=None)
+        raw.execute("BEGIN IMMEDIATE")
+        self.locked.set()
+        time.sleep(self.seconds)
+        raw.execute("ROLLBACK")
+        raw.close()
+
+
+def test_reads_do_not_wait_for_a_snapshot_waiting_for_another_writer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(LOCK_WAIT_ENV, "3")
+    path = tmp_path / "c.db"
+    applier = _AnotherWriterMeanwhile(path, seconds=1.0)
+    models = Models(
+        DeclaredConfig(),
+        applier=applier,
+        snapshot_interval=1,
+        env={"CATALOG_ES_DB": f"sqlite:///{path}"},
+    )
+    models.add(model_spec("m"), by="setup")
+    applier.armed = True
+    command = threading.Thread(target=lambda: models.scale("m", 0, 3, by="ops"))
+    command.start()
+    assert applier.locked.wait(5)
+    time.sleep(0.1)  # the command is writing its snapshot, and waits
+    start = time.monotonic()
+    assert models.get_model("m")["scaling"]["max"] == 3
+    assert time.monotonic() - start < 0.5, "a read waited for the snapshot"
+    assert command.is_alive()
+    command.join()
+    with models.store.read() as conn:
+        assert snapshots.latest(conn, DeclaredConfig().fingerprint) == models.revision
     models.close()
 
 
