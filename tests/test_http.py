@@ -354,6 +354,19 @@ def test_a_list_sent_while_a_change_lands_never_lets_if_match_overwrite_it(
     assert ok(api.get("/models/qwen"))["scaling"]["max"] == 5
 
 
+def test_a_read_is_tagged_with_the_head_other_nodes_moved(
+    api: Api, make_models: Callable[..., Models]
+) -> None:
+    """Another node's write is in the tag of the next read here, so an
+    If-Match sent back with it goes through rather than failing for nothing."""
+    other = make_models(DECLARED_YAML)
+    written = other.add(spec("qwen"), by="bob").revision
+    for path in ("/models", "/models/qwen"):
+        assert api.get(path).headers["ETag"] == f'"{written}"'
+    etag = api.get("/models").headers["ETag"]
+    assert ok(api.post("/models/qwen/scale", {"max": 2}, **{"If-Match": etag}))["revision"]
+
+
 def test_storage_busy_is_503(api: Api, monkeypatch: pytest.MonkeyPatch) -> None:
     def busy(*args: Any, **kwargs: Any) -> None:
         raise StorageBusy("the database stayed locked by another writer")

@@ -303,6 +303,16 @@ def head(caller: Reader, models: Service) -> Response:
     return respond({"revision": models.revision}, models.revision)
 
 
+def _head_or(models: Models, past: int | None) -> int:
+    """``past``, or the head as it is now, other nodes' writes included (a
+    head this node has not caught up with would tag what it answers older
+    than it is, and the If-Match sent back would fail for nothing)."""
+    if past is not None:
+        return past
+    models.refresh()
+    return models.revision
+
+
 @route.get("/models", tags=["models"])
 def list_models(caller: Reader, models: Service, at: At) -> Response:
     """Every model in force (or at a revision or time), declared and runtime,
@@ -311,7 +321,7 @@ def list_models(caller: Reader, models: Service, at: At) -> Response:
     # header is the older revision, so an If-Match sent back can only fail
     # (409), never overwrite a change its sender did not see.
     past = None if at is None else models.resolve(at)
-    revision = models.revision if past is None else past
+    revision = _head_or(models, past)
     return respond(models.list_models(past), revision)
 
 
@@ -319,7 +329,7 @@ def list_models(caller: Reader, models: Service, at: At) -> Response:
 def show_model(name: str, caller: Reader, models: Service, at: At) -> Response:
     """One model as it will run (or as it was at a revision or time)."""
     past = None if at is None else models.resolve(at)
-    revision = models.revision if past is None else past
+    revision = _head_or(models, past)
     return respond(models.get_model(name, past), revision)
 
 
