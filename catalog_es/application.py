@@ -27,7 +27,7 @@ from sqlalchemy.engine import Connection
 
 from catalog_es import commands
 from catalog_es.audit import AuditTrail
-from catalog_es.batch import Batch, Change, KnownVersions
+from catalog_es.batch import Batch, Change, KnownVersions, declaration_differs
 from catalog_es.catalog import Catalog, Skipped
 from catalog_es.collector import collector_paused
 from catalog_es.configuration import Configuration, DeclaredConfig
@@ -609,7 +609,12 @@ class Models(AuditTrail, Application[UUID]):
     def record_declaration(self, *, by: str) -> int:
         """Record the declared config in the log if it differs from the one the
         log last recorded (what ``serve`` does at start, so the log says which
-        layer a long-running server put in force). Answers the head."""
+        layer a long-running server put in force). Answers the head. Looked
+        at first without the write lock: a node restarting on the config the
+        log has must not wait for, or be refused by, another's long write."""
+        with self._reading() as catalog:
+            if not declaration_differs(catalog, self.declared):
+                return catalog.revision
         revision, _ = self._write(
             lambda _batch: None, by=by, reason="", expected_revision=None, records_only=True
         )

@@ -28,6 +28,12 @@ Change = tuple[Model.Event, ModelSpec | None]
 _NOTHING_DECLARED = DeclaredConfig().fingerprint
 
 
+def declaration_differs(catalog: Catalog, declared: DeclaredConfig) -> bool:
+    """Whether ``declared`` is not the layer the log last recorded."""
+    recorded = catalog.recorded_declaration
+    return (recorded[0] if recorded is not None else _NOTHING_DECLARED) != declared.fingerprint
+
+
 class KnownVersions:
     """The last version of each stream this service wrote or read, by its id's
     ``int``, and the log's last revision then (``at``). While that is still
@@ -144,9 +150,7 @@ class Batch:
 
     def record_declaration(self, declared: DeclaredConfig) -> None:
         """Record the declared layer when it differs from the one the log last recorded."""
-        recorded = self.catalog.recorded_declaration
-        last = recorded[0] if recorded is not None else _NOTHING_DECLARED
-        if last != declared.fingerprint:
+        if declaration_differs(self.catalog, declared):
             self._append(
                 Configuration.Declared(
                     **self._envelope(CONFIGURATION_ID, None),

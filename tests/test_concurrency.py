@@ -33,7 +33,7 @@ from catalog_es import commands
 from catalog_es.application import Models
 from catalog_es.cli import cli
 from catalog_es.errors import RevisionConflict, StorageBusy
-from catalog_es.inputs import DeclaredConfig
+from catalog_es.inputs import DeclaredConfig, load_config
 from catalog_es.model import Model, model_id
 from catalog_es.persistence import (
     LOCK_WAIT_ENV,
@@ -46,7 +46,7 @@ from catalog_es.persistence import (
 )
 from catalog_es.ports import Applier
 from projections import snapshots
-from tests.helpers import count_events, event, model_data, model_spec
+from tests.helpers import config_yaml, count_events, event, model_data, model_spec
 
 
 def forkserver() -> ForkServerContext:
@@ -294,6 +294,33 @@ def test_a_server_waiting_for_another_writer_still_answers_reads_and_refuses_in_
     models.scale("m", 0, 3, by="ops")  # the full wait again, and the write goes
     assert count_events(db_url) == rows + 1
     models.close()
+
+
+def test_a_server_restarting_on_the_recorded_config_starts_while_another_writes(
+    db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`serve` records its config at start: one the log has recorded already
+    needs no write, so another node's long write neither holds it up nor
+    refuses it. A config to record still waits for the lock, within the bound."""
+    monkeypatch.setenv(LOCK_WAIT_ENV, "0.5")
+    recorded, other = tmp_path / "recorded.yaml", tmp_path / "other.yaml"
+    recorded.write_text(config_yaml(model_spec("declared")))
+    other.write_text(config_yaml(model_spec("declared"), model_spec("more")))
+    first = Models(load_config(str(recorded)), env={"CATALOG_ES_DB": db_url})
+    first.add(model_spec("m"), by="setup")
+    rows = count_events(db_url)
+    with write_lock_held(db_url):
+        again = Models(load_config(str(recorded)), env={"CATALOG_ES_DB": db_url})
+        start = time.monotonic()
+        assert again.record_declaration(by="node") == first.revision
+        assert time.monotonic() - start < 0.4
+        changed = Models(load_config(str(other)), env={"CATALOG_ES_DB": db_url})
+        with pytest.raises(StorageBusy):
+            changed.record_declaration(by="node")
+    assert count_events(db_url) == rows
+    assert changed.record_declaration(by="node") == rows + 1
+    for models in (first, again, changed):
+        models.close()
 
 
 class _AnotherWriterMeanwhile(Applier):
