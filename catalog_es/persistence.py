@@ -571,17 +571,15 @@ class SQLRecorder(ProcessRecorder):
             if shared and self.dialect == "sqlite":
                 # Every command's transaction.
                 with self._writer_connection() as conn:
-                    if wait is None:
-                        with _on_the_driver(conn):
-                            yield conn
-                        return
-                    _busy_timeout(conn, wait)
+                    if wait is not None:
+                        _busy_timeout(conn, wait)
                     try:
                         with _on_the_driver(conn):
                             yield conn
                     finally:
-                        with suppress(self._dbapi_error, sa.exc.SQLAlchemyError):
-                            _busy_timeout(conn, self.lock_wait)
+                        if wait is not None:
+                            with suppress(self._dbapi_error, sa.exc.SQLAlchemyError):
+                                _busy_timeout(conn, self.lock_wait)
                 return
             connection = self._writer_connection() if shared else self._own_connection()
             with connection as conn, conn.begin():
