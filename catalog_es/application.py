@@ -42,7 +42,12 @@ from catalog_es.errors import (
 from catalog_es.inputs import zoned
 from catalog_es.mapper import EventMapper, UndecodableEvent, decode_event, model_of_state
 from catalog_es.model import MAX_CLOCK_SKEW, Model, model_id, utc_now
-from catalog_es.persistence import PollingSubscription, SQLRecorder, events_table
+from catalog_es.persistence import (
+    PollingSubscription,
+    SQLRecorder,
+    events_table,
+    stream_revisions,
+)
 from catalog_es.ports import AcceptAll, Applier, NoApplier, PreAddCheck
 from catalog_es.rollback import plan_rollback
 from catalog_es.spec import Adapter, ModelSpec, Origin
@@ -867,7 +872,8 @@ class Models(AuditTrail, Application[UUID]):
         t = events_table.c
         query = sa.select(t.revision, t.topic, t.state).where(t.revision > after)
         if model is not None:
-            query = query.where(t.originator_id == model_id(model))
+            stream = stream_revisions(model_id(model))
+            query = query.where(t.revision.in_(sa.select(stream.c.revision)))
         query = query.order_by(t.revision)
         if limit is not None:
             query = query.limit(limit)

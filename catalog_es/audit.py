@@ -125,7 +125,11 @@ class AuditTrail:
         """Walk the hash chain: the first revision altered, removed or moved,
         if any; and the events load skips, with why."""
         with self.store.read() as conn:
-            report = check_chain(self.store.scan_chain(conn), self.store.chain_head(conn))
+            report = check_chain(
+                self.store.scan_chain(conn),
+                self.store.chain_head(conn),
+                self.store.scan_streams(conn),
+            )
         return {
             "ok": report.broken is None,
             "events": report.events,

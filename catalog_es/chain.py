@@ -65,6 +65,7 @@ class ChainRow(msgspec.Struct, frozen=True):
     topic: Any
     state: Any
     hash: Any
+    stream_previous: Any
 
 
 class ChainBreak(msgspec.Struct, frozen=True):
@@ -101,7 +102,11 @@ def link(
     return digest.hexdigest()
 
 
-def check_chain(rows: Iterable[ChainRow], head: ChainHead | DamagedHead | None) -> ChainReport:
+def check_chain(
+    rows: Iterable[ChainRow],
+    head: ChainHead | DamagedHead | None,
+    streams: Iterable[tuple[Any, Any, Any]] = (),
+) -> ChainReport:
     """Walk the stored events in revision order and find the first break.
 
     A row whose hash does not follow from the previous row's was altered, or
@@ -109,16 +114,60 @@ def check_chain(rows: Iterable[ChainRow], head: ChainHead | DamagedHead | None) 
     the gap is named: with gapless revisions (SQLite) that is a deleted event;
     on PostgreSQL an aborted transaction may also leave a gap, which is only
     reported when the chain breaks right there.
+
+    The hash does not cover what is kept beside it for the write path and
+    for reading a stream back: each row's link to its stream's event before
+    it, and ``streams``, each stream's ``(id, last version, its revision)``
+    as stored. Both are checked against the rows.
     """
     events = 0
     last = ChainHead(revision=0, hash=GENESIS)
     readable = head if isinstance(head, ChainHead) else None
+    # Each stream's last (revision, version), by its id as stored.
+    ends: dict[Any, tuple[int, Any]] = {}
     for row in rows:
         events += 1
         if row.hash != _rehash(last.hash, row):
             return ChainReport(events=events, head=readable, broken=_broken_link(last, row))
+        before = ends.get(row.originator_id, (0, 0))[0]
+        if row.stream_previous != before:
+            problem = (
+                f"its link to its model's event before it (stream_previous) is "
+                f"{row.stream_previous!r}, not {before}: edited by hand, so reading "
+                "that model's events back would miss some"
+            )
+            unlinked = ChainBreak(revision=row.revision, problem=problem)
+            return ChainReport(events=events, head=readable, broken=unlinked)
+        ends[row.originator_id] = (row.revision, row.originator_version)
         last = ChainHead(revision=row.revision, hash=row.hash)
-    return ChainReport(events=events, head=readable, broken=_broken_tail(last, head))
+    broken = _broken_tail(last, head) or _broken_streams(ends, streams)
+    return ChainReport(events=events, head=readable, broken=broken)
+
+
+def _broken_streams(
+    ends: dict[Any, tuple[int, Any]], streams: Iterable[tuple[Any, Any, Any]]
+) -> ChainBreak | None:
+    """The first stream whose recorded last version and revision (catalog_streams)
+    are not its last event's: the next write would follow the wrong one."""
+    recorded = {originator_id: (revision, version) for originator_id, version, revision in streams}
+    for originator_id in sorted(ends.keys() | recorded.keys(), key=lambda i: _at(ends.get(i))):
+        end, kept = ends.get(originator_id), recorded.get(originator_id)
+        if end != kept:
+            return ChainBreak(
+                revision=_at(end) or _at(kept),
+                problem=f"catalog_streams records stream {originator_id} as at "
+                f"{_shown_end(kept)}, but its last event is {_shown_end(end)}: "
+                "edited by hand, and the next write to it would follow the wrong version",
+            )
+    return None
+
+
+def _at(end: tuple[Any, Any] | None) -> int:
+    return end[0] if end is not None and type(end[0]) is int else 0
+
+
+def _shown_end(end: tuple[Any, Any] | None) -> str:
+    return "none" if end is None else f"version {end[1]!r} at revision {end[0]!r}"
 
 
 def _rehash(previous: str, row: ChainRow) -> str | None:

@@ -74,7 +74,25 @@ events_table = sa.Table(
     sa.Column("state", sa.LargeBinary(), nullable=False),
     # sha256 hex of the previous event's hash and this event (catalog_es.chain).
     sa.Column("hash", sa.String(64), nullable=False),
-    sa.UniqueConstraint("originator_id", "originator_version", name="catalog_events_stream"),
+    # The revision of the stream's event before this one, 0 for its first: a
+    # stream is read back along these (stream_revisions). An index on the
+    # stream instead took an entry per event at a random place in it, so a
+    # batch of a thousand changes dirtied a page per change, more as the log
+    # grew (31 ms of SQLite's time per batch at a million events, 7 without).
+    # Required, so that a release from before it cannot append unseen by
+    # catalog_streams: its insert is refused.
+    sa.Column("stream_previous", BIGINT, nullable=False),
+)
+
+# Each stream's last version and the revision of its event, written with the
+# events: what the next version follows (a write checks the one it followed
+# is still there), and where reading the stream back starts.
+streams_table = sa.Table(
+    "catalog_streams",
+    metadata,
+    sa.Column("originator_id", sa.Uuid(), primary_key=True),
+    sa.Column("version", BIGINT, nullable=False),
+    sa.Column("revision", BIGINT, nullable=False),
 )
 
 # The last revision and its hash, kept apart from the events so that deleting
@@ -110,6 +128,29 @@ tracking_table = sa.Table(
     sa.Column("application_name", sa.String(64), primary_key=True),
     sa.Column("notification_id", BIGINT, nullable=False),
 )
+
+
+# The columns of the log's table before its events named their stream's last.
+_UNLINKED_COLUMNS = {"revision", "originator_id", "originator_version", "topic", "state", "hash"}
+
+
+def stream_revisions(originator_id: UUID) -> sa.CTE:
+    """The revisions of a stream's events, as a CTE of one ``revision``
+    column: from its last, along each event's ``stream_previous``. Each step
+    goes back (a link edited by hand to point forward ends the walk)."""
+    t = events_table.c
+    walk = (
+        sa.select(streams_table.c.revision)
+        .where(streams_table.c.originator_id == originator_id)
+        .cte("stream", recursive=True)
+    )
+    return walk.union_all(
+        sa.select(t.stream_previous).where(
+            t.revision == walk.c.revision,
+            t.stream_previous > 0,
+            t.stream_previous < walk.c.revision,
+        )
+    )
 
 
 # A revision or a count is a 64-bit integer, which is what the databases hold.
@@ -183,6 +224,13 @@ def _into_wal(cursor: sqlite3.Cursor, wait: float) -> None:
     if retried:
         cursor.execute(f"PRAGMA busy_timeout = {int(wait * 1000)}")
 
+
+# An event's row: its stream's event before it is the one this write put
+# before it (given), else the stream's last before the write.
+_EVENT_ROW = (
+    "(?, ?, ?, ?, ?, ?,"
+    " coalesce(?, (SELECT revision FROM catalog_streams WHERE originator_id = ?), 0))"
+)
 
 _ODD_DIGITS = "('1', '3', '5', '7', '9', 'b', 'd', 'f', 'B', 'D', 'F')"
 
@@ -520,6 +568,55 @@ class SQLRecorder(ProcessRecorder):
         # The events table may not exist yet to LOCK: an advisory lock instead.
         with self.locked("catalog_es.tables") as conn:
             tables.create_all(conn)
+            if tables is metadata:
+                self._link_streams(conn)
+
+    def _link_streams(self, conn: Connection) -> None:
+        """Bring a log written before ``catalog_streams`` to today's layout, in
+        the transaction that made that table: each event names its stream's
+        event before it, each stream's last version and revision are
+        recorded, and the index on (stream, version) goes (SQLite cannot drop
+        a table's constraint: the table is made anew, AUTOINCREMENT kept)."""
+        columns = [c["name"] for c in sa.inspect(conn).get_columns("catalog_events")]
+        if set(columns) != _UNLINKED_COLUMNS:
+            # Today's, or a table of that name that is not the log's (refused on use).
+            return
+        previous = "coalesce(lag(revision) OVER (PARTITION BY originator_id ORDER BY revision), 0)"
+        if self.dialect == "sqlite":
+            made = conn.exec_driver_sql(
+                "SELECT sql FROM sqlite_master WHERE type = 'table' AND name = 'catalog_events'"
+            ).scalar()
+            relinked = events_table.to_metadata(sa.MetaData(), name="catalog_events_relinked")
+            relinked.dialect_options["sqlite"]["autoincrement"] = "AUTOINCREMENT" in str(made)
+            relinked.create(conn)
+            kept = ", ".join(columns)
+            conn.exec_driver_sql(
+                f"INSERT INTO catalog_events_relinked ({kept}, stream_previous)"
+                f" SELECT {kept}, {previous} FROM catalog_events"
+            )
+            # A sequence past the last row (its row deleted) stays past it.
+            conn.exec_driver_sql(
+                "UPDATE sqlite_sequence SET seq = max(seq, (SELECT seq FROM sqlite_sequence"
+                " WHERE name = 'catalog_events')) WHERE name = 'catalog_events_relinked'"
+            )
+            conn.exec_driver_sql("DROP TABLE catalog_events")
+            conn.exec_driver_sql("ALTER TABLE catalog_events_relinked RENAME TO catalog_events")
+        else:
+            conn.exec_driver_sql("ALTER TABLE catalog_events ADD COLUMN stream_previous BIGINT")
+            conn.exec_driver_sql(
+                "UPDATE catalog_events e SET stream_previous = linked.previous FROM"
+                f" (SELECT revision, {previous} AS previous FROM catalog_events) AS linked"
+                " WHERE e.revision = linked.revision"
+            )
+            conn.exec_driver_sql(
+                "ALTER TABLE catalog_events ALTER COLUMN stream_previous SET NOT NULL,"
+                " DROP CONSTRAINT IF EXISTS catalog_events_stream"
+            )
+        conn.exec_driver_sql(
+            "INSERT INTO catalog_streams (originator_id, version, revision)"
+            " SELECT originator_id, max(originator_version), max(revision)"
+            " FROM catalog_events GROUP BY originator_id"
+        )
 
     @contextmanager
     def locked(self, name: str) -> Iterator[Connection]:
@@ -655,8 +752,9 @@ class SQLRecorder(ProcessRecorder):
         limit: int | None = None,
     ) -> Sequence[StoredEvent]:
         t = events_table.c
+        stream = stream_revisions(_as_uuid(originator_id))
         query = sa.select(t.originator_id, t.originator_version, t.topic, t.state).where(
-            t.originator_id == _as_uuid(originator_id)
+            t.revision.in_(sa.select(stream.c.revision))
         )
         if gt is not None:
             query = query.where(t.originator_version > gt)
@@ -708,13 +806,11 @@ class SQLRecorder(ProcessRecorder):
 
     def stream_version(self, conn: Connection, originator_id: UUID) -> int:
         """The last version in an aggregate's stream, 0 for a new one. Read from
-        the rows, not the catalog: a record replay skipped still holds its place."""
+        the log, not the catalog: a record replay skipped still holds its place."""
         cursor = conn.connection.cursor()
         try:
             cursor.execute(
-                self._sql(
-                    "SELECT max(originator_version) FROM catalog_events WHERE originator_id = ?"
-                ),
+                self._sql("SELECT version FROM catalog_streams WHERE originator_id = ?"),
                 (self._uuid(originator_id),),
             )
             (value,) = cursor.fetchone() or (None,)
@@ -732,15 +828,11 @@ class SQLRecorder(ProcessRecorder):
         try:
             for start in range(0, len(stored), 500):
                 wanted = list(dict.fromkeys(stored[start : start + 500]))
-                # One max() per stream, each a single seek on the stream index:
-                # GROUP BY over an IN list would read every version of every
-                # stream (4-5x slower on a log of long streams).
-                marks = ", ".join(["(?)"] * len(wanted))
+                marks = ", ".join(["?"] * len(wanted))
                 cursor.execute(
                     self._sql(
-                        "SELECT wanted.column1, (SELECT max(originator_version)"
-                        " FROM catalog_events WHERE originator_id = wanted.column1)"
-                        f" FROM (VALUES {marks}) AS wanted"
+                        "SELECT originator_id, version FROM catalog_streams"
+                        f" WHERE originator_id IN ({marks})"
                     ),
                     wanted,
                 )
@@ -832,7 +924,7 @@ class SQLRecorder(ProcessRecorder):
     ) -> tuple[Any, Any, list[Any]]:
         """The head's columns as stored, then the last revision taken and the
         last version of each of ``streams``, in one statement."""
-        versions = ", (SELECT max(originator_version) FROM catalog_events WHERE originator_id = ?)"
+        versions = ", (SELECT version FROM catalog_streams WHERE originator_id = ?)"
         cursor = conn.connection.cursor()
         try:
             cursor.execute(
@@ -877,9 +969,10 @@ class SQLRecorder(ProcessRecorder):
     def _append(
         self, conn: Connection, stored_events: Sequence[StoredEvent], standing: Standing | None
     ) -> list[int]:
-        """Insert events, each chained onto the one before, and move the head:
-        one read and one write of the head per transaction, not per event.
-        Straight through the driver: this is every command's write."""
+        """Insert events, each chained onto the one before and onto its
+        stream's last, move each stream's last version and the head: one read
+        and one write of the head per transaction, not per event. Straight
+        through the driver: this is every command's write."""
         head, last, _ = standing or self.standing(conn)
         if any(e.originator_version > MAX_REVISION for e in stored_events) or (
             self.dialect == "sqlite" and last + len(stored_events) > MAX_REVISION
@@ -889,88 +982,165 @@ class SQLRecorder(ProcessRecorder):
                 f"the log's next revision or a model's next version would pass {MAX_REVISION:,},"
                 " the largest the database stores; nothing was written (catalog-es verify)"
             )
-        chained = head.hash if head is not None else GENESIS
-        rows = []
-        for e in stored_events:
-            originator_id = _as_uuid(e.originator_id)
-            chained = link(chained, originator_id, e.originator_version, e.topic, e.state)
-            rows.append(
-                (self._uuid(originator_id), e.originator_version, e.topic, e.state, chained)
-            )
-        columns = "originator_id, originator_version, topic, state, hash"
         # The driver's errors, wrapped as SQLAlchemy wraps them (as BEGIN's are):
         # the held writer then lets go of a connection the error may have broken.
         cursor = conn.connection.cursor()
         try:
-            if self.dialect == "sqlite":
-                # Under the write lock nothing else appends: the next revisions
-                # are known, and no sqlite_sequence page is written for them.
-                revisions = list(range(last + 1, last + 1 + len(rows)))
-                insert = (
-                    f"INSERT INTO catalog_events (revision, {columns}) VALUES (?, ?, ?, ?, ?, ?)"
-                )
-                numbered = [(n, *row) for n, row in zip(revisions, rows, strict=True)]
-                if len(numbered) == 1:
-                    cursor.execute(insert, numbered[0])
+            revisions = self._next_revisions(cursor, last, len(stored_events))
+            chained = head.hash if head is not None else GENESIS
+            rows = []
+            # Each stream this write appends to, by its stored id: the version
+            # it followed, and its last version and revision after the write.
+            streams: dict[Any, list[Any]] = {}
+            for revision, e in zip(revisions, stored_events, strict=True):
+                originator_id = _as_uuid(e.originator_id)
+                chained = link(chained, originator_id, e.originator_version, e.topic, e.state)
+                stored_id = self._uuid(originator_id)
+                stream = streams.get(stored_id)
+                if stream is None:
+                    stream = streams[stored_id] = [e.originator_version - 1, 0, 0]
+                    # The stream's last revision before this write: the database's.
+                    previous = None
                 else:
-                    cursor.executemany(insert, numbered)
+                    previous = stream[2]
+                stream[1:] = e.originator_version, revision
+                rows.append(
+                    (
+                        revision,
+                        stored_id,
+                        e.originator_version,
+                        e.topic,
+                        e.state,
+                        chained,
+                        previous,
+                        stored_id,
+                    )
+                )
+            if self.dialect == "sqlite":
+                insert = (
+                    "INSERT INTO catalog_events (revision, originator_id, originator_version,"
+                    f" topic, state, hash, stream_previous) VALUES {_EVENT_ROW}"
+                )
+                if len(rows) == 1:
+                    cursor.execute(insert, rows[0])
+                else:
+                    cursor.executemany(insert, rows)
+                # Only where the stream is still at the version the write followed.
+                cursor.executemany(
+                    "INSERT INTO catalog_streams (originator_id, version, revision)"
+                    " VALUES (?, ?, ?) ON CONFLICT (originator_id) DO UPDATE SET"
+                    " version = excluded.version, revision = excluded.revision"
+                    " WHERE catalog_streams.version = ?",
+                    [(key, v, r, followed) for key, (followed, v, r) in streams.items()],
+                )
+                moved = cursor.rowcount
                 if head is None:
                     move = "INSERT INTO catalog_head (id, revision, hash) VALUES (1, ?, ?)"
                 else:
                     move = "UPDATE catalog_head SET revision = ?, hash = ? WHERE id = 1"
                 cursor.execute(move, (revisions[-1], chained))
             else:
-                revisions = []
-                # Multi-row VALUES in chunks: one round trip per thousand events,
-                # and never one statement so large it stalls the driver. The last
-                # moves the head in the same round trip, and tells followers:
-                # delivered at commit, so a follower never wakes before it can read.
-                # An upsert: the lock is the events table's, and a head deleted
-                # meanwhile by hand is put back rather than left missing.
-                # Never backwards: a head past what the sequence hands out was
-                # raised by hand, and moving it back would hide that.
-                move = (
-                    "INSERT INTO catalog_head (id, revision, hash)"
-                    " SELECT 1, max(revision), %s FROM added ON CONFLICT (id)"
-                    " DO UPDATE SET revision = excluded.revision, hash = excluded.hash"
-                    " WHERE catalog_head.revision < excluded.revision"
+                moved = self._append_postgresql(cursor, rows, streams, chained)
+            if moved != len(streams):
+                raise sa.exc.IntegrityError(
+                    "a model's last version in catalog_streams is not the one this write"
+                    " followed: changed by hand since this node read it",
+                    None,
+                    ValueError(moved),
                 )
-                for start in range(0, len(rows), 1000):
-                    chunk = rows[start : start + 1000]
-                    values = ", ".join(["(%s, %s, %s, %s, %s)"] * len(chunk))
-                    params = [v for r in chunk for v in r]
-                    answer = "SELECT array_agg(revision) FROM added"
-                    if start + 1000 >= len(rows):
-                        answer = f"{move} RETURNING ({answer}), pg_notify('{CHANNEL}', '')"
-                        params.append(chained)
-                    cursor.execute(
-                        f"WITH added AS (INSERT INTO catalog_events ({columns})"
-                        f" VALUES {values} RETURNING revision) {answer}",
-                        params,
-                    )
-                    row = cursor.fetchone()
-                    if row is None:  # the head did not move
-                        raise DamagedLog(
-                            "the log's head record (catalog_head) is past the revision this"
-                            " write was given: it was raised by hand; nothing was written"
-                            " (catalog-es verify)"
-                        )
-                    revisions += sorted(int(r) for r in row[0])
         except self._dbapi_error as error:
             raise self._as_sqlalchemys(error) from None
         finally:
             cursor.close()
         return revisions
 
+    def _next_revisions(self, cursor: Any, last: int, count: int) -> list[int]:
+        """The revisions the next ``count`` events take. SQLite's are numbered
+        here, after the last taken: under the write lock nothing else appends,
+        and no sqlite_sequence page is written for them. PostgreSQL's come
+        from the column's sequence, as an older node's insert took them, in one
+        round trip: each event must know them before it is inserted, to name
+        the one before it in its stream."""
+        if self.dialect == "sqlite":
+            return list(range(last + 1, last + 1 + count))
+        cursor.execute(
+            "SELECT nextval(pg_get_serial_sequence('catalog_events', 'revision'))"
+            " FROM generate_series(1, %s)",
+            (count,),
+        )
+        return sorted(int(r) for (r,) in cursor.fetchall())
+
+    def _append_postgresql(
+        self, cursor: Any, rows: list[tuple[Any, ...]], streams: dict[Any, list[Any]], chained: str
+    ) -> int:
+        """The events in multi-row VALUES, in chunks: one round trip per
+        thousand, and never one statement so large it stalls the driver. The
+        last moves the streams and the head in the same round trip, and tells
+        followers: delivered at commit, so a follower never wakes before it
+        can read. Answers how many streams moved."""
+        insert = (
+            "INSERT INTO catalog_events (revision, originator_id, originator_version,"
+            " topic, state, hash, stream_previous) VALUES "
+        )
+        for start in range(0, len(rows), 1000):
+            chunk = rows[start : start + 1000]
+            params = [v for r in chunk for v in r]
+            sql = insert + ", ".join([_EVENT_ROW] * len(chunk))
+            if start + 1000 < len(rows):
+                cursor.execute(self._sql(sql), params)
+                continue
+            # Each stream moves only where it is still at the version the write
+            # followed; a new one only where it is still missing.
+            wanted = ", ".join(["(?::uuid, ?::bigint, ?::bigint, ?::bigint)"] * len(streams))
+            params += [v for stored_id, (f, v, r) in streams.items() for v in (stored_id, f, v, r)]
+            # An upsert: the lock is the events table's, and a head deleted
+            # meanwhile by hand is put back rather than left missing. Never
+            # backwards: a head past what the sequence hands out was raised by
+            # hand, and moving it back would hide that.
+            params.append(rows[-1][0])
+            params.append(chained)
+            cursor.execute(
+                self._sql(
+                    f"WITH added AS ({sql}),"
+                    f" wanted (originator_id, followed, version, revision) AS (VALUES {wanted}),"
+                    " updated AS (UPDATE catalog_streams s SET version = w.version,"
+                    " revision = w.revision FROM wanted w WHERE s.originator_id = w.originator_id"
+                    " AND s.version = w.followed AND w.followed > 0 RETURNING 1),"
+                    " created AS (INSERT INTO catalog_streams (originator_id, version, revision)"
+                    " SELECT originator_id, version, revision FROM wanted WHERE followed = 0"
+                    " ON CONFLICT DO NOTHING RETURNING 1)"
+                    " INSERT INTO catalog_head (id, revision, hash) VALUES (1, ?, ?)"
+                    " ON CONFLICT (id) DO UPDATE SET revision = excluded.revision,"
+                    " hash = excluded.hash WHERE catalog_head.revision < excluded.revision"
+                    " RETURNING (SELECT count(*) FROM updated) + (SELECT count(*) FROM created),"
+                    f" pg_notify('{CHANNEL}', '')"
+                ),
+                params,
+            )
+            row = cursor.fetchone()
+            if row is None:  # the head did not move
+                raise DamagedLog(
+                    "the log's head record (catalog_head) is past the revision this"
+                    " write was given: it was raised by hand; nothing was written"
+                    " (catalog-es verify)"
+                )
+            return int(row[0])
+        raise AssertionError("a write appends at least one event")
+
     def scan_chain(self, conn: Connection) -> Iterator[ChainRow]:
         """Every stored event with its hash, in revision order, from the
         first: a row put before revision 1 by hand too, which nothing else
         reads."""
         # The id as stored, not parsed: a hand-edited one is a broken link, not a crash.
-        columns = "revision, originator_id, originator_version, topic, state, hash"
+        columns = "revision, originator_id, originator_version, topic, state, hash, stream_previous"
         for page in self._pages(conn, columns, -MAX_REVISION - 1, None):
             for row in page:
                 yield ChainRow(*row)
+
+    def scan_streams(self, conn: Connection) -> list[tuple[Any, Any, Any]]:
+        """Each stream's ``(id, last version, its revision)`` as stored."""
+        rows = conn.exec_driver_sql("SELECT originator_id, version, revision FROM catalog_streams")
+        return [tuple(row) for row in rows]
 
     def subscribe(
         self, gt: int | None = None, topics: Sequence[str] = ()

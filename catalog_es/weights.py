@@ -30,7 +30,7 @@ from catalog_es.batch import Batch, Change
 from catalog_es.errors import ModelNotFound, Refused
 from catalog_es.mapper import UndecodableEvent, decode_event, topic_of
 from catalog_es.model import Model, model_id
-from catalog_es.persistence import events_table
+from catalog_es.persistence import events_table, stream_revisions
 from catalog_es.registry import (
     DEFAULT_BRANCH,
     Registry,
@@ -157,9 +157,13 @@ class _Scan(msgspec.Struct):
 def _last_finding(conn: Connection, name: str) -> tuple[int, Model.UpstreamChanged] | None:
     """The newest upstream change recorded on a model, with its log revision."""
     t = events_table.c
+    stream = stream_revisions(model_id(name))
     row = conn.execute(
         sa.select(t.revision, t.state)
-        .where(t.originator_id == model_id(name), t.topic == _UPSTREAM_TOPIC)
+        .where(
+            t.revision.in_(sa.select(stream.c.revision)),
+            t.topic == _UPSTREAM_TOPIC,
+        )
         .order_by(t.revision.desc())
         .limit(1)
     ).first()

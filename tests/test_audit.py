@@ -852,11 +852,15 @@ def run_sql(models: Models, *statements: str) -> None:
 
 
 def stored_log(models: Models) -> list[tuple[Any, ...]]:
-    """Every row of the log and its head, as stored."""
+    """Every row of the log, its streams and its head, as stored."""
     with models.store.engine.connect() as conn:
         return [
             tuple(row)
-            for table in ("catalog_events ORDER BY revision", "catalog_head")
+            for table in (
+                "catalog_events ORDER BY revision",
+                "catalog_streams ORDER BY originator_id",
+                "catalog_head",
+            )
             for row in conn.execute(sa.text(f"SELECT * FROM {table}"))
         ]
 
@@ -864,7 +868,7 @@ def stored_log(models: Models) -> list[tuple[Any, ...]]:
 def swap(models: Models, first: int, second: int) -> None:
     """Swap two stored events, hash and all, keeping their revisions."""
     t = events_table.c
-    columns = [t.originator_id, t.originator_version, t.topic, t.state, t.hash]
+    columns = [t.originator_id, t.originator_version, t.topic, t.state, t.hash, t.stream_previous]
     with models.store.engine.begin() as conn:
         rows = {
             r.revision: r._asdict()
@@ -950,11 +954,36 @@ TAMPERING: dict[str, tuple[Callable[[Models], None], int, str]] = {
         lambda m: run_sql(
             m,
             "INSERT INTO catalog_events (revision, originator_id, originator_version, topic,"
-            " state, hash) SELECT -1, originator_id, 99, topic, state, hash"
+            " state, hash, stream_previous) SELECT -1, originator_id, 99, topic, state, hash, 0"
             " FROM catalog_events WHERE revision = 2",
         ),
         -1,
         "does not match its hash",
+    ),
+    "an event's link to its model's event before it": (
+        lambda m: run_sql(
+            m, "UPDATE catalog_events SET stream_previous = stream_previous + 1 WHERE revision = 6"
+        ),
+        6,
+        "its link to its model's event before it (stream_previous) is",
+    ),
+    "a model's last version in catalog_streams": (
+        lambda m: run_sql(
+            m,
+            "UPDATE catalog_streams SET version = version + 1"
+            " WHERE revision = (SELECT max(revision) FROM catalog_streams)",
+        ),
+        8,
+        "but its last event is version",
+    ),
+    "a model's row in catalog_streams deleted": (
+        lambda m: run_sql(
+            m,
+            "DELETE FROM catalog_streams"
+            " WHERE revision = (SELECT max(revision) FROM catalog_streams)",
+        ),
+        8,
+        "as at none, but its last event is version",
     ),
     "the head's revision made text": (
         lambda m: run_sql(m, "UPDATE catalog_head SET revision = 'eight'"),
@@ -986,8 +1015,8 @@ UNWRITABLE: dict[str, tuple[tuple[str, ...], str]] = {
         "error: the log's head record (catalog_head) is damaged: its hash is b'\\xff', "
         "not a sha256 digest in hex; nothing was written",
     ),
-    "a version made text": (
-        ("UPDATE catalog_events SET originator_version = 'x' WHERE revision = 8",),
+    "a stream's last version made text": (
+        ("UPDATE catalog_streams SET version = 'x'",),
         "error: the log holds a revision or a model's version that is not a whole number",
     ),
     "the head raised to the largest revision": (
@@ -995,12 +1024,8 @@ UNWRITABLE: dict[str, tuple[tuple[str, ...], str]] = {
         "error: the log's next revision or a model's next version would pass "
         "9,223,372,036,854,775,807",
     ),
-    "a version raised to the largest": (
-        (
-            "UPDATE catalog_events SET originator_version = 9223372036854775807"
-            " WHERE revision = (SELECT max(revision) FROM catalog_events"
-            "  WHERE topic LIKE '%OwnerSet' OR topic LIKE '%Added')",
-        ),
+    "a stream's last version raised to the largest": (
+        ("UPDATE catalog_streams SET version = 9223372036854775807",),
         "error: the log's next revision or a model's next version would pass",
     ),
 }
@@ -1056,8 +1081,9 @@ def test_a_row_put_past_the_head_by_hand_is_numbered_after_not_collided_with(
     next, which that row holds."""
     run_sql(
         models,
-        "INSERT INTO catalog_events (originator_id, originator_version, topic, state, hash)"
-        " SELECT originator_id, 99, topic, state, hash FROM catalog_events WHERE revision = 8",
+        "INSERT INTO catalog_events (originator_id, originator_version, topic, state, hash,"
+        " stream_previous) SELECT originator_id, 99, topic, state, hash, 0 FROM catalog_events"
+        " WHERE revision = 8",
     )
     assert models.set_owner("chat", "team:other", by="carol").revision == 10
     assert models.verify()["broken"]["revision"] == 9
@@ -1140,7 +1166,8 @@ def test_a_recorder_opened_before_the_log_was_made_reads_how_it_was_made(
     with recorder.engine.begin() as conn:
         conn.execute(sa.text("DELETE FROM catalog_events WHERE revision = 3"))
         conn.execute(sa.text("DELETE FROM catalog_head"))
-    assert append(3) == 4
+    # The stream's last version is still 3: its row went, not its place.
+    assert append(4) == 4
     recorder.close()
     recorder.engine.dispose()
 
@@ -1379,9 +1406,7 @@ def test_the_hash_chain_on_postgresql(postgres_schema: str, config: Path, clock:
     "statement",
     [
         "UPDATE catalog_head SET revision = 9223372036854775807",
-        "UPDATE catalog_events SET originator_version = 9223372036854775807"
-        " WHERE revision = (SELECT max(revision) FROM catalog_events"
-        "  WHERE topic LIKE '%OwnerSet' OR topic LIKE '%Added')",
+        "UPDATE catalog_streams SET version = 9223372036854775807",
     ],
     ids=["head raised", "version raised"],
 )

@@ -600,7 +600,7 @@ def test_warnings_escape_what_a_terminal_would_act_on(tmp_path: Path) -> None:
     assert added.exit_code == 0, added.stderr
     with sqlite3.connect(db) as conn:
         conn.execute(
-            "INSERT INTO catalog_events VALUES (100, ?, 1, ?, x'7b7d', ?)",
+            "INSERT INTO catalog_events VALUES (100, ?, 1, ?, x'7b7d', ?, 0)",
             (uuid.uuid4().hex, "catalog_es.model:Model.X\x1b]0;PWNED\x07\x1b[2J", "0" * 64),
         )
     done = subprocess.run(

@@ -402,8 +402,8 @@ def test_a_row_holding_values_of_the_wrong_type_is_skipped_like_any_other(
     models.add(model_spec("a"), by="x")
     models.close()
     insert = (
-        "INSERT INTO catalog_events (originator_id, originator_version, topic, state, hash)"
-        " VALUES (?, 1, ?, ?, 'h')"
+        "INSERT INTO catalog_events (originator_id, originator_version, topic, state, hash,"
+        " stream_previous) VALUES (?, 1, ?, ?, 'h', 0)"
     )
     with sa.create_engine(url).begin() as conn:
         conn.exec_driver_sql(insert, ("x", b"Scaled", b"{}"))

@@ -21,6 +21,7 @@ from uuid import UUID
 
 import msgspec
 import pytest
+import sqlalchemy as sa
 from click.testing import CliRunner
 from eventsourcing.persistence import StoredEvent
 
@@ -77,16 +78,86 @@ def contains(actual: Any, expected: Any, where: str = "") -> None:
         assert actual == expected, f"{where}: {actual!r} != {expected!r}"
 
 
+# The log's table as 0.1.0 made it on SQLite: an index on (stream, version),
+# no link from an event to its stream's event before it, no catalog_streams.
+UNLINKED_SQLITE_TABLE = """
+CREATE TABLE catalog_events_unlinked (
+    revision INTEGER NOT NULL,
+    originator_id CHAR(32) NOT NULL,
+    originator_version INTEGER NOT NULL,
+    topic TEXT NOT NULL,
+    state BLOB NOT NULL,
+    hash VARCHAR(64) NOT NULL,
+    PRIMARY KEY (revision),
+    CONSTRAINT catalog_events_stream UNIQUE (originator_id, originator_version)
+)
+"""
+
+
+def unlink(url: str) -> None:
+    """Turn a log into the layout 0.1.0 wrote."""
+    engine = create_engine(url)
+    with engine.begin() as conn:
+        conn.exec_driver_sql("DROP TABLE catalog_streams")
+        if engine.dialect.name == "sqlite":
+            conn.exec_driver_sql(UNLINKED_SQLITE_TABLE)
+            conn.exec_driver_sql(
+                "INSERT INTO catalog_events_unlinked SELECT revision, originator_id,"
+                " originator_version, topic, state, hash FROM catalog_events"
+            )
+            conn.exec_driver_sql("DROP TABLE catalog_events")
+            conn.exec_driver_sql("ALTER TABLE catalog_events_unlinked RENAME TO catalog_events")
+        else:
+            conn.exec_driver_sql(
+                "ALTER TABLE catalog_events DROP COLUMN stream_previous, ADD CONSTRAINT"
+                " catalog_events_stream UNIQUE (originator_id, originator_version)"
+            )
+    engine.dispose()
+
+
+def links(url: str) -> tuple[list[Any], list[Any], list[str]]:
+    """Each event's link to its stream's event before it, each stream's last
+    version and revision, and the indexes on the log's table."""
+    engine = create_engine(url)
+    with engine.connect() as conn:
+        previous = conn.exec_driver_sql(
+            "SELECT revision, stream_previous FROM catalog_events ORDER BY revision"
+        ).all()
+        streams = conn.exec_driver_sql(
+            "SELECT originator_id, version, revision FROM catalog_streams ORDER BY revision"
+        ).all()
+        indexes = [i["name"] for i in sa.inspect(conn).get_indexes("catalog_events")]
+        indexes += [c["name"] for c in sa.inspect(conn).get_unique_constraints("catalog_events")]
+    engine.dispose()
+    return [tuple(r) for r in previous], [tuple(r) for r in streams], indexes
+
+
+@pytest.mark.parametrize("layout", ["today's", "0.1.0's"])
 @pytest.mark.parametrize("log", LOGS)
-def test_a_log_written_by_an_earlier_version_still_loads(db_url: str, log: str) -> None:
+def test_a_log_written_by_an_earlier_version_still_loads(
+    db_url: str, log: str, layout: str
+) -> None:
+    """In today's tables, and in the tables 0.1.0 made, which the first start
+    brings to today's: every event linked to its stream's event before it
+    as an append links it, each stream's last version recorded, no index on
+    (stream, version) left."""
     events = load_fixture(db_url, log)
+    linked = links(db_url)
+    if layout == "0.1.0's":
+        unlink(db_url)
     expected = json.loads((FIXTURES / f"{log}.expected.json").read_text())
     config = load_config(str(FIXTURES / f"{log}.yaml"))
     models = Models(config, env={"CATALOG_ES_DB": db_url})
+    assert links(db_url) == linked
+    assert linked[2] == []
+    assert models.verify()["ok"] is True
     assert models.revision == expected["revision"] == events
     assert [msgspec.to_builtins(s) for s in models.skipped()] == expected["skipped"]
     contains(models.list_models(), expected["models"], "models")
     contains(list(models.log_events()), expected["log"], "log")
+    for model in models.list_models():
+        own = [e for e in expected["log"] if e.get("model") == model["name"]]
+        contains(list(models.log_events(model=model["name"])), own, model["name"])
     # Every stream goes on from where the old version left it.
     for model in models.list_models():
         if not model["declared"]:
