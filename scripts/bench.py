@@ -36,6 +36,7 @@ import sqlalchemy as sa
 from eventsourcing.domain import Aggregate
 from eventsourcing.persistence import JSONTranscoder, Mapper, StoredEvent
 
+from catalog_es import commands
 from catalog_es.application import Models
 from catalog_es.catalog import Catalog
 from catalog_es.collector import collector_paused
@@ -412,20 +413,12 @@ def command_figures(url: str, path: Path | None, models_n: int, commands: int) -
             "≥ 3,000/s and ≥ 0.5× raw" if path else "—",
         )
     ]
-    batch = 1000
-    steps = []
-    from catalog_es import commands as c
-
-    for i in range(batch):
-        steps.append(c.scale(names[i % len(names)], 1, 2 + i % 3))
-    rounds = 20
-    seconds, _ = timed(lambda: [models.apply_changes(steps, by="bench") for _ in range(rounds)])
-    raw_many = raw_executemany_rate(path.with_suffix(".many"), batch) if path else None
+    raw_many = raw_executemany_rate(path.with_suffix(".many"), BATCH) if path else None
     figures.append(
         Figure(
-            f"batch of {batch:,} in one txn ({label})",
-            f"apply, {rounds} rounds",
-            batch * rounds / seconds,
+            f"batch of {BATCH:,} in one txn ({label})",
+            f"apply, {BATCH_ROUNDS} rounds",
+            batch_rate(models, names),
             "changes/s",
             "raw executemany, one txn" if raw_many else "—",
             raw_many,
@@ -434,6 +427,37 @@ def command_figures(url: str, path: Path | None, models_n: int, commands: int) -
     )
     models.close()
     return figures
+
+
+BATCH = 1000
+BATCH_ROUNDS = 20
+
+
+def batch_rate(models: Models, names: list[str]) -> float:
+    """Changes a second in ``apply`` batches of ``BATCH`` scalings."""
+    steps = [commands.scale(names[i % len(names)], 1, 2 + i % 3) for i in range(BATCH)]
+    seconds, _ = timed(
+        lambda: [models.apply_changes(steps, by="bench") for _ in range(BATCH_ROUNDS)]
+    )
+    return BATCH * BATCH_ROUNDS / seconds
+
+
+def long_log_batch_figure(url: str, events: int, models_n: int) -> Figure:
+    """The batch again, on the long log: what a write costs must not grow
+    with the log (an index with an entry per event at a random place made
+    it: each change of a batch dirtied a page of it)."""
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": url})
+    rate = batch_rate(models, [f"model-{i:06d}" for i in range(models_n)])
+    models.close()
+    return Figure(
+        f"batch of {BATCH:,} in one txn, long log (SQLite file)",
+        f"apply, {BATCH_ROUNDS} rounds, on the {events:,}-event log",
+        rate,
+        "changes/s",
+        "—",
+        None,
+        "—",
+    )
 
 
 def point_in_time_figures(url: str, events: int, interval: int, samples: int) -> list[Figure]:
@@ -575,6 +599,8 @@ def main() -> None:
         figures += replay_figures(url, log_path, events)
         for interval in (2_000, 1_000):
             figures += point_in_time_figures(url, events, interval, 100 if args.quick else 300)
+        print("a batch on the long log…", file=sys.stderr)
+        figures.append(long_log_batch_figure(url, events, models_n))
         print("load at start-up…", file=sys.stderr)
         figures += load_figures(
             tmp, (models_n, 2 * models_n), (500 // scale * 2, 1000 // scale * 2)
