@@ -329,12 +329,12 @@ def _settled_engine(url: sa.URL) -> Engine:
             cursor = dbapi_connection.cursor()
             _into_wal(cursor, wait)
             cursor.execute(f"PRAGMA synchronous={synchronous}")
-            # Each stream's versions sit at a random place in the stream index, so
-            # a batch of a thousand changes dirties about a thousand index pages:
-            # at SQLite's default (a checkpoint once the WAL holds 1,000 pages)
-            # every such batch also paid a checkpoint, copying and syncing them
-            # into the file. At 4,000 pages (16 MB) the pages a run of batches
-            # rewrites are copied once per run.
+            # A batch of a thousand changes rewrites most pages of catalog_streams
+            # (and, before it, of an index with an entry per event): at SQLite's
+            # default (a checkpoint once the WAL holds 1,000 pages) a run of
+            # batches paid a checkpoint every few, copying and syncing the same
+            # pages into the file each time. At 4,000 pages (16 MB) they are
+            # copied fewer times a run.
             cursor.execute(f"PRAGMA wal_autocheckpoint={WAL_CHECKPOINT_PAGES}")
             cursor.close()
 
@@ -480,11 +480,11 @@ class SQLRecorder(ProcessRecorder):
                 self._writer = self.engine.connect()
                 self._writer.execution_options(catalog_write=True)
                 if self.dialect == "sqlite":
-                    # A batch reads the stream index at one random place per model
-                    # it changes, then inserts there: with SQLite's 2 MB cache a
-                    # large log's pages were read from the file again by the
-                    # insert and by the next batch. Only this connection: readers
-                    # pass over pages once.
+                    # A batch reads and rewrites catalog_streams at one random
+                    # place per model it changes: a large catalog's (4 MB at
+                    # 100,000 models) passes SQLite's 2 MB cache, and its pages
+                    # were read from the file again by the next batch. Only
+                    # this connection: readers pass over pages once.
                     cursor = self._writer.connection.cursor()
                     cursor.execute(f"PRAGMA cache_size = -{WRITER_CACHE_KIB}")
                     cursor.close()

@@ -407,7 +407,7 @@ def test_every_connection_to_a_file_keeps_the_settings_the_log_relies_on(
 ) -> None:
     # FULL unless told otherwise (a command reported as written survives a power
     # cut), and checkpoints rare enough that a batch of a thousand changes does
-    # not pay for one (it dirties about a thousand pages of the stream index);
+    # not pay for one (it rewrites most pages of catalog_streams);
     # the one connection commands write through caches 16 MB of pages.
     if sync is not None:
         monkeypatch.setenv(SYNC_ENV, sync)
