@@ -33,6 +33,7 @@ from catalog_es.collector import collector_paused
 from catalog_es.configuration import Configuration, DeclaredConfig
 from catalog_es.errors import (
     ConfigError,
+    DamagedLog,
     InputError,
     ModelNotFound,
     Refused,
@@ -46,7 +47,7 @@ from catalog_es.persistence import (
     PollingSubscription,
     SQLRecorder,
     events_table,
-    stream_revisions,
+    stream_walk,
 )
 from catalog_es.ports import AcceptAll, Applier, NoApplier, PreAddCheck
 from catalog_es.rollback import plan_rollback
@@ -373,6 +374,8 @@ class Models(AuditTrail, Application[UUID]):
                 current = step
                 try:
                     outcomes.append(step.decide(batch))
+                except DamagedLog:
+                    raise
                 except Refused as refusal:
                     raise Refused(
                         f"change {number} ({step.verb} {step.name}) refused, nothing applied: "
@@ -872,7 +875,8 @@ class Models(AuditTrail, Application[UUID]):
         t = events_table.c
         query = sa.select(t.revision, t.topic, t.state).where(t.revision > after)
         if model is not None:
-            stream = stream_revisions(model_id(model))
+            # Only as far back as ``after``: a page of a long history reads that page.
+            stream = stream_walk(model_id(model), after)
             query = query.where(t.revision.in_(sa.select(stream.c.revision)))
         query = query.order_by(t.revision)
         if limit is not None:

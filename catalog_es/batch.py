@@ -18,6 +18,7 @@ from sqlalchemy.engine import Connection
 from catalog_es.catalog import Catalog
 from catalog_es.configuration import CONFIGURATION_ID, Configuration, DeclaredConfig
 from catalog_es.decisions import decide
+from catalog_es.errors import DamagedLog, shown
 from catalog_es.model import DomainEvent, Model, model_id
 from catalog_es.persistence import SQLRecorder
 from catalog_es.spec import ModelSpec
@@ -138,6 +139,14 @@ class Batch:
     def event(self, event_class: type[Model.Event], name: str, **fields: Any) -> Model.Event:
         """A candidate event for model ``name``; not yet decided, nothing taken."""
         envelope = self._envelope(model_id(name), self.rollback_to)
+        replayed = self.catalog.aggregate(name).version
+        if envelope["originator_version"] <= replayed:
+            # Replay read the stream further than catalog_streams says it goes.
+            raise DamagedLog(
+                f"model {shown(name)} has events up to version {replayed}, but catalog_streams"
+                f" records it at version {envelope['originator_version'] - 1}: edited by hand;"
+                " nothing was written (catalog-es verify)"
+            )
         return event_class(**envelope, model=name, **fields)
 
     def decide(self, event: Model.Event) -> ModelSpec | None:

@@ -134,21 +134,29 @@ tracking_table = sa.Table(
 _UNLINKED_COLUMNS = {"revision", "originator_id", "originator_version", "topic", "state", "hash"}
 
 
-def stream_revisions(originator_id: UUID) -> sa.CTE:
-    """The revisions of a stream's events, as a CTE of one ``revision``
-    column: from its last, along each event's ``stream_previous``. Each step
-    goes back (a link edited by hand to point forward ends the walk)."""
-    t = events_table.c
+def stream_walk(originator_id: UUID, after: int = 0) -> sa.CTE:
+    """A stream's events after revision ``after``, newest first, as a CTE of
+    ``revision`` and ``topic``: from its last (catalog_streams), along each
+    event's ``stream_previous``. Each step goes back, to an event of the same
+    stream: a link edited by hand ends the walk rather than loop or stray
+    into another model's events (``verify`` names it). Both databases walk
+    it a row a step, so a query that stops at its first match (``LIMIT 1``)
+    reads no further back than that."""
+    e, s = events_table.c, streams_table.c
     walk = (
-        sa.select(streams_table.c.revision)
-        .where(streams_table.c.originator_id == originator_id)
+        sa.select(e.revision, e.topic, e.stream_previous)
+        .join_from(events_table, streams_table, e.revision == s.revision)
+        .where(s.originator_id == originator_id, e.originator_id == originator_id)
+        .where(e.revision > after)
         .cte("stream", recursive=True)
     )
+    step = events_table.alias("step").c
     return walk.union_all(
-        sa.select(t.stream_previous).where(
-            t.revision == walk.c.revision,
-            t.stream_previous > 0,
-            t.stream_previous < walk.c.revision,
+        sa.select(step.revision, step.topic, step.stream_previous).where(
+            step.revision == walk.c.stream_previous,
+            walk.c.stream_previous > after,
+            walk.c.stream_previous < walk.c.revision,
+            step.originator_id == originator_id,
         )
     )
 
@@ -562,19 +570,24 @@ class SQLRecorder(ProcessRecorder):
             return
         # The events table may not exist yet to LOCK: an advisory lock instead.
         with self.locked("catalog_es.tables") as conn:
+            streams_kept = sa.inspect(conn).has_table(streams_table.name)
             tables.create_all(conn)
             if tables is metadata:
-                self._link_streams(conn)
+                self._link_streams(conn, streams_kept)
 
-    def _link_streams(self, conn: Connection) -> None:
+    def _link_streams(self, conn: Connection, streams_kept: bool) -> None:
         """Bring a log written before ``catalog_streams`` to today's layout, in
         the transaction that made that table: each event names its stream's
         event before it, each stream's last version and revision are
         recorded, and the index on (stream, version) goes (SQLite cannot drop
-        a table's constraint: the table is made anew, AUTOINCREMENT kept)."""
+        a table's constraint: the table is made anew, AUTOINCREMENT kept).
+        A ``catalog_streams`` dropped from today's layout is made again from
+        the rows: left empty, every model's next version would be 1 again."""
         columns = [c["name"] for c in sa.inspect(conn).get_columns("catalog_events")]
         if set(columns) != _UNLINKED_COLUMNS:
-            # Today's, or a table of that name that is not the log's (refused on use).
+            if not streams_kept and "stream_previous" in columns:
+                self._fill_streams(conn)
+            # Else a table of that name that is not the log's (refused on use).
             return
         previous = "coalesce(lag(revision) OVER (PARTITION BY originator_id ORDER BY revision), 0)"
         if self.dialect == "sqlite":
@@ -607,6 +620,9 @@ class SQLRecorder(ProcessRecorder):
                 "ALTER TABLE catalog_events ALTER COLUMN stream_previous SET NOT NULL,"
                 " DROP CONSTRAINT IF EXISTS catalog_events_stream"
             )
+        self._fill_streams(conn)
+
+    def _fill_streams(self, conn: Connection) -> None:
         conn.exec_driver_sql(
             "INSERT INTO catalog_streams (originator_id, version, revision)"
             " SELECT originator_id, max(originator_version), max(revision)"
@@ -747,7 +763,7 @@ class SQLRecorder(ProcessRecorder):
         limit: int | None = None,
     ) -> Sequence[StoredEvent]:
         t = events_table.c
-        stream = stream_revisions(_as_uuid(originator_id))
+        stream = stream_walk(_as_uuid(originator_id))
         query = sa.select(t.originator_id, t.originator_version, t.topic, t.state).where(
             t.revision.in_(sa.select(stream.c.revision))
         )
@@ -1022,15 +1038,25 @@ class SQLRecorder(ProcessRecorder):
                     cursor.execute(insert, rows[0])
                 else:
                     cursor.executemany(insert, rows)
-                # Only where the stream is still at the version the write followed.
-                cursor.executemany(
-                    "INSERT INTO catalog_streams (originator_id, version, revision)"
-                    " VALUES (?, ?, ?) ON CONFLICT (originator_id) DO UPDATE SET"
-                    " version = excluded.version, revision = excluded.revision"
-                    " WHERE catalog_streams.version = ?",
-                    [(key, v, r, followed) for key, (followed, v, r) in streams.items()],
-                )
-                moved = cursor.rowcount
+                # Each stream moves only where it is still at the version the
+                # write followed; a new one only where it is still missing.
+                moved = 0
+                followed = [(v, r, key, f) for key, (f, v, r) in streams.items() if f > 0]
+                if followed:
+                    cursor.executemany(
+                        "UPDATE catalog_streams SET version = ?, revision = ?"
+                        " WHERE originator_id = ? AND version = ?",
+                        followed,
+                    )
+                    moved += cursor.rowcount
+                new = [(key, v, r) for key, (f, v, r) in streams.items() if f == 0]
+                if new:
+                    cursor.executemany(
+                        "INSERT INTO catalog_streams (originator_id, version, revision)"
+                        " VALUES (?, ?, ?) ON CONFLICT DO NOTHING",
+                        new,
+                    )
+                    moved += cursor.rowcount
                 if head is None:
                     move = "INSERT INTO catalog_head (id, revision, hash) VALUES (1, ?, ?)"
                 else:

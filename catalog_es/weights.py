@@ -30,7 +30,7 @@ from catalog_es.batch import Batch, Change
 from catalog_es.errors import ModelNotFound, Refused
 from catalog_es.mapper import UndecodableEvent, decode_event, topic_of
 from catalog_es.model import Model, model_id
-from catalog_es.persistence import events_table, stream_revisions
+from catalog_es.persistence import events_table, stream_walk
 from catalog_es.registry import (
     DEFAULT_BRANCH,
     Registry,
@@ -157,18 +157,15 @@ class _Scan(msgspec.Struct):
 def _last_finding(conn: Connection, name: str) -> tuple[int, Model.UpstreamChanged] | None:
     """The newest upstream change recorded on a model, with its log revision."""
     t = events_table.c
-    stream = stream_revisions(model_id(name))
-    row = conn.execute(
-        sa.select(t.revision, t.state)
-        .where(
-            t.revision.in_(sa.select(stream.c.revision)),
-            t.topic == _UPSTREAM_TOPIC,
-        )
-        .order_by(t.revision.desc())
-        .limit(1)
-    ).first()
-    if row is None:
+    # Newest first, stopping at the first found: not the model's whole history,
+    # once a finding, inside the write transaction.
+    stream = stream_walk(model_id(name))
+    found = conn.execute(
+        sa.select(stream.c.revision).where(stream.c.topic == _UPSTREAM_TOPIC).limit(1)
+    ).scalar()
+    if found is None:
         return None
+    row = conn.execute(sa.select(t.revision, t.state).where(t.revision == found)).one()
     try:
         event = decode_event(_UPSTREAM_TOPIC, row[1])
     except UndecodableEvent:

@@ -1024,6 +1024,16 @@ UNWRITABLE: dict[str, tuple[tuple[str, ...], str]] = {
         "error: the log's next revision or a model's next version would pass "
         "9,223,372,036,854,775,807",
     ),
+    "a stream's row in catalog_streams deleted": (
+        ("DELETE FROM catalog_streams",),
+        "error: model 'chat' has events up to version 4, but catalog_streams records it at"
+        " version 0: edited by hand; nothing was written",
+    ),
+    "a stream's last version lowered": (
+        ("UPDATE catalog_streams SET version = 1",),
+        "error: model 'chat' has events up to version 4, but catalog_streams records it at"
+        " version 1",
+    ),
     "a stream's last version raised to the largest": (
         ("UPDATE catalog_streams SET version = 9223372036854775807",),
         "error: the log's next revision or a model's next version would pass",

@@ -32,7 +32,7 @@ from eventsourcing.persistence import Tracking
 from catalog_es import commands
 from catalog_es.application import Models
 from catalog_es.cli import cli
-from catalog_es.errors import RevisionConflict, StorageBusy
+from catalog_es.errors import DamagedLog, RevisionConflict, StorageBusy
 from catalog_es.inputs import DeclaredConfig, load_config
 from catalog_es.model import Model, model_id
 from catalog_es.persistence import (
@@ -503,7 +503,7 @@ def test_a_command_on_a_log_nobody_else_moved_reads_it_once(tmp_path: Path) -> N
     driver.set_trace_callback(statements.append)
     models.scale("a", 0, 2, by="ops")
     verbs = [statement.split()[0] for statement in statements]
-    assert verbs == ["BEGIN", "SELECT", "INSERT", "INSERT", "UPDATE", "COMMIT"], statements
+    assert verbs == ["BEGIN", "SELECT", "INSERT", "UPDATE", "UPDATE", "COMMIT"], statements
     models.close()
 
 
@@ -568,6 +568,45 @@ def test_a_version_put_in_by_hand_fails_one_write_then_is_read(db_url: str) -> N
     assert count_events(db_url) == before
     models.scale("a", 0, 2, by="ops")
     assert _versions(models, "a") == [1, 3]
+    models.close()
+
+
+def test_a_stream_row_deleted_by_hand_under_a_running_service_is_damage(db_url: str) -> None:
+    """Without its row in catalog_streams a model would start again at
+    version 1: the running service's write fails the check of the version
+    it followed, and every write after it, reading again, is refused as
+    damage, nothing written; verify names the stream."""
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
+    models.add(model_spec("a"), by="setup")
+    with models.store.engine.begin() as conn:
+        conn.exec_driver_sql("DELETE FROM catalog_streams")
+    before = count_events(db_url)
+    with pytest.raises(sa.exc.IntegrityError, match="not the one this write followed"):
+        models.scale("a", 0, 2, by="ops")
+    for _ in range(2):
+        with pytest.raises(DamagedLog, match="catalog_streams records it at version 0"):
+            models.scale("a", 0, 2, by="ops")
+    with pytest.raises(DamagedLog, match="catalog_streams records it at version 0"):
+        models.apply_changes([commands.scale("a", 0, 3)], by="ops")
+    assert count_events(db_url) == before
+    assert "catalog_streams records stream" in models.verify()["broken"]["problem"]
+    models.close()
+
+
+def test_catalog_streams_dropped_is_made_again_from_the_rows(db_url: str) -> None:
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
+    models.apply_changes([commands.add(model_spec(n)) for n in "ab"], by="setup")
+    models.scale("a", 0, 2, by="ops")
+    models.close()
+    with sa.create_engine(db_url).begin() as conn:
+        kept = conn.exec_driver_sql("SELECT * FROM catalog_streams ORDER BY revision").all()
+        conn.exec_driver_sql("DROP TABLE catalog_streams")
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
+    with models.store.engine.connect() as conn:
+        assert conn.exec_driver_sql("SELECT * FROM catalog_streams ORDER BY revision").all() == kept
+    models.scale("a", 1, 2, by="ops")
+    assert _versions(models, "a") == [1, 2, 3]
+    assert models.verify()["ok"] is True
     models.close()
 
 

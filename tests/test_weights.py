@@ -284,6 +284,13 @@ def test_an_upstream_change_is_listed_once_and_recorded_once(
     }
     # Another node, its own process, finds it recorded in the log.
     assert world.open().check_updates(by="cron")["recorded"] == []
+    # A newer commit is a finding of its own, recorded once: what a check
+    # compares with is the model's newest finding, not its first.
+    c3 = world.mirror.publish("org/m", {**V2, "README.md": b"newer"})
+    assert "m" in tracked.check_updates(by="cron")["recorded"]
+    assert tracked.check_updates(by="cron")["recorded"] == []
+    seen = [e for e in events(tracked, "m") if e["event"] == "UpstreamChanged"]
+    assert [e["fields"]["upstream"]["revision"] for e in seen] == [c2, c3]
 
 
 def test_checksums_changed_under_the_same_commit_are_an_upstream_change(
