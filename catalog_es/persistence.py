@@ -594,8 +594,21 @@ class SQLRecorder(ProcessRecorder):
             made = conn.exec_driver_sql(
                 "SELECT sql FROM sqlite_master WHERE type = 'table' AND name = 'catalog_events'"
             ).scalar()
+            # An operator's own indexes and triggers on the table go with it,
+            # and a view reading it would stop the rename: all are made again
+            # after, as SQLite's own recipe for remaking a table does.
+            kept_sql = conn.exec_driver_sql(
+                "SELECT type, name, sql FROM sqlite_master WHERE sql IS NOT NULL AND"
+                " ((type IN ('index', 'trigger') AND tbl_name = 'catalog_events')"
+                " OR type = 'view') ORDER BY type = 'view'"
+            ).all()
+            for kind, name, _ in kept_sql:
+                if kind == "view":
+                    conn.exec_driver_sql(f'DROP VIEW "{name}"')
             relinked = events_table.to_metadata(sa.MetaData(), name="catalog_events_relinked")
-            relinked.dialect_options["sqlite"]["autoincrement"] = "AUTOINCREMENT" in str(made)
+            relinked.dialect_options["sqlite"]["autoincrement"] = (
+                "AUTOINCREMENT" in str(made).upper()
+            )
             relinked.create(conn)
             kept = ", ".join(columns)
             conn.exec_driver_sql(
@@ -609,6 +622,8 @@ class SQLRecorder(ProcessRecorder):
             )
             conn.exec_driver_sql("DROP TABLE catalog_events")
             conn.exec_driver_sql("ALTER TABLE catalog_events_relinked RENAME TO catalog_events")
+            for _, _, sql in kept_sql:
+                conn.exec_driver_sql(sql)
         else:
             conn.exec_driver_sql("ALTER TABLE catalog_events ADD COLUMN stream_previous BIGINT")
             conn.exec_driver_sql(
@@ -1012,8 +1027,15 @@ class SQLRecorder(ProcessRecorder):
                     stream = streams[stored_id] = [e.originator_version - 1, 0, 0]
                     # The stream's last revision before this write: the database's.
                     previous = None
-                else:
+                elif e.originator_version == stream[1] + 1:
                     previous = stream[2]
+                else:
+                    # What the index on (stream, version) refused in one write too.
+                    raise sa.exc.IntegrityError(
+                        "a model's versions in one write do not follow on from each other",
+                        None,
+                        ValueError(e.originator_version),
+                    )
                 stream[1:] = e.originator_version, revision
                 rows.append(
                     (
@@ -1093,6 +1115,12 @@ class SQLRecorder(ProcessRecorder):
             (count,),
         )
         (taken,) = cursor.fetchone()
+        if taken is None:
+            raise DamagedLog(
+                "the log's revision column has no sequence of its own (catalog_events.revision"
+                " is not a serial column, or its sequence was detached by hand); nothing was"
+                " written"
+            )
         return list(range(taken - count + 1, taken + 1))
 
     def _append_postgresql(

@@ -34,7 +34,7 @@ from catalog_es.application import Models
 from catalog_es.cli import cli
 from catalog_es.errors import DamagedLog, RevisionConflict, StorageBusy
 from catalog_es.inputs import DeclaredConfig, load_config
-from catalog_es.model import Model, model_id
+from catalog_es.model import Model, model_id, utc_now
 from catalog_es.persistence import (
     LOCK_WAIT_ENV,
     SYNC_ENV,
@@ -45,6 +45,7 @@ from catalog_es.persistence import (
     events_table,
 )
 from catalog_es.ports import Applier
+from catalog_es.spec import Scaling
 from projections import snapshots
 from tests.helpers import config_yaml, count_events, event, model_data, model_spec
 
@@ -590,6 +591,48 @@ def test_a_stream_row_deleted_by_hand_under_a_running_service_is_damage(db_url: 
         models.apply_changes([commands.scale("a", 0, 3)], by="ops")
     assert count_events(db_url) == before
     assert "catalog_streams records stream" in models.verify()["broken"]["problem"]
+    models.close()
+
+
+def test_versions_of_one_model_that_do_not_follow_on_in_one_write_are_refused(
+    db_url: str,
+) -> None:
+    """The guard the index on (stream, version) also kept within one write."""
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
+    models.add(model_spec("a"), by="setup")
+    before = count_events(db_url)
+    for versions in ([2, 2], [2, 4]):
+        stored = [
+            models.mapper.to_stored_event(
+                Model.Scaled(
+                    originator_id=model_id("a"),
+                    originator_version=version,
+                    timestamp=utc_now(),
+                    by="x",
+                    model="a",
+                    scaling=Scaling(0, 2),
+                )
+            )
+            for version in versions
+        ]
+        with pytest.raises(sa.exc.IntegrityError, match="do not follow on"):
+            models.store.insert_events(stored)
+    assert count_events(db_url) == before
+    models.close()
+
+
+def test_a_postgresql_revision_column_without_its_sequence_is_one_line(pg_url: str) -> None:
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": pg_url})
+    models.add(model_spec("a"), by="setup")
+    with models.store.engine.begin() as conn:
+        conn.exec_driver_sql(
+            "ALTER SEQUENCE catalog_events_revision_seq OWNED BY NONE;"
+            " ALTER TABLE catalog_events ALTER COLUMN revision DROP DEFAULT"
+        )
+    before = count_events(pg_url)
+    with pytest.raises(DamagedLog, match="has no sequence of its own"):
+        models.scale("a", 0, 2, by="ops")
+    assert count_events(pg_url) == before
     models.close()
 
 

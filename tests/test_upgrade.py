@@ -175,6 +175,41 @@ def test_a_log_written_by_an_earlier_version_still_loads(
     reopened.close()
 
 
+def test_a_sqlite_log_brought_over_keeps_the_views_triggers_and_indexes_made_on_it(
+    tmp_path: Path,
+) -> None:
+    """SQLite remakes the table: what an operator made on it is made again,
+    and a view reading it no longer stops every start."""
+    url = f"sqlite:///{tmp_path}/ops.db"
+    load_fixture(url, LOGS[-1])
+    unlink(url)
+    made = [
+        "CREATE VIEW recent_events AS SELECT revision, topic FROM catalog_events",
+        "CREATE INDEX ops_topic ON catalog_events (topic)",
+        "CREATE TRIGGER append_only BEFORE UPDATE ON catalog_events"
+        " BEGIN SELECT RAISE(ABORT, 'append-only'); END",
+    ]
+    engine = create_engine(url)
+    with engine.begin() as conn:
+        for sql in made:
+            conn.exec_driver_sql(sql)
+    engine.dispose()
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": url})
+    models.close()
+    engine = create_engine(url)
+    with engine.connect() as conn:
+        kept = conn.exec_driver_sql(
+            "SELECT sql FROM sqlite_master WHERE name IN ('recent_events', 'ops_topic',"
+            " 'append_only')"
+        ).scalars()
+        assert sorted(kept) == sorted(made)
+        assert conn.exec_driver_sql("SELECT count(*) FROM recent_events").scalar() == 20
+        with pytest.raises(sa.exc.IntegrityError, match="append-only"):
+            conn.exec_driver_sql("UPDATE catalog_events SET topic = 'x'")
+    engine.dispose()
+    assert links(url)[2] == ["ops_topic"]
+
+
 def test_the_newest_fixture_holds_every_kind_of_stored_event() -> None:
     """A new kind of event needs a new fixture (``scripts/write_upgrade_fixture.py``),
     so the release after it is held to reading it."""
