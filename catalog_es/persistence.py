@@ -16,6 +16,7 @@ computed in the same transaction from the head kept in ``catalog_head``.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import sqlite3
@@ -55,6 +56,8 @@ LOCK_WAIT_SECONDS = 10.0
 LOCK_WAIT_ENV = "CATALOG_ES_LOCK_WAIT"
 # Rows per round trip when scanning the log.
 PAGE_SIZE = 10_000
+
+log = logging.getLogger("catalog_es")
 
 metadata = sa.MetaData()
 BIGINT = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
@@ -589,6 +592,10 @@ class SQLRecorder(ProcessRecorder):
                 self._fill_streams(conn)
             # Else a table of that name that is not the log's (refused on use).
             return
+        log.warning(
+            "bringing the log's tables to this version's layout, once (one transaction over"
+            " every event: about 20 s a million); 0.1.0 nodes can no longer write to it"
+        )
         previous = "coalesce(lag(revision) OVER (PARTITION BY originator_id ORDER BY revision), 0)"
         if self.dialect == "sqlite":
             made = conn.exec_driver_sql(
