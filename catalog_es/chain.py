@@ -129,13 +129,21 @@ def check_chain(
         events += 1
         if row.hash != _rehash(last.hash, row):
             return ChainReport(events=events, head=readable, broken=_broken_link(last, row))
-        before = ends.get(row.originator_id, (0, 0))[0]
+        before, version = ends.get(row.originator_id, (0, 0))
+        problem = None
         if row.stream_previous != before:
             problem = (
                 f"its link to its model's event before it (stream_previous) is "
                 f"{row.stream_previous!r}, not {before}: edited by hand, so reading "
-                "that model's events back would miss some"
+                "that model's events back reads others"
             )
+        elif row.originator_version != version + 1:
+            problem = (
+                f"its version is {row.originator_version}, not {version + 1}: its model's "
+                "versions skip or repeat one there (written after catalog_streams was "
+                "edited by hand)"
+            )
+        if problem is not None:
             unlinked = ChainBreak(revision=row.revision, problem=problem)
             return ChainReport(events=events, head=readable, broken=unlinked)
         ends[row.originator_id] = (row.revision, row.originator_version)

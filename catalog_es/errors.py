@@ -84,3 +84,8 @@ class StorageBusy(Refused):
 class DamagedLog(Refused):
     """The log holds what its write path never writes (a hand edit): nothing
     can be appended to it as it is; ``catalog-es verify`` says what else."""
+
+
+class UpgradeFailed(Refused):
+    """The log's tables could not be brought to this version's layout: the
+    database refused a step; nothing was changed."""

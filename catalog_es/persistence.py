@@ -45,7 +45,7 @@ from eventsourcing.utils import Environment
 from sqlalchemy.engine import Connection, Engine
 
 from catalog_es.chain import GENESIS, ChainHead, ChainRow, DamagedHead, link, stored_head
-from catalog_es.errors import ConfigError, DamagedLog, StorageBusy, shown
+from catalog_es.errors import ConfigError, DamagedLog, StorageBusy, UpgradeFailed, shown
 
 DEFAULT_URL = "sqlite:///catalog.db"
 # PostgreSQL's NOTIFY channel for new events.
@@ -58,6 +58,9 @@ LOCK_WAIT_ENV = "CATALOG_ES_LOCK_WAIT"
 PAGE_SIZE = 10_000
 
 log = logging.getLogger("catalog_es")
+
+# What an older release's insert into a log brought over is refused by.
+WRITERS_UPGRADED = "catalog_events_written_by_catalog_es_0_2_or_later"
 
 metadata = sa.MetaData()
 BIGINT = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
@@ -83,8 +86,9 @@ events_table = sa.Table(
     # batch of a thousand changes dirtied a page per change, more as the log
     # grew (31 ms of SQLite's time per batch at a million events, 7 without).
     # Required, so that a release from before it cannot append unseen by
-    # catalog_streams: its insert is refused.
-    sa.Column("stream_previous", BIGINT, nullable=False),
+    # catalog_streams: its insert is refused, by a name that says why.
+    sa.Column("stream_previous", BIGINT),
+    sa.CheckConstraint("stream_previous IS NOT NULL", name=WRITERS_UPGRADED),
 )
 
 # Each stream's last version and the revision of its event, written with the
@@ -235,6 +239,14 @@ def _into_wal(cursor: sqlite3.Cursor, wait: float) -> None:
     if retried:
         cursor.execute(f"PRAGMA busy_timeout = {int(wait * 1000)}")
 
+
+# A stream's row in catalog_streams names its last event: the write it
+# guards checks so, one seek each (the row edited by hand names another).
+_STREAM_ENDS_THERE = (
+    "EXISTS (SELECT 1 FROM catalog_events e WHERE e.revision = catalog_streams.revision"
+    " AND e.originator_id = catalog_streams.originator_id"
+    " AND e.originator_version = catalog_streams.version)"
+)
 
 _EVENT_COLUMNS = "revision, originator_id, originator_version, topic, state, hash, stream_previous"
 
@@ -596,6 +608,16 @@ class SQLRecorder(ProcessRecorder):
             "bringing the log's tables to this version's layout, once (one transaction over"
             " every event: about 20 s a million); 0.1.0 nodes can no longer write to it"
         )
+        try:
+            self._bring_over(conn, columns)
+        except sa.exc.DBAPIError as error:
+            reason = str(error.orig).strip().splitlines()[0] if error.orig else str(error)
+            raise UpgradeFailed(
+                "the log's tables could not be brought to this version's layout, nothing was"
+                f" changed: {reason}"
+            ) from None
+
+    def _bring_over(self, conn: Connection, columns: list[str]) -> None:
         previous = "coalesce(lag(revision) OVER (PARTITION BY originator_id ORDER BY revision), 0)"
         if self.dialect == "sqlite":
             made = conn.exec_driver_sql(
@@ -632,14 +654,19 @@ class SQLRecorder(ProcessRecorder):
             for _, _, sql in kept_sql:
                 conn.exec_driver_sql(sql)
         else:
-            conn.exec_driver_sql("ALTER TABLE catalog_events ADD COLUMN stream_previous BIGINT")
+            # An operator's append-only trigger would refuse the one update
+            # the layout needs: off for it, in this transaction only.
+            conn.exec_driver_sql(
+                "ALTER TABLE catalog_events ADD COLUMN stream_previous BIGINT, DISABLE TRIGGER USER"
+            )
             conn.exec_driver_sql(
                 "UPDATE catalog_events e SET stream_previous = linked.previous FROM"
                 f" (SELECT revision, {previous} AS previous FROM catalog_events) AS linked"
                 " WHERE e.revision = linked.revision"
             )
             conn.exec_driver_sql(
-                "ALTER TABLE catalog_events ALTER COLUMN stream_previous SET NOT NULL,"
+                "ALTER TABLE catalog_events ENABLE TRIGGER USER,"
+                f" ADD CONSTRAINT {WRITERS_UPGRADED} CHECK (stream_previous IS NOT NULL),"
                 " DROP CONSTRAINT IF EXISTS catalog_events_stream"
             )
         self._fill_streams(conn)
@@ -1074,7 +1101,7 @@ class SQLRecorder(ProcessRecorder):
                 if followed:
                     cursor.executemany(
                         "UPDATE catalog_streams SET version = ?, revision = ?"
-                        " WHERE originator_id = ? AND version = ?",
+                        f" WHERE originator_id = ? AND version = ? AND {_STREAM_ENDS_THERE}",
                         followed,
                     )
                     moved += cursor.rowcount
@@ -1094,11 +1121,10 @@ class SQLRecorder(ProcessRecorder):
             else:
                 moved = self._append_postgresql(cursor, rows, streams, chained)
             if moved != len(streams):
-                raise sa.exc.IntegrityError(
-                    "a model's last version in catalog_streams is not the one this write"
-                    " followed: changed by hand since this node read it",
-                    None,
-                    ValueError(moved),
+                raise DamagedLog(
+                    "a model's last version in catalog_streams is not its last event's, or"
+                    " not the one this node read: edited by hand; nothing was written"
+                    " (catalog-es verify)"
                 )
         except self._dbapi_error as error:
             raise self._as_sqlalchemys(error) from None
@@ -1116,11 +1142,20 @@ class SQLRecorder(ProcessRecorder):
         if self.dialect == "sqlite":
             return list(range(last + 1, last + 1 + count))
         # Taken as a block: nothing else takes one while the table is locked.
-        cursor.execute(
-            "SELECT setval(seq, nextval(seq) + %s - 1) FROM"
-            " pg_get_serial_sequence('catalog_events', 'revision') AS seq",
-            (count,),
-        )
+        try:
+            cursor.execute(
+                "SELECT setval(seq, nextval(seq) + %s - 1) FROM"
+                " pg_get_serial_sequence('catalog_events', 'revision') AS seq",
+                (count,),
+            )
+        except self._dbapi_error as error:
+            # Numeric value out of range; sequence generator limit exceeded.
+            if getattr(error, "sqlstate", None) not in ("22003", "2200H"):
+                raise
+            raise DamagedLog(
+                f"the log's next revision would pass {MAX_REVISION:,}, the largest the"
+                " database stores; nothing was written (catalog-es verify)"
+            ) from None
         (taken,) = cursor.fetchone()
         if taken is None:
             raise DamagedLog(
@@ -1174,9 +1209,11 @@ class SQLRecorder(ProcessRecorder):
                 f"WITH added AS ({insert}), wanted AS (SELECT * FROM unnest(%b::uuid[],"
                 " %b::bigint[], %b::bigint[], %b::bigint[])"
                 " AS w (originator_id, followed, version, revision)),"
-                " updated AS (UPDATE catalog_streams s SET version = w.version,"
-                " revision = w.revision FROM wanted w WHERE s.originator_id = w.originator_id"
-                " AND s.version = w.followed AND w.followed > 0 RETURNING 1),"
+                " updated AS (UPDATE catalog_streams SET version = w.version,"
+                " revision = w.revision FROM wanted w"
+                " WHERE catalog_streams.originator_id = w.originator_id"
+                " AND catalog_streams.version = w.followed AND w.followed > 0"
+                f" AND {_STREAM_ENDS_THERE} RETURNING 1),"
                 " created AS (INSERT INTO catalog_streams (originator_id, version, revision)"
                 " SELECT originator_id, version, revision FROM wanted WHERE followed = 0"
                 " ON CONFLICT DO NOTHING RETURNING 1)"

@@ -554,22 +554,39 @@ def test_versions_another_writer_moved_are_read_again(db_url: str) -> None:
         theirs.close()
 
 
-def test_a_version_put_in_by_hand_fails_one_write_then_is_read(db_url: str) -> None:
-    """A stream's last version raised by hand behind the log's last revision
-    is not the one a running service would follow: that write fails, nothing
-    written, and the next one reads the versions again rather than failing
-    the same way for as long as the service runs."""
-    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
-    models.add(model_spec("a"), by="setup")
-    with models.store.engine.begin() as conn:
-        conn.exec_driver_sql("UPDATE catalog_streams SET version = 2")
+# Hand edits of a model's row in catalog_streams, which every write follows.
+STREAM_EDITS = {
+    "version raised": "UPDATE catalog_streams SET version = version + 20",
+    "version lowered": "UPDATE catalog_streams SET version = version - 1",
+    "version made negative": "UPDATE catalog_streams SET version = -1",
+    "revision past the log": "UPDATE catalog_streams SET revision = 999999",
+    "revision of another model's event": "UPDATE catalog_streams SET revision = 1",
+}
+
+
+@pytest.mark.parametrize("edit", STREAM_EDITS, ids=list(STREAM_EDITS))
+def test_a_stream_row_edited_by_hand_refuses_writes_to_that_model(db_url: str, edit: str) -> None:
+    """The service running when the edit was made and a new one alike: every
+    write to that model is refused in one line, nothing written, rather than
+    repeat, skip or misplace a version (the old index on (stream, version)
+    refused a repeat only); other models are written; verify names it."""
+    running = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
+    running.apply_changes([commands.add(model_spec(n)) for n in "ba"], by="setup")
+    running.scale("a", 0, 2, by="ops")
+    # As stored: 32 hex digits on SQLite, a uuid on PostgreSQL.
+    stored = model_id("a").hex if db_url.startswith("sqlite") else str(model_id("a"))
+    with running.store.engine.begin() as conn:
+        conn.exec_driver_sql(f"{STREAM_EDITS[edit]} WHERE originator_id = '{stored}'")
+    fresh = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
     before = count_events(db_url)
-    with pytest.raises(sa.exc.IntegrityError, match="not the one this write followed"):
-        models.scale("a", 0, 2, by="ops")
+    for models in (running, running, fresh):
+        with pytest.raises(DamagedLog, match="edited by hand; nothing was written"):
+            models.scale("a", 1, 3, by="ops")
     assert count_events(db_url) == before
-    models.scale("a", 0, 2, by="ops")
-    assert _versions(models, "a") == [1, 3]
-    models.close()
+    fresh.scale("b", 0, 4, by="ops")
+    assert "catalog_streams records stream" in fresh.verify()["broken"]["problem"]
+    running.close()
+    fresh.close()
 
 
 def test_a_stream_row_deleted_by_hand_under_a_running_service_is_damage(db_url: str) -> None:
@@ -582,7 +599,7 @@ def test_a_stream_row_deleted_by_hand_under_a_running_service_is_damage(db_url: 
     with models.store.engine.begin() as conn:
         conn.exec_driver_sql("DELETE FROM catalog_streams")
     before = count_events(db_url)
-    with pytest.raises(sa.exc.IntegrityError, match="not the one this write followed"):
+    with pytest.raises(DamagedLog, match="not the one this node read"):
         models.scale("a", 0, 2, by="ops")
     for _ in range(2):
         with pytest.raises(DamagedLog, match="catalog_streams records it at version 0"):
@@ -632,6 +649,20 @@ def test_a_postgresql_revision_column_without_its_sequence_is_one_line(pg_url: s
     before = count_events(pg_url)
     with pytest.raises(DamagedLog, match="has no sequence of its own"):
         models.scale("a", 0, 2, by="ops")
+    assert count_events(pg_url) == before
+    models.close()
+
+
+def test_a_postgresql_sequence_near_its_end_is_one_line(pg_url: str) -> None:
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": pg_url})
+    models.add(model_spec("a"), by="setup")
+    with models.store.engine.begin() as conn:
+        conn.exec_driver_sql(
+            "ALTER SEQUENCE catalog_events_revision_seq RESTART WITH 9223372036854775800"
+        )
+    before = count_events(pg_url)
+    with pytest.raises(DamagedLog, match="next revision would pass 9,223,372,036,854,775,807"):
+        models.apply_changes([commands.scale("a", 0, n % 3 + 1) for n in range(1000)], by="x")
     assert count_events(pg_url) == before
     models.close()
 

@@ -210,6 +210,52 @@ def test_a_sqlite_log_brought_over_keeps_the_views_triggers_and_indexes_made_on_
     assert links(url)[2] == ["ops_topic"]
 
 
+def test_a_postgresql_log_brought_over_keeps_an_append_only_trigger_working(
+    pg_url: str,
+) -> None:
+    """The one update the layout needs is let past an operator's trigger
+    refusing updates, which refuses them again after."""
+    load_fixture(pg_url, LOGS[-1])
+    unlink(pg_url)
+    engine = create_engine(pg_url)
+    with engine.begin() as conn:
+        conn.exec_driver_sql(
+            "CREATE FUNCTION append_only() RETURNS trigger LANGUAGE plpgsql AS"
+            " $$ BEGIN RAISE EXCEPTION 'catalog_events is append-only'; END $$;"
+            " CREATE TRIGGER append_only BEFORE UPDATE ON catalog_events"
+            " FOR EACH ROW EXECUTE FUNCTION append_only()"
+        )
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": pg_url})
+    models.close()
+    assert links(pg_url)[2] == []
+    with pytest.raises(sa.exc.DBAPIError, match="append-only"), engine.begin() as conn:
+        conn.exec_driver_sql("UPDATE catalog_events SET topic = 'x'")
+    engine.dispose()
+
+
+def test_a_log_that_cannot_be_brought_over_is_one_line_and_left_as_it_was(
+    tmp_path: Path,
+) -> None:
+    url = f"sqlite:///{tmp_path}/stuck.db"
+    load_fixture(url, LOGS[-1])
+    unlink(url)
+    engine = create_engine(url)
+    with engine.begin() as conn:
+        conn.exec_driver_sql("CREATE TABLE catalog_events_relinked (left_by TEXT)")
+    engine.dispose()
+    result = CliRunner().invoke(cli, ["--db", url, "model", "list"])
+    assert result.exit_code == 1
+    assert result.stderr.splitlines()[-1].startswith(
+        "error: the log's tables could not be brought to this version's layout, nothing was"
+        " changed: table catalog_events_relinked already exists"
+    )
+    engine = create_engine(url)
+    assert "stream_previous" not in [
+        c["name"] for c in sa.inspect(engine).get_columns("catalog_events")
+    ]
+    engine.dispose()
+
+
 def test_the_newest_fixture_holds_every_kind_of_stored_event() -> None:
     """A new kind of event needs a new fixture (``scripts/write_upgrade_fixture.py``),
     so the release after it is held to reading it."""
