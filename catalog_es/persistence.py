@@ -68,11 +68,12 @@ BIGINT = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
 events_table = sa.Table(
     "catalog_events",
     metadata,
-    # On SQLite the appender numbers the revisions itself, after both the head
-    # and the last stored row, so none is reused even after the last row is
-    # deleted (which verify must be able to notice). AUTOINCREMENT promised
+    # The appender numbers the revisions itself, after both the head and the
+    # last stored row, so none is reused even after the last row is deleted
+    # (which verify must be able to notice). On SQLite AUTOINCREMENT promised
     # the same at the cost of a sqlite_sequence page in every command; logs
     # made with it keep it, and its sequence is read too (_last_taken).
+    # PostgreSQL's column keeps its sequence, which older releases used.
     sa.Column("revision", BIGINT, primary_key=True, autoincrement=True),
     sa.Column("originator_id", sa.Uuid(), nullable=False),
     sa.Column("originator_version", BIGINT, nullable=False),
@@ -1034,8 +1035,9 @@ class SQLRecorder(ProcessRecorder):
         and one write of the head per transaction, not per event. Straight
         through the driver: this is every command's write."""
         head, last, _ = standing or self.standing(conn)
-        if any(e.originator_version > MAX_REVISION for e in stored_events) or (
-            self.dialect == "sqlite" and last + len(stored_events) > MAX_REVISION
+        if (
+            any(e.originator_version > MAX_REVISION for e in stored_events)
+            or last + len(stored_events) > MAX_REVISION
         ):
             # Only a head or a version raised by hand brings the limit within reach.
             raise DamagedLog(
@@ -1046,7 +1048,12 @@ class SQLRecorder(ProcessRecorder):
         # the held writer then lets go of a connection the error may have broken.
         cursor = conn.connection.cursor()
         try:
-            revisions = self._next_revisions(cursor, last, len(stored_events))
+            # Numbered here, after the last taken, on either database: under the
+            # write lock nothing else appends; an event must know the revision of
+            # the one before it in its stream, which may be in the same write; and
+            # SQLite writes no sqlite_sequence page for them. (PostgreSQL's
+            # column sequence numbered them before: a round trip more a write.)
+            revisions = list(range(last + 1, last + 1 + len(stored_events)))
             chained = head.hash if head is not None else GENESIS
             rows = []
             # Each stream this write appends to, by its stored id: the version
@@ -1132,39 +1139,6 @@ class SQLRecorder(ProcessRecorder):
             cursor.close()
         return revisions
 
-    def _next_revisions(self, cursor: Any, last: int, count: int) -> list[int]:
-        """The revisions the next ``count`` events take. SQLite's are numbered
-        here, after the last taken: under the write lock nothing else appends,
-        and no sqlite_sequence page is written for them. PostgreSQL's come
-        from the column's sequence, as ever, but before the insert, in one
-        round trip: an event must know the revision of the one before it in
-        its stream, which may be in the same write."""
-        if self.dialect == "sqlite":
-            return list(range(last + 1, last + 1 + count))
-        # Taken as a block: nothing else takes one while the table is locked.
-        try:
-            cursor.execute(
-                "SELECT setval(seq, nextval(seq) + %s - 1) FROM"
-                " pg_get_serial_sequence('catalog_events', 'revision') AS seq",
-                (count,),
-            )
-        except self._dbapi_error as error:
-            # Numeric value out of range; sequence generator limit exceeded.
-            if getattr(error, "sqlstate", None) not in ("22003", "2200H"):
-                raise
-            raise DamagedLog(
-                f"the log's next revision would pass {MAX_REVISION:,}, the largest the"
-                " database stores; nothing was written (catalog-es verify)"
-            ) from None
-        (taken,) = cursor.fetchone()
-        if taken is None:
-            raise DamagedLog(
-                "the log's revision column has no sequence of its own (catalog_events.revision"
-                " is not a serial column, or its sequence was detached by hand); nothing was"
-                " written"
-            )
-        return list(range(taken - count + 1, taken + 1))
-
     def _append_postgresql(
         self, cursor: Any, rows: list[tuple[Any, ...]], streams: dict[Any, list[Any]], chained: str
     ) -> int:
@@ -1202,8 +1176,8 @@ class SQLRecorder(ProcessRecorder):
             ]
             # An upsert: the lock is the events table's, and a head deleted
             # meanwhile by hand is put back rather than left missing. Never
-            # backwards: a head past what the sequence hands out was raised by
-            # hand, and moving it back would hide that.
+            # backwards: a head raised by hand since this write read it would
+            # be moved back, and the edit hidden.
             params += [rows[-1][0], chained]
             cursor.execute(
                 f"WITH added AS ({insert}), wanted AS (SELECT * FROM unnest(%b::uuid[],"
@@ -1227,8 +1201,8 @@ class SQLRecorder(ProcessRecorder):
             row = cursor.fetchone()
             if row is None:  # the head did not move
                 raise DamagedLog(
-                    "the log's head record (catalog_head) is past the revision this"
-                    " write was given: it was raised by hand; nothing was written"
+                    "the log's head record (catalog_head) was raised by hand past this"
+                    " write's revisions while it ran; nothing was written"
                     " (catalog-es verify)"
                 )
             return int(row[0])

@@ -638,35 +638,6 @@ def test_versions_of_one_model_that_do_not_follow_on_in_one_write_are_refused(
     models.close()
 
 
-def test_a_postgresql_revision_column_without_its_sequence_is_one_line(pg_url: str) -> None:
-    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": pg_url})
-    models.add(model_spec("a"), by="setup")
-    with models.store.engine.begin() as conn:
-        conn.exec_driver_sql(
-            "ALTER SEQUENCE catalog_events_revision_seq OWNED BY NONE;"
-            " ALTER TABLE catalog_events ALTER COLUMN revision DROP DEFAULT"
-        )
-    before = count_events(pg_url)
-    with pytest.raises(DamagedLog, match="has no sequence of its own"):
-        models.scale("a", 0, 2, by="ops")
-    assert count_events(pg_url) == before
-    models.close()
-
-
-def test_a_postgresql_sequence_near_its_end_is_one_line(pg_url: str) -> None:
-    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": pg_url})
-    models.add(model_spec("a"), by="setup")
-    with models.store.engine.begin() as conn:
-        conn.exec_driver_sql(
-            "ALTER SEQUENCE catalog_events_revision_seq RESTART WITH 9223372036854775800"
-        )
-    before = count_events(pg_url)
-    with pytest.raises(DamagedLog, match="next revision would pass 9,223,372,036,854,775,807"):
-        models.apply_changes([commands.scale("a", 0, n % 3 + 1) for n in range(1000)], by="x")
-    assert count_events(pg_url) == before
-    models.close()
-
-
 def test_catalog_streams_dropped_is_made_again_from_the_rows(db_url: str) -> None:
     models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
     models.apply_changes([commands.add(model_spec(n)) for n in "ab"], by="setup")
