@@ -142,6 +142,25 @@ tracking_table = sa.Table(
 _UNLINKED_COLUMNS = {"revision", "originator_id", "originator_version", "topic", "state", "hash"}
 
 
+# The events' columns on PostgreSQL, as _append lays each row out.
+_EVENT_TYPES = ("bigint", "uuid", "bigint", "text", "bytea", "text", "bigint")
+
+
+def _postgresql_rows(
+    types: Sequence[str], rows: Sequence[Sequence[Any]], named: str
+) -> tuple[str, list[Any]]:
+    """``rows`` as a FROM item called ``named``, and its parameters, in
+    binary: a few as VALUES of plain values (an array a column cost a
+    command 0.1 ms, in the driver and the server), many as one array a
+    column through unnest (VALUES of a thousand rows took longer to plan
+    than to run, and as text a thousand states were escaped into a literal)."""
+    if len(rows) <= 8:
+        row = "(" + ", ".join(f"%b::{t}" for t in types) + ")"
+        return f"(VALUES {', '.join([row] * len(rows))}) AS {named}", [v for r in rows for v in r]
+    arrays = ", ".join(f"%b::{t}[]" for t in types)
+    return f"unnest({arrays}) AS {named}", [list(c) for c in zip(*rows, strict=True)]
+
+
 def stream_walk(originator_id: UUID, after: int = 0) -> sa.CTE:
     """A stream's events after revision ``after``, newest first, as a CTE of
     ``revision`` and ``topic``: from its last (catalog_streams), along each
@@ -1148,51 +1167,46 @@ class SQLRecorder(ProcessRecorder):
     def _append_postgresql(
         self, cursor: Any, rows: list[tuple[Any, ...]], streams: dict[Any, list[Any]], chained: str
     ) -> int:
-        """The events as one array a column, in chunks of a thousand: one
-        round trip each, a plan that does not grow with them (multi-row
-        VALUES took longer to plan than to run), and never one statement so
-        large it stalls the driver. The last moves the streams and the head
-        in the same round trip, and tells followers: delivered at commit, so
-        a follower never wakes before it can read. Answers how many streams
-        moved."""
+        """The events in chunks of a thousand (``_postgresql_rows``): one
+        round trip each, and never one statement so large it stalls the
+        driver. The last moves the streams and the head in the same round
+        trip, and tells followers: delivered at commit, so a follower never
+        wakes before it can read. Answers how many streams moved."""
         # The stream's event before, when not this write's, is the stream's last.
-        # The arrays go in binary: as text, a thousand states were escaped
-        # into an array literal, six times the time of the rest of the write.
         insert = (
             f"INSERT INTO catalog_events ({_EVENT_COLUMNS}) SELECT e.revision,"
             " e.originator_id, e.originator_version, e.topic, e.state, e.hash,"
             " coalesce(e.previous, (SELECT s.revision FROM catalog_streams s"
-            " WHERE s.originator_id = e.originator_id), 0) FROM unnest(%b::bigint[], %b::uuid[],"
-            " %b::bigint[], %b::text[], %b::bytea[], %b::text[], %b::bigint[])"
-            " AS e (revision, originator_id, originator_version, topic, state, hash, previous)"
+            " WHERE s.originator_id = e.originator_id), 0) FROM {events}"
         )
         if len(rows) > 1:
             # Planned for the rows it has: the plan a command's write keeps
             # (one row) was a tenth slower for a thousand.
             cursor.execute("SET LOCAL plan_cache_mode = auto")
         for start in range(0, len(rows), 1000):
-            chunk = rows[start : start + 1000]
-            params: list[Any] = [list(column) for column in zip(*chunk, strict=True)]
+            events, params = _postgresql_rows(
+                _EVENT_TYPES,
+                rows[start : start + 1000],
+                "e (revision, originator_id, originator_version, topic, state, hash, previous)",
+            )
             if start + 1000 < len(rows):
-                cursor.execute(insert, params)
+                cursor.execute(insert.format(events=events), params)
                 continue
             # Each stream moves only where it is still at the version the write
             # followed; a new one only where it is still missing.
-            params += [
-                list(column)
-                for column in zip(
-                    *((stored_id, *stream) for stored_id, stream in streams.items()), strict=True
-                )
-            ]
+            wanted, more = _postgresql_rows(
+                ("uuid", "bigint", "bigint", "bigint"),
+                [(stored_id, *stream) for stored_id, stream in streams.items()],
+                "w (originator_id, followed, version, revision)",
+            )
             # An upsert: the lock is the events table's, and a head deleted
             # meanwhile by hand is put back rather than left missing. Never
             # backwards: a head raised by hand since this write read it would
             # be moved back, and the edit hidden.
-            params += [rows[-1][0], chained]
+            params += [*more, rows[-1][0], chained]
             cursor.execute(
-                f"WITH added AS ({insert}), wanted AS (SELECT * FROM unnest(%b::uuid[],"
-                " %b::bigint[], %b::bigint[], %b::bigint[])"
-                " AS w (originator_id, followed, version, revision)),"
+                f"WITH added AS ({insert.format(events=events)}),"
+                f" wanted AS (SELECT * FROM {wanted}),"
                 " updated AS (UPDATE catalog_streams SET version = w.version,"
                 " revision = w.revision FROM wanted w"
                 " WHERE catalog_streams.originator_id = w.originator_id"
