@@ -417,10 +417,13 @@ def test_fuzzed_scale_arguments_scale_validly_or_are_refused_in_one_line(
     name, minimum, maximum, extras = arguments
     harness.ensure_models()
     before = harness.current().get(name)
-    args = ["--json", "model", "scale", name]
+    args = ["--json", "model", "scale"]
     args += ["--min", minimum] if minimum is not None else []
     args += ["--max", maximum] if maximum is not None else []
-    outcome = harness.run(args + [token for extra in extras for token in extra])
+    # The name after "--": a name such as "--help" is then a name, not the
+    # option (which answers its help, exit 0, as it should).
+    args += [token for extra in extras for token in extra] + ["--", name]
+    outcome = harness.run(args)
     if outcome.code == 0:
         answered = json.loads(outcome.stdout)["model"]
         replayed = harness.current().get(name)
