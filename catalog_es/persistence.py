@@ -72,8 +72,9 @@ events_table = sa.Table(
     # last stored row, so none is reused even after the last row is deleted
     # (which verify must be able to notice). On SQLite AUTOINCREMENT promised
     # the same at the cost of a sqlite_sequence page in every command; logs
-    # made with it keep it, and its sequence is read too (_last_taken).
-    # PostgreSQL's column keeps its sequence, which older releases used.
+    # made with it keep it, and its sequence is read too (_last_taken); on
+    # PostgreSQL the column's sequence, which older releases numbered from, is
+    # read and moved on with every write.
     sa.Column("revision", BIGINT, primary_key=True, autoincrement=True),
     sa.Column("originator_id", sa.Uuid(), nullable=False),
     sa.Column("originator_version", BIGINT, nullable=False),
@@ -141,6 +142,11 @@ tracking_table = sa.Table(
 # The columns of the log's table before its events named their stream's last.
 _UNLINKED_COLUMNS = {"revision", "originator_id", "originator_version", "topic", "state", "hash"}
 
+
+# The revision column's sequence on PostgreSQL (NULL if it has none, and the
+# functions given it answer NULL): older releases numbered from it, and it is
+# kept past every revision written, so none is handed out twice.
+_REVISION_SEQUENCE = "pg_get_serial_sequence('catalog_events', 'revision')::regclass"
 
 # The events' columns on PostgreSQL, as _append lays each row out.
 _EVENT_TYPES = ("bigint", "uuid", "bigint", "text", "bytea", "text", "bigint")
@@ -1033,11 +1039,18 @@ class SQLRecorder(ProcessRecorder):
 
     def _last_taken(self, cursor: Any) -> str:
         """SQL for the last revision the rows have taken: the last row's, and
-        on a SQLite log whose table was made with AUTOINCREMENT the one its
-        sequence kept, so such a log never hands out a deleted revision
-        again, even once its head is gone too. Looked up once the table is
-        there: how it was made does not change under a running log."""
-        if self._sequence_kept is None and self.dialect == "sqlite":
+        the one a sequence kept, so a log never hands out a deleted revision
+        again, even once its head is gone too: on PostgreSQL the column's
+        (each write moves it on: ``_append_postgresql``), on a SQLite log whose
+        table was made with AUTOINCREMENT its ``sqlite_sequence``. Looked up
+        once the table is there: how it was made does not change under a
+        running log."""
+        if self.dialect == "postgresql":
+            return (
+                "greatest((SELECT max(revision) FROM catalog_events),"
+                f" pg_sequence_last_value({_REVISION_SEQUENCE}))"
+            )
+        if self._sequence_kept is None:
             cursor.execute(
                 "SELECT sql LIKE '%AUTOINCREMENT%' FROM sqlite_master"
                 " WHERE type = 'table' AND name = 'catalog_events'"
@@ -1203,7 +1216,7 @@ class SQLRecorder(ProcessRecorder):
             # meanwhile by hand is put back rather than left missing. Never
             # backwards: a head raised by hand since this write read it would
             # be moved back, and the edit hidden.
-            params += [*more, rows[-1][0], chained]
+            params += [*more, rows[-1][0], chained, rows[-1][0]]
             cursor.execute(
                 f"WITH added AS ({insert.format(events=events)}),"
                 f" wanted AS (SELECT * FROM {wanted}),"
@@ -1219,7 +1232,7 @@ class SQLRecorder(ProcessRecorder):
                 " ON CONFLICT (id) DO UPDATE SET revision = excluded.revision,"
                 " hash = excluded.hash WHERE catalog_head.revision < excluded.revision"
                 " RETURNING (SELECT count(*) FROM updated) + (SELECT count(*) FROM created),"
-                f" pg_notify('{CHANNEL}', '')",
+                f" pg_notify('{CHANNEL}', ''), setval({_REVISION_SEQUENCE}, %s)",
                 params,
             )
             row = cursor.fetchone()
