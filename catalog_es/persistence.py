@@ -83,7 +83,7 @@ events_table = sa.Table(
     # sha256 hex of the previous event's hash and this event (catalog_es.chain).
     sa.Column("hash", sa.String(64), nullable=False),
     # The revision of the stream's event before this one, 0 for its first: a
-    # stream is read back along these (stream_revisions). An index on the
+    # stream is read back along these (stream_walk). An index on the
     # stream instead took an entry per event at a random place in it, so a
     # batch of a thousand changes dirtied a page per change, more as the log
     # grew (31 ms of SQLite's time per batch at a million events, 7 without).
@@ -274,6 +274,7 @@ _STREAM_ENDS_THERE = (
     " AND e.originator_version = catalog_streams.version)"
 )
 
+# The log's columns, in the order _append's rows and ChainRow's fields have them.
 _EVENT_COLUMNS = "revision, originator_id, originator_version, topic, state, hash, stream_previous"
 
 _ODD_DIGITS = "('1', '3', '5', '7', '9', 'b', 'd', 'f', 'B', 'D', 'F')"
@@ -1250,8 +1251,7 @@ class SQLRecorder(ProcessRecorder):
         first: a row put before revision 1 by hand too, which nothing else
         reads."""
         # The id as stored, not parsed: a hand-edited one is a broken link, not a crash.
-        columns = "revision, originator_id, originator_version, topic, state, hash, stream_previous"
-        for page in self._pages(conn, columns, -MAX_REVISION - 1, None):
+        for page in self._pages(conn, _EVENT_COLUMNS, -MAX_REVISION - 1, None):
             for row in page:
                 yield ChainRow(*row)
 
