@@ -29,8 +29,9 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import sqlalchemy as sa
 from eventsourcing.domain import Aggregate
@@ -70,7 +71,10 @@ class Figure:
         return f"{self.value / self.baseline_value:.2f}×"
 
 
-def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+T = TypeVar("T")
+
+
+def timed(fn: Callable[[], T]) -> tuple[float, T]:
     start = time.perf_counter()
     result = fn()
     return time.perf_counter() - start, result
@@ -101,7 +105,7 @@ def synthetic_events(models: int, events: int, seed: int = 1) -> Iterator[Model.
     for i in range(events):
         name = names[i] if i < models else rng.choice(names)
         versions[name] += 1
-        envelope = {
+        envelope: dict[str, Any] = {
             "originator_id": ids[name],
             "originator_version": versions[name],
             "timestamp": T0 + timedelta(microseconds=i),
@@ -191,7 +195,7 @@ def replay_figures(url: str, path: Path | None, events: int) -> list[Figure]:
             sql = "SELECT revision, topic, state FROM catalog_events ORDER BY revision"
             scan_s, _ = timed(lambda: sum(1 for _ in raw.execute(sql)))
             decode_s, _ = timed(
-                lambda: sum(1 for _, t, s in raw.execute(sql) if decode_event(t, s))
+                lambda: sum(1 for _, t, s in raw.execute(sql) if decode_event(t, s) is not None)
             )
         floor = events / decode_s
         figures.append(
@@ -278,7 +282,7 @@ def load_figures(tmp: Path, sizes: tuple[int, int], small: tuple[int, int]) -> l
         url = f"sqlite:///{tmp}/load-{n}.db"
         write_log(url, synthetic_events(n, n, seed=n))
         seconds, models = timed(
-            lambda url=url: Models(config, snapshot_interval=10**9, env={"CATALOG_ES_DB": url})
+            partial(Models, config, snapshot_interval=10**9, env={"CATALOG_ES_DB": url})
         )
         assert len(models.catalog) == n + 100
         models.close()
@@ -286,7 +290,7 @@ def load_figures(tmp: Path, sizes: tuple[int, int], small: tuple[int, int]) -> l
     quad = {}
     for n in small:
         stored = [spec_of(f"model-{i:06d}") for i in range(n)]
-        quad[n], _ = timed(lambda stored=stored: quadratic_load(declared, stored))
+        quad[n], _ = timed(partial(quadratic_load, declared, stored))
     a, b = sizes
     return [
         Figure(
@@ -471,7 +475,7 @@ def point_in_time_figures(url: str, events: int, interval: int, samples: int) ->
     revisions = [rng.randint(1, events) for _ in range(samples)]
 
     def p99(read: Callable[[int], object]) -> float:
-        latencies = sorted(timed(lambda r=r: read(r))[0] for r in revisions)
+        latencies = sorted(timed(partial(read, r))[0] for r in revisions)
         return latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))]
 
     one = p99(lambda r: models.get_model("model-000001", at=r))
@@ -482,12 +486,11 @@ def point_in_time_figures(url: str, events: int, interval: int, samples: int) ->
         with models.store.read() as conn:
             catch_up(catalog, models.store, conn, upto=revision)
 
-    baseline = statistics.median(timed(lambda r=r: full_replay(r))[0] for r in revisions[:3])
+    baseline = statistics.median(timed(partial(full_replay, r))[0] for r in revisions[:3])
     size = len(models.catalog)
     models.close()
-    workload = (
-        f"any revision of {events:,}, snapshots every {interval:,} ({int(stored) / 2**20:,.0f} MB)"
-    )
+    megabytes = int(stored or 0) / 2**20
+    workload = f"any revision of {events:,}, snapshots every {interval:,} ({megabytes:,.0f} MB)"
     return [
         Figure(
             "point-in-time read of a model, p99",
