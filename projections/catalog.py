@@ -108,6 +108,10 @@ def _replay(
                 last, last_revision = event, revision
                 apply(event, revision)
             if progress is not None:
+                if last is not None:
+                    # What the caller keeps at this revision (the snapshots a
+                    # rebuild writes) has the log's newest time too.
+                    catalog.saw(last.timestamp)
                 progress(revision)
     skipped = catalog.skipped[base:]
     return skipped, (last_revision, last.timestamp) if last is not None else None

@@ -99,6 +99,11 @@ def restore(conn: Connection, catalog: Catalog, fingerprint: str, upto: int | No
     """Bring a fresh ``catalog`` to the newest usable snapshot at or before
     ``upto``; False when there is none."""
     for state in _newest(conn, fingerprint, upto, _decoder.decode):
+        if state.last_timestamp is None and state.revision > 0:
+            # Written by a rebuild before it kept the log's newest time: a start
+            # on it would stamp its next command before that time.
+            log.info("snapshot at %d passed over: it holds no time", state.revision)
+            continue
         catalog.restore(
             revision=state.revision,
             last_timestamp=state.last_timestamp,

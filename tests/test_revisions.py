@@ -505,6 +505,62 @@ def test_a_restart_resumes_from_the_newest_snapshot(
     assert again.catalog.revision == models.revision
 
 
+def _rebuilt_after_a_fast_clock(
+    open_models: Callable[..., Models], monkeypatch: pytest.MonkeyPatch
+) -> Models:
+    """A log whose last event a node with a clock 30 minutes fast wrote, then
+    rebuilt (``catalog-es replay``), which left a snapshot at its head."""
+    import catalog_es.application
+
+    models = open_models(interval=3)
+    models.add(spec("a"), by="x")
+    real_now = catalog_es.application.utc_now
+    ahead = lambda: real_now() + timedelta(minutes=30)  # noqa: E731
+    monkeypatch.setattr(catalog_es.application, "utc_now", ahead)
+    models.scale("a", 0, 2, by="fast-node")
+    monkeypatch.setattr(catalog_es.application, "utc_now", real_now)
+    models.rebuild()
+    assert models.revision == 3  # the config's record, the add, the scale: a snapshot's
+    return models
+
+
+def _starts_after_the_newest_time(open_models: Callable[..., Models], models: Models) -> None:
+    again = open_models(interval=3)
+    assert again.catalog.last_timestamp == models.catalog.last_timestamp
+    again.scale("a", 0, 3, by="slow-node")
+    times = [event["time"] for event in again.log_events()]
+    assert times == sorted(times) and len(set(times)) == 3
+
+
+def test_a_start_on_a_snapshot_the_rebuild_wrote_follows_the_logs_newest_time(
+    open_models: Callable[..., Models], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``catalog-es replay`` writes snapshots as it goes. A start on one with
+    nothing after it must still know the log's newest time: a node whose
+    clock is a little behind the one that wrote last stamps its next command
+    after that time, so time in the log never runs backwards."""
+    models = _rebuilt_after_a_fast_clock(open_models, monkeypatch)
+    _starts_after_the_newest_time(open_models, models)
+
+
+def test_a_start_passes_over_a_snapshot_holding_no_time(
+    open_models: Callable[..., Models], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As a rebuild wrote them before it kept the time."""
+    models = _rebuilt_after_a_fast_clock(open_models, monkeypatch)
+    with models.store.write() as conn:
+        t = snapshots_table.c
+        for revision, blob in conn.execute(sa.select(t.revision, t.state)).all():
+            state = msgspec.msgpack.decode(zlib.decompress(blob))
+            state["last_timestamp"] = None
+            conn.execute(
+                sa.update(snapshots_table)
+                .where(t.revision == revision)
+                .values(state=zlib.compress(msgspec.msgpack.encode(state)))
+            )
+    _starts_after_the_newest_time(open_models, models)
+
+
 def test_a_snapshot_over_another_config_is_not_used(
     open_models: Callable[..., Models], tmp_path: Path
 ) -> None:
