@@ -254,6 +254,7 @@ def _split_replay(
             code = 0
         finally:
             os._exit(code)
+    handle = _pidfd(child)
     answered = False
     status = 1
     try:
@@ -269,7 +270,9 @@ def _split_replay(
             answered = True
     finally:
         if not answered:
-            os.kill(child, signal.SIGKILL)
+            _kill(child, handle)
+        if handle is not None:
+            os.close(handle)
         try:
             status = os.waitpid(child, 0)[1]
         except ChildProcessError:  # reaped already (SIGCHLD ignored): judge by the answer
@@ -294,6 +297,27 @@ def _split_replay(
     if lasts:
         catalog.saw(max(lasts)[1])
     return skipped
+
+
+def _pidfd(pid: int) -> int | None:
+    """A handle on the child just forked, where the system gives one (Linux)."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
+
+
+def _kill(pid: int, handle: int | None) -> None:
+    """Stop the child, which may have ended already and been reaped: where
+    SIGCHLD is ignored, or a handler reaps every child, that is at once. Its
+    handle, unlike its pid, cannot have been given to another process since."""
+    try:
+        if handle is not None:
+            signal.pidfd_send_signal(handle, signal.SIGKILL)
+        else:
+            os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass  # ended
 
 
 def _while_answering(pages: Iterable[Page], answer: BufferedReader) -> Iterator[Page]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import _thread
 import os
+import signal
 import tempfile
 import threading
 import time
@@ -353,6 +354,39 @@ def test_a_split_replay_whose_second_process_fails_is_made_whole(
         with models.store.read() as conn:
             catch_up(catalog, models.store, conn, split=True)
         assert replay_state(catalog) == expected
+
+
+def test_a_split_replay_in_a_process_that_ignores_sigchld_is_made_whole(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where SIGCHLD is ignored (some servers do), a child that stops early is
+    reaped as it ends: the parent, giving up its half, must still leave the
+    replay to a whole one, not fail to kill it (or kill what took its pid)."""
+
+    def fail(*_: Any) -> bytes:
+        raise OSError("the second process could not read the log")
+
+    def once_the_child_is_gone(pages: Any, answer: Any) -> Iterator[Any]:
+        assert answer.read() == b""  # it ended with no answer
+        time.sleep(0.05)  # and the system has reaped it
+        raise projections.catalog._Crossed()
+        yield  # a generator, as the one it stands for
+
+    with history_models() as models:
+        for revision, step in enumerate(
+            [("add", "m1", []), ("add", "m2", []), ("scale", "m1", (1, 2))], start=1
+        ):
+            write(models, revision, step)
+        fresh = replay_state(Catalog(models.declared.models, models.declared.engines))
+        monkeypatch.setattr(projections.catalog, "_replay_odd", fail)
+        monkeypatch.setattr(projections.catalog, "_while_answering", once_the_child_is_gone)
+        previous = signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+        try:
+            catalog, skipped = split_replay(models)
+        finally:
+            signal.signal(signal.SIGCHLD, previous)
+        assert skipped is None
+        assert replay_state(catalog) == fresh
 
 
 @pytest.mark.parametrize("answer", [b"", b"the child's half"])
