@@ -12,7 +12,7 @@ import json
 import re
 import sys
 from collections.abc import Sequence
-from datetime import UTC, date, datetime
+from datetime import UTC, date, datetime, timedelta
 from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Any, BinaryIO, NoReturn, TypeVar
@@ -746,7 +746,23 @@ def utc_time(text: str, option: str) -> datetime:
             f"{option} {text!r}: not a UTC time; write it like 2026-11-30T12:00:00Z "
             "(or give a date, or another offset)"
         )
-    return in_utc(moment, f"{option} {text!r}")
+    moment = in_utc(moment, f"{option} {text!r}")
+    if _between_microseconds(text) and moment < _LAST_MICROSECOND:
+        # Times are kept to the microsecond, and Python drops finer digits: a
+        # bound between two is the next one, before which and at or after
+        # which lie the same events.
+        moment += timedelta(microseconds=1)
+    return moment
+
+
+_LAST_MICROSECOND = datetime.max.replace(tzinfo=UTC)
+_FRACTION = re.compile(r"[.,](\d+)")
+
+
+def _between_microseconds(text: str) -> bool:
+    """Whether a time's fraction of a second has nonzero digits past the sixth."""
+    fraction = _FRACTION.search(text)
+    return fraction is not None and fraction.group(1)[6:].strip("0") != ""
 
 
 def in_utc(moment: datetime, said: str) -> datetime:

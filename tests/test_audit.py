@@ -1320,6 +1320,25 @@ def test_cli_json_is_what_the_queries_return(models: Models, db: str, config: Pa
         assert json.loads(result.stdout) == expected, args
 
 
+def test_a_bound_between_two_microseconds_is_not_rounded_down(
+    models: Models, db: str, config: Path
+) -> None:
+    """Times are kept to the microsecond; a bound written finer (as `date
+    --iso-8601=ns` writes them) lies between two. An event at 12:01:00 is
+    before 12:01:00.0000005: `--until` (before it) has it, `--since` (at or
+    after it) does not."""
+    bound = "2026-11-30T12:01:00.000000500Z"
+    listed = {
+        option: json.loads(invoke(db, config, "audit", option, bound, "--json").stdout)
+        for option in ("--until", "--since")
+    }
+    assert 2 in [r["revision"] for r in listed["--until"]]
+    assert 2 not in [r["revision"] for r in listed["--since"]]
+    next_microsecond = T0 + timedelta(minutes=1, microseconds=1)
+    assert listed["--until"] == models.audit(until=next_microsecond)
+    assert listed["--since"] == models.audit(since=next_microsecond)
+
+
 def test_cli_verify_lists_skipped_events_either_way(models: Models, db: str, config: Path) -> None:
     unreadable = StoredEvent(
         originator_id=uuid.uuid4(), originator_version=1, topic="x:Gone", state=b"{}"
