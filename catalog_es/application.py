@@ -640,7 +640,7 @@ class Models(AuditTrail, Application[UUID]):
             )
 
     def _next_timestamp(self) -> datetime:
-        """Now, or just after the newest event in the log if this clock is behind
+        """Now, or just after the log's last event if this clock is behind it
         by no more than clocks drift apart; a time further ahead than that is a
         bad record (or a bad clock), and following it would stamp every command
         after it in the future, or past the end of time."""

@@ -47,8 +47,9 @@ class Catalog:
         # fallback target -> the models naming it, across both layers.
         self._referrers: dict[str, set[str]] = {}
         self.revision = 0
-        # The newest event time seen: commands stamp theirs strictly later, so
-        # time in the log never runs backwards, whichever node's clock is slow.
+        # The time of the log's last event: commands stamp theirs strictly
+        # later, so time in the log never runs backwards, whichever node's
+        # clock is slow (see Models._next_timestamp).
         self.last_timestamp: datetime | None = None
         # The declared layer the log last recorded (fingerprint, from revision).
         self.recorded_declaration: tuple[str, int] | None = None
@@ -295,9 +296,11 @@ class Catalog:
             falling += [(name, referrer) for referrer in sorted(self.referrers(name))]
 
     def saw(self, timestamp: datetime) -> None:
-        """Keep the newest event time seen."""
-        if self.last_timestamp is None or timestamp > self.last_timestamp:
-            self.last_timestamp = timestamp
+        """Keep the time of the last event, in the log's order: the one a
+        command follows. Not the newest: one stamped by a clock hours fast
+        would be followed by every node whose own clock came within an hour
+        of it, where commands passed it over while it was last."""
+        self.last_timestamp = timestamp
 
     def skip(self, revision: int, model: str, event: str, reason: str) -> Skipped:
         skipped = Skipped(revision=revision, model=model, event=event, reason=reason)

@@ -83,7 +83,6 @@ def catch_up(
             pages = (_about(page, model) for page in pages)
         skipped, last = _replay(catalog, pages, progress)
     if last is not None:
-        # The log's time never runs backwards, so the last event is the newest.
         catalog.saw(last[1])
     return skipped
 

@@ -1048,6 +1048,44 @@ def test_a_node_with_a_fast_clock_does_not_hide_later_changes_from_reads_by_time
     assert dry["events"] == []
 
 
+def test_no_node_follows_a_bad_clocks_record_once_another_stands_after_it(
+    open_models: Callable[..., Models], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A record from a node two hours fast is not followed while it is the
+    log's last, and once a later one stands after it, by no node: one that
+    read the log while it was last and one started since stamp alike, with
+    their own clocks, and the bad record drags no one forward."""
+    import catalog_es.application
+
+    start = datetime.now(UTC).replace(microsecond=0)
+
+    def at(minutes: int) -> None:
+        moment = start + timedelta(minutes=minutes)
+        monkeypatch.setattr(catalog_es.application, "utc_now", lambda: moment)
+
+    at(0)
+    writer = open_models()
+    writer.add(spec("a"), by="x")
+    reader = open_models()
+    at(121)
+    writer.scale("a", 0, 2, by="fast-node")
+    at(1)
+    reader.refresh()  # the bad record is the log's last
+    at(2)
+    open_models().scale("a", 0, 3, by="good-node")
+    at(65)
+    reader.refresh()
+    reader.scale("a", 0, 4, by="node-up-since-before")
+    open_models().scale("a", 0, 5, by="node-started-now")
+    times = [datetime.fromisoformat(e["time"]) for e in reader.log_events()][-4:]
+    assert times == [
+        start + timedelta(minutes=121),
+        start + timedelta(minutes=2),
+        start + timedelta(minutes=65),
+        start + timedelta(minutes=65, microseconds=1),
+    ]
+
+
 def test_a_rollback_brings_back_a_model_stored_before_the_memory_rule(
     open_models: Callable[..., Models],
 ) -> None:
