@@ -129,6 +129,7 @@ class AuditTrail:
                 self.store.scan_chain(conn),
                 self.store.chain_head(conn),
                 self.store.scan_streams(conn),
+                gapless=self.store.dialect == "sqlite",
             )
         return {
             "ok": report.broken is None,

@@ -106,14 +106,17 @@ def check_chain(
     rows: Iterable[ChainRow],
     head: ChainHead | DamagedHead | None,
     streams: Iterable[tuple[Any, Any, Any]] = (),
+    *,
+    gapless: bool = False,
 ) -> ChainReport:
     """Walk the stored events in revision order and find the first break.
 
     A row whose hash does not follow from the previous row's was altered, or
     has lost what came before it. When a gap in the revisions precedes it,
-    the gap is named: with gapless revisions (SQLite) that is a deleted event;
-    on PostgreSQL an aborted transaction may also leave a gap, which is only
-    reported when the chain breaks right there.
+    the gap is named: that is a deleted event. ``gapless`` (SQLite, which
+    numbers revisions without gaps): a gap the chain links across is named
+    too, as numbers edited by hand (a head raised, which the next write
+    followed); on PostgreSQL an aborted transaction may leave one.
 
     The hash does not cover what is kept beside it for the write path and
     for reading a stream back: each row's link to its stream's event before
@@ -129,6 +132,15 @@ def check_chain(
         events += 1
         if row.hash != _rehash(last.hash, row):
             return ChainReport(events=events, head=readable, broken=_broken_link(last, row))
+        if gapless and row.revision > last.revision + 1:
+            renumbered = ChainBreak(
+                revision=last.revision + 1,
+                problem=f"{_span(last.revision + 1, row.revision - 1)} missing, but revision "
+                f"{row.revision} chains onto revision {last.revision}: nothing was deleted "
+                "there; it was numbered past a head or rows edited by hand (this database "
+                "leaves no gaps)",
+            )
+            return ChainReport(events=events, head=readable, broken=renumbered)
         before, version = ends.get(row.originator_id, (0, 0))
         problem = None
         if row.stream_previous != before:

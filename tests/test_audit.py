@@ -1130,6 +1130,22 @@ def test_a_row_put_past_the_head_by_hand_is_numbered_after_not_collided_with(
     assert models.verify()["broken"]["revision"] == 9
 
 
+def test_a_head_raised_by_hand_is_still_named_after_the_next_write(models: Models) -> None:
+    """SQLite numbers revisions without gaps: a gap the chain links across is
+    an edit too. The head's revision raised by hand is followed by the next
+    write, and its hash still names the last event, so nothing breaks the
+    chain; the gap it leaves is what verify names."""
+    last = models.verify()["events"]
+    run_sql(models, "UPDATE catalog_head SET revision = revision + 5")
+    assert models.set_owner("chat", "team:other", by="carol").revision == last + 6
+    broken = models.verify()["broken"]
+    assert broken["revision"] == last + 1
+    assert broken["problem"].startswith(
+        f"revisions {last + 1}..{last + 5} are missing, but revision {last + 6} chains onto "
+        f"revision {last}: nothing was deleted there"
+    )
+
+
 def test_a_new_log_numbers_revisions_without_sqlite_sequence(models: Models) -> None:
     """Every command's transaction writes one page fewer than AUTOINCREMENT's."""
     run_sql(models, "DELETE FROM catalog_events WHERE revision = 8")
