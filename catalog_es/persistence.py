@@ -706,14 +706,17 @@ class SQLRecorder(ProcessRecorder):
         )
 
     @contextmanager
-    def locked(self, name: str) -> Iterator[Connection]:
+    def locked(self, name: str, wait: float | None = None) -> Iterator[Connection]:
         """A write transaction holding the lock called ``name`` (a constant of
         ours), one process at a time across nodes: SQLite's one write lock, or
         on PostgreSQL an advisory lock, which leaves the log's writers alone.
         On a connection of its own: never the one this process's commands
-        write through, which would wait behind it."""
+        write through, which would wait behind it. ``wait`` as :meth:`write`'s."""
         with self._locked(
-            "SELECT pg_advisory_xact_lock(hashtext(%(name)s))", {"name": name}, shared=False
+            "SELECT pg_advisory_xact_lock(hashtext(%(name)s))",
+            {"name": name},
+            shared=False,
+            wait=wait,
         ) as conn:
             yield conn
 
@@ -765,7 +768,7 @@ class SQLRecorder(ProcessRecorder):
                             with suppress(self._dbapi_error, sa.exc.SQLAlchemyError):
                                 _busy_timeout(conn, self.lock_wait)
                 return
-            connection = self._writer_connection() if shared else self._own_connection()
+            connection = self._writer_connection() if shared else self._own_connection(wait)
             with connection as conn, conn.begin():
                 if self.dialect == "postgresql":
                     waiting = self.lock_wait if wait is None else wait
@@ -792,12 +795,21 @@ class SQLRecorder(ProcessRecorder):
             raise
 
     @contextmanager
-    def _own_connection(self) -> Iterator[Connection]:
+    def _own_connection(self, wait: float | None = None) -> Iterator[Connection]:
         """A pooled connection whose transactions take the write lock as the
-        held one's do."""
+        held one's do; on SQLite waiting for it ``wait`` seconds, if given,
+        rather than ``lock_wait`` (then set back before the pool has it)."""
         with self.engine.connect() as conn:
             conn.execution_options(catalog_write=True)
-            yield conn
+            if wait is None or self.dialect != "sqlite":
+                yield conn
+                return
+            _busy_timeout(conn, wait)
+            try:
+                yield conn
+            finally:
+                with suppress(self._dbapi_error, sa.exc.SQLAlchemyError):
+                    _busy_timeout(conn, self.lock_wait)
 
     @contextmanager
     def read(self) -> Iterator[Connection]:

@@ -19,6 +19,7 @@ million events wants one transaction per batch.
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from collections.abc import Sequence
 from datetime import MAXYEAR, UTC, datetime
@@ -304,6 +305,7 @@ class AuditView(TrackingRecorder):
         times: TimeOrder,
         after: int,
         generation: str,
+        wait: float | None = None,
     ) -> str:
         """Rows and the position they bring the view up to, from ``after`` in
         the tables of ``generation``, in one transaction, one process at a
@@ -311,8 +313,8 @@ class AuditView(TrackingRecorder):
         some of them since: the same rows, as the replay is the same, so only
         those past its position are written. If it reset the tables, or went
         over another config, the view is no longer the one these rows follow
-        (:class:`ViewMoved`)."""
-        with self.store.locked("catalog_es.audit") as conn:
+        (:class:`ViewMoved`). ``wait``: for the lock, as ``SQLRecorder.write``'s."""
+        with self.store.locked("catalog_es.audit", wait) as conn:
             tracked = self._tracked(conn, tracking.application_name)
             if tracked is not None and tracked.config != self.config:
                 raise ViewMoved(
@@ -476,6 +478,8 @@ class AuditProjection(Projection[AuditView]):
         super().__init__(view)
         self.declared = declared
         self.lock = threading.Lock()
+        # While catching up: what is left of the bounded wait for the write lock.
+        self._wait: float | None = None
         self._restart()
 
     def _restart(self) -> None:
@@ -490,9 +494,23 @@ class AuditProjection(Projection[AuditView]):
 
     def catch_up(self, recorder: SQLRecorder, application_name: str) -> None:
         """Bring the view up to the head of the log. Another process catching
-        up at the same time makes one of them go on from the other's rows."""
-        with self.lock:
+        up at the same time makes one of them go on from the other's rows.
+        Catching up writes under a lock another process may hold: queries
+        queued behind one waiting for it are each refused within the one
+        bounded wait of their own start, not one wait after another."""
+        started = time.monotonic()
+        if not self.lock.acquire(timeout=recorder.lock_wait):
+            raise StorageBusy(
+                f"the audit rows stayed locked for {recorder.lock_wait:g} s, another query "
+                "bringing them up to the log; try again"
+            )
+        try:
+            waited = time.monotonic() - started
+            self._wait = None if waited < 0.001 else max(0.001, recorder.lock_wait - waited)
             self._catch_up_racing(recorder, application_name)
+        finally:
+            self._wait = None
+            self.lock.release()
 
     def answer(self, recorder: SQLRecorder, application_name: str, filters: Filters) -> list[str]:
         """The views of the rows matching ``filters`` once caught up: read
@@ -562,7 +580,7 @@ class AuditProjection(Projection[AuditView]):
         if self._tracking is None:
             return
         self.generation = self.view.record(
-            self._staged, self._tracking, self.times, self.recorded, self.generation
+            self._staged, self._tracking, self.times, self.recorded, self.generation, self._wait
         )
         self.recorded = self._tracking.notification_id
         self._staged = []

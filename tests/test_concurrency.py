@@ -297,6 +297,43 @@ def test_a_server_waiting_for_another_writer_still_answers_reads_and_refuses_in_
     models.close()
 
 
+def test_audit_queries_waiting_for_another_writer_are_refused_within_one_wait(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An audit query first writes the rows of the events since the last one,
+    under the write lock. Queued behind each other while another process
+    holds it, each is refused within the one bounded wait of its own start,
+    not one wait after another; nothing is written, and the next answers."""
+    monkeypatch.setenv(LOCK_WAIT_ENV, "1")
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
+    models.add(model_spec("m"), by="setup")
+    models.audit()
+    models.scale("m", 0, 3, by="ops")  # a row for the queries to write first
+    outcomes: list[tuple[str, float]] = []
+
+    def query() -> None:
+        start = time.monotonic()
+        try:
+            models.history("m")
+            outcomes.append(("answered", time.monotonic() - start))
+        except StorageBusy:
+            outcomes.append(("busy", time.monotonic() - start))
+
+    with write_lock_held(db_url):
+        queries = [threading.Thread(target=query) for _ in range(4)]
+        for thread in queries:
+            thread.start()
+            time.sleep(0.05)
+        for thread in queries:
+            thread.join()
+    # PostgreSQL's audit lock is not the log's: it does not wait at all.
+    expected = "busy" if db_url.startswith("sqlite") else "answered"
+    assert [outcome for outcome, _ in outcomes] == [expected] * 4
+    assert max(seconds for _, seconds in outcomes) < 1.5, outcomes
+    assert [row["event"] for row in models.history("m")] == ["Added", "Scaled"]
+    models.close()
+
+
 def test_a_server_restarting_on_the_recorded_config_starts_while_another_writes(
     db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
