@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from datetime import datetime, timedelta
@@ -38,7 +37,6 @@ from catalog_es.errors import (
     ModelNotFound,
     Refused,
     RevisionConflict,
-    StorageBusy,
 )
 from catalog_es.inputs import zoned
 from catalog_es.mapper import EventMapper, UndecodableEvent, decode_event, model_of_state
@@ -46,6 +44,7 @@ from catalog_es.model import MAX_CLOCK_SKEW, Model, model_id, utc_now
 from catalog_es.persistence import (
     PollingSubscription,
     SQLRecorder,
+    acquire_within,
     events_table,
     stream_walk,
 )
@@ -600,19 +599,13 @@ class Models(AuditTrail, Application[UUID]):
             self._lock.release()
 
     def _take_write_lock(self) -> float | None:
-        """Take this process's write lock, waiting for another thread's command
-        no longer than a command waits for the database, and answer what is
-        left of that wait (``None``: all of it): commands queued behind one
-        that waits for another process each get their refusal within the one
-        bound, not one bound after another."""
-        started = time.monotonic()
-        if not self._lock.acquire(timeout=self.store.lock_wait):
-            raise StorageBusy(
-                f"the log stayed locked by another write for {self.store.lock_wait:g} s; "
-                "nothing was written, try again"
-            )
-        waited = time.monotonic() - started
-        return None if waited < 0.001 else max(0.001, self.store.lock_wait - waited)
+        """Take this process's write lock (:func:`acquire_within`)."""
+        return acquire_within(
+            self._lock,
+            self.store.lock_wait,
+            f"the log stayed locked by another write for {self.store.lock_wait:g} s; "
+            "nothing was written, try again",
+        )
 
     def record_declaration(self, *, by: str) -> int:
         """Record the declared config in the log if it differs from the one the

@@ -473,6 +473,20 @@ def _end(conn: Connection, driver: Any, *, commit: bool) -> None:
         _driver(driver, "COMMIT" if commit else "ROLLBACK")
 
 
+def acquire_within(lock: threading.Lock | threading.RLock, bound: float, busy: str) -> float | None:
+    """Take ``lock`` (this process's, in front of a database lock), waiting for
+    another thread no longer than ``bound``, the wait for the database, and
+    answer what is left of it (``None``: all of it), to wait for the database
+    no longer than that: callers queued behind one that waits for another
+    process are each refused within the one bound, not one bound after
+    another. Refused as ``busy`` (:class:`StorageBusy`) past the bound."""
+    started = time.monotonic()
+    if not lock.acquire(timeout=bound):
+        raise StorageBusy(busy)
+    waited = time.monotonic() - started
+    return None if waited < 0.001 else max(0.001, bound - waited)
+
+
 def _busy_timeout(conn: Connection, seconds: float) -> None:
     """How long SQLite's busy handler waits on ``conn`` for another writer."""
     _driver(
@@ -757,16 +771,12 @@ class SQLRecorder(ProcessRecorder):
         try:
             if shared and self.dialect == "sqlite":
                 # Every command's transaction.
-                with self._writer_connection() as conn:
-                    if wait is not None:
-                        _busy_timeout(conn, wait)
-                    try:
-                        with _on_the_driver(conn):
-                            yield conn
-                    finally:
-                        if wait is not None:
-                            with suppress(self._dbapi_error, sa.exc.SQLAlchemyError):
-                                _busy_timeout(conn, self.lock_wait)
+                with (
+                    self._writer_connection() as conn,
+                    self._waiting(conn, wait),
+                    _on_the_driver(conn),
+                ):
+                    yield conn
                 return
             connection = self._writer_connection() if shared else self._own_connection(wait)
             with connection as conn, conn.begin():
@@ -797,19 +807,25 @@ class SQLRecorder(ProcessRecorder):
     @contextmanager
     def _own_connection(self, wait: float | None = None) -> Iterator[Connection]:
         """A pooled connection whose transactions take the write lock as the
-        held one's do; on SQLite waiting for it ``wait`` seconds, if given,
-        rather than ``lock_wait`` (then set back before the pool has it)."""
-        with self.engine.connect() as conn:
+        held one's do, waiting for it as :meth:`_waiting` says."""
+        with self.engine.connect() as conn, self._waiting(conn, wait):
             conn.execution_options(catalog_write=True)
-            if wait is None or self.dialect != "sqlite":
-                yield conn
-                return
-            _busy_timeout(conn, wait)
-            try:
-                yield conn
-            finally:
-                with suppress(self._dbapi_error, sa.exc.SQLAlchemyError):
-                    _busy_timeout(conn, self.lock_wait)
+            yield conn
+
+    @contextmanager
+    def _waiting(self, conn: Connection, wait: float | None) -> Iterator[None]:
+        """On SQLite, ``conn`` waits ``wait`` seconds for the write lock, if
+        given, rather than ``lock_wait``, until the block ends (the held
+        connection and the pool's keep theirs for the next transaction)."""
+        if wait is None or self.dialect != "sqlite":
+            yield
+            return
+        _busy_timeout(conn, wait)
+        try:
+            yield
+        finally:
+            with suppress(self._dbapi_error, sa.exc.SQLAlchemyError):
+                _busy_timeout(conn, self.lock_wait)
 
     @contextmanager
     def read(self) -> Iterator[Connection]:

@@ -19,7 +19,6 @@ million events wants one transaction per batch.
 from __future__ import annotations
 
 import threading
-import time
 import uuid
 from collections.abc import Sequence
 from datetime import MAXYEAR, UTC, datetime
@@ -39,7 +38,7 @@ from catalog_es.errors import StorageBusy
 from catalog_es.inputs import DeclaredConfig
 from catalog_es.mapper import UndecodableEvent, decode_event, model_of_state, topic_name
 from catalog_es.model import DomainEvent, Model
-from catalog_es.persistence import SQLRecorder
+from catalog_es.persistence import SQLRecorder, acquire_within
 from catalog_es.spec import ModelSpec
 from catalog_es.views import event_fields
 
@@ -498,15 +497,13 @@ class AuditProjection(Projection[AuditView]):
         Catching up writes under a lock another process may hold: queries
         queued behind one waiting for it are each refused within the one
         bounded wait of their own start, not one wait after another."""
-        started = time.monotonic()
-        if not self.lock.acquire(timeout=recorder.lock_wait):
-            raise StorageBusy(
-                f"the audit rows stayed locked for {recorder.lock_wait:g} s, another query "
-                "bringing them up to the log; try again"
-            )
+        self._wait = acquire_within(
+            self.lock,
+            recorder.lock_wait,
+            f"the audit rows stayed locked for {recorder.lock_wait:g} s, another query "
+            "bringing them up to the log; try again",
+        )
         try:
-            waited = time.monotonic() - started
-            self._wait = None if waited < 0.001 else max(0.001, recorder.lock_wait - waited)
             self._catch_up_racing(recorder, application_name)
         finally:
             self._wait = None
@@ -582,6 +579,7 @@ class AuditProjection(Projection[AuditView]):
         self.generation = self.view.record(
             self._staged, self._tracking, self.times, self.recorded, self.generation, self._wait
         )
+        self._wait = None  # what is left of the wait was for the first rows, queued
         self.recorded = self._tracking.notification_id
         self._staged = []
         self._tracking = None

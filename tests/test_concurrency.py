@@ -334,6 +334,36 @@ def test_audit_queries_waiting_for_another_writer_are_refused_within_one_wait(
     models.close()
 
 
+def test_an_audit_query_behind_a_long_catch_up_in_its_process_is_refused_in_time(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another query of this process bringing the rows up to the log (a long
+    one, after a large `apply`) holds them: a query behind it is refused once
+    the bounded wait is over, rather than waiting for it however long."""
+    monkeypatch.setenv(LOCK_WAIT_ENV, "1")
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
+    models.add(model_spec("m"), by="setup")
+    outcomes: list[tuple[str, float]] = []
+
+    def query() -> None:
+        start = time.monotonic()
+        try:
+            models.audit()
+            outcomes.append(("answered", time.monotonic() - start))
+        except StorageBusy as busy:
+            outcomes.append((str(busy), time.monotonic() - start))
+
+    with models._audit.lock:  # as the long catch-up holds it
+        waiting = threading.Thread(target=query)
+        waiting.start()
+        waiting.join(timeout=3)
+    assert not waiting.is_alive()
+    [(outcome, seconds)] = outcomes
+    assert outcome.startswith("the audit rows stayed locked for 1 s") and seconds < 1.5
+    assert [row["event"] for row in models.audit()] == ["Added"]
+    models.close()
+
+
 def test_a_server_restarting_on_the_recorded_config_starts_while_another_writes(
     db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
