@@ -270,7 +270,7 @@ def _split_replay(
     finally:
         if not answered:
             _kill(child, handle)
-        if handle is not None:
+        if handle is not None and handle != _GONE:
             os.close(handle)
         try:
             status = os.waitpid(child, 0)[1]
@@ -298,10 +298,17 @@ def _split_replay(
     return skipped
 
 
+# What _pidfd answers for a child that has ended, and been reaped, already.
+_GONE = -1
+
+
 def _pidfd(pid: int) -> int | None:
-    """A handle on the child just forked, where the system gives one (Linux)."""
+    """A handle on the child just forked, where the system gives one (Linux);
+    ``None`` where it does not."""
     try:
         return os.pidfd_open(pid)
+    except ProcessLookupError:
+        return _GONE
     except (AttributeError, OSError):
         return None
 
@@ -309,7 +316,10 @@ def _pidfd(pid: int) -> int | None:
 def _kill(pid: int, handle: int | None) -> None:
     """Stop the child, which may have ended already and been reaped: where
     SIGCHLD is ignored, or a handler reaps every child, that is at once. Its
-    handle, unlike its pid, cannot have been given to another process since."""
+    handle, unlike its pid, cannot have been given to another process since;
+    without one, the pid is all there is."""
+    if handle == _GONE:
+        return
     try:
         if handle is not None:
             signal.pidfd_send_signal(handle, signal.SIGKILL)

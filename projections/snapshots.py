@@ -99,9 +99,10 @@ def restore(conn: Connection, catalog: Catalog, fingerprint: str, upto: int | No
     """Bring a fresh ``catalog`` to the newest usable snapshot at or before
     ``upto``; False when there is none."""
     for state in _newest(conn, fingerprint, upto, _decoder.decode):
-        if state.last_timestamp is None and state.revision > 0:
-            # Written by a rebuild before it kept the log's newest time: a start
-            # on it would stamp its next command before that time.
+        if upto is None and state.last_timestamp is None and state.revision > 0:
+            # Written by a rebuild before it kept the log's time: a start on it
+            # would not know the time its next command must follow (a read of
+            # the past has no use for it).
             log.info("snapshot at %d passed over: it holds no time", state.revision)
             continue
         catalog.restore(

@@ -574,6 +574,12 @@ def test_a_start_on_a_snapshot_the_rebuild_wrote_follows_the_logs_newest_time(
     clock is a little behind the one that wrote last stamps its next command
     after that time, so time in the log never runs backwards."""
     models = _rebuilt_after_a_fast_clock(open_models, monkeypatch)
+    with models.store.read() as conn:
+        blob = conn.execute(
+            sa.select(snapshots_table.c.state).where(snapshots_table.c.revision == 3)
+        ).scalar_one()
+    kept = msgspec.msgpack.decode(zlib.decompress(blob))["last_timestamp"]
+    assert kept == models.catalog.last_timestamp  # so a start can use it
     _starts_after_the_newest_time(open_models, models)
 
 
