@@ -109,7 +109,7 @@ def _replay(
             if progress is not None:
                 if last is not None:
                     # What the caller keeps at this revision (the snapshots a
-                    # rebuild writes) has the log's newest time too.
+                    # rebuild writes) has the time a command must follow too.
                     catalog.saw(last.timestamp)
                 progress(revision)
     skipped = catalog.skipped[base:]
