@@ -67,24 +67,38 @@ def sha256_of(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def checksums(folder: Path) -> dict[str, str]:
-    """Every file under ``folder`` (links to files followed, as in a hub cache
-    whose snapshots link to blobs) and its sha256, by POSIX path, sorted."""
+def checksums(folder: Path, within: Path) -> dict[str, str]:
+    """Every file under ``folder`` and its sha256, by POSIX path, sorted. A
+    link is followed, as in a hub cache whose snapshots link to its blobs,
+    but only to a file inside ``within``: one that leads out of it is
+    refused, or a link planted in the mirror would copy any file this
+    process can read into the weights, and its checksum into the log."""
+    inside(folder, within)
     found: dict[str, str] = {}
     for directory, _dirs, names in os.walk(folder):
         for name in names:
             path = Path(directory, name)
             if path.is_file():
+                inside(path, within)
                 found[path.relative_to(folder).as_posix()] = sha256_of(path)
     return dict(sorted(found.items()))
 
 
-def verify(folder: Path, expected: Mapping[str, str]) -> list[str]:
-    """What is wrong with ``folder`` as a copy of exactly ``expected``
-    ({path: sha256}): files missing, files whose checksum differs, and files
-    that should not be there (an engine loading the folder would see them).
-    Empty when it is an exact copy."""
-    present = checksums(folder) if folder.is_dir() else {}
+def inside(path: Path, within: Path) -> Path:
+    """``path``, once what it really names (links followed) is known to be
+    in ``within``; else refused."""
+    real = path.resolve()
+    if not real.is_relative_to(within.resolve()):
+        raise RegistryError(f"{path} leads to {real}, outside {within}: refused")
+    return path
+
+
+def verify(folder: Path, expected: Mapping[str, str], within: Path) -> list[str]:
+    """What is wrong with ``folder`` (in ``within``) as a copy of exactly
+    ``expected`` ({path: sha256}): files missing, files whose checksum
+    differs, and files that should not be there (an engine loading the folder
+    would see them). Empty when it is an exact copy."""
+    present = checksums(folder, within) if folder.is_dir() else {}
     problems = []
     for path, digest in sorted(expected.items()):
         relative_file(path)
@@ -137,7 +151,7 @@ class MirrorRegistry(Registry):
         folder = self._repository_folder(repository) / check_commit(revision)
         if not folder.is_dir():
             raise RegistryError(f"{repository} has no commit {revision} in the mirror")
-        return folder
+        return inside(folder, self.root)
 
     def refs(self, repository: str) -> dict[str, str]:
         """The branches of a repository and the commit each points to."""
@@ -180,7 +194,7 @@ class MirrorRegistry(Registry):
         return commit
 
     def files(self, repository: str, revision: str) -> dict[str, str]:
-        return checksums(self._revision_folder(repository, revision))
+        return checksums(self._revision_folder(repository, revision), self.root)
 
     def fetch(self, repository: str, revision: str, paths: Iterable[str], into: Path) -> None:
         folder = self._revision_folder(repository, revision)
@@ -195,6 +209,7 @@ class MirrorRegistry(Registry):
                 source = folder / relative_file(path)
                 if not source.is_file():
                     continue
+                inside(source, self.root)  # linked out since it was listed
                 target = into / relative_file(path)
                 target.parent.mkdir(parents=True, exist_ok=True)
                 partial = partials / "copy"

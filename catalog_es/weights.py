@@ -37,6 +37,7 @@ from catalog_es.registry import (
     RegistryError,
     check_commit,
     check_repository,
+    inside,
     relative_file,
     verify,
 )
@@ -81,11 +82,12 @@ class WeightsStore:
         where = f"{origin.repository}@{origin.revision}"
         if not origin.files:
             raise VerificationFailed(f"{where} lists no files: there is nothing to verify")
-        folder = self.folder(origin.repository, origin.revision)
+        # A folder linked elsewhere would be written there, and hashed there.
+        folder = inside(self.folder(origin.repository, origin.revision), self.root)
         missing = [p for p in origin.files if not (folder / relative_file(p)).is_file()]
         if missing:
             registry.fetch(origin.repository, origin.revision, missing, folder)
-        problems = verify(folder, origin.files)
+        problems = verify(folder, origin.files, self.root)
         if problems:
             more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
             raise VerificationFailed(

@@ -196,8 +196,9 @@ def test_the_mirror_resolves_branches_lists_checksums_and_fetches(world: World) 
     assert registry.resolve("org/n", nested) == nested
     assert registry.files("org/n", nested) == {"a.bin": sha(b"a"), "onnx/model.onnx": sha(b"b")}
     registry.fetch("org/n", nested, ["onnx/model.onnx", "absent.bin"], world.root / "out")
-    assert checksums(world.root / "out") == {"onnx/model.onnx": sha(b"b")}
-    assert verify(world.root / "out", registry.files("org/n", nested)) == ["a.bin: missing"]
+    assert checksums(world.root / "out", world.root) == {"onnx/model.onnx": sha(b"b")}
+    files = registry.files("org/n", nested)
+    assert verify(world.root / "out", files, world.root) == ["a.bin: missing"]
 
 
 @pytest.mark.parametrize(
@@ -226,6 +227,47 @@ def test_names_that_could_leave_the_mirror_are_refused(
     registry = MirrorRegistry(world.mirror.root)
     with pytest.raises(RegistryError, match="is not"):
         registry.fetch(repository, world.c1, [path], world.root / "out")
+
+
+@pytest.mark.parametrize("linked", ["a file", "the commit's folder", "the repository's folder"])
+def test_a_link_out_of_the_mirror_is_refused_and_nothing_is_written(
+    world: World, tracked: Weights, linked: str
+) -> None:
+    """A hub cache's snapshots link to its blobs, so links are followed, but
+    only within the mirror: one leading out of it would copy whatever file
+    this process can read into the weights, and its checksum into the log."""
+    secret = world.root / "outside" / "secret.txt"
+    secret.parent.mkdir()
+    secret.write_bytes(b"not the mirror's")
+    c2 = world.mirror.publish("org/m", V2)
+    commit = world.mirror.folder("org/m", c2)
+    if linked == "a file":
+        (commit / "leak.txt").symlink_to(secret)
+    else:
+        moved = world.root / "outside" / linked.replace(" ", "-")
+        linked_folder = commit if linked == "the commit's folder" else commit.parent
+        shutil.move(linked_folder, moved)
+        linked_folder.symlink_to(moved, target_is_directory=True)
+    rows = world.rows()
+    with pytest.raises(RegistryError, match=r"outside .*mirror: refused"):
+        tracked.update("m", by="bob")
+    assert world.rows() == rows
+    assert not (world.store / "org/m" / c2).exists()
+
+
+def test_a_weights_folder_linked_elsewhere_is_not_written_through(
+    world: World, tracked: Weights
+) -> None:
+    c2 = world.mirror.publish("org/m", V2)
+    elsewhere = world.root / "elsewhere"
+    elsewhere.mkdir()
+    (world.store / "org/m").mkdir(parents=True, exist_ok=True)
+    (world.store / "org/m" / c2).symlink_to(elsewhere, target_is_directory=True)
+    rows = world.rows()
+    with pytest.raises(RegistryError, match=r"outside .*weights: refused"):
+        tracked.update("m", by="bob")
+    assert list(elsewhere.iterdir()) == []
+    assert world.rows() == rows
 
 
 # -- origins and upstream changes -----------------------------------------------------------
@@ -329,7 +371,7 @@ def test_update_verifies_then_moves_source_and_origin_and_replaces_replicas_in_o
     new_folder = world.store / "org/m" / c2
     assert result["written"] and result["to"]["source"] == new_folder.as_uri()
     assert result["model"]["origin"] == msgspec.to_builtins(origin_of("org/m", c2, V2))
-    assert checksums(new_folder) == origin_of("org/m", c2, V2).files
+    assert checksums(new_folder, world.store) == origin_of("org/m", c2, V2).files
     m = tracked.models.get_model("m")
     assert (m["source"], m["origin"]["revision"]) == (new_folder.as_uri(), c2)
     old, new = "hf://org/m", new_folder.as_uri()
@@ -437,7 +479,7 @@ def test_a_fetch_under_way_elsewhere_is_not_taken_for_part_of_the_revision(
     assert events(tracked, "m")[-1]["by"] == "carol"
     folder = world.store / "org/m" / c2
     assert sorted(p.name for p in folder.iterdir()) == sorted(V2)
-    assert verify(folder, origin_of("org/m", c2, V2).files) == []
+    assert verify(folder, origin_of("org/m", c2, V2).files, world.store) == []
 
 
 def test_a_commit_the_mirror_does_not_have_is_refused(world: World, tracked: Weights) -> None:
