@@ -5,6 +5,7 @@ PostgreSQL: every endpoint, auth, bad bodies, compare-and-set, the watch stream.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -223,6 +224,21 @@ def test_a_removed_token_is_refused_from_the_next_request(api: Api) -> None:
     (entry,) = [e for e in api.tokens.entries() if e.actor == "read-user"]
     api.tokens.remove(entry.id)
     assert refused(api.get("/me"), 401) == "the token is not valid (unknown or revoked)"
+
+
+@pytest.mark.parametrize("spoiled", [b"{", b"", b"[1, 2]"])
+def test_a_tokens_file_spoiled_while_serving_refuses_every_token_and_says_nothing_of_it(
+    api: Api, spoiled: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    kept = api.tokens.path.read_bytes()
+    api.tokens.path.write_bytes(spoiled)
+    os.utime(api.tokens.path, (1, 1))  # changed, even within the file system's clock tick
+    for role in ("read", "admin"):
+        message = refused(api.get("/me", role=role), 401)
+        assert message == "the token is not valid (unknown or revoked)"
+    assert "not a tokens file" in caplog.text
+    api.tokens.path.write_bytes(kept)
+    assert ok(api.get("/me"))["actor"] == "read-user"
 
 
 def test_bad_bodies_are_422_with_the_clis_message_and_write_nothing(

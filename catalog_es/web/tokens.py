@@ -15,6 +15,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import hmac
+import logging
 import os
 import secrets
 import tempfile
@@ -27,6 +28,8 @@ import msgspec
 
 from catalog_es.errors import InputError
 from catalog_es.model import utc_now
+
+log = logging.getLogger(__name__)
 
 TOKEN_PREFIX = "ces"
 _ID_BYTES = 6
@@ -157,7 +160,14 @@ class TokenStore:
             seen = None
         with self._lock:
             if seen != self._loaded or seen is None:
-                self._by_id = {e.id: e for e in self._read().tokens}
+                try:
+                    self._by_id = {e.id: e for e in self._read().tokens}
+                except InputError as error:
+                    # Spoiled while serving: no caller can be told who they are,
+                    # so none is, and none is told why (it names the file); the
+                    # operator is told here, once each time the file changes.
+                    log.warning("%s; every token is refused until it is mended", error)
+                    self._by_id = {}
                 self._loaded = seen
             return self._by_id
 
