@@ -54,11 +54,32 @@ def check_commit(revision: str) -> str:
     return revision
 
 
+# What a Linux file system takes: a name's bytes, and a whole path's.
+_NAME_MAX, _PATH_MAX = 255, 4095
+
+
 def relative_file(path: str) -> PurePosixPath:
-    """A file path inside a revision, refused if it could point outside it."""
+    """A file path inside a revision, refused if it could point outside it,
+    or if no file system could hold it (found only when the file is fetched,
+    after it was recorded in the log)."""
     pure = PurePosixPath(path)
     if not path or pure.is_absolute() or any(part in ("", ".", "..") for part in path.split("/")):
         raise RegistryError(f"file path {path[:80]!r} is not a plain path inside a revision")
+    try:
+        encoded = path.encode("utf-8")
+    except UnicodeEncodeError:
+        encoded = b"\0"  # a lone surrogate: no file system's name either
+    if b"\0" in encoded or not path.isprintable():
+        raise RegistryError(
+            f"file path {path[:80]!r} holds a character that is not printable "
+            "(a NUL, a line break…)"
+        )
+    longest = max(len(part.encode("utf-8", "replace")) for part in path.split("/"))
+    if longest > _NAME_MAX or len(encoded) > _PATH_MAX:
+        raise RegistryError(
+            f"file path {path[:80]!r}… is longer than a file system holds "
+            f"({_NAME_MAX} bytes a name, {_PATH_MAX} in all)"
+        )
     return pure
 
 

@@ -10,7 +10,13 @@ import pytest
 
 from catalog_es.catalog import Catalog
 from catalog_es.decisions import decide
-from catalog_es.errors import ConfigError, DeclaredInConfig, InvalidModel, ModelNotFound
+from catalog_es.errors import (
+    ConfigError,
+    DeclaredInConfig,
+    InvalidModel,
+    ModelNotFound,
+    shown,
+)
 from catalog_es.model import Model, model_id
 from catalog_es.spec import Adapter, Origin, Profile, Scaling
 from tests.helpers import (
@@ -398,6 +404,21 @@ NOT_A_PATH = "is not a plain path inside a revision"
         pytest.param(Origin(files={"": DIGEST}), "origin.files['']", NOT_A_PATH, id="empty"),
         pytest.param(Origin(files={"/abs": DIGEST}), "origin.files['/abs']", NOT_A_PATH, id="abs"),
         pytest.param(Origin(files={"./m": DIGEST}), "origin.files['./m']", NOT_A_PATH, id="dot"),
+        pytest.param(
+            Origin(files={"a\0b": DIGEST}), "origin.files['a\\x00b']", "not printable", id="nul"
+        ),
+        pytest.param(
+            Origin(files={"x" * 256: DIGEST}),
+            f"origin.files[{shown('x' * 256)}]",
+            "longer than a file system holds",
+            id="long-name",
+        ),
+        pytest.param(
+            Origin(files={"d/" * 2048 + "f": DIGEST}),
+            f"origin.files[{shown('d/' * 2048 + 'f')}]",
+            "longer than a file system holds",
+            id="long-path",
+        ),
     ],
 )
 @pytest.mark.parametrize("how", ["add", "source"])
