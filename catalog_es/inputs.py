@@ -631,8 +631,8 @@ def parse_changes(text: str, where: str, *, limit: int = MAX_CHANGES_BYTES) -> A
     """``parse_document`` for a list of changes, or ``{"changes": [...]}``."""
     try:
         found = _JSON_CHANGES.decode(text.removeprefix("\ufeff"))
-    except msgspec.MsgspecError:
-        pass  # YAML, or not a list of changes: parsing says which
+    except (msgspec.MsgspecError, RecursionError):
+        pass  # YAML, not a list of changes, or nested too deeply: parsing says which
     else:
         changes = found.get("changes", ()) if isinstance(found, dict) else found
         if len(changes) > MAX_CHANGES:

@@ -491,6 +491,17 @@ def test_fuzzed_apply_lists_apply_whole_or_are_refused_in_one_line(
         assert harness.head() - before in (result["changes"], result["changes"] + 1)
 
 
+@pytest.mark.parametrize("form", ["json", "json-object"])
+def test_a_list_of_changes_nested_too_deeply_is_refused_as_such(
+    harness: Harness, form: str
+) -> None:
+    # msgspec counts the changes before they are parsed, and gave up on the
+    # depth with a RecursionError, which reached the user as "unexpected".
+    document = ('[{"scale": ' + deep(5_000, form) + "}]").encode()
+    outcome = harness.run(["apply", "-"], document)
+    assert (outcome.code, outcome.stderr.strip()) == (1, "error: standard input: nested too deeply")
+
+
 # -- any command line ---------------------------------------------------------------
 
 COMMANDS = [
