@@ -615,6 +615,33 @@ def test_warnings_escape_what_a_terminal_would_act_on(tmp_path: Path) -> None:
     assert b"\x1b" not in done.stderr and b"\x07" not in done.stderr
 
 
+def test_a_refusal_is_one_line_whatever_the_load_warned_of(tmp_path: Path) -> None:
+    """Loading a log with skipped events warns of each (ten, then a count), but
+    a refused command still prints one line, its error; a command that did
+    what it was asked prints the warnings after it."""
+    db = f"sqlite:///{tmp_path / 'catalog.db'}"
+    spec_file = tmp_path / "m.yaml"
+    spec_file.write_bytes(as_yaml(definition("m")))
+    assert CliRunner().invoke(cli, ["--db", db, "model", "add", str(spec_file)]).exit_code == 0
+    with sqlite3.connect(tmp_path / "catalog.db") as conn:
+        conn.executemany(
+            "INSERT INTO catalog_events VALUES"
+            " (?, ?, 1, 'catalog_es.model:Model.Gone', x'7b7d', ?, 0)",
+            [(100 + i, uuid.uuid4().hex, "0" * 64) for i in range(3)],
+        )
+
+    def catalog_es(*args: str) -> subprocess.CompletedProcess[bytes]:
+        command = [sys.executable, "-m", "catalog_es", "--db", db, *args]
+        return subprocess.run(command, capture_output=True, timeout=60, check=False)
+
+    refused = catalog_es("model", "remove", "nope")
+    assert refused.returncode == 1
+    assert refused.stderr.decode().splitlines() == ["error: model 'nope' is not in the catalog"]
+    listed = catalog_es("model", "list")
+    assert listed.returncode == 0
+    assert listed.stderr.decode().count("warning: skipped revision") == 3
+
+
 def test_a_flow_style_yaml_definition_is_accepted(run: Run, write: Any) -> None:
     flow = b"{name: flow, engine: vllm, source: hf://org/flow, profiles: [{name: g, gpus: 1}]}"
     ok(run("model", "add", write("flow.yaml", flow)))

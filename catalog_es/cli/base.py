@@ -256,16 +256,63 @@ def table(columns: Iterable[str], rows: Iterable[Iterable[str]]) -> None:
 # -- the root ----------------------------------------------------------------------
 
 
+class HeldWarnings(logging.Handler):
+    """The warnings a command gives while it runs (its load's: events the
+    catalog skips, say), kept until it ends: told after a command that did
+    what it was asked, left out of a refusal, which is one line on stderr
+    however long the log's list of skipped events (``verify`` tells it). A
+    command that runs on (``serve``, ``watch``) lets them through as it
+    starts (:func:`let_warnings_through`)."""
+
+    _logger = logging.getLogger("catalog_es")
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def hold(self) -> None:
+        self._logger.addHandler(self)
+        self._logger.propagate = False
+
+    def stop(self, *, told: bool) -> None:
+        """Stop holding; tell what was held if ``told``."""
+        if self not in self._logger.handlers:
+            return
+        self._logger.removeHandler(self)
+        self._logger.propagate = True
+        records, self.records = self.records, []
+        for record in records if told else ():
+            self._logger.handle(record)
+
+
+_held = HeldWarnings()
+
+
+def let_warnings_through() -> None:
+    """Tell the warnings held so far, and those to come as they come."""
+    _held.stop(told=True)
+
+
 class CatalogGroup(click.Group):
     """Maps domain errors to one line on stderr and exit code 1, for every command."""
 
     def invoke(self, ctx: click.Context) -> Any:
+        _held.hold()
+        told = False
         try:
-            return super().invoke(ctx)
+            result = super().invoke(ctx)
+            told = True
+            return result
         except (Refused, ConfigError) as refusal:
             say(f"error: {refusal}", err=True)
             ctx.exit(1)
-        except (click.ClickException, click.exceptions.Exit, click.Abort, KeyboardInterrupt):
+        except click.exceptions.Exit as done:
+            told = done.exit_code == 0
+            raise
+        except (click.ClickException, click.Abort, KeyboardInterrupt):
             raise
         except BrokenPipeError:
             # The reader went away (`catalog-es log | head`): nothing to tell
@@ -277,6 +324,8 @@ class CatalogGroup(click.Group):
                 raise
             say(failure_line(error), err=True)
             ctx.exit(1)
+        finally:
+            _held.stop(told=told)
 
 
 # The drivers' errors that mean the database itself cannot be used: not there,

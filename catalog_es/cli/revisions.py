@@ -18,6 +18,7 @@ from catalog_es.cli.base import (
     cli,
     emit,
     json_line,
+    let_warnings_through,
     meta,
     pass_settings,
     say,
@@ -125,6 +126,7 @@ def rollback_command(
 def watch_command(settings: Settings, after: int) -> None:
     """Every change after a revision, in order, then follow live. Ctrl-C stops."""
     models = settings.models()
+    let_warnings_through()  # it runs until stopped
     try:
         for event in models.watch(after):
             if settings.json:

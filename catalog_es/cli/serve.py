@@ -8,7 +8,15 @@ from types import FrameType
 import click
 
 from catalog_es import bootstrap
-from catalog_es.cli.base import Settings, cli, emit, pass_settings, shared_options, table
+from catalog_es.cli.base import (
+    Settings,
+    cli,
+    emit,
+    let_warnings_through,
+    pass_settings,
+    shared_options,
+    table,
+)
 from catalog_es.errors import InputError
 from catalog_es.web.tokens import Role
 
@@ -40,6 +48,7 @@ def serve(settings: Settings, host: str, port: int, tokens_file: str | None) -> 
             f"catalog-es token add alice --role admin --tokens {tokens.path}"
         )
     models = settings.models()
+    let_warnings_through()  # a server's log tells them as they come
     revision = models.record_declaration(by=settings.actor)
     app = bootstrap.open_web_app(models, tokens)
     # What is loaded now (the code, the catalog in force) mostly lives as
