@@ -23,6 +23,7 @@ import shutil
 import tempfile
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
+from io import BufferedReader
 from pathlib import Path, PurePosixPath
 
 from catalog_es.errors import Refused
@@ -54,8 +55,10 @@ def check_commit(revision: str) -> str:
     return revision
 
 
-# What a Linux file system takes: a name's bytes, and a whole path's.
-_NAME_MAX, _PATH_MAX = 255, 4095
+# The bytes a file system takes for one name; and for a path inside a
+# revision, what leaves room for the folders it is kept in within the 4,095 a
+# whole path may have.
+_NAME_MAX, _PATH_MAX = 255, 1024
 
 
 def relative_file(path: str) -> PurePosixPath:
@@ -68,24 +71,31 @@ def relative_file(path: str) -> PurePosixPath:
     try:
         encoded = path.encode("utf-8")
     except UnicodeEncodeError:
-        encoded = b"\0"  # a lone surrogate: no file system's name either
-    if b"\0" in encoded or not path.isprintable():
-        raise RegistryError(
-            f"file path {path[:80]!r} holds a character that is not printable "
-            "(a NUL, a line break…)"
-        )
-    longest = max(len(part.encode("utf-8", "replace")) for part in path.split("/"))
+        encoded = b"\0"  # a lone surrogate: no file name's bytes either
+    if b"\0" in encoded:
+        raise RegistryError(f"file path {path[:80]!r} holds what no file name can (a NUL)")
+    longest = max(len(part.encode("utf-8")) for part in path.split("/"))
     if longest > _NAME_MAX or len(encoded) > _PATH_MAX:
         raise RegistryError(
-            f"file path {path[:80]!r}… is longer than a file system holds "
+            f"file path {path[:80]!r}… is longer than a weights folder holds "
             f"({_NAME_MAX} bytes a name, {_PATH_MAX} in all)"
         )
     return pure
 
 
-def sha256_of(path: Path) -> str:
-    with path.open("rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+def open_inside(path: Path, within: Path) -> BufferedReader:
+    """``path`` opened for reading, once the file opened is known to be in
+    ``within``, links followed: refused otherwise. Checked on what was opened,
+    so a link swapped between the check and the read cannot slip through."""
+    opened = path.open("rb")
+    try:
+        real = _real_inside(path, within)
+        if not os.path.samestat(os.fstat(opened.fileno()), real.stat()):
+            raise RegistryError(f"{path} changed while it was read: refused")
+    except BaseException:
+        opened.close()
+        raise
+    return opened
 
 
 def checksums(folder: Path, within: Path) -> dict[str, str]:
@@ -100,18 +110,25 @@ def checksums(folder: Path, within: Path) -> dict[str, str]:
         for name in names:
             path = Path(directory, name)
             if path.is_file():
-                inside(path, within)
-                found[path.relative_to(folder).as_posix()] = sha256_of(path)
+                with open_inside(path, within) as f:
+                    digest = hashlib.file_digest(f, "sha256").hexdigest()
+                found[path.relative_to(folder).as_posix()] = digest
     return dict(sorted(found.items()))
 
 
 def inside(path: Path, within: Path) -> Path:
-    """``path``, once what it really names (links followed) is known to be
-    in ``within``; else refused."""
+    """``path``, once what it names (links followed, as far as it exists) is
+    known to be in ``within``; else refused."""
+    _real_inside(path, within)
+    return path
+
+
+def _real_inside(path: Path, within: Path) -> Path:
+    """What ``path`` names, resolved once, if it is in ``within``."""
     real = path.resolve()
     if not real.is_relative_to(within.resolve()):
         raise RegistryError(f"{path} leads to {real}, outside {within}: refused")
-    return path
+    return real
 
 
 def verify(folder: Path, expected: Mapping[str, str], within: Path) -> list[str]:
@@ -230,14 +247,19 @@ class MirrorRegistry(Registry):
                 source = folder / relative_file(path)
                 if not source.is_file():
                     continue
-                inside(source, self.root)  # linked out since it was listed
-                target = into / relative_file(path)
-                target.parent.mkdir(parents=True, exist_ok=True)
-                partial = partials / "copy"
-                with partial.open("wb") as out, source.open("rb") as src:
-                    shutil.copyfileobj(src, out, 1 << 20)
-                    out.flush()
-                    os.fsync(out.fileno())
-                partial.replace(target)
+                # A folder of the copy linked elsewhere would be written through.
+                target = inside(into / relative_file(path), into)
+                try:
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    partial = partials / "copy"
+                    with partial.open("wb") as out, open_inside(source, self.root) as src:
+                        shutil.copyfileobj(src, out, 1 << 20)
+                        out.flush()
+                        os.fsync(out.fileno())
+                    partial.replace(target)
+                except OSError as error:  # the disk full, a name too long for it…
+                    raise RegistryError(
+                        f"{path}: cannot be copied into {into}: {error.strerror or error}"
+                    ) from None
         finally:
             shutil.rmtree(partials, ignore_errors=True)

@@ -405,18 +405,18 @@ NOT_A_PATH = "is not a plain path inside a revision"
         pytest.param(Origin(files={"/abs": DIGEST}), "origin.files['/abs']", NOT_A_PATH, id="abs"),
         pytest.param(Origin(files={"./m": DIGEST}), "origin.files['./m']", NOT_A_PATH, id="dot"),
         pytest.param(
-            Origin(files={"a\0b": DIGEST}), "origin.files['a\\x00b']", "not printable", id="nul"
+            Origin(files={"a\0b": DIGEST}), "origin.files['a\\x00b']", "(a NUL)", id="nul"
         ),
         pytest.param(
             Origin(files={"x" * 256: DIGEST}),
             f"origin.files[{shown('x' * 256)}]",
-            "longer than a file system holds",
+            "longer than a weights folder holds",
             id="long-name",
         ),
         pytest.param(
             Origin(files={"d/" * 2048 + "f": DIGEST}),
             f"origin.files[{shown('d/' * 2048 + 'f')}]",
-            "longer than a file system holds",
+            "longer than a weights folder holds",
             id="long-path",
         ),
     ],
@@ -434,6 +434,12 @@ def test_an_origin_no_registry_could_name_is_refused(
         when(given(added(BASE)), command)
     assert refusal.value.field == field
     assert problem in refusal.value.problem
+
+
+@pytest.mark.parametrize("path", ["model\xa0v2.bin", "a\nb", "模型/权重.bin", "x" * 255])
+def test_an_origin_file_name_a_file_system_holds_is_taken(path: str) -> None:
+    origin = Origin(repository="o/m", revision="1f3c9a0", files={path: DIGEST})
+    assert when(given(), added(spec("a", origin=origin))) is not None
 
 
 def test_origins_are_checked_only_as_new_input() -> None:

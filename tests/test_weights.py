@@ -6,11 +6,13 @@ small files, commits published and branches moved as an upstream would.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import re
 import shutil
 import sqlite3
+import threading
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -268,6 +270,77 @@ def test_a_weights_folder_linked_elsewhere_is_not_written_through(
         tracked.update("m", by="bob")
     assert list(elsewhere.iterdir()) == []
     assert world.rows() == rows
+
+
+def test_a_folder_linked_elsewhere_inside_a_weights_copy_is_not_written_through(
+    world: World, tracked: Weights
+) -> None:
+    c2 = world.mirror.publish("org/m", {**V2, "onnx/model.onnx": b"graph"})
+    elsewhere = world.root / "elsewhere"
+    elsewhere.mkdir()
+    (world.store / "org/m" / c2).mkdir(parents=True)
+    (world.store / "org/m" / c2 / "onnx").symlink_to(elsewhere, target_is_directory=True)
+    rows = world.rows()
+    with pytest.raises(RegistryError, match=r"outside .*/org/m/\w+: refused"):
+        tracked.update("m", by="bob")
+    assert list(elsewhere.iterdir()) == []
+    assert world.rows() == rows
+
+
+def test_a_file_linked_out_of_the_mirror_after_it_was_listed_is_not_copied(
+    world: World,
+) -> None:
+    """The listing refuses such a link; so does the fetch, which reads the
+    file again, maybe after it was swapped."""
+    registry = MirrorRegistry(world.mirror.root)
+    files = registry.files("org/m", world.c1)
+    secret = world.root / "secret.txt"
+    secret.write_bytes(b"not the mirror's")
+    (path,) = list(files)[:1]
+    listed = world.mirror.folder("org/m", world.c1) / path
+    listed.unlink()
+    listed.symlink_to(secret)
+    with pytest.raises(RegistryError, match=r"outside .*mirror: refused"):
+        registry.fetch("org/m", world.c1, [path], world.root / "out")
+    assert not (world.root / "out" / path).exists()
+
+
+def test_a_link_swapped_while_the_mirror_is_read_never_yields_an_outside_file(
+    world: World,
+) -> None:
+    """Checked on the file opened, not on its name: a link switched back and
+    forth between a blob and a file outside, as the listing reads it, is
+    either read inside or refused, never read outside (it was, 188 times in
+    3,000, while the name was checked apart from the open)."""
+    blob = world.mirror.root / "blobs" / "b"
+    blob.parent.mkdir()
+    blob.write_bytes(b"inside")
+    secret = world.root / "secret.txt"
+    secret.write_bytes(b"outside")
+    commit = world.mirror.folder("org/m", world.c1)
+    link = commit / "linked.bin"
+    link.symlink_to(blob)
+    stop = threading.Event()
+
+    def swap() -> None:
+        while not stop.is_set():
+            for target in (blob, secret):
+                swapping = commit / ".linked.tmp"
+                swapping.symlink_to(target)
+                swapping.replace(link)
+
+    swapper = threading.Thread(target=swap)
+    swapper.start()
+    read: set[str] = set()
+    try:
+        for _ in range(1_000):
+            with contextlib.suppress(RegistryError, FileNotFoundError):
+                read.add(checksums(commit, world.mirror.root).get("linked.bin", ""))
+    finally:
+        stop.set()
+        swapper.join()
+    assert sha(b"outside") not in read
+    assert sha(b"inside") in read
 
 
 # -- origins and upstream changes -----------------------------------------------------------
