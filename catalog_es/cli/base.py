@@ -269,11 +269,13 @@ class HeldWarnings(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.WARNING)
         self.records: list[logging.LogRecord] = []
+        self._propagated = True
 
     def emit(self, record: logging.LogRecord) -> None:
         self.records.append(record)
 
     def hold(self) -> None:
+        self._propagated = self._logger.propagate
         self._logger.addHandler(self)
         self._logger.propagate = False
 
@@ -282,7 +284,7 @@ class HeldWarnings(logging.Handler):
         if self not in self._logger.handlers:
             return
         self._logger.removeHandler(self)
-        self._logger.propagate = True
+        self._logger.propagate = self._propagated
         records, self.records = self.records, []
         for record in records if told else ():
             self._logger.handle(record)
@@ -321,6 +323,7 @@ class CatalogGroup(click.Group):
             ctx.exit(1)
         except Exception as error:  # the last guard: one line, not a traceback
             if os.environ.get("CATALOG_ES_DEBUG"):
+                told = True  # a traceback is no one line: what led to it may help
                 raise
             say(failure_line(error), err=True)
             ctx.exit(1)
