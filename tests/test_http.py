@@ -219,6 +219,16 @@ def test_a_role_too_low_is_403_and_writes_nothing(api: Api) -> None:
     assert count_events(api.db) == before
 
 
+def test_two_authorization_headers_are_refused_whichever_comes_first(api: Api) -> None:
+    before = count_events(api.db)
+    for first, second in [("admin", "bogus"), ("bogus", "admin")]:
+        tokens = [api.token.get(role, role) for role in (first, second)]
+        headers = [("Authorization", f"Bearer {token}") for token in tokens]
+        response = api.client.post("/models/base/scale", json={"max": 2}, headers=headers)
+        assert refused(response, 401) == "more than one Authorization header: send one"
+    assert count_events(api.db) == before
+
+
 def test_a_removed_token_is_refused_from_the_next_request(api: Api) -> None:
     assert ok(api.get("/me"))["actor"] == "read-user"
     (entry,) = [e for e in api.tokens.entries() if e.actor == "read-user"]

@@ -143,6 +143,9 @@ def caller_with(role: Role) -> Callable[..., Caller]:
         credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
     ) -> Caller:
         challenge = {"WWW-Authenticate": "Bearer"}
+        if len(request.headers.getlist("authorization")) > 1:
+            # Which would count is a guess a proxy and this server may make apart.
+            raise HTTPException(401, "more than one Authorization header: send one", challenge)
         if credentials is None:
             raise HTTPException(401, "no token: send Authorization: Bearer <token>", challenge)
         tokens: TokenStore = request.app.state.tokens
