@@ -551,12 +551,14 @@ def test_serve_records_the_declared_config_at_start(tmp_path: Path, config_file:
     no_tokens = runner.invoke(cli, ["--db", db, "serve", "--tokens", str(tokens)])
     assert no_tokens.exit_code == 1 and "catalog-es token add" in no_tokens.stderr
     secret = TokenStore(tokens).add("ops", "read")[1]
+    tokens.chmod(0o666)  # told, not refused: it is the operator's file
     port = free_port()
     command = [sys.executable, "-m", "catalog_es", "--db", db, "--config", config_file]
     command += ["--by", "deployer", "serve", "--port", str(port), "--tokens", str(tokens)]
     server = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
     try:
         assert server.stderr is not None
+        assert f"warning: {tokens} can be written by others (mode 666)" in server.stderr.readline()
         assert "serving the catalog at revision 1" in server.stderr.readline()
         response = _wait_for(f"http://127.0.0.1:{port}/log", bearer(secret))
         (record,) = response.json()

@@ -47,6 +47,15 @@ def serve(settings: Settings, host: str, port: int, tokens_file: str | None) -> 
             f"no tokens in {tokens.path}: create one first, e.g. "
             f"catalog-es token add alice --role admin --tokens {tokens.path}"
         )
+    mode = tokens.path.stat().st_mode & 0o777
+    if mode & 0o022:
+        # Not refused (it is the operator's file), but told: whoever can write
+        # it can give themselves an admin token.
+        click.echo(
+            f"warning: {tokens.path} can be written by others (mode {mode:o}): anyone "
+            f"who can write it can add a token; chmod 600 {tokens.path}",
+            err=True,
+        )
     models = settings.models()
     let_warnings_through()  # a server's log tells them as they come
     revision = models.record_declaration(by=settings.actor)
