@@ -551,6 +551,13 @@ class Models(AuditTrail, Application[UUID]):
                             known=known.versions,
                         )
                         batch.record_declaration(self.declared)
+                        if several:
+                            # The plan works on its own copy, and no other writer
+                            # can move the log while this one holds it: reads go
+                            # on meanwhile (a large apply takes seconds), and the
+                            # lock is taken again to put the result in force.
+                            holding = False
+                            state.release()
                         plan(batch)
                         if dry_run or not (batch.changes or (records_only and batch.records)):
                             self.store.abandon(conn)
@@ -570,20 +577,22 @@ class Models(AuditTrail, Application[UUID]):
                     known.forget()
                     raise
                 # Committed: only now are the changes in force.
+                if not holding:
+                    state.acquire()
+                    holding = True
                 revision = revisions[-1]
                 known.learn(batch.versions, revision)
-                if several:
-                    self.catalog = batch.catalog
-                else:
-                    for event, new in batch.changes:
-                        self.catalog.commit(event, new)
-                for record, written in zip(batch.records, revisions, strict=True):
-                    if isinstance(record, Configuration.Declared):
-                        self.catalog.saw(record.timestamp)
-                        self.catalog.recorded_declaration = (record.fingerprint, written)
-                self.catalog.revision = revision
+                if self.catalog.revision == head:
+                    self._put_in_force(batch, revisions, several)
+                # Else a read caught up with the log between the commit and the
+                # lock (it is let go while a batch is planned): these changes,
+                # and perhaps another writer's after them, are in force already,
+                # and the batch's own catalog would put it back.
                 self._push(revision)
-                if revision // self.snapshot_interval > head // self.snapshot_interval:
+                if (
+                    revision // self.snapshot_interval > head // self.snapshot_interval
+                    and self.catalog.revision == revision
+                ):
                     snapshot = snapshots.encode(self.catalog)
                 # Written with the catalog let go: another process may hold the
                 # database by then, and reads must not wait for it. (Marked let
@@ -597,6 +606,19 @@ class Models(AuditTrail, Application[UUID]):
             if holding:
                 state.release()
             self._lock.release()
+
+    def _put_in_force(self, batch: Batch, revisions: Sequence[int], several: bool) -> None:
+        """The catalog in force after ``batch``, written at ``revisions``."""
+        if several:
+            self.catalog = batch.catalog
+        else:
+            for event, new in batch.changes:
+                self.catalog.commit(event, new)
+        for record, written in zip(batch.records, revisions, strict=True):
+            if isinstance(record, Configuration.Declared):
+                self.catalog.saw(record.timestamp)
+                self.catalog.recorded_declaration = (record.fingerprint, written)
+        self.catalog.revision = revisions[-1]
 
     def _take_write_lock(self) -> float | None:
         """Take this process's write lock (:func:`acquire_within`)."""
