@@ -588,7 +588,7 @@ class Models(AuditTrail, Application[UUID]):
                 # lock (it is let go while a batch is planned): these changes,
                 # and perhaps another writer's after them, are in force already,
                 # and the batch's own catalog would put it back.
-                self._push(revision)
+                self._push()
                 if (
                     revision // self.snapshot_interval > head // self.snapshot_interval
                     and self.catalog.revision == revision
@@ -643,10 +643,12 @@ class Models(AuditTrail, Application[UUID]):
         )
         return revision
 
-    def _push(self, revision: int) -> None:
-        """Hand the catalog to the applier. The change is written and in force
-        whatever the applier does, so its failure is logged, never reported as
-        a refusal: the controller also follows the log, and catches up."""
+    def _push(self) -> None:
+        """Hand the catalog to the applier, with the revision it is at. The
+        change is written and in force whatever the applier does, so its
+        failure is logged, never reported as a refusal: the controller also
+        follows the log, and catches up."""
+        revision = self.catalog.revision
         try:
             self.applier.replace_catalog(InForce(self.catalog), revision)
         except Exception:

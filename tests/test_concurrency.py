@@ -18,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from multiprocessing.context import ForkServerContext
 from pathlib import Path
@@ -44,8 +44,8 @@ from catalog_es.persistence import (
     create_engine,
     events_table,
 )
-from catalog_es.ports import Applier
-from catalog_es.spec import Scaling
+from catalog_es.ports import Applier, NoApplier
+from catalog_es.spec import ModelSpec, Scaling
 from projections import snapshots
 from tests.helpers import config_yaml, count_events, event, model_data, model_spec
 
@@ -402,8 +402,18 @@ def test_a_batch_does_not_take_back_what_a_read_caught_up_with_after_its_commit(
     """Between a batch's commit and its taking the catalog again, a read may
     catch up with the log: the batch's changes, and another writer's after
     them. The batch then leaves the catalog as that read left it, rather
-    than putting its own copy back, which would hide the other writer's."""
-    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
+    than putting its own copy back, which would hide the other writer's; and
+    the applier is handed that catalog with the revision it is at."""
+
+    class Recording(NoApplier):
+        def __init__(self) -> None:
+            self.pushed: list[tuple[int, dict[str, int]]] = []
+
+        def replace_catalog(self, models: Sequence[ModelSpec], revision: int) -> None:
+            self.pushed.append((revision, {m.name: m.scaling.max for m in models}))
+
+    applier = Recording()
+    models = Models(DeclaredConfig(), applier=applier, env={"CATALOG_ES_DB": db_url})
     other = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
     models.add(model_spec("m"), by="setup")
     models.add(model_spec("n"), by="setup")
@@ -444,6 +454,7 @@ def test_a_batch_does_not_take_back_what_a_read_caught_up_with_after_its_commit(
         writer.join()
     assert models.revision == other.revision
     assert [models.get_model(name)["scaling"]["max"] for name in ("m", "n")] == [2, 3]
+    assert applier.pushed[-1] == (other.revision, {"m": 2, "n": 3})
     models.close()
     other.close()
 
