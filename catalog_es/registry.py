@@ -73,7 +73,9 @@ def relative_file(path: str) -> PurePosixPath:
     except UnicodeEncodeError:
         encoded = b"\0"  # a lone surrogate: no file name's bytes either
     if b"\0" in encoded:
-        raise RegistryError(f"file path {path[:80]!r} holds what no file name can (a NUL)")
+        raise RegistryError(
+            f"file path {path[:80]!r} holds what no file name can (a NUL, or a lone surrogate)"
+        )
     longest = max(len(part.encode("utf-8")) for part in path.split("/"))
     if longest > _NAME_MAX or len(encoded) > _PATH_MAX:
         raise RegistryError(
