@@ -405,7 +405,10 @@ NOT_A_PATH = "is not a plain path inside a revision"
         pytest.param(Origin(files={"/abs": DIGEST}), "origin.files['/abs']", NOT_A_PATH, id="abs"),
         pytest.param(Origin(files={"./m": DIGEST}), "origin.files['./m']", NOT_A_PATH, id="dot"),
         pytest.param(
-            Origin(files={"a\0b": DIGEST}), "origin.files['a\\x00b']", "(a NUL)", id="nul"
+            Origin(files={"a\0b": DIGEST}),
+            "origin.files['a\\x00b']",
+            "(a NUL, or a lone surrogate)",
+            id="nul",
         ),
         pytest.param(
             Origin(files={"x" * 256: DIGEST}),
