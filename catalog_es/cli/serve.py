@@ -14,6 +14,7 @@ from catalog_es.cli.base import (
     emit,
     let_warnings_through,
     pass_settings,
+    say,
     shared_options,
     table,
 )
@@ -51,7 +52,7 @@ def serve(settings: Settings, host: str, port: int, tokens_file: str | None) -> 
     if mode & 0o022:
         # Not refused (it is the operator's file), but told: whoever can write
         # it can give themselves an admin token.
-        click.echo(
+        say(
             f"warning: {tokens.path} can be written by others (mode {mode:o}): anyone "
             f"who can write it can add a token; chmod 600 {tokens.path}",
             err=True,
