@@ -16,6 +16,7 @@ for the source ``hf://<org>/<repo>``. See docs/weights.md.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import re
@@ -243,7 +244,8 @@ class MirrorRegistry(Registry):
         # is whole, and what a killed or a concurrent fetch has there under
         # way is never taken for part of the revision.
         into.parent.mkdir(parents=True, exist_ok=True)
-        partials = Path(tempfile.mkdtemp(dir=into.parent, prefix=f".{into.name}.partial."))
+        _delete_abandoned(into.parent)
+        partials, held = _partial_folder(into.parent, into.name)
         try:
             for path in paths:
                 source = folder / relative_file(path)
@@ -265,3 +267,46 @@ class MirrorRegistry(Registry):
                     ) from None
         finally:
             shutil.rmtree(partials, ignore_errors=True)
+            os.close(held)
+
+
+# A fetch holds a lock on its folder of partial copies for as long as it runs,
+# and the system lets go of it when the process ends, however it ends: a
+# folder whose lock can be taken was left by a fetch killed outright, and
+# its copies (gigabytes, for weights) would otherwise stay for good.
+_PARTIAL = ".partial."
+
+
+def _partial_folder(parent: Path, name: str) -> tuple[Path, int]:
+    """A new folder for one fetch's partial copies, in ``parent``, and the
+    descriptor holding its lock. Made under another name and renamed once
+    locked, so that no fetch ever sees it unlocked."""
+    starting = Path(tempfile.mkdtemp(dir=parent, prefix=f".{name}.starting."))
+    held = os.open(starting, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        partials = parent / starting.name.replace(".starting.", _PARTIAL, 1)
+        starting.rename(partials)
+    except BaseException:
+        os.close(held)
+        shutil.rmtree(starting, ignore_errors=True)
+        raise
+    return partials, held
+
+
+def _delete_abandoned(parent: Path) -> None:
+    """Delete the folders of partial copies in ``parent`` that no running
+    fetch holds."""
+    for folder in parent.glob(f".*{_PARTIAL}*"):
+        try:
+            found = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except OSError:
+            continue  # gone meanwhile, or not a folder of ours
+        try:
+            fcntl.flock(found, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # a fetch under way
+        else:
+            shutil.rmtree(folder, ignore_errors=True)
+        finally:
+            os.close(found)

@@ -12,6 +12,8 @@ import json
 import re
 import shutil
 import sqlite3
+import subprocess
+import sys
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -544,6 +546,66 @@ def test_a_fetch_under_way_elsewhere_is_not_taken_for_part_of_the_revision(
     folder = world.store / "org/m" / c2
     assert sorted(p.name for p in folder.iterdir()) == sorted(V2)
     assert verify(folder, origin_of("org/m", c2, V2).files, world.store) == []
+
+
+# A fetch of the mirror, in a process of its own, that stops for good in the
+# middle of its second file's copy: the test kills it there.
+_STUCK_FETCH = """
+import shutil, sys, time
+from pathlib import Path
+from catalog_es.registry import MirrorRegistry
+copy = shutil.copyfileobj
+copied = []
+def copy_then_stick(source, target, length=0):
+    copy(source, target, length)
+    copied.append(target)
+    if len(copied) == 2:
+        target.flush()
+        print("stuck", flush=True)
+        time.sleep(60)
+shutil.copyfileobj = copy_then_stick
+mirror, repository, commit, into = sys.argv[1:]
+registry = MirrorRegistry(Path(mirror))
+registry.fetch(repository, commit, sorted(registry.files(repository, commit)), Path(into))
+"""
+
+
+def test_the_partial_copies_of_a_killed_fetch_are_deleted_by_the_next(
+    world: World, tracked: Weights
+) -> None:
+    """Killed outright, a fetch cannot clean up after itself: the next fetch
+    into the same repository's folder deletes its partial copies (weights run
+    to gigabytes), and leaves alone those of fetches still running."""
+    c2 = world.mirror.publish("org/m", V2)
+    repository = world.store / "org/m"
+    stuck = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            _STUCK_FETCH,
+            str(world.mirror.root),
+            "org/m",
+            c2,
+            str(repository / c2),
+        ],
+        stdout=subprocess.PIPE,
+        cwd=Path(__file__).parent.parent,
+    )
+    try:
+        assert stuck.stdout is not None
+        assert stuck.stdout.readline() == b"stuck\n"
+        running = [p.name for p in repository.iterdir() if ".partial." in p.name]
+        assert len(running) == 1
+        tracked.update("m", world.c1, by="bob")  # a fetch beside the running one
+        assert [p.name for p in repository.iterdir() if ".partial." in p.name] == running
+    finally:
+        stuck.kill()
+        stuck.wait()
+    assert any((repository / running[0]).iterdir())  # the kill left a partial copy
+
+    tracked.update("m", by="bob")
+    assert sorted(p.name for p in repository.iterdir()) == sorted([world.c1, c2])
+    assert verify(repository / c2, origin_of("org/m", c2, V2).files, world.store) == []
 
 
 def test_a_commit_the_mirror_does_not_have_is_refused(world: World, tracked: Weights) -> None:
