@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -567,6 +568,31 @@ def test_serve_records_the_declared_config_at_start(tmp_path: Path, config_file:
         server.terminate()
         server.wait(timeout=10)
     assert count_events(db) == 1
+
+
+@pytest.mark.parametrize("where", ["taken", "unknown host"])
+def test_serve_that_cannot_listen_is_refused_before_it_records_anything(
+    tmp_path: Path, config_file: str, where: str
+) -> None:
+    db = f"sqlite:///{tmp_path}/serve.db"
+    tokens = tmp_path / "tokens.json"
+    TokenStore(tokens).add("ops", "read")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        host = "127.0.0.1" if where == "taken" else "no-such-host.invalid"
+        command = ["--db", db, "--config", config_file, "serve", "--host", host]
+        command += ["--port", port, "--tokens", str(tokens)]
+        served = CliRunner().invoke(cli, command)
+    assert served.exit_code == 1, served.output
+    (line,) = served.stderr.splitlines()
+    assert line.startswith(
+        "error: cannot listen on '127.0.0.1' port"
+        if where == "taken"
+        else "error: --host 'no-such-host.invalid': "
+    )
+    assert count_events(db) == 0
 
 
 def _wait_for(url: str, headers: dict[str, str]) -> httpx.Response:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import socket
 from types import FrameType
 
 import click
@@ -18,7 +19,7 @@ from catalog_es.cli.base import (
     shared_options,
     table,
 )
-from catalog_es.errors import InputError
+from catalog_es.errors import InputError, shown
 from catalog_es.web.tokens import Role
 
 TOKENS_HELP = "The tokens file (env CATALOG_ES_TOKENS; default ./catalog-tokens.json)."
@@ -58,6 +59,9 @@ def serve(settings: Settings, host: str, port: int, tokens_file: str | None) -> 
             err=True,
         )
     models = settings.models()
+    # Listening first: a server that cannot (the port taken, a host that does
+    # not resolve) is refused before it records anything in the log.
+    sockets = _listening(host, port)
     let_warnings_through()  # a server's log tells them as they come
     revision = models.record_declaration(by=settings.actor)
     app = bootstrap.open_web_app(models, tokens)
@@ -68,8 +72,10 @@ def serve(settings: Settings, host: str, port: int, tokens_file: str | None) -> 
     # what a command later replaces holds no cycles, and is freed as usual.
     gc.collect()
     gc.freeze()
-    click.echo(
-        f"serving the catalog at revision {revision} on http://{host}:{port}/ "
+    bound = sockets[0].getsockname()
+    address = f"[{bound[0]}]" if sockets[0].family == socket.AF_INET6 else bound[0]
+    say(
+        f"serving the catalog at revision {revision} on http://{address}:{bound[1]}/ "
         f"(console /console/, API docs /docs)",
         err=True,
     )
@@ -84,7 +90,36 @@ def serve(settings: Settings, host: str, port: int, tokens_file: str | None) -> 
             end_streams(app)
             super().handle_exit(sig, frame)
 
-    Server(config).run()
+    Server(config).run(sockets=sockets)
+
+
+def _listening(host: str, port: int) -> list[socket.socket]:
+    """Sockets bound to every address ``host`` names, as uvicorn would bind
+    them itself (``localhost``: IPv4 and IPv6 alike)."""
+    try:
+        found = socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+    except (OSError, UnicodeError) as error:
+        raise InputError(
+            f"--host {shown(host)}: {getattr(error, 'strerror', None) or error}"
+        ) from None
+    sockets: list[socket.socket] = []
+    try:
+        for family, kind, protocol, _, address in dict.fromkeys(found):
+            sock = socket.socket(family, kind, protocol)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+    except OSError as error:
+        for sock in sockets:
+            sock.close()
+        raise InputError(
+            f"cannot listen on {shown(host)} port {port}: {error.strerror or error}"
+        ) from None
+    return sockets
 
 
 @cli.group("token")
