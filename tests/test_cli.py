@@ -359,6 +359,10 @@ def test_a_bad_definition_on_standard_input_is_refused(
     assert rows() == 2
 
 
+# One file named twice with two digests: which one would be recorded?
+TWO_DIGESTS = ["--file", f"w.bin={'a' * 64}", "--file", f"w.bin={'b' * 64}"]
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -393,6 +397,11 @@ def test_a_bad_definition_on_standard_input_is_refused(
         pytest.param(["model", "source", "m", "hf://a b"], "white space", id="source-space"),
         pytest.param(
             ["model", "source", "m", "s3://w", "--file", "w.bin=nothex"], "sha256", id="sha"
+        ),
+        pytest.param(
+            ["model", "source", "m", "s3://w", "--repository", "o/m", *TWO_DIGESTS],
+            "--file 'w.bin' is given more than once",
+            id="file-twice",
         ),
         pytest.param(["model", "show", TEN_KB_NAME[:200]], "is not in the catalog", id="show"),
         pytest.param(

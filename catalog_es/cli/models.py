@@ -156,13 +156,17 @@ def model_owner(settings: Settings, name: str, owner: str) -> None:
 
 
 def _pairs(values: Iterable[str], what: str) -> list[tuple[str, str]]:
-    pairs = []
+    """``NAME=VALUE`` options, each name once: a second value for one name is
+    refused rather than left to win."""
+    pairs: dict[str, str] = {}
     for value in values:
         key, sep, rest = value.partition("=")
         if not sep or not key or not rest:
             raise InputError(f"{what} {shown(value)}: expected NAME=VALUE")
-        pairs.append((key, rest))
-    return pairs
+        if key in pairs:
+            raise InputError(f"{what} {shown(key)} is given more than once")
+        pairs[key] = rest
+    return list(pairs.items())
 
 
 @model.command("adapters")
