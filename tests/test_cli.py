@@ -624,6 +624,16 @@ def test_warnings_escape_what_a_terminal_would_act_on(tmp_path: Path) -> None:
     assert b"\x1b" not in done.stderr and b"\x07" not in done.stderr
 
 
+def test_a_usage_error_escapes_what_a_terminal_would_act_on(tmp_path: Path) -> None:
+    """Click tells an extra argument as given: with color on, as on a
+    terminal, nothing strips an escape sequence in it."""
+    db = f"sqlite:///{tmp_path}/catalog.db"
+    done = CliRunner().invoke(cli, ["--db", db, "model", "list", "x\x1b]0;PWNED\x07"], color=True)
+    assert done.exit_code == 2
+    assert "unexpected extra argument (x\\x1b]0;PWNED\\x07)" in done.stderr
+    assert "\x1b" not in done.stderr and "\x07" not in done.stderr
+
+
 def test_a_refusal_is_one_line_whatever_the_load_warned_of(tmp_path: Path) -> None:
     """Loading a log with skipped events warns of each (ten, then a count), but
     a refused command still prints one line, its error; a command that did

@@ -7,6 +7,7 @@ or JSON with ``--json``), warnings and errors to stderr. Exit 0 on success,
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
@@ -314,7 +315,15 @@ class CatalogGroup(click.Group):
         except click.exceptions.Exit as done:
             told = done.exit_code == 0
             raise
-        except (click.ClickException, click.Abort, KeyboardInterrupt):
+        except click.ClickException as error:
+            # Click quotes most of what it refuses, but not all (an extra
+            # argument is told as given): its lines escaped as say() escapes.
+            told_by_click = io.StringIO()
+            error.show(file=told_by_click)
+            for line in told_by_click.getvalue().splitlines():
+                say(line, err=True)
+            ctx.exit(error.exit_code)
+        except (click.Abort, KeyboardInterrupt):
             raise
         except BrokenPipeError:
             # The reader went away (`catalog-es log | head`): nothing to tell
