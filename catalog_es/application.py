@@ -513,13 +513,17 @@ class Models(AuditTrail, Application[UUID]):
         writes the declared-config record even with no change planned;
         ``streams``: the models whose stream versions the plan will need."""
         _check_meta(by, reason)
-        wait = self._take_write_lock()
+        # A dry run reads one view of the log and writes nothing: it neither
+        # waits for writers nor holds them up (a reader's dry-run rollback of
+        # a large catalog held every node's writes for seconds).
+        locked = not dry_run
+        wait = self._take_write_lock() if locked else None
         known, state, holding = self._known, self._state, False
         snapshot: bytes | None = None
         try:
             with collector_paused():
                 try:
-                    with self.store.write(wait) as conn:
+                    with self.store.write(wait) if locked else self.store.read() as conn:
                         state.acquire()
                         holding = True
                         # One read says whether another writer moved the log since
@@ -559,7 +563,9 @@ class Models(AuditTrail, Application[UUID]):
                             holding = False
                             state.release()
                         plan(batch)
-                        if dry_run or not (batch.changes or (records_only and batch.records)):
+                        if dry_run:
+                            return head, batch.changes
+                        if not (batch.changes or (records_only and batch.records)):
                             self.store.abandon(conn)
                             return head, batch.changes
                         # Straight to the recorder: eventsourcing's EventStore.put
@@ -605,7 +611,8 @@ class Models(AuditTrail, Application[UUID]):
         finally:
             if holding:
                 state.release()
-            self._lock.release()
+            if locked:
+                self._lock.release()
 
     def _put_in_force(self, batch: Batch, revisions: Sequence[int], several: bool) -> None:
         """The catalog in force after ``batch``, written at ``revisions``."""
@@ -785,13 +792,17 @@ class Models(AuditTrail, Application[UUID]):
             result_diff: dict[str, Any] = {}
 
             def plan(batch: Batch) -> None:
+                # The batch's own copy of the catalog at the head, kept before
+                # the plan changes it: the one in force may move meanwhile (a
+                # dry run holds no lock).
+                head = batch.catalog.copy()
                 notes.extend(plan_rollback(batch, target, model=model, only=only))
                 # From the head to what the rollback makes: the catalog at ``to``.
                 result_diff.update(
-                    diff_catalogs(self.catalog, batch.catalog, model=model),
+                    diff_catalogs(head, batch.catalog, model=model),
                     to=target_revision,
                     declared={
-                        "from": _declaration(self.catalog),
+                        "from": _declaration(head),
                         "to": _declaration(target),
                         "today": self.declared.fingerprint,
                     },

@@ -307,6 +307,32 @@ def test_a_server_waiting_for_another_writer_still_answers_reads_and_refuses_in_
     models.close()
 
 
+def test_a_dry_run_rollback_neither_waits_for_nor_holds_up_writers(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A dry run writes nothing, so it reads one view of the log without the
+    write lock: a reader's dry-run rollback of a large catalog held every
+    node's writes while it planned, for seconds (hostile test). With another
+    writer holding the lock, it answers at once, from the head it read."""
+    monkeypatch.setenv(LOCK_WAIT_ENV, "1")
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
+    models.add(model_spec("m"), by="setup")
+    added = models.revision
+    models.scale("m", 0, 3, by="ops")
+    rows = count_events(db_url)
+    with write_lock_held(db_url):
+        started = time.monotonic()
+        dry = models.rollback(added, dry_run=True, by="reader")
+        assert time.monotonic() - started < 0.5
+    assert (dry["revision"], dry["written"]) == (added + 1, False)
+    assert dry["events"] == [
+        {"model": "m", "event": "Scaled", "fields": {"scaling": {"min": 1, "max": 1}}}
+    ]
+    assert dry["diff"] == models.diff(added + 1, added)
+    assert count_events(db_url) == rows
+    models.close()
+
+
 def test_audit_queries_waiting_for_another_writer_are_refused_within_one_wait(
     db_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
