@@ -15,6 +15,12 @@ def shown(value: object, limit: int = SHOWN_LENGTH) -> str:
     return cut_short(repr(value), limit)
 
 
+def first_line(text: str) -> str:
+    """What a library's message says first: SQLAlchemy's and the drivers' run
+    on over several lines, the first saying what went wrong."""
+    return next(iter(text.strip().splitlines()), "")
+
+
 def cut_short(text: str, limit: int) -> str:
     """``text``, or its first ``limit`` characters and an ellipsis."""
     return text if len(text) <= limit else f"{text[:limit]}…"

@@ -24,11 +24,11 @@ from click.testing import CliRunner
 from catalog_es.application import Models
 from catalog_es.cli import cli
 from catalog_es.errors import StorageBusy
-from catalog_es.inputs import MAX_CHANGES
+from catalog_es.inputs import MAX_CHANGES, DeclaredConfig
 from catalog_es.web.app import create_app
 from catalog_es.web.tokens import TokenStore
 from tests.helpers import config_yaml, count_events, definition, spec
-from tests.serving import bearer, free_port, serving, tokens_for_roles
+from tests.serving import Proxy, bearer, free_port, serving, tokens_for_roles
 
 DECLARED_YAML = config_yaml(spec("base"))  # one declared model
 
@@ -593,6 +593,43 @@ def test_serve_that_cannot_listen_is_refused_before_it_records_anything(
         else "error: --host 'no-such-host.invalid': "
     )
     assert count_events(db) == 0
+
+
+def test_a_database_that_went_away_is_a_503_to_retry_and_nothing_is_written(
+    pg_url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """PostgreSQL restarting or failing over under a running server: each
+    request answers JSON that says to try again, as a busy log does, not a
+    bare 500 with a traceback in the log (hostile test)."""
+    direct = sa.make_url(pg_url)
+    proxy = Proxy((direct.host or "127.0.0.1", direct.port or 5432))
+    through = direct.set(port=proxy.port).render_as_string(hide_password=False)
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": through})
+    models.add(spec("m"), by="setup")
+    tokens, token = tokens_for_roles(tmp_path / "tokens.json")
+    with serving(create_app(models, tokens)) as url, httpx.Client(base_url=url) as client:
+        assert client.get("/revision", headers=bearer(token["read"])).status_code == 200
+        proxy.cut()
+        rows = count_events(pg_url)
+        read = client.get("/revision", headers=bearer(token["read"]))
+        scaled = client.post("/models/m/scale", json={"max": 2}, headers=bearer(token["write"]))
+    for response in (read, scaled):
+        assert refused(response, 503) == "the database could not be used; try again"
+        assert response.headers["retry-after"] == "1"
+    assert count_events(pg_url) == rows
+    told = [r.getMessage() for r in caplog.records if "could not be used" in r.getMessage()]
+    assert told[0].startswith("GET /revision: the database could not be used: ")
+    models.close()
+
+
+def test_what_no_handler_expected_is_a_json_500_and_a_traceback_in_the_log(
+    api: Api, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken() -> None:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(api.models, "refresh", broken)
+    assert refused(api.get("/revision"), 500).startswith("internal error")
 
 
 def _wait_for(url: str, headers: dict[str, str]) -> httpx.Response:

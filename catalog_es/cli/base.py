@@ -25,7 +25,7 @@ from rich.table import Table
 
 from catalog_es import bootstrap
 from catalog_es.application import CommandResult, Models
-from catalog_es.errors import ConfigError, InputError, Refused
+from catalog_es.errors import ConfigError, InputError, Refused, first_line
 from catalog_es.inputs import MAX_REVISION, revision_or_time
 
 # Revisions and counts, as the options that take them read them: no more than
@@ -351,12 +351,8 @@ def failure_line(error: Exception) -> str:
     driver = error.orig if isinstance(error, sa.exc.DBAPIError) else error
     kind = type(driver)
     if kind.__module__.split(".")[0] in ("sqlite3", "psycopg") and kind.__name__ in _UNUSABLE:
-        return f"error: the database could not be used: {_first_line(str(driver))}"
-    return f"error: unexpected {type(error).__name__}: {_first_line(str(error))}"
-
-
-def _first_line(text: str) -> str:
-    return next(iter(text.strip().splitlines()), "")
+        return f"error: the database could not be used: {first_line(str(driver))}"
+    return f"error: unexpected {type(error).__name__}: {first_line(str(error))}"
 
 
 @click.group(cls=CatalogGroup, context_settings={"help_option_names": ["-h", "--help"]})

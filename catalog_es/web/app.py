@@ -12,6 +12,7 @@ the service blocks on the database.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Mapping
 from datetime import datetime
@@ -19,6 +20,7 @@ from importlib.metadata import version
 from typing import Annotated, Any, Protocol, TypeVar
 
 import msgspec
+import sqlalchemy as sa
 from fastapi import APIRouter, Depends, FastAPI, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
@@ -36,6 +38,7 @@ from catalog_es.errors import (
     Refused,
     RevisionConflict,
     StorageBusy,
+    first_line,
     shown,
 )
 from catalog_es.inputs import (
@@ -69,6 +72,8 @@ from catalog_es.inputs import (
 from catalog_es.web.events import event_stream
 from catalog_es.web.tokens import Caller, Role, TokenStore
 from projections.audit import Filters
+
+log = logging.getLogger("catalog_es")
 
 REVISION_HEADER = "X-Catalog-Revision"
 BODY = "request body"
@@ -653,6 +658,26 @@ def _errors(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid_request(_request: Request, error: RequestValidationError) -> Response:
         return error_response(422, describe_problems(list(error.errors())))
+
+    @app.exception_handler(sa.exc.OperationalError)
+    @app.exception_handler(sa.exc.InterfaceError)
+    async def database_unusable(request: Request, error: Exception) -> Response:
+        # The database down, restarting or failing over: try again later. What
+        # the driver said is for the server's log, not for every client.
+        log.warning(
+            "%s %s: the database could not be used: %s",
+            request.method,
+            request.url.path,
+            first_line(str(getattr(error, "orig", None) or error)),
+        )
+        return error_response(
+            503, "the database could not be used; try again", {"Retry-After": "1"}
+        )
+
+    @app.exception_handler(Exception)
+    async def unexpected(_request: Request, _error: Exception) -> Response:
+        # Starlette logs the traceback after this answer: JSON, as every other.
+        return error_response(500, "internal error; the server's log tells what happened")
 
 
 def end_streams(app: FastAPI) -> None:
