@@ -43,18 +43,19 @@ def _source(now: ModelSpec, then: ModelSpec) -> list[Step]:
 
 
 def _resources(now: ModelSpec, then: ModelSpec) -> list[Step]:
-    """One ``ResourcesSet`` per profile whose memory or cores differ. Only when
-    the profiles are otherwise the same: anything else takes a re-add."""
-    if [p.name for p in now.profiles] != [p.name for p in then.profiles]:
-        return []
+    """One ``ResourcesSet`` per profile of both whose memory or cores differ.
+    A profile only one of them has takes a re-add (:func:`_steps_for`), or,
+    under ``--only resources``, is left as it is, with a note."""
+    profiles_now = {p.name: p for p in now.profiles}
     return [
         (
             Model.ResourcesSet,
             then.name,
             {"profile": b.name, "memory_gb": b.min_memory_gb, "cpu_cores": b.cpu_cores},
         )
-        for a, b in zip(now.profiles, then.profiles, strict=True)
-        if (a.min_memory_gb, a.cpu_cores) != (b.min_memory_gb, b.cpu_cores)
+        for b in then.profiles
+        if (a := profiles_now.get(b.name)) is not None
+        and (a.min_memory_gb, a.cpu_cores) != (b.min_memory_gb, b.cpu_cores)
     ]
 
 
@@ -107,7 +108,7 @@ def plan_rollback(
         raise InputError(f"--only {only!r}: choose one of {', '.join(DIMENSIONS)}")
     current = batch.catalog
     notes: list[str] = []
-    names = sorted(set(current.aggregates) | set(target.aggregates))
+    names = sorted(set(current.aggregates) | set(target.aggregates) | set(target.unhealed()))
     if model is not None:
         if model not in names and not current.is_declared(model):
             raise Refused(f"model {model!r} has no runtime history to roll back")
@@ -123,11 +124,25 @@ def plan_rollback(
                 )
             continue
         now, then = current.aggregate(name).spec, target.aggregate(name).spec
+        if then is None and target.was_skipped(name):
+            # Today's config cannot take what it was then: said, not passed over.
+            skip = next(s for s in reversed(target.skipped) if s.model == name)
+            notes.append(
+                f"model {name!r} is left out: over today's config its record at revision "
+                f"{skip.revision} does not load ({skip.reason})"
+            )
         planned = _steps_for(now, then, only, batch)
         if only is not None and now != then and (now is None or then is None):
             notes.append(
                 f"model {name!r} is not in force at both revisions; --only {only} leaves it"
             )
+        elif only == "resources" and now is not None and then is not None:
+            changed = {p.name for p in now.profiles} ^ {p.name for p in then.profiles}
+            if changed:
+                notes.append(
+                    f"model {name!r}: --only resources leaves the profiles only one revision "
+                    f"has as they are ({', '.join(sorted(changed))})"
+                )
         steps.extend(planned)
     _decide_in_a_valid_order(batch, steps, target.revision)
     return notes

@@ -905,6 +905,50 @@ def test_rollback_leaves_out_a_model_the_config_now_declares(
     assert any("'shadow' is declared in configuration now" in n for n in result["notes"])
 
 
+def test_rollback_notes_a_model_todays_config_cannot_take_as_it_was(
+    open_models: Callable[..., Models], tmp_path: Path
+) -> None:
+    """At the revision rolled back to, ``a`` fell back to the declared
+    ``base``, which today's config no longer declares: over today's config
+    ``a`` cannot be put back, and the rollback says so rather than answer
+    that all is as it was (hostile test)."""
+    models = open_models()
+    models.add(spec("a", fallbacks=["base"]), by="x")
+    target = models.revision
+    models.remove("a", by="y")
+    other = tmp_path / "other.yaml"
+    other.write_text(DECLARED_YAML.replace("base", "other"))
+    reopened = open_models(config=other)
+    for model in (None, "a"):
+        result = reopened.rollback(target, model=model, dry_run=True, by="ops")
+        assert result["events"] == []
+        (note,) = result["notes"]
+        assert note.startswith(
+            f"model 'a' is left out: over today's config its record at revision {target} "
+            "does not load (model 'a': fallbacks: names 'base', which is not in the catalog"
+        )
+
+
+def test_rollback_of_resources_alone_takes_the_profiles_both_revisions_have(
+    open_models: Callable[..., Models],
+) -> None:
+    """A profile added since: the one both have still goes back, and the note
+    says the other is left (it was answered as already as it was)."""
+    models = open_models()
+    gpu = {"name": "g", "gpus": 1, "min_memory_gb": 32, "cpu_cores": 4}
+    models.add(spec("a", profiles=[gpu]), by="x")
+    target = models.revision
+    models.add(spec("a", profiles=[gpu, {"name": "c", "gpus": 0, "min_memory_gb": 8}]), by="x")
+    models.set_resources("a", profile="g", memory_gb=64, cpu_cores=16, by="y")
+    result = models.rollback(target, only="resources", by="ops")
+    assert result["notes"] == [
+        "model 'a': --only resources leaves the profiles only one revision has as they are (c)"
+    ]
+    profiles = {p["name"]: p for p in models.get_model("a")["profiles"]}
+    assert (profiles["g"]["min_memory_gb"], profiles["g"]["cpu_cores"]) == (32, 4)
+    assert set(profiles) == {"g", "c"}
+
+
 # -- watch ------------------------------------------------------------------------------------
 
 
