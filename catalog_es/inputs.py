@@ -774,11 +774,18 @@ def in_utc(moment: datetime, said: str) -> datetime:
         raise InputError(f"{said}: outside the times UTC can hold (years 1 to 9999)") from None
 
 
-_EVENT_NAMES = {cls.__name__.lower(): cls.__name__ for cls in EVENT_TYPES}
+# What the audit's and the refusals' rows carry: the model events' names, a
+# declared-config record's, and a refused rollback's (which has no event of
+# its own: a rollback that goes through writes the events it plans).
+_EVENT_NAMES = {
+    name.lower(): name
+    for name in (*(cls.__name__ for cls in EVENT_TYPES), "ConfigDeclared", "Rollback")
+}
 
 
 def event_type(text: str, option: str) -> str:
-    """An event type's name (``Scaled``), in any case."""
+    """An event type's name (``Scaled``), in any case: a value the audit's or
+    the refusals' rows carry."""
     name = _EVENT_NAMES.get(text.lower())
     if name is None:
         known = ", ".join(_EVENT_NAMES.values())

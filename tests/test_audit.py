@@ -1336,6 +1336,24 @@ def test_cli_json_is_what_the_queries_return(models: Models, db: str, config: Pa
         assert json.loads(result.stdout) == expected, args
 
 
+def test_the_type_filter_takes_every_event_the_rows_carry(
+    models: Models, db: str, config: Path
+) -> None:
+    """A declared-config record is a ConfigDeclared row, a refused rollback a
+    Rollback refusal: values the --json rows carry, refused by the filter
+    (hostile test)."""
+    with pytest.raises(Refused):
+        models.rollback(10**6, by="erin")
+    declared = invoke(db, config, "audit", "--type", "configdeclared", "--json")
+    assert declared.exit_code == 0, declared.stderr
+    rows = json.loads(declared.stdout)
+    assert rows and {r["event"] for r in rows} == {"ConfigDeclared"}
+    assert rows == [r for r in models.audit() if r["event"] == "ConfigDeclared"]
+    refused = invoke(db, config, "refusals", "--type", "Rollback", "--json")
+    assert refused.exit_code == 0, refused.stderr
+    assert [(r["event"], r["by"]) for r in json.loads(refused.stdout)] == [("Rollback", "erin")]
+
+
 def test_a_bound_between_two_microseconds_is_not_rounded_down(
     models: Models, db: str, config: Path
 ) -> None:

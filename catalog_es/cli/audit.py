@@ -45,7 +45,7 @@ def audit_filters(f: F) -> F:
             "event_type",
             metavar="EVENT",
             callback=_event_option,
-            help="Only this event type (e.g. Scaled).",
+            help="Only this event type (e.g. Scaled; ConfigDeclared, Rollback).",
         ),
         click.option(
             "--since",

@@ -565,7 +565,11 @@ def audit_filters(
     model: Annotated[str | None, Query(description="Only this model.")] = None,
     by: Annotated[str | None, Query(description="Only this actor's.")] = None,
     event: Annotated[
-        str | None, Query(alias="type", description="Only this event type (e.g. `Scaled`).")
+        str | None,
+        Query(
+            alias="type",
+            description="Only this event type (e.g. `Scaled`; `ConfigDeclared`, `Rollback`).",
+        ),
     ] = None,
     since: Annotated[
         str | None, Query(description="From this UTC time (or date) on, inclusive.")
