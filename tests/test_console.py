@@ -187,6 +187,19 @@ def test_console_models_history_time_travel_and_rollback(
         assert count_events(db) > written
         last = list(models.log_events(after=written))
         assert {(e["by"], e["rollback_to"]) for e in last} == {("admin-user", 2)}
+
+        # An address whose %-escapes are broken is told, not thrown.
+        page.goto(f"{url}/console/#/model/%E0%A4%A")
+        expect(page.locator("#error")).to_contain_text("This address names no model")
+
+        # Revoked, the token's live stream ends, and the console signs out.
+        (admin,) = [e for e in tokens.describe() if e["actor"] == "admin-user"]
+        tokens.remove(admin["id"])
+        models.set_owner("qwen2.5-7b-instruct", "team:x", by="dave")
+        expect(page.locator("#login")).to_be_visible()
+        expect(page.locator("#login-error")).to_have_text(
+            "the token is not valid (unknown or revoked)"
+        )
         page.close()
     assert errors == []
     models.close()

@@ -493,6 +493,21 @@ def test_watch_streams_changes_after_a_revision_then_live(api: Api) -> None:
     assert refused(api.client.get("/events"), 401)
 
 
+def test_a_stream_ends_once_its_token_is_revoked(api: Api) -> None:
+    """Revoked, a token is refused from its next request on; its open stream
+    stopped getting changes only when the client left (hostile test)."""
+    api.post("/models", definition("qwen"))
+    with api.client.stream("GET", "/events", params={"from": 1}, headers=api.as_("read")) as stream:
+        lines = stream.iter_lines()
+        (seen,) = _sse_events(lines, 1)
+        (reader,) = [e for e in api.tokens.describe() if e["actor"] == "read-user"]
+        api.tokens.remove(reader["id"])
+        ok(api.post("/models/qwen/scale", {"max": 4}))
+        assert [line for line in lines if line.startswith("data: ")] == []  # ended, unsent
+    assert seen["revision"] == 2
+    assert refused(api.get("/events", params={"from": 2}), 401)
+
+
 # -- concurrency ----------------------------------------------------------------------
 
 

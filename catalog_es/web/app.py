@@ -539,6 +539,7 @@ def skipped(caller: Reader, models: Service) -> Response:
 def watch(
     request: Request,
     caller: Reader,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
     models: Service,
     after: Annotated[
         int | None,
@@ -555,7 +556,14 @@ def watch(
         after = whole_number(resume)
         if after is None:
             raise InputError(f"Last-Event-ID {shown(resume)}: past any revision a log can hold")
-    return event_stream(models.watch(after or 0), request.app.state.closing)
+    tokens: TokenStore = request.app.state.tokens
+    assert credentials is not None  # the caller was verified by it
+    token = credentials.credentials
+    return event_stream(
+        models.watch(after or 0),
+        request.app.state.closing,
+        lambda: tokens.verify(token) is not None,
+    )
 
 
 # -- the audit trail ---------------------------------------------------------------

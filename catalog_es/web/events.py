@@ -8,7 +8,8 @@ stream; ``finally`` then stops the watch, which ends the blocked ``next``,
 and closes the generator on that same thread, so the subscription's
 ``with`` block (a PostgreSQL LISTEN connection) is left where it was entered.
 A server shutting down sets ``closing``: the streams end within a wake-up,
-rather than holding the shutdown until they are cancelled.
+rather than holding the shutdown until they are cancelled; so does a stream
+whose token was revoked.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import asyncio
 import json
 import threading
 import time
-from collections.abc import AsyncIterator, Generator
+from collections.abc import AsyncIterator, Callable, Generator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
 
@@ -38,7 +39,9 @@ def sse_message(event: dict[str, Any]) -> str:
     return f"id: {event['revision']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
 
 
-async def _messages(watch: Watch, closing: threading.Event) -> AsyncIterator[str]:
+async def _messages(
+    watch: Watch, closing: threading.Event, allowed: Callable[[], bool]
+) -> AsyncIterator[str]:
     loop = asyncio.get_running_loop()
     worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="catalog-es-watch")
     # ``Watch.__iter__`` is a generator function: it can be closed.
@@ -48,7 +51,9 @@ async def _messages(watch: Watch, closing: threading.Event) -> AsyncIterator[str
         # Sent at once, so a client knows the stream is open before any change.
         yield ": watching\n\n"
         quiet_since = time.monotonic()
-        while not closing.is_set():
+        # The token is asked again at every wake-up: one revoked while its
+        # stream is open stops getting changes within one, as its requests do.
+        while not closing.is_set() and allowed():
             if pending is None:
                 pending = loop.run_in_executor(worker, next, events, None)
             done, _ = await asyncio.wait({pending}, timeout=WAKE_UP_SECONDS)
@@ -60,7 +65,7 @@ async def _messages(watch: Watch, closing: threading.Event) -> AsyncIterator[str
             quiet_since = time.monotonic()
             event = pending.result()
             pending = None
-            if event is None:
+            if event is None or not allowed():
                 return
             yield sse_message(event)
     finally:
@@ -70,9 +75,12 @@ async def _messages(watch: Watch, closing: threading.Event) -> AsyncIterator[str
         worker.shutdown(wait=False)
 
 
-def event_stream(watch: Watch, closing: threading.Event) -> StreamingResponse:
+def event_stream(
+    watch: Watch, closing: threading.Event, allowed: Callable[[], bool]
+) -> StreamingResponse:
+    """``watch`` as a stream, for as long as ``allowed`` (the caller's token)."""
     return StreamingResponse(
-        _messages(watch, closing),
+        _messages(watch, closing, allowed),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )

@@ -57,8 +57,17 @@ function route() {
   const [path, query] = location.hash.replace(/^#/, "").split("?");
   const params = new URLSearchParams(query || "");
   const at = params.has("at") ? Number(params.get("at")) : null;
-  if (path.startsWith("/model/")) return { page: "model", name: decodeURIComponent(path.slice(7)), at };
+  if (path.startsWith("/model/")) return { page: "model", name: decoded(path.slice(7)), at };
   return { page: "models", at };
+}
+
+// A name as the address spells it; null when it is no %-encoding at all.
+function decoded(text) {
+  try {
+    return decodeURIComponent(text);
+  } catch {
+    return null;
+  }
 }
 
 function href(page, name, at) {
@@ -110,6 +119,12 @@ async function follow() {
       headers: { Authorization: `Bearer ${token()}` },
       signal: controller.signal,
     });
+    if (response.status === 401) {
+      // Revoked (a stream ends once its token is): as any other request's 401.
+      const data = await response.json().catch(() => null);
+      signOut(data && data.error);
+      return;
+    }
     if (!response.ok) throw new ApiError(response.status, "watch refused");
     $("#live").classList.add("on");
     const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
@@ -422,6 +437,9 @@ async function render() {
   const where = route();
   $("#error").textContent = "";
   try {
+    if (where.page === "model" && where.name === null) {
+      throw new Error("This address names no model: its %-escapes are broken.");
+    }
     state.head = Math.max(state.head, (await api("/revision")).revision);
     const at = where.at !== null && where.at < state.head ? where.at : null;
     const content = where.page === "model" ? await modelPage(where.name, at) : await modelsPage(at);
