@@ -352,6 +352,16 @@ def test_a_stale_if_match_is_409_and_writes_nothing(api: Api) -> None:
     assert ok(api.post("/models/qwen/scale", {"max": 3}, **{"If-Match": "2"}))["revision"] == 3
     assert ok(api.post("/models/qwen/scale", {"max": 4}, **{"If-Match": "*"}))["revision"] == 4
     assert refused(api.post("/models/qwen/scale", {"max": 5}, **{"If-Match": "x"}), 422)
+    # A weak tag never matches; of two headers, which counts would be a guess.
+    weak = api.post("/models/qwen/scale", {"max": 5}, **{"If-Match": 'W/"4"'})
+    assert refused(weak, 422).startswith("If-Match 'W/\"4\"': a weak tag never matches")
+    two = [*api.as_("write").items(), ("If-Match", "*"), ("If-Match", "1")]
+    stale = api.client.post("/models/qwen/scale", json={"max": 5}, headers=two)
+    assert refused(stale, 422) == "more than one If-Match header: send one"
+    twice = api.client.post(
+        "/models/qwen/scale?reason=a&reason=b", json={"max": 5}, headers=api.as_("write")
+    )
+    assert refused(twice, 422) == "reason is given more than once in the query: give it once"
     assert count_events(api.db) == before + 2
 
 

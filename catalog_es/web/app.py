@@ -169,6 +169,7 @@ Writer = Annotated[Caller, Depends(caller_with(Role.write))]
 
 
 def expected_revision(
+    request: Request,
     if_match: Annotated[
         str | None,
         Header(
@@ -177,16 +178,39 @@ def expected_revision(
         ),
     ] = None,
 ) -> int | None:
+    if len(request.headers.getlist("if-match")) > 1:
+        # Which one counts is a guess a proxy and this server may make apart,
+        # and `*` first would let a stale change through.
+        raise InputError("more than one If-Match header: send one")
     if if_match is None or if_match.strip() == "*":
         return None
-    revision = whole_number(if_match.strip().removeprefix("W/").strip('"'))
+    given = if_match.strip()
+    if given.startswith("W/"):
+        raise InputError(
+            f"If-Match {shown(given, 40)}: a weak tag never matches (If-Match compares "
+            'strong tags): send "12" or 12'
+        )
+    revision = whole_number(given.strip('"'))
     if revision is None:
         raise InputError(f"If-Match {if_match[:40]!r}: not a revision (e.g. If-Match: 12)")
     return revision
 
 
 ExpectedRevision = Annotated[int | None, Depends(expected_revision)]
-Reason = Annotated[str, Query(description="Why, recorded with the change.")]
+
+
+def reason_value(
+    request: Request,
+    reason: Annotated[str, Query(description="Why, recorded with the change.")] = "",
+) -> str:
+    """A second ``reason`` in the query is refused, as a second key in a body
+    is, rather than the last one recorded."""
+    if len(request.query_params.getlist("reason")) > 1:
+        raise InputError("reason is given more than once in the query: give it once")
+    return reason
+
+
+Reason = Annotated[str, Depends(reason_value)]
 
 
 def command_meta(caller: Caller, reason: str, expected: int | None) -> dict[str, Any]:
@@ -351,7 +375,7 @@ def add_model(
     spec_data: Document,
     models: Service,
     expected: ExpectedRevision,
-    reason: Reason = "",
+    reason: Reason,
 ) -> Response:
     """Add a model, or replace the definition of a runtime one (`replaced`)."""
     spec = model_from_data(spec_data, BODY)
@@ -360,7 +384,7 @@ def add_model(
 
 @route.delete(MODEL, tags=["commands"])
 def remove_model(
-    name: str, caller: Writer, models: Service, expected: ExpectedRevision, reason: Reason = ""
+    name: str, caller: Writer, models: Service, expected: ExpectedRevision, reason: Reason
 ) -> Response:
     """Take a runtime model out of the catalog."""
     return command_response(models.remove(name, **command_meta(caller, reason, expected)))
@@ -380,7 +404,7 @@ def model_command(verb: str, kind: type[Fields], summary: str, body: str, run: R
         data: Document,
         models: Service,
         expected: ExpectedRevision,
-        reason: Reason = "",
+        reason: Reason,
     ) -> Response:
         meta = command_meta(caller, reason, expected)
         return command_response(run(models, name, fields(kind, data), meta))
@@ -452,7 +476,7 @@ def apply_changes(
     data: Changes,
     models: Service,
     expected: ExpectedRevision,
-    reason: Reason = "",
+    reason: Reason,
 ) -> Response:
     """Several changes in one transaction, all or nothing."""
     steps = changes_from_data(data, BODY)
@@ -484,7 +508,7 @@ def rollback(
     data: Document,
     models: Service,
     expected: ExpectedRevision,
-    reason: Reason = "",
+    reason: Reason,
 ) -> Response:
     """Make the runtime catalog what it was at a revision, by compensating
     events in one transaction. Needs the admin role, except a dry run (a diff)."""
