@@ -188,6 +188,27 @@ def test_the_openapi_schema_and_the_console_are_served(api: Api) -> None:
     assert api.client.get("/console/console.js").status_code == 200
 
 
+def test_no_answer_can_be_framed_and_the_apis_are_never_cached(api: Api) -> None:
+    """A page of another site could frame the console and have its buttons
+    clicked; a browser kept the catalog in its cache after signing out
+    (hostile test). The console's own files may be cached."""
+    answers = {
+        "console": api.client.get("/console/", follow_redirects=True),
+        "models": api.get("/models"),
+        "refused": api.get("/models/nope"),
+        "unauthenticated": api.client.get("/models"),
+    }
+    for name, answer in answers.items():
+        assert answer.headers["x-frame-options"] == "DENY", name
+        assert answer.headers["content-security-policy"] == "frame-ancestors 'none'", name
+        assert answer.headers["x-content-type-options"] == "nosniff", name
+    assert "no-store" not in answers["console"].headers.get("cache-control", "")
+    for name in ("models", "refused", "unauthenticated"):
+        assert answers[name].headers["cache-control"] == "no-store", name
+    with api.client.stream("GET", "/events", headers=api.as_("read")) as stream:
+        assert stream.headers["cache-control"] == "no-cache"
+
+
 # -- refusals ----------------------------------------------------------------------
 
 

@@ -28,7 +28,9 @@ from fastapi.responses import RedirectResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ConfigDict, ValidationError
+from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from catalog_es.application import CommandResult, Models
 from catalog_es.errors import (
@@ -716,6 +718,34 @@ def _errors(app: FastAPI) -> None:
         return error_response(500, "internal error; the server's log tells what happened")
 
 
+class _Guarded:
+    """Headers on every answer: never framed by another site's page (the
+    console's buttons could be clicked through a frame), never read as
+    another type than it says, and, outside the console's own files, never
+    kept by a browser's cache once signed out (a catalog, its actors)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        console_file = scope["path"].startswith("/console/")
+
+        async def guarded(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = MutableHeaders(scope=message)
+                headers["X-Frame-Options"] = "DENY"
+                headers["Content-Security-Policy"] = "frame-ancestors 'none'"
+                headers["X-Content-Type-Options"] = "nosniff"
+                if not console_file and "cache-control" not in headers:
+                    headers["Cache-Control"] = "no-store"
+            await send(message)
+
+        await self.app(scope, receive, guarded)
+
+
 def end_streams(app: FastAPI) -> None:
     """Tell the open watch streams to end: the server is shutting down."""
     closing: threading.Event = app.state.closing
@@ -736,6 +766,7 @@ def create_app(models: Models, tokens: TokenStore) -> FastAPI:
     app.state.closing = threading.Event()  # set by ``end_streams``
     _errors(app)
     app.include_router(route)
+    app.add_middleware(_Guarded)
     app.mount(
         "/console",
         StaticFiles(packages=[("catalog_es.web", "console")], html=True),
