@@ -1315,6 +1315,11 @@ def test_cli_history_table_shows_field_changes(models: Models, db: str, config: 
     assert result.exit_code == 0, result.stderr
     assert "profiles[cpu].min_memory_gb: 4 → 8" in result.stdout
     assert "carol" in result.stdout and "OOM" in result.stdout
+    # A line per field (an addition sets them all), not one line of "\n"s.
+    assert "\\n" not in result.stdout
+    (name,) = [line for line in result.stdout.splitlines() if 'name: null → "embed"' in line]
+    (engine,) = [line for line in result.stdout.splitlines() if "engine: null → " in line]
+    assert "engine" not in name and "name" not in engine
 
 
 def test_cli_json_is_what_the_queries_return(models: Models, db: str, config: Path) -> None:

@@ -67,11 +67,12 @@ def _value(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
-def _changes_text(row: dict[str, Any]) -> str:
+def _changes_text(row: dict[str, Any]) -> list[str]:
+    """A line per field changed."""
     if row["skipped"] is not None:
-        return f"skipped on load: {row['skipped']}"
+        return [f"skipped on load: {row['skipped']}"]
     lines = [f"{c['field']}: {_value(c['before'])} → {_value(c['after'])}" for c in row["changes"]]
-    return "\n".join(lines) or "(no change)"
+    return lines or ["(no change)"]
 
 
 def _event_text(row: dict[str, Any]) -> str:

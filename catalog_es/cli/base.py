@@ -246,12 +246,22 @@ def show_model(m: dict[str, Any]) -> None:
         click.echo(f"warning: {warning}", err=True)
 
 
-def table(columns: Iterable[str], rows: Iterable[Iterable[str]]) -> None:
+Cell = str | list[str]
+
+
+def table(columns: Iterable[str], rows: Iterable[Iterable[Cell]]) -> None:
+    """Rows of cells, each text or a list of lines: a line break inside a
+    text is data, written as ``\\n`` like whatever else a terminal would act
+    on, and a cell is only on several lines where it is made of them."""
     table = Table(*columns, box=None, pad_edge=False, header_style="bold")
     for row in rows:
         # Cells are data, not rich markup: "profiles[cpu]" prints as it is.
-        table.add_row(*(escape(visible(cell)) for cell in row))
+        table.add_row(*(escape(_lines(cell)) for cell in row))
     print_table(table)
+
+
+def _lines(cell: Cell) -> str:
+    return visible(cell) if isinstance(cell, str) else "\n".join(map(visible, cell))
 
 
 # -- the root ----------------------------------------------------------------------
