@@ -427,8 +427,10 @@ def _read_at_most(file: BinaryIO, limit: int) -> bytes | None:
 def read_text(path: str, limit: int = MAX_INPUT_BYTES) -> tuple[str, str]:
     """The text of a file, or of standard input for ``-``, and how to name it."""
     if path == "-":
-        data = _read_at_most(sys.stdin.buffer, limit)
         where = "standard input"
+        if sys.stdin is None:  # started with it closed (`<&-`)
+            raise InputError(f"{where}: closed, there is nothing to read")
+        data = _read_at_most(sys.stdin.buffer, limit)
     else:
         # Named as given, unless that would break the message's one line.
         where = path if path.isprintable() else shown(path)

@@ -26,7 +26,7 @@ from catalog_es.application import Models
 from catalog_es.cli import cli
 from catalog_es.cli.base import VisibleWarnings
 from catalog_es.inputs import DeclaredConfig
-from tests.helpers import config_yaml, definition, spec
+from tests.helpers import config_yaml, count_events, definition, spec
 
 LOG_KEYS = {
     "revision",
@@ -214,6 +214,25 @@ def test_model_add_dash_reads_standard_input(run: Run, encode: Callable[[Any], b
     result = ok(run("--json", "model", "add", "-", input=encode(definition("piped"))))
     out = json.loads(result.stdout)
     assert (out["revision"], out["model"]["name"], out["replaced"]) == (1, "piped", False)
+
+
+def test_a_dash_with_standard_input_closed_is_one_line(tmp_path: Path) -> None:
+    """Started with standard input closed (`<&-`), Python has none at all."""
+    db = f"sqlite:///{tmp_path}/catalog.db"
+    for command in ("model add", "apply"):
+        done = subprocess.run(
+            f'exec "{sys.executable}" -m catalog_es --db {db} {command} - <&-',
+            shell=True,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert (done.returncode, done.stderr) == (
+            1,
+            "error: standard input: closed, there is nothing to read\n",
+        ), command
+    assert not (tmp_path / "catalog.db").exists() or count_events(db) == 0
 
 
 def test_re_adding_says_it_replaced(run: Run, write: Any) -> None:
