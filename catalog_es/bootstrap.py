@@ -47,8 +47,10 @@ def config_path(given: str | None = None) -> str | None:
 
 
 def actor(given: str | None = None) -> str:
-    """``--by``, else ``CATALOG_ES_ACTOR``, else the OS user."""
-    if given:
+    """``--by``, else ``CATALOG_ES_ACTOR``, else the OS user. A ``--by`` given
+    empty is refused as a blank one is (by the command), not replaced: it
+    was said, and it names no one."""
+    if given is not None:
         return given
     if os.environ.get(ACTOR_ENV):
         return os.environ[ACTOR_ENV]

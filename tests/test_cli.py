@@ -429,6 +429,7 @@ TWO_DIGESTS = ["--file", f"w.bin={'a' * 64}", "--file", f"w.bin={'b' * 64}"]
             id="scale-absent",
         ),
         pytest.param(["--by", "x" * 200, "model", "remove", "m"], "actor", id="long-actor"),
+        pytest.param(["--by", "", "model", "remove", "m"], "actor '': must be", id="no-actor"),
     ],
 )
 def test_a_refused_command_is_one_line_and_writes_nothing(
