@@ -80,8 +80,8 @@ def open_models(
 def snapshot_interval() -> int:
     """``CATALOG_ES_SNAPSHOT_EVERY``: revisions between projection snapshots.
     Fewer makes reads of the past faster and the database larger."""
-    text = os.environ.get(SNAPSHOT_ENV)
-    if text is None:
+    text = os.environ.get(SNAPSHOT_ENV, "")
+    if not text.strip():  # unset, or set empty as unset
         return DEFAULT_INTERVAL
     interval = whole_number(text.strip())
     if interval is None or interval < 1:

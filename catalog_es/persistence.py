@@ -289,9 +289,10 @@ def stream_parity(originator_id: UUID) -> int:
 def sqlite_synchronous() -> str:
     """SQLite's ``synchronous`` setting for the log, from ``CATALOG_ES_SQLITE_SYNC``.
     FULL (the default): a command reported as written survives a power cut.
-    NORMAL: it survives the process being killed, not the machine losing power."""
-    given = os.environ.get(SYNC_ENV, "FULL")
-    synchronous = given.upper()
+    NORMAL: it survives the process being killed, not the machine losing power.
+    Set empty, it is unset, as every ``CATALOG_ES_`` variable is."""
+    given = os.environ.get(SYNC_ENV, "")
+    synchronous = given.strip().upper() or "FULL"
     if synchronous not in ("FULL", "NORMAL"):
         raise ConfigError(f"{SYNC_ENV} must be FULL or NORMAL, not {shown(given)}")
     return synchronous

@@ -31,6 +31,7 @@ from eventsourcing.persistence import Tracking
 
 from catalog_es import commands
 from catalog_es.application import Models
+from catalog_es.bootstrap import SNAPSHOT_ENV
 from catalog_es.cli import cli
 from catalog_es.errors import DamagedLog, RevisionConflict, StorageBusy
 from catalog_es.inputs import DeclaredConfig, load_config
@@ -656,6 +657,17 @@ def test_a_storage_setting_out_of_range_is_refused_in_one_line(
     result = CliRunner().invoke(cli, ["--db", f"sqlite:///{tmp_path}/c.db", "model", "list"])
     assert result.exit_code == 1
     assert result.stderr.splitlines() == [f"error: {variable} {refusal.format(value)}"]
+
+
+@pytest.mark.parametrize("variable", [LOCK_WAIT_ENV, SYNC_ENV, SNAPSHOT_ENV])
+def test_a_setting_set_empty_is_unset(
+    variable: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """As a shell's `VAR= catalog-es …` means; some of them refused it, one
+    took it for its default (hostile test)."""
+    monkeypatch.setenv(variable, " ")
+    result = CliRunner().invoke(cli, ["--db", f"sqlite:///{tmp_path}/c.db", "model", "list"])
+    assert result.exit_code == 0, result.stderr
 
 
 # A trigger that refuses every insert (made, then dropped), by dialect.
