@@ -45,7 +45,14 @@ from eventsourcing.utils import Environment
 from sqlalchemy.engine import Connection, Engine
 
 from catalog_es.chain import GENESIS, ChainHead, ChainRow, DamagedHead, link, stored_head
-from catalog_es.errors import ConfigError, DamagedLog, StorageBusy, UpgradeFailed, shown
+from catalog_es.errors import (
+    ConfigError,
+    DamagedLog,
+    StorageBusy,
+    UpgradeFailed,
+    first_line,
+    shown,
+)
 
 DEFAULT_URL = "sqlite:///catalog.db"
 # PostgreSQL's NOTIFY channel for new events.
@@ -493,6 +500,27 @@ def _busy_timeout(conn: Connection, seconds: float) -> None:
     _driver(
         conn.connection.driver_connection, f"PRAGMA busy_timeout = {max(1, int(seconds * 1000))}"
     )
+
+
+# The drivers' errors that mean the database itself cannot be used: not there,
+# not reachable or its connection lost, not SQLite's, or tables of that name
+# that are not the log's.
+_UNUSABLE = {
+    "sqlite3": {"OperationalError", "DatabaseError"},
+    "psycopg": {"OperationalError", "InterfaceError", "DatabaseError"}
+    | {"UndefinedTable", "UndefinedColumn"},
+}
+
+
+def database_unusable(error: BaseException) -> str | None:
+    """What the driver said, when ``error`` means the database cannot be used
+    at all (rather than a statement went wrong): the CLI's one line and the
+    HTTP API's 503 both decide by this."""
+    driver = error.orig if isinstance(error, sa.exc.DBAPIError) else error
+    kind = type(driver)
+    if kind.__name__ in _UNUSABLE.get(kind.__module__.split(".")[0], ()):
+        return first_line(str(driver))
+    return None
 
 
 def _is_busy(error: sa.exc.OperationalError) -> bool:

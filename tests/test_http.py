@@ -23,7 +23,8 @@ from click.testing import CliRunner
 
 from catalog_es.application import Models
 from catalog_es.cli import cli
-from catalog_es.errors import StorageBusy
+from catalog_es.cli.serve import _listening
+from catalog_es.errors import InputError, StorageBusy
 from catalog_es.inputs import MAX_CHANGES, DeclaredConfig
 from catalog_es.web.app import create_app
 from catalog_es.web.tokens import TokenStore
@@ -662,6 +663,7 @@ def test_a_database_that_went_away_is_a_503_to_retry_and_nothing_is_written(
     for response in (read, scaled):
         assert refused(response, 503) == "the database could not be used; try again"
         assert response.headers["retry-after"] == "1"
+        assert response.headers["x-frame-options"] == "DENY"
     assert count_events(pg_url) == rows
     told = [r.getMessage() for r in caplog.records if "could not be used" in r.getMessage()]
     assert told[0].startswith("GET /revision: the database could not be used: ")
@@ -675,7 +677,25 @@ def test_what_no_handler_expected_is_a_json_500_and_a_traceback_in_the_log(
         raise RuntimeError("a bug")
 
     monkeypatch.setattr(api.models, "refresh", broken)
-    assert refused(api.get("/revision"), 500).startswith("internal error")
+    answer = api.get("/revision")
+    assert refused(answer, 500).startswith("internal error")
+    # Made outside every middleware, it carries their headers itself.
+    assert answer.headers["x-frame-options"] == "DENY"
+    assert answer.headers["cache-control"] == "no-store"
+
+
+def test_serve_listens_on_one_port_for_every_address_and_before_another_can() -> None:
+    """Bound but not yet listening, two servers starting at once could both
+    take the port (SO_REUSEADDR) and both record the declared config; and
+    each address of a host (IPv4, IPv6) must not get a port of its own."""
+    first = _listening("", 0)
+    try:
+        (port,) = {sock.getsockname()[1] for sock in first}
+        with pytest.raises(InputError, match=f"cannot listen on '' port {port}: "):
+            _listening("", port)
+    finally:
+        for sock in first:
+            sock.close()
 
 
 def _wait_for(url: str, headers: dict[str, str]) -> httpx.Response:

@@ -18,7 +18,6 @@ from datetime import datetime
 from typing import Any, TypeVar
 
 import click
-import sqlalchemy as sa
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
@@ -27,6 +26,7 @@ from catalog_es import bootstrap
 from catalog_es.application import CommandResult, Models
 from catalog_es.errors import ConfigError, InputError, Refused, first_line
 from catalog_es.inputs import MAX_REVISION, revision_or_time
+from catalog_es.persistence import database_unusable
 
 # Revisions and counts, as the options that take them read them: no more than
 # the 64-bit columns they are compared with hold.
@@ -350,18 +350,12 @@ class CatalogGroup(click.Group):
             _held.stop(told=told)
 
 
-# The drivers' errors that mean the database itself cannot be used: not there,
-# not reachable, not SQLite's, or tables of that name that are not the log's.
-_UNUSABLE = {"OperationalError", "DatabaseError", "UndefinedTable", "UndefinedColumn"}
-
-
 def failure_line(error: Exception) -> str:
     """The one line an exception no command expected comes to. Library errors
     (SQLAlchemy's) run on over several lines; the first says what went wrong."""
-    driver = error.orig if isinstance(error, sa.exc.DBAPIError) else error
-    kind = type(driver)
-    if kind.__module__.split(".")[0] in ("sqlite3", "psycopg") and kind.__name__ in _UNUSABLE:
-        return f"error: the database could not be used: {first_line(str(driver))}"
+    unusable = database_unusable(error)
+    if unusable is not None:
+        return f"error: the database could not be used: {unusable}"
     return f"error: unexpected {type(error).__name__}: {first_line(str(error))}"
 
 

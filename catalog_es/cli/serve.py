@@ -58,44 +58,52 @@ def serve(settings: Settings, host: str, port: int, tokens_file: str | None) -> 
             f"who can write it can add a token; chmod 600 {tokens.path}",
             err=True,
         )
-    models = settings.models()
     # Listening first: a server that cannot (the port taken, a host that does
-    # not resolve) is refused before it records anything in the log.
+    # not resolve) is refused before it opens the database or records anything.
     sockets = _listening(host, port)
-    let_warnings_through()  # a server's log tells them as they come
-    revision = models.record_declaration(by=settings.actor)
-    app = bootstrap.open_web_app(models, tokens)
-    # What is loaded now (the code, the catalog in force) mostly lives as
-    # long as the server: out of the collector's sight, a full collection in
-    # the middle of a request rescans only what came after, not 20 ms of heap
-    # for 10,000 models. Collected first, so no garbage is frozen with it;
-    # what a command later replaces holds no cycles, and is freed as usual.
-    gc.collect()
-    gc.freeze()
-    bound = sockets[0].getsockname()
-    address = f"[{bound[0]}]" if sockets[0].family == socket.AF_INET6 else bound[0]
-    say(
-        f"serving the catalog at revision {revision} on http://{address}:{bound[1]}/ "
-        f"(console /console/, API docs /docs)",
-        err=True,
-    )
-    config = uvicorn.Config(
-        app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5
-    )
+    try:
+        models = settings.models()
+        let_warnings_through()  # a server's log tells them as they come
+        revision = models.record_declaration(by=settings.actor)
+        app = bootstrap.open_web_app(models, tokens)
+        # What is loaded now (the code, the catalog in force) mostly lives as
+        # long as the server: out of the collector's sight, a full collection
+        # in the middle of a request rescans only what came after, not 20 ms of
+        # heap for 10,000 models. Collected first, so no garbage is frozen with
+        # it; what a command later replaces holds no cycles, and is freed as usual.
+        gc.collect()
+        gc.freeze()
+        addresses = ", ".join(_url(sock) for sock in sockets)
+        say(
+            f"serving the catalog at revision {revision} on {addresses} "
+            f"(console /console/, API docs /docs)",
+            err=True,
+        )
+        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)
 
-    class Server(uvicorn.Server):
-        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-            # Watch streams never end by themselves: end them, or the
-            # shutdown waits for its grace period and then cancels them.
-            end_streams(app)
-            super().handle_exit(sig, frame)
+        class Server(uvicorn.Server):
+            def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+                # Watch streams never end by themselves: end them, or the
+                # shutdown waits for its grace period and then cancels them.
+                end_streams(app)
+                super().handle_exit(sig, frame)
 
-    Server(config).run(sockets=sockets)
+        Server(config).run(sockets=sockets)
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+# What uvicorn listens with unless told.
+_BACKLOG = 2048
 
 
 def _listening(host: str, port: int) -> list[socket.socket]:
-    """Sockets bound to every address ``host`` names, as uvicorn would bind
-    them itself (``localhost``: IPv4 and IPv6 alike)."""
+    """Sockets listening on every address ``host`` names, as asyncio would
+    bind them for uvicorn (``localhost``: IPv4 and IPv6 alike; an address of
+    a family the system lacks passed over), all on one port (``0``: the one
+    the first was given). Listening at once: a second server on the port is
+    refused here, not after it has recorded anything."""
     try:
         found = socket.getaddrinfo(
             host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
@@ -107,12 +115,20 @@ def _listening(host: str, port: int) -> list[socket.socket]:
     sockets: list[socket.socket] = []
     try:
         for family, kind, protocol, _, address in dict.fromkeys(found):
-            sock = socket.socket(family, kind, protocol)
+            try:
+                sock = socket.socket(family, kind, protocol)
+            except OSError:
+                continue  # a family this system lacks (IPv6 turned off)
             sockets.append(sock)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             if family == socket.AF_INET6:
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            if len(sockets) > 1:
+                address = (address[0], sockets[0].getsockname()[1], *address[2:])
             sock.bind(address)
+            sock.listen(_BACKLOG)
+        if not sockets:
+            raise OSError(f"no address of {host!r} can be listened on here")
     except OSError as error:
         for sock in sockets:
             sock.close()
@@ -120,6 +136,15 @@ def _listening(host: str, port: int) -> list[socket.socket]:
             f"cannot listen on {shown(host)} port {port}: {error.strerror or error}"
         ) from None
     return sockets
+
+
+def _url(sock: socket.socket) -> str:
+    address, port = sock.getsockname()[:2]
+    return (
+        f"http://[{address}]:{port}/"
+        if sock.family == socket.AF_INET6
+        else f"http://{address}:{port}/"
+    )
 
 
 @cli.group("token")

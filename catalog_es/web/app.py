@@ -20,7 +20,6 @@ from importlib.metadata import version
 from typing import Annotated, Any, Protocol, TypeVar
 
 import msgspec
-import sqlalchemy as sa
 from fastapi import APIRouter, Depends, FastAPI, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
@@ -40,7 +39,6 @@ from catalog_es.errors import (
     Refused,
     RevisionConflict,
     StorageBusy,
-    first_line,
     shown,
 )
 from catalog_es.inputs import (
@@ -71,6 +69,7 @@ from catalog_es.inputs import (
     utc_time,
     whole_number,
 )
+from catalog_es.persistence import database_unusable
 from catalog_es.web.events import event_stream
 from catalog_es.web.tokens import Caller, Role, TokenStore
 from projections.audit import Filters
@@ -697,32 +696,45 @@ def _errors(app: FastAPI) -> None:
     async def invalid_request(_request: Request, error: RequestValidationError) -> Response:
         return error_response(422, describe_problems(list(error.errors())))
 
-    @app.exception_handler(sa.exc.OperationalError)
-    @app.exception_handler(sa.exc.InterfaceError)
-    async def database_unusable(request: Request, error: Exception) -> Response:
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, error: Exception) -> Response:
+        # Outside every other middleware: the guard's headers are given here.
+        unusable = database_unusable(error)
+        if unusable is None:
+            # Starlette logs the traceback after this answer.
+            return error_response(
+                500, "internal error; the server's log tells what happened", GUARD_HEADERS
+            )
         # The database down, restarting or failing over: try again later. What
         # the driver said is for the server's log, not for every client.
         log.warning(
             "%s %s: the database could not be used: %s",
             request.method,
             request.url.path,
-            first_line(str(getattr(error, "orig", None) or error)),
+            unusable,
         )
         return error_response(
-            503, "the database could not be used; try again", {"Retry-After": "1"}
+            503,
+            "the database could not be used; try again",
+            {**GUARD_HEADERS, "Retry-After": "1"},
         )
 
-    @app.exception_handler(Exception)
-    async def unexpected(_request: Request, _error: Exception) -> Response:
-        # Starlette logs the traceback after this answer: JSON, as every other.
-        return error_response(500, "internal error; the server's log tells what happened")
+
+# Every answer's: never framed by another site's page (the console's buttons
+# could be clicked through a frame), never read as another type than it says,
+# and, outside the console's own files, never kept by a browser's cache once
+# signed out (a catalog, its actors).
+GUARD_HEADERS = {
+    "X-Frame-Options": "DENY",
+    "Content-Security-Policy": "frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Cache-Control": "no-store",
+}
 
 
 class _Guarded:
-    """Headers on every answer: never framed by another site's page (the
-    console's buttons could be clicked through a frame), never read as
-    another type than it says, and, outside the console's own files, never
-    kept by a browser's cache once signed out (a catalog, its actors)."""
+    """:data:`GUARD_HEADERS` on every answer the app makes; the console's
+    files may be cached, and an answer saying how keeps its own word."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -736,11 +748,10 @@ class _Guarded:
         async def guarded(message: Message) -> None:
             if message["type"] == "http.response.start":
                 headers = MutableHeaders(scope=message)
-                headers["X-Frame-Options"] = "DENY"
-                headers["Content-Security-Policy"] = "frame-ancestors 'none'"
-                headers["X-Content-Type-Options"] = "nosniff"
-                if not console_file and "cache-control" not in headers:
-                    headers["Cache-Control"] = "no-store"
+                for name, value in GUARD_HEADERS.items():
+                    if name == "Cache-Control" and (console_file or name in headers):
+                        continue  # cacheable, or the answer said how itself
+                    headers[name] = value
             await send(message)
 
         await self.app(scope, receive, guarded)
