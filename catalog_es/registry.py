@@ -24,6 +24,7 @@ import shutil
 import tempfile
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
+from contextlib import suppress
 from io import BufferedReader
 from pathlib import Path, PurePosixPath
 
@@ -270,21 +271,25 @@ class MirrorRegistry(Registry):
             os.close(held)
 
 
-# A fetch holds a lock on its folder of partial copies for as long as it runs,
-# and the system lets go of it when the process ends, however it ends: a
-# folder whose lock can be taken was left by a fetch killed outright, and
-# its copies (gigabytes, for weights) would otherwise stay for good.
+# A fetch holds a lock (flock) on a file in its folder of partial copies for
+# as long as it runs, and the system lets go of it when the process ends,
+# however it ends: a folder whose lock can be taken was left by a fetch killed
+# outright, and its copies (gigabytes, for weights) would otherwise stay for
+# good. Where no lock can be had (some NFS mounts), a folder is never deleted:
+# whether its fetch runs cannot be told.
 _PARTIAL = ".partial."
+_LOCK_FILE = ".fetching"
 
 
 def _partial_folder(parent: Path, name: str) -> tuple[Path, int]:
     """A new folder for one fetch's partial copies, in ``parent``, and the
-    descriptor holding its lock. Made under another name and renamed once
+    descriptor of its lock file. Made under another name and renamed once
     locked, so that no fetch ever sees it unlocked."""
     starting = Path(tempfile.mkdtemp(dir=parent, prefix=f".{name}.starting."))
-    held = os.open(starting, os.O_RDONLY | os.O_DIRECTORY)
+    held = os.open(starting / _LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        fcntl.flock(held, fcntl.LOCK_EX)
+        with suppress(OSError):  # no lock here: the folder is never taken for abandoned
+            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
         partials = parent / starting.name.replace(".starting.", _PARTIAL, 1)
         starting.rename(partials)
     except BaseException:
@@ -295,17 +300,17 @@ def _partial_folder(parent: Path, name: str) -> tuple[Path, int]:
 
 
 def _delete_abandoned(parent: Path) -> None:
-    """Delete the folders of partial copies in ``parent`` that no running
-    fetch holds."""
+    """Delete the folders of partial copies in ``parent`` whose fetch has
+    ended: their lock file is there, and its lock can be taken."""
     for folder in parent.glob(f".*{_PARTIAL}*"):
         try:
-            found = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+            found = os.open(folder / _LOCK_FILE, os.O_RDWR | os.O_NOFOLLOW)
         except OSError:
-            continue  # gone meanwhile, or not a folder of ours
+            continue  # gone meanwhile, or not a folder of ours (an older release's)
         try:
             fcntl.flock(found, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
-            continue  # a fetch under way
+            continue  # a fetch under way, or no lock to be had here
         else:
             shutil.rmtree(folder, ignore_errors=True)
         finally:

@@ -7,6 +7,8 @@ small files, commits published and branches moved as an upstream would.
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import hashlib
 import json
 import re
@@ -606,6 +608,31 @@ def test_the_partial_copies_of_a_killed_fetch_are_deleted_by_the_next(
     tracked.update("m", by="bob")
     assert sorted(p.name for p in repository.iterdir()) == sorted([world.c1, c2])
     assert verify(repository / c2, origin_of("org/m", c2, V2).files, world.store) == []
+
+
+def test_a_partial_folder_whose_fetch_cannot_be_told_ended_is_kept(
+    world: World, tracked: Weights, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An older release's fetch takes no lock, and where the file system has
+    none to give (some NFS mounts: flock fails), no fetch can tell a running
+    one from a killed one: nothing is deleted, and fetches still work."""
+    c2 = world.mirror.publish("org/m", V2)
+    repository = world.store / "org/m"
+    older = repository / f".{c2}.partial.older"
+    older.mkdir(parents=True)
+    (older / "copy").write_bytes(b"an older release's copy under way")
+    unlocked = repository / f".{c2}.partial.unlocked"
+    unlocked.mkdir()
+    (unlocked / ".fetching").touch()
+
+    def no_locks_here(fd: int, operation: int) -> None:
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks_here)
+    tracked.update("m", by="bob")
+    assert tracked.models.get_model("m")["origin"]["revision"] == c2
+    assert sorted(p.name for p in repository.iterdir()) == sorted([c2, older.name, unlocked.name])
+    assert (older / "copy").read_bytes() == b"an older release's copy under way"
 
 
 def test_a_commit_the_mirror_does_not_have_is_refused(world: World, tracked: Weights) -> None:
