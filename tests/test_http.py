@@ -27,6 +27,7 @@ from catalog_es.cli.serve import _listening
 from catalog_es.errors import InputError, StorageBusy
 from catalog_es.inputs import MAX_CHANGES, DeclaredConfig
 from catalog_es.web.app import create_app
+from catalog_es.web.events import WAKE_UP_SECONDS
 from catalog_es.web.tokens import TokenStore
 from tests.helpers import config_yaml, count_events, definition, spec
 from tests.serving import Proxy, bearer, free_port, serving, tokens_for_roles
@@ -534,6 +535,7 @@ def test_a_stream_ends_once_its_token_is_revoked(api: Api) -> None:
         (seen,) = _sse_events(lines, 1)
         (reader,) = [e for e in api.tokens.describe() if e["actor"] == "read-user"]
         api.tokens.remove(reader["id"])
+        time.sleep(2 * WAKE_UP_SECONDS)  # the token is asked again once a wake-up
         ok(api.post("/models/qwen/scale", {"max": 4}))
         assert [line for line in lines if line.startswith("data: ")] == []  # ended, unsent
     assert seen["revision"] == 2

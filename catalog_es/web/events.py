@@ -47,13 +47,24 @@ async def _messages(
     # ``Watch.__iter__`` is a generator function: it can be closed.
     events = cast(Generator[dict[str, Any], None, None], iter(watch))
     pending: asyncio.Future[dict[str, Any] | None] | None = None
+    asked = time.monotonic()
+
+    def still_allowed() -> bool:
+        # At most once a wake-up: a catch-up from revision 0 sends many
+        # changes a second, each check a stat of the tokens file and a hash.
+        nonlocal asked
+        if time.monotonic() - asked < WAKE_UP_SECONDS:
+            return True
+        asked = time.monotonic()
+        return allowed()
+
     try:
         # Sent at once, so a client knows the stream is open before any change.
         yield ": watching\n\n"
         quiet_since = time.monotonic()
-        # The token is asked again at every wake-up: one revoked while its
-        # stream is open stops getting changes within one, as its requests do.
-        while not closing.is_set() and allowed():
+        # The token is asked again every wake-up: one revoked while its stream
+        # is open stops getting changes within one, as its requests do.
+        while not closing.is_set() and still_allowed():
             if pending is None:
                 pending = loop.run_in_executor(worker, next, events, None)
             done, _ = await asyncio.wait({pending}, timeout=WAKE_UP_SECONDS)
@@ -65,7 +76,7 @@ async def _messages(
             quiet_since = time.monotonic()
             event = pending.result()
             pending = None
-            if event is None or not allowed():
+            if event is None or not still_allowed():
                 return
             yield sse_message(event)
     finally:
