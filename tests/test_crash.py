@@ -43,12 +43,13 @@ ROOT = Path(__file__).resolve().parents[1]
 KILLS = 100
 # Small, so the writers write snapshots all through the run (and get killed doing so).
 SNAPSHOT_INTERVAL = 5
-# A writer lives up to this long after its first command begins: long enough
-# for a few dozen commands, short enough that a hundred kills take seconds.
-# Counted from then, not from its start, so that a machine slowed down by
-# other work still kills writers in the middle of their commands rather than
-# mostly while they load the catalog.
-MAX_LIFETIME = 0.15
+# A writer is killed once it has begun a random number of commands, up to
+# this many, and then up to MAX_LIFETIME seconds later: counted in commands,
+# not in time from its start, a machine slowed down by other work still has
+# its writers killed in the middle of commands, after as many as a fast one,
+# rather than mostly while they load the catalog.
+MOST_COMMANDS = 10
+MAX_LIFETIME = 0.02
 # One kill in this many is timed from the writer's start: it may land while
 # the catalog is loaded.
 KILLED_LOADING = 10
@@ -107,10 +108,10 @@ class WriterServer:
         return line.rstrip("\n")
 
     def kill_one(
-        self, seed: int, lifetime: float, *, from_start: bool = False
+        self, seed: int, commands: int, lifetime: float
     ) -> tuple[list[Reported], int, bool]:
-        """Start a writer, SIGKILL it ``lifetime`` seconds after its first
-        command began (``from_start``: after it started): what it reported,
+        """Start a writer, SIGKILL it ``lifetime`` seconds after it began
+        command number ``commands`` (0: after it started): what it reported,
         its exit code (-9 when the kill got it), and whether the kill landed
         inside a command."""
         stdin = self.process.stdin
@@ -120,20 +121,24 @@ class WriterServer:
         started = self._line()
         assert started.startswith("started "), started
         pid = int(started.split()[1])
-        last = ""
-        if not from_start:
-            last = self._line()
-            assert last == "begin", last
-        time.sleep(lifetime)
-        os.kill(pid, signal.SIGKILL)
         reported: list[Reported] = []
+        last = ""
+        begun = 0
+        killed = False
         while True:
+            if begun >= commands and not killed:
+                time.sleep(lifetime)
+                os.kill(pid, signal.SIGKILL)
+                killed = True
             line = self._line()
             if line.startswith("exited "):
+                assert killed, f"writer (seed {seed}) ended by itself"
                 return reported, int(line.split()[2]), last == "begin"
             if line.startswith("ok "):
                 reported.append(Reported.parse(line))
-            elif line != "begin":
+            elif line == "begin":
+                begun += 1
+            else:
                 pytest.fail(f"writer (seed {seed}): {line}")
             last = line
 
@@ -249,8 +254,8 @@ def test_sigkill_at_random_moments_loses_nothing(
     for round_number in range(KILLS):
         reported, exit_code, inside = server.kill_one(
             seed + round_number,
+            0 if round_number % KILLED_LOADING == 0 else rng.randint(1, MOST_COMMANDS),
             rng.uniform(0, MAX_LIFETIME),
-            from_start=round_number % KILLED_LOADING == 0,
         )
         context = f"seed {seed}, round {round_number}"
         assert exit_code in (-signal.SIGKILL, 0), context
