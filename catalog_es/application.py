@@ -40,7 +40,7 @@ from catalog_es.errors import (
 )
 from catalog_es.inputs import zoned
 from catalog_es.mapper import EventMapper, UndecodableEvent, decode_event, model_of_state
-from catalog_es.model import MAX_CLOCK_SKEW, Model, model_id, utc_now
+from catalog_es.model import MAX_CLOCK_SKEW, ROLLBACK, Model, model_id, utc_now
 from catalog_es.persistence import (
     PollingSubscription,
     SQLRecorder,
@@ -781,7 +781,7 @@ class Models(AuditTrail, Application[UUID]):
         recorded = (
             nullcontext()
             if dry_run
-            else self.refusals_recorded("Rollback", model or "", by, reason, asked)
+            else self.refusals_recorded(ROLLBACK, model or "", by, reason, asked)
         )
         with recorded:
             target_revision = self.resolve(to)

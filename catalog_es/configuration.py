@@ -39,6 +39,10 @@ class DeclaredConfig(msgspec.Struct, frozen=True, dict=True):
         return hashlib.sha256(canonical).hexdigest()
 
 
+# What a declared-config record is called where events are listed by name.
+CONFIG_DECLARED = "ConfigDeclared"
+
+
 class Configuration:
     """The aggregate of declared-config records."""
 

@@ -23,9 +23,10 @@ from pydantic import BaseModel, ConfigDict, FailFast, Field, ValidationError
 from yaml._yaml import CParser
 
 from catalog_es import commands
+from catalog_es.configuration import CONFIG_DECLARED
 from catalog_es.configuration import DeclaredConfig as DeclaredConfig  # re-exported
 from catalog_es.errors import SHOWN_LENGTH, ConfigError, InputError, Refused, cut_short, shown
-from catalog_es.model import EVENT_TYPES
+from catalog_es.model import EVENT_TYPES, ROLLBACK
 from catalog_es.persistence import MAX_REVISION as MAX_REVISION  # re-exported
 from catalog_es.spec import DEFAULT_ENGINES, Adapter, ModelSpec, Origin
 
@@ -781,7 +782,7 @@ def in_utc(moment: datetime, said: str) -> datetime:
 # its own: a rollback that goes through writes the events it plans).
 _EVENT_NAMES = {
     name.lower(): name
-    for name in (*(cls.__name__ for cls in EVENT_TYPES), "ConfigDeclared", "Rollback")
+    for name in (*(cls.__name__ for cls in EVENT_TYPES), CONFIG_DECLARED, ROLLBACK)
 }
 
 

@@ -257,3 +257,7 @@ EVENT_TYPES: tuple[type[Model.Event], ...] = (
     Model.OriginSet,
     Model.UpstreamChanged,
 )
+
+# What a refused rollback is recorded as: it has no event of its own (one
+# that goes through writes the events it plans, each marked ``rollback_to``).
+ROLLBACK = "Rollback"

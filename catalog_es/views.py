@@ -12,7 +12,7 @@ from typing import Any, get_origin
 import msgspec
 
 from catalog_es.collector import collector_paused
-from catalog_es.configuration import Configuration
+from catalog_es.configuration import CONFIG_DECLARED, Configuration
 from catalog_es.mapper import topic_name
 from catalog_es.model import DomainEvent, Model
 from catalog_es.spec import ModelSpec
@@ -65,7 +65,7 @@ _ENVELOPE = frozenset(Model.Event.__struct_fields__)
 def event_name(event: DomainEvent) -> str:
     """``Added``, ``Scaled``…; ``ConfigDeclared`` for a declared-config record."""
     if isinstance(event, Configuration.Declared):
-        return "ConfigDeclared"
+        return CONFIG_DECLARED
     return type(event).__name__
 
 

@@ -33,7 +33,7 @@ from sqlalchemy.engine import Connection, Engine
 
 from catalog_es.catalog import Catalog, Skipped
 from catalog_es.collector import collector_paused
-from catalog_es.configuration import Configuration
+from catalog_es.configuration import CONFIG_DECLARED, Configuration
 from catalog_es.errors import StorageBusy
 from catalog_es.inputs import DeclaredConfig
 from catalog_es.mapper import UndecodableEvent, decode_event, model_of_state, topic_name
@@ -628,7 +628,7 @@ class AuditProjection(Projection[AuditView]):
                 "time": stored_time(event.timestamp),
                 "actor": event.by,
                 "model": "",
-                "event": "ConfigDeclared",
+                "event": CONFIG_DECLARED,
                 "class_version": event.class_version,
                 "reason": event.reason,
                 "rollback_to": event.rollback_to,

@@ -223,6 +223,7 @@ def test_a_dash_with_standard_input_closed_is_one_line(tmp_path: Path) -> None:
         done = subprocess.run(
             f'exec "{sys.executable}" -m catalog_es --db {db} {command} - <&-',
             shell=True,
+            cwd=Path(__file__).parent.parent,  # the code under test, not an installed copy
             capture_output=True,
             text=True,
             timeout=60,

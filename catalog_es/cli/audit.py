@@ -45,7 +45,8 @@ def audit_filters(f: F) -> F:
             "event_type",
             metavar="EVENT",
             callback=_event_option,
-            help="Only this event type (e.g. Scaled; ConfigDeclared, Rollback).",
+            help="Only this event type (e.g. Scaled; ConfigDeclared: a declared-config "
+            "record; Rollback: a refused rollback, in refusals).",
         ),
         click.option(
             "--since",
