@@ -45,6 +45,7 @@ from catalog_es.persistence import (
     PollingSubscription,
     SQLRecorder,
     acquire_within,
+    database_unusable,
     events_table,
     stream_walk,
 )
@@ -125,21 +126,60 @@ class InForce(Sequence[ModelSpec]):
 
 class Watch:
     """Changes as they commit, as ``log --json`` shows them: iterate it, and
-    ``stop()`` it from any thread (a signal handler, a closed HTTP stream)."""
+    ``stop()`` it from any thread (a signal handler, a closed HTTP stream).
 
-    def __init__(self, subscription: Subscription[Any]) -> None:
-        self._subscription = subscription
+    A follower outlives the database going away (restarted, failed over, its
+    sessions ended): it subscribes again after the last revision it gave, so
+    it follows on with no gap and no repeat once the database is back."""
+
+    # Seconds between tries while the database cannot be used.
+    retry_seconds = 1.0
+
+    def __init__(self, subscribe: Callable[[int], Subscription[Any]], after: int) -> None:
+        self._subscribe = subscribe
+        self._after = after
+        self._stopped = threading.Event()
+        self._subscription: Subscription[Any] | None = None
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        with self._subscription as notifications:
-            for n in notifications:
-                try:
-                    yield event_view(n.id, decode_event(n.topic, n.state))
-                except UndecodableEvent as error:
-                    yield undecodable_view(n.id, n.topic, model_of_state(n.state), str(error))
+        last, away = self._after, False
+        while not self._stopped.is_set():
+            try:
+                self._subscription = subscription = self._subscribe(last)
+                if self._stopped.is_set():
+                    subscription.stop()  # stopped while it was made: it ends at once
+                with subscription as notifications:
+                    for n in notifications:
+                        if away:
+                            log.warning("watch: the database is back; following on")
+                            away = False
+                        last = n.id
+                        try:
+                            yield event_view(n.id, decode_event(n.topic, n.state))
+                        except UndecodableEvent as error:
+                            view = undecodable_view(
+                                n.id, n.topic, model_of_state(n.state), str(error)
+                            )
+                            yield view
+                return
+            except Exception as error:
+                unusable = database_unusable(error)
+                if unusable is None:
+                    raise
+                if not away:
+                    log.warning(
+                        "watch: the database could not be used (%s); following on after "
+                        "revision %d once it can",
+                        unusable,
+                        last,
+                    )
+                    away = True
+                self._stopped.wait(self.retry_seconds)
 
     def stop(self) -> None:
-        self._subscription.stop()
+        self._stopped.set()
+        if self._subscription is not None:
+            self._subscription.stop()
 
 
 class Models(AuditTrail, Application[UUID]):
@@ -836,10 +876,14 @@ class Models(AuditTrail, Application[UUID]):
             head = self.store.head(conn)
         if after < 0 or after > head:
             raise Refused(f"revision {after} is beyond the head of the log ({head})")
-        subscription = self.store.subscribe(gt=after)
-        if poll_interval is not None and isinstance(subscription, PollingSubscription):
-            subscription.interval = poll_interval
-        return Watch(subscription)
+
+        def subscribe(last: int) -> Subscription[Any]:
+            subscription = self.store.subscribe(gt=last)
+            if poll_interval is not None and isinstance(subscription, PollingSubscription):
+                subscription.interval = poll_interval
+            return subscription
+
+        return Watch(subscribe, after)
 
     def rebuild(
         self, progress: Callable[[int, int], None] | None = None, *, audit: bool = True

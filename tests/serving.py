@@ -50,16 +50,21 @@ class Proxy:
 
     def __init__(self, target: tuple[str, int]) -> None:
         self._target = target
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.port: int = self._listener.getsockname()[1]
         self._open: list[socket.socket] = []
         self._lock = threading.Lock()
-        threading.Thread(target=self._accept, daemon=True).start()
+        self.port = 0
+        self.resume()
 
-    def _accept(self) -> None:
+    def resume(self) -> None:
+        """Take connections (again, on the same port, after :meth:`cut`)."""
+        self._listener = socket.create_server(("127.0.0.1", self.port), reuse_port=False)
+        self.port = self._listener.getsockname()[1]
+        threading.Thread(target=self._accept, args=(self._listener,), daemon=True).start()
+
+    def _accept(self, listener: socket.socket) -> None:
         while True:
             try:
-                client, _ = self._listener.accept()
+                client, _ = listener.accept()
             except OSError:
                 return  # cut
             upstream = socket.create_connection(self._target)
@@ -78,6 +83,7 @@ class Proxy:
                 with suppress(OSError):
                     sock.shutdown(socket.SHUT_RDWR)
                 sock.close()
+            self._open.clear()
 
 
 def _pipe(source: socket.socket, sink: socket.socket) -> None:

@@ -672,6 +672,44 @@ def test_a_database_that_went_away_is_a_503_to_retry_and_nothing_is_written(
     models.close()
 
 
+def test_a_watch_follows_on_after_the_database_came_back(pg_url: str) -> None:
+    """PostgreSQL restarted under a follower (a gateway replica): it ended with
+    the driver's error, and every replica needed a supervisor (hostile test).
+    It now waits, subscribes again after the last revision it gave, and misses
+    nothing written meanwhile."""
+    direct = sa.make_url(pg_url)
+    proxy = Proxy((direct.host or "127.0.0.1", direct.port or 5432))
+    through = direct.set(port=proxy.port).render_as_string(hide_password=False)
+    writer = Models(DeclaredConfig(), env={"CATALOG_ES_DB": pg_url})
+    writer.add(spec("m"), by="setup")
+    follower = Models(DeclaredConfig(), env={"CATALOG_ES_DB": through})
+    watch = follower.watch(0)
+    watch.retry_seconds = 0.1
+    seen: list[int] = []
+    following = threading.Thread(target=lambda: seen.extend(e["revision"] for e in watch))
+    following.start()
+    _until(lambda: seen == [1])
+    proxy.cut()
+    writer.scale("m", 0, 2, by="ops")  # while the follower cannot reach the database
+    time.sleep(0.5)
+    proxy.resume()
+    writer.scale("m", 0, 3, by="ops")
+    _until(lambda: len(seen) == 3)
+    watch.stop()
+    following.join(timeout=10)
+    assert not following.is_alive()
+    assert seen == [1, 2, 3]
+    follower.close()
+    writer.close()
+
+
+def _until(done: Callable[[], bool], seconds: float = 10) -> None:
+    deadline = time.monotonic() + seconds
+    while not done():
+        assert time.monotonic() < deadline, "not within the time given"
+        time.sleep(0.02)
+
+
 def test_what_no_handler_expected_is_a_json_500_and_a_traceback_in_the_log(
     api: Api, monkeypatch: pytest.MonkeyPatch
 ) -> None:
