@@ -250,8 +250,8 @@ def _broken_tail(last: ChainHead, head: ChainHead | DamagedHead | None) -> Chain
     if head.hash != last.hash:
         return ChainBreak(
             revision=head.revision,
-            problem="the head's hash does not match this revision's: the event, or the head "
-            "record, was rewritten",
+            problem="the head's hash does not match this revision's: the event or the head "
+            "record was rewritten, or events after it were deleted and the head moved back",
         )
     return None
 

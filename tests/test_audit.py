@@ -961,6 +961,16 @@ TAMPERING: dict[str, tuple[Callable[[Models], None], int, str]] = {
         8,
         "the last events were deleted",
     ),
+    "the last events deleted and the head moved back": (
+        lambda m: run_sql(
+            m,
+            "DELETE FROM catalog_events WHERE revision >= 7",
+            "UPDATE catalog_head SET revision = 6",
+        ),
+        6,
+        "the head's hash does not match this revision's: the event or the head record was "
+        "rewritten, or events after it were deleted and the head moved back",
+    ),
     "two events swapped": (lambda m: swap(m, 3, 4), 3, "does not match its hash"),
     "the last event rewritten and rehashed": (
         rewrite_last_with_its_hash,
