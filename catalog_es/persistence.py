@@ -544,6 +544,9 @@ class SQLRecorder(ProcessRecorder):
         self._writer_lock = threading.Lock()
         # Whether SQLite keeps a sequence the log's revisions must stay past.
         self._sequence_kept: bool | None = None
+        # PostgreSQL's LISTEN connection, shared by this process's followers.
+        self._listener: Listener | None = None
+        self._listener_pid = 0
         if create_tables:
             self.create_tables()
 
@@ -1317,6 +1320,15 @@ class SQLRecorder(ProcessRecorder):
         rows = conn.exec_driver_sql("SELECT originator_id, version, revision FROM catalog_streams")
         return [tuple(row) for row in rows]
 
+    def listener(self) -> Listener:
+        """This process's one LISTEN connection to the log's database."""
+        with self._writer_lock:
+            if self._listener is None or self._listener_pid != os.getpid():
+                url = self.engine.url.set(drivername="postgresql")
+                self._listener = Listener(url.render_as_string(hide_password=False))
+                self._listener_pid = os.getpid()
+            return self._listener
+
     def subscribe(
         self, gt: int | None = None, topics: Sequence[str] = ()
     ) -> Subscription[ApplicationRecorder]:
@@ -1418,24 +1430,62 @@ class ListenSubscription(ListenNotifySubscription[ApplicationRecorder]):
     """New notifications as they commit, woken by PostgreSQL's LISTEN/NOTIFY
     rather than by polling. The pull itself is eventsourcing's: every wake-up
     reads what is after the last revision delivered, so a lost notification
-    delays nothing past the next one, and a slow wake-up misses nothing."""
+    delays nothing past the next one, and a slow wake-up misses nothing. The
+    LISTEN connection is the process's, shared (:class:`Listener`)."""
 
     def __init__(
         self, recorder: SQLRecorder, gt: int | None = None, topics: Sequence[str] = ()
     ) -> None:
-        url = recorder.engine.url.set(drivername="postgresql")
-        self._conninfo = url.render_as_string(hide_password=False)
         super().__init__(recorder=recorder, gt=gt, topics=topics)
-        self._listen_thread = threading.Thread(target=self._listen, daemon=True)
-        self._listen_thread.start()
+        self._listener = recorder.listener()
+        self._listener.add(self)
 
     def __exit__(self, *args: object, **kwargs: Any) -> None:
-        try:
-            super().__exit__(*args, **kwargs)
-        finally:
-            self._listen_thread.join()
+        self._listener.discard(self)
+        super().__exit__(*args, **kwargs)
+
+    def wake(self) -> None:
+        """A commit may have landed: pull."""
+        self._has_been_notified.set()
+
+    def fail(self, error: BaseException) -> None:
+        """The LISTEN connection failed: end, telling why (a watch subscribes again)."""
+        if self._thread_error is None:
+            self._thread_error = error
+        self.stop()
+
+
+class Listener:
+    """One LISTEN connection a process shares among its subscriptions, in a
+    thread that runs while any is open. A connection each, a few dozen
+    watchers (the console's tabs, gateway replicas over HTTP) took every
+    connection the server allows, from every node."""
+
+    def __init__(self, conninfo: str) -> None:
+        self._conninfo = conninfo
+        self._lock = threading.Lock()
+        self._subscriptions: set[ListenSubscription] = set()
+        self._listening = False
+        self._thread: threading.Thread | None = None
+
+    def add(self, subscription: ListenSubscription) -> None:
+        with self._lock:
+            self._subscriptions.add(subscription)
+            if self._listening:
+                # Commits from now on are heard; one pull covers those before.
+                subscription.wake()
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._listen, name="catalog-es-listen", daemon=True
+                )
+                self._thread.start()
+
+    def discard(self, subscription: ListenSubscription) -> None:
+        with self._lock:
+            self._subscriptions.discard(subscription)
 
     def _listen(self) -> None:
+        error: BaseException | None = None
         try:
             # Imported here, where PostgreSQL is listened to: every command on
             # SQLite (each CLI run) paid 60 ms for this import before.
@@ -1443,16 +1493,35 @@ class ListenSubscription(ListenNotifySubscription[ApplicationRecorder]):
 
             with psycopg.connect(self._conninfo, autocommit=True) as conn:
                 conn.execute(f"LISTEN {CHANNEL}")
-                # Commits between the first pull and LISTEN would go unheard.
-                self._has_been_notified.set()
-                while not self._has_been_stopped and not self._thread_error:
-                    # Short waits, so a stop is noticed promptly.
-                    for _ in conn.notifies(timeout=0.2, stop_after=1):
-                        self._has_been_notified.set()
-        except BaseException as error:
-            if self._thread_error is None:
-                self._thread_error = error
-            self.stop()
+                with self._lock:
+                    # Commits between a subscription's first pull and LISTEN
+                    # would go unheard: each pulls again now.
+                    self._listening = True
+                    waiting = list(self._subscriptions)
+                for subscription in waiting:
+                    subscription.wake()
+                while True:
+                    # Short waits, so the last subscription's end is noticed promptly.
+                    notified = any(True for _ in conn.notifies(timeout=0.2, stop_after=1))
+                    with self._lock:
+                        # Those there now: one added meanwhile pulled once it was.
+                        waiting = list(self._subscriptions)
+                        if not waiting:
+                            self._listening = False
+                            self._thread = None
+                            return
+                    if notified:
+                        for subscription in waiting:
+                            subscription.wake()
+        except BaseException as problem:  # told to each subscription, which ends
+            error = problem
+        with self._lock:
+            self._listening = False
+            self._thread = None
+            failed = list(self._subscriptions)
+            self._subscriptions.clear()
+        for subscription in failed:
+            subscription.fail(error or ConnectionError("the LISTEN connection ended"))
 
 
 class Factory(InfrastructureFactory[TrackingRecorder]):

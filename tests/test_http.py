@@ -703,6 +703,43 @@ def test_a_watch_follows_on_after_the_database_came_back(pg_url: str) -> None:
     writer.close()
 
 
+def test_followers_in_one_process_share_one_listen_connection(pg_url: str) -> None:
+    """A LISTEN connection each, twenty open streams took twenty-five of the
+    server's connections, which every node shares (hostile test)."""
+    writer = Models(DeclaredConfig(), env={"CATALOG_ES_DB": pg_url})
+    writer.add(spec("m"), by="setup")
+    follower = Models(DeclaredConfig(), env={"CATALOG_ES_DB": pg_url})
+
+    def listening() -> int:
+        with writer.store.read() as conn:
+            return int(
+                conn.exec_driver_sql(
+                    "SELECT count(*) FROM pg_stat_activity"
+                    " WHERE query = 'LISTEN catalog_events' AND datname = current_database()"
+                ).scalar_one()
+            )
+
+    before = listening()
+    watches = [follower.watch(0) for _ in range(8)]
+    seen: list[list[int]] = [[] for _ in watches]
+    threads = [
+        threading.Thread(target=lambda w=w, s=s: s.extend(e["revision"] for e in w))
+        for w, s in zip(watches, seen, strict=True)
+    ]
+    for thread in threads:
+        thread.start()
+    writer.scale("m", 0, 2, by="ops")
+    _until(lambda: all(s == [1, 2] for s in seen))
+    assert listening() == before + 1
+    for watch in watches:
+        watch.stop()
+    for thread in threads:
+        thread.join(timeout=10)
+    _until(lambda: listening() == before)  # let go once no one follows
+    follower.close()
+    writer.close()
+
+
 def _until(done: Callable[[], bool], seconds: float = 10) -> None:
     deadline = time.monotonic() + seconds
     while not done():
