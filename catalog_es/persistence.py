@@ -1481,8 +1481,17 @@ class Listener:
                 self._thread.start()
 
     def discard(self, subscription: ListenSubscription) -> None:
+        """Let go of ``subscription``; the last one out waits for the thread
+        to end (within one of its short waits), as its own thread was joined
+        when each had one: a process about to fork must have no other thread."""
         with self._lock:
             self._subscriptions.discard(subscription)
+            thread = self._thread
+        while thread is not None and thread.is_alive():
+            with self._lock:
+                if self._subscriptions:
+                    return  # another has joined: the thread goes on for it
+            thread.join(0.05)
 
     def _listen(self) -> None:
         error: BaseException | None = None

@@ -6,7 +6,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
@@ -51,6 +51,7 @@ class Proxy:
     def __init__(self, target: tuple[str, int]) -> None:
         self._target = target
         self._open: list[socket.socket] = []
+        self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
         self.port = 0
         self.resume()
@@ -59,7 +60,13 @@ class Proxy:
         """Take connections (again, on the same port, after :meth:`cut`)."""
         self._listener = socket.create_server(("127.0.0.1", self.port), reuse_port=False)
         self.port = self._listener.getsockname()[1]
-        threading.Thread(target=self._accept, args=(self._listener,), daemon=True).start()
+        self._start(self._accept, self._listener)
+
+    def _start(self, target: Callable[..., None], *args: socket.socket) -> None:
+        thread = threading.Thread(target=target, args=args, daemon=True)
+        with self._lock:
+            self._threads.append(thread)
+        thread.start()
 
     def _accept(self, listener: socket.socket) -> None:
         while True:
@@ -71,10 +78,10 @@ class Proxy:
             with self._lock:
                 self._open += [client, upstream]
             for source, sink in ((client, upstream), (upstream, client)):
-                threading.Thread(target=_pipe, args=(source, sink), daemon=True).start()
+                self._start(_pipe, source, sink)
 
     def cut(self) -> None:
-        """Refuse new connections and drop the open ones."""
+        """Refuse new connections and drop the open ones; its threads end."""
         with suppress(OSError):
             self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept
         self._listener.close()
@@ -84,6 +91,9 @@ class Proxy:
                     sock.shutdown(socket.SHUT_RDWR)
                 sock.close()
             self._open.clear()
+            threads, self._threads = self._threads, []
+        for thread in threads:
+            thread.join(timeout=10)
 
 
 def _pipe(source: socket.socket, sink: socket.socket) -> None:

@@ -701,6 +701,7 @@ def test_a_watch_follows_on_after_the_database_came_back(pg_url: str) -> None:
     assert seen == [1, 2, 3]
     follower.close()
     writer.close()
+    proxy.cut()  # and its threads end: a later test forks, alone
 
 
 def test_followers_in_one_process_share_one_listen_connection(pg_url: str) -> None:
