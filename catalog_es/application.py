@@ -228,6 +228,7 @@ class Models(AuditTrail, Application[UUID]):
             snapshots.restore(conn, catalog, self.declared.fingerprint, upto=None)
             since = catalog.revision
             catch_up(catalog, self.store, conn, split=True)
+            self._tell_undeclared(conn, catalog)
         if catalog.revision - since >= self.snapshot_interval:
             self._save_snapshot(catalog.revision, snapshots.encode(catalog))
         for skip in catalog.skipped[:10]:
@@ -244,6 +245,30 @@ class Models(AuditTrail, Application[UUID]):
                 len(catalog.skipped) - 10,
             )
         return catalog
+
+    def _tell_undeclared(self, conn: Connection, catalog: Catalog) -> None:
+        """Warn of each model the config last recorded declared, no longer
+        declares, and that is in force all the same: a runtime definition the
+        declared one hid, come back as it was (configuration won while it
+        declared the name; the log kept the runtime layer)."""
+        recorded = catalog.recorded_declaration
+        if recorded is None or not declaration_differs(catalog, self.declared):
+            return
+        for page in self.store.scan(conn, after=recorded[1] - 1, upto=recorded[1]):
+            for _, topic, state in page:
+                try:
+                    record = decode_event(topic, state)
+                except UndecodableEvent:
+                    return
+                if not isinstance(record, Configuration.Declared):
+                    return
+                for spec in record.models:
+                    if not catalog.is_declared(spec.name) and catalog.get(spec.name) is not None:
+                        log.warning(
+                            "model %r is no longer declared: its runtime definition, which "
+                            "the declared one hid, is in force again (remove it if unwanted)",
+                            spec.name,
+                        )
 
     def _new_catalog(self) -> Catalog:
         """The declared layer alone, its rules checked."""

@@ -507,6 +507,28 @@ def test_declared_models_are_listed_with_runtime_ones(make_models: MakeModels) -
     ]
 
 
+def test_a_runtime_model_a_declared_one_hid_is_told_when_it_comes_back(
+    make_models: MakeModels, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Configuration wins while it declares the name; once it no longer
+    does, the runtime definition the log kept is in force again, and was so
+    in silence (hostile test): the first load under the new config says so."""
+    make_models(config_yaml()).add(spec("qwen", source="hf://runtime/old-trial"), by=ACTOR)
+    adopted = make_models(config_yaml(spec("qwen", source="hf://declared/qwen")))
+    adopted.record_declaration(by="deployer")  # as serve does at start
+    caplog.clear()
+    dropped = make_models(config_yaml())
+    assert dropped.get_model("qwen")["source"] == "hf://runtime/old-trial"
+    assert [r.getMessage() for r in caplog.records if "no longer declared" in r.getMessage()] == [
+        "model 'qwen' is no longer declared: its runtime definition, which the declared one "
+        "hid, is in force again (remove it if unwanted)"
+    ]
+    caplog.clear()
+    dropped.record_declaration(by="deployer")
+    make_models(config_yaml())
+    assert "no longer declared" not in caplog.text  # told while the change is new
+
+
 def test_the_kubeai_catalog_loads_as_declared_config(make_models: MakeModels, rows: Rows) -> None:
     text = KUBEAI_CATALOG.read_text(encoding="utf-8")
     published = yaml.safe_load(text)
