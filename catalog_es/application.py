@@ -163,6 +163,8 @@ class Watch:
                             yield view
                 return
             except Exception as error:
+                if self._stopped.is_set():
+                    return  # stopped: what ended the subscription is no longer news
                 unusable = database_unusable(error)
                 if unusable is None:
                     raise

@@ -502,25 +502,39 @@ def _busy_timeout(conn: Connection, seconds: float) -> None:
     )
 
 
-# The drivers' errors that mean the database itself cannot be used: not there,
-# not reachable or its connection lost, not SQLite's, or tables of that name
-# that are not the log's.
-_UNUSABLE = {
-    "sqlite3": {"OperationalError", "DatabaseError"},
-    "psycopg": {"OperationalError", "InterfaceError", "DatabaseError"}
-    | {"UndefinedTable", "UndefinedColumn"},
-}
+# SQLite's errors that mean the database itself cannot be used: not there,
+# not SQLite's, or tables of the log's names that are not the log's.
+_SQLITE_UNUSABLE = {"OperationalError", "DatabaseError"}
+# PostgreSQL's, by SQLSTATE: no connection (class 08), refused (28: who; 3D:
+# no such database), out of resources (53), shut down, shutting down or not
+# yet up (57P01-57P03: a restart or a failover ends sessions with these),
+# and tables of the log's names that are not the log's. A query cancelled or
+# a lock not had (57014, 55P03) is busy, not unusable. An error with no state
+# failed in the client: no server reached, or the connection lost.
+_POSTGRESQL_UNUSABLE_CLASSES = ("08", "28", "3D", "53")
+_POSTGRESQL_UNUSABLE = {"57P01", "57P02", "57P03", "42P01", "42703"}
+_CLIENT_FAILURES = {"OperationalError", "InterfaceError", "DatabaseError"}
 
 
 def database_unusable(error: BaseException) -> str | None:
     """What the driver said, when ``error`` means the database cannot be used
-    at all (rather than a statement went wrong): the CLI's one line and the
-    HTTP API's 503 both decide by this."""
+    at all (rather than a statement went wrong): the CLI's one line, the HTTP
+    API's 503 and a watch's waiting for the database to come back all decide
+    by this."""
     driver = error.orig if isinstance(error, sa.exc.DBAPIError) else error
     kind = type(driver)
-    if kind.__name__ in _UNUSABLE.get(kind.__module__.split(".")[0], ()):
-        return first_line(str(driver))
-    return None
+    package = kind.__module__.split(".")[0]
+    if package == "sqlite3":
+        unusable = kind.__name__ in _SQLITE_UNUSABLE
+    elif package == "psycopg":
+        state = getattr(driver, "sqlstate", None)
+        if state is None:
+            unusable = kind.__name__ in _CLIENT_FAILURES
+        else:
+            unusable = state[:2] in _POSTGRESQL_UNUSABLE_CLASSES or state in _POSTGRESQL_UNUSABLE
+    else:
+        unusable = False
+    return first_line(str(driver)) if unusable else None
 
 
 def _is_busy(error: sa.exc.OperationalError) -> bool:
@@ -547,6 +561,7 @@ class SQLRecorder(ProcessRecorder):
         # PostgreSQL's LISTEN connection, shared by this process's followers.
         self._listener: Listener | None = None
         self._listener_pid = 0
+        self._listener_lock = threading.Lock()
         if create_tables:
             self.create_tables()
 
@@ -1322,7 +1337,9 @@ class SQLRecorder(ProcessRecorder):
 
     def listener(self) -> Listener:
         """This process's one LISTEN connection to the log's database."""
-        with self._writer_lock:
+        # Not the writer's lock, which a write holds while it waits for another
+        # node's: a new follower would wait with it.
+        with self._listener_lock:
             if self._listener is None or self._listener_pid != os.getpid():
                 url = self.engine.url.set(drivername="postgresql")
                 self._listener = Listener(url.render_as_string(hide_password=False))
@@ -1500,7 +1517,8 @@ class Listener:
             # SQLite (each CLI run) paid 60 ms for this import before.
             import psycopg
 
-            with psycopg.connect(self._conninfo, autocommit=True) as conn:
+            # Bounded: the last follower out waits for this thread to end.
+            with psycopg.connect(self._conninfo, autocommit=True, connect_timeout=10) as conn:
                 conn.execute(f"LISTEN {CHANNEL}")
                 with self._lock:
                     # Commits between a subscription's first pull and LISTEN
@@ -1525,6 +1543,8 @@ class Listener:
         except BaseException as problem:  # told to each subscription, which ends
             error = problem
         with self._lock:
+            if self._thread is not threading.current_thread():
+                return  # ended on its way out (closing): a newer thread serves them
             self._listening = False
             self._thread = None
             failed = list(self._subscriptions)

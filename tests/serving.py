@@ -76,6 +76,11 @@ class Proxy:
                 return  # cut
             upstream = socket.create_connection(self._target)
             with self._lock:
+                if listener is not self._listener or self._listener.fileno() < 0:
+                    # Accepted as it was cut: dropped, as the others were.
+                    client.close()
+                    upstream.close()
+                    return
                 self._open += [client, upstream]
             for source, sink in ((client, upstream), (upstream, client)):
                 self._start(_pipe, source, sink)

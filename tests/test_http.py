@@ -5,6 +5,7 @@ PostgreSQL: every endpoint, auth, bad bodies, compare-and-set, the watch stream.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -656,12 +657,18 @@ def test_a_database_that_went_away_is_a_503_to_retry_and_nothing_is_written(
     models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": through})
     models.add(spec("m"), by="setup")
     tokens, token = tokens_for_roles(tmp_path / "tokens.json")
-    with serving(create_app(models, tokens)) as url, httpx.Client(base_url=url) as client:
-        assert client.get("/revision", headers=bearer(token["read"])).status_code == 200
-        proxy.cut()
-        rows = count_events(pg_url)
-        read = client.get("/revision", headers=bearer(token["read"]))
-        scaled = client.post("/models/m/scale", json={"max": 2}, headers=bearer(token["write"]))
+    server_log = logging.getLogger("uvicorn.error")  # it does not propagate
+    server_log.addHandler(caplog.handler)
+    try:
+        with serving(create_app(models, tokens)) as url, httpx.Client(base_url=url) as client:
+            assert client.get("/revision", headers=bearer(token["read"])).status_code == 200
+            proxy.cut()
+            rows = count_events(pg_url)
+            read = client.get("/revision", headers=bearer(token["read"]))
+            write = bearer(token["write"])
+            scaled = client.post("/models/m/scale", json={"max": 2}, headers=write)
+    finally:
+        server_log.removeHandler(caplog.handler)
     for response in (read, scaled):
         assert refused(response, 503) == "the database could not be used; try again"
         assert response.headers["retry-after"] == "1"
@@ -669,7 +676,49 @@ def test_a_database_that_went_away_is_a_503_to_retry_and_nothing_is_written(
     assert count_events(pg_url) == rows
     told = [r.getMessage() for r in caplog.records if "could not be used" in r.getMessage()]
     assert told[0].startswith("GET /revision: the database could not be used: ")
+    assert "Exception in ASGI application" not in caplog.text  # one line, no traceback
     models.close()
+
+
+def test_a_session_ended_by_the_server_mid_query_is_a_503(pg_url: str, tmp_path: Path) -> None:
+    """A restart or a failover ends the sessions in a query with SQLSTATE
+    57P01 (psycopg's AdminShutdown, a subclass of OperationalError): it was
+    taken for an unexpected error, a 500 (review)."""
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": pg_url})
+    models.add(spec("m"), by="setup")
+    tokens, token = tokens_for_roles(tmp_path / "tokens.json")
+    engine = sa.create_engine(pg_url)
+    with (
+        serving(create_app(models, tokens)) as url,
+        engine.connect() as holder,
+        holder.begin(),
+    ):
+        holder.exec_driver_sql("LOCK TABLE catalog_events IN ACCESS EXCLUSIVE MODE")
+        answers: list[httpx.Response] = []
+        read = bearer(token["read"])
+        reading = threading.Thread(
+            target=lambda: answers.append(httpx.get(f"{url}/log", headers=read, timeout=30))
+        )
+        reading.start()
+
+        def waiting() -> list[int]:
+            # The statistics are read once a transaction unless cleared.
+            holder.exec_driver_sql("SELECT pg_stat_clear_snapshot()")
+            return list(
+                holder.exec_driver_sql(
+                    "SELECT pid FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                    " AND datname = current_database() AND pid <> pg_backend_pid()"
+                ).scalars()
+            )
+
+        _until(lambda: bool(waiting()))
+        for pid in waiting():
+            holder.exec_driver_sql(f"SELECT pg_terminate_backend({pid})")
+        reading.join(timeout=10)
+    engine.dispose()
+    models.close()
+    (answer,) = answers
+    assert refused(answer, 503) == "the database could not be used; try again"
 
 
 def test_a_watch_follows_on_after_the_database_came_back(pg_url: str) -> None:

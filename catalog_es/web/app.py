@@ -20,6 +20,7 @@ from importlib.metadata import version
 from typing import Annotated, Any, Protocol, TypeVar
 
 import msgspec
+import sqlalchemy as sa
 from fastapi import APIRouter, Depends, FastAPI, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
@@ -696,17 +697,13 @@ def _errors(app: FastAPI) -> None:
     async def invalid_request(_request: Request, error: RequestValidationError) -> Response:
         return error_response(422, describe_problems(list(error.errors())))
 
-    @app.exception_handler(Exception)
-    async def unexpected(request: Request, error: Exception) -> Response:
-        # Outside every other middleware: the guard's headers are given here.
+    @app.exception_handler(sa.exc.DBAPIError)
+    async def database_error(request: Request, error: sa.exc.DBAPIError) -> Response:
         unusable = database_unusable(error)
         if unusable is None:
-            # Starlette logs the traceback after this answer.
-            return error_response(
-                500, "internal error; the server's log tells what happened", GUARD_HEADERS
-            )
+            raise error  # to the handler of the unexpected
         # The database down, restarting or failing over: try again later. What
-        # the driver said is for the server's log, not for every client.
+        # the driver said is for the server's log (one line), not for clients.
         log.warning(
             "%s %s: the database could not be used: %s",
             request.method,
@@ -714,9 +711,15 @@ def _errors(app: FastAPI) -> None:
             unusable,
         )
         return error_response(
-            503,
-            "the database could not be used; try again",
-            {**GUARD_HEADERS, "Retry-After": "1"},
+            503, "the database could not be used; try again", {"Retry-After": "1"}
+        )
+
+    @app.exception_handler(Exception)
+    async def unexpected(_request: Request, _error: Exception) -> Response:
+        # Outside every other middleware: the guard's headers are given here.
+        # Starlette logs the traceback after this answer.
+        return error_response(
+            500, "internal error; the server's log tells what happened", GUARD_HEADERS
         )
 
 
