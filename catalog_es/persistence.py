@@ -1511,7 +1511,6 @@ class Listener:
             thread.join(0.05)
 
     def _listen(self) -> None:
-        error: BaseException | None = None
         try:
             # Imported here, where PostgreSQL is listened to: every command on
             # SQLite (each CLI run) paid 60 ms for this import before.
@@ -1540,17 +1539,16 @@ class Listener:
                     if notified:
                         for subscription in waiting:
                             subscription.wake()
-        except BaseException as problem:  # told to each subscription, which ends
-            error = problem
-        with self._lock:
-            if self._thread is not threading.current_thread():
-                return  # ended on its way out (closing): a newer thread serves them
-            self._listening = False
-            self._thread = None
-            failed = list(self._subscriptions)
-            self._subscriptions.clear()
-        for subscription in failed:
-            subscription.fail(error or ConnectionError("the LISTEN connection ended"))
+        except BaseException as error:  # told to each subscription, which ends
+            with self._lock:
+                if self._thread is not threading.current_thread():
+                    return  # ended on its way out (closing): a newer thread serves them
+                self._listening = False
+                self._thread = None
+                failed = list(self._subscriptions)
+                self._subscriptions.clear()
+            for subscription in failed:
+                subscription.fail(error)
 
 
 class Factory(InfrastructureFactory[TrackingRecorder]):
