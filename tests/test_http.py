@@ -212,6 +212,28 @@ def test_no_answer_can_be_framed_and_the_apis_are_never_cached(api: Api) -> None
         assert stream.headers["cache-control"] == "no-cache"
 
 
+def test_head_is_answered_as_get_is_without_the_body(api: Api) -> None:
+    """Monitors and ``curl -I`` ask with HEAD; it was refused with 405."""
+    api.post("/models", definition("qwen"))
+    for path in ("/models", "/models/qwen", "/sources", "/log"):
+        got, head = api.get(path), api.client.head(path, headers=api.as_("read"))
+        assert head.status_code == got.status_code == 200, path
+        assert head.content == b"", path
+        for name in ("content-type", "content-length", "etag", "x-frame-options"):
+            assert head.headers.get(name) == got.headers.get(name), (path, name)
+    assert api.client.head("/models").status_code == 401
+    assert api.client.head("/models/nope", headers=api.as_("read")).status_code == 404
+    stream = api.client.head("/events", headers=api.as_("read"), timeout=5)
+    assert stream.status_code == 200 and stream.content == b""
+    assert stream.headers["content-type"].startswith("text/event-stream")
+    # What does not answer GET does not answer HEAD, and says what it answers.
+    before = count_events(api.db)
+    assert api.client.head("/models/qwen/scale", headers=api.as_("write")).status_code == 404
+    assert count_events(api.db) == before
+    refused_post = api.post("/sources", {})
+    assert refused(refused_post, 405) and refused_post.headers["allow"] == "GET, HEAD"
+
+
 # -- refusals ----------------------------------------------------------------------
 
 

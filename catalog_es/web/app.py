@@ -691,7 +691,10 @@ def _errors(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def http_error(_request: Request, error: HTTPException) -> Response:
-        return error_response(error.status_code, str(error.detail), error.headers)
+        headers = error.headers
+        if headers is not None and "GET" in headers.get("Allow", "").split(", "):
+            headers = {**headers, "Allow": headers["Allow"] + ", HEAD"}  # see _HeadAsGet
+        return error_response(error.status_code, str(error.detail), headers)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(_request: Request, error: RequestValidationError) -> Response:
@@ -760,6 +763,34 @@ class _Guarded:
         await self.app(scope, receive, guarded)
 
 
+class _HeadAsGet:
+    """HEAD answered as GET is, headers only: a server that answers GET must
+    answer HEAD (RFC 9110), and monitors and ``curl -I`` ask with it, but a
+    FastAPI route takes only the methods it names. The body is dropped here,
+    whatever the server does: the answer ends with its headers, a stream's
+    (``/events``) too."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "HEAD":
+            await self.app(scope, receive, send)
+            return
+        answered = False
+
+        async def headers_only(message: Message) -> None:
+            nonlocal answered
+            if answered:
+                return
+            if message["type"] == "http.response.body":
+                answered = True
+                message = {"type": "http.response.body", "body": b"", "more_body": False}
+            await send(message)
+
+        await self.app({**scope, "method": "GET"}, receive, headers_only)
+
+
 def end_streams(app: FastAPI) -> None:
     """Tell the open watch streams to end: the server is shutting down."""
     closing: threading.Event = app.state.closing
@@ -781,6 +812,7 @@ def create_app(models: Models, tokens: TokenStore) -> FastAPI:
     _errors(app)
     app.include_router(route)
     app.add_middleware(_Guarded)
+    app.add_middleware(_HeadAsGet)
     app.mount(
         "/console",
         StaticFiles(packages=[("catalog_es.web", "console")], html=True),
