@@ -40,7 +40,7 @@ from catalog_es.errors import (
 )
 from catalog_es.inputs import zoned
 from catalog_es.mapper import EventMapper, UndecodableEvent, decode_event, model_of_state
-from catalog_es.model import MAX_CLOCK_SKEW, ROLLBACK, Model, model_id, utc_now
+from catalog_es.model import APPLY, MAX_CLOCK_SKEW, ROLLBACK, Model, model_id, utc_now
 from catalog_es.persistence import (
     PollingSubscription,
     SQLRecorder,
@@ -430,8 +430,9 @@ class Models(AuditTrail, Application[UUID]):
         the catalog the ones before it leave."""
         _check_meta(by, reason)
         outcomes: list[tuple[Model.Event, ModelSpec | None, bool]] = []
-        # The change a refusal is about: the one that could not go.
-        current = steps[0] if steps else None
+        # The change a refusal is about: the one that could not go; none when
+        # the list as a whole was refused (a stale ``expected_revision``).
+        current: commands.Step | None = None
 
         def plan(batch: Batch) -> None:
             nonlocal current
@@ -447,6 +448,7 @@ class Models(AuditTrail, Application[UUID]):
                         f"change {number} ({step.verb} {step.name}) refused, nothing applied: "
                         f"{refusal}"
                     ) from None
+            current = None
 
         try:
             added = [step for step in steps if step.event_class is Model.Added]
@@ -458,14 +460,18 @@ class Models(AuditTrail, Application[UUID]):
             for step in added:
                 current = step
                 self.pre_add_check.check(step.fields["spec"])
+            current = None
             revision, _ = self._write(
                 plan, by=by, reason=reason, expected_revision=expected_revision, several=True
             )
         except Refused as refusal:
             if current is not None:
                 self._record_refusal(
-                    current.event_class, current.name, by, reason, current.fields, refusal
+                    current.event_class, current.name, by, reason, current.refused_fields, refusal
                 )
+            else:
+                changes = [f"{step.verb} {step.name}" for step in steps]
+                self.record_refusal(APPLY, "", by, reason, {"changes": changes}, refusal)
             raise
         definitions = model_views(
             [new for _, new, _ in outcomes if new is not None], lambda _: False
@@ -523,7 +529,9 @@ class Models(AuditTrail, Application[UUID]):
                 plan, by=by, reason=reason, expected_revision=expected_revision, streams=[step.name]
             )
         except Refused as refusal:
-            self._record_refusal(step.event_class, step.name, by, reason, step.fields, refusal)
+            self._record_refusal(
+                step.event_class, step.name, by, reason, step.refused_fields, refusal
+            )
             raise
         _, new, replaced = outcome[0]
         log.info("%s %s at revision %d by %s", step.verb, step.name, revision, by)

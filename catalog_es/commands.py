@@ -28,9 +28,17 @@ class Step:
     name: str
     fields: dict[str, Any] = field(default_factory=dict)
     derive: Derive | None = None
+    # What a refusal keeps of a step that works its fields out in the write
+    # (a refused one may never get that far): what it was asked for.
+    asked: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         check_name(self.name)
+
+    @property
+    def refused_fields(self) -> dict[str, Any]:
+        """What the refusals keep of this step: its fields, or what was asked."""
+        return self.fields if self.asked is None else self.asked
 
     @property
     def verb(self) -> str:
@@ -79,7 +87,13 @@ def scale(name: str, minimum: int | None = None, maximum: int | None = None) -> 
         high = now.max if maximum is None else maximum
         return {"scaling": Scaling(min=low, max=high)}
 
-    return Step(Model.Scaled, name, derive=scaling)
+    asked = {"min": minimum, "max": maximum}
+    return Step(
+        Model.Scaled,
+        name,
+        derive=scaling,
+        asked={bound: value for bound, value in asked.items() if value is not None},
+    )
 
 
 def resources(

@@ -26,7 +26,7 @@ from catalog_es import commands
 from catalog_es.configuration import CONFIG_DECLARED
 from catalog_es.configuration import DeclaredConfig as DeclaredConfig  # re-exported
 from catalog_es.errors import SHOWN_LENGTH, ConfigError, InputError, Refused, cut_short, shown
-from catalog_es.model import EVENT_TYPES, ROLLBACK
+from catalog_es.model import APPLY, EVENT_TYPES, ROLLBACK
 from catalog_es.persistence import MAX_REVISION as MAX_REVISION  # re-exported
 from catalog_es.spec import DEFAULT_ENGINES, Adapter, ModelSpec, Origin
 
@@ -778,11 +778,11 @@ def in_utc(moment: datetime, said: str) -> datetime:
 
 
 # What the audit's and the refusals' rows carry: the model events' names, a
-# declared-config record's, and a refused rollback's (which has no event of
-# its own: a rollback that goes through writes the events it plans).
+# declared-config record's, and a refused rollback's or list of changes'
+# (which have no event of their own).
 _EVENT_NAMES = {
     name.lower(): name
-    for name in (*(cls.__name__ for cls in EVENT_TYPES), CONFIG_DECLARED, ROLLBACK)
+    for name in (*(cls.__name__ for cls in EVENT_TYPES), CONFIG_DECLARED, ROLLBACK, APPLY)
 }
 
 

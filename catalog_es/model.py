@@ -261,3 +261,7 @@ EVENT_TYPES: tuple[type[Model.Event], ...] = (
 # What a refused rollback is recorded as: it has no event of its own (one
 # that goes through writes the events it plans, each marked ``rollback_to``).
 ROLLBACK = "Rollback"
+# What a list of changes refused as a whole is recorded as (a stale expected
+# revision): no one change of it was refused. One refused change is recorded
+# as itself.
+APPLY = "Apply"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -175,6 +176,32 @@ def test_a_refused_apply_is_kept_apart_naming_the_change_that_could_not_go(
     )
     assert "change 2 (remove a) refused" in refusal["refusal"]
     assert count_events(db_url) == rows
+
+
+def test_a_list_refused_as_a_whole_is_kept_as_apply_not_as_its_first_change(
+    db_url: str, tmp_path: Path
+) -> None:
+    """A stale expected revision refuses no one change: it was recorded as the
+    first one's (review)."""
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
+    models.apply_changes(read_changes(write(tmp_path, CHANGES)), by="ops")
+    rows = count_events(db_url)
+    steps = [commands.remove("a"), commands.scale("b", maximum=4)]
+    with pytest.raises(Refused, match="the log is at revision"):
+        models.apply_changes(steps, by="mallory", expected_revision=1)
+    (refusal,) = models.refusals()
+    assert (refusal["model"], refusal["event"], refusal["fields"]) == (
+        "",
+        "Apply",
+        {"changes": ["remove a", "scale b"]},
+    )
+    assert [r["id"] for r in models.refusals(event_type="Apply")] == [refusal["id"]]
+    assert count_events(db_url) == rows
+    runner = CliRunner()
+    db = ["--db", db_url]
+    listed = runner.invoke(cli, [*db, "refusals", "--type", "apply", "--json"])
+    assert listed.exit_code == 0, listed.output
+    assert [r["event"] for r in json.loads(listed.stdout)] == ["Apply"]
 
 
 def test_a_refused_changes_fields_are_kept_only_up_to_a_size(db_url: str, tmp_path: Path) -> None:

@@ -553,6 +553,8 @@ def test_refused_commands_are_kept_apart_with_who_what_and_why(models: Models) -
     assert why[3].startswith("model 'chat': class: 'gold' is not one of")
     assert refusals[0]["fields"]["spec"]["source"] == "hf://org/base"
     assert refusals[3]["fields"] == {"class": "gold"}
+    # A scale's bounds are worked out in the write; refused before, it keeps what was asked.
+    assert refusals[1]["fields"] == {"max": 5}
     assert [r["id"] for r in models.refusals(by="dave")] == [1, 3]
     assert [r["id"] for r in models.refusals(model="chat", limit=1)] == [4]
     assert [r["id"] for r in models.refusals(since=T0 + timedelta(minutes=10))] == [3, 4]

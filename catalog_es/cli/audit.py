@@ -46,7 +46,7 @@ def audit_filters(f: F) -> F:
             metavar="EVENT",
             callback=_event_option,
             help="Only this event type (e.g. Scaled; ConfigDeclared: a declared-config "
-            "record; Rollback: a refused rollback, in refusals).",
+            "record; Rollback, Apply: a refused rollback or list of changes, in refusals).",
         ),
         click.option(
             "--since",

@@ -602,7 +602,8 @@ def audit_filters(
         str | None,
         Query(
             alias="type",
-            description="Only this event type (e.g. `Scaled`; `ConfigDeclared`, `Rollback`).",
+            description="Only this event type "
+            "(e.g. `Scaled`; `ConfigDeclared`, `Rollback`, `Apply`).",
         ),
     ] = None,
     since: Annotated[
