@@ -7,12 +7,15 @@ The secret is 32 random bytes, so a fast salted hash is enough: a slow
 password hash (scrypt, argon2) defends low-entropy secrets that people pick,
 and would cost every request its time. The file is written atomically with
 mode 0600, and re-read when it changes, so adding or removing a token needs
-no restart.
+no restart. Changes to it are serialised by a lock file beside it: two
+``token add`` at once each read the file and wrote it back, and one token was
+lost (its secret shown, never accepted).
 """
 
 from __future__ import annotations
 
 import enum
+import fcntl
 import hashlib
 import hmac
 import logging
@@ -20,6 +23,8 @@ import os
 import secrets
 import tempfile
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -64,7 +69,6 @@ class Caller(msgspec.Struct, frozen=True):
 
     actor: str
     role: Role
-    token_id: str
 
 
 def _digest(salt: str, secret: str) -> str:
@@ -86,7 +90,9 @@ class TokenStore:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._lock = threading.Lock()
-        self._loaded: tuple[float, int] | None = None  # mtime and size last read
+        # The file last read, as its inode, mtime and size: every write replaces
+        # it, so a new inode tells a change a coarse clock's mtime may not.
+        self._loaded: tuple[int, int, int] | None = None
         self._by_id: dict[str, TokenEntry] = {}
 
     # -- the file ----------------------------------------------------------------
@@ -104,7 +110,6 @@ class TokenStore:
             raise InputError(f"{self.path}: not a tokens file: {error}") from None
 
     def _write(self, content: TokensFile) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         fd, temporary = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.")
         try:
             os.fchmod(fd, 0o600)
@@ -115,6 +120,25 @@ class TokenStore:
             Path(temporary).unlink(missing_ok=True)
             raise
 
+    @contextmanager
+    def _changing(self) -> Iterator[TokensFile]:
+        """The file's content to change, written back when the ``with`` ends,
+        under an exclusive lock on ``.NAME.lock`` beside it: no other change
+        reads it in between."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        lock_path = self.path.with_name(f".{self.path.name}.lock")
+        try:
+            lock = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as error:
+            raise InputError(f"{lock_path}: {error.strerror or error}") from None
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            content = self._read()
+            yield content
+            self._write(content)
+        finally:
+            os.close(lock)  # and with it the lock
+
     def entries(self) -> list[TokenEntry]:
         return list(self._read().tokens)
 
@@ -124,7 +148,6 @@ class TokenStore:
         if not actor.strip() or len(actor) > 128 or not actor.isprintable():
             raise InputError(f"actor {actor[:40]!r}: must be 1-128 printable characters")
         parse_role(role)
-        content = self._read()
         token_id = secrets.token_hex(_ID_BYTES)
         secret = secrets.token_urlsafe(_SECRET_BYTES)
         salt = secrets.token_hex(16)
@@ -136,18 +159,17 @@ class TokenStore:
             sha256=_digest(salt, secret),
             created=utc_now(),
         )
-        content.tokens.append(entry)
-        self._write(content)
+        with self._changing() as content:
+            content.tokens.append(entry)
         return entry, f"{TOKEN_PREFIX}_{token_id}_{secret}"
 
     def remove(self, token_id: str) -> TokenEntry:
-        content = self._read()
-        for entry in content.tokens:
-            if entry.id == token_id:
-                content.tokens.remove(entry)
-                self._write(content)
-                return entry
-        raise InputError(f"no token with id {token_id!r} in {self.path}")
+        with self._changing() as content:
+            for entry in content.tokens:
+                if entry.id == token_id:
+                    content.tokens.remove(entry)
+                    return entry
+            raise InputError(f"no token with id {token_id!r} in {self.path}")
 
     # -- verifying ---------------------------------------------------------------
 
@@ -155,7 +177,7 @@ class TokenStore:
         """The entries by id, re-read when the file changed since last time."""
         try:
             stat = self.path.stat()
-            seen: tuple[float, int] | None = (stat.st_mtime, stat.st_size)
+            seen: tuple[int, int, int] | None = (stat.st_ino, stat.st_mtime_ns, stat.st_size)
         except FileNotFoundError:
             seen = None
         with self._lock:
@@ -190,7 +212,7 @@ class TokenStore:
             role = parse_role(entry.role)
         except InputError:
             return None
-        return Caller(actor=entry.actor, role=role, token_id=entry.id)
+        return Caller(actor=entry.actor, role=role)
 
     def describe(self) -> list[dict[str, Any]]:
         """The entries without their hashes, for ``token list``."""
