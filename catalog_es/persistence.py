@@ -506,13 +506,15 @@ def _busy_timeout(conn: Connection, seconds: float) -> None:
 # not SQLite's, or tables of the log's names that are not the log's.
 _SQLITE_UNUSABLE = {"OperationalError", "DatabaseError"}
 # PostgreSQL's, by SQLSTATE: no connection (class 08), refused (28: who; 3D:
-# no such database), out of resources (53), shut down, shutting down or not
-# yet up (57P01-57P03: a restart or a failover ends sessions with these),
-# and tables of the log's names that are not the log's. A query cancelled or
+# no such database; 3F: no such schema, a search_path naming none; 42501: a
+# role without the privileges the log needs), out of resources (53), shut
+# down, shutting down or not yet up (57P01-57P03: a restart or a failover
+# ends sessions with these), and tables of the log's names that are not the
+# log's. A query cancelled or
 # a lock not had (57014, 55P03) is busy, not unusable. An error with no state
 # failed in the client: no server reached, or the connection lost.
-_POSTGRESQL_UNUSABLE_CLASSES = ("08", "28", "3D", "53")
-_POSTGRESQL_UNUSABLE = {"57P01", "57P02", "57P03", "42P01", "42703"}
+_POSTGRESQL_UNUSABLE_CLASSES = ("08", "28", "3D", "3F", "53")
+_POSTGRESQL_UNUSABLE = {"57P01", "57P02", "57P03", "42P01", "42703", "42501"}
 _CLIENT_FAILURES = {"OperationalError", "InterfaceError", "DatabaseError"}
 
 
