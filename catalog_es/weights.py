@@ -403,9 +403,14 @@ class Weights:
         ran: list[tuple[int, Origin]] = []
         for event in self.models.log_events(model=name):
             origin = _origin_set_by(event)
-            if origin is not None and origin != spec.origin and event["revision"] not in skipped:
+            if origin is not None and event["revision"] not in skipped:
                 ran.append((event["revision"], origin))
-        if to is not None:
+        if to is None:
+            ran = [(r, origin) for r, origin in ran if origin != spec.origin]
+        else:
+            # The weights it runs now count: asked for them, it is told it
+            # runs them already, as an update to them is (it was told it
+            # had never run them).
             check_commit(to)
             ran = [(r, origin) for r, origin in ran if origin.revision.startswith(to)]
             if len({origin.revision for _, origin in ran}) > 1:

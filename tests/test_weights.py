@@ -709,6 +709,18 @@ def test_rollback_passes_over_a_record_that_cannot_be_decoded(
     assert reopened.rollback("m", by="carol")["to"]["revision"] == world.c1
 
 
+def test_rollback_to_the_commit_the_model_runs_writes_nothing(
+    world: World, tracked: Weights
+) -> None:
+    """It was refused as a commit the model had never run (docs review)."""
+    c2 = world.mirror.publish("org/m", V2)
+    tracked.update("m", by="bob")  # c2, from its verified folder
+    rows = world.rows()
+    result = tracked.rollback("m", c2[:7], by="carol")
+    assert not result["written"] and result["to"]["revision"] == c2
+    assert world.rows() == rows and tracked.models.refusals() == []
+
+
 def test_rollback_to_a_commit_the_model_never_ran_is_refused(
     world: World, tracked: Weights
 ) -> None:
