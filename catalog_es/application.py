@@ -40,7 +40,15 @@ from catalog_es.errors import (
 )
 from catalog_es.inputs import zoned
 from catalog_es.mapper import EventMapper, UndecodableEvent, decode_event, model_of_state
-from catalog_es.model import APPLY, MAX_CLOCK_SKEW, ROLLBACK, Model, model_id, utc_now
+from catalog_es.model import (
+    APPLY,
+    MAX_CLOCK_SKEW,
+    ROLLBACK,
+    Model,
+    model_id,
+    utc_now,
+    utc_text,
+)
 from catalog_es.persistence import (
     PollingSubscription,
     SQLRecorder,
@@ -750,7 +758,7 @@ class Models(AuditTrail, Application[UUID]):
         if last - now > MAX_CLOCK_SKEW:
             log.warning(
                 "the log's newest time %s is %s ahead of this clock; not following it",
-                last.isoformat(),
+                utc_text(last),
                 last - now,
             )
             return now
@@ -779,7 +787,7 @@ class Models(AuditTrail, Application[UUID]):
             head = self.store.head(conn)
             if isinstance(at, datetime):
                 if at > utc_now():
-                    raise Refused(f"time {at.isoformat()} is in the future")
+                    raise Refused(f"time {utc_text(at)} is in the future")
                 return pointintime.resolve_time(conn, head, at)
             return pointintime.resolve_revision(conn, head, at)
 

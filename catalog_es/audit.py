@@ -28,7 +28,7 @@ from catalog_es.errors import (
     cut_short,
 )
 from catalog_es.inputs import DeclaredConfig, zoned
-from catalog_es.model import Model, utc_now
+from catalog_es.model import Model, utc_now, utc_text
 from catalog_es.persistence import SQLRecorder, refusals_table
 from projections.audit import (
     AuditProjection,
@@ -37,7 +37,6 @@ from projections.audit import (
     filter_text,
     select_rows,
     stored_time,
-    utc_text,
 )
 
 if TYPE_CHECKING:

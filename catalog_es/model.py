@@ -42,6 +42,13 @@ def utc_now() -> datetime:
     return datetime.now(UTC)
 
 
+def utc_text(moment: datetime) -> str:
+    """``2026-11-30T12:00:00Z``: how every time is written out. A time without
+    a zone is UTC, as the database keeps them."""
+    in_utc = moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment.astimezone(UTC)
+    return in_utc.isoformat().replace("+00:00", "Z")
+
+
 # How far ahead of a node's clock the log's time may be and still be trusted:
 # commands follow it (so the log's time never runs backwards), and reads of
 # the past resolve times by it. A time further ahead is a bad clock or record.

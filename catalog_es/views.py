@@ -14,7 +14,7 @@ import msgspec
 from catalog_es.collector import collector_paused
 from catalog_es.configuration import CONFIG_DECLARED, Configuration
 from catalog_es.mapper import topic_name
-from catalog_es.model import DomainEvent, Model
+from catalog_es.model import DomainEvent, Model, utc_text
 from catalog_es.spec import ModelSpec
 
 
@@ -73,7 +73,7 @@ def event_view(revision: int, event: DomainEvent) -> dict[str, Any]:
     """One stored event, as ``log --json`` and ``watch --json`` print it."""
     return {
         "revision": revision,
-        "time": event.timestamp.isoformat().replace("+00:00", "Z"),
+        "time": utc_text(event.timestamp),
         "by": event.by,
         "reason": event.reason,
         "model": event.model if isinstance(event, Model.Event) else None,

@@ -37,7 +37,7 @@ from catalog_es.configuration import CONFIG_DECLARED, Configuration
 from catalog_es.errors import StorageBusy
 from catalog_es.inputs import DeclaredConfig
 from catalog_es.mapper import UndecodableEvent, decode_event, model_of_state, topic_name
-from catalog_es.model import DomainEvent, Model
+from catalog_es.model import DomainEvent, Model, utc_text
 from catalog_es.persistence import SQLRecorder, acquire_within
 from catalog_es.spec import ModelSpec
 from catalog_es.views import event_fields
@@ -123,13 +123,6 @@ def filter_text(text: str | None) -> str | None:
     hold NUL, which only a record written by hand can carry (the row's
     ``view`` keeps the text as it was)."""
     return text.replace("\0", "\ufffd") if text is not None else None
-
-
-def utc_text(stored: datetime | None) -> str | None:
-    """``2026-11-30T12:00:00Z``, the way the log prints times."""
-    if stored is None:
-        return None
-    return stored.replace(tzinfo=UTC).isoformat().replace("+00:00", "Z")
 
 
 # -- queries -----------------------------------------------------------------------
@@ -669,7 +662,7 @@ class AuditProjection(Projection[AuditView]):
         time, actor = row.get("time"), row.get("actor")
         view = {
             "revision": tracking.notification_id,
-            "time": utc_text(time),
+            "time": utc_text(time) if time is not None else None,
             "by": actor,
             "reason": row.get("reason"),
             "model": row["model"],

@@ -1351,6 +1351,10 @@ def test_cli_json_is_what_the_queries_return(models: Models, db: str, config: Pa
         result = invoke(db, config, *args)
         assert result.exit_code == 0, (args, result.stderr)
         assert json.loads(result.stdout) == expected, args
+    # --by filters here, and its help says so (it said who makes the change).
+    for command in ("history", "audit", "refusals"):
+        helped = invoke(db, config, command, "--help")
+        assert "Only this actor's" in helped.stdout and "making the change" not in helped.stdout
 
 
 def test_the_type_filter_takes_every_event_the_rows_carry(

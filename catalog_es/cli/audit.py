@@ -21,6 +21,7 @@ from catalog_es.cli.base import (
     cli,
     emit,
     pass_settings,
+    query_options,
     shared_options,
     table,
 )
@@ -105,17 +106,17 @@ def _show_changes(rows: list[dict[str, Any]], *, with_model: bool) -> Callable[[
 
 @cli.command("history")
 @click.argument("name")
-@shared_options
+@query_options
 @pass_settings
 def history(settings: Settings, name: str) -> None:
-    """Every change to one model, oldest first, field by field."""
+    """Every change to one model, oldest first, field by field; --by names the actor."""
     rows = settings.models().history(name, by=settings.by)
     emit(settings, rows, _show_changes(rows, with_model=False))
 
 
 @cli.command("audit")
 @audit_filters
-@shared_options
+@query_options
 @pass_settings
 def audit(settings: Settings, **filters: Unpack[Filters]) -> None:
     """Changes across the catalog, oldest first, filtered; --by names the actor."""
@@ -126,7 +127,7 @@ def audit(settings: Settings, **filters: Unpack[Filters]) -> None:
 
 @cli.command("refusals")
 @audit_filters
-@shared_options
+@query_options
 @pass_settings
 def refusals(settings: Settings, **filters: Unpack[Filters]) -> None:
     """Commands that were refused: who tried what, and why. They changed nothing."""

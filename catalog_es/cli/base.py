@@ -66,7 +66,9 @@ def _set(attribute: str) -> Callable[[click.Context, click.Parameter, Any], None
     return callback
 
 
-def shared_options(f: F) -> F:
+def shared_options(
+    f: F, by_help: str = "Who is making the change (else $CATALOG_ES_ACTOR, else the OS user)."
+) -> F:
     """``--json``, ``--by``, ``--reason`` and ``--expected-revision``: accepted on
     the root and on every command alike."""
     options = [
@@ -84,7 +86,7 @@ def shared_options(f: F) -> F:
             metavar="ACTOR",
             expose_value=False,
             callback=_set("by"),
-            help="Who is making the change (else $CATALOG_ES_ACTOR, else the OS user).",
+            help=by_help,
         ),
         click.option(
             "--reason",
@@ -105,6 +107,11 @@ def shared_options(f: F) -> F:
     for option in reversed(options):
         f = option(f)
     return f
+
+
+def query_options(f: F) -> F:
+    """:func:`shared_options` of the audit queries, where ``--by`` is a filter."""
+    return shared_options(f, "Only this actor's (a filter here, not who is asking).")
 
 
 pass_settings = click.make_pass_decorator(Settings, ensure=True)

@@ -32,7 +32,7 @@ from typing import Any
 import msgspec
 
 from catalog_es.errors import InputError
-from catalog_es.model import utc_now
+from catalog_es.model import utc_now, utc_text
 
 log = logging.getLogger(__name__)
 
@@ -221,7 +221,7 @@ class TokenStore:
                 "id": e.id,
                 "actor": e.actor,
                 "role": e.role,
-                "created": e.created.isoformat().replace("+00:00", "Z"),
+                "created": utc_text(e.created),
             }
             for e in self.entries()
         ]
