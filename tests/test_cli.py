@@ -509,6 +509,17 @@ def test_log_json_prints_one_object_per_event_with_the_documented_keys(
     assert "alice" in human and "Scaled" in human and "peak" in human
 
 
+def test_a_command_lets_go_of_the_database_when_it_ends(tmp_path: Path) -> None:
+    """The service was never closed: its connections stayed open until the
+    process ended (review). SQLite's last connection, closing, folds the WAL
+    back into the file and deletes it."""
+    (tmp_path / "m.yaml").write_bytes(as_yaml(definition("m")))
+    db = f"sqlite:///{tmp_path}/catalog.db"
+    for command in (["model", "add", str(tmp_path / "m.yaml")], ["model", "list"]):
+        assert CliRunner().invoke(cli, ["--db", db, *command]).exit_code == 0
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["catalog.db", "m.yaml"]
+
+
 def test_python_m_catalog_es_runs(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "catalog_es", "--help"],

@@ -49,8 +49,11 @@ class Settings:
         self._models: Models | None = None
 
     def models(self) -> Models:
+        """The service, opened once per run and closed with the command (its
+        held write connection and pool with it)."""
         if self._models is None:
             self._models = bootstrap.open_models(self.db, self.config)
+            click.get_current_context().call_on_close(self._models.close)
         return self._models
 
     @property
