@@ -798,15 +798,17 @@ class Models(AuditTrail, Application[UUID]):
         HTTP server's) changes it in place; a past one is private."""
         if at is None:
             with self._state:
-                yield self.catalog_at(None)
+                self.refresh()
+                yield self.catalog
         else:
             yield self.catalog_at(at)
 
     def catalog_at(self, at: At = None) -> Catalog:
-        """The catalog in force now, or at a past revision or time."""
+        """The catalog in force now, or at a past revision or time: the
+        caller's own (the one in force, copied; see :meth:`_reading`)."""
         if at is None:
-            self.refresh()
-            return self.catalog
+            with self._reading() as catalog:
+                return catalog.copy()
         revision = self.resolve(at)
         with self.store.read() as conn:
             return pointintime.catalog_at(self.store, conn, self.declared, revision)
@@ -833,7 +835,9 @@ class Models(AuditTrail, Application[UUID]):
             raise ModelNotFound(name, f"is not in the catalog{where}")
         return model_view(spec, declared=declared)
 
-    def diff(self, since: At, until: At = None, *, model: str | None = None) -> dict[str, Any]:
+    def diff(
+        self, since: int | datetime, until: At = None, *, model: str | None = None
+    ) -> dict[str, Any]:
         """What changed from one revision (or time) to another (default: now)."""
         before = self.catalog_at(since)
         with self._reading(until) as after:

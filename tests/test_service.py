@@ -208,6 +208,19 @@ def test_re_adding_says_it_replaced_and_adding_after_removal_does_not(
     assert models.add(spec("a"), by=ACTOR).replaced is False
 
 
+def test_the_catalog_handed_out_is_the_callers_own(make_models: MakeModels) -> None:
+    """The one in force was handed out: a command in another thread (a
+    server's) changed it under the weights scan iterating it (review)."""
+    models = make_models()
+    models.add(spec("a"), by=ACTOR)
+    now = models.catalog_at()
+    models.scale("a", 0, 5, by=ACTOR)
+    models.add(spec("b"), by=ACTOR)
+    assert now.revision == 1 and [m.name for m in now.models()] == ["a"]
+    assert now.get("a") == spec("a")
+    assert models.get_model("a")["scaling"] == {"min": 0, "max": 5}
+
+
 def test_remove_then_re_add_continues_the_same_stream(make_models: MakeModels) -> None:
     models = make_models()
     models.add(spec("a"), by=ACTOR)
