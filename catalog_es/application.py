@@ -38,7 +38,7 @@ from catalog_es.errors import (
     Refused,
     RevisionConflict,
 )
-from catalog_es.inputs import zoned
+from catalog_es.inputs import check_actor, zoned
 from catalog_es.mapper import EventMapper, UndecodableEvent, decode_event, model_of_state
 from catalog_es.model import (
     APPLY,
@@ -75,7 +75,6 @@ log = logging.getLogger("catalog_es")
 
 # Who records what the system works out by itself (an origin, say).
 SYSTEM_ACTOR = "catalog-es"
-MAX_ACTOR_LENGTH = 128
 MAX_REASON_LENGTH = 1000
 
 
@@ -101,8 +100,7 @@ class CommandResult(msgspec.Struct, frozen=True):
 
 
 def _check_meta(by: str, reason: str) -> None:
-    if not by or not by.strip() or len(by) > MAX_ACTOR_LENGTH or not by.isprintable():
-        raise InputError(f"actor {by[:40]!r}: must be 1-{MAX_ACTOR_LENGTH} printable characters")
+    check_actor(by)
     if len(reason) > MAX_REASON_LENGTH or not reason.replace("\n", " ").isprintable():
         raise InputError(f"reason: must be at most {MAX_REASON_LENGTH} printable characters")
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from catalog_es.application import Models
 from catalog_es.errors import ConfigError, InputError, shown
 from catalog_es.inputs import load_config, whole_number
-from catalog_es.persistence import DEFAULT_URL
+from catalog_es.persistence import DEFAULT_URL, Factory
 from catalog_es.ports import Applier, PreAddCheck
 from catalog_es.registry import MirrorRegistry
 from catalog_es.web.tokens import TokenStore
@@ -20,7 +20,7 @@ from projections.snapshots import DEFAULT_INTERVAL
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
-DB_ENV = "CATALOG_ES_DB"
+DB_ENV = Factory.URL
 CONFIG_ENV = "CATALOG_ES_CONFIG"
 ACTOR_ENV = "CATALOG_ES_ACTOR"
 MIRROR_ENV = "CATALOG_ES_MIRROR"
@@ -73,7 +73,7 @@ def open_models(
         applier=applier,
         pre_add_check=pre_add_check,
         snapshot_interval=snapshot_interval(),
-        env={"CATALOG_ES_DB": database_url(db)},
+        env={Factory.URL: database_url(db)},
     )
 
 

@@ -34,6 +34,13 @@ from catalog_es.spec import DEFAULT_ENGINES, Adapter, ModelSpec, Origin
 MAX_INPUT_BYTES = 1 << 20
 # The declared config: a hundred thousand models take about a third of this.
 MAX_CONFIG_BYTES = 64 << 20
+MAX_ACTOR_LENGTH = 128
+
+
+def check_actor(by: str) -> None:
+    """An actor's name, as commands record it and tokens stand for it."""
+    if not by or not by.strip() or len(by) > MAX_ACTOR_LENGTH or not by.isprintable():
+        raise InputError(f"actor {by[:40]!r}: must be 1-{MAX_ACTOR_LENGTH} printable characters")
 
 
 class _Input(BaseModel):

@@ -1,8 +1,7 @@
 """``catalog-es``: a thin command line over :class:`catalog_es.application.Models`.
 
-Commands only parse, call the service and print. Data goes to stdout (a table,
-or JSON with ``--json``), warnings and errors to stderr. Exit 0 on success,
-1 when a command is refused (nothing is written), 2 on usage errors.
+Each module registers its commands on the root group (:mod:`.base`, which
+says what every command shares); :func:`main` runs it.
 """
 
 from __future__ import annotations

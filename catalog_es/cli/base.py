@@ -18,6 +18,7 @@ from datetime import datetime
 from typing import Any, TypeVar
 
 import click
+import msgspec
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
@@ -192,14 +193,6 @@ def emit(settings: Settings, data: Any, human: Callable[[], None]) -> None:
 
 
 def emit_result(settings: Settings, result: CommandResult, verb: str) -> None:
-    data = {
-        "revision": result.revision,
-        "model": result.model,
-        "replaced": result.replaced,
-        "removed": result.removed,
-        "written": result.written,
-    }
-
     def human() -> None:
         name = result.removed or (result.model or {}).get("name", "")
         done = "replaced" if result.replaced else verb
@@ -207,7 +200,7 @@ def emit_result(settings: Settings, result: CommandResult, verb: str) -> None:
         if result.model is not None:
             show_model(result.model)
 
-    emit(settings, data, human)
+    emit(settings, msgspec.to_builtins(result), human)  # as the HTTP API answers it
 
 
 def scaling_text(m: dict[str, Any]) -> str:

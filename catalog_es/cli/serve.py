@@ -22,13 +22,18 @@ from catalog_es.cli.base import (
 from catalog_es.errors import InputError, shown
 from catalog_es.web.tokens import Role
 
-TOKENS_HELP = "The tokens file (env CATALOG_ES_TOKENS; default ./catalog-tokens.json)."
+tokens_option = click.option(
+    "--tokens",
+    "tokens_file",
+    metavar="FILE",
+    help="The tokens file (env CATALOG_ES_TOKENS; default ./catalog-tokens.json).",
+)
 
 
 @cli.command("serve")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True)
-@click.option("--tokens", "tokens_file", metavar="FILE", help=TOKENS_HELP)
+@tokens_option
 @shared_options
 @pass_settings
 def serve(settings: Settings, host: str, port: int, tokens_file: str | None) -> None:
@@ -162,7 +167,7 @@ def token() -> None:
     show_default=True,
     help="read: queries; write: model commands; admin: rollback too.",
 )
-@click.option("--tokens", "tokens_file", metavar="FILE", help=TOKENS_HELP)
+@tokens_option
 @shared_options
 @pass_settings
 def token_add(settings: Settings, actor: str, role: str, tokens_file: str | None) -> None:
@@ -180,7 +185,7 @@ def token_add(settings: Settings, actor: str, role: str, tokens_file: str | None
 
 
 @token.command("list")
-@click.option("--tokens", "tokens_file", metavar="FILE", help=TOKENS_HELP)
+@tokens_option
 @shared_options
 @pass_settings
 def token_list(settings: Settings, tokens_file: str | None) -> None:
@@ -198,7 +203,7 @@ def token_list(settings: Settings, tokens_file: str | None) -> None:
 
 @token.command("remove")
 @click.argument("token_id", metavar="ID")
-@click.option("--tokens", "tokens_file", metavar="FILE", help=TOKENS_HELP)
+@tokens_option
 @shared_options
 @pass_settings
 def token_remove(settings: Settings, token_id: str, tokens_file: str | None) -> None:

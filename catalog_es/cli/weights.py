@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import click
 
 from catalog_es import bootstrap
 from catalog_es.cli.base import (
+    F,
     Settings,
     emit,
     meta,
@@ -19,8 +19,6 @@ from catalog_es.cli.base import (
 )
 from catalog_es.cli.models import model
 from catalog_es.weights import Weights
-
-F = TypeVar("F", bound=Callable[..., Any])
 
 
 def registry_options(f: F) -> F:

@@ -32,6 +32,7 @@ from typing import Any
 import msgspec
 
 from catalog_es.errors import InputError
+from catalog_es.inputs import check_actor
 from catalog_es.model import utc_now, utc_text
 
 log = logging.getLogger(__name__)
@@ -145,8 +146,7 @@ class TokenStore:
     def add(self, actor: str, role: str) -> tuple[TokenEntry, str]:
         """A new token for ``actor``: its entry and the token itself, which is
         shown once and stored nowhere."""
-        if not actor.strip() or len(actor) > 128 or not actor.isprintable():
-            raise InputError(f"actor {actor[:40]!r}: must be 1-128 printable characters")
+        check_actor(actor)
         parse_role(role)
         token_id = secrets.token_hex(_ID_BYTES)
         secret = secrets.token_urlsafe(_SECRET_BYTES)
