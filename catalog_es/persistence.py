@@ -1166,9 +1166,9 @@ class SQLRecorder(ProcessRecorder):
         try:
             # Numbered here, after the last taken, on either database: under the
             # write lock nothing else appends; an event must know the revision of
-            # the one before it in its stream, which may be in the same write; and
-            # SQLite writes no sqlite_sequence page for them. (PostgreSQL's
-            # column sequence numbered them before: a round trip more a write.)
+            # the one before it in its stream, which may be in the same write;
+            # SQLite writes no sqlite_sequence page for them; and PostgreSQL's
+            # column sequence would cost a round trip more a write.
             revisions = list(range(last + 1, last + 1 + len(stored_events)))
             chained = head.hash if head is not None else GENESIS
             rows = []
@@ -1501,8 +1501,8 @@ class Listener:
 
     def discard(self, subscription: ListenSubscription) -> None:
         """Let go of ``subscription``; the last one out waits for the thread
-        to end (within one of its short waits), as its own thread was joined
-        when each had one: a process about to fork must have no other thread."""
+        to end (within one of its short waits): a process about to fork (a
+        split replay) must have no other thread."""
         with self._lock:
             self._subscriptions.discard(subscription)
             thread = self._thread
@@ -1514,8 +1514,8 @@ class Listener:
 
     def _listen(self) -> None:
         try:
-            # Imported here, where PostgreSQL is listened to: every command on
-            # SQLite (each CLI run) paid 60 ms for this import before.
+            # Imported here, where PostgreSQL is listened to: importing it
+            # costs each CLI run on SQLite 60 ms.
             import psycopg
 
             # Bounded: the last follower out waits for this thread to end.

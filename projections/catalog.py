@@ -7,9 +7,9 @@ Declared models are in force before the first event is read, so they always
 load.
 
 A long replay from a SQLite file is split between two processes, one for the
-streams of each parity (see :func:`_split_replay`): deciding each event in
-Python costs twice what reading and decoding it does, and the machine has a
-second core.
+streams of each parity (see :func:`_split_replay`) when a second core is
+there to take it: deciding each event in Python costs twice what reading and
+decoding it does.
 """
 
 from __future__ import annotations
