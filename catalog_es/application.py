@@ -130,6 +130,37 @@ class InForce(Sequence[ModelSpec]):
         return len(self._listed())
 
 
+class _Outage:
+    """Whether this process's watches wait for the database: told when the
+    first finds it gone and when the last finds it back, not once a watch (a
+    server with a hundred streams open logged a hundred lines each time)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._waiting = 0
+
+    def began(self, unusable: str) -> None:
+        with self._lock:
+            self._waiting += 1
+            first = self._waiting == 1
+        if first:
+            log.warning(
+                "watch: the database could not be used (%s); following on once it can",
+                unusable,
+            )
+
+    def ended(self, *, back: bool) -> None:
+        """One watch no longer waits: the database is ``back``, or it stopped."""
+        with self._lock:
+            self._waiting -= 1
+            last = self._waiting == 0
+        if last and back:
+            log.warning("watch: the database is back; following on")
+
+
+_outage = _Outage()
+
+
 class Watch:
     """Changes as they commit, as ``log --json`` shows them: iterate it, and
     ``stop()`` it from any thread (a signal handler, a closed HTTP stream).
@@ -149,40 +180,39 @@ class Watch:
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         last, away = self._after, False
-        while not self._stopped.is_set():
-            try:
-                self._subscription = subscription = self._subscribe(last)
-                if self._stopped.is_set():
-                    subscription.stop()  # stopped while it was made: it ends at once
-                with subscription as notifications:
-                    for n in notifications:
-                        if away:
-                            log.warning("watch: the database is back; following on")
-                            away = False
-                        last = n.id
-                        try:
-                            yield event_view(n.id, decode_event(n.topic, n.state))
-                        except UndecodableEvent as error:
-                            view = undecodable_view(
-                                n.id, n.topic, model_of_state(n.state), str(error)
-                            )
-                            yield view
-                return
-            except Exception as error:
-                if self._stopped.is_set():
-                    return  # stopped: what ended the subscription is no longer news
-                unusable = database_unusable(error)
-                if unusable is None:
-                    raise
-                if not away:
-                    log.warning(
-                        "watch: the database could not be used (%s); following on after "
-                        "revision %d once it can",
-                        unusable,
-                        last,
-                    )
-                    away = True
-                self._stopped.wait(self.retry_seconds)
+        try:
+            while not self._stopped.is_set():
+                try:
+                    self._subscription = subscription = self._subscribe(last)
+                    if self._stopped.is_set():
+                        subscription.stop()  # stopped while it was made: it ends at once
+                    with subscription as notifications:
+                        for n in notifications:
+                            if away:
+                                away = False
+                                _outage.ended(back=True)
+                            last = n.id
+                            try:
+                                yield event_view(n.id, decode_event(n.topic, n.state))
+                            except UndecodableEvent as error:
+                                view = undecodable_view(
+                                    n.id, n.topic, model_of_state(n.state), str(error)
+                                )
+                                yield view
+                    return
+                except Exception as error:
+                    if self._stopped.is_set():
+                        return  # stopped: what ended the subscription is no longer news
+                    unusable = database_unusable(error)
+                    if unusable is None:
+                        raise
+                    if not away:
+                        away = True
+                        _outage.began(unusable)
+                    self._stopped.wait(self.retry_seconds)
+        finally:
+            if away:
+                _outage.ended(back=False)
 
     def stop(self) -> None:
         self._stopped.set()

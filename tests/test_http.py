@@ -782,33 +782,44 @@ def test_a_session_ended_by_the_server_mid_query_is_a_503(pg_url: str, tmp_path:
     assert refused(answer, 503) == "the database could not be used; try again"
 
 
-def test_a_watch_follows_on_after_the_database_came_back(pg_url: str) -> None:
+def test_a_watch_follows_on_after_the_database_came_back(
+    pg_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
     """PostgreSQL restarted under a follower (a gateway replica): it ended with
     the driver's error, and every replica needed a supervisor (hostile test).
     It now waits, subscribes again after the last revision it gave, and misses
-    nothing written meanwhile."""
+    nothing written meanwhile. The process tells the outage once, not once a
+    watch (review)."""
     direct = sa.make_url(pg_url)
     proxy = Proxy((direct.host or "127.0.0.1", direct.port or 5432))
     through = direct.set(port=proxy.port).render_as_string(hide_password=False)
     writer = Models(DeclaredConfig(), env={"CATALOG_ES_DB": pg_url})
     writer.add(spec("m"), by="setup")
     follower = Models(DeclaredConfig(), env={"CATALOG_ES_DB": through})
-    watch = follower.watch(0)
-    watch.retry_seconds = 0.1
-    seen: list[int] = []
-    following = threading.Thread(target=lambda: seen.extend(e["revision"] for e in watch))
-    following.start()
-    _until(lambda: seen == [1])
+    watches = [follower.watch(0) for _ in range(3)]
+    seen: list[list[int]] = [[] for _ in watches]
+    following = [
+        threading.Thread(target=lambda w=w, s=s: s.extend(e["revision"] for e in w))
+        for w, s in zip(watches, seen, strict=True)
+    ]
+    for watch, thread in zip(watches, following, strict=True):
+        watch.retry_seconds = 0.1
+        thread.start()
+    _until(lambda: all(s == [1] for s in seen))
     proxy.cut()
-    writer.scale("m", 0, 2, by="ops")  # while the follower cannot reach the database
+    writer.scale("m", 0, 2, by="ops")  # while the followers cannot reach the database
     time.sleep(0.5)
     proxy.resume()
     writer.scale("m", 0, 3, by="ops")
-    _until(lambda: len(seen) == 3)
-    watch.stop()
-    following.join(timeout=10)
-    assert not following.is_alive()
-    assert seen == [1, 2, 3]
+    _until(lambda: all(len(s) == 3 for s in seen))
+    for watch, thread in zip(watches, following, strict=True):
+        watch.stop()
+        thread.join(timeout=10)
+        assert not thread.is_alive()
+    assert seen == [[1, 2, 3]] * 3
+    told = [r.getMessage() for r in caplog.records if r.getMessage().startswith("watch: ")]
+    assert len(told) == 2, told
+    assert "could not be used" in told[0] and told[1] == "watch: the database is back; following on"
     follower.close()
     writer.close()
     proxy.cut()  # and its threads end: a later test forks, alone
