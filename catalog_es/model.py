@@ -44,8 +44,12 @@ def utc_now() -> datetime:
 
 def utc_text(moment: datetime) -> str:
     """``2026-11-30T12:00:00Z``: how every time is written out. A time without
-    a zone is UTC, as the database keeps them."""
-    in_utc = moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment.astimezone(UTC)
+    a zone is UTC, as the database keeps them; one in another zone that UTC
+    cannot hold (a record's at an end of the calendar) is written in its own."""
+    try:
+        in_utc = moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment.astimezone(UTC)
+    except OverflowError:
+        return moment.isoformat()
     return in_utc.isoformat().replace("+00:00", "Z")
 
 

@@ -353,7 +353,7 @@ def test_the_cli_reports_each_skip_with_its_revision_and_reason(
         assert reported[revision].startswith(prefix), reported[revision]
         assert re.search(poison.reason, reported[revision].removeprefix(prefix))
     log = CliRunner().invoke(cli, [*base, "log", "--json"])
-    assert log.exit_code == 0
+    assert log.exit_code == 0, (log.stderr, log.exception)
     errors = {e["revision"] for e in map(json.loads, log.stdout.splitlines()) if "error" in e}
     assert errors == {revision for revision, p in poisoned.items() if p.undecodable}
 
