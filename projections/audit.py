@@ -620,7 +620,7 @@ class AuditProjection(Projection[AuditView]):
             {
                 "time": stored_time(event.timestamp),
                 "actor": event.by,
-                "model": "",
+                "model": None,  # as log --json has it; the filter column's is ""
                 "event": CONFIG_DECLARED,
                 "class_version": event.class_version,
                 "reason": event.reason,
@@ -681,7 +681,7 @@ class AuditProjection(Projection[AuditView]):
                 "revision": tracking.notification_id,
                 "time": time,
                 "actor": filter_text(actor),
-                "model": filter_text(row["model"]),
+                "model": filter_text(row["model"] or ""),
                 "event": filter_text(row["event"]),
                 "view": msgspec.json.encode(view).decode(),
             }

@@ -414,7 +414,7 @@ def test_audit_rows_are_the_history_rows(models: Models) -> None:
     everything = models.audit()
     assert [r for r in everything if r["model"] == "chat"] == models.history("chat")
     assert [(r["revision"], r["model"], r["by"], r["event"]) for r in everything] == [
-        (1, "", "alice", "ConfigDeclared"),
+        (1, None, "alice", "ConfigDeclared"),
         (2, "chat", "alice", "Added"),
         (3, "chat", "bob", "Scaled"),
         (4, "embed", "alice", "Added"),
@@ -1370,6 +1370,11 @@ def test_the_type_filter_takes_every_event_the_rows_carry(
     rows = json.loads(declared.stdout)
     assert rows and {r["event"] for r in rows} == {"ConfigDeclared"}
     assert rows == [r for r in models.audit() if r["event"] == "ConfigDeclared"]
+    # Each row is its log line plus what it did: a config record names no model
+    # there either (it said "" here; docs review, consistency test).
+    logged = {e["revision"]: e for e in models.log_events()}
+    for row in rows:
+        assert {k: row[k] for k in logged[row["revision"]]} == logged[row["revision"]]
     refused = invoke(db, config, "refusals", "--type", "Rollback", "--json")
     assert refused.exit_code == 0, refused.stderr
     assert [(r["event"], r["by"]) for r in json.loads(refused.stdout)] == [("Rollback", "erin")]

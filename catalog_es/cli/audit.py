@@ -92,7 +92,7 @@ def _show_changes(rows: list[dict[str, Any]], *, with_model: bool) -> Callable[[
                     str(r["revision"]),
                     r["time"] or "?",
                     r["by"] or "?",
-                    *([r["model"]] if with_model else []),
+                    *([r["model"] or "-"] if with_model else []),
                     _event_text(r),
                     _changes_text(r),
                     r["reason"] or "",
