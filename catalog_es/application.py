@@ -133,7 +133,7 @@ class InForce(Sequence[ModelSpec]):
 class _Outage:
     """Whether this process's watches wait for the database: told when the
     first finds it gone and when the last finds it back, not once a watch (a
-    server with a hundred streams open logged a hundred lines each time)."""
+    server may have a hundred streams open)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -173,6 +173,8 @@ class Watch:
     retry_seconds = 1.0
 
     def __init__(self, subscribe: Callable[[int], Subscription[Any]], after: int) -> None:
+        # Makes a subscription after a revision; it asks the database as it
+        # does, so one made means the database answers.
         self._subscribe = subscribe
         self._after = after
         self._stopped = threading.Event()
@@ -184,13 +186,13 @@ class Watch:
             while not self._stopped.is_set():
                 try:
                     self._subscription = subscription = self._subscribe(last)
+                    if away:  # subscribing asks the database: it answered
+                        away = False
+                        _outage.ended(back=True)
                     if self._stopped.is_set():
                         subscription.stop()  # stopped while it was made: it ends at once
                     with subscription as notifications:
                         for n in notifications:
-                            if away:
-                                away = False
-                                _outage.ended(back=True)
                             last = n.id
                             try:
                                 yield event_view(n.id, decode_event(n.topic, n.state))
@@ -953,6 +955,10 @@ class Models(AuditTrail, Application[UUID]):
             raise Refused(f"revision {after} is beyond the head of the log ({head})")
 
         def subscribe(last: int) -> Subscription[Any]:
+            # Asked first, so that a watch knows the database answers (the
+            # subscription's own reads happen later, in its thread).
+            with self.store.read() as conn:
+                self.store.head(conn)
             subscription = self.store.subscribe(gt=last)
             if poll_interval is not None and isinstance(subscription, PollingSubscription):
                 subscription.interval = poll_interval
