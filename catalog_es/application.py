@@ -210,7 +210,7 @@ class Watch:
                         raise
                     if not away:
                         away = True
-                        _outage.began(unusable)
+                        _outage.began(unusable.said)
                     self._stopped.wait(self.retry_seconds)
         finally:
             if away:

@@ -505,38 +505,49 @@ def _busy_timeout(conn: Connection, seconds: float) -> None:
 # SQLite's errors that mean the database itself cannot be used: not there,
 # not SQLite's, or tables of the log's names that are not the log's.
 _SQLITE_UNUSABLE = {"OperationalError", "DatabaseError"}
-# PostgreSQL's, by SQLSTATE: no connection (class 08), refused (28: who; 3D:
-# no such database; 3F: no such schema, a search_path naming none; 42501: a
-# role without the privileges the log needs), out of resources (53), shut
-# down, shutting down or not yet up (57P01-57P03: a restart or a failover
-# ends sessions with these), and tables of the log's names that are not the
-# log's. A query cancelled or
-# a lock not had (57014, 55P03) is busy, not unusable. An error with no state
-# failed in the client: no server reached, or the connection lost.
-_POSTGRESQL_UNUSABLE_CLASSES = ("08", "28", "3D", "3F", "53")
-_POSTGRESQL_UNUSABLE = {"57P01", "57P02", "57P03", "42P01", "42703", "42501"}
+# PostgreSQL's, by SQLSTATE. Outages, which pass: no connection (class 08),
+# out of resources (53), shut down, shutting down or not yet up
+# (57P01-57P03: a restart or a failover ends sessions with these). Setup to
+# mend, which does not: refused (28: who; 3D: no such database; 3F: no such
+# schema, a search_path naming none; 42501: a role without the privileges
+# the log needs) and tables of the log's names that are not the log's
+# (42P01, 42703). A query cancelled or a lock not had (57014, 55P03) is
+# busy, not unusable. An error with no state failed in the client: no
+# server reached, or the connection lost.
+_POSTGRESQL_OUTAGES = ("08", "53", "57P01", "57P02", "57P03")
+_POSTGRESQL_SETUP = ("28", "3D", "3F", "42501", "42P01", "42703")
 _CLIENT_FAILURES = {"OperationalError", "InterfaceError", "DatabaseError"}
 
 
-def database_unusable(error: BaseException) -> str | None:
-    """What the driver said, when ``error`` means the database cannot be used
-    at all (rather than a statement went wrong): the CLI's one line, the HTTP
-    API's 503 and a watch's waiting for the database to come back all decide
-    by this."""
+class Unusable(NamedTuple):
+    """Why the database cannot be used at all."""
+
+    said: str  # what the driver said, its first line
+    lasting: bool  # setup to mend, not an outage to wait out
+
+
+def database_unusable(error: BaseException) -> Unusable | None:
+    """Why, when ``error`` means the database cannot be used at all (rather
+    than a statement went wrong): the CLI's one line, the HTTP API's 503 (or
+    500, when it lasts) and a watch's waiting for the database all decide by
+    this."""
     driver = error.orig if isinstance(error, sa.exc.DBAPIError) else error
     kind = type(driver)
     package = kind.__module__.split(".")[0]
+    said = first_line(str(driver))
     if package == "sqlite3":
-        unusable = kind.__name__ in _SQLITE_UNUSABLE
-    elif package == "psycopg":
-        state = getattr(driver, "sqlstate", None)
-        if state is None:
-            unusable = kind.__name__ in _CLIENT_FAILURES
-        else:
-            unusable = state[:2] in _POSTGRESQL_UNUSABLE_CLASSES or state in _POSTGRESQL_UNUSABLE
-    else:
-        unusable = False
-    return first_line(str(driver)) if unusable else None
+        # A file that cannot be opened, or is not the log: retrying will not mend it.
+        return Unusable(said, lasting=True) if kind.__name__ in _SQLITE_UNUSABLE else None
+    if package != "psycopg":
+        return None
+    state: str | None = getattr(driver, "sqlstate", None)
+    if state is None:
+        return Unusable(said, lasting=False) if kind.__name__ in _CLIENT_FAILURES else None
+    if state.startswith(_POSTGRESQL_OUTAGES):
+        return Unusable(said, lasting=False)
+    if state.startswith(_POSTGRESQL_SETUP):
+        return Unusable(said, lasting=True)
+    return None
 
 
 def _is_busy(error: sa.exc.OperationalError) -> bool:

@@ -741,6 +741,41 @@ def test_a_database_that_went_away_is_a_503_to_retry_and_nothing_is_written(
     models.close()
 
 
+def test_a_role_without_the_logs_privileges_is_a_500_not_a_retry(
+    pg_url: str, pg_admin: sa.Engine, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A server whose role may only read, asked to write: 503 and Retry-After
+    told clients to try again, forever (review). It is the operator's to mend."""
+    Models(DeclaredConfig(), env={"CATALOG_ES_DB": pg_url}).add(spec("m"), by="setup")
+    schema = sa.make_url(pg_url).query["options"].partition("=")[2]
+    reader = f"reader_{schema}"
+    with pg_admin.connect() as conn:
+        conn.execute(sa.text(f"CREATE ROLE {reader} LOGIN"))
+        conn.execute(sa.text(f"GRANT USAGE ON SCHEMA {schema} TO {reader}"))
+        conn.execute(sa.text(f"GRANT SELECT ON ALL TABLES IN SCHEMA {schema} TO {reader}"))
+    try:
+        as_reader = sa.make_url(pg_url).set(username=reader).render_as_string(False)
+        models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": as_reader})
+        tokens, token = tokens_for_roles(tmp_path / "tokens.json")
+        rows = count_events(pg_url)
+        with serving(create_app(models, tokens)) as url, httpx.Client(base_url=url) as client:
+            assert client.get("/models", headers=bearer(token["read"])).status_code == 200
+            scaled = client.post("/models/m/scale", json={"max": 2}, headers=bearer(token["write"]))
+        models.close()
+    finally:
+        with pg_admin.connect() as conn:
+            conn.execute(sa.text(f"DROP OWNED BY {reader}"))
+            conn.execute(sa.text(f"DROP ROLE {reader}"))
+    assert refused(scaled, 500) == "the database could not be used; the server's log says why"
+    assert "retry-after" not in scaled.headers
+    assert count_events(pg_url) == rows
+    told = [r.getMessage() for r in caplog.records if "could not be used" in r.getMessage()]
+    assert told == [
+        "POST /models/m/scale: the database could not be used: permission denied for table "
+        "catalog_events"
+    ]
+
+
 def test_a_session_ended_by_the_server_mid_query_is_a_503(pg_url: str, tmp_path: Path) -> None:
     """A restart or a failover ends the sessions in a query with SQLSTATE
     57P01 (psycopg's AdminShutdown, a subclass of OperationalError): it was

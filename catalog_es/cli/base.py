@@ -358,7 +358,7 @@ def failure_line(error: Exception) -> str:
     (SQLAlchemy's) run on over several lines; the first says what went wrong."""
     unusable = database_unusable(error)
     if unusable is not None:
-        return f"error: the database could not be used: {unusable}"
+        return f"error: the database could not be used: {unusable.said}"
     return f"error: unexpected {type(error).__name__}: {first_line(str(error))}"
 
 

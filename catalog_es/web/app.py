@@ -706,14 +706,17 @@ def _errors(app: FastAPI) -> None:
         unusable = database_unusable(error)
         if unusable is None:
             raise error  # to the handler of the unexpected
-        # The database down, restarting or failing over: try again later. What
-        # the driver said is for the server's log (one line), not for clients.
+        # What the driver said is for the server's log (one line), not for
+        # clients. Down, restarting or failing over: try again later; set up
+        # wrong (privileges, schema): not until an operator mends it.
         log.warning(
             "%s %s: the database could not be used: %s",
             request.method,
             request.url.path,
-            unusable,
+            unusable.said,
         )
+        if unusable.lasting:
+            return error_response(500, "the database could not be used; the server's log says why")
         return error_response(
             503, "the database could not be used; try again", {"Retry-After": "1"}
         )
