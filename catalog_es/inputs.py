@@ -595,8 +595,11 @@ def _step(kind: str, value: Any) -> commands.Step:
     if kind == "add":
         return commands.add(ModelInput.model_validate(value).to_spec())
     if kind == "remove":
+        # The name alone, or named as every other change names its model.
+        if isinstance(value, dict):
+            return commands.remove(_Named.model_validate(value).name)
         if not isinstance(value, str):
-            raise InputError("remove: give the model's name")
+            raise InputError("remove: give the model's name, or {name: NAME}")
         return commands.remove(value)
     if kind == "scale":
         s = ScaleChange.model_validate(value)

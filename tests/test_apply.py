@@ -64,7 +64,7 @@ def test_one_refused_change_refuses_them_all(db_url: str, tmp_path: Path) -> Non
     assert models.get_model("b")["scaling"] == {"min": 1, "max": 1}
     # In an order where every step is valid, the same removal goes through.
     good = "- add: {name: b, engine: vllm, source: hf://o/b, profiles: [{name: g, gpus: 1}]}\n"
-    good += "- remove: a\n"
+    good += "- remove: {name: a}\n"  # as every other change names its model, or alone
     models.apply_changes(read_changes(write(tmp_path, good)), by="ops")
     assert [m["name"] for m in models.list_models()] == ["b"]
 
@@ -76,7 +76,8 @@ def test_one_refused_change_refuses_them_all(db_url: str, tmp_path: Path) -> Non
         ("- frobnicate: {name: a}\n", "change 1: expected one of add, remove"),
         ("- scale: {name: a, min: x}\n", "change 1 (scale): min: Input should be a valid integer"),
         ("- scale: {name: a}\n", "change 1 (scale): say what to set"),
-        ("- remove: {name: a}\n", "change 1 (remove): remove: give the model's name"),
+        ("- remove: [a]\n", "change 1 (remove): remove: give the model's name, or {name: NAME}"),
+        ("- remove: {name: a, max: 2}\n", "change 1 (remove): max: unknown field"),
         ("- owner: {name: 'a b', owner: ''}\n", "change 1 (owner): model 'a b': name"),
         ("- add: {name: a}\n", "change 1 (add): engine: required field is missing"),
     ],
@@ -140,6 +141,8 @@ def test_cli_apply_says_which_adds_replaced_a_model(tmp_path: Path) -> None:
     assert both.exit_code == 0, both.stderr
     head = count_events(db)
     assert both.stdout.splitlines() == [f"applied 2 changes, now at revision {head}", "replaced b"]
+    one = runner.invoke(cli, ["--db", db, "apply", write(tmp_path, "- remove: {name: a}\n")])
+    assert one.stdout == f"applied 1 change, now at revision {head + 1}\n"
 
 
 def test_a_large_apply_lands_whole_and_its_rollback_too(db_url: str) -> None:

@@ -15,6 +15,7 @@ from catalog_es.cli.base import (
     REVISION_OR_TIME,
     Settings,
     cli,
+    counted,
     emit,
     emit_result,
     json_line,
@@ -318,7 +319,8 @@ def apply_command(settings: Settings, file: str) -> None:
     result = settings.models().apply_changes(read_changes(file), **meta(settings))
 
     def text() -> None:
-        click.echo(f"applied {result['changes']} changes, now at revision {result['revision']}")
+        changes = counted(result["changes"], "change")
+        click.echo(f"applied {changes}, now at revision {result['revision']}")
         for change in result["models"]:
             if change["replaced"]:
                 click.echo(f"replaced {change['model']}")

@@ -16,6 +16,7 @@ from catalog_es.cli.base import (
     REVISION_OR_TIME,
     Settings,
     cli,
+    counted,
     emit,
     json_line,
     let_warnings_through,
@@ -99,11 +100,12 @@ def rollback_command(
         for note in result["notes"]:
             say(f"note: {note}", err=True)
         show_diff(result["diff"])
+        events = counted(len(result["events"]), "event")
         if dry_run:
-            click.echo(f"dry run: {len(result['events'])} event(s) would be written; nothing was")
+            click.echo(f"dry run: {events} would be written; nothing was")
         elif result["written"]:
             click.echo(
-                f"rolled back to revision {result['to']}: {len(result['events'])} event(s), "
+                f"rolled back to revision {result['to']}: {events}, "
                 f"now at revision {result['revision']}"
             )
         else:

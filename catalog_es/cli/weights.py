@@ -10,6 +10,7 @@ from catalog_es import bootstrap
 from catalog_es.cli.base import (
     F,
     Settings,
+    counted,
     emit,
     meta,
     pass_settings,
@@ -108,7 +109,7 @@ def model_check_updates(settings: Settings, mirror: str | None, weights_dir: str
             )
         _show_updates(report)
         if report["recorded"]:
-            click.echo(f"recorded {len(report['recorded'])} new upstream change(s)")
+            click.echo(f"recorded {counted(len(report['recorded']), 'new upstream change')}")
 
     emit(settings, report, human)
 
