@@ -503,7 +503,9 @@ def load_config(path: str | None) -> DeclaredConfig:
     except InputError as error:
         raise ConfigError(str(error)) from None
     if data is None:
-        data = {}
+        # An empty file is more often a deploy cut short than a decision: read
+        # as declaring nothing, it took every declared model out of force.
+        raise ConfigError(f"{path}: the config is empty; to declare no models, write `models: []`")
     try:
         parsed = ConfigInput.model_validate(data)
     except ValidationError as error:

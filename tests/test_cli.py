@@ -470,6 +470,21 @@ def test_a_leading_zero_both_yaml_versions_read_alike_is_a_number(run: Run, writ
     assert (shown["profiles"][0]["gpus"], shown["scaling"]) == (1, {"min": 0, "max": 7})
 
 
+@pytest.mark.parametrize("content", [b"", b"# models: moved to another file\n", b"---\n"])
+def test_an_empty_config_is_refused_not_read_as_declaring_nothing(
+    seeded: Run, run: Run, write: Any, rows: Callable[[], int], content: bytes
+) -> None:
+    """A deploy cut short left the file empty: every declared model went out of
+    force with no word (operator walkthrough). Declaring none is said so."""
+    empty = write("empty.yaml", content)
+    line = refused_in_one_line(run("--config", empty, "model", "scale", "m", "--max", "3"))
+    assert line == f"error: {empty}: the config is empty; to declare no models, write `models: []`"
+    assert rows() == 2
+    none = write("none.yaml", b"models: []\n")
+    ok(run("--config", none, "model", "scale", "m", "--max", "3"))
+    assert rows() == 4  # the new config's record, and the change
+
+
 def test_a_missing_config_file_is_refused_in_one_line(run: Run) -> None:
     line = refused_in_one_line(run("--config", "absent.yaml", "model", "list"))
     assert "absent.yaml: cannot read the config" in line
