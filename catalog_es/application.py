@@ -667,6 +667,7 @@ class Models(AuditTrail, Application[UUID]):
                             versions=standing.versions,
                             known=known.versions,
                         )
+                        replaced = batch.catalog.recorded_declaration
                         batch.record_declaration(self.declared)
                         if several:
                             # The plan works on its own copy, and no other writer
@@ -700,6 +701,15 @@ class Models(AuditTrail, Application[UUID]):
                     state.acquire()
                     holding = True
                 revision = revisions[-1]
+                if replaced is not None and isinstance(batch.records[0], Configuration.Declared):
+                    # Nodes writing with different configs each record their
+                    # own, and the declared models go in and out of force.
+                    log.warning(
+                        "this node's declared config, recorded at revision %d, is not the "
+                        "one recorded at revision %d: every node should run the same one",
+                        revisions[0],
+                        replaced[1],
+                    )
                 known.learn(batch.versions, revision)
                 if self.catalog.revision == head:
                     self._put_in_force(batch, revisions, several)

@@ -425,6 +425,12 @@ def _settled_engine(url: sa.URL) -> Engine:
     return sa.create_engine(url, pool_pre_ping=True)
 
 
+# Seconds a held PostgreSQL writer may sit idle before it is asked whether it
+# is still connected (one round trip): a restart or a failover ends sessions
+# at any moment, and the first write after it failed with a 503.
+WRITER_IDLE_ASKED = 1.0
+
+
 def _driver(driver: Any, statement: str) -> None:
     """``statement`` (BEGIN, COMMIT, ROLLBACK or a PRAGMA) on the sqlite3 connection
     itself. Its errors are wrapped as SQLAlchemy wraps them, with their own
@@ -592,9 +598,9 @@ class SQLRecorder(ProcessRecorder):
             if (
                 self._writer is not None
                 and self.dialect != "sqlite"
-                and time.monotonic() - self._writer_used > 60
+                and time.monotonic() - self._writer_used > WRITER_IDLE_ASKED
             ):
-                # Long idle: the server may have closed it. Ask before relying on it.
+                # Idle: the server may have closed it. Ask before relying on it.
                 try:
                     self._writer.exec_driver_sql("SELECT 1")
                     self._writer.rollback()

@@ -204,7 +204,9 @@ def test_a_write_after_the_server_dropped_the_idle_connection_still_lands(
     pg_url: str, pg_admin: sa.Engine
 ) -> None:
     """Writes go through a held connection; one the server closed while it sat
-    idle (a restart, an idle timeout) is noticed and replaced, not failed on."""
+    idle (a restart, an idle timeout) is noticed and replaced, not failed on,
+    after an idle second (it took a minute: the first write after a failover
+    failed; operator walkthrough)."""
     models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": pg_url})
     models.add(_definition("a", []), by="setup")
     writer = models.store._writer
@@ -213,10 +215,41 @@ def test_a_write_after_the_server_dropped_the_idle_connection_still_lands(
     writer.rollback()
     with pg_admin.connect() as conn:
         conn.execute(sa.text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
-    models.store._writer_used -= 3600  # as if it had been idle for an hour
+    models.store._writer_used -= 1.5  # as if it had been idle a second and a half
     assert models.scale("a", 0, 2, by="ops").revision == models.revision
     assert models.get_model("a")["scaling"] == {"min": 0, "max": 2}
     models.close()
+
+
+def test_a_node_writing_with_another_config_says_so(
+    db_url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two nodes with different configs take turns recording theirs, and the
+    declared models go in and out of force: it was silent (operator walkthrough)."""
+    configs = []
+    for n, declared in enumerate((["base"], ["base", "extra"])):
+        path = tmp_path / f"catalog-{n}.yaml"
+        path.write_text(
+            "models:\n"
+            + "".join(
+                f"- {{name: {m}, engine: vllm, source: hf://o/{m},"
+                " profiles: [{name: g, gpus: 1}]}\n"
+                for m in declared
+            )
+        )
+        configs.append(load_config(str(path)))
+    first, second = (Models(c, env={"CATALOG_ES_DB": db_url}) for c in configs)
+    first.add(_definition("a", []), by="ops")  # the first record of a config: nothing to say
+    assert "every node should run" not in caplog.text
+    second.scale("a", 0, 2, by="ops")
+    first.scale("a", 0, 3, by="ops")
+    told = [r.getMessage() for r in caplog.records if "every node should run" in r.getMessage()]
+    assert told == [
+        "this node's declared config, recorded at revision 3, is not the one recorded at "
+        "revision 1: every node should run the same one",
+        "this node's declared config, recorded at revision 5, is not the one recorded at "
+        "revision 3: every node should run the same one",
+    ]
 
 
 def test_a_read_sees_one_state_of_the_log_while_others_write(db_url: str) -> None:
