@@ -58,7 +58,7 @@ RETRIES = 3
 # written), so that each version of this code keeps tables of its own, and
 # nodes of two versions sharing a database during an upgrade each read tables
 # they understand. Tables of an earlier layout are left to the nodes that use them.
-LAYOUT = 2
+LAYOUT = 3
 CHANGES = f"audit_changes_v{LAYOUT}"
 
 metadata = sa.MetaData()
