@@ -4,6 +4,7 @@ PostgreSQL: every endpoint, auth, bad bodies, compare-and-set, the watch stream.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -226,12 +227,55 @@ def test_head_is_answered_as_get_is_without_the_body(api: Api) -> None:
     stream = api.client.head("/events", headers=api.as_("read"), timeout=5)
     assert stream.status_code == 200 and stream.content == b""
     assert stream.headers["content-type"].startswith("text/event-stream")
-    # What does not answer GET does not answer HEAD, and says what it answers.
+    # What does not answer GET does not answer HEAD, and a 405 says what a
+    # path answers, of every route it matches (the first one's only, before).
     before = count_events(api.db)
-    assert api.client.head("/models/qwen/scale", headers=api.as_("write")).status_code == 404
+    head_rollback = api.client.head("/rollback", headers=api.as_("admin"))
+    assert head_rollback.status_code == 405 and head_rollback.headers["allow"] == "POST"
     assert count_events(api.db) == before
-    refused_post = api.post("/sources", {})
-    assert refused(refused_post, 405) and refused_post.headers["allow"] == "GET, HEAD"
+    for method, path, allowed in [
+        ("POST", "/sources", "GET, HEAD"),
+        ("PUT", "/models", "GET, HEAD, POST"),
+        ("PUT", "/models/qwen", "DELETE, GET, HEAD"),
+    ]:
+        answer = api.client.request(method, path, headers=api.as_("admin"))
+        assert refused(answer, 405) and answer.headers["allow"] == allowed, (method, path)
+
+
+def test_head_of_the_stream_ends_with_its_headers_on_any_server(api: Api) -> None:
+    """A HEAD of /events ran a watch until the client left, which a server of
+    ASGI spec 2.4 does not tell (review). Called as such a server calls it,
+    with a client that never leaves, the answer ends by itself."""
+    app = create_app(api.models, api.tokens)
+    sent: list[dict[str, Any]] = []
+
+    async def never_leaves() -> dict[str, Any]:
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    token = api.token["read"]
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.4"},
+        "http_version": "1.1",
+        "method": "HEAD",
+        "scheme": "http",
+        "path": "/events",
+        "raw_path": b"/events",
+        "root_path": "",
+        "query_string": b"",
+        "headers": [(b"authorization", f"Bearer {token}".encode())],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 80),
+    }
+    asyncio.run(asyncio.wait_for(app(scope, never_leaves, send), timeout=5))
+    start, body = sent[0], sent[-1]
+    assert start["status"] == 200
+    assert (b"content-type", b"text/event-stream; charset=utf-8") in start["headers"]
+    assert (body["body"], body.get("more_body", False)) == (b"", False)
 
 
 # -- refusals ----------------------------------------------------------------------

@@ -30,6 +30,7 @@ from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException
+from starlette.routing import Match, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from catalog_es.application import CommandResult, Models
@@ -589,6 +590,7 @@ def watch(
         models.watch(after or 0),
         request.app.state.closing,
         lambda: tokens.verify(token) is not None,
+        head=HEAD_ASKED in request.scope,
     )
 
 
@@ -684,6 +686,21 @@ def _openapi(app: FastAPI) -> Callable[[], dict[str, Any]]:
     return schema
 
 
+def _allowed(request: Request) -> str:
+    """The methods the path of a request refused with 405 takes: of every
+    route it matches (Starlette names the first one's only), HEAD with GET
+    (:class:`_HeadAsGet`)."""
+    methods: set[str] = set()
+    # The API's own routes, as declared (the app holds them wrapped, included
+    # without a prefix), and the app's.
+    for candidate in (*route.routes, *request.app.router.routes):
+        if isinstance(candidate, Route) and candidate.matches(request.scope)[0] != Match.NONE:
+            methods |= candidate.methods or set()
+    if "GET" in methods:
+        methods.add("HEAD")
+    return ", ".join(sorted(methods))
+
+
 def _errors(app: FastAPI) -> None:
     @app.exception_handler(Refused)
     async def refused(_request: Request, refusal: Refused) -> Response:
@@ -691,10 +708,10 @@ def _errors(app: FastAPI) -> None:
         return error_response(status, str(refusal), {"Retry-After": "1"} if status == 503 else None)
 
     @app.exception_handler(HTTPException)
-    async def http_error(_request: Request, error: HTTPException) -> Response:
+    async def http_error(request: Request, error: HTTPException) -> Response:
         headers = error.headers
-        if headers is not None and "GET" in headers.get("Allow", "").split(", "):
-            headers = {**headers, "Allow": headers["Allow"] + ", HEAD"}  # see _HeadAsGet
+        if error.status_code == 405:
+            headers = {**(headers or {}), "Allow": _allowed(request)}
         return error_response(error.status_code, str(error.detail), headers)
 
     @app.exception_handler(RequestValidationError)
@@ -767,12 +784,16 @@ class _Guarded:
         await self.app(scope, receive, guarded)
 
 
+# In a request's scope when it was a HEAD answered as GET: what would only
+# make a body (a stream's watch) is left undone.
+HEAD_ASKED = "catalog_es.head"
+
+
 class _HeadAsGet:
     """HEAD answered as GET is, headers only: a server that answers GET must
     answer HEAD (RFC 9110), and monitors and ``curl -I`` ask with it, but a
     FastAPI route takes only the methods it names. The body is dropped here,
-    whatever the server does: the answer ends with its headers, a stream's
-    (``/events``) too."""
+    whatever the server does, and ``/events`` starts no watch."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -792,7 +813,7 @@ class _HeadAsGet:
                 message = {"type": "http.response.body", "body": b"", "more_body": False}
             await send(message)
 
-        await self.app({**scope, "method": "GET"}, receive, headers_only)
+        await self.app({**scope, "method": "GET", HEAD_ASKED: True}, receive, headers_only)
 
 
 def end_streams(app: FastAPI) -> None:

@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Callable, Generator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
 
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from catalog_es.application import Watch
 
@@ -86,12 +86,17 @@ async def _messages(
         worker.shutdown(wait=False)
 
 
+_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
 def event_stream(
-    watch: Watch, closing: threading.Event, allowed: Callable[[], bool]
-) -> StreamingResponse:
-    """``watch`` as a stream, for as long as ``allowed`` (the caller's token)."""
+    watch: Watch, closing: threading.Event, allowed: Callable[[], bool], *, head: bool = False
+) -> Response:
+    """``watch`` as a stream, for as long as ``allowed`` (the caller's token);
+    ``head``: the stream's headers alone, the watch never started (it
+    subscribes only once iterated)."""
+    if head:
+        return Response(media_type="text/event-stream", headers=_HEADERS)
     return StreamingResponse(
-        _messages(watch, closing, allowed),
-        media_type="text/event-stream",
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        _messages(watch, closing, allowed), media_type="text/event-stream", headers=_HEADERS
     )
