@@ -111,7 +111,7 @@ class AuditTrail:
                 "id": row.id,
                 "time": utc_text(row.time),
                 "by": row.actor,
-                "model": row.model,
+                "model": row.model or None,  # none: the whole catalog (a rollback, a list)
                 "event": row.event,
                 "refusal": row.refusal,
                 "reason": row.reason,

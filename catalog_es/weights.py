@@ -409,8 +409,7 @@ class Weights:
             ran = [(r, origin) for r, origin in ran if origin != spec.origin]
         else:
             # The weights it runs now count: asked for them, it is told it
-            # runs them already, as an update to them is (it was told it
-            # had never run them).
+            # runs them already, as an update to them is.
             check_commit(to)
             ran = [(r, origin) for r, origin in ran if origin.revision.startswith(to)]
             if len({origin.revision for _, origin in ran}) > 1:

@@ -194,7 +194,7 @@ def test_a_list_refused_as_a_whole_is_kept_as_apply_not_as_its_first_change(
         models.apply_changes(steps, by="mallory", expected_revision=1)
     (refusal,) = models.refusals()
     assert (refusal["model"], refusal["event"], refusal["fields"]) == (
-        "",
+        None,
         "Apply",
         {"changes": ["remove a", "scale b"]},
     )

@@ -659,6 +659,10 @@ def test_token_commands(tmp_path: Path) -> None:
     assert wrong.exit_code == 2
     gone = runner.invoke(cli, ["token", "remove", entry["id"], "--tokens", str(tokens)])
     assert gone.exit_code == 0 and TokenStore(tokens).verify(secret) is None
+    # A tokens file where none can be: one line (a traceback, before; review).
+    inside_a_file = str(tokens / "t.json")
+    nowhere = runner.invoke(cli, ["token", "add", "bob", "--tokens", inside_a_file])
+    assert (nowhere.exit_code, nowhere.stderr) == (1, f"error: {tokens}: File exists\n")
 
 
 def test_tokens_added_at_once_are_all_kept(tmp_path: Path) -> None:

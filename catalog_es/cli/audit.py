@@ -138,7 +138,10 @@ def refusals(settings: Settings, **filters: Unpack[Filters]) -> None:
         rows,
         lambda: table(
             ["TIME", "BY", "MODEL", "EVENT", "REFUSED BECAUSE", "REASON"],
-            ([r["time"], r["by"], r["model"], r["event"], r["refusal"], r["reason"]] for r in rows),
+            (
+                [r["time"], r["by"], r["model"] or "-", r["event"], r["refusal"], r["reason"]]
+                for r in rows
+            ),
         ),
     )
 

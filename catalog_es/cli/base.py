@@ -54,7 +54,9 @@ class Settings:
         held write connection and pool with it)."""
         if self._models is None:
             self._models = bootstrap.open_models(self.db, self.config)
-            click.get_current_context().call_on_close(self._models.close)
+            context = click.get_current_context(silent=True)
+            if context is not None:
+                context.call_on_close(self._models.close)
         return self._models
 
     @property

@@ -7,9 +7,9 @@ The secret is 32 random bytes, so a fast salted hash is enough: a slow
 password hash (scrypt, argon2) defends low-entropy secrets that people pick,
 and would cost every request its time. The file is written atomically with
 mode 0600, and re-read when it changes, so adding or removing a token needs
-no restart. Changes to it are serialised by a lock file beside it: two
-``token add`` at once each read the file and wrote it back, and one token was
-lost (its secret shown, never accepted).
+no restart. Changes to it are serialised by a lock file beside it, so that
+two at once cannot each read the file and write it back without the other's
+(a token shown, never accepted).
 """
 
 from __future__ import annotations
@@ -126,14 +126,20 @@ class TokenStore:
         """The file's content to change, written back when the ``with`` ends,
         under an exclusive lock on ``.NAME.lock`` beside it: no other change
         reads it in between."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         lock_path = self.path.with_name(f".{self.path.name}.lock")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise InputError(f"{self.path.parent}: {error.strerror or error}") from None
         try:
             lock = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
         except OSError as error:
             raise InputError(f"{lock_path}: {error.strerror or error}") from None
         try:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+            except OSError as error:  # a file system without locks (some NFS)
+                raise InputError(f"{lock_path}: cannot be locked: {error.strerror}") from None
             content = self._read()
             yield content
             self._write(content)
