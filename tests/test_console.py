@@ -188,6 +188,23 @@ def test_console_models_history_time_travel_and_rollback(
         last = list(models.log_events(after=written))
         assert {(e["by"], e["rollback_to"]) for e in last} == {("admin-user", 2)}
 
+        # A read token previews a rollback, and is told only an admin confirms
+        # it (the button was there, and refused with 403 once clicked).
+        reader = browser.new_page()  # a tab of its own: its own sign-in
+        reader.on("pageerror", lambda error: errors.append(str(error)))
+        reader.goto(f"{url}/console/#/models?at=1")
+        reader.fill("#token", token["read"])
+        reader.click("#login button")
+        reader.click("#rollback-preview")
+        expect(reader.locator("#rollback")).to_contain_text(
+            "Dry run: roll back the catalog to revision 1"
+        )
+        expect(reader.locator("#rollback-admin-only")).to_have_text(
+            "Only an admin confirms a rollback; this token is read."
+        )
+        expect(reader.locator("#rollback-confirm")).to_have_count(0)
+        reader.close()
+
         # An address whose %-escapes are broken is told, not thrown.
         page.goto(f"{url}/console/#/model/%E0%A4%A")
         expect(page.locator("#error")).to_contain_text("This address names no model")

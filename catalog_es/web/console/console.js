@@ -227,6 +227,11 @@ function diffTable(diff) {
   );
 }
 
+// "1 change", "3 changes".
+function counted(count, noun) {
+  return `${count} ${noun}${count === 1 ? "" : "s"}`;
+}
+
 // A rollback is shown first (a dry run), then confirmed with If-Match set to
 // the revision the preview was made at: what is written is what was shown.
 function rollbackPanel(to, model) {
@@ -255,12 +260,14 @@ function rollbackPanel(to, model) {
       panel.replaceChildren(
         h("h3", {}, `Dry run: roll back ${what}`),
         plan.notes.map((note) => h("p", { class: "note" }, note)),
-        h("p", {}, `${plan.events.length} compensating event(s) would be written:`),
+        h("p", {}, `${counted(plan.events.length, "compensating event")} would be written:`),
         h("ul", { class: "events" }, plan.events.map((e) => h("li", {}, `${e.model} ${e.event} ${show(e.fields)}`))),
         diffTable(plan.diff),
-        plan.events.length
-          ? h("button", { type: "button", class: "danger", id: "rollback-confirm", onclick: confirm }, "Confirm rollback")
-          : h("p", { class: "quiet" }, "Already as it was: nothing to roll back."),
+        !plan.events.length
+          ? h("p", { class: "quiet" }, "Already as it was: nothing to roll back.")
+          : state.me.role === "admin"
+            ? h("button", { type: "button", class: "danger", id: "rollback-confirm", onclick: confirm }, "Confirm rollback")
+            : h("p", { class: "quiet", id: "rollback-admin-only" }, `Only an admin confirms a rollback; this token is ${state.me.role}.`),
         h("button", { type: "button", id: "rollback-cancel", onclick: cancel }, "Cancel")
       );
     } catch (error) {
