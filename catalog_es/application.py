@@ -37,6 +37,7 @@ from catalog_es.errors import (
     ModelNotFound,
     Refused,
     RevisionConflict,
+    counted,
 )
 from catalog_es.inputs import check_actor, zoned
 from catalog_es.mapper import EventMapper, UndecodableEvent, decode_event, model_of_state
@@ -79,6 +80,19 @@ MAX_REASON_LENGTH = 1000
 
 
 At = int | datetime | None
+
+
+def _skips_of(catalog: Catalog, name: str) -> str:
+    """What load skipped of a model not in force, said where it is looked for:
+    the reason is otherwise only in the load's warnings."""
+    skips = [s for s in catalog.skipped if s.model == name]
+    if not skips:
+        return ""
+    first = skips[0]  # the others mostly follow from it
+    return (
+        f" (load skips {counted(len(skips), 'event')} of it, from revision {first.revision},"
+        f" {first.event}: {first.reason}; catalog-es verify lists them)"
+    )
 
 
 def _declaration(catalog: Catalog) -> dict[str, Any] | None:
@@ -863,6 +877,8 @@ class Models(AuditTrail, Application[UUID]):
         if at is None:
             with self._reading() as catalog:
                 spec, declared = catalog.get(name), catalog.is_declared(name)
+                if spec is None:
+                    where = _skips_of(catalog, name)
         else:
             # One model's past is read from its own events, not the whole catalog's.
             revision = self.resolve(at)

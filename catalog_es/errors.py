@@ -9,6 +9,11 @@ SHOWN_LENGTH = 60
 NAME_SHOWN_LENGTH = 130
 
 
+def counted(count: int, noun: str) -> str:
+    """``1 change``, ``3 changes``."""
+    return f"{count:,} {noun}" if count == 1 else f"{count:,} {noun}s"
+
+
 def shown(value: object, limit: int = SHOWN_LENGTH) -> str:
     """``repr(value)`` cut short: a message quotes what it refuses, on one line
     (``repr`` escapes line breaks), and never a megabyte of it."""

@@ -542,6 +542,26 @@ def test_a_runtime_model_a_declared_one_hid_is_told_when_it_comes_back(
     assert "no longer declared" not in caplog.text  # told while the change is new
 
 
+def test_a_model_out_of_force_because_load_skips_it_says_why_where_it_is_asked_for(
+    make_models: MakeModels,
+) -> None:
+    """Its fallback no longer declared, a runtime model is skipped on load; asked
+    for, it was only "not in the catalog", the reason among the load's warnings
+    (operator walkthrough)."""
+    models = make_models(config_yaml(spec("base")))
+    models.add(spec("trial", fallbacks=("base",)), by=ACTOR)  # 2, after the config's record
+    models.scale("trial", 0, 3, by=ACTOR)
+    with pytest.raises(ModelNotFound) as refused:
+        make_models(config_yaml()).get_model("trial")
+    assert str(refused.value) == (
+        "model 'trial' is not in the catalog (load skips 2 events of it, from revision 2, Added: "
+        "model 'trial': fallbacks: names 'base', which is not in the catalog; catalog-es verify "
+        "lists them)"
+    )
+    with pytest.raises(ModelNotFound, match=r"^model 'other' is not in the catalog$"):
+        models.get_model("other")
+
+
 def test_the_kubeai_catalog_loads_as_declared_config(make_models: MakeModels, rows: Rows) -> None:
     text = KUBEAI_CATALOG.read_text(encoding="utf-8")
     published = yaml.safe_load(text)

@@ -167,11 +167,6 @@ def json_line(data: Any) -> str:
     return _UNSAFE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
 
 
-def counted(count: int, noun: str) -> str:
-    """``1 change``, ``3 changes``."""
-    return f"{count:,} {noun}" if count == 1 else f"{count:,} {noun}s"
-
-
 def say(text: str, *, err: bool = False) -> None:
     """A line for a person: on stdout, or on stderr with ``err``."""
     click.echo(visible(text), err=err)

@@ -15,7 +15,6 @@ from catalog_es.cli.base import (
     REVISION_OR_TIME,
     Settings,
     cli,
-    counted,
     emit,
     emit_result,
     json_line,
@@ -26,7 +25,7 @@ from catalog_es.cli.base import (
     show_model,
     table,
 )
-from catalog_es.errors import InputError, shown
+from catalog_es.errors import InputError, counted, shown
 from catalog_es.inputs import read_changes, read_model
 from catalog_es.spec import Adapter, Origin
 

@@ -16,7 +16,6 @@ from catalog_es.cli.base import (
     REVISION_OR_TIME,
     Settings,
     cli,
-    counted,
     emit,
     json_line,
     let_warnings_through,
@@ -26,6 +25,7 @@ from catalog_es.cli.base import (
     shared_options,
     table,
 )
+from catalog_es.errors import counted
 from catalog_es.rollback import DIMENSIONS
 
 

@@ -10,7 +10,6 @@ from catalog_es import bootstrap
 from catalog_es.cli.base import (
     F,
     Settings,
-    counted,
     emit,
     meta,
     pass_settings,
@@ -19,6 +18,7 @@ from catalog_es.cli.base import (
     table,
 )
 from catalog_es.cli.models import model
+from catalog_es.errors import counted
 from catalog_es.weights import Weights
 
 
