@@ -65,6 +65,31 @@ def pg_url(pg_admin: sa.Engine) -> Iterator[str]:
         conn.execute(sa.text(f"DROP SCHEMA {schema} CASCADE"))
 
 
+@pytest.fixture
+def read_only_url(pg_url: str, pg_admin: sa.Engine) -> Iterator[Callable[[], str]]:
+    """``read_only_url()``: a URL on ``pg_url``'s schema as a role that may only
+    read the tables there now (as the README says a reading role needs)."""
+    url = sa.make_url(pg_url)
+    schema = url.query["options"].partition("=")[2]
+    reader = f"reader_{schema}"
+    made = False
+
+    def grant() -> str:
+        nonlocal made
+        with pg_admin.connect() as conn:
+            conn.execute(sa.text(f"CREATE ROLE {reader} LOGIN"))
+            made = True
+            conn.execute(sa.text(f"GRANT USAGE ON SCHEMA {schema} TO {reader}"))
+            conn.execute(sa.text(f"GRANT SELECT ON ALL TABLES IN SCHEMA {schema} TO {reader}"))
+        return url.set(username=reader).render_as_string(hide_password=False)
+
+    yield grant
+    if made:
+        with pg_admin.connect() as conn:
+            conn.execute(sa.text(f"DROP OWNED BY {reader}"))
+            conn.execute(sa.text(f"DROP ROLE {reader}"))
+
+
 @pytest.fixture(params=["sqlite", "postgresql"])
 def db_url(request: pytest.FixtureRequest, tmp_path: os.PathLike[str]) -> str:
     """The same test on the embedded default and on PostgreSQL."""

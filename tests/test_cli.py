@@ -605,7 +605,7 @@ def test_tables_of_that_name_that_are_not_the_logs_are_one_line(
 
 
 def test_a_postgresql_schema_or_privilege_missing_is_one_line(
-    pg_url: str, pg_admin: sa.Engine, tmp_path: Path
+    pg_url: str, read_only_url: Callable[[], str], tmp_path: Path
 ) -> None:
     """A search_path naming no schema, and a role that may only read asked to
     write: each was told as an unexpected ProgrammingError (docs review)."""
@@ -616,24 +616,13 @@ def test_a_postgresql_schema_or_privilege_missing_is_one_line(
     assert line.startswith("error: the database could not be used: no schema has been selected")
     (tmp_path / "m.yaml").write_bytes(as_yaml(definition("m")))
     CliRunner().invoke(cli, ["--db", pg_url, "model", "add", str(tmp_path / "m.yaml")])
-    schema = sa.make_url(pg_url).query["options"].partition("=")[2]
-    reader = f"reader_{schema}"
-    with pg_admin.connect() as conn:
-        conn.execute(sa.text(f"CREATE ROLE {reader} LOGIN"))
-        conn.execute(sa.text(f"GRANT USAGE ON SCHEMA {schema} TO {reader}"))
-        conn.execute(sa.text(f"GRANT SELECT ON ALL TABLES IN SCHEMA {schema} TO {reader}"))
-    try:
-        as_reader = sa.make_url(pg_url).set(username=reader).render_as_string(False)
-        listed = CliRunner().invoke(cli, ["--db", as_reader, "model", "list", "--json"])
-        assert [m["name"] for m in json.loads(listed.stdout)] == ["m"]
-        scaled = CliRunner().invoke(cli, ["--db", as_reader, "model", "scale", "m", "--max", "2"])
-        line = refused_in_one_line(scaled)
-        assert line.startswith("error: the database could not be used: permission denied for ")
-        assert count_events(pg_url) == 1
-    finally:
-        with pg_admin.connect() as conn:
-            conn.execute(sa.text(f"DROP OWNED BY {reader}"))
-            conn.execute(sa.text(f"DROP ROLE {reader}"))
+    as_reader = read_only_url()
+    listed = CliRunner().invoke(cli, ["--db", as_reader, "model", "list", "--json"])
+    assert [m["name"] for m in json.loads(listed.stdout)] == ["m"]
+    scaled = CliRunner().invoke(cli, ["--db", as_reader, "model", "scale", "m", "--max", "2"])
+    line = refused_in_one_line(scaled)
+    assert line.startswith("error: the database could not be used: permission denied for ")
+    assert count_events(pg_url) == 1
 
 
 def test_a_warning_escapes_its_line_and_leaves_a_traceback_readable() -> None:
