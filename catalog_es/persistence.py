@@ -25,6 +25,7 @@ import time
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
+from pathlib import Path
 from typing import Any, NamedTuple
 from uuid import UUID
 
@@ -307,7 +308,11 @@ def sqlite_synchronous() -> str:
 
 def create_engine(url: str) -> Engine:
     """An engine with the settings the log relies on."""
-    engine = _settled_engine(_log_url(url))
+    parsed = _log_url(url)
+    if parsed.get_backend_name() == "sqlite" and not Path(parsed.database or "").exists():
+        # A path mistyped makes a new, empty log: said, so that the mistake shows.
+        log.warning("no log at %s yet: a new one is made there", parsed.database)
+    engine = _settled_engine(parsed)
     _forgotten_by_children(engine)
     return engine
 

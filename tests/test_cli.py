@@ -524,6 +524,22 @@ def test_log_json_prints_one_object_per_event_with_the_documented_keys(
     assert "alice" in human and "Scaled" in human and "peak" in human
 
 
+def test_a_new_sqlite_log_is_said_to_be_made(tmp_path: Path) -> None:
+    """A path mistyped read as an empty catalog, said nothing, and left a new
+    file (operator walkthrough): a run that makes the log says so, after its
+    answer; a refusal stays one line."""
+    db = f"sqlite:///{tmp_path}/typo.db"
+    listing = [sys.executable, "-m", "catalog_es", "--db", db, "model", "list", "--json"]
+    first = subprocess.run(listing, capture_output=True, text=True, timeout=60, check=False)
+    assert (first.returncode, first.stdout) == (0, "[]\n")
+    assert first.stderr == f"warning: no log at {tmp_path}/typo.db yet: a new one is made there\n"
+    again = subprocess.run(listing, capture_output=True, text=True, timeout=60, check=False)
+    assert (again.returncode, again.stderr) == (0, "")
+    other = f"sqlite:///{tmp_path}/other.db"
+    refused = CliRunner().invoke(cli, ["--db", other, "model", "scale", "m", "--max", "2"])
+    assert refused_in_one_line(refused) == "error: model 'm' is not in the catalog"
+
+
 def test_a_command_lets_go_of_the_database_when_it_ends(tmp_path: Path) -> None:
     """The service was never closed: its connections stayed open until the
     process ended (review). SQLite's last connection, closing, folds the WAL

@@ -719,6 +719,7 @@ def test_serve_records_the_declared_config_at_start(tmp_path: Path, config_file:
     try:
         assert server.stderr is not None
         assert f"warning: {tokens} can be written by others (mode 666)" in server.stderr.readline()
+        assert "warning: no log at " in server.stderr.readline()  # a new database
         assert "serving the catalog at revision 1" in server.stderr.readline()
         response = _wait_for(f"http://127.0.0.1:{port}/log", bearer(secret))
         (record,) = response.json()
