@@ -273,6 +273,10 @@ class Models(AuditTrail, Application[UUID]):
         assert isinstance(self.recorder, SQLRecorder)
         self.store: SQLRecorder = self.recorder
         self.catalog = self._load()
+        # Whether this node's config has been the one the log records, since
+        # it started: recording it again then means another node's replaced it.
+        recorded = self.catalog.recorded_declaration
+        self._declaration_held = recorded is not None and recorded[0] == self.declared.fingerprint
 
     def _load(self) -> Catalog:
         """The catalog in force: the newest snapshot over this config, then the
@@ -682,6 +686,8 @@ class Models(AuditTrail, Application[UUID]):
                             known=known.versions,
                         )
                         replaced = batch.catalog.recorded_declaration
+                        if not declaration_differs(batch.catalog, self.declared):
+                            self._declaration_held = True
                         batch.record_declaration(self.declared)
                         if several:
                             # The plan works on its own copy, and no other writer
@@ -715,15 +721,18 @@ class Models(AuditTrail, Application[UUID]):
                     state.acquire()
                     holding = True
                 revision = revisions[-1]
-                if replaced is not None and isinstance(batch.records[0], Configuration.Declared):
-                    # Nodes writing with different configs each record their
-                    # own, and the declared models go in and out of force.
-                    log.warning(
-                        "this node's declared config, recorded at revision %d, is not the "
-                        "one recorded at revision %d: every node should run the same one",
-                        revisions[0],
-                        replaced[1],
-                    )
+                if isinstance(batch.records[0], Configuration.Declared):
+                    if self._declaration_held and replaced is not None:
+                        # Nodes writing with different configs each record
+                        # their own, and declared models go in and out of force.
+                        log.warning(
+                            "another node's declared config, recorded at revision %d, replaced "
+                            "this node's, recorded again at revision %d: every node should run "
+                            "the same one",
+                            replaced[1],
+                            revisions[0],
+                        )
+                    self._declaration_held = True
                 known.learn(batch.versions, revision)
                 if self.catalog.revision == head:
                     self._put_in_force(batch, revisions, several)

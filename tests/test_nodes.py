@@ -225,7 +225,8 @@ def test_a_node_writing_with_another_config_says_so(
     db_url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Two nodes with different configs take turns recording theirs, and the
-    declared models go in and out of force: it was silent (operator walkthrough)."""
+    declared models go in and out of force: it was silent (operator walkthrough).
+    A config changed by a deploy, or a node restarted on another, is no news."""
     configs = []
     for n, declared in enumerate((["base"], ["base", "extra"])):
         path = tmp_path / f"catalog-{n}.yaml"
@@ -239,16 +240,18 @@ def test_a_node_writing_with_another_config_says_so(
         )
         configs.append(load_config(str(path)))
     first, second = (Models(c, env={"CATALOG_ES_DB": db_url}) for c in configs)
-    first.add(_definition("a", []), by="ops")  # the first record of a config: nothing to say
+    first.add(_definition("a", []), by="ops")  # 1 first's config, 2
+    second.scale("a", 0, 2, by="ops")  # 3 second's, 4: a config changed, as deploys do
     assert "every node should run" not in caplog.text
-    second.scale("a", 0, 2, by="ops")
-    first.scale("a", 0, 3, by="ops")
+    first.scale("a", 0, 3, by="ops")  # 5 first's again, 6
+    second.scale("a", 0, 4, by="ops")  # 7 second's again, 8
+    Models(configs[0], env={"CATALOG_ES_DB": db_url}).scale("a", 0, 5, by="ops")  # a restart
     told = [r.getMessage() for r in caplog.records if "every node should run" in r.getMessage()]
     assert told == [
-        "this node's declared config, recorded at revision 3, is not the one recorded at "
-        "revision 1: every node should run the same one",
-        "this node's declared config, recorded at revision 5, is not the one recorded at "
-        "revision 3: every node should run the same one",
+        "another node's declared config, recorded at revision 3, replaced this node's, "
+        "recorded again at revision 5: every node should run the same one",
+        "another node's declared config, recorded at revision 5, replaced this node's, "
+        "recorded again at revision 7: every node should run the same one",
     ]
 
 
