@@ -237,6 +237,8 @@ def test_head_is_answered_as_get_is_without_the_body(api: Api) -> None:
         ("POST", "/sources", "GET, HEAD"),
         ("PUT", "/models", "GET, HEAD, POST"),
         ("PUT", "/models/qwen", "DELETE, GET, HEAD"),
+        ("POST", "/console/models", "GET, HEAD"),  # it named the API's methods
+        ("POST", "/console/console.js", "GET, HEAD"),
     ]:
         answer = api.client.request(method, path, headers=api.as_("admin"))
         assert refused(answer, 405) and answer.headers["allow"] == allowed, (method, path)

@@ -30,7 +30,7 @@ from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException
-from starlette.routing import Match, Route
+from starlette.routing import Match, Mount, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from catalog_es.application import CommandResult, Models
@@ -691,11 +691,18 @@ def _allowed(request: Request) -> str:
     route it matches (Starlette names the first one's only), HEAD with GET
     (:class:`_HeadAsGet`)."""
     methods: set[str] = set()
+    # Matched from the app's root: a refusal of the console's files comes
+    # with the mount's root instead.
+    scope = {**request.scope, "root_path": request.scope.get("app_root_path", "")}
     # The API's own routes, as declared (the app holds them wrapped, included
     # without a prefix), and the app's.
     for candidate in (*route.routes, *request.app.router.routes):
-        if isinstance(candidate, Route) and candidate.matches(request.scope)[0] != Match.NONE:
+        if candidate.matches(scope)[0] == Match.NONE:
+            continue
+        if isinstance(candidate, Route):
             methods |= candidate.methods or set()
+        elif isinstance(candidate, Mount):
+            methods.add("GET")  # the console's files
     if "GET" in methods:
         methods.add("HEAD")
     return ", ".join(sorted(methods))
