@@ -514,8 +514,13 @@ def _busy_timeout(conn: Connection, seconds: float) -> None:
 
 
 # SQLite's errors that mean the database itself cannot be used: not there,
-# not SQLite's, or tables of the log's names that are not the log's.
+# not SQLite's, or tables of the log's names that are not the log's. Of its
+# result codes, these pass (a disk full or failing, memory, a file that
+# could not be opened, which is also what running out of descriptors says);
+# the others (not a database, corrupt, read-only, no such table) wait on an
+# operator.
 _SQLITE_UNUSABLE = {"OperationalError", "DatabaseError"}
+_SQLITE_OUTAGES = {"BUSY", "LOCKED", "FULL", "IOERR", "NOMEM", "CANTOPEN"}
 # PostgreSQL's, by SQLSTATE. Outages, which pass: no connection (class 08),
 # out of resources (53), shut down, shutting down or not yet up
 # (57P01-57P03: a restart or a failover ends sessions with these). Setup to
@@ -547,8 +552,10 @@ def database_unusable(error: BaseException) -> Unusable | None:
     package = kind.__module__.split(".")[0]
     said = first_line(str(driver))
     if package == "sqlite3":
-        # A file that cannot be opened, or is not the log: retrying will not mend it.
-        return Unusable(said, lasting=True) if kind.__name__ in _SQLITE_UNUSABLE else None
+        if kind.__name__ not in _SQLITE_UNUSABLE:
+            return None
+        code = (getattr(driver, "sqlite_errorname", None) or "").removeprefix("SQLITE_")
+        return Unusable(said, lasting=code.split("_")[0] not in _SQLITE_OUTAGES)
     if package != "psycopg":
         return None
     state: str | None = getattr(driver, "sqlstate", None)

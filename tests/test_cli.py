@@ -26,6 +26,7 @@ from catalog_es.application import Models
 from catalog_es.cli import cli
 from catalog_es.cli.base import VisibleWarnings
 from catalog_es.inputs import DeclaredConfig
+from catalog_es.persistence import database_unusable
 from tests.helpers import config_yaml, count_events, definition, spec
 
 LOG_KEYS = {
@@ -575,6 +576,26 @@ def test_a_database_that_cannot_be_used_is_one_line_saying_so(tmp_path: Path) ->
         line = refused_in_one_line(result)
         assert line == "error: the database could not be used: file is not a database"
     assert not_sqlite.read_text() == "not a database\n" * 100
+
+
+def test_sqlite_errors_that_pass_are_told_from_those_an_operator_must_mend(
+    tmp_path: Path,
+) -> None:
+    """Every SQLite error was one that lasts, so a disk full or a file that
+    could not be opened (descriptors run out) told API clients not to retry
+    (review). By SQLite's own result code."""
+    not_a_database = tmp_path / "notes.db"
+    not_a_database.write_text("not a database\n" * 100)
+    cases = {
+        str(tmp_path / "no-such-directory" / "catalog.db"): False,  # SQLITE_CANTOPEN
+        str(not_a_database): True,  # SQLITE_NOTADB
+        ":memory:": True,  # no such table (SQLITE_ERROR)
+    }
+    for path, lasting in cases.items():
+        with pytest.raises(sqlite3.Error) as raised:
+            sqlite3.connect(path).execute("SELECT * FROM catalog_events")
+        unusable = database_unusable(raised.value)
+        assert unusable is not None and unusable.lasting is lasting, path
 
 
 @pytest.mark.parametrize(
