@@ -85,9 +85,9 @@ At = int | datetime | None
 def _skips_of(catalog: Catalog, name: str) -> str:
     """What load skipped of a model not in force, said where it is looked for:
     the reason is otherwise only in the load's warnings."""
+    if not catalog.was_skipped(name):
+        return ""  # never skipped, or removed since (its removal is why it is gone)
     skips = [s for s in catalog.skipped if s.model == name]
-    if not skips:
-        return ""
     first = skips[0]  # the others mostly follow from it
     return (
         f" (load skips {counted(len(skips), 'event')} of it, from revision {first.revision},"

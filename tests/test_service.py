@@ -560,6 +560,11 @@ def test_a_model_out_of_force_because_load_skips_it_says_why_where_it_is_asked_f
     )
     with pytest.raises(ModelNotFound, match=r"^model 'other' is not in the catalog$"):
         models.get_model("other")
+    # Removed since, it is gone because it was removed: no word of the skips.
+    unconfigured = make_models(config_yaml())
+    unconfigured.remove("trial", by=ACTOR)
+    with pytest.raises(ModelNotFound, match=r"^model 'trial' is not in the catalog$"):
+        unconfigured.get_model("trial")
 
 
 def test_the_kubeai_catalog_loads_as_declared_config(make_models: MakeModels, rows: Rows) -> None:
