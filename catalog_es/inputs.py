@@ -96,7 +96,9 @@ class ModelInput(_Input):
 
 class ConfigInput(_Input):
     engines: list[str] | None = None
-    models: Items[ModelInput] = []
+    # Said even when empty: a file cut short after its engines declared
+    # nothing, and every declared model went out of force.
+    models: Items[ModelInput]
 
 
 def _checked_engines(engines: list[str] | None) -> tuple[str, ...]:
