@@ -523,14 +523,15 @@ _SQLITE_UNUSABLE = {"OperationalError", "DatabaseError"}
 _SQLITE_OUTAGES = {"BUSY", "LOCKED", "FULL", "IOERR", "NOMEM", "CANTOPEN"}
 # PostgreSQL's, by SQLSTATE. Outages, which pass: no connection (class 08),
 # out of resources (53), shut down, shutting down or not yet up
-# (57P01-57P03: a restart or a failover ends sessions with these). Setup to
+# (57P01-57P03: a restart or a failover ends sessions with these), a server
+# that takes no writes (25006: a primary demoted in a failover). Setup to
 # mend, which does not: refused (28: who; 3D: no such database; 3F: no such
 # schema, a search_path naming none; 42501: a role without the privileges
 # the log needs) and tables of the log's names that are not the log's
 # (42P01, 42703). A query cancelled or a lock not had (57014, 55P03) is
 # busy, not unusable. An error with no state failed in the client: no
 # server reached, or the connection lost.
-_POSTGRESQL_OUTAGES = ("08", "53", "57P01", "57P02", "57P03")
+_POSTGRESQL_OUTAGES = ("08", "53", "57P01", "57P02", "57P03", "25006")
 _POSTGRESQL_SETUP = ("28", "3D", "3F", "42501", "42P01", "42703")
 _CLIENT_FAILURES = {"OperationalError", "InterfaceError", "DatabaseError"}
 

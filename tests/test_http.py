@@ -277,6 +277,7 @@ def test_head_of_the_stream_ends_with_its_headers_on_any_server(api: Api) -> Non
     start, body = sent[0], sent[-1]
     assert start["status"] == 200
     assert (b"content-type", b"text/event-stream; charset=utf-8") in start["headers"]
+    assert b"content-length" not in dict(start["headers"])  # as the stream, which has none
     assert (body["body"], body.get("more_body", False)) == (b"", False)
 
 

@@ -96,7 +96,9 @@ def event_stream(
     ``head``: the stream's headers alone, the watch never started (it
     subscribes only once iterated)."""
     if head:
-        return Response(media_type="text/event-stream", headers=_HEADERS)
+        headers_only = Response(media_type="text/event-stream", headers=_HEADERS)
+        del headers_only.headers["content-length"]  # as the stream's, which has none
+        return headers_only
     return StreamingResponse(
         _messages(watch, closing, allowed), media_type="text/event-stream", headers=_HEADERS
     )

@@ -139,7 +139,8 @@ class TokenStore:
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX)
             except OSError as error:  # a file system without locks (some NFS)
-                raise InputError(f"{lock_path}: cannot be locked: {error.strerror}") from None
+                why = error.strerror or error
+                raise InputError(f"{lock_path}: cannot be locked: {why}") from None
             content = self._read()
             yield content
             self._write(content)

@@ -265,9 +265,9 @@ function rollbackPanel(to, model) {
         diffTable(plan.diff),
         !plan.events.length
           ? h("p", { class: "quiet" }, "Already as it was: nothing to roll back.")
-          : state.me.role === "admin"
+          : state.me?.role === "admin"
             ? h("button", { type: "button", class: "danger", id: "rollback-confirm", onclick: confirm }, "Confirm rollback")
-            : h("p", { class: "quiet", id: "rollback-admin-only" }, `Only an admin confirms a rollback; this token is ${state.me.role}.`),
+            : h("p", { class: "quiet", id: "rollback-admin-only" }, `Only an admin confirms a rollback; this token is ${state.me?.role}.`),
         h("button", { type: "button", id: "rollback-cancel", onclick: cancel }, "Cancel")
       );
     } catch (error) {
