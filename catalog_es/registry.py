@@ -104,19 +104,27 @@ def open_inside(path: Path, within: Path) -> BufferedReader:
 
 def checksums(folder: Path, within: Path) -> dict[str, str]:
     """Every file under ``folder`` and its sha256, by POSIX path, sorted. A
-    link is followed, as in a hub cache whose snapshots link to its blobs,
-    but only to a file inside ``within``: one that leads out of it is
-    refused, or a link planted in the mirror would copy any file this
-    process can read into the weights, and its checksum into the log."""
+    link is followed, as in a hub cache whose snapshots link to its blobs
+    (or to folders of them), but only inside ``within``: one that leads out
+    of it is refused, or a link planted in the mirror would copy any file
+    this process can read into the weights, and its checksum into the log.
+    Whatever is not a file or a folder (a link to nothing, a pipe) is
+    refused: passed over, it was in a copy that verified."""
     inside(folder, within)
     found: dict[str, str] = {}
-    for directory, _dirs, names in os.walk(folder):
+    walked: set[Path] = set()
+    for directory, _dirs, names in os.walk(folder, followlinks=True):
+        real = _real_inside(Path(directory), within)
+        if real in walked:
+            raise RegistryError(f"{directory} links to a folder already read: refused")
+        walked.add(real)
         for name in names:
             path = Path(directory, name)
-            if path.is_file():
-                with open_inside(path, within) as f:
-                    digest = hashlib.file_digest(f, "sha256").hexdigest()
-                found[path.relative_to(folder).as_posix()] = digest
+            if not path.is_file():
+                raise RegistryError(f"{path} is not a file (a link to nothing, a pipe?): refused")
+            with open_inside(path, within) as f:
+                digest = hashlib.file_digest(f, "sha256").hexdigest()
+            found[path.relative_to(folder).as_posix()] = digest
     return dict(sorted(found.items()))
 
 

@@ -11,6 +11,7 @@ import errno
 import fcntl
 import hashlib
 import json
+import os
 import re
 import shutil
 import sqlite3
@@ -657,6 +658,44 @@ def test_rollback_brings_the_previous_origin_back_verified(world: World, tracked
     assert result["rollback_to"] == origin_recorded_at
     assert events(tracked, "m")[-1]["rollback_to"] == origin_recorded_at
     assert [s[0] for s in world.applier.steps] == ["catalog"] + ["start", "stop"] * 3
+
+
+@pytest.mark.parametrize("extra", ["a link out of the store", "a link to nothing", "a pipe"])
+def test_a_copy_holding_more_than_files_is_refused(
+    world: World, tracked: Weights, extra: str
+) -> None:
+    """Whatever was not a file was passed over, so a copy with a link to /etc
+    in it verified, and its model was moved onto it (hostile test)."""
+    tracked.update("m", by="bob")  # c1, copied into the store
+    world.mirror.publish("org/m", V2)
+    tracked.update("m", by="bob")
+    planted = world.store / "org/m" / world.c1 / "planted"
+    if extra == "a link out of the store":
+        (world.root / "outside").mkdir()
+        planted.symlink_to(world.root / "outside", target_is_directory=True)
+    elif extra == "a link to nothing":
+        planted.symlink_to(world.root / "nothing")
+    else:
+        os.mkfifo(planted)
+    rows = world.rows()
+    with pytest.raises(Refused, match="refused"):
+        tracked.rollback("m", by="carol")
+    assert world.rows() == rows
+
+
+def test_a_folder_linked_inside_the_mirror_is_copied_whole(world: World, tracked: Weights) -> None:
+    """A commit's folder linked to another in the mirror (as a hub cache does)
+    was passed over: the copy, and the origin recorded, left its files out
+    (hostile test)."""
+    c2 = world.mirror.publish("org/m", V2)
+    shared = world.mirror.root / "shared-onnx"
+    shared.mkdir()
+    (shared / "model.onnx").write_bytes(b"onnx")
+    (world.mirror.folder("org/m", c2) / "onnx").symlink_to(shared, target_is_directory=True)
+    tracked.update("m", by="bob")
+    files = tracked.models.get_model("m")["origin"]["files"]
+    assert files["onnx/model.onnx"] == sha(b"onnx")
+    assert (world.store / "org/m" / c2 / "onnx" / "model.onnx").read_bytes() == b"onnx"
 
 
 def test_rollback_works_from_the_local_copy_after_upstream_drops_the_commit(
