@@ -402,6 +402,9 @@ class Weights:
         skipped = {s.revision for s in self.models.skipped() if s.model == name}
         ran: list[tuple[int, Origin]] = []
         for event in self.models.log_events(model=name):
+            if event["event"] == "Removed" and event["revision"] not in skipped:
+                ran.clear()  # a model of that name added since is another model
+                continue
             origin = _origin_set_by(event)
             if origin is not None and event["revision"] not in skipped:
                 ran.append((event["revision"], origin))

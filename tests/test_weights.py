@@ -698,6 +698,19 @@ def test_a_folder_linked_inside_the_mirror_is_copied_whole(world: World, tracked
     assert (world.store / "org/m" / c2 / "onnx" / "model.onnx").read_bytes() == b"onnx"
 
 
+def test_rollback_never_goes_back_past_a_removal(world: World, tracked: Weights) -> None:
+    """Removed and added again, from another repository, a model was rolled
+    back to weights of the one removed (hostile test)."""
+    world.mirror.publish("org/m", V2)
+    tracked.update("m", by="bob")
+    tracked.models.remove("m", by="alice")
+    tracked.models.add(spec("m", source="s3://bucket/m"), by="alice")
+    rows = world.rows()
+    with pytest.raises(Refused, match="no earlier weights"):
+        tracked.rollback("m", by="carol")
+    assert world.rows() == rows
+
+
 def test_rollback_works_from_the_local_copy_after_upstream_drops_the_commit(
     world: World, tracked: Weights
 ) -> None:
