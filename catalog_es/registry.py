@@ -122,9 +122,12 @@ def checksums(folder: Path, within: Path) -> dict[str, str]:
             path = Path(directory, name)
             if not path.is_file():
                 raise RegistryError(f"{path} is not a file (a link to nothing, a pipe?): refused")
+            # A name the log could not record is refused here, where a scan
+            # lists its model as unchecked, not when its finding is written.
+            listed = relative_file(path.relative_to(folder).as_posix()).as_posix()
             with open_inside(path, within) as f:
                 digest = hashlib.file_digest(f, "sha256").hexdigest()
-            found[path.relative_to(folder).as_posix()] = digest
+            found[listed] = digest
     return dict(sorted(found.items()))
 
 

@@ -360,6 +360,21 @@ def test_a_model_without_an_origin_gets_one_from_the_mirror_once(world: World) -
     assert world.rows() == rows
 
 
+def test_a_file_name_the_log_cannot_hold_leaves_its_model_unchecked_not_the_run_failed(
+    world: World, tracked: Weights
+) -> None:
+    """A commit with a file named in bytes that are not UTF-8 failed the whole
+    check-updates run after it had written, every run after it too (hostile
+    test): its model is listed as unchecked, the others go on."""
+    tracked.models.add(spec("other", source="hf://org/other"), by="alice")
+    world.mirror.publish("org/other", V1)
+    world.mirror.publish("org/m", {**V2, "\udcff.bin": b"odd"})
+    report = tracked.check_updates(by="cron")
+    [unchecked] = report["unchecked"]
+    assert unchecked["model"] == "m" and "lone surrogate" in unchecked["reason"]
+    assert [o["model"] for o in report["origins"]] == ["other"]
+
+
 def test_an_upstream_change_is_listed_once_and_recorded_once(
     world: World, tracked: Weights
 ) -> None:
