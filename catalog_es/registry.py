@@ -238,6 +238,16 @@ class MirrorRegistry(Registry):
         refs = self.refs(repository)
         if ref in refs:
             commit = refs[ref]
+            if (
+                commit != ref
+                and COMMIT_PATTERN.fullmatch(ref)
+                and (self._repository_folder(repository) / ref).is_dir()
+            ):
+                # A branch may be named in hex: which one was meant cannot be told.
+                raise RegistryError(
+                    f"{repository}: {ref!r} is both a branch (at {commit}) and a commit:"
+                    " rename the branch in the mirror's refs"
+                )
         elif COMMIT_PATTERN.fullmatch(ref):
             commit = ref
         else:

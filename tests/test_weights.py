@@ -208,6 +208,16 @@ def test_the_mirror_resolves_branches_lists_checksums_and_fetches(world: World) 
     assert verify(world.root / "out", files, world.root) == ["a.bin: missing"]
 
 
+def test_a_branch_named_as_a_commit_is_refused_as_ambiguous(world: World) -> None:
+    """The branch won, and an update asked for one commit moved to another
+    (hostile test)."""
+    c2 = world.mirror.publish("org/m", V2)
+    refs = world.mirror.root / "org/m/refs"
+    refs.write_text(refs.read_text() + f"{world.c1} {c2}\n")
+    with pytest.raises(RegistryError, match=f"'{world.c1}' is both a branch"):
+        MirrorRegistry(world.mirror.root).resolve("org/m", world.c1)
+
+
 @pytest.mark.parametrize(
     ("refs", "ask", "message"),
     [
