@@ -27,7 +27,7 @@ from sqlalchemy.engine import Connection
 
 from catalog_es.application import SYSTEM_ACTOR, Models
 from catalog_es.batch import Batch, Change
-from catalog_es.errors import ModelNotFound, Refused
+from catalog_es.errors import InputError, ModelNotFound, Refused
 from catalog_es.mapper import UndecodableEvent, decode_event, topic_of
 from catalog_es.model import Model, model_id
 from catalog_es.persistence import events_table, stream_walk
@@ -84,15 +84,21 @@ class WeightsStore:
             raise VerificationFailed(f"{where} lists no files: there is nothing to verify")
         # A folder linked elsewhere would be written there, and hashed there.
         folder = inside(self.folder(origin.repository, origin.revision), self.root)
-        missing = [p for p in origin.files if not (folder / relative_file(p)).is_file()]
-        if missing:
-            registry.fetch(origin.repository, origin.revision, missing, folder)
+        try:
+            missing = [p for p in origin.files if not (folder / relative_file(p)).is_file()]
+            if missing:
+                registry.fetch(origin.repository, origin.revision, missing, folder)
+        except OSError as error:  # the store a file, or a name too long for it
+            raise RegistryError(
+                f"the weights store {self.root}: {error.strerror or error}; nothing was written"
+            ) from None
         problems = verify(folder, origin.files, self.root)
         if problems:
             more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
             raise VerificationFailed(
                 f"the weights of {where} in {folder} do not verify: {problems[0]}{more}; "
-                "nothing was written (delete the folder to fetch it again)"
+                "nothing was written (once no model runs from that folder, delete it to "
+                "fetch it again)"
             )
 
 
@@ -337,6 +343,8 @@ class Weights:
     ) -> dict[str, Any]:
         """Move a runtime model to a commit of its repository (a commit id or a
         branch; default: where ``main`` points), fetched and verified first."""
+        if revision == "":
+            raise InputError("the revision: give a branch or a commit (default: main)")
         ref = revision or DEFAULT_BRANCH
         with self.models.refusals_recorded("SourceSet", name, by, reason, {"revision": ref}):
             spec = self._movable(name, by=by, reason=reason, expected_revision=expected_revision)

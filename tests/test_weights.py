@@ -525,7 +525,7 @@ def test_a_tampered_copy_in_the_store_is_reported_not_replaced(
     planted.parent.mkdir(parents=True)
     planted.write_bytes(b"planted")
     rows = world.rows()
-    with pytest.raises(VerificationFailed, match="delete the folder to fetch it again"):
+    with pytest.raises(VerificationFailed, match="delete it to fetch it again"):
         tracked.update("m", by="bob")
     assert planted.read_bytes() == b"planted"
     assert world.rows() == rows
@@ -912,6 +912,18 @@ def test_cli_updates_check_update_rollback_and_refusals(
     unknown = runner.invoke(cli, [*base, "model", "update", "m", "--revision", "dev", *where])
     assert unknown.exit_code == 1
     assert unknown.stderr.splitlines() == ["error: org/m has no branch 'dev' (branches: main)"]
+    # Said empty, it is not taken for main (it was, and moved the model; hostile test).
+    empty = runner.invoke(cli, [*base, "model", "update", "m", "--revision", "", *where])
+    assert (empty.exit_code, empty.stderr) == (
+        1,
+        "error: the revision: give a branch or a commit (default: main)\n",
+    )
+    # A weights store that is a file: one line, recorded as refused (it was "unexpected").
+    (world.root / "not-a-store").write_text("a file")
+    a_file = ["--mirror", str(world.mirror.root), "--weights", str(world.root / "not-a-store")]
+    filed = runner.invoke(cli, [*base, "model", "update", "m", *a_file])
+    assert filed.exit_code == 1 and filed.stderr.startswith("error: the weights store ")
+    assert "unexpected" not in filed.stderr
     nowhere = runner.invoke(cli, [*base, "model", "updates"])
     assert nowhere.exit_code == 1
     assert nowhere.stderr.splitlines() == [
