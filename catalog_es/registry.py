@@ -210,7 +210,8 @@ class MirrorRegistry(Registry):
         """The branches of a repository and the commit each points to."""
         path = self._repository_folder(repository) / REFS_FILE
         try:
-            text = path.read_text(encoding="utf-8")
+            with open_inside(path, self.root) as file:  # as every file the mirror gives
+                text = file.read().decode("utf-8")
         except (OSError, UnicodeDecodeError) as error:
             raise RegistryError(f"{path}: cannot read the refs: {error}") from None
         refs: dict[str, str] = {}

@@ -208,6 +208,17 @@ def test_the_mirror_resolves_branches_lists_checksums_and_fetches(world: World) 
     assert verify(world.root / "out", files, world.root) == ["a.bin: missing"]
 
 
+def test_refs_linked_out_of_the_mirror_are_refused(world: World) -> None:
+    """They were read and believed (hostile test)."""
+    elsewhere = world.root / "elsewhere-refs"
+    elsewhere.write_text(f"main {world.c1}\n")
+    refs = world.mirror.root / "org/m/refs"
+    refs.unlink()
+    refs.symlink_to(elsewhere)
+    with pytest.raises(RegistryError, match=r"outside .*: refused"):
+        MirrorRegistry(world.mirror.root).resolve("org/m", "main")
+
+
 def test_a_branch_named_as_a_commit_is_refused_as_ambiguous(world: World) -> None:
     """The branch won, and an update asked for one commit moved to another
     (hostile test)."""
