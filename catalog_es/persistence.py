@@ -308,11 +308,7 @@ def sqlite_synchronous() -> str:
 
 def create_engine(url: str) -> Engine:
     """An engine with the settings the log relies on."""
-    parsed = _log_url(url)
-    if parsed.get_backend_name() == "sqlite" and not Path(parsed.database or "").exists():
-        # A path mistyped makes a new, empty log: said, so that the mistake shows.
-        log.warning("no log at %s yet: a new one is made there", parsed.database)
-    engine = _settled_engine(parsed)
+    engine = _settled_engine(_log_url(url))
     _forgotten_by_children(engine)
     return engine
 
@@ -367,6 +363,14 @@ def _forgotten_by_children(engine: Engine) -> None:
             inherited.dispose(close=False)
 
     os.register_at_fork(after_in_child=forget)
+
+
+def new_sqlite_file(url: str) -> str | None:
+    """The file a SQLite URL names, when there is none there yet."""
+    parsed = _log_url(url)
+    if parsed.get_backend_name() != "sqlite" or Path(parsed.database or "").exists():
+        return None
+    return parsed.database
 
 
 def in_memory(url: sa.URL) -> bool:
