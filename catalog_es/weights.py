@@ -17,6 +17,7 @@ changed meanwhile.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,8 @@ from catalog_es.registry import (
 )
 from catalog_es.spec import ModelSpec, Origin
 from catalog_es.views import event_view, model_view
+
+log = logging.getLogger("catalog_es")
 
 _UPSTREAM_TOPIC = topic_of(Model.UpstreamChanged)
 
@@ -466,7 +469,17 @@ class Weights:
         )
         new = changes[-1][1]
         assert new is not None
-        self.models.applier.replace_replicas(new, revision)
+        try:
+            self.models.applier.replace_replicas(new, revision)
+        except Exception:
+            # As a catalog the applier fails on (Models._push): the move is
+            # written, and the controller, following the log, catches up.
+            log.exception(
+                "the applier failed to replace the replicas of %r; the move is written at "
+                "revision %d",
+                new.name,
+                revision,
+            )
         view = model_view(new, declared=False)
         return {"revision": revision, "written": True, "model": view, **result}
 

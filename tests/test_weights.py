@@ -734,6 +734,24 @@ def test_a_folder_linked_inside_the_mirror_is_copied_whole(world: World, tracked
     assert (world.store / "org/m" / c2 / "onnx" / "model.onnx").read_bytes() == b"onnx"
 
 
+def test_an_applier_that_fails_to_replace_replicas_leaves_the_move_written_and_told(
+    world: World, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The caller got the applier's bare error, no word that the move was
+    written (hostile test). As with a catalog it fails on: logged, and the
+    answer is the write's."""
+    (tmp_path / "a-file").write_text("")
+    world.applier = JsonFileApplier(tmp_path / "a-file" / "catalog.json")  # cannot be written
+    weights = world.open()
+    weights.models.add(spec("m"), by="alice")
+    weights.check_updates(by="cron")
+    c2 = world.mirror.publish("org/m", V2)
+    moved = weights.update("m", by="bob")
+    assert moved["written"] and moved["to"]["revision"] == c2
+    assert events(weights, "m")[-1]["event"] == "SourceSet"
+    assert "the applier failed to replace the replicas of 'm'" in caplog.text
+
+
 def test_rollback_never_goes_back_past_a_removal(world: World, tracked: Weights) -> None:
     """Removed and added again, from another repository, a model was rolled
     back to weights of the one removed (hostile test)."""
