@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import getpass
-import logging
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -11,7 +10,7 @@ from typing import TYPE_CHECKING
 from catalog_es.application import Models
 from catalog_es.errors import ConfigError, InputError, shown
 from catalog_es.inputs import load_config, whole_number
-from catalog_es.persistence import DEFAULT_URL, Factory, new_sqlite_file
+from catalog_es.persistence import DEFAULT_URL, Factory
 from catalog_es.ports import Applier, PreAddCheck
 from catalog_es.registry import MirrorRegistry
 from catalog_es.web.tokens import TokenStore
@@ -20,8 +19,6 @@ from projections.snapshots import DEFAULT_INTERVAL
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
-
-log = logging.getLogger("catalog_es")
 
 DB_ENV = Factory.URL
 CONFIG_ENV = "CATALOG_ES_CONFIG"
@@ -71,19 +68,13 @@ def open_models(
     pre_add_check: PreAddCheck | None = None,
 ) -> Models:
     """The service on a database and a declared config, its log replayed."""
-    url = database_url(db)
-    new_file = new_sqlite_file(url)
-    models = Models(
+    return Models(
         load_config(config_path(config)),
         applier=applier,
         pre_add_check=pre_add_check,
         snapshot_interval=snapshot_interval(),
-        env={Factory.URL: url},
+        env={Factory.URL: database_url(db)},
     )
-    if new_file is not None:
-        # A path mistyped makes a new, empty log: said, so that the mistake shows.
-        log.warning("no log at %s yet: a new one is made there", new_file)
-    return models
 
 
 def snapshot_interval() -> int:

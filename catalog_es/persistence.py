@@ -368,9 +368,12 @@ def _forgotten_by_children(engine: Engine) -> None:
 def new_sqlite_file(url: str) -> str | None:
     """The file a SQLite URL names, when there is none there yet."""
     parsed = _log_url(url)
-    if parsed.get_backend_name() != "sqlite" or Path(parsed.database or "").exists():
+    if parsed.get_backend_name() != "sqlite":
         return None
-    return parsed.database
+    path = parsed.database or ""
+    if parsed.query.get("uri"):  # file:PATH?OPTIONS
+        path = path.removeprefix("file:").partition("?")[0]
+    return None if Path(path).exists() else path
 
 
 def in_memory(url: sa.URL) -> bool:

@@ -27,7 +27,7 @@ from catalog_es import bootstrap
 from catalog_es.application import CommandResult, Models
 from catalog_es.errors import ConfigError, InputError, Refused, first_line
 from catalog_es.inputs import MAX_REVISION, revision_or_time
-from catalog_es.persistence import database_unusable
+from catalog_es.persistence import database_unusable, new_sqlite_file
 
 # Revisions and counts, as the options that take them read them: no more than
 # the 64-bit columns they are compared with hold.
@@ -35,6 +35,8 @@ REVISION = click.IntRange(0, MAX_REVISION)
 COUNT = click.IntRange(1, MAX_REVISION)
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+log = logging.getLogger("catalog_es")
 
 
 class Settings:
@@ -48,12 +50,20 @@ class Settings:
         self.reason = ""
         self.expected_revision: int | None = None
         self._models: Models | None = None
+        # The SQLite file this run made, there being none: a path mistyped
+        # makes a new, empty log, so the run says so (after its answer, or
+        # on its refusal's line).
+        self.new_log: str | None = None
 
     def models(self) -> Models:
         """The service, opened once per run and closed with the command (its
         held write connection and pool with it)."""
         if self._models is None:
+            new_log = new_sqlite_file(bootstrap.database_url(self.db))
             self._models = bootstrap.open_models(self.db, self.config)
+            self.new_log = new_log
+            if new_log is not None:
+                log.warning("no log at %s yet: a new one is made there", new_log)
             context = click.get_current_context(silent=True)
             if context is not None:
                 context.call_on_close(self._models.close)
@@ -325,7 +335,16 @@ class CatalogGroup(click.Group):
             told = True
             return result
         except (Refused, ConfigError) as refusal:
-            say(f"error: {refusal}", err=True)
+            settings = ctx.find_object(Settings)
+            new_log = settings.new_log if settings is not None else None
+            # Of use where the catalog refused, not where the input was unreadable.
+            if new_log and not isinstance(refusal, InputError | ConfigError):
+                say(
+                    f"error: {refusal} (no log was at {new_log}: a new, empty one is made there)",
+                    err=True,
+                )
+            else:
+                say(f"error: {refusal}", err=True)
             ctx.exit(1)
         except click.exceptions.Exit as done:
             told = done.exit_code == 0
