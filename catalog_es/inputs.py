@@ -508,6 +508,9 @@ def load_config(path: str | None) -> DeclaredConfig:
         # An empty file is more often a deploy cut short than a decision: read
         # as declaring nothing, it took every declared model out of force.
         raise ConfigError(f"{path}: the config is empty; to declare no models, write `models: []`")
+    if isinstance(data, dict) and "models" not in data:
+        # Optional before 0.2.0: a config of engines alone declared nothing.
+        raise ConfigError(f"{path}: no `models:`; to declare no models, write `models: []`")
     try:
         parsed = ConfigInput.model_validate(data)
     except ValidationError as error:

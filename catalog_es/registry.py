@@ -110,14 +110,22 @@ def checksums(folder: Path, within: Path) -> dict[str, str]:
     this process can read into the weights, and its checksum into the log.
     Whatever is not a file or a folder (a link to nothing, a pipe) is
     refused: passed over, it was in a copy that verified."""
-    inside(folder, within)
+    top = _real_inside(folder, within)
     found: dict[str, str] = {}
     walked: set[Path] = set()
-    for directory, _dirs, names in os.walk(folder, followlinks=True):
+
+    def unreadable(error: OSError) -> None:
+        raise RegistryError(f"{error.filename}: cannot be read: {error.strerror}; refused")
+
+    for directory, dirs, names in os.walk(folder, followlinks=True, onerror=unreadable):
         real = _real_inside(Path(directory), within)
         if real in walked:
             raise RegistryError(f"{directory} links to a folder already read: refused")
         walked.add(real)
+        for name in dirs:
+            # A link up to a folder holding this one would walk all of it first.
+            if top.is_relative_to(_real_inside(Path(directory, name), within)):
+                raise RegistryError(f"{Path(directory, name)} links to a folder above it: refused")
         for name in names:
             path = Path(directory, name)
             if not path.is_file():
@@ -140,7 +148,10 @@ def inside(path: Path, within: Path) -> Path:
 
 def _real_inside(path: Path, within: Path) -> Path:
     """What ``path`` names, resolved once, if it is in ``within``."""
-    real = path.resolve()
+    try:
+        real = path.resolve()
+    except RuntimeError:  # a loop of links (Python 3.11; 3.13 raises OSError)
+        raise RegistryError(f"{path} is a loop of links: refused") from None
     if not real.is_relative_to(within.resolve()):
         raise RegistryError(f"{path} leads to {real}, outside {within}: refused")
     return real

@@ -483,7 +483,7 @@ def test_an_empty_config_is_refused_not_read_as_declaring_nothing(
     line = refused_in_one_line(run("--config", empty, "model", "scale", "m", "--max", "3"))
     assert line in (
         f"error: {empty}: the config is empty; to declare no models, write `models: []`",
-        f"error: {empty}: models: required field is missing",
+        f"error: {empty}: no `models:`; to declare no models, write `models: []`",
     )
     assert rows() == 2
     none = write("none.yaml", b"models: []\n")

@@ -208,6 +208,22 @@ def test_the_mirror_resolves_branches_lists_checksums_and_fetches(world: World) 
     assert verify(world.root / "out", files, world.root) == ["a.bin: missing"]
 
 
+def test_a_folder_linked_to_one_above_it_or_in_a_loop_is_refused(world: World) -> None:
+    """A link up to the mirror's root walked and hashed all of it before it
+    was refused, naming another folder; a loop of links was an unexpected
+    error (review)."""
+    c2 = world.mirror.publish("org/m", V2)
+    up = world.mirror.folder("org/m", c2) / "up"
+    up.symlink_to(world.mirror.root, target_is_directory=True)
+    with pytest.raises(RegistryError, match=r"/up links to a folder above it: refused"):
+        MirrorRegistry(world.mirror.root).files("org/m", c2)
+    up.unlink()
+    loop = world.mirror.folder("org/m", c2) / "loop"
+    loop.symlink_to(loop)
+    with pytest.raises(RegistryError, match="refused"):
+        MirrorRegistry(world.mirror.root).files("org/m", c2)
+
+
 def test_refs_linked_out_of_the_mirror_are_refused(world: World) -> None:
     """They were read and believed (hostile test)."""
     elsewhere = world.root / "elsewhere-refs"
