@@ -733,6 +733,27 @@ def test_serve_records_the_declared_config_at_start(tmp_path: Path, config_file:
     assert count_events(db) == 1
 
 
+def test_serve_logs_each_request_on_stderr_when_asked(tmp_path: Path, config_file: str) -> None:
+    """Operators had no access log, so no sight of refused tokens either
+    (operator walkthrough). Asked for, it is on stderr, stdout left for data."""
+    db = f"sqlite:///{tmp_path}/serve.db"
+    tokens = tmp_path / "tokens.json"
+    secret = TokenStore(tokens).add("ops", "read")[1]
+    port = free_port()
+    command = [sys.executable, "-m", "catalog_es", "--db", db, "--config", config_file]
+    command += ["serve", "--port", str(port), "--tokens", str(tokens), "--access-log"]
+    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        models = f"http://127.0.0.1:{port}/models"
+        assert _wait_for(models, bearer(secret)).status_code == 200
+        assert httpx.get(models, headers=bearer("nope")).status_code == 401
+    finally:
+        server.terminate()
+        out, err = server.communicate(timeout=10)
+    assert out == ""
+    assert '"GET /models HTTP/1.1" 200' in err and '"GET /models HTTP/1.1" 401' in err
+
+
 @pytest.mark.parametrize("where", ["taken", "unknown host"])
 def test_serve_that_cannot_listen_is_refused_before_it_records_anything(
     tmp_path: Path, config_file: str, where: str

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import gc
+import logging
 import socket
 from types import FrameType
 
@@ -33,10 +35,17 @@ tokens_option = click.option(
 @cli.command("serve")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True)
+@click.option(
+    "--access-log",
+    is_flag=True,
+    help="A line on stderr for each request: the client, the request line, the status.",
+)
 @tokens_option
 @shared_options
 @pass_settings
-def serve(settings: Settings, host: str, port: int, tokens_file: str | None) -> None:
+def serve(
+    settings: Settings, host: str, port: int, access_log: bool, tokens_file: str | None
+) -> None:
     """Serve the HTTP API (OpenAPI at /docs) and the console (/console/).
 
     Every request needs a bearer token (catalog-es token add); changes are
@@ -45,6 +54,7 @@ def serve(settings: Settings, host: str, port: int, tokens_file: str | None) -> 
     $CATALOG_ES_ACTOR, else the OS user).
     """
     import uvicorn  # loaded only to serve
+    from uvicorn.config import LOGGING_CONFIG
 
     from catalog_es.web.app import end_streams
 
@@ -84,7 +94,18 @@ def serve(settings: Settings, host: str, port: int, tokens_file: str | None) -> 
             f"(console /console/, API docs /docs)",
             err=True,
         )
-        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)
+        # Logs on stderr, as every command's: uvicorn writes its access lines to stdout.
+        log_config = copy.deepcopy(LOGGING_CONFIG)
+        log_config["handlers"]["access"]["stream"] = "ext://sys.stderr"
+        config = uvicorn.Config(
+            app,
+            log_level="warning",
+            log_config=log_config,
+            access_log=access_log,
+            timeout_graceful_shutdown=5,
+        )
+        if access_log:
+            logging.getLogger("uvicorn.access").setLevel(logging.INFO)
 
         class Server(uvicorn.Server):
             def handle_exit(self, sig: int, frame: FrameType | None) -> None:
