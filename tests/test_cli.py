@@ -506,6 +506,15 @@ def test_a_declared_cpu_model_without_memory_shows_with_a_warning(run: Run, writ
 # -- log --json -----------------------------------------------------------------------------
 
 
+def test_revision_is_the_head_of_the_log(run: Run, write: Any) -> None:
+    """The API had GET /revision; the CLI had nothing as short (walkthrough)."""
+    assert ok(run("revision")).stdout == "0\n"
+    ok(run("model", "add", write("m.yaml", as_yaml(definition("m")))))
+    ok(run("model", "scale", "m", "--max", "3"))
+    assert ok(run("revision")).stdout == "2\n"
+    assert json.loads(ok(run("--json", "revision")).stdout) == {"revision": 2}
+
+
 def test_log_json_prints_one_object_per_event_with_the_documented_keys(
     run: Run, write: Any
 ) -> None:

@@ -55,6 +55,15 @@ def show_diff(diff: dict[str, Any]) -> None:
     table(["", "MODEL", "FIELD", "BEFORE", "AFTER"], rows)
 
 
+@cli.command("revision")
+@shared_options
+@pass_settings
+def revision(settings: Settings) -> None:
+    """The head of the log: the revision of the last change (0: none yet)."""
+    head = settings.models().revision
+    emit(settings, {"revision": head}, lambda: click.echo(head))
+
+
 @cli.command("diff")
 @click.argument("since", type=REVISION_OR_TIME)
 @click.argument("until", type=REVISION_OR_TIME, required=False)
