@@ -109,7 +109,7 @@ def shared_options(
             metavar="TEXT",
             expose_value=False,
             callback=_set("reason"),
-            help="Why, recorded with the change.",
+            help="Why, recorded with a change (reads ignore it).",
         ),
         click.option(
             "--expected-revision",
@@ -117,7 +117,7 @@ def shared_options(
             metavar="REV",
             expose_value=False,
             callback=_set("expected_revision"),
-            help="Refuse if the log has moved past this revision.",
+            help="Refuse a change if the log has moved past this revision (reads ignore it).",
         ),
     ]
     for option in reversed(options):
