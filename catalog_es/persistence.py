@@ -27,6 +27,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any, NamedTuple
+from urllib.parse import unquote, urlsplit
 from uuid import UUID
 
 import sqlalchemy as sa
@@ -371,8 +372,8 @@ def new_sqlite_file(url: str) -> str | None:
     if parsed.get_backend_name() != "sqlite":
         return None
     path = parsed.database or ""
-    if parsed.query.get("uri"):  # file:PATH?OPTIONS
-        path = path.removeprefix("file:").partition("?")[0]
+    if parsed.query.get("uri"):  # file:PATH, %-escaped, a host or not
+        path = unquote(urlsplit(path).path)
     return None if Path(path).exists() else path
 
 

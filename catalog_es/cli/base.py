@@ -61,9 +61,10 @@ class Settings:
         if self._models is None:
             new_log = new_sqlite_file(bootstrap.database_url(self.db))
             self._models = bootstrap.open_models(self.db, self.config)
-            self.new_log = new_log
-            if new_log is not None:
-                log.warning("no log at %s yet: a new one is made there", new_log)
+            if self._models.revision == 0:  # not another process's, made meanwhile
+                self.new_log = new_log
+            if self.new_log is not None:
+                log.warning("no log at %s yet: a new one is made there", self.new_log)
             context = click.get_current_context(silent=True)
             if context is not None:
                 context.call_on_close(self._models.close)
@@ -109,7 +110,7 @@ def shared_options(
             metavar="TEXT",
             expose_value=False,
             callback=_set("reason"),
-            help="Why, recorded with a change (reads ignore it).",
+            help="Why, recorded with a change.",
         ),
         click.option(
             "--expected-revision",
@@ -117,7 +118,8 @@ def shared_options(
             metavar="REV",
             expose_value=False,
             callback=_set("expected_revision"),
-            help="Refuse a change if the log has moved past this revision (reads ignore it).",
+            help="Refuse if the log has moved past this revision (commands that write, and "
+            "rollback's dry run; reads ignore it).",
         ),
     ]
     for option in reversed(options):
@@ -337,8 +339,7 @@ class CatalogGroup(click.Group):
         except (Refused, ConfigError) as refusal:
             settings = ctx.find_object(Settings)
             new_log = settings.new_log if settings is not None else None
-            # Of use where the catalog refused, not where the input was unreadable.
-            if new_log and not isinstance(refusal, InputError | ConfigError):
+            if new_log:
                 say(
                     f"error: {refusal} (no log was at {new_log}: a new, empty one is made there)",
                     err=True,

@@ -6,6 +6,7 @@ import copy
 import gc
 import logging
 import socket
+import sys
 from types import FrameType
 
 import click
@@ -102,6 +103,7 @@ def serve(
             log_level="warning",
             log_config=log_config,
             access_log=access_log,
+            use_colors=sys.stderr.isatty(),  # uvicorn asks stdout's terminal
             timeout_graceful_shutdown=5,
         )
         if access_log:
