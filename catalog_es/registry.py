@@ -117,15 +117,15 @@ def checksums(folder: Path, within: Path) -> dict[str, str]:
     def unreadable(error: OSError) -> None:
         raise RegistryError(f"{error.filename}: cannot be read: {error.strerror}; refused")
 
-    for directory, dirs, names in os.walk(folder, followlinks=True, onerror=unreadable):
+    # Top-down: a folder is seen before anything under it is walked.
+    for directory, _dirs, names in os.walk(folder, followlinks=True, onerror=unreadable):
         real = _real_inside(Path(directory), within)
         if real in walked:
             raise RegistryError(f"{directory} links to a folder already read: refused")
+        if walked and top.is_relative_to(real):
+            # A link up to a folder holding this one would walk all of it.
+            raise RegistryError(f"{directory} links to a folder above it: refused")
         walked.add(real)
-        for name in dirs:
-            # A link up to a folder holding this one would walk all of it first.
-            if top.is_relative_to(_real_inside(Path(directory, name), within)):
-                raise RegistryError(f"{Path(directory, name)} links to a folder above it: refused")
         for name in names:
             path = Path(directory, name)
             if not path.is_file():
