@@ -11,12 +11,15 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from playwright.sync_api import BrowserContext, Page, expect, sync_playwright
 
+from catalog_es import commands
 from catalog_es.application import Models
 from catalog_es.inputs import load_config, model_from_data
 from catalog_es.web.app import create_app
@@ -70,10 +73,16 @@ def browser() -> Iterator[BrowserContext]:
         context.close()
 
 
+# Resolved as the run starts: each test runs in a folder of its own, where
+# `CONSOLE_SCREENSHOTS=docs` would name a folder that is not there.
+SCREENSHOTS = os.environ.get("CONSOLE_SCREENSHOTS")
+SCREENSHOTS_FOLDER = Path(SCREENSHOTS).resolve() if SCREENSHOTS else None
+
+
 def screenshot(page: Page, name: str) -> None:
-    folder = os.environ.get("CONSOLE_SCREENSHOTS")
-    if folder:
-        page.screenshot(path=str(Path(folder) / f"console-{name}.png"), full_page=True)
+    if SCREENSHOTS_FOLDER is not None:
+        path = SCREENSHOTS_FOLDER / f"console-{name}.png"
+        page.screenshot(path=str(path), full_page=True)
 
 
 def _history(models: Models) -> None:
@@ -220,3 +229,98 @@ def test_console_models_history_time_travel_and_rollback(
         page.close()
     assert errors == []
     models.close()
+
+
+def _catalog_of(models: Models, count: int) -> None:
+    """``count`` runtime models beside the declared one, in one write."""
+    models.apply_changes(
+        [
+            commands.add(
+                model_from_data(
+                    {
+                        "name": f"tiny-{i:04d}",
+                        "engine": "llamacpp",
+                        "source": f"hf://org/tiny-{i:04d}-GGUF",
+                        "profiles": [{"name": "cpu", "min_memory_gb": 4}],
+                        "owner": "team:search" if i == 42 else "",
+                    },
+                    "test",
+                )
+            )
+            for i in range(count)
+        ],
+        by="setup",
+    )
+
+
+def test_console_keeps_up_with_a_busy_log_and_filters_a_large_catalog(
+    browser: BrowserContext, tmp_path: Path, pg_url: str
+) -> None:
+    """On PostgreSQL, where each change reaches the page as it commits (on
+    SQLite a watch polls, five times a second)."""
+    config = tmp_path / "catalog.yaml"
+    config.write_text(DECLARED_YAML)
+    models = Models(load_config(str(config)), env={"CATALOG_ES_DB": pg_url})
+    _catalog_of(models, 600)
+    tokens, token = tokens_for_roles(tmp_path / "tokens.json")
+    page = browser.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda error: errors.append(str(error)))
+    with serving(create_app(models, tokens)) as url:
+        page.goto(f"{url}/")
+        page.fill("#token", token["read"])
+        page.click("#login button")
+
+        # A large catalog: the first rows by name are drawn, and it says so.
+        rows = page.locator("#models tbody tr")
+        expect(rows).to_have_count(500)
+        expect(page.locator("#shown")).to_have_text(
+            "Showing the first 500 of 601 models by name: narrow the filter to see the rest."
+        )
+        expect(rows.first).to_have_attribute("data-model", "llama-3.1-8b-instruct")
+
+        # The filter matches names, owners, sources, engines as it is typed,
+        # and the address keeps it.
+        page.locator("#filter").press_sequentially("team:sea")
+        expect(rows).to_have_count(1)
+        expect(rows.first).to_have_attribute("data-model", "tiny-0042")
+        expect(page.locator("#shown")).to_have_text("1 model of 601 match.")
+        expect(page).to_have_url(f"{url}/console/#/models?q=team%3Asea")
+        page.locator("#filter").fill("tiny-05")
+        expect(rows).to_have_count(100)
+        page.locator("#filter").fill("no such model")
+        expect(page.locator("#models tbody")).to_have_text("No model matches “no such model”.")
+        page.locator("#filter").fill("GGUF")
+        expect(page.locator("#shown")).to_contain_text("of 600 models by name")
+
+        # A busy log: a change every 40 ms for four seconds. The page shows
+        # the log moving while the changes go on, and keeps the filter and
+        # the focus of someone typing in it.
+        page.locator("#filter").fill("tiny-0007")
+        expect(rows).to_have_count(1)
+        start = models.revision
+        busy = threading.Thread(target=_scale_often, args=(models, "tiny-0007", 100, 0.04))
+        busy.start()
+        try:
+            heading = page.locator("#page h1 small")
+            expect(heading).not_to_have_text(f"now, revision {start}", timeout=3000)
+            seen = int((heading.text_content() or "").rsplit(" ", 1)[1])
+            expect(heading).not_to_have_text(f"now, revision {seen}", timeout=3000)
+            assert busy.is_alive(), "the page moved only once the changes stopped"
+            expect(rows).to_have_count(1)
+            expect(page.locator("#filter")).to_be_focused()
+            expect(page.locator("#filter")).to_have_value("tiny-0007")
+        finally:
+            busy.join()
+        last = models.revision
+        expect(heading).to_have_text(f"now, revision {last}")
+        expect(rows.first).to_contain_text(f"0..{1 + (last - start - 1) % 3}")
+        page.close()
+    assert errors == []
+    models.close()
+
+
+def _scale_often(models: Models, name: str, times: int, pause: float) -> None:
+    for i in range(times):
+        models.scale(name, 0, 1 + i % 3, by="autoscaler")
+        time.sleep(pause)
