@@ -315,6 +315,15 @@ def test_console_keeps_up_with_a_busy_log_and_filters_a_large_catalog(
         last = models.revision
         expect(heading).to_have_text(f"now, revision {last}")
         expect(rows.first).to_contain_text(f"0..{1 + (last - start - 1) % 3}")
+
+        # A diff of long values (the JSON of a model's profiles, with nowhere
+        # to break a line) wraps within the page, as wide as the other tables.
+        models.set_resources("tiny-0007", memory_gb=8, cpu_cores=2, by="ops")
+        page.goto(f"{url}/console/#/models?at={last}&q=tiny-0007")
+        expect(page.locator("#diff")).to_contain_text('"min_memory_gb":8')
+        right = "(s) => document.querySelector(s).getBoundingClientRect().right"
+        edges = [page.evaluate(f"({right})('{table}')") for table in ("#diff table", "#models")]
+        assert edges[0] <= edges[1], f"the diff reaches {edges[0]} px, the page {edges[1]}"
         page.close()
     assert errors == []
     models.close()
