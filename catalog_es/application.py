@@ -855,7 +855,7 @@ class Models(AuditTrail, Application[UUID]):
             return pointintime.resolve_revision(conn, head, at)
 
     @contextmanager
-    def _reading(self, at: At = None) -> Iterator[Catalog]:
+    def _reading(self, at: At = None, *, declared_then: bool = False) -> Iterator[Catalog]:
         """The catalog to read from, for the span of the ``with``: the one in
         force is held under its lock, because a command in another thread (an
         HTTP server's) changes it in place; a past one is private."""
@@ -864,24 +864,35 @@ class Models(AuditTrail, Application[UUID]):
                 self.refresh()
                 yield self.catalog
         else:
-            yield self.catalog_at(at)
+            yield self.catalog_at(at, declared_then=declared_then)
 
-    def catalog_at(self, at: At = None) -> Catalog:
+    def catalog_at(self, at: At = None, *, declared_then: bool = False) -> Catalog:
         """The catalog in force now, or at a past revision or time: the
-        caller's own (the one in force, copied; see :meth:`_reading`)."""
+        caller's own (the one in force, copied; see :meth:`_reading`).
+        ``declared_then``: a past one over the declared config the log had
+        recorded then, rather than today's (see :meth:`_declared_at`)."""
         if at is None:
             with self._reading() as catalog:
                 return catalog.copy()
         revision = self.resolve(at)
         with self.store.read() as conn:
-            return pointintime.catalog_at(self.store, conn, self.declared, revision)
+            declared = self._declared_at(conn, revision, declared_then)
+            return pointintime.catalog_at(self.store, conn, declared, revision)
 
-    def list_models(self, at: At = None) -> list[dict[str, Any]]:
-        with self._reading(at) as catalog:
+    def _declared_at(self, conn: Connection, revision: int, then: bool) -> DeclaredConfig:
+        """The declared layer a read of the past is replayed over: today's, as
+        a node starting now would (and a rollback restores onto); or, ``then``,
+        the one the log had recorded as in force at ``revision``, which is what
+        the nodes ran (an incident's question: a model declared since shows as
+        declared at revisions where it ran as a runtime model, over today's)."""
+        return pointintime.declared_at(conn, revision) if then else self.declared
+
+    def list_models(self, at: At = None, *, declared_then: bool = False) -> list[dict[str, Any]]:
+        with self._reading(at, declared_then=declared_then) as catalog:
             specs = catalog.models()
         return model_views(specs, catalog.is_declared)
 
-    def get_model(self, name: str, at: At = None) -> dict[str, Any]:
+    def get_model(self, name: str, at: At = None, *, declared_then: bool = False) -> dict[str, Any]:
         where = ""
         if at is None:
             with self._reading() as catalog:
@@ -893,7 +904,11 @@ class Models(AuditTrail, Application[UUID]):
             revision = self.resolve(at)
             with self.store.read() as conn:
                 spec, declared = pointintime.model_at(
-                    self.store, conn, self.declared, revision, name
+                    self.store,
+                    conn,
+                    self._declared_at(conn, revision, declared_then),
+                    revision,
+                    name,
                 )
             where = f" at revision {revision}"
         if spec is None:
@@ -901,11 +916,17 @@ class Models(AuditTrail, Application[UUID]):
         return model_view(spec, declared=declared)
 
     def diff(
-        self, since: int | datetime, until: At = None, *, model: str | None = None
+        self,
+        since: int | datetime,
+        until: At = None,
+        *,
+        model: str | None = None,
+        declared_then: bool = False,
     ) -> dict[str, Any]:
-        """What changed from one revision (or time) to another (default: now)."""
-        before = self.catalog_at(since)
-        with self._reading(until) as after:
+        """What changed from one revision (or time) to another (default: now);
+        ``declared_then``: each past end over the declared config recorded then."""
+        before = self.catalog_at(since, declared_then=declared_then)
+        with self._reading(until, declared_then=declared_then) as after:
             result = diff_catalogs(before, after, model=model)
         result["declared"] = {
             "from": _declaration(before),

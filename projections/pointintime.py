@@ -18,11 +18,11 @@ from sqlalchemy.engine import Connection
 
 from catalog_es.catalog import Catalog
 from catalog_es.collector import collector_paused
-from catalog_es.configuration import DeclaredConfig
-from catalog_es.errors import Refused
-from catalog_es.mapper import UNREADABLE
+from catalog_es.configuration import CONFIGURATION_ID, Configuration, DeclaredConfig
+from catalog_es.errors import ConfigError, Refused
+from catalog_es.mapper import UNREADABLE, UndecodableEvent, decode_event
 from catalog_es.model import MAX_CLOCK_SKEW, UtcTime, utc_now
-from catalog_es.persistence import SQLRecorder, events_table
+from catalog_es.persistence import SQLRecorder, events_table, stream_walk
 from catalog_es.spec import EVERY_FIELD, ModelSpec
 from projections import snapshots
 from projections.catalog import catch_up
@@ -119,11 +119,46 @@ def _first_timed(
     return None
 
 
+def declared_at(conn: Connection, revision: int) -> DeclaredConfig:
+    """The declared layer the log had recorded as in force at ``revision``: its
+    last record at or before it, found walking back from the newest (a deploy
+    records one, so they are few)."""
+    stream = stream_walk(CONFIGURATION_ID)
+    found = conn.execute(
+        sa.select(stream.c.revision, stream.c.topic).where(stream.c.revision <= revision).limit(1)
+    ).first()
+    if found is None:
+        raise Refused(
+            f"no declared config was recorded at or before revision {revision} "
+            "(the first write records the one in force)"
+        )
+    recorded, topic = found
+    state = conn.execute(sa.select(_t.state).where(_t.revision == recorded)).scalar_one()
+    try:
+        record = decode_event(topic, state)
+    except UndecodableEvent as error:
+        raise Refused(
+            f"the declared config recorded at revision {recorded} cannot be read: {error}"
+        ) from None
+    if not isinstance(record, Configuration.Declared):
+        raise Refused(f"revision {recorded}, in the declared config's stream, is no record of one")
+    declared = DeclaredConfig(models=record.models, engines=record.engines, path=record.path)
+    try:
+        # The rules of today's code, which a record written under older ones may break.
+        Catalog(declared.models, declared.engines)
+    except ConfigError as error:
+        raise Refused(
+            f"the declared config recorded at revision {recorded} does not load: {error}"
+        ) from None
+    return declared
+
+
 def catalog_at(
     recorder: SQLRecorder, conn: Connection, declared: DeclaredConfig, revision: int
 ) -> Catalog:
-    """The catalog in force at ``revision`` over today's declared config: the
-    newest snapshot at or before it, and the events after that."""
+    """The catalog in force at ``revision`` over the declared config
+    ``declared`` (today's, or :func:`declared_at`): the newest snapshot at or
+    before it, and the events after that."""
     catalog = Catalog(declared.models, declared.engines)
     if revision > 0:
         with collector_paused(lasting=True):

@@ -179,6 +179,41 @@ def test_reads_now_and_in_the_past(api: Api) -> None:
     assert ok(api.get("/skipped")) == []
 
 
+def test_reads_of_the_past_over_the_config_recorded_then(
+    api: Api, make_models: Callable[..., Models]
+) -> None:
+    """Another node, on a config declaring 'qwen' and not 'base', writes;
+    read at its revision, the server's own config and the one recorded then
+    give different declared layers, as the CLI's reads do."""
+    api.post("/models", definition("trial"))  # 1: the server's config, 2: the add
+    other = make_models(config_yaml(spec("qwen")))
+    other.scale("trial", 0, 2, by="other-node")  # 3: its config, 4: the scale
+    other.close()
+    today = ok(api.get("/models", params={"at": 4}))
+    then = ok(api.get("/models", params={"at": 4, "declared": "then"}))
+    assert [(m["name"], m["declared"]) for m in today] == [("base", True), ("trial", False)]
+    assert [(m["name"], m["declared"]) for m in then] == [("qwen", True), ("trial", False)]
+    assert then == api.models.list_models(4, declared_then=True)
+    assert ok(api.get("/models/qwen", params={"at": 4, "declared": "then"}))["declared"]
+    assert refused(api.get("/models/qwen", params={"at": 4}), 404) == (
+        "model 'qwen' is not in the catalog at revision 4"
+    )
+    diff = ok(api.get("/diff", params={"since": 2, "until": 4, "declared": "then"}))
+    assert [m["name"] for m in diff["added"]] == ["qwen"]
+    assert [m["name"] for m in diff["removed"]] == ["base"]
+    assert ok(api.get("/models", params={"at": 4, "declared": "today"})) == today
+
+    written = count_events(api.db)
+    assert refused(api.get("/models", params={"declared": "then"}), 422) == (
+        "declared=then reads the past: give at too"
+    )
+    assert "declared" in refused(api.get("/models", params={"at": 4, "declared": "now"}), 422)
+    assert refused(api.get("/models", params={"at": 0, "declared": "then"}), 422).startswith(
+        "no declared config was recorded at or before revision 0"
+    )
+    assert count_events(api.db) == written
+
+
 def test_the_openapi_schema_and_the_console_are_served(api: Api) -> None:
     schema = ok(api.client.get("/openapi.json"))
     for path in ("/models", "/models/{name}/scale", "/apply", "/rollback", "/events", "/diff"):
@@ -468,8 +503,8 @@ def test_a_list_sent_while_a_change_lands_never_lets_if_match_overwrite_it(
     ok(api.post("/models", definition("qwen")))
     listing = api.models.list_models
 
-    def a_change_lands_meanwhile(at: Any = None) -> list[dict[str, Any]]:
-        listed = listing(at)
+    def a_change_lands_meanwhile(at: Any = None, **options: Any) -> list[dict[str, Any]]:
+        listed = listing(at, **options)
         api.models.scale("qwen", maximum=5, by="bob")
         return listed
 

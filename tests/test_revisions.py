@@ -7,6 +7,7 @@ the past is checked against what the live service answered at that moment.
 from __future__ import annotations
 
 import _thread
+import json
 import os
 import signal
 import tempfile
@@ -38,11 +39,12 @@ from catalog_es.errors import InputError, ModelNotFound, Refused, RevisionConfli
 from catalog_es.inputs import load_config, revision_or_time
 from catalog_es.mapper import EventMapper
 from catalog_es.model import Model, model_id
+from catalog_es.persistence import events_table
 from catalog_es.spec import Scaling
 from catalog_es.views import model_view
 from projections.catalog import catch_up
 from projections.snapshots import snapshots_table
-from tests.helpers import count_events
+from tests.helpers import config_yaml, count_events
 from tests.helpers import parsed as spec
 
 DECLARED_YAML = """
@@ -522,6 +524,121 @@ def test_a_revision_inside_a_transaction_reads_the_boundary_before_it(
     first_of_rollback = result["revision"] - 1
     assert models.resolve(first_of_rollback) == result["revision"] - 2
     assert models.list_models(at=first_of_rollback) == models.list_models(at=result["revision"] - 2)
+
+
+# -- reads of the past over the declared config recorded then --------------------------
+
+
+def _a_deploy_declaring_a_trial(
+    open_models: Callable[..., Models], tmp_path: Path
+) -> tuple[Models, Path, int]:
+    """'trial' added and scaled at runtime over the config declaring 'base';
+    then a deploy declares 'trial' itself, 'base' scaled up and a new 'fresh',
+    recorded by the next write. Answers the service on the new config, that
+    config, and the last revision before the deploy."""
+    models = open_models()
+    models.add(spec("trial"), by="alice")  # 2 (1: the first config's record)
+    models.scale("trial", 0, 3, by="alice")  # 3
+    deployed = tmp_path / "deployed.yaml"
+    deployed.write_text(
+        config_yaml(
+            spec("base", scaling={"min": 2, "max": 4}),
+            spec("trial", source="hf://org/trial-reviewed"),
+            spec("fresh"),
+        )
+    )
+    after = open_models(config=deployed)
+    after.add(spec("other"), by="bob")  # 4: the deployed config's record, 5: the add
+    return after, deployed, 3
+
+
+def test_a_read_of_the_past_over_the_config_recorded_then_shows_what_ran(
+    open_models: Callable[..., Models], tmp_path: Path
+) -> None:
+    models, _, before = _a_deploy_declaring_a_trial(open_models, tmp_path)
+    ran = {m["name"]: m for m in models.list_models(before, declared_then=True)}
+    assert sorted(ran) == ["base", "trial"]
+    assert ran["base"]["declared"] and ran["base"]["scaling"] == {"min": 1, "max": 1}
+    assert not ran["trial"]["declared"] and ran["trial"]["scaling"] == {"min": 0, "max": 3}
+    assert models.get_model("trial", before, declared_then=True) == ran["trial"]
+    # Over today's config, the same revision shows today's declared layer.
+    today = {m["name"]: m for m in models.list_models(before)}
+    assert sorted(today) == ["base", "fresh", "trial"]
+    assert today["trial"]["declared"] and today["trial"]["source"] == "hf://org/trial-reviewed"
+    # From the deploy's first write on (its record and the add: 4 reads as 3,
+    # the boundary before them), both agree.
+    assert models.list_models(4, declared_then=True) == models.list_models(3, declared_then=True)
+    assert models.list_models(5, declared_then=True) == models.list_models(5)
+
+
+def test_a_diff_over_the_configs_recorded_then_shows_what_the_deploy_changed(
+    open_models: Callable[..., Models], tmp_path: Path
+) -> None:
+    models, _, before = _a_deploy_declaring_a_trial(open_models, tmp_path)
+    diff = models.diff(before, declared_then=True)
+    assert [m["name"] for m in diff["added"]] == ["fresh", "other"]
+    changed = {c["model"]: c["fields"] for c in diff["changed"]}
+    assert changed["base"]["scaling"] == {
+        "before": {"min": 1, "max": 1},
+        "after": {"min": 2, "max": 4},
+    }
+    assert changed["trial"]["declared"] == {"before": False, "after": True}
+    # Over today's config at both ends only the runtime change shows.
+    assert [m["name"] for m in models.diff(before)["added"]] == ["other"]
+    assert models.diff(before)["changed"] == []
+
+
+def test_a_read_of_the_past_over_a_config_before_any_was_recorded_is_refused(
+    open_models: Callable[..., Models], tmp_path: Path
+) -> None:
+    models, _, _ = _a_deploy_declaring_a_trial(open_models, tmp_path)
+    with pytest.raises(Refused, match=r"^no declared config was recorded at or before revision 0 "):
+        models.list_models(0, declared_then=True)
+
+
+def test_a_config_record_that_cannot_be_read_is_refused_by_a_read_over_it(
+    open_models: Callable[..., Models], tmp_path: Path, db_url: str
+) -> None:
+    models, _, before = _a_deploy_declaring_a_trial(open_models, tmp_path)
+    with models.store.write() as conn:
+        conn.execute(sa.update(events_table).where(events_table.c.revision == 1).values(state=b"{"))
+    message = "the declared config recorded at revision 1 cannot be read: "
+    with pytest.raises(Refused, match=f"^{message}"):
+        models.get_model("trial", before, declared_then=True)
+    # Reads over today's config, and over the later record, are not held up.
+    assert models.get_model("trial", before)["declared"]
+    assert models.list_models(5, declared_then=True) == models.list_models(5)
+
+
+def test_the_cli_reads_the_past_over_the_config_recorded_then(
+    open_models: Callable[..., Models], tmp_path: Path, db_url: str
+) -> None:
+    _, deployed, before = _a_deploy_declaring_a_trial(open_models, tmp_path)
+    base = ["--db", db_url, "--config", str(deployed)]
+    runner = CliRunner()
+    listed = runner.invoke(cli, [*base, "model", "list", "--at", str(before), "--declared-then"])
+    assert listed.exit_code == 0, listed.stderr
+    assert [line.split()[:2] for line in listed.stdout.splitlines()[1:]] == [
+        ["base", "declared"],
+        ["trial", "runtime"],
+    ]
+    shown = runner.invoke(
+        cli, [*base, "--json", "model", "show", "trial", "--at", str(before), "--declared-then"]
+    )
+    assert json.loads(shown.stdout)["scaling"] == {"min": 0, "max": 3}
+    diffed = runner.invoke(cli, [*base, "--json", "diff", str(before), "--declared-then"])
+    assert [m["name"] for m in json.loads(diffed.stdout)["added"]] == ["fresh", "other"]
+    written = count_events(db_url)
+    refused = runner.invoke(cli, [*base, "model", "list", "--at", "0", "--declared-then"])
+    assert refused.exit_code == 1
+    assert refused.stderr.splitlines() == [
+        "error: no declared config was recorded at or before revision 0 "
+        "(the first write records the one in force)"
+    ]
+    now = runner.invoke(cli, [*base, "model", "list", "--declared-then"])
+    assert now.exit_code == 2
+    assert "--declared-then reads the past: give --at too" in now.stderr
+    assert count_events(db_url) == written
 
 
 # -- snapshots ------------------------------------------------------------------------

@@ -134,6 +134,19 @@ def query_options(f: F) -> F:
 
 pass_settings = click.make_pass_decorator(Settings, ensure=True)
 
+# Reads of the past are replayed over today's declared config unless asked.
+declared_then_option = click.option(
+    "--declared-then",
+    is_flag=True,
+    help="Over the declared config the log had recorded then (what the nodes ran), not today's.",
+)
+
+
+def past_only(declared_then: bool, at: object) -> None:
+    """``--declared-then`` reads the past: refused without ``--at``."""
+    if declared_then and at is None:
+        raise click.UsageError("--declared-then reads the past: give --at too")
+
 
 class RevisionOrTime(click.ParamType):  # type: ignore[type-arg]
     """A log revision (``1234``) or a UTC time (``2026-11-30T12:00:00Z``)."""

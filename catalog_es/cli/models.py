@@ -15,11 +15,13 @@ from catalog_es.cli.base import (
     REVISION_OR_TIME,
     Settings,
     cli,
+    declared_then_option,
     emit,
     emit_result,
     json_line,
     meta,
     pass_settings,
+    past_only,
     scaling_text,
     shared_options,
     show_model,
@@ -41,11 +43,13 @@ AT_HELP = "Read the catalog as it was at a revision or UTC time."
 
 @model.command("list")
 @click.option("--at", type=REVISION_OR_TIME, help=AT_HELP)
+@declared_then_option
 @shared_options
 @pass_settings
-def model_list(settings: Settings, at: int | datetime | None) -> None:
+def model_list(settings: Settings, at: int | datetime | None, declared_then: bool) -> None:
     """Every model in force, declared and runtime."""
-    models = settings.models().list_models(at)
+    past_only(declared_then, at)
+    models = settings.models().list_models(at, declared_then=declared_then)
     emit(
         settings,
         models,
@@ -70,11 +74,15 @@ def model_list(settings: Settings, at: int | datetime | None) -> None:
 @model.command("show")
 @click.argument("name")
 @click.option("--at", type=REVISION_OR_TIME, help=AT_HELP)
+@declared_then_option
 @shared_options
 @pass_settings
-def model_show(settings: Settings, name: str, at: int | datetime | None) -> None:
+def model_show(
+    settings: Settings, name: str, at: int | datetime | None, declared_then: bool
+) -> None:
     """One model as it will run (or as it was, with --at)."""
-    m = settings.models().get_model(name, at)
+    past_only(declared_then, at)
+    m = settings.models().get_model(name, at, declared_then=declared_then)
     emit(settings, m, lambda: show_model(m))
 
 

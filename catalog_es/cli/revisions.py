@@ -16,6 +16,7 @@ from catalog_es.cli.base import (
     REVISION_OR_TIME,
     Settings,
     cli,
+    declared_then_option,
     emit,
     json_line,
     let_warnings_through,
@@ -68,13 +69,18 @@ def revision(settings: Settings) -> None:
 @click.argument("since", type=REVISION_OR_TIME)
 @click.argument("until", type=REVISION_OR_TIME, required=False)
 @click.option("--model", "model_name", metavar="NAME", help="Only this model.")
+@declared_then_option
 @shared_options
 @pass_settings
 def diff_command(
-    settings: Settings, since: int | datetime, until: int | datetime | None, model_name: str | None
+    settings: Settings,
+    since: int | datetime,
+    until: int | datetime | None,
+    model_name: str | None,
+    declared_then: bool,
 ) -> None:
     """What changed from one revision (or UTC time) to another, default now."""
-    diff = settings.models().diff(since, until, model=model_name)
+    diff = settings.models().diff(since, until, model=model_name, declared_then=declared_then)
 
     def human() -> None:
         show_diff(diff)

@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable, Mapping
 from datetime import datetime
 from importlib.metadata import version
-from typing import Annotated, Any, Protocol, TypeVar
+from typing import Annotated, Any, Literal, Protocol, TypeVar
 
 import msgspec
 import sqlalchemy as sa
@@ -232,6 +232,26 @@ def at_value(
 At = Annotated[int | datetime | None, Depends(at_value)]
 
 
+def declared_then_value(
+    declared: Annotated[
+        Literal["today", "then"],
+        Query(
+            description="The declared config a read of the past is replayed over: today's, "
+            "or the one the log had recorded then (what the nodes ran)."
+        ),
+    ] = "today",
+) -> bool:
+    return declared == "then"
+
+
+DeclaredThen = Annotated[bool, Depends(declared_then_value)]
+
+
+def past_only(declared_then: bool, at: object) -> None:
+    if declared_then and at is None:
+        raise InputError("declared=then reads the past: give at too")
+
+
 # -- bodies ------------------------------------------------------------------------
 
 
@@ -349,23 +369,27 @@ def _head_or(models: Models, past: int | None) -> int:
 
 
 @route.get("/models", tags=["models"])
-def list_models(caller: Reader, models: Service, at: At) -> Response:
+def list_models(caller: Reader, models: Service, at: At, declared_then: DeclaredThen) -> Response:
     """Every model in force (or at a revision or time), declared and runtime,
     as `model list --json` prints them."""
+    past_only(declared_then, at)
     # The head is read before the list: if a change lands in between, the
     # header is the older revision, so an If-Match sent back can only fail
     # (409), never overwrite a change its sender did not see.
     past = None if at is None else models.resolve(at)
     revision = _head_or(models, past)
-    return respond(models.list_models(past), revision)
+    return respond(models.list_models(past, declared_then=declared_then), revision)
 
 
 @route.get(MODEL, tags=["models"])
-def show_model(name: str, caller: Reader, models: Service, at: At) -> Response:
+def show_model(
+    name: str, caller: Reader, models: Service, at: At, declared_then: DeclaredThen
+) -> Response:
     """One model as it will run (or as it was at a revision or time)."""
+    past_only(declared_then, at)
     past = None if at is None else models.resolve(at)
     revision = _head_or(models, past)
-    return respond(models.get_model(name, past), revision)
+    return respond(models.get_model(name, past, declared_then=declared_then), revision)
 
 
 @route.post(
@@ -494,10 +518,11 @@ def diff(
     since: Annotated[str, Query(description="A revision or UTC time.")],
     until: Annotated[str | None, Query(description="Default: now.")] = None,
     model: Annotated[str | None, Query(description="Only this model.")] = None,
+    declared_then: DeclaredThen = False,
 ) -> Response:
     """What changed from one revision (or time) to another, as `diff --json`."""
     later = None if until is None else revision_or_time(until)
-    result = models.diff(revision_or_time(since), later, model=model)
+    result = models.diff(revision_or_time(since), later, model=model, declared_then=declared_then)
     return respond(result, result["to"])
 
 
