@@ -329,6 +329,72 @@ def test_console_keeps_up_with_a_busy_log_and_filters_a_large_catalog(
     models.close()
 
 
+def test_console_reads_the_past_over_the_config_recorded_then(
+    browser: BrowserContext, tmp_path: Path
+) -> None:
+    """A model tried at runtime, then declared by a deploy: at the revision
+    it ran as a runtime model, the tick shows it so, and keeps showing the
+    past that way while moving about it."""
+    db = f"sqlite:///{tmp_path}/console.db"
+    before_deploy = tmp_path / "before.yaml"
+    before_deploy.write_text(DECLARED_YAML)
+    first = Models(load_config(str(before_deploy)), env={"CATALOG_ES_DB": db})
+    _history(first)  # 1: the config, 2–5: qwen tried, scaled, owned; tinyllama added
+    first.close()
+    deployed = tmp_path / "deployed.yaml"
+    deployed.write_text(
+        DECLARED_YAML
+        + """
+  - name: qwen2.5-7b-instruct
+    engine: vllm
+    source: hf://Qwen/Qwen2.5-7B-Instruct
+    profiles: [{name: l4, gpus: 1, gpu_memory_gb: 24}]
+    scaling: {min: 2, max: 2}
+"""
+    )
+    models = Models(load_config(str(deployed)), env={"CATALOG_ES_DB": db})
+    models.set_class("tinyllama-cpu", "opportunistic", by="dave")  # 6: the deploy's config, 7
+    tokens, token = tokens_for_roles(tmp_path / "tokens.json")
+    page = browser.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda error: errors.append(str(error)))
+    with serving(create_app(models, tokens)) as url:
+        page.goto(f"{url}/console/#/models?at=3")
+        page.fill("#token", token["read"])
+        page.click("#login button")
+        qwen = page.locator('#models tr[data-model="qwen2.5-7b-instruct"]')
+        expect(qwen).to_contain_text("declared")  # over today's config
+        expect(qwen).to_contain_text("2..2")
+        expect(page.locator("#declared-then")).not_to_be_checked()
+
+        page.check("#declared-then")
+        expect(page).to_have_url(f"{url}/console/#/models?at=3&declared=then")
+        expect(page.locator("#page h1 small")).to_have_text(
+            "at revision 3, over the declared config recorded then"
+        )
+        expect(qwen).to_contain_text("runtime")
+        expect(qwen).to_contain_text("1..4")
+        # The diff to now shows what the deploy changed too.
+        deploy = page.locator("#diff tr.changed", has_text="qwen2.5-7b-instruct")
+        expect(deploy.filter(has_text="declared")).to_contain_text("true")
+
+        # Its page, from the link, reads the same past the same way.
+        qwen.locator("a").click()
+        expect(page).to_have_url(f"{url}/console/#/model/qwen2.5-7b-instruct?at=3&declared=then")
+        expect(page.locator("#page h1")).to_contain_text("runtime")
+        expect(page.locator("#definition")).to_contain_text("1..4")
+        page.uncheck("#declared-then")
+        expect(page.locator("#page h1")).to_contain_text("declared")
+        expect(page.locator("#definition")).to_contain_text("2..2")
+
+        # Now is what this node runs: no tick to give.
+        page.click("#now")
+        expect(page.locator("#declared-then")).to_have_count(0)
+        page.close()
+    assert errors == []
+    models.close()
+
+
 def _scale_often(models: Models, name: str, times: int, pause: float) -> None:
     for i in range(times):
         models.scale(name, 0, 1 + i % 3, by="autoscaler")

@@ -1,5 +1,6 @@
 // The catalog-es console: plain JavaScript over the HTTP API, no build step.
-// Pages are routed by the hash: #/models[?at=R][&q=TEXT] and #/model/NAME[?at=R].
+// Pages are routed by the hash: #/models[?at=R][&q=TEXT] and #/model/NAME[?at=R];
+// a past revision may add &declared=then (over the declared config recorded then).
 // Everything shown is built with textContent, never innerHTML: model names,
 // reasons and actors are data typed by other people.
 "use strict";
@@ -57,8 +58,28 @@ function route() {
   const [path, query] = location.hash.replace(/^#/, "").split("?");
   const params = new URLSearchParams(query || "");
   const at = params.has("at") ? Number(params.get("at")) : null;
-  if (path.startsWith("/model/")) return { page: "model", name: decoded(path.slice(7)), at };
-  return { page: "models", at, filter: params.get("q") || "" };
+  const declaredThen = at !== null && params.get("declared") === "then";
+  if (path.startsWith("/model/")) return { page: "model", name: decoded(path.slice(7)), at, declaredThen };
+  return { page: "models", at, declaredThen, filter: params.get("q") || "" };
+}
+
+// The address with one query key set (or taken out, for null).
+function withParam(key, value) {
+  const [path, query] = location.hash.replace(/^#/, "").split("?");
+  const params = new URLSearchParams(query || "");
+  if (value === null) params.delete(key);
+  else params.set(key, value);
+  const rest = params.toString();
+  return `#${path}${rest ? `?${rest}` : ""}`;
+}
+
+// The API query of a read at ``at``: over the config recorded then, if asked.
+function pastQuery(at) {
+  const params = new URLSearchParams();
+  if (at !== null) params.set("at", String(at));
+  if (at !== null && route().declaredThen) params.set("declared", "then");
+  const query = params.toString();
+  return query ? `?${query}` : "";
 }
 
 // A name as the address spells it; null when it is no %-encoding at all.
@@ -73,7 +94,11 @@ function decoded(text) {
 function href(page, name, at, filter) {
   const base = page === "model" ? `#/model/${encodeURIComponent(name)}` : "#/models";
   const params = new URLSearchParams();
-  if (at !== null && at !== undefined) params.set("at", String(at));
+  if (at !== null && at !== undefined) {
+    params.set("at", String(at));
+    // Moving about the past keeps reading it over the config recorded then.
+    if (route().declaredThen) params.set("declared", "then");
+  }
   if (filter) params.set("q", filter);
   const query = params.toString();
   return query ? `${base}?${query}` : base;
@@ -193,6 +218,12 @@ function changed(event) {
 
 // -- shared pieces -------------------------------------------------------------
 
+// What a page's heading says of the moment it shows.
+function moment(at) {
+  if (at === null) return `now, revision ${state.head}`;
+  return route().declaredThen ? `at revision ${at}, over the declared config recorded then` : `at revision ${at}`;
+}
+
 function picker(at, onPick) {
   const value = at === null ? state.head : at;
   const label = h("output", { id: "revision-label" }, at === null ? `now (${state.head})` : String(at));
@@ -215,6 +246,21 @@ function picker(at, onPick) {
     "aria-label": "revision number",
     onchange: () => onPick(Number(number.value) >= state.head ? null : Number(number.value)),
   });
+  // Reads of the past are over today's declared config unless this is ticked.
+  const then =
+    at === null
+      ? ""
+      : h(
+          "label",
+          { class: "then", title: "Read over the declared config the log had recorded at that revision: what the nodes ran" },
+          h("input", {
+            type: "checkbox",
+            id: "declared-then",
+            checked: route().declaredThen,
+            onchange: (event) => (location.hash = withParam("declared", event.target.checked ? "then" : null)),
+          }),
+          " declared config as recorded then"
+        );
   return h(
     "div",
     { class: "picker" },
@@ -222,7 +268,8 @@ function picker(at, onPick) {
     slider,
     number,
     label,
-    h("button", { type: "button", id: "now", onclick: () => onPick(null), disabled: at === null }, "Now")
+    h("button", { type: "button", id: "now", onclick: () => onPick(null), disabled: at === null }, "Now"),
+    then
   );
 }
 
@@ -309,6 +356,7 @@ function rollbackPanel(to, model) {
 async function diffSection(at, model) {
   const query = new URLSearchParams({ since: String(at) });
   if (model) query.set("model", model);
+  if (route().declaredThen) query.set("declared", "then");
   const diff = await api(`/diff?${query}`);
   return h(
     "section",
@@ -349,8 +397,7 @@ function matches(m, filter) {
 }
 
 async function modelsPage(at, filter) {
-  const query = at === null ? "" : `?at=${at}`;
-  const [models, skipped] = await Promise.all([api(`/models${query}`), api("/skipped")]);
+  const [models, skipped] = await Promise.all([api(`/models${pastQuery(at)}`), api("/skipped")]);
   const body = h("tbody", {});
   const shown = h("p", { id: "shown", class: "quiet" });
   // Filtered as it is typed, from the list already read; the address keeps
@@ -382,7 +429,7 @@ async function modelsPage(at, filter) {
   });
   fill(filter);
   const page = [
-    h("h1", {}, "Models ", h("small", {}, at === null ? `now, revision ${state.head}` : `at revision ${at}`)),
+    h("h1", {}, "Models ", h("small", {}, moment(at))),
     picker(at, (picked) => (location.hash = href("models", null, picked, route().filter))),
     h("div", { class: "filter" }, search, shown),
     h(
@@ -484,16 +531,15 @@ async function timeline(name, at) {
 }
 
 async function modelPage(name, at) {
-  const query = at === null ? "" : `?at=${at}`;
   let model = null;
   try {
-    model = await api(`/models/${encodeURIComponent(name)}${query}`);
+    model = await api(`/models/${encodeURIComponent(name)}${pastQuery(at)}`);
   } catch (error) {
     if (error.status !== 404) throw error;
   }
   const page = [
     h("p", {}, h("a", { href: href("models", null, at) }, "← Models")),
-    h("h1", {}, name, " ", model ? h("span", { class: `badge ${model.declared ? "declared" : "runtime"}` }, model.declared ? "declared" : "runtime") : "", h("small", {}, at === null ? ` now, revision ${state.head}` : ` at revision ${at}`)),
+    h("h1", {}, name, " ", model ? h("span", { class: `badge ${model.declared ? "declared" : "runtime"}` }, model.declared ? "declared" : "runtime") : "", h("small", {}, ` ${moment(at)}`)),
     picker(at, (picked) => (location.hash = href("model", name, picked))),
     model ? definition(model) : h("p", { class: "quiet", id: "definition" }, at === null ? "Not in the catalog now." : `Not in the catalog at revision ${at}.`),
   ];
