@@ -14,6 +14,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -83,6 +84,25 @@ def screenshot(page: Page, name: str) -> None:
     if SCREENSHOTS_FOLDER is not None:
         path = SCREENSHOTS_FOLDER / f"console-{name}.png"
         page.screenshot(path=str(path), full_page=True)
+
+
+@contextmanager
+def signed_in(
+    browser: BrowserContext, models: Models, tmp_path: Path, address: str
+) -> Iterator[tuple[Page, str]]:
+    """A tab of the console served over ``models``, opened at ``address`` and
+    signed in with a read token; no script error may happen in it."""
+    tokens, token = tokens_for_roles(tmp_path / "tokens.json")
+    page = browser.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda error: errors.append(str(error)))
+    with serving(create_app(models, tokens)) as url:
+        page.goto(f"{url}{address}")
+        page.fill("#token", token["read"])
+        page.click("#login button")
+        yield page, url
+        page.close()
+    assert errors == []
 
 
 def _history(models: Models) -> None:
@@ -262,15 +282,7 @@ def test_console_keeps_up_with_a_busy_log_and_filters_a_large_catalog(
     config.write_text(DECLARED_YAML)
     models = Models(load_config(str(config)), env={"CATALOG_ES_DB": pg_url})
     _catalog_of(models, 600)
-    tokens, token = tokens_for_roles(tmp_path / "tokens.json")
-    page = browser.new_page()
-    errors: list[str] = []
-    page.on("pageerror", lambda error: errors.append(str(error)))
-    with serving(create_app(models, tokens)) as url:
-        page.goto(f"{url}/")
-        page.fill("#token", token["read"])
-        page.click("#login button")
-
+    with signed_in(browser, models, tmp_path, "/") as (page, url):
         # A large catalog: the first rows by name are drawn, and it says so.
         rows = page.locator("#models tbody tr")
         expect(rows).to_have_count(500)
@@ -324,8 +336,6 @@ def test_console_keeps_up_with_a_busy_log_and_filters_a_large_catalog(
         right = "(s) => document.querySelector(s).getBoundingClientRect().right"
         edges = [page.evaluate(f"({right})('{table}')") for table in ("#diff table", "#models")]
         assert edges[0] <= edges[1], f"the diff reaches {edges[0]} px, the page {edges[1]}"
-        page.close()
-    assert errors == []
     models.close()
 
 
@@ -354,14 +364,7 @@ def test_console_reads_the_past_over_the_config_recorded_then(
     )
     models = Models(load_config(str(deployed)), env={"CATALOG_ES_DB": db})
     models.set_class("tinyllama-cpu", "opportunistic", by="dave")  # 6: the deploy's config, 7
-    tokens, token = tokens_for_roles(tmp_path / "tokens.json")
-    page = browser.new_page()
-    errors: list[str] = []
-    page.on("pageerror", lambda error: errors.append(str(error)))
-    with serving(create_app(models, tokens)) as url:
-        page.goto(f"{url}/console/#/models?at=3")
-        page.fill("#token", token["read"])
-        page.click("#login button")
+    with signed_in(browser, models, tmp_path, "/console/#/models?at=3") as (page, url):
         qwen = page.locator('#models tr[data-model="qwen2.5-7b-instruct"]')
         expect(qwen).to_contain_text("declared")  # over today's config
         expect(qwen).to_contain_text("2..2")
@@ -390,8 +393,6 @@ def test_console_reads_the_past_over_the_config_recorded_then(
         # Now is what this node runs: no tick to give.
         page.click("#now")
         expect(page.locator("#declared-then")).to_have_count(0)
-        page.close()
-    assert errors == []
     models.close()
 
 
