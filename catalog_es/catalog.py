@@ -242,13 +242,22 @@ class Catalog:
         expected_id = self._ids.get(name)
         if expected_id is None:
             expected_id = self._ids[name] = aggregate.id.int
+        # By value of the 128-bit ints: UUID.__eq__ is slow in a hot loop.
+        if change.originator_id.int != expected_id:
+            # Filed in another model's stream: it moves neither model. Taken as
+            # the named model's, its version put that model ahead of its own
+            # stream, and every command on it was refused as a hand edit.
+            return self.skip(
+                revision,
+                name,
+                type(change).__name__,
+                f"its aggregate id does not belong to model {name!r}",
+                its_own=False,
+            )
         declared = name in self.declared
         observation = change.observation
         current = aggregate.spec
         try:
-            # By value of the 128-bit ints: UUID.__eq__ is slow in a hot loop.
-            if change.originator_id.int != expected_id:
-                raise Refused(f"its aggregate id does not belong to model {name!r}")
             if declared and not observation:
                 raise Refused(
                     f"model {name!r} is declared in configuration, which wins every conflict"
@@ -302,10 +311,16 @@ class Catalog:
         of it, where commands passed it over while it was last."""
         self.last_timestamp = timestamp
 
-    def skip(self, revision: int, model: str, event: str, reason: str) -> Skipped:
+    def skip(
+        self, revision: int, model: str, event: str, reason: str, *, its_own: bool = True
+    ) -> Skipped:
+        """Report a record load left out. ``its_own``: whether it is of the
+        model's own stream, whose latest event it then may be (not so of one
+        filed in another's stream)."""
         skipped = Skipped(revision=revision, model=model, event=event, reason=reason)
         self.skipped.append(skipped)
-        self._unhealed.add(model)
+        if its_own:
+            self._unhealed.add(model)
         self.revision = max(self.revision, revision)
         return skipped
 

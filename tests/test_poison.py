@@ -418,3 +418,33 @@ def test_a_row_holding_values_of_the_wrong_type_is_skipped_like_any_other(
     assert [e["event"] for e in models.log_events()] == ["Added", "b'Scaled'", "Scaled"]
     assert [r["skipped"] is not None for r in models.audit()] == [False, True, True]
     assert models.verify()["broken"]["revision"] == 2
+
+
+@pytest.mark.parametrize("named", ["p", "never-added"])
+def test_a_record_filed_in_another_models_stream_leaves_both_models_usable(
+    service: Callable[..., Models], named: str
+) -> None:
+    """A record naming one model, filed in another's stream (a hand edit, a
+    bug), is skipped. Taken as the named model's, it put that model's version
+    ahead of its own stream, and every command on it was refused as a log
+    edited by hand, which ``verify`` did not find (conformance audit)."""
+    models = service(None)
+    models.add(model_spec("p"), by="x")
+    models.add(model_spec("q"), by="x")
+    planter = Planter(models)
+    data = planter.event(Model.Scaled, named, scaling=Scaling(1, 4))
+    data["originator_id"] = str(model_id("q"))  # the stream's, as the row's is
+    misfiled = planter.insert(topic_of(Model.Scaled), json.dumps(data).encode(), model_id("q"))
+    models = service(None)
+    assert [(s.revision, s.model) for s in models.skipped()] == [(misfiled, named)]
+    assert not models.catalog.was_skipped(named), "its own stream's last event stands"
+    if named == "p":
+        assert models.scale("p", 0, 2, by="x").model is not None
+        assert models.add(model_spec("p"), by="x").replaced
+        models.remove("p", by="x")
+    else:
+        with pytest.raises(ModelNotFound):
+            models.remove(named, by="x")
+        assert not models.add(model_spec(named), by="x").replaced
+    assert models.scale("q", 0, 3, by="x").model is not None
+    assert service(None).list_models() == models.list_models()
