@@ -928,7 +928,25 @@ def skip_a_version(models: Models) -> None:
         )
 
 
+def file_in_another_stream(models: Models) -> None:
+    """A copy of chat's last event appended through the write path, but to
+    embed's stream: the chain and the streams hold, only the payload tells."""
+    t = events_table.c
+    with models.store.write() as conn:
+        last = conn.execute(sa.select(t.topic, t.state).where(t.revision == 8)).one()
+        embed = model_id("embed")
+        version = models.store.stream_version(conn, embed) + 1
+        models.store.insert_events(
+            [StoredEvent(embed, version, last.topic, bytes(last.state))], conn=conn
+        )
+
+
 TAMPERING: dict[str, tuple[Callable[[Models], None], int, str]] = {
+    "an event filed in another model's stream": (
+        file_in_another_stream,
+        9,
+        f"but it is stored as version 4 of stream {model_id('embed')}: edited by hand",
+    ),
     "a version skipped, everything rehashed to match": (
         skip_a_version,
         8,
