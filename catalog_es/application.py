@@ -1064,10 +1064,12 @@ class Models(AuditTrail, Application[UUID]):
         with self._reading() as catalog:
             return list(catalog.skipped)
 
-    def sources(self) -> dict[str, list[dict[str, str]]]:
-        """Each weights source in the catalog, and the models (or adapters of
-        models) that use it."""
-        with self._reading() as catalog:
+    def sources(
+        self, at: At = None, *, declared_then: bool = False
+    ) -> dict[str, list[dict[str, str]]]:
+        """Each weights source in the catalog (now, or at a past revision or
+        time), and the models (or adapters of models) that use it."""
+        with self._reading(at, declared_then=declared_then) as catalog:
             specs = catalog.models()
         out: dict[str, list[dict[str, str]]] = {}
         for m in specs:

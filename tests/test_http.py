@@ -202,6 +202,14 @@ def test_reads_of_the_past_over_the_config_recorded_then(
     assert [m["name"] for m in diff["added"]] == ["qwen"]
     assert [m["name"] for m in diff["removed"]] == ["base"]
     assert ok(api.get("/models", params={"at": 4, "declared": "today"})) == today
+    sources = api.get("/sources", params={"at": 2})
+    assert sources.headers["X-Catalog-Revision"] == "2"
+    assert sorted(ok(sources)) == ["hf://org/base", "hf://org/trial"]
+    assert sorted(ok(api.get("/sources", params={"at": 4, "declared": "then"}))) == [
+        "hf://org/qwen",
+        "hf://org/trial",
+    ]
+    assert ok(api.get("/sources", params={"at": 0})) == {"hf://org/base": [{"model": "base"}]}
 
     written = count_events(api.db)
     assert refused(api.get("/models", params={"declared": "then"}), 422) == (

@@ -626,6 +626,11 @@ def test_the_cli_reads_the_past_over_the_config_recorded_then(
         cli, [*base, "--json", "model", "show", "trial", "--at", str(before), "--declared-then"]
     )
     assert json.loads(shown.stdout)["scaling"] == {"min": 0, "max": 3}
+    used = runner.invoke(cli, [*base, "--json", "sources", "--at", str(before), "--declared-then"])
+    assert json.loads(used.stdout)["hf://org/trial"] == [{"model": "trial"}]
+    used_today = runner.invoke(cli, [*base, "--json", "sources", "--at", str(before)])
+    assert "hf://org/trial" not in json.loads(used_today.stdout)  # the reviewed source instead
+    assert json.loads(used_today.stdout)["hf://org/trial-reviewed"] == [{"model": "trial"}]
     diffed = runner.invoke(cli, [*base, "--json", "diff", str(before), "--declared-then"])
     assert [m["name"] for m in json.loads(diffed.stdout)["added"]] == ["fresh", "other"]
     written = count_events(db_url)

@@ -232,11 +232,14 @@ def model_source(
 
 
 @cli.command("sources")
+@click.option("--at", type=REVISION_OR_TIME, help=AT_HELP)
+@declared_then_option
 @shared_options
 @pass_settings
-def sources(settings: Settings) -> None:
+def sources(settings: Settings, at: int | datetime | None, declared_then: bool) -> None:
     """Each weights source in the catalog, and the models and adapters using it."""
-    data = settings.models().sources()
+    past_only(declared_then, at)
+    data = settings.models().sources(at, declared_then=declared_then)
     emit(
         settings,
         data,

@@ -555,9 +555,13 @@ def rollback(
 
 
 @route.get("/sources", tags=["queries"])
-def sources(caller: Reader, models: Service) -> Response:
-    """Each weights source, and the models and adapters using it."""
-    return respond(models.sources())
+def sources(caller: Reader, models: Service, at: At, declared_then: DeclaredThen) -> Response:
+    """Each weights source, and the models and adapters using it (now, or at
+    a revision or time)."""
+    past_only(declared_then, at)
+    past = None if at is None else models.resolve(at)
+    revision = _head_or(models, past)
+    return respond(models.sources(past, declared_then=declared_then), revision)
 
 
 @route.get("/log", tags=["queries"])
