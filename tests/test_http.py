@@ -222,6 +222,30 @@ def test_reads_of_the_past_over_the_config_recorded_then(
     assert count_events(api.db) == written
 
 
+def test_a_query_key_the_path_does_not_take_is_refused_not_passed_over(api: Api) -> None:
+    """`?att=3` read now, and so did an `at` on a path that reads only now
+    (`/sources`, until it read the past): a mistyped key answered something
+    else than what was asked, in silence (conformance audit)."""
+    api.post("/models", definition("qwen"))
+    written = count_events(api.db)
+    assert refused(api.get("/models", params={"att": 1}), 422) == (
+        "unknown query parameter 'att'; this path takes: at, declared"
+    )
+    assert refused(api.get("/revision", params={"at": 1}), 422) == (
+        "unknown query parameter 'at'; this path takes: none"
+    )
+    scaled = api.client.post(
+        "/models/qwen/scale", params={"reson": "x"}, json={"max": 3}, headers=api.as_("write")
+    )
+    assert refused(scaled, 422) == "unknown query parameter 'reson'; this path takes: reason"
+    assert count_events(api.db) == written
+    # Who is asking is known first: no token, no word on the query.
+    assert api.client.get("/models", params={"att": 1}).status_code == 401
+    # What a path does take still passes, its dependencies' keys included.
+    assert ok(api.get("/log", params={"after": 1, "limit": 1, "model": "qwen"}))
+    assert ok(api.get("/diff", params={"since": 2, "model": "qwen", "declared": "then"}))
+
+
 def test_the_openapi_schema_and_the_console_are_served(api: Api) -> None:
     schema = ok(api.client.get("/openapi.json"))
     for path in ("/models", "/models/{name}/scale", "/apply", "/rollback", "/events", "/diff"):

@@ -25,6 +25,7 @@ from fastapi import APIRouter, Depends, FastAPI, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import RedirectResponse, Response
+from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -162,9 +163,44 @@ def caller_with(role: Role) -> Callable[..., Caller]:
             raise HTTPException(401, "the token is not valid (unknown or revoked)", challenge)
         if found.role < role:
             raise forbidden(found, f"this needs {role.name}")
+        _refuse_unknown_query(request)
         return found
 
     return caller
+
+
+def _refuse_unknown_query(request: Request) -> None:
+    """A query key the path does not take is refused, not passed over: a read
+    asked `?att=3`, or `at` where the path reads only now, answered now, in
+    silence (conformance audit). Checked once the caller is known."""
+    route = request.scope.get("route")
+    if not isinstance(route, APIRoute):
+        return
+    taken = _query_names(route)
+    for key in request.query_params:
+        if key not in taken:
+            takes = ", ".join(sorted(taken)) or "none"
+            raise InputError(f"unknown query parameter {shown(key, 40)}; this path takes: {takes}")
+
+
+def _query_names(route: APIRoute) -> frozenset[str]:
+    """The query keys ``route`` reads, its dependencies' included; worked out
+    once for each path and its methods (a route is not hashable, and which of
+    its copies a request names differs between FastAPI releases)."""
+    key = (route.path_format, frozenset(route.methods or ()))
+    names = _QUERY_NAMES.get(key)
+    if names is None:
+        found: set[str] = set()
+        pending = [route.dependant]
+        while pending:
+            dependant = pending.pop()
+            found.update(field.alias for field in dependant.query_params)
+            pending.extend(dependant.dependencies)
+        names = _QUERY_NAMES[key] = frozenset(found)
+    return names
+
+
+_QUERY_NAMES: dict[tuple[str, frozenset[str]], frozenset[str]] = {}
 
 
 Reader = Annotated[Caller, Depends(caller_with(Role.read))]
