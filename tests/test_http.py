@@ -5,6 +5,7 @@ PostgreSQL: every endpoint, auth, bad bodies, compare-and-set, the watch stream.
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import logging
 import os
@@ -410,6 +411,31 @@ def test_a_tokens_file_spoiled_while_serving_refuses_every_token_and_says_nothin
     assert "not a tokens file" in caplog.text
     api.tokens.path.write_bytes(kept)
     assert ok(api.get("/me"))["actor"] == "read-user"
+
+
+def test_a_tokens_file_that_could_not_be_read_once_is_read_again_on_the_next_request(
+    api: Api, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Out of descriptors as the file changed (a flood of connections, and a
+    token revoked meanwhile): that request is refused, and the next reads
+    the file again. Kept as read, the failure locked every token out until
+    the file changed again (hostile test)."""
+    api.tokens.add("dave", "read")  # changed: read again on the next request
+    real_read = Path.read_bytes
+    failures = iter([OSError(errno.EMFILE, "Too many open files")])
+
+    def read_bytes(path: Path) -> bytes:
+        if path == api.tokens.path:
+            failure = next(failures, None)
+            if failure is not None:
+                raise failure
+        return real_read(path)
+
+    monkeypatch.setattr(Path, "read_bytes", read_bytes)
+    assert refused(api.get("/me"), 401) == "the token is not valid (unknown or revoked)"
+    assert ok(api.get("/me"))["actor"] == "read-user"
+    assert ok(api.get("/me", role="admin"))["actor"] == "admin-user"
+    assert "Too many open files; tokens are refused until it can be read" in caplog.text
 
 
 def test_bad_bodies_are_422_with_the_clis_message_and_write_nothing(

@@ -95,6 +95,8 @@ class TokenStore:
         # it, so a new inode tells a change a coarse clock's mtime may not.
         self._loaded: tuple[int, int, int] | None = None
         self._by_id: dict[str, TokenEntry] = {}
+        # Whether the last try to read the file failed (told once a streak).
+        self._unread = False
 
     # -- the file ----------------------------------------------------------------
 
@@ -104,7 +106,7 @@ class TokenStore:
         except FileNotFoundError:
             return TokensFile()
         except OSError as error:
-            raise InputError(f"{self.path}: {error.strerror or error}") from None
+            raise _Unread(f"{self.path}: {error.strerror or error}") from None
         try:
             return msgspec.json.decode(data, type=TokensFile)
         except msgspec.MsgspecError as error:
@@ -191,6 +193,16 @@ class TokenStore:
             if seen != self._loaded or seen is None:
                 try:
                     self._by_id = {e.id: e for e in self._read().tokens}
+                    self._unread = False
+                except _Unread as error:
+                    # Not read this time (out of descriptors, say): no token is
+                    # let in on this request, and the file is read again on the
+                    # next. Kept as read, it locked every token out until the
+                    # file changed, long after the cause had gone (hostile test).
+                    if not self._unread:
+                        log.warning("%s; tokens are refused until it can be read", error)
+                    self._unread = True
+                    return {}
                 except InputError as error:
                     # Spoiled while serving: no caller can be told who they are,
                     # so none is, and none is told why (it names the file); the
@@ -232,3 +244,7 @@ class TokenStore:
             }
             for e in self.entries()
         ]
+
+
+class _Unread(InputError):
+    """The tokens file could not be read this time; it may be next time."""
