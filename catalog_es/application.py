@@ -60,7 +60,7 @@ from catalog_es.persistence import (
 )
 from catalog_es.ports import AcceptAll, Applier, NoApplier, PreAddCheck
 from catalog_es.rollback import plan_rollback
-from catalog_es.spec import Adapter, ModelSpec, Origin
+from catalog_es.spec import Adapter, ModelSpec, Origin, check_name
 from catalog_es.views import (
     event_fields,
     event_view,
@@ -1086,6 +1086,9 @@ class Models(AuditTrail, Application[UUID]):
         t = events_table.c
         query = sa.select(t.revision, t.topic, t.state).where(t.revision > after)
         if model is not None:
+            # A name no model can have names none: refused before its id is
+            # worked out (and kept: any text a client sent was, without bound).
+            check_name(model)
             # Only as far back as ``after``: a page of a long history reads that page.
             stream = stream_walk(model_id(model), after)
             query = query.where(t.revision.in_(sa.select(stream.c.revision)))
