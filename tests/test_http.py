@@ -258,6 +258,35 @@ def test_a_log_asked_of_a_name_no_model_can_have_is_refused(api: Api) -> None:
     assert model_id.cache_info().currsize == kept
 
 
+def test_a_large_yaml_body_being_read_holds_up_no_other_request(api: Api) -> None:
+    """YAML is read in Python, seconds for a megabyte: read on the server's
+    event loop, it held up every other request meanwhile, `/me` included
+    (3.8 s; four such bodies at once, 11.5 s; hostile test)."""
+    body = "".join(f"k{i}: [a, b]\n" for i in range(70_000))  # just under 1 MiB
+    done: dict[str, float] = {}
+
+    def post() -> None:
+        answer = api.client.post(
+            "/rollback",
+            content=body.encode(),
+            headers={**api.as_("read"), "Content-Type": "application/yaml"},
+            timeout=60,
+        )
+        done["post"] = time.monotonic()
+        assert answer.status_code == 422, answer.text  # no `to`: read, then refused
+
+    reading = threading.Thread(target=post)
+    done["start"] = time.monotonic()
+    reading.start()
+    time.sleep(0.1)
+    asked = time.monotonic()
+    assert ok(api.get("/me"))["actor"] == "read-user"
+    answered = time.monotonic() - asked
+    reading.join()
+    # A tenth of the time the body took, whatever this machine's speed.
+    assert answered < (done["post"] - done["start"]) / 10, "/me waited for the body"
+
+
 def test_the_openapi_schema_and_the_console_are_served(api: Api) -> None:
     schema = ok(api.client.get("/openapi.json"))
     for path in ("/models", "/models/{name}/scale", "/apply", "/rollback", "/events", "/diff"):

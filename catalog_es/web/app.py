@@ -29,6 +29,7 @@ from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ConfigDict, ValidationError
+from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException
 from starlette.routing import Match, Mount, Route
@@ -310,7 +311,9 @@ def document(limit: int, parse: _Parser) -> Callable[..., Any]:
             text = raw.decode("utf-8")
         except UnicodeDecodeError:
             raise InputError(f"{BODY}: not UTF-8 text") from None
-        return parse(text, BODY, limit=limit)
+        # In a thread: YAML is read in Python, seconds for a megabyte, and on
+        # the event loop that held up every other request (hostile test).
+        return await run_in_threadpool(parse, text, BODY, limit=limit)
 
     return parsed
 
