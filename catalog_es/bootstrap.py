@@ -111,9 +111,9 @@ def open_tokens(given: str | None = None) -> TokenStore:
     return TokenStore(tokens_path(given))
 
 
-def open_web_app(models: Models, tokens: TokenStore) -> FastAPI:
+def open_web_app(models: Models, tokens: TokenStore, *, max_watches: int) -> FastAPI:
     """The HTTP API and the console over the service, each request's actor
     the one its token stands for."""
     from catalog_es.web.app import create_app  # FastAPI is loaded only to serve
 
-    return create_app(models, tokens)
+    return create_app(models, tokens, max_watches=max_watches)

@@ -5,6 +5,7 @@ PostgreSQL: every endpoint, auth, bad bodies, compare-and-set, the watch stream.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import json
 import logging
@@ -35,6 +36,7 @@ from catalog_es.web.events import WAKE_UP_SECONDS
 from catalog_es.web.tokens import TokenStore
 from tests.helpers import config_yaml, count_events, definition, spec
 from tests.serving import Proxy, bearer, free_port, serving, tokens_for_roles
+from tests.test_concurrency import write_lock_held
 
 DECLARED_YAML = config_yaml(spec("base"))  # one declared model
 
@@ -727,6 +729,81 @@ def test_watch_streams_changes_after_a_revision_then_live(api: Api) -> None:
         f"Last-Event-ID {'9' * 25!r}: past any revision a log can hold"
     )
     assert refused(api.client.get("/events"), 401)
+
+
+def test_watches_past_the_servers_limit_are_refused_until_one_ends(
+    db_url: str, tmp_path: Path, make_models: Callable[..., Models]
+) -> None:
+    """Each watch holds a thread: a thousand, opened and never read, held a
+    server's CPU; five thousand stopped it answering (hostile test)."""
+    models = make_models(DECLARED_YAML)
+    tokens, token = tokens_for_roles(tmp_path / "tokens.json")
+    with (
+        serving(create_app(models, tokens, max_watches=2)) as url,
+        httpx.Client(base_url=url, headers=bearer(token["read"])) as client,
+        contextlib.ExitStack() as open_streams,
+    ):
+        held = []  # a stream's lines, read on: let go of, they end it
+        for _ in range(2):
+            lines = open_streams.enter_context(client.stream("GET", "/events")).iter_lines()
+            assert next(lines) == ": watching"
+            held.append(lines)
+        third = client.get("/events")
+        assert refused(third, 503) == (
+            "2 watches are open here, as many as this server serves (serve --max-watches); "
+            "try again later"
+        )
+        assert third.headers["Retry-After"] == "1"
+        assert client.head("/events").status_code == 200  # no watch: not counted
+        assert ok(client.get("/models"))  # the rest is served as ever
+        open_streams.close()  # the clients leave; their places are free again
+        deadline = time.monotonic() + 5
+        while True:
+            with client.stream("GET", "/events") as fourth:
+                if fourth.status_code == 200:
+                    break
+            assert time.monotonic() < deadline, "the places of streams that ended were kept"
+            time.sleep(0.05)
+    models.close()
+
+
+def test_writes_past_the_ones_that_may_wait_are_refused_and_reads_go_on(
+    db_url: str, tmp_path: Path, make_models: Callable[..., Models], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Sixty writes waiting behind another process's write took every thread
+    requests are served on: reads of the catalog answered once in ten seconds
+    (hostile test). Past the writes that may wait, one is refused at once."""
+    monkeypatch.setenv("CATALOG_ES_LOCK_WAIT", "2")
+    models = make_models(DECLARED_YAML)
+    models.add(spec("qwen"), by="setup")
+    written = count_events(db_url)
+    tokens, token = tokens_for_roles(tmp_path / "tokens.json")
+    answers: list[httpx.Response] = []
+    with serving(create_app(models, tokens)) as url, write_lock_held(db_url):
+
+        def scale() -> None:
+            body = {"max": 3}
+            answers.append(
+                httpx.post(f"{url}/models/qwen/scale", json=body, headers=bearer(token["write"]))
+            )
+
+        writes = [threading.Thread(target=scale) for _ in range(60)]
+        for thread in writes:
+            thread.start()
+        time.sleep(0.5)
+        asked = time.monotonic()
+        listed = httpx.get(f"{url}/models", headers=bearer(token["read"]), timeout=10)
+        assert listed.status_code == 200
+        assert time.monotonic() - asked < 1.0, "the read waited for the writes"
+        for thread in writes:
+            thread.join()
+    statuses = sorted(answer.status_code for answer in answers)
+    assert statuses == [503] * 60  # the lock was held throughout: none written
+    busy = [a.json()["error"] for a in answers if "already waiting" in a.json()["error"]]
+    assert len(busy) == 60 - 16
+    assert busy[0] == "16 writes are already waiting to be written here; try again"
+    assert count_events(db_url) == written
+    models.close()
 
 
 def test_a_stream_ends_once_its_token_is_revoked(api: Api) -> None:

@@ -23,6 +23,7 @@ from catalog_es.cli.base import (
     table,
 )
 from catalog_es.errors import InputError, shown
+from catalog_es.web import MAX_WATCHES
 from catalog_es.web.tokens import Role
 
 tokens_option = click.option(
@@ -41,11 +42,24 @@ tokens_option = click.option(
     is_flag=True,
     help="A line on stderr for each request: the client, the request line, the status.",
 )
+@click.option(
+    "--max-watches",
+    type=click.IntRange(1, 100_000),
+    default=MAX_WATCHES,
+    show_default=True,
+    help="Event streams (GET /events) open at once, at most; each holds a thread. "
+    "One more is refused with 503.",
+)
 @tokens_option
 @shared_options
 @pass_settings
 def serve(
-    settings: Settings, host: str, port: int, access_log: bool, tokens_file: str | None
+    settings: Settings,
+    host: str,
+    port: int,
+    access_log: bool,
+    max_watches: int,
+    tokens_file: str | None,
 ) -> None:
     """Serve the HTTP API (OpenAPI at /docs) and the console (/console/).
 
@@ -81,7 +95,7 @@ def serve(
         models = settings.models()
         let_warnings_through()  # a server's log tells them as they come
         revision = models.record_declaration(by=settings.actor)
-        app = bootstrap.open_web_app(models, tokens)
+        app = bootstrap.open_web_app(models, tokens, max_watches=max_watches)
         # What is loaded now (the code, the catalog in force) mostly lives as
         # long as the server: out of the collector's sight, a full collection
         # in the middle of a request rescans only what came after, not 20 ms of

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from datetime import datetime
 from importlib.metadata import version
 from typing import Annotated, Any, Literal, Protocol, TypeVar
+from weakref import WeakSet
 
 import msgspec
 import sqlalchemy as sa
@@ -74,6 +75,7 @@ from catalog_es.inputs import (
     whole_number,
 )
 from catalog_es.persistence import database_unusable
+from catalog_es.web import MAX_WATCHES
 from catalog_es.web.events import event_stream
 from catalog_es.web.tokens import Caller, Role, TokenStore
 from projections.audit import Filters
@@ -83,14 +85,25 @@ log = logging.getLogger("catalog_es")
 REVISION_HEADER = "X-Catalog-Revision"
 BODY = "request body"
 
+
 # The first of these a refusal is an instance of gives its status; every
 # other refusal is 422. 409 means exactly "read again and retry": a model
 # declared in config is refused with 422, since retrying cannot help. A log
 # edited by hand is the server's fault, not the request's.
+class TooBusy(Refused):
+    """As many requests of a kind are open as this server takes: try again."""
+
+
+# Writes waiting at once, at most: each waits in one of the threads every
+# request is served on, for the write lock, up to its bounded wait; sixty
+# behind another process's write took them all, and reads stalled with them.
+MAX_WRITES_WAITING = 16
+
 _STATUS_OF_REFUSAL: tuple[tuple[type[Refused], int], ...] = (
     (RevisionConflict, 409),
     (ModelNotFound, 404),
     (StorageBusy, 503),
+    (TooBusy, 503),
     (DamagedLog, 500),
 )
 
@@ -204,8 +217,24 @@ def _query_names(route: APIRoute) -> frozenset[str]:
 _QUERY_NAMES: dict[tuple[str, frozenset[str]], frozenset[str]] = {}
 
 
+def writer(
+    request: Request, caller: Annotated[Caller, Depends(caller_with(Role.write))]
+) -> Iterator[Caller]:
+    """The caller of a command, holding one of the server's places for a
+    write until the answer is sent; refused (503) when all are taken."""
+    places: threading.BoundedSemaphore = request.app.state.write_places
+    if not places.acquire(blocking=False):
+        raise TooBusy(
+            f"{MAX_WRITES_WAITING} writes are already waiting to be written here; try again"
+        )
+    try:
+        yield caller
+    finally:
+        places.release()
+
+
 Reader = Annotated[Caller, Depends(caller_with(Role.read))]
-Writer = Annotated[Caller, Depends(caller_with(Role.write))]
+Writer = Annotated[Caller, Depends(writer)]
 
 
 def expected_revision(
@@ -654,11 +683,18 @@ def watch(
     tokens: TokenStore = request.app.state.tokens
     assert credentials is not None  # the caller was verified by it
     token = credentials.credentials
+    streams: WeakSet[object] = request.app.state.streams
+    if len(streams) >= request.app.state.max_watches and HEAD_ASKED not in request.scope:
+        raise TooBusy(
+            f"{len(streams)} watches are open here, as many as this server serves "
+            "(serve --max-watches); try again later"
+        )
     return event_stream(
         models.watch(after or 0),
         request.app.state.closing,
         lambda: tokens.verify(token) is not None,
         head=HEAD_ASKED in request.scope,
+        open_streams=streams,
     )
 
 
@@ -897,8 +933,9 @@ def end_streams(app: FastAPI) -> None:
     closing.set()
 
 
-def create_app(models: Models, tokens: TokenStore) -> FastAPI:
-    """The API and the console over one service and one tokens file."""
+def create_app(models: Models, tokens: TokenStore, *, max_watches: int = MAX_WATCHES) -> FastAPI:
+    """The API and the console over one service and one tokens file;
+    ``max_watches``: the event streams it keeps open at once, at most."""
     app = FastAPI(
         title="catalog-es",
         version=version("catalog-es"),
@@ -909,6 +946,10 @@ def create_app(models: Models, tokens: TokenStore) -> FastAPI:
     app.state.models = models
     app.state.tokens = tokens
     app.state.closing = threading.Event()  # set by ``end_streams``
+    # The streams open, each gone from here once its response is.
+    app.state.streams = WeakSet()
+    app.state.max_watches = max_watches
+    app.state.write_places = threading.BoundedSemaphore(MAX_WRITES_WAITING)
     _errors(app)
     app.include_router(route)
     app.add_middleware(_Guarded)

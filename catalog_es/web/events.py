@@ -21,6 +21,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Generator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
+from weakref import WeakSet
 
 from fastapi.responses import Response, StreamingResponse
 
@@ -90,15 +91,22 @@ _HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def event_stream(
-    watch: Watch, closing: threading.Event, allowed: Callable[[], bool], *, head: bool = False
+    watch: Watch,
+    closing: threading.Event,
+    allowed: Callable[[], bool],
+    *,
+    head: bool = False,
+    open_streams: WeakSet[object],
 ) -> Response:
-    """``watch`` as a stream, for as long as ``allowed`` (the caller's token);
+    """``watch`` as a stream, for as long as ``allowed`` (the caller's token),
+    counted in ``open_streams`` for as long as it lives (a stream a client
+    left before it started is gone from there too, though it never ran);
     ``head``: the stream's headers alone, the watch never started (it
     subscribes only once iterated)."""
     if head:
         headers_only = Response(media_type="text/event-stream", headers=_HEADERS)
         del headers_only.headers["content-length"]  # as the stream's, which has none
         return headers_only
-    return StreamingResponse(
-        _messages(watch, closing, allowed), media_type="text/event-stream", headers=_HEADERS
-    )
+    messages = _messages(watch, closing, allowed)
+    open_streams.add(messages)
+    return StreamingResponse(messages, media_type="text/event-stream", headers=_HEADERS)
