@@ -85,20 +85,20 @@ log = logging.getLogger("catalog_es")
 REVISION_HEADER = "X-Catalog-Revision"
 BODY = "request body"
 
-
-# The first of these a refusal is an instance of gives its status; every
-# other refusal is 422. 409 means exactly "read again and retry": a model
-# declared in config is refused with 422, since retrying cannot help. A log
-# edited by hand is the server's fault, not the request's.
-class TooBusy(Refused):
-    """As many requests of a kind are open as this server takes: try again."""
-
-
 # Writes waiting at once, at most: each waits in one of the threads every
 # request is served on, for the write lock, up to its bounded wait; sixty
 # behind another process's write took them all, and reads stalled with them.
 MAX_WRITES_WAITING = 16
 
+
+class TooBusy(Refused):
+    """As many requests of a kind are open as this server takes: try again."""
+
+
+# The first of these a refusal is an instance of gives its status; every
+# other refusal is 422. 409 means exactly "read again and retry": a model
+# declared in config is refused with 422, since retrying cannot help. A log
+# edited by hand is the server's fault, not the request's.
 _STATUS_OF_REFUSAL: tuple[tuple[type[Refused], int], ...] = (
     (RevisionConflict, 409),
     (ModelNotFound, 404),
@@ -313,11 +313,6 @@ def declared_then_value(
 DeclaredThen = Annotated[bool, Depends(declared_then_value)]
 
 
-def past_only(declared_then: bool, at: object) -> None:
-    if declared_then and at is None:
-        raise InputError("declared=then reads the past: give at too")
-
-
 # -- bodies ------------------------------------------------------------------------
 
 
@@ -436,16 +431,25 @@ def _head_or(models: Models, past: int | None) -> int:
     return models.revision
 
 
+def _read_at(
+    models: Models, at: int | datetime | None, declared_then: bool
+) -> tuple[int | None, int]:
+    """The revision a read asks for (``None``: now) and the one its answer is
+    tagged with. ``declared=then`` reads the past only."""
+    if declared_then and at is None:
+        raise InputError("declared=then reads the past: give at too")
+    past = None if at is None else models.resolve(at)
+    return past, _head_or(models, past)
+
+
 @route.get("/models", tags=["models"])
 def list_models(caller: Reader, models: Service, at: At, declared_then: DeclaredThen) -> Response:
     """Every model in force (or at a revision or time), declared and runtime,
     as `model list --json` prints them."""
-    past_only(declared_then, at)
     # The head is read before the list: if a change lands in between, the
     # header is the older revision, so an If-Match sent back can only fail
     # (409), never overwrite a change its sender did not see.
-    past = None if at is None else models.resolve(at)
-    revision = _head_or(models, past)
+    past, revision = _read_at(models, at, declared_then)
     return respond(models.list_models(past, declared_then=declared_then), revision)
 
 
@@ -454,9 +458,7 @@ def show_model(
     name: str, caller: Reader, models: Service, at: At, declared_then: DeclaredThen
 ) -> Response:
     """One model as it will run (or as it was at a revision or time)."""
-    past_only(declared_then, at)
-    past = None if at is None else models.resolve(at)
-    revision = _head_or(models, past)
+    past, revision = _read_at(models, at, declared_then)
     return respond(models.get_model(name, past, declared_then=declared_then), revision)
 
 
@@ -626,9 +628,7 @@ def rollback(
 def sources(caller: Reader, models: Service, at: At, declared_then: DeclaredThen) -> Response:
     """Each weights source, and the models and adapters using it (now, or at
     a revision or time)."""
-    past_only(declared_then, at)
-    past = None if at is None else models.resolve(at)
-    revision = _head_or(models, past)
+    past, revision = _read_at(models, at, declared_then)
     return respond(models.sources(past, declared_then=declared_then), revision)
 
 
