@@ -1086,8 +1086,8 @@ class Models(AuditTrail, Application[UUID]):
         t = events_table.c
         query = sa.select(t.revision, t.topic, t.state).where(t.revision > after)
         if model is not None:
-            # A name no model can have names none: refused before its id is
-            # worked out (and kept: any text a client sent was, without bound).
+            # Refused before its id is worked out: ids are cached, and any
+            # text a client sent was kept, without bound.
             check_name(model)
             # Only as far back as ``after``: a page of a long history reads that page.
             stream = stream_walk(model_id(model), after)
