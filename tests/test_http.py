@@ -285,8 +285,10 @@ def test_a_large_yaml_body_being_read_holds_up_no_other_request(api: Api) -> Non
     assert ok(api.get("/me"))["actor"] == "read-user"
     answered = time.monotonic() - asked
     reading.join()
-    # A tenth of the time the body took, whatever this machine's speed.
-    assert answered < (done["post"] - done["start"]) / 10, "/me waited for the body"
+    # Well within the time the body took, whatever this machine's speed (the
+    # thread reading it holds the interpreter's lock in turns with the loop:
+    # /me took 0.02-0.4 s while a body took 3-4 s; on the loop, all of it).
+    assert answered < (done["post"] - done["start"]) / 3, "/me waited for the body"
 
 
 def test_the_openapi_schema_and_the_console_are_served(api: Api) -> None:
