@@ -808,6 +808,33 @@ def test_writes_past_the_ones_that_may_wait_are_refused_and_reads_go_on(
     models.close()
 
 
+def test_a_rollback_takes_a_place_among_the_writes_a_dry_run_does_not(
+    db_url: str, tmp_path: Path, make_models: Callable[..., Models]
+) -> None:
+    models = make_models(DECLARED_YAML)
+    models.add(spec("qwen"), by="setup")
+    written = count_events(db_url)
+    tokens, token = tokens_for_roles(tmp_path / "tokens.json")
+    app = create_app(models, tokens)
+    with serving(app) as url, httpx.Client(base_url=url, headers=bearer(token["admin"])) as client:
+        places = app.state.write_places
+        taken = 0
+        while places.acquire(blocking=False):  # every place held, as by waiting writes
+            taken += 1
+        try:
+            back = client.post("/rollback", json={"to": 1})
+            assert refused(back, 503) == (
+                "16 writes are already waiting to be written here; try again"
+            )
+            assert ok(client.post("/rollback", json={"to": 1, "dry_run": True}))["events"]
+        finally:
+            for _ in range(taken):
+                places.release()
+        assert count_events(db_url) == written
+        assert ok(client.post("/rollback", json={"to": 1}))["written"]
+    models.close()
+
+
 def test_a_stream_ends_once_its_token_is_revoked(api: Api) -> None:
     """Revoked, a token is refused from its next request on; its open stream
     stopped getting changes only when the client left (hostile test)."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager, nullcontext
 from datetime import datetime
 from importlib.metadata import version
 from typing import Annotated, Any, Literal, Protocol, TypeVar
@@ -217,20 +218,27 @@ def _query_names(route: APIRoute) -> frozenset[str]:
 _QUERY_NAMES: dict[tuple[str, frozenset[str]], frozenset[str]] = {}
 
 
-def writer(
-    request: Request, caller: Annotated[Caller, Depends(caller_with(Role.write))]
-) -> Iterator[Caller]:
-    """The caller of a command, holding one of the server's places for a
-    write until the answer is sent; refused (503) when all are taken."""
+@contextmanager
+def write_place(request: Request) -> Iterator[None]:
+    """One of the server's places for a write, held for the block; refused
+    (503) when all are taken."""
     places: threading.BoundedSemaphore = request.app.state.write_places
     if not places.acquire(blocking=False):
         raise TooBusy(
             f"{MAX_WRITES_WAITING} writes are already waiting to be written here; try again"
         )
     try:
-        yield caller
+        yield
     finally:
         places.release()
+
+
+def writer(
+    request: Request, caller: Annotated[Caller, Depends(caller_with(Role.write))]
+) -> Iterator[Caller]:
+    """The caller of a command, holding a place for a write until the answer is sent."""
+    with write_place(request):
+        yield caller
 
 
 Reader = Annotated[Caller, Depends(caller_with(Role.read))]
@@ -602,6 +610,7 @@ def diff(
     openapi_extra=body_of(RollbackBody, "Where to go back to; `dry_run` writes nothing."),
 )
 def rollback(
+    request: Request,
     caller: Reader,
     data: Document,
     models: Service,
@@ -614,13 +623,15 @@ def rollback(
     if not body.dry_run and caller.role < Role.admin:
         raise forbidden(caller, "a rollback needs admin")
     to = body.to if isinstance(body.to, int) else revision_or_time(body.to)
-    result = models.rollback(
-        to,
-        model=body.model,
-        only=body.only,
-        dry_run=body.dry_run,
-        **command_meta(caller, reason, expected),
-    )
+    # A dry run reads; a rollback waits for the write lock as any write does.
+    with nullcontext() if body.dry_run else write_place(request):
+        result = models.rollback(
+            to,
+            model=body.model,
+            only=body.only,
+            dry_run=body.dry_run,
+            **command_meta(caller, reason, expected),
+        )
     return respond(result, result["revision"])
 
 
