@@ -86,11 +86,21 @@ class AuditTrail:
         with a ``limit``, the most recent ones."""
         return _rows(self._views(filters))
 
-    def audit_json(self, **filters: Unpack[Filters]) -> bytes:
+    def audit_json(self, *, at_most: int | None = None, **filters: Unpack[Filters]) -> bytes:
         """:meth:`audit` as the JSON array it encodes to, made without building
         the rows (what the HTTP API sends): most of a large answer's time is
-        building them."""
-        return _json(self._views(filters))
+        building them. ``at_most``: asked without a ``limit``, an answer of
+        more rows than this is refused rather than built."""
+        unlimited = at_most is not None and filters.get("limit") is None
+        if unlimited:
+            filters = {**filters, "limit": (at_most or 0) + 1}
+        views = self._views(filters)
+        if unlimited and len(views) > (at_most or 0):
+            raise InputError(
+                f"more than {at_most:,} rows match: give limit (the most recent N, at most "
+                f"{at_most:,}), or narrow them with model, by, type, since or until"
+            )
+        return _json(views)
 
     def _views(self, filters: Filters) -> list[str]:
         """Each matching row as the JSON it is stored as."""

@@ -25,6 +25,7 @@ import pytest
 import sqlalchemy as sa
 from click.testing import CliRunner
 
+from catalog_es import commands
 from catalog_es.application import Models
 from catalog_es.cli import cli
 from catalog_es.cli.serve import _listening
@@ -833,6 +834,33 @@ def test_a_rollback_takes_a_place_among_the_writes_a_dry_run_does_not(
         assert count_events(db_url) == written
         assert ok(client.post("/rollback", json={"to": 1}))["written"]
     models.close()
+
+
+def test_log_and_audit_answers_past_a_page_are_refused_not_built(api: Api) -> None:
+    """One read of a long log was built whole in memory: 70 MB of JSON for
+    80,000 rows, 3.3 GB for forty at once (hostile test). Past a page, the
+    client is told how to page."""
+    api.post("/models", definition("qwen"))
+    steps = [commands.scale("qwen", 0, 1 + i % 3) for i in range(1000)]
+    for _ in range(10):
+        api.models.apply_changes(steps, by="bench")
+    head = api.models.revision
+    assert head > 10_000
+    assert refused(api.get("/log"), 422) == (
+        "more than 10,000 events after revision 0: page with after and limit (at most 10,000)"
+    )
+    page = ok(api.get("/log", params={"limit": 10_000}))
+    assert [e["revision"] for e in page] == list(range(1, 10_001))
+    rest = ok(api.get("/log", params={"after": 10_000}))
+    assert [e["revision"] for e in rest] == list(range(10_001, head + 1))
+    assert "less than or equal to 10000" in refused(api.get("/log", params={"limit": 10_001}), 422)
+    assert refused(api.get("/audit"), 422) == (
+        "more than 10,000 rows match: give limit (the most recent N, at most 10,000), "
+        "or narrow them with model, by, type, since or until"
+    )
+    recent = ok(api.get("/audit", params={"limit": 5}))
+    assert [r["revision"] for r in recent] == list(range(head - 4, head + 1))
+    assert ok(api.get("/audit", params={"by": "write-user"}))  # one row: well within
 
 
 def test_a_stream_ends_once_its_token_is_revoked(api: Api) -> None:
