@@ -194,11 +194,14 @@ function redrawSoon() {
     return;
   }
   redraw.timer = setTimeout(async () => {
-    await render();
-    redraw.timer = null;
-    if (redraw.missed) {
-      redraw.missed = false;
-      redrawSoon();
+    try {
+      await render();
+    } finally {
+      redraw.timer = null;
+      if (redraw.missed) {
+        redraw.missed = false;
+        redrawSoon();
+      }
     }
   }, 150);
 }
