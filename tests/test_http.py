@@ -809,6 +809,28 @@ def test_writes_past_the_ones_that_may_wait_are_refused_and_reads_go_on(
     models.close()
 
 
+def test_a_body_still_arriving_holds_no_place_among_the_writes(api: Api) -> None:
+    """Sixteen clients trickling bodies took every place while their bodies
+    arrived, and every other write was refused (review)."""
+    api.post("/models", definition("qwen"))
+    host, port = api.url.removeprefix("http://").split(":")
+    trickling = []
+    for _ in range(20):
+        sock = socket.create_connection((host, int(port)))
+        sock.sendall(
+            b"POST /models HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Authorization: Bearer {api.token['write']}\r\n".encode()
+            + b"Content-Length: 100000\r\n\r\n{"
+        )
+        trickling.append(sock)
+    try:
+        time.sleep(0.3)
+        assert ok(api.post("/models/qwen/scale", {"max": 3}))["model"]["scaling"]["max"] == 3
+    finally:
+        for sock in trickling:
+            sock.close()
+
+
 def test_a_rollback_takes_a_place_among_the_writes_a_dry_run_does_not(
     db_url: str, tmp_path: Path, make_models: Callable[..., Models]
 ) -> None:

@@ -237,16 +237,17 @@ def write_place(request: Request) -> Iterator[None]:
         places.release()
 
 
-def writer(
-    request: Request, caller: Annotated[Caller, Depends(caller_with(Role.write))]
-) -> Iterator[Caller]:
-    """The caller of a command, holding a place for a write until the answer is sent."""
+def held_write_place(request: Request) -> Iterator[None]:
+    """A dependency: a place for a write, held until the answer is sent. The
+    last a command asks for, so a body still arriving, or being read, holds
+    none (sixteen clients trickling bodies took them all)."""
     with write_place(request):
-        yield caller
+        yield
 
 
 Reader = Annotated[Caller, Depends(caller_with(Role.read))]
-Writer = Annotated[Caller, Depends(writer)]
+Writer = Annotated[Caller, Depends(caller_with(Role.write))]
+WritePlace = Annotated[None, Depends(held_write_place)]
 
 
 def expected_revision(
@@ -485,6 +486,7 @@ def add_model(
     models: Service,
     expected: ExpectedRevision,
     reason: Reason,
+    _place: WritePlace,
 ) -> Response:
     """Add a model, or replace the definition of a runtime one (`replaced`)."""
     spec = model_from_data(spec_data, BODY)
@@ -493,7 +495,12 @@ def add_model(
 
 @route.delete(MODEL, tags=["commands"])
 def remove_model(
-    name: str, caller: Writer, models: Service, expected: ExpectedRevision, reason: Reason
+    name: str,
+    caller: Writer,
+    models: Service,
+    expected: ExpectedRevision,
+    reason: Reason,
+    _place: WritePlace,
 ) -> Response:
     """Take a runtime model out of the catalog."""
     return command_response(models.remove(name, **command_meta(caller, reason, expected)))
@@ -514,6 +521,7 @@ def model_command(verb: str, kind: type[Fields], summary: str, body: str, run: R
         models: Service,
         expected: ExpectedRevision,
         reason: Reason,
+        _place: WritePlace,
     ) -> Response:
         meta = command_meta(caller, reason, expected)
         return command_response(run(models, name, fields(kind, data), meta))
@@ -586,6 +594,7 @@ def apply_changes(
     models: Service,
     expected: ExpectedRevision,
     reason: Reason,
+    _place: WritePlace,
 ) -> Response:
     """Several changes in one transaction, all or nothing."""
     steps = changes_from_data(data, BODY)
