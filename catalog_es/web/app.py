@@ -19,7 +19,6 @@ from contextlib import contextmanager, nullcontext
 from datetime import datetime
 from importlib.metadata import version
 from typing import Annotated, Any, Literal, Protocol, TypeVar
-from weakref import WeakSet
 
 import msgspec
 import sqlalchemy as sa
@@ -77,7 +76,7 @@ from catalog_es.inputs import (
 )
 from catalog_es.persistence import database_unusable
 from catalog_es.web import MAX_WATCHES
-from catalog_es.web.events import event_stream
+from catalog_es.web.events import StreamPlaces, event_stream
 from catalog_es.web.tokens import Caller, Role, TokenStore
 from projections.audit import Filters
 
@@ -715,19 +714,26 @@ def watch(
     tokens: TokenStore = request.app.state.tokens
     assert credentials is not None  # the caller was verified by it
     token = credentials.credentials
-    streams: WeakSet[object] = request.app.state.streams
-    if len(streams) >= request.app.state.max_watches and HEAD_ASKED not in request.scope:
+    places: StreamPlaces = request.app.state.stream_places
+    head = HEAD_ASKED in request.scope
+    # A HEAD starts no watch: it takes no place.
+    give_back = _nothing_to_give_back if head else places.take()
+    if give_back is None:
         raise TooBusy(
-            f"{len(streams)} watches are open here, as many as this server serves "
+            f"{places.most} watches are open here, as many as this server serves "
             "(serve --max-watches); try again later"
         )
     return event_stream(
         models.watch(after or 0),
         request.app.state.closing,
         lambda: tokens.verify(token) is not None,
-        head=HEAD_ASKED in request.scope,
-        open_streams=streams,
+        head=head,
+        give_back=give_back,
     )
+
+
+def _nothing_to_give_back() -> None:
+    pass
 
 
 # -- the audit trail ---------------------------------------------------------------
@@ -982,9 +988,7 @@ def create_app(models: Models, tokens: TokenStore, *, max_watches: int = MAX_WAT
     app.state.models = models
     app.state.tokens = tokens
     app.state.closing = threading.Event()  # set by ``end_streams``
-    # The streams open, each gone from here once its response is.
-    app.state.streams = WeakSet()
-    app.state.max_watches = max_watches
+    app.state.stream_places = StreamPlaces(max_watches)
     app.state.write_places = threading.BoundedSemaphore(MAX_WRITES_WAITING)
     _errors(app)
     app.include_router(route)

@@ -18,10 +18,10 @@ import asyncio
 import json
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable, Generator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
-from weakref import WeakSet
 
 from fastapi.responses import Response, StreamingResponse
 
@@ -40,8 +40,42 @@ def sse_message(event: dict[str, Any]) -> str:
     return f"id: {event['revision']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
 
 
+class StreamPlaces:
+    """The event streams a server keeps open at once, at most. A place is
+    taken before a stream starts and given back as it ends; one a client
+    left before it started is given back when it is freed. (Counted by what
+    was still alive, a stream a client left stayed counted until the cyclic
+    collector ran, which under ``serve`` is seldom: real watches were refused.)"""
+
+    def __init__(self, most: int) -> None:
+        self.most = most
+        self.open = 0
+        self._lock = threading.Lock()
+
+    def take(self) -> Callable[[], None] | None:
+        """A place: the function that gives it back (once, however often
+        called), or ``None`` when all are taken."""
+        with self._lock:
+            if self.open >= self.most:
+                return None
+            self.open += 1
+        given = False
+
+        def give_back() -> None:
+            nonlocal given
+            with self._lock:
+                if not given:
+                    given = True
+                    self.open -= 1
+
+        return give_back
+
+
 async def _messages(
-    watch: Watch, closing: threading.Event, allowed: Callable[[], bool]
+    watch: Watch,
+    closing: threading.Event,
+    allowed: Callable[[], bool],
+    give_back: Callable[[], None],
 ) -> AsyncIterator[str]:
     loop = asyncio.get_running_loop()
     worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="catalog-es-watch")
@@ -81,6 +115,7 @@ async def _messages(
                 return
             yield sse_message(event)
     finally:
+        give_back()
         watch.stop()
         # Queued behind a pending ``next``, which the stop ends promptly.
         worker.submit(events.close)
@@ -96,17 +131,17 @@ def event_stream(
     allowed: Callable[[], bool],
     *,
     head: bool = False,
-    open_streams: WeakSet[object],
+    give_back: Callable[[], None],
 ) -> Response:
     """``watch`` as a stream, for as long as ``allowed`` (the caller's token),
-    counted in ``open_streams`` for as long as it lives (a stream a client
-    left before it started is gone from there too, though it never ran);
+    holding a place (:class:`StreamPlaces`) that ``give_back`` gives back;
     ``head``: the stream's headers alone, the watch never started (it
     subscribes only once iterated)."""
     if head:
         headers_only = Response(media_type="text/event-stream", headers=_HEADERS)
         del headers_only.headers["content-length"]  # as the stream's, which has none
         return headers_only
-    messages = _messages(watch, closing, allowed)
-    open_streams.add(messages)
+    messages = _messages(watch, closing, allowed, give_back)
+    # Never started (the client left first), it runs no ``finally``.
+    weakref.finalize(messages, give_back)
     return StreamingResponse(messages, media_type="text/event-stream", headers=_HEADERS)
