@@ -701,11 +701,16 @@ def watch(
         Query(alias="from", ge=0, le=MAX_REVISION, description="Every change after this revision."),
     ] = None,
     last_event_id: Annotated[str | None, Header(include_in_schema=False)] = None,
+    # Where EventSource polyfills that send a token put it, reconnecting.
+    last_event_id_query: Annotated[
+        str | None, Query(alias="lastEventId", include_in_schema=False)
+    ] = None,
 ) -> Response:
     """Every change after a revision, in order, then live, as server-sent
     events: `id` is the revision, `data` the event as `watch --json` prints it.
     A reconnecting EventSource resumes after its Last-Event-ID."""
-    resume = last_event_id.strip() if last_event_id is not None else ""
+    given = last_event_id if last_event_id is not None else last_event_id_query
+    resume = given.strip() if given is not None else ""
     # Digits are a position, if one a log can have; other text names none.
     if resume.isascii() and resume.isdigit():
         after = whole_number(resume)
