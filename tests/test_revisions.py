@@ -744,8 +744,13 @@ def test_a_snapshot_over_another_config_is_not_used(
 
 @pytest.mark.parametrize(
     "damaged",
-    [b"\x00\xff", bytes.fromhex("28b52ffd") + b"\x00\xff"],
-    ids=["not-a-stream", "a-broken-zstd-frame"],
+    [
+        b"\x00\xff",
+        bytes.fromhex("28b52ffd") + b"\x00\xff",
+        # A frame whose size, edited, says petabytes: allocated, it failed the read.
+        bytes.fromhex("28b52ffd") + bytes([0xC0]) + (2**62).to_bytes(8, "little") + b"\x00" * 8,
+    ],
+    ids=["not-a-stream", "a-broken-zstd-frame", "a-frame-claiming-exabytes"],
 )
 def test_a_corrupt_snapshot_is_passed_over(
     open_models: Callable[..., Models], tmp_path: Path, damaged: bytes
