@@ -390,6 +390,12 @@ def test_console_reads_the_past_over_the_config_recorded_then(
         expect(page.locator("#page h1")).to_contain_text("declared")
         expect(page.locator("#definition")).to_contain_text("2..2")
 
+        # Before the first record there is no config "then": no tick, no error.
+        page.goto(f"{url}/console/#/models?at=0&declared=then")
+        expect(page.locator("#page h1 small")).to_have_text("at revision 0")
+        expect(page.locator("#declared-then")).to_have_count(0)
+        expect(page.locator("#error")).to_have_text("")
+
         # Now is what this node runs: no tick to give.
         page.click("#now")
         expect(page.locator("#declared-then")).to_have_count(0)

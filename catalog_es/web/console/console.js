@@ -6,6 +6,8 @@
 "use strict";
 
 const TOKEN_KEY = "catalog-es-token";
+// How long a request of the API may take before the page gives up on it.
+const API_TIMEOUT_MS = 60000;
 const state = { head: 0, me: null, follow: null, rendering: 0, flash: null };
 
 // -- small helpers -------------------------------------------------------------
@@ -47,6 +49,8 @@ async function api(path, { method = "GET", body, ifMatch } = {}) {
     method,
     headers,
     body: body === undefined ? undefined : JSON.stringify(body),
+    // An answer that never comes must not hold up the next redraw for good.
+    signal: AbortSignal.timeout(API_TIMEOUT_MS),
   });
   const data = await response.json().catch(() => null);
   if (response.status === 401) signOut(data && data.error);
@@ -58,7 +62,8 @@ function route() {
   const [path, query] = location.hash.replace(/^#/, "").split("?");
   const params = new URLSearchParams(query || "");
   const at = params.has("at") ? Number(params.get("at")) : null;
-  const declaredThen = at !== null && params.get("declared") === "then";
+  // Before revision 1 no declared config was recorded: there is none "then".
+  const declaredThen = at !== null && at > 0 && params.get("declared") === "then";
   if (path.startsWith("/model/")) return { page: "model", name: decoded(path.slice(7)), at, declaredThen };
   return { page: "models", at, declaredThen, filter: params.get("q") || "" };
 }
@@ -251,7 +256,7 @@ function picker(at, onPick) {
   });
   // Reads of the past are over today's declared config unless this is ticked.
   const then =
-    at === null
+    at === null || at === 0
       ? ""
       : h(
           "label",
