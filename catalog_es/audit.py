@@ -91,15 +91,8 @@ class AuditTrail:
         the rows (what the HTTP API sends): most of a large answer's time is
         building them. ``at_most``: asked without a ``limit``, an answer of
         more rows than this is refused rather than built."""
-        unlimited = at_most is not None and filters.get("limit") is None
-        if unlimited:
-            filters = {**filters, "limit": (at_most or 0) + 1}
-        views = self._views(filters)
-        if unlimited and len(views) > (at_most or 0):
-            raise InputError(
-                f"more than {at_most:,} rows match: give limit (the most recent N, at most "
-                f"{at_most:,}), or narrow them with model, by, type, since or until"
-            )
+        views = self._views(_one_more(filters, at_most))
+        _within(len(views), filters, at_most)
         return _json(views)
 
     def _views(self, filters: Filters) -> list[str]:
@@ -111,11 +104,17 @@ class AuditTrail:
         """Drop the audit tables and build them again from the log."""
         self._audit.rebuild(self.store, self.name)
 
-    def refusals(self, **filters: Unpack[Filters]) -> list[dict[str, Any]]:
-        """Refused commands matching every filter given, as :meth:`audit` takes them."""
+    def refusals(
+        self, *, at_most: int | None = None, **filters: Unpack[Filters]
+    ) -> list[dict[str, Any]]:
+        """Refused commands matching every filter given, as :meth:`audit` takes
+        them (``at_most`` as :meth:`audit_json`'s)."""
         _check_times(filters)
         with self.store.read() as conn:
-            rows = select_rows(conn, refusals_table, refusals_table.c.id, filters)
+            rows = select_rows(
+                conn, refusals_table, refusals_table.c.id, _one_more(filters, at_most)
+            )
+        _within(len(rows), filters, at_most)
         return [
             {
                 "id": row.id,
@@ -278,3 +277,20 @@ def _stored_names(event_class: type[Model.Event], fields: dict[str, Any]) -> dic
     not ``capacity_class``), as ``log`` and ``audit`` show them."""
     names = {f.name: f.encode_name for f in msgspec.structs.fields(event_class)}
     return {names.get(key, key): value for key, value in fields.items()}
+
+
+def _one_more(filters: Filters, at_most: int | None) -> Filters:
+    """``filters`` asking, when they give no ``limit``, for one row more than
+    an answer may hold: enough to tell it would hold too many."""
+    if at_most is None or filters.get("limit") is not None:
+        return filters
+    return {**filters, "limit": at_most + 1}
+
+
+def _within(count: int, filters: Filters, at_most: int | None) -> None:
+    """Refuse an answer of more rows than ``at_most``, asked without a ``limit``."""
+    if at_most is not None and filters.get("limit") is None and count > at_most:
+        raise InputError(
+            f"more than {at_most:,} rows match: give limit (the most recent N, at most "
+            f"{at_most:,}), or narrow them with model, by, type, since or until"
+        )

@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ from catalog_es.cli.serve import _listening
 from catalog_es.errors import InputError, StorageBusy
 from catalog_es.inputs import MAX_CHANGES, DeclaredConfig
 from catalog_es.model import model_id
+from catalog_es.persistence import refusals_table
 from catalog_es.web.app import create_app
 from catalog_es.web.events import WAKE_UP_SECONDS
 from catalog_es.web.tokens import TokenStore
@@ -894,6 +896,16 @@ def test_log_and_audit_answers_past_a_page_are_refused_not_built(api: Api) -> No
     recent = ok(api.get("/audit", params={"limit": 5}))
     assert [r["revision"] for r in recent] == list(range(head - 4, head + 1))
     assert ok(api.get("/audit", params={"by": "write-user"}))  # one row: well within
+    # The refusals too (written straight to their table: ten thousand
+    # refused commands would take a while).
+    row = {"actor": "x", "model": "qwen", "event": "Scaled", "refusal": "no", "reason": ""}
+    with api.models.store.write() as conn:
+        conn.execute(
+            sa.insert(refusals_table),
+            [{**row, "time": datetime(2026, 1, 1), "fields": {}} for _ in range(10_001)],
+        )
+    assert refused(api.get("/refusals"), 422).startswith("more than 10,000 rows match")
+    assert len(ok(api.get("/refusals", params={"limit": 3}))) == 3
 
 
 def test_a_stream_ends_once_its_token_is_revoked(api: Api) -> None:

@@ -800,8 +800,9 @@ def audit(caller: Reader, models: Service, filters: AuditFilters) -> Response:
 
 @route.get("/refusals", tags=["audit"])
 def refusals(caller: Reader, models: Service, filters: AuditFilters) -> Response:
-    """Commands that were refused: who tried what, and why. They changed nothing."""
-    return respond(models.refusals(**filters))
+    """Commands that were refused: who tried what, and why. They changed
+    nothing. More than a page of them is refused: give `limit`, or narrow them."""
+    return respond(models.refusals(at_most=MAX_ANSWER_ROWS, **filters))
 
 
 @route.get("/verify", tags=["audit"])
