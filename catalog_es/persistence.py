@@ -23,6 +23,7 @@ import sqlite3
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -35,7 +36,6 @@ from eventsourcing.persistence import (
     AggregateRecorder,
     ApplicationRecorder,
     InfrastructureFactory,
-    ListenNotifySubscription,
     Notification,
     ProcessRecorder,
     StoredEvent,
@@ -1447,48 +1447,74 @@ def _as_uuid(value: UUID | str) -> UUID:
     return UUID(value) if isinstance(value, str) else value
 
 
-class PollingSubscription(Subscription[ApplicationRecorder]):
-    """New notifications as they commit, by polling: the SQLite way (it has no
-    LISTEN/NOTIFY). Stops promptly when ``stop()`` is called from any thread."""
+class PullingSubscription(Subscription[ApplicationRecorder]):
+    """New notifications as they commit, pulled a page at a time on the thread
+    that iterates, once it has used up the last page: an unread follower holds
+    one page, however far behind the head it started. (eventsourcing's LISTEN
+    subscription pulls ahead in a thread of its own into a queue of ten pages:
+    two hundred unread watches from an early revision held 900 MB.) With
+    nothing new it waits to be woken (:meth:`wake`), or ``interval`` seconds
+    if that is set. Stops promptly when ``stop()`` is called from any thread."""
 
-    interval = 0.2
+    page = 500
+    interval: float | None = None
 
     def __init__(
         self, recorder: SQLRecorder, gt: int | None = None, topics: Sequence[str] = ()
     ) -> None:
         super().__init__(recorder=recorder, gt=gt, topics=topics)
-        self._buffer: list[Notification] = []
-        self._stopped = threading.Event()
+        self._buffer: deque[Notification] = deque()
+        self._woken = threading.Event()
+        self._error: BaseException | None = None
+
+    def wake(self) -> None:
+        """A commit may have landed: pull before waiting again."""
+        self._woken.set()
+
+    def fail(self, error: BaseException) -> None:
+        """End, raising ``error`` to the iterating thread (a watch subscribes again)."""
+        if self._error is None:
+            self._error = error
+        self.stop()
 
     def stop(self) -> None:
         super().stop()
-        self._stopped.set()
+        self._woken.set()
 
     def __next__(self) -> Notification:
         while not self._buffer:
-            if self._stopped.is_set():
+            if self._has_been_stopped:
+                if self._error is not None:
+                    raise self._error
                 raise StopIteration
-            self._buffer = list(
+            # Cleared before the read: a wake-up during it is not lost.
+            self._woken.clear()
+            self._buffer.extend(
                 self._recorder.select_notifications(
                     start=self._last_notification_id or 0,
-                    limit=500,
+                    limit=self.page,
                     topics=self._topics,
                     inclusive_of_start=False,
                 )
             )
             if not self._buffer:
-                self._stopped.wait(self.interval)
-        notification = self._buffer.pop(0)
+                self._woken.wait(self.interval)
+        notification = self._buffer.popleft()
         self._last_notification_id = notification.id
         return notification
 
 
-class ListenSubscription(ListenNotifySubscription[ApplicationRecorder]):
-    """New notifications as they commit, woken by PostgreSQL's LISTEN/NOTIFY
-    rather than by polling. The pull itself is eventsourcing's: every wake-up
-    reads what is after the last revision delivered, so a lost notification
-    delays nothing past the next one, and a slow wake-up misses nothing. The
-    LISTEN connection is the process's, shared (:class:`Listener`)."""
+class PollingSubscription(PullingSubscription):
+    """The SQLite way: it has no LISTEN/NOTIFY, so it looks every ``interval``."""
+
+    interval: float | None = 0.2
+
+
+class ListenSubscription(PullingSubscription):
+    """Woken by PostgreSQL's LISTEN/NOTIFY rather than by polling. Every
+    wake-up reads what is after the last revision delivered, so a lost
+    notification delays nothing past the next one, and a slow wake-up misses
+    nothing. The LISTEN connection is the process's, shared (:class:`Listener`)."""
 
     def __init__(
         self, recorder: SQLRecorder, gt: int | None = None, topics: Sequence[str] = ()
@@ -1500,16 +1526,6 @@ class ListenSubscription(ListenNotifySubscription[ApplicationRecorder]):
     def __exit__(self, *args: object, **kwargs: Any) -> None:
         self._listener.discard(self)
         super().__exit__(*args, **kwargs)
-
-    def wake(self) -> None:
-        """A commit may have landed: pull."""
-        self._has_been_notified.set()
-
-    def fail(self, error: BaseException) -> None:
-        """The LISTEN connection failed: end, telling why (a watch subscribes again)."""
-        if self._thread_error is None:
-            self._thread_error = error
-        self.stop()
 
 
 class Listener:
