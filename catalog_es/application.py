@@ -1012,7 +1012,7 @@ class Models(AuditTrail, Application[UUID]):
 
         def subscribe(last: int) -> Subscription[Any]:
             # Asked first, so that a watch knows the database answers (the
-            # subscription's own reads happen later, in its thread).
+            # subscription reads only once it is iterated).
             with self.store.read() as conn:
                 self.store.head(conn)
             subscription = self.store.subscribe(gt=last)

@@ -1482,13 +1482,16 @@ class PullingSubscription(Subscription[ApplicationRecorder]):
         self._woken.set()
 
     def __next__(self) -> Notification:
-        while not self._buffer:
+        while True:
+            # Cleared before the stop is looked at and before the read: a stop
+            # or a wake-up after this sets it again, and the wait ends at once.
+            self._woken.clear()
             if self._has_been_stopped:
                 if self._error is not None:
                     raise self._error
                 raise StopIteration
-            # Cleared before the read: a wake-up during it is not lost.
-            self._woken.clear()
+            if self._buffer:
+                break
             self._buffer.extend(
                 self._recorder.select_notifications(
                     start=self._last_notification_id or 0,

@@ -32,7 +32,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import projections.catalog
-from catalog_es import commands, cpu
+from catalog_es import commands, cpu, persistence
 from catalog_es.application import Models
 from catalog_es.catalog import Catalog, Skipped
 from catalog_es.cli import cli
@@ -1190,6 +1190,49 @@ def test_a_follower_far_behind_holds_one_page_of_the_log_not_ten(
         watch.close()  # type: ignore[attr-defined]
     # A page of 500 small changes is about 300 KB; ten pages each were 30 MB.
     assert held < 10 * 1_000_000
+
+
+def test_a_stopped_watch_ends_at_once_even_mid_page(open_models: Callable[..., Models]) -> None:
+    """Stopped from another thread, a watch gives nothing more: not the rest
+    of a page it has read (review)."""
+    writer = open_models()
+    writer.add(spec("a"), by="x")
+    writer.apply_changes([commands.scale("a", 0, 2 + i % 3) for i in range(50)], by="x")
+    watch = writer.watch(0)
+    events = iter(watch)
+    assert next(events)["revision"] == 1
+    watch.stop()
+    assert list(events) == []
+
+
+def test_a_stop_just_as_a_watch_looks_for_more_is_not_lost(
+    open_models: Callable[..., Models], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stop landing after a watch saw it was not stopped, as it reset its
+    wake-up to read again, was wiped by that reset: finding nothing, the
+    watch waited on (on PostgreSQL until another commit; forever once its
+    LISTEN connection had failed). Forced here at that moment (review)."""
+    writer = open_models()
+    writer.add(spec("a"), by="x")
+    watch = writer.watch(1, poll_interval=60)
+
+    class StoppedAsItIsReset(threading.Event):
+        def clear(self) -> None:
+            watch.stop()  # another thread's, in life
+            super().clear()
+
+    made = persistence.PullingSubscription.__init__
+
+    def made_so(self: persistence.PullingSubscription, *args: Any, **kwargs: Any) -> None:
+        made(self, *args, **kwargs)
+        self._woken = StoppedAsItIsReset()
+
+    monkeypatch.setattr(persistence.PullingSubscription, "__init__", made_so)
+    seen: list[Any] = []
+    follower = threading.Thread(target=lambda: seen.extend(watch), daemon=True)
+    follower.start()
+    follower.join(timeout=10)
+    assert not follower.is_alive() and seen == []
 
 
 # -- the CLI ------------------------------------------------------------------------------------
