@@ -63,6 +63,11 @@ CHANNEL = "catalog_events"
 # command is refused with a clear error rather than "database is locked".
 LOCK_WAIT_SECONDS = 10.0
 LOCK_WAIT_ENV = "CATALOG_ES_LOCK_WAIT"
+# How long a PostgreSQL write may sit idle in its transaction, the log's lock
+# held, before the server ends its session: a node stopped mid-write (a paused
+# VM, SIGSTOP, a stuck process) held it for as long as it stayed stopped, and
+# every other node's writes were refused. Deciding 100,000 changes takes 2 s.
+WRITE_IDLE_SECONDS = 60.0
 # Rows per round trip when scanning the log.
 PAGE_SIZE = 10_000
 
@@ -591,6 +596,7 @@ class SQLRecorder(ProcessRecorder):
         # The driver's errors, which statements made straight on it raise.
         self._dbapi_error: type[Exception] = engine.dialect.loaded_dbapi.Error
         self.lock_wait = lock_wait_seconds()
+        self.write_idle = WRITE_IDLE_SECONDS
         # The connection writes go through, held between them (see _writer_connection).
         self._writer: Connection | None = None
         self._writer_pid = 0
@@ -869,9 +875,13 @@ class SQLRecorder(ProcessRecorder):
             with connection as conn, conn.begin():
                 if self.dialect == "postgresql":
                     waiting = self.lock_wait if wait is None else wait
-                    timeout = f"SET LOCAL lock_timeout = '{max(1, int(waiting * 1000))}ms'"
+                    timeout = (
+                        f"SET LOCAL lock_timeout = '{max(1, int(waiting * 1000))}ms';"
+                        " SET LOCAL idle_in_transaction_session_timeout ="
+                        f" '{max(1, int(self.write_idle * 1000))}ms'"
+                    )
                     if params is None:
-                        # One round trip for all three, on every command's path.
+                        # One round trip for all four, on every command's path.
                         # The write's statements are the same each time, and
                         # psycopg prepares them: planned once, not per command
                         # (planning the append took 0.3 ms of a command's 1.1).

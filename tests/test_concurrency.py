@@ -43,6 +43,7 @@ from catalog_es.persistence import (
     WRITER_CACHE_KIB,
     SQLRecorder,
     create_engine,
+    database_unusable,
     events_table,
 )
 from catalog_es.ports import Applier, NoApplier
@@ -253,6 +254,54 @@ def test_a_held_write_lock_refuses_a_command_after_the_bounded_wait(db_url: str)
     code, _, stderr, _ = catalog_es(db_url, "model", "scale", "m", "--max", "3")
     assert (code, stderr) == (0, "")
     assert count_events(db_url) == rows + 1
+
+
+def test_a_postgresql_node_stopped_mid_write_lets_go_of_the_lock_within_a_bound(
+    pg_url: str,
+) -> None:
+    """A node stopped in the middle of a write (a paused VM, SIGSTOP) held the
+    log's lock for as long as it stayed stopped: every other node's writes
+    were refused, with no end (hostile test). The server ends a write's
+    session once it sits idle in its transaction for ``write_idle`` seconds;
+    the stopped node's write, when it goes on, is refused and writes nothing."""
+    stopped = Models(DeclaredConfig(), env={"CATALOG_ES_DB": pg_url})
+    stopped.add(model_spec("m"), by="setup")
+    stopped.store.write_idle = 1.0
+    other = Models(DeclaredConfig(), env={"CATALOG_ES_DB": pg_url})
+    holding, go_on = threading.Event(), threading.Event()
+    outcome: list[BaseException | int] = []
+
+    def plan(batch: Any) -> None:
+        holding.set()
+        go_on.wait()
+        commands.scale("m", 0, 5).decide(batch)
+
+    def write() -> None:
+        try:
+            outcome.append(stopped.write_plan(plan, by="stopped")[0])
+        except BaseException as error:
+            outcome.append(error)
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    try:
+        assert holding.wait(10)
+        started = time.monotonic()
+        other.scale("m", 0, 3, by="ops")
+        assert time.monotonic() - started < other.store.lock_wait
+    finally:
+        go_on.set()
+    writer.join(10)
+    # What the CLI and HTTP tell as "the database could not be used".
+    assert len(outcome) == 1 and isinstance(outcome[0], BaseException), outcome
+    assert database_unusable(outcome[0]) is not None, outcome
+    assert [(e["by"], e["event"]) for e in other.log_events()][-1] == ("ops", "Scaled")
+    assert other.get_model("m")["scaling"] == {"min": 0, "max": 3}
+    # The stopped node writes again once it goes on.
+    stopped.scale("m", 1, 4, by="stopped")
+    assert other.get_model("m")["scaling"] == {"min": 1, "max": 4}
+    stopped.close()
+    other.close()
 
 
 Outcomes = list[tuple[str, float]]
