@@ -1586,7 +1586,20 @@ class Listener:
             import psycopg
 
             # Bounded: the last follower out waits for this thread to end.
-            with psycopg.connect(self._conninfo, autocommit=True, connect_timeout=10) as conn:
+            # Idle for as long as nothing is written: a NAT or firewall that
+            # drops idle flows (minutes, in most clouds) would cut it without a
+            # word, and every watch would wait for good. Probes every 30 s keep
+            # the flow, and a peer that stops answering ends it within a minute
+            # (the watches subscribe again); the system's default is two hours.
+            with psycopg.connect(
+                self._conninfo,
+                autocommit=True,
+                connect_timeout=10,
+                keepalives=1,
+                keepalives_idle=30,
+                keepalives_interval=10,
+                keepalives_count=3,
+            ) as conn:
                 conn.execute(f"LISTEN {CHANNEL}")
                 with self._lock:
                     # Commits between a subscription's first pull and LISTEN

@@ -1281,6 +1281,49 @@ def test_followers_in_one_process_share_one_listen_connection(pg_url: str) -> No
     writer.close()
 
 
+def test_the_listen_connection_is_kept_alive_and_given_up_when_its_peer_goes(
+    pg_url: str,
+) -> None:
+    """The LISTEN connection is idle while nothing is written. A NAT or a
+    firewall that drops idle flows would cut it silently, and no watch would
+    hear of a commit again; a peer gone without a word was noticed after the
+    system's two hours. It probes every 30 s, and gives up after three
+    unanswered probes, 10 s apart."""
+    writer = Models(DeclaredConfig(), env={"CATALOG_ES_DB": pg_url})
+    writer.add(spec("m"), by="setup")
+    watch = writer.watch(1)
+    follower = threading.Thread(target=lambda: list(watch))
+    follower.start()
+
+    def listen_port() -> int | None:
+        with writer.store.read() as conn:
+            return conn.exec_driver_sql(
+                "SELECT client_port FROM pg_stat_activity"
+                " WHERE query = 'LISTEN catalog_events' AND datname = current_database()"
+            ).scalar()
+
+    _until(lambda: listen_port() is not None)
+    port = listen_port()
+    options = []
+    for fd in Path("/proc/self/fd").iterdir():
+        with contextlib.suppress(OSError):
+            probe = socket.socket(fileno=os.dup(int(fd.name)))
+            with probe:
+                if probe.type == socket.SOCK_STREAM and probe.getsockname()[1] == port:
+                    options.append(
+                        (
+                            probe.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE),
+                            probe.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE),
+                            probe.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL),
+                            probe.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT),
+                        )
+                    )
+    watch.stop()
+    follower.join(timeout=10)
+    writer.close()
+    assert options == [(1, 30, 10, 3)]
+
+
 def _until(done: Callable[[], bool], seconds: float = 10) -> None:
     deadline = time.monotonic() + seconds
     while not done():
