@@ -537,14 +537,16 @@ _SQLITE_OUTAGES = {"BUSY", "LOCKED", "FULL", "IOERR", "NOMEM", "CANTOPEN"}
 # PostgreSQL's, by SQLSTATE. Outages, which pass: no connection (class 08),
 # out of resources (53), shut down, shutting down or not yet up
 # (57P01-57P03: a restart or a failover ends sessions with these), a server
-# that takes no writes (25006: a primary demoted in a failover). Setup to
+# that takes no writes (25006: a primary demoted in a failover), a session
+# the server ended for sitting idle (25P03 in a transaction, as a write
+# stopped midway is: WRITE_IDLE_SECONDS; 57P05 outside one). Setup to
 # mend, which does not: refused (28: who; 3D: no such database; 3F: no such
 # schema, a search_path naming none; 42501: a role without the privileges
 # the log needs) and tables of the log's names that are not the log's
 # (42P01, 42703). A query cancelled or a lock not had (57014, 55P03) is
 # busy, not unusable. An error with no state failed in the client: no
 # server reached, or the connection lost.
-_POSTGRESQL_OUTAGES = ("08", "53", "57P01", "57P02", "57P03", "25006")
+_POSTGRESQL_OUTAGES = ("08", "53", "57P01", "57P02", "57P03", "57P05", "25006", "25P03")
 _POSTGRESQL_SETUP = ("28", "3D", "3F", "42501", "42P01", "42703")
 _CLIENT_FAILURES = {"OperationalError", "InterfaceError", "DatabaseError"}
 
@@ -1541,6 +1543,21 @@ class ListenSubscription(PullingSubscription):
         super().__exit__(*args, **kwargs)
 
 
+# The LISTEN connection's own, where the database URL does not say. It is
+# idle for as long as nothing is written: a NAT or firewall that drops idle
+# flows (minutes, in most clouds) would cut it without a word, and every
+# watch would wait for good. Probes every 30 s keep the flow, and a peer that
+# stops answering ends it within a minute (the watches subscribe again); the
+# system's default is two hours.
+LISTEN_SETTINGS = {
+    "connect_timeout": 10,
+    "keepalives": 1,
+    "keepalives_idle": 30,
+    "keepalives_interval": 10,
+    "keepalives_count": 3,
+}
+
+
 class Listener:
     """One LISTEN connection a process shares among its subscriptions, in a
     thread that runs while any is open. A connection each, a few dozen
@@ -1586,20 +1603,12 @@ class Listener:
             import psycopg
 
             # Bounded: the last follower out waits for this thread to end.
-            # Idle for as long as nothing is written: a NAT or firewall that
-            # drops idle flows (minutes, in most clouds) would cut it without a
-            # word, and every watch would wait for good. Probes every 30 s keep
-            # the flow, and a peer that stops answering ends it within a minute
-            # (the watches subscribe again); the system's default is two hours.
-            with psycopg.connect(
-                self._conninfo,
-                autocommit=True,
-                connect_timeout=10,
-                keepalives=1,
-                keepalives_idle=30,
-                keepalives_interval=10,
-                keepalives_count=3,
-            ) as conn:
+            from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+            given = conninfo_to_dict(self._conninfo)
+            settings = {k: v for k, v in LISTEN_SETTINGS.items() if k not in given}
+            conninfo = make_conninfo(self._conninfo, **settings)
+            with psycopg.connect(conninfo, autocommit=True) as conn:
                 conn.execute(f"LISTEN {CHANNEL}")
                 with self._lock:
                     # Commits between a subscription's first pull and LISTEN

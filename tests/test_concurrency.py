@@ -256,14 +256,16 @@ def test_a_held_write_lock_refuses_a_command_after_the_bounded_wait(db_url: str)
     assert count_events(db_url) == rows + 1
 
 
+@pytest.mark.parametrize("stopped_when", ["deciding", "appended"])
 def test_a_postgresql_node_stopped_mid_write_lets_go_of_the_lock_within_a_bound(
-    pg_url: str,
+    pg_url: str, stopped_when: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A node stopped in the middle of a write (a paused VM, SIGSTOP) held the
     log's lock for as long as it stayed stopped: every other node's writes
     were refused, with no end (hostile test). The server ends a write's
     session once it sits idle in its transaction for ``write_idle`` seconds;
-    the stopped node's write, when it goes on, is refused and writes nothing."""
+    the stopped node's write, when it goes on, is refused as the database
+    gone (not as an unexpected error: review) and writes nothing."""
     stopped = Models(DeclaredConfig(), env={"CATALOG_ES_DB": pg_url})
     stopped.add(model_spec("m"), by="setup")
     stopped.store.write_idle = 1.0
@@ -271,10 +273,24 @@ def test_a_postgresql_node_stopped_mid_write_lets_go_of_the_lock_within_a_bound(
     holding, go_on = threading.Event(), threading.Event()
     outcome: list[BaseException | int] = []
 
-    def plan(batch: Any) -> None:
+    def stop() -> None:
         holding.set()
         go_on.wait()
+
+    def plan(batch: Any) -> None:
+        if stopped_when == "deciding":
+            stop()
         commands.scale("m", 0, 5).decide(batch)
+
+    append = stopped.store.insert_events
+
+    def append_then_stop(*args: Any, **kwargs: Any) -> Any:
+        revisions = append(*args, **kwargs)
+        stop()
+        return revisions
+
+    if stopped_when == "appended":
+        monkeypatch.setattr(stopped.store, "insert_events", append_then_stop)
 
     def write() -> None:
         try:

@@ -1281,15 +1281,19 @@ def test_followers_in_one_process_share_one_listen_connection(pg_url: str) -> No
     writer.close()
 
 
+@pytest.mark.parametrize(
+    ("in_url", "probes"), [("", (30, 10, 3)), ("keepalives_idle=45", (45, 10, 3))]
+)
 def test_the_listen_connection_is_kept_alive_and_given_up_when_its_peer_goes(
-    pg_url: str,
+    pg_url: str, in_url: str, probes: tuple[int, int, int]
 ) -> None:
     """The LISTEN connection is idle while nothing is written. A NAT or a
     firewall that drops idle flows would cut it silently, and no watch would
     hear of a commit again; a peer gone without a word was noticed after the
     system's two hours. It probes every 30 s, and gives up after three
-    unanswered probes, 10 s apart."""
-    writer = Models(DeclaredConfig(), env={"CATALOG_ES_DB": pg_url})
+    unanswered probes, 10 s apart; what the database URL says wins (review)."""
+    url = f"{pg_url}&{in_url}" if in_url else pg_url
+    writer = Models(DeclaredConfig(), env={"CATALOG_ES_DB": url})
     writer.add(spec("m"), by="setup")
     watch = writer.watch(1)
     follower = threading.Thread(target=lambda: list(watch))
@@ -1321,7 +1325,7 @@ def test_the_listen_connection_is_kept_alive_and_given_up_when_its_peer_goes(
     watch.stop()
     follower.join(timeout=10)
     writer.close()
-    assert options == [(1, 30, 10, 3)]
+    assert options == [(1, *probes)]
 
 
 def _until(done: Callable[[], bool], seconds: float = 10) -> None:
