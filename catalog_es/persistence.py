@@ -68,6 +68,7 @@ LOCK_WAIT_ENV = "CATALOG_ES_LOCK_WAIT"
 # VM, SIGSTOP, a stuck process) held it for as long as it stayed stopped, and
 # every other node's writes were refused. Deciding 100,000 changes takes 2 s.
 WRITE_IDLE_SECONDS = 60.0
+WRITE_IDLE_ENV = "CATALOG_ES_WRITE_IDLE"
 # Rows per round trip when scanning the log.
 PAGE_SIZE = 10_000
 
@@ -232,9 +233,14 @@ class Standing(NamedTuple):
 def lock_wait_seconds() -> float:
     """The bounded wait for the write lock: ``CATALOG_ES_LOCK_WAIT`` seconds,
     else ``LOCK_WAIT_SECONDS``."""
-    text = os.environ.get(LOCK_WAIT_ENV, "").strip()
+    return _seconds(LOCK_WAIT_ENV, LOCK_WAIT_SECONDS)
+
+
+def _seconds(variable: str, default: float) -> float:
+    """Seconds from environment ``variable``, else ``default``; empty is unset."""
+    text = os.environ.get(variable, "").strip()
     if not text:
-        return LOCK_WAIT_SECONDS
+        return default
     try:
         seconds = float(text)
     except ValueError:
@@ -242,8 +248,7 @@ def lock_wait_seconds() -> float:
     # Written so that NaN fails too; an hour is already far past any useful wait.
     if not 0 < seconds <= 3600:
         raise ConfigError(
-            f"{LOCK_WAIT_ENV} must be a number of seconds above 0 and at most 3600, "
-            f"not {shown(text)}"
+            f"{variable} must be a number of seconds above 0 and at most 3600, not {shown(text)}"
         )
     return seconds
 
@@ -539,7 +544,7 @@ _SQLITE_OUTAGES = {"BUSY", "LOCKED", "FULL", "IOERR", "NOMEM", "CANTOPEN"}
 # (57P01-57P03: a restart or a failover ends sessions with these), a server
 # that takes no writes (25006: a primary demoted in a failover), a session
 # the server ended for sitting idle (25P03 in a transaction, as a write
-# stopped midway is: WRITE_IDLE_SECONDS; 57P05 outside one). Setup to
+# stopped midway is: CATALOG_ES_WRITE_IDLE; 57P05 outside one). Setup to
 # mend, which does not: refused (28: who; 3D: no such database; 3F: no such
 # schema, a search_path naming none; 42501: a role without the privileges
 # the log needs) and tables of the log's names that are not the log's
@@ -598,7 +603,7 @@ class SQLRecorder(ProcessRecorder):
         # The driver's errors, which statements made straight on it raise.
         self._dbapi_error: type[Exception] = engine.dialect.loaded_dbapi.Error
         self.lock_wait = lock_wait_seconds()
-        self.write_idle = WRITE_IDLE_SECONDS
+        self.write_idle = _seconds(WRITE_IDLE_ENV, WRITE_IDLE_SECONDS)
         # The connection writes go through, held between them (see _writer_connection).
         self._writer: Connection | None = None
         self._writer_pid = 0

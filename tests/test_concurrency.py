@@ -40,6 +40,7 @@ from catalog_es.persistence import (
     LOCK_WAIT_ENV,
     SYNC_ENV,
     WAL_CHECKPOINT_PAGES,
+    WRITE_IDLE_ENV,
     WRITER_CACHE_KIB,
     SQLRecorder,
     create_engine,
@@ -265,11 +266,12 @@ def test_a_postgresql_node_stopped_mid_write_lets_go_of_the_lock_within_a_bound(
     were refused, with no end (hostile test). The server ends a write's
     session once it sits idle in its transaction for ``write_idle`` seconds;
     the stopped node's write, when it goes on, is refused as the database
-    gone (not as an unexpected error: review) and writes nothing."""
+    gone (not as an unexpected error: review) and writes nothing. The bound
+    is ``CATALOG_ES_WRITE_IDLE`` seconds, 60 by default."""
+    other = Models(DeclaredConfig(), env={"CATALOG_ES_DB": pg_url})
+    monkeypatch.setenv(WRITE_IDLE_ENV, "1")
     stopped = Models(DeclaredConfig(), env={"CATALOG_ES_DB": pg_url})
     stopped.add(model_spec("m"), by="setup")
-    stopped.store.write_idle = 1.0
-    other = Models(DeclaredConfig(), env={"CATALOG_ES_DB": pg_url})
     holding, go_on = threading.Event(), threading.Event()
     outcome: list[BaseException | int] = []
 
@@ -736,6 +738,7 @@ LOCK_WAIT_REFUSAL = "must be a number of seconds above 0 and at most 3600, not {
     ("variable", "value", "refusal"),
     [
         *((LOCK_WAIT_ENV, v, LOCK_WAIT_REFUSAL) for v in ["soon", "0", "-1", "nan", "inf", "1e9"]),
+        *((WRITE_IDLE_ENV, v, LOCK_WAIT_REFUSAL) for v in ["a minute", "0", "nan", "3601"]),
         (SYNC_ENV, "OFF", "must be FULL or NORMAL, not {!r}"),
         (SYNC_ENV, "garbage", "must be FULL or NORMAL, not {!r}"),  # as given
     ],
@@ -749,7 +752,7 @@ def test_a_storage_setting_out_of_range_is_refused_in_one_line(
     assert result.stderr.splitlines() == [f"error: {variable} {refusal.format(value)}"]
 
 
-@pytest.mark.parametrize("variable", [LOCK_WAIT_ENV, SYNC_ENV, SNAPSHOT_ENV])
+@pytest.mark.parametrize("variable", [LOCK_WAIT_ENV, WRITE_IDLE_ENV, SYNC_ENV, SNAPSHOT_ENV])
 def test_a_setting_set_empty_is_unset(
     variable: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
