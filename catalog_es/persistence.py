@@ -882,13 +882,17 @@ class SQLRecorder(ProcessRecorder):
             with connection as conn, conn.begin():
                 if self.dialect == "postgresql":
                     waiting = self.lock_wait if wait is None else wait
+                    # Stopped mid-write, a node is idle in its transaction, or,
+                    # stopped while the server still sends it a read, leaves
+                    # what is sent unacknowledged: either ends its session.
+                    idle = f"'{max(1, int(self.write_idle * 1000))}ms'"
                     timeout = (
                         f"SET LOCAL lock_timeout = '{max(1, int(waiting * 1000))}ms';"
-                        " SET LOCAL idle_in_transaction_session_timeout ="
-                        f" '{max(1, int(self.write_idle * 1000))}ms'"
+                        f" SET LOCAL idle_in_transaction_session_timeout = {idle};"
+                        f" SET LOCAL tcp_user_timeout = {idle}"
                     )
                     if params is None:
-                        # One round trip for all four, on every command's path.
+                        # One round trip for all five, on every command's path.
                         # The write's statements are the same each time, and
                         # psycopg prepares them: planned once, not per command
                         # (planning the append took 0.3 ms of a command's 1.1).

@@ -322,6 +322,56 @@ def test_a_postgresql_node_stopped_mid_write_lets_go_of_the_lock_within_a_bound(
     other.close()
 
 
+_READS_INSIDE_A_WRITE = """
+import sys
+from catalog_es.persistence import SQLRecorder, create_engine
+
+store = SQLRecorder(create_engine(sys.argv[1]))
+with store.write() as conn:
+    # A read far larger than the sockets hold, as a catch-up page can be.
+    conn.exec_driver_sql("SELECT repeat('x', 1000) FROM generate_series(1, 50000)").all()
+"""
+
+
+def test_a_postgresql_node_stopped_while_it_is_sent_a_read_lets_go_of_the_lock(
+    pg_url: str, pg_admin: sa.Engine
+) -> None:
+    """Stopped while the server still sent it a large read inside its write,
+    a node's session was not idle but waiting to send, and held the log's
+    lock with no end (review). What it leaves unacknowledged ends the
+    session after ``CATALOG_ES_WRITE_IDLE`` seconds too."""
+    SQLRecorder(create_engine(pg_url)).close()  # the tables
+    env = {**os.environ, WRITE_IDLE_ENV: "1"}
+    node = subprocess.Popen([sys.executable, "-c", _READS_INSIDE_A_WRITE, pg_url], env=env)
+
+    def sending() -> list[tuple[Any, ...]]:
+        with pg_admin.connect() as conn:
+            return [
+                tuple(row)
+                for row in conn.exec_driver_sql(
+                    "SELECT a.pid, a.wait_event FROM pg_stat_activity a JOIN pg_locks l"
+                    " ON l.pid = a.pid AND l.mode = 'ExclusiveLock' AND l.relation IS NOT NULL"
+                    " WHERE a.query LIKE 'SELECT repeat%%'"
+                )
+            ]
+
+    try:
+        deadline = time.monotonic() + 20
+        while not sending():
+            assert node.poll() is None and time.monotonic() < deadline
+            time.sleep(0.005)
+        node.send_signal(signal.SIGSTOP)
+        time.sleep(1)
+        assert sending(), "the read ended before the node was stopped"
+        deadline = time.monotonic() + 6
+        while sending():
+            assert time.monotonic() < deadline, sending()
+            time.sleep(0.1)
+    finally:
+        node.kill()
+        node.wait()
+
+
 Outcomes = list[tuple[str, float]]
 
 
