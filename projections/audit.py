@@ -4,9 +4,10 @@ Built by replaying the log over the declared config with a :class:`Catalog`, so
 ``before`` and ``after`` are the definitions in force around each event, and an
 event that load skips is there with the reason rather than missing. The tables
 are disposable: :meth:`AuditProjection.rebuild` drops them and replays the log,
-with the same answers. They are computed over one declared config; opened over
-another (its fingerprint differs), they are rebuilt, since what a replay skips
-depends on what the config declares.
+with the same answers. The rows depend on the declared config (what a replay
+skips depends on what it declares), so each config's are in a table of their
+own: nodes declaring different configs on one database, as in a rolling
+deploy, each keep theirs, and the oldest configs' tables go.
 
 In the style of eventsourcing's projections (a ``name``, ``topics``, a
 singledispatch ``process_event``, rows and tracking position written in one
@@ -18,9 +19,12 @@ million events wants one transaction per batch.
 
 from __future__ import annotations
 
+import logging
+import re
 import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from datetime import MAXYEAR, UTC, datetime
 from typing import Any, TypedDict
 
@@ -34,13 +38,15 @@ from sqlalchemy.engine import Connection, Engine
 from catalog_es.catalog import Catalog, Skipped
 from catalog_es.collector import collector_paused
 from catalog_es.configuration import CONFIG_DECLARED, Configuration
-from catalog_es.errors import StorageBusy
+from catalog_es.errors import StorageBusy, first_line
 from catalog_es.inputs import DeclaredConfig
 from catalog_es.mapper import UndecodableEvent, decode_event, model_of_state, topic_name
-from catalog_es.model import DomainEvent, Model, utc_text
+from catalog_es.model import DomainEvent, Model, utc_now, utc_text
 from catalog_es.persistence import SQLRecorder, acquire_within
 from catalog_es.spec import ModelSpec
 from catalog_es.views import event_fields
+
+log = logging.getLogger("catalog_es.audit")
 
 # Rows per transaction while catching up.
 BATCH_SIZE = 5_000
@@ -57,51 +63,73 @@ RETRIES = 3
 # or to what a row's view holds (its keys, ``field_changes``, how times are
 # written), so that each version of this code keeps tables of its own, and
 # nodes of two versions sharing a database during an upgrade each read tables
-# they understand. Tables of an earlier layout are left to the nodes that use them.
-LAYOUT = 3
-CHANGES = f"audit_changes_v{LAYOUT}"
+# they understand. Tables of an earlier layout are left to the nodes that use
+# them. 4: a table of rows per declared config.
+LAYOUT = 4
+CHANGES_PREFIX = f"audit_changes_v{LAYOUT}_"
+# Declared configs whose rows are kept: a node opening tables for a config
+# drops those of the others beyond the most recently written. Nodes of two
+# configs (a rolling deploy, a canary beside them) each keep their own, where
+# one set of tables had them take turns rebuilding it over their own config,
+# and most of their queries failed; the bound keeps each edit of the config
+# from leaving a copy of the audit behind for good.
+CONFIGS_KEPT = 3
 
+# The tracking positions, one row per declared config, shared by every config's table.
 metadata = sa.MetaData()
 # INTEGER on SQLite, so the revision is the rowid itself.
 _revision = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
-
-changes_table = sa.Table(
-    CHANGES,
-    metadata,
-    sa.Column("revision", _revision, primary_key=True, autoincrement=False),
-    # What the queries filter on. UTC; NULL, like actor, for a record that
-    # could not be decoded.
-    sa.Column("time", sa.DateTime()),
-    sa.Column("actor", sa.Text()),
-    sa.Column("model", sa.Text(), nullable=False),
-    # Text, not a bounded string: an unreadable record's topic can be any length.
-    sa.Column("event", sa.Text(), nullable=False),
-    # The row as the queries return it, as JSON: an answer of ten thousand
-    # rows is then one decode, not four columns and a dict a row, which was
-    # most of its time.
-    sa.Column("view", sa.Text(), nullable=False),
-    # With the revision in each index, a filtered query reads its rows in
-    # order, newest first for a limit, without sorting.
-    sa.Index(f"{CHANGES}_model", "model", "revision"),
-    sa.Index(f"{CHANGES}_actor", "actor", "revision"),
-    sa.Index(f"{CHANGES}_event", "event", "revision"),
-    sa.Index(f"{CHANGES}_time", "time", "revision"),
-)
 
 tracking_table = sa.Table(
     f"audit_tracking_v{LAYOUT}",
     metadata,
     sa.Column("application_name", sa.String(64), primary_key=True),
-    sa.Column("notification_id", _revision, nullable=False),
     # Fingerprint of the declared config the rows were computed over.
-    sa.Column("config", sa.String(64), nullable=False),
+    sa.Column("config", sa.String(64), primary_key=True),
+    # Written with the table, at 0: a config without a row has no table.
+    sa.Column("notification_id", _revision, nullable=False),
     # Whether the rows' times never go back as the revisions go up (rows
     # without a time aside), and the latest so far. While they do not, a time
     # bound is a revision bound, which every index can seek.
     sa.Column("times_in_order", sa.Boolean(), nullable=False),
     sa.Column("latest_time", sa.DateTime()),
+    # Drawn when the table is made: a position read before a rebuild, and
+    # met again as the same number after it, is not the same.
     sa.Column("generation", sa.String(32), nullable=False),
+    # When rows or a position were last written (UTC, the writer's clock):
+    # the configs kept are the most recently written.
+    sa.Column("written_at", sa.DateTime(), nullable=False),
 )
+
+
+def changes_table_for(config: str) -> sa.Table:
+    """The table of the rows computed over one declared config: named after
+    the first 16 hex digits of its fingerprint."""
+    if not re.fullmatch("[0-9a-f]{16,64}", config):
+        raise ValueError(f"not a config fingerprint: {config!r}")
+    name = CHANGES_PREFIX + config[:16]
+    return sa.Table(
+        name,
+        sa.MetaData(),
+        sa.Column("revision", _revision, primary_key=True, autoincrement=False),
+        # What the queries filter on. UTC; NULL, like actor, for a record that
+        # could not be decoded.
+        sa.Column("time", sa.DateTime()),
+        sa.Column("actor", sa.Text()),
+        sa.Column("model", sa.Text(), nullable=False),
+        # Text, not a bounded string: an unreadable record's topic can be any length.
+        sa.Column("event", sa.Text(), nullable=False),
+        # The row as the queries return it, as JSON: an answer of ten thousand
+        # rows is then one decode, not four columns and a dict a row, which was
+        # most of its time.
+        sa.Column("view", sa.Text(), nullable=False),
+        # With the revision in each index, a filtered query reads its rows in
+        # order, newest first for a limit, without sorting.
+        sa.Index(f"{name}_model", "model", "revision"),
+        sa.Index(f"{name}_actor", "actor", "revision"),
+        sa.Index(f"{name}_event", "event", "revision"),
+        sa.Index(f"{name}_time", "time", "revision"),
+    )
 
 
 # -- times -------------------------------------------------------------------------
@@ -245,48 +273,110 @@ class TimeOrder(msgspec.Struct):
 
 
 class Tracked(msgspec.Struct, frozen=True):
+    """A config's position, the order of its rows' times, and its table's generation."""
+
     position: int
-    config: str
     times: TimeOrder
-    # Drawn when the tables' first position is written: a position read before
-    # a reset, and met again as the same number after a rebuild, is not the same.
-    generation: str = ""
+    # Drawn when the table is made: a position read before a rebuild, and met
+    # again as the same number after it, is not the same.
+    generation: str
 
 
 class AuditView(TrackingRecorder):
-    """The audit tables, for one declared config, and their tracking position."""
+    """The audit rows of one declared config, in a table of their own, and
+    their tracking position."""
 
     def __init__(self, store: SQLRecorder, config: str) -> None:
         self.store = store
         self.engine: Engine = store.engine
         self.config = config
+        self.changes_table = changes_table_for(config)
         store.create_tables(metadata)
 
-    def reset(self) -> None:
-        """Drop the tables and create them empty."""
-        with self.store.locked("catalog_es.tables") as conn:
-            metadata.drop_all(conn)
-            metadata.create_all(conn)
+    def reset(self, application_name: str) -> None:
+        """Make this config's table anew, empty, at position 0."""
+        with self.store.locked("catalog_es.audit") as conn:
+            self._make(conn, application_name)
 
     def resume_from(self, application_name: str) -> Tracked:
-        """Where the rows are up to, and the order of their times. Rows computed
-        over another config, or without a position, are dropped: the catch-up
-        starts again from 0."""
-        with self.store.read() as conn:  # both reads in one snapshot
+        """Where the rows are up to, and the order of their times. A config
+        without a position (new here, or dropped for newer ones) has its table
+        made, empty: the catch-up starts from 0."""
+        with self.store.read() as conn:
             tracked = self._tracked(conn, application_name)
-            rows = conn.execute(sa.select(changes_table.c.revision).limit(1)).first()
-        if tracked is not None and tracked.config == self.config:
+        if tracked is not None:
             return tracked
-        if tracked is not None or rows is not None:
-            self.reset()
-        return Tracked(position=0, config=self.config, times=TimeOrder())
+        with self.store.locked("catalog_es.audit") as conn:
+            # Another process may have made it since the read.
+            tracked = self._tracked(conn, application_name)
+            if tracked is None:
+                tracked = self._make(conn, application_name)
+        return tracked
+
+    def _make(self, conn: Connection, application_name: str) -> Tracked:
+        """This config's table, made anew with its position at 0; the tables of
+        configs beyond the :data:`CONFIGS_KEPT` most recently written go."""
+        metadata.create_all(conn)  # the tracking table, if dropped by hand since the start
+        self.changes_table.drop(conn, checkfirst=True)
+        self.changes_table.create(conn)
+        t = tracking_table.c
+        conn.execute(
+            sa.delete(tracking_table).where(
+                t.application_name == application_name, t.config == self.config
+            )
+        )
+        tracked = Tracked(0, TimeOrder(), uuid.uuid4().hex)
+        conn.execute(
+            sa.insert(tracking_table).values(
+                application_name=application_name,
+                config=self.config,
+                notification_id=0,
+                times_in_order=True,
+                latest_time=None,
+                generation=tracked.generation,
+                written_at=utc_now().replace(tzinfo=None),
+            )
+        )
+        self._drop_older(conn)
+        return tracked
+
+    def _drop_older(self, conn: Connection) -> None:
+        """Drop the tables of the configs beyond the :data:`CONFIGS_KEPT`
+        written last (this one among them), with their positions. Housekeeping:
+        a table this role may not drop (another role's) is left, with a
+        warning, and tried again when the next config comes."""
+        t = tracking_table.c
+        newest_others = (
+            sa.select(t.config)
+            .where(t.config != self.config)
+            .group_by(t.config)
+            .order_by(sa.func.max(t.written_at).desc())
+            .limit(CONFIGS_KEPT - 1)
+        )
+        kept = {self.config, *conn.execute(newest_others).scalars()}
+        configs = {
+            changes_table_for(c).name: c for c in conn.execute(sa.select(t.config)).scalars()
+        }
+        left: set[str] = set()
+        for name in sa.inspect(conn).get_table_names():
+            if not name.startswith(CHANGES_PREFIX) or configs.get(name) in kept:
+                continue
+            try:
+                with conn.begin_nested():
+                    sa.Table(name, sa.MetaData()).drop(conn)
+            except sa.exc.DBAPIError as error:
+                log.warning(
+                    "audit table %s of an older config left: %s", name, first_line(str(error.orig))
+                )
+                left.add(configs.get(name, ""))
+        conn.execute(sa.delete(tracking_table).where(t.config.not_in(kept | left)))
 
     def analyze(self) -> None:
         """Refresh the planner's statistics; skipped while the database is busy,
         as they only make queries faster (the next large catch-up tries again)."""
         try:
             with self.store.locked("catalog_es.audit") as conn:
-                conn.execute(sa.text(f"ANALYZE {changes_table.name}"))
+                conn.execute(sa.text(f"ANALYZE {self.changes_table.name}"))
         except StorageBusy:
             pass
 
@@ -295,88 +385,103 @@ class AuditView(TrackingRecorder):
         rows: Sequence[dict[str, Any]],
         tracking: Tracking,
         times: TimeOrder,
-        after: int,
         generation: str,
         wait: float | None = None,
-    ) -> str:
-        """Rows and the position they bring the view up to, from ``after`` in
-        the tables of ``generation``, in one transaction, one process at a
-        time; answers the tables' generation. Another process may have written
-        some of them since: the same rows, as the replay is the same, so only
-        those past its position are written. If it reset the tables, or went
-        over another config, the view is no longer the one these rows follow
-        (:class:`ViewMoved`). ``wait``: for the lock, as ``SQLRecorder.write``'s."""
+    ) -> None:
+        """Rows and the position they bring the view up to, in the table of
+        ``generation``, in one transaction, one process at a time. Another
+        process may have written some of them since: the same rows, as the
+        replay is the same, so only those past its position are written. If it
+        made the table anew, or dropped it for newer configs, the view is no
+        longer the one these rows follow (:class:`ViewMoved`). ``wait``: for
+        the lock, as ``SQLRecorder.write``'s."""
         with self.store.locked("catalog_es.audit", wait) as conn:
             tracked = self._tracked(conn, tracking.application_name)
-            if tracked is not None and tracked.config != self.config:
+            if tracked is None:
                 raise ViewMoved(
-                    "another node keeps the audit tables over another declared config "
-                    "(nodes sharing a database must declare the same)"
+                    "the audit rows of this declared config were dropped meanwhile, "
+                    f"for those of the {CONFIGS_KEPT} configs written last"
                 )
-            if after and (tracked is None or tracked.generation != generation):
+            if tracked.generation != generation:
                 raise ViewMoved("the audit tables were rebuilt by another process meanwhile")
-            if tracked is not None and tracked.position >= tracking.notification_id:
-                return tracked.generation
-            position = tracked.position if tracked is not None else 0
+            if tracked.position >= tracking.notification_id:
+                return
             conn.execute(
-                sa.insert(changes_table), [row for row in rows if row["revision"] > position]
+                sa.insert(self.changes_table),
+                [row for row in rows if row["revision"] > tracked.position],
             )
-            return self._track(conn, tracking, times, tracked)
+            self._track(conn, tracking, times)
 
     def insert_tracking(self, tracking: Tracking) -> None:
         """The position alone; one at or past it already is refused (IntegrityError)."""
         with self.store.locked("catalog_es.audit") as conn:
             tracked = self._tracked(conn, tracking.application_name)
-            if tracked is not None and tracked.position >= tracking.notification_id:
-                tracked = None  # so the insert fails on the key
-            self._track(conn, tracking, None, tracked)
+            if tracked is None:
+                tracked = self._make(conn, tracking.application_name)
+            if tracked.position >= tracking.notification_id:
+                raise sa.exc.IntegrityError(
+                    "INSERT INTO audit tracking",
+                    (tracking.application_name, tracking.notification_id),
+                    ValueError(f"position {tracked.position} is recorded already"),
+                )
+            self._track(conn, tracking, None)
 
     def max_tracking_id(self, application_name: str) -> int | None:
         with self.engine.connect() as conn:
             tracked = self._tracked(conn, application_name)
-        return tracked.position if tracked is not None else None
+        return (tracked.position or None) if tracked is not None else None
 
     def changes(
         self, filters: Filters, application_name: str, position: int, generation: str
     ) -> list[str]:
-        """The stored views of the matching rows, each a row as JSON, from
-        tables at ``position`` or past it in ``generation``: not from tables
-        another process is rebuilding (:class:`ViewMoved`)."""
+        """The stored views of the matching rows, each a row as JSON, from the
+        table at ``position`` or past it in ``generation``: not from one another
+        process is making anew (:class:`ViewMoved`)."""
         # Paused, and the rows made and freed inside: otherwise the young
         # collections walk them, as they are fetched and as the pause ends,
         # and promote them to the oldest generation, which brings on a full
         # collection every few answers (about 20 ms here, on reads of 25-30 ms).
-        with self.store.read() as conn, collector_paused():
+        with self._reading() as conn, collector_paused():
             tracked = self._tracked(conn, application_name)
-            if position and (
-                tracked is None or tracked.generation != generation or tracked.position < position
-            ):
+            if tracked is None or tracked.generation != generation or tracked.position < position:
                 raise ViewMoved("the audit tables are being rebuilt by another process")
             return self._matching(conn, filters, tracked)
 
     def current_changes(self, filters: Filters, application_name: str) -> list[str] | None:
-        """:meth:`changes`, when the tables are over this view's config and at
-        the head of the log in the read; ``None`` otherwise: a catch-up is due."""
-        with self.store.read() as conn, collector_paused():  # paused as in changes()
-            tracked = self._tracked(conn, application_name)
-            if (
-                tracked is None
-                or tracked.config != self.config
-                or tracked.position != self.store.head(conn)
-            ):
-                return None
-            return self._matching(conn, filters, tracked)
+        """:meth:`changes`, when the table is at the head of the log in the
+        read; ``None`` otherwise: a catch-up is due."""
+        try:
+            with self._reading() as conn, collector_paused():  # paused as in changes()
+                tracked = self._tracked(conn, application_name)
+                if tracked is None or tracked.position != self.store.head(conn):
+                    return None
+                return self._matching(conn, filters, tracked)
+        except ViewMoved:
+            return None
 
-    def _matching(self, conn: Connection, filters: Filters, tracked: Tracked | None) -> list[str]:
-        c = changes_table.c
+    @contextmanager
+    def _reading(self) -> Iterator[Connection]:
+        """A read of the table. On PostgreSQL another process can drop it (for
+        newer configs) between this read's first statement and its own use of
+        the table, which then is missing: the view moved."""
+        try:
+            with self.store.read() as conn:
+                yield conn
+        except sa.exc.ProgrammingError as error:
+            if getattr(error.orig, "sqlstate", None) != "42P01":
+                raise
+            raise ViewMoved("the audit tables were dropped by another process meanwhile") from None
+
+    def _matching(self, conn: Connection, filters: Filters, tracked: Tracked) -> list[str]:
+        c = self.changes_table.c
         within = self._revisions(conn, filters, tracked)
-        rows = select_rows(conn, changes_table, c.revision, filters, [c.view], within)
+        rows = select_rows(conn, self.changes_table, c.revision, filters, [c.view], within)
         views = [view for (view,) in rows]
         del rows
         return views
 
     def _revisions(
-        self, conn: Connection, filters: Filters, tracked: Tracked | None
+        self, conn: Connection, filters: Filters, tracked: Tracked
     ) -> tuple[int | None, int | None]:
         """The time bounds as revision bounds, while times are in order: the
         first revision at or after ``since`` and the last before ``until``.
@@ -385,9 +490,9 @@ class AuditView(TrackingRecorder):
         since, until = filters.get("since"), filters.get("until")
         if since is None and until is None:
             return None, None
-        if tracked is None or not tracked.times.in_order:
+        if not tracked.times.in_order:
             return None, None
-        c = changes_table.c
+        c = self.changes_table.c
         nothing = (1, 0)
         first = last = None
         if since is not None:
@@ -412,46 +517,36 @@ class AuditView(TrackingRecorder):
 
     def mentions(self, model: str) -> bool:
         """Whether any stored event is about ``model``."""
-        c = changes_table.c
+        c = self.changes_table.c
         query = sa.select(c.revision).where(c.model == filter_text(model)).limit(1)
-        with self.engine.connect() as conn:
+        with self._reading() as conn:
             return conn.execute(query).first() is not None
 
     def _tracked(self, conn: Connection, application_name: str) -> Tracked | None:
         t = tracking_table.c
         row = conn.execute(
-            sa.select(
-                t.notification_id, t.config, t.times_in_order, t.latest_time, t.generation
-            ).where(t.application_name == application_name)
+            sa.select(t.notification_id, t.times_in_order, t.latest_time, t.generation).where(
+                t.application_name == application_name, t.config == self.config
+            )
         ).first()
         if row is None:
             return None
-        return Tracked(row[0], row[1], TimeOrder(row[2], row[3]), row[4])
+        return Tracked(row[0], TimeOrder(row[1], row[2]), row[3])
 
-    def _track(
-        self, conn: Connection, tracking: Tracking, times: TimeOrder | None, tracked: Tracked | None
-    ) -> str:
-        """Write the position over the one ``tracked`` (none: insert it, in a
-        generation of its own), and the time order with it when known (a
-        position written without it claims no order). Answers the generation."""
+    def _track(self, conn: Connection, tracking: Tracking, times: TimeOrder | None) -> None:
+        """Write the position, and the time order with it when known (a
+        position written without it claims no order)."""
         t = tracking_table.c
-        values: dict[str, Any] = {
-            "notification_id": tracking.notification_id,
-            "config": self.config,
-            "times_in_order": times is not None and times.in_order,
-            "latest_time": times.latest if times is not None else None,
-        }
-        if tracked is not None:
-            conn.execute(
-                sa.update(tracking_table)
-                .where(t.application_name == tracking.application_name)
-                .values(values)
+        conn.execute(
+            sa.update(tracking_table)
+            .where(t.application_name == tracking.application_name, t.config == self.config)
+            .values(
+                notification_id=tracking.notification_id,
+                times_in_order=times is not None and times.in_order,
+                latest_time=times.latest if times is not None else None,
+                written_at=utc_now().replace(tzinfo=None),
             )
-            return tracked.generation
-        generation = uuid.uuid4().hex
-        values.update(application_name=tracking.application_name, generation=generation)
-        conn.execute(sa.insert(tracking_table).values(values))
-        return generation
+        )
 
 
 # -- the projection ----------------------------------------------------------------
@@ -539,7 +634,7 @@ class AuditProjection(Projection[AuditView]):
     def rebuild(self, recorder: SQLRecorder, application_name: str) -> None:
         """Drop the tables and replay the whole log into them again."""
         with self.lock:
-            self.view.reset()
+            self.view.reset(application_name)
             self._restart()
             self._catch_up_racing(recorder, application_name)
 
@@ -562,9 +657,9 @@ class AuditProjection(Projection[AuditView]):
     def _catch_up(self, recorder: SQLRecorder, application_name: str) -> None:
         tracked = self.view.resume_from(application_name)
         if tracked.position < self.recorded or (
-            self.recorded and tracked.generation != self.generation
+            self.generation and tracked.generation != self.generation
         ):
-            self._restart()  # the view was dropped or rebuilt behind this process's back
+            self._restart()  # the table was made anew behind this process's back
         if not self._staged:
             # Nothing of this process's waits to be written: go on from the
             # view's position (the catalog is not past it).
@@ -590,9 +685,7 @@ class AuditProjection(Projection[AuditView]):
         """Write the staged rows and the position they reach, together."""
         if self._tracking is None:
             return
-        self.generation = self.view.record(
-            self._staged, self._tracking, self.times, self.recorded, self.generation, self._wait
-        )
+        self.view.record(self._staged, self._tracking, self.times, self.generation, self._wait)
         self._wait = None  # what is left of the wait was for the first rows, queued
         self.recorded = self._tracking.notification_id
         self._staged = []

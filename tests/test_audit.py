@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 
 import catalog_es.application
 import catalog_es.audit
+import projections.audit
 from catalog_es import collector
 from catalog_es.application import Models
 from catalog_es.chain import link
@@ -55,10 +56,12 @@ from catalog_es.persistence import (
 from catalog_es.ports import PreAddCheck
 from catalog_es.spec import ModelSpec, Origin, Profile, Scaling
 from projections.audit import (
+    CHANGES_PREFIX,
+    CONFIGS_KEPT,
     AuditView,
     TimeOrder,
     Tracked,
-    changes_table,
+    changes_table_for,
     stored_time,
     tracking_table,
 )
@@ -610,7 +613,7 @@ def test_rebuilt_audit_tables_give_the_same_answers(models: Models, db: str, con
     models.rebuild_audit()
     assert all_answers(models) == first
     with models.store.engine.begin() as conn:
-        conn.execute(sa.text(f"DROP TABLE {changes_table.name}"))
+        conn.execute(sa.text(f"DROP TABLE {models._audit.view.changes_table.name}"))
         conn.execute(sa.text(f"DROP TABLE {tracking_table.name}"))
     again = open_service(db, config)
     assert all_answers(again) == first
@@ -666,7 +669,7 @@ def test_the_audit_resumes_from_its_position_and_never_applies_twice(
     with pytest.raises(sa.exc.IntegrityError):
         view.insert_tracking(Tracking(models.name, 10))
     with models.store.read() as conn:
-        count = conn.execute(sa.select(sa.func.count()).select_from(changes_table)).scalar()
+        count = conn.execute(sa.select(sa.func.count()).select_from(view.changes_table)).scalar()
     assert count == 10
     other.close()
 
@@ -713,7 +716,7 @@ def test_a_catch_up_racing_a_rebuild_leaves_no_gap(
     def resume_from(name: str) -> Tracked:
         tracked = real_resume_from(name)
         if not resets:
-            resets.append(models._audit.view.reset())
+            resets.append(models._audit.view.reset(models.name))
         return tracked
 
     monkeypatch.setattr(view, "resume_from", resume_from)
@@ -820,7 +823,7 @@ def test_an_answer_is_not_read_from_tables_another_process_is_rebuilding(
     def catch_up(*args: Any) -> None:
         monkeypatch.undo()
         real_catch_up(*args)
-        other._audit.view.reset()
+        other._audit.view.reset(other.name)
 
     monkeypatch.setattr(models._audit, "catch_up", catch_up)
     assert [r["revision"] for r in models.audit()] == list(range(1, 9))
@@ -828,21 +831,165 @@ def test_an_answer_is_not_read_from_tables_another_process_is_rebuilding(
     other.close()
 
 
-def test_another_declared_config_rebuilds_the_audit_over_it(
-    models: Models, db: str, tmp_path: Path
-) -> None:
-    assert models.history("chat")[0]["skipped"] is None
-    declares_chat = tmp_path / "declares-chat.yaml"
-    declares_chat.write_text(
-        CONFIG
-        + "  - {name: chat, engine: vllm, source: hf://x/c, profiles: [{name: g, gpus: 1}]}\n"
+def declaring(tmp_path: Path, *names: str) -> Path:
+    """A config declaring ``base`` and the models named, each a config of its own."""
+    path = tmp_path / f"declares-{'-'.join(names)}.yaml"
+    model = (
+        "  - {{name: {0}, engine: vllm, source: hf://x/{0}, profiles: [{{name: g, gpus: 1}}]}}\n"
     )
-    other = open_service(db, declares_chat)
+    path.write_text(CONFIG + "".join(model.format(name) for name in names))
+    return path
+
+
+def audit_tables(db: str) -> set[str]:
+    engine = create_engine(db)
+    try:
+        return {n for n in sa.inspect(engine).get_table_names() if n.startswith(CHANGES_PREFIX)}
+    finally:
+        engine.dispose()
+
+
+def rebuilt_audit(db: str, declared: Path) -> list[dict[str, Any]]:
+    """The audit over ``declared``, its rows made anew from the log."""
+    fresh = open_service(db, declared)
+    fresh.rebuild_audit()
+    answer = fresh.audit()
+    fresh.close()
+    return answer
+
+
+@pytest.fixture
+def scripted(db_url: str, config: Path, clock: Clock) -> Iterator[Models]:
+    """:func:`models`, on either backend."""
+    service = open_service(db_url, config)
+    script(service, clock)
+    yield service
+    service.close()
+
+
+def test_nodes_declaring_different_configs_each_keep_their_own_audit(
+    scripted: Models, db_url: str, config: Path, tmp_path: Path
+) -> None:
+    """A rolling deploy: nodes on the old config and the new one share the
+    database. Each answers from rows of its own config, at the head, with no
+    catch-up over the other's. (One set of tables had them take turns
+    rebuilding it over their own config: most queries failed under load.)"""
+    declares_chat = declaring(tmp_path, "chat")
+    other = open_service(db_url, declares_chat)
+    assert scripted.history("chat")[0]["skipped"] is None
     assert all("declared in configuration" in r["skipped"] for r in other.history("chat"))
-    with other.store.read() as conn:
-        config = conn.execute(sa.select(tracking_table.c.config)).scalar()
-    assert config == other.declared.fingerprint
+    for replicas in (2, 3, 4):
+        scripted.scale("chat", 1, replicas, by="bob")
+        other.audit()
+        scripted.audit()
+        for node in (scripted, other):
+            assert node._audit.view.current_changes({}, node.name) is not None
+    assert scripted.audit() == rebuilt_audit(db_url, config)
+    assert other.audit() == rebuilt_audit(db_url, declares_chat)
+    assert audit_tables(db_url) == {
+        changes_table_for(node.declared.fingerprint).name for node in (scripted, other)
+    }
     other.close()
+
+
+def test_the_audit_keeps_the_tables_of_the_configs_written_last(
+    scripted: Models, db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each edit of the config would otherwise leave a copy of the audit behind
+    for good. A config whose table went builds it again when next asked."""
+    ticks = iter(range(1, 100))
+    monkeypatch.setattr(projections.audit, "utc_now", lambda: T0 + timedelta(seconds=next(ticks)))
+    nodes = [scripted] + [open_service(db_url, declaring(tmp_path, f"d{i}")) for i in (1, 2, 3)]
+    first, second, third, fourth = nodes
+    answers = [node.audit() for node in nodes[:3]]
+    assert CONFIGS_KEPT == 3 and len(audit_tables(db_url)) == 3
+
+    def kept() -> set[str]:
+        with scripted.store.read() as conn:
+            configs = set(conn.execute(sa.select(tracking_table.c.config)).scalars())
+        tables = {changes_table_for(config).name for config in configs}
+        assert audit_tables(db_url) == tables
+        return configs
+
+    first.scale("chat", 1, 2, by="bob")
+    first.audit()  # written last but one now: second's is the oldest
+    fourth.audit()
+    assert kept() == {n.declared.fingerprint for n in (first, third, fourth)}
+    assert second.audit() == rebuilt_audit(db_url, declaring(tmp_path, "d1"))
+    assert [r["revision"] for r in second.audit()] == list(range(1, 10))
+    assert second.audit()[:8] == answers[1]
+    assert kept() == {n.declared.fingerprint for n in (first, second, fourth)}
+    for node in nodes[1:]:
+        node.close()
+
+
+def test_a_read_whose_table_another_node_drops_meanwhile_builds_it_again(
+    scripted: Models, db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Between a read's first statement and its use of the table, a node of
+    another config drops it (kept: one config). On PostgreSQL the table is
+    then missing; the query builds it again and answers, rather than failing
+    as a database without its tables."""
+    monkeypatch.setattr(projections.audit, "CONFIGS_KEPT", 1)
+    declares_chat = declaring(tmp_path, "chat")
+    other = open_service(db_url, declares_chat)
+    expected = other.audit()
+    view = other._audit.view
+    real_matching = view._matching
+    dropped: list[bool] = []
+
+    def matching(*args: Any) -> list[str]:
+        if not dropped:
+            dropped.append(True)
+            scripted.audit()  # makes its own table, dropping the other's
+        return real_matching(*args)
+
+    monkeypatch.setattr(view, "_matching", matching)
+    assert other.audit() == expected
+    assert other.history("chat") == [r for r in expected if r["model"] == "chat"]
+    assert dropped
+    other.close()
+
+
+def test_a_node_whose_role_may_not_drop_an_older_configs_table_still_answers(
+    pg_url: str,
+    pg_admin: sa.Engine,
+    config: Path,
+    clock: Clock,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Dropping older configs' tables is housekeeping: a table another role
+    owns is left, with a warning, and the query is answered."""
+    monkeypatch.setattr(projections.audit, "CONFIGS_KEPT", 1)
+    models = open_service(pg_url, config)
+    script(models, clock)
+    models.audit()
+    url = sa.make_url(pg_url)
+    schema = url.query["options"].partition("=")[2]
+    role = f"node_{schema}"
+    with pg_admin.connect() as conn:
+        conn.execute(sa.text(f"CREATE ROLE {role} LOGIN"))
+        conn.execute(sa.text(f"GRANT USAGE, CREATE ON SCHEMA {schema} TO {role}"))
+        conn.execute(
+            sa.text(
+                f"GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA {schema} TO {role}"
+            )
+        )
+    try:
+        declares_chat = declaring(tmp_path, "chat")
+        other = open_service(url.set(username=role).render_as_string(False), declares_chat)
+        answer = other.audit()
+        other.close()
+        assert "older config left: must be owner of table" in caplog.text
+        assert changes_table_for(models.declared.fingerprint).name in audit_tables(pg_url)
+        assert answer == rebuilt_audit(pg_url, declares_chat)
+    finally:
+        with pg_admin.connect() as conn:
+            conn.execute(sa.text(f"DROP OWNED BY {role}"))
+            conn.execute(sa.text(f"DROP ROLE {role}"))
+    models.close()
 
 
 # -- the hash chain and verify -----------------------------------------------------
