@@ -1031,7 +1031,7 @@ class Models(AuditTrail, Application[UUID]):
         audit tables as they are (they follow the log by themselves)."""
         with self._lock:
             with self.store.write() as conn:
-                snapshots.clear(conn)
+                snapshots.clear(conn, self.declared.fingerprint)
             catalog = self._new_catalog()
             written = 0
             with self.store.read() as conn:

@@ -21,6 +21,12 @@ from catalog_es.spec import DEFAULT_ENGINES, ModelSpec
 
 CONFIGURATION_ID = uuid.uuid5(uuid.NAMESPACE_URL, "catalog-es:configuration")
 
+# Declared configs whose read models (audit tables, snapshots) a database
+# keeps: those of the configs used last. Nodes of two configs at once (a
+# rolling deploy, a canary beside them) each keep theirs, and each edit of the
+# config does not leave a copy of them behind for good.
+CONFIGS_KEPT = 3
+
 
 class DeclaredConfig(msgspec.Struct, frozen=True, dict=True):
     """What configuration declares: in force on every start, whatever the log says.

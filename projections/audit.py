@@ -37,7 +37,7 @@ from sqlalchemy.engine import Connection, Engine
 
 from catalog_es.catalog import Catalog, Skipped
 from catalog_es.collector import collector_paused
-from catalog_es.configuration import CONFIG_DECLARED, Configuration
+from catalog_es.configuration import CONFIG_DECLARED, CONFIGS_KEPT, Configuration
 from catalog_es.errors import StorageBusy, first_line
 from catalog_es.inputs import DeclaredConfig
 from catalog_es.mapper import UndecodableEvent, decode_event, model_of_state, topic_name
@@ -67,13 +67,9 @@ RETRIES = 3
 # them. 4: a table of rows per declared config.
 LAYOUT = 4
 CHANGES_PREFIX = f"audit_changes_v{LAYOUT}_"
-# Declared configs whose rows are kept: a node opening tables for a config
-# drops those of the others beyond the most recently written. Nodes of two
-# configs (a rolling deploy, a canary beside them) each keep their own, where
-# one set of tables had them take turns rebuilding it over their own config,
-# and most of their queries failed; the bound keeps each edit of the config
-# from leaving a copy of the audit behind for good.
-CONFIGS_KEPT = 3
+# A table per declared config (CONFIGS_KEPT of them, those written last): one
+# set of tables had nodes of two configs take turns rebuilding it over their
+# own, and most of their queries failed.
 
 # The tracking positions, one row per declared config, shared by every config's table.
 metadata = sa.MetaData()

@@ -23,6 +23,7 @@ import zstandard
 from sqlalchemy.engine import Connection
 
 from catalog_es.catalog import Catalog, Skipped
+from catalog_es.configuration import CONFIGS_KEPT
 from catalog_es.model import Model
 from catalog_es.persistence import BIGINT, metadata
 from catalog_es.spec import ModelSpec
@@ -225,5 +226,17 @@ def latest(conn: Connection, fingerprint: str) -> int:
     return int(value.scalar() or 0)
 
 
-def clear(conn: Connection) -> None:
-    conn.execute(sa.delete(snapshots_table))
+def clear(conn: Connection, fingerprint: str) -> None:
+    """Delete this config's snapshots (a rebuild makes them again), and those of
+    the configs beyond the :data:`CONFIGS_KEPT` whose newest snapshots are the
+    newest: nodes running the others read theirs on."""
+    t = snapshots_table.c
+    newest_others = (
+        sa.select(t.fingerprint)
+        .where(t.fingerprint != fingerprint)
+        .group_by(t.fingerprint)
+        .order_by(sa.func.max(t.revision).desc())
+        .limit(CONFIGS_KEPT - 1)
+    )
+    kept = list(conn.execute(newest_others).scalars())
+    conn.execute(sa.delete(snapshots_table).where(t.fingerprint.not_in(kept)))

@@ -664,6 +664,49 @@ def test_a_restart_resumes_from_the_newest_snapshot(
     assert again.catalog.revision == models.revision
 
 
+def test_a_replay_keeps_the_snapshots_of_nodes_on_other_configs(
+    open_models: Callable[..., Models], tmp_path: Path
+) -> None:
+    """A rolling deploy: ``catalog-es replay`` on a node of the new config
+    deleted the old config's snapshots too, and every node still on it
+    replayed the log from its start on its next start or read of the past.
+    Configs beyond the three whose snapshots are newest lose theirs."""
+
+    def declaring(name: str) -> Path:
+        path = tmp_path / f"{name}.yaml"
+        model = (
+            f"{{name: {name}, engine: vllm, source: hf://o/m, profiles: [{{name: g, gpus: 1}}]}}"
+        )
+        path.write_text(f"{DECLARED_YAML}  - {model}\n")
+        return path
+
+    def snapshotted(models: Models) -> list[int]:
+        t = snapshots_table.c
+        with models.store.read() as conn:
+            query = sa.select(t.revision).where(t.fingerprint == models.declared.fingerprint)
+            return sorted(conn.execute(query).scalars())
+
+    old = open_models(interval=5)
+    for i in range(12):
+        old.scale("a", 0, i + 1, by="x") if i else old.add(spec("a"), by="x")
+    assert snapshotted(old) == [5, 10]
+    new = open_models(declaring("new"), interval=5)
+    new.rebuild()
+    assert snapshotted(old) == [5, 10]
+    assert snapshotted(new) == [5, 10]
+    for i in range(5):  # the old config's newest snapshot is now the newest
+        old.scale("a", 0, i + 1, by="x")
+    assert snapshotted(old) == [5, 10, 15]
+    third = open_models(declaring("third"), interval=5)
+    third.rebuild()
+    fourth = open_models(declaring("fourth"), interval=7)
+    fourth.rebuild()
+    assert snapshotted(old) == [5, 10, 15]
+    assert snapshotted(third) == [5, 10, 15]
+    assert snapshotted(new) == []  # its newest, at 10, was the oldest of the others
+    assert snapshotted(fourth) == [7, 14]
+
+
 def _rebuilt_after_a_fast_clock(
     open_models: Callable[..., Models], monkeypatch: pytest.MonkeyPatch
 ) -> Models:
