@@ -76,7 +76,7 @@ class AuditTrail:
         if name:
             views = self._views({"model": name, "by": by})
             declared = any(m.name == name for m in self.declared.models)
-            if views or declared or self._audit.view.mentions(name):
+            if views or declared or self._audit.view.mentions(self.name, name):
                 return views
         raise ModelNotFound(name, "has no history: it was never in the log or the config")
 

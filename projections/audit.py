@@ -19,13 +19,14 @@ million events wants one transaction per batch.
 
 from __future__ import annotations
 
+import hashlib
 import logging
-import re
 import threading
+import time
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from datetime import MAXYEAR, UTC, datetime
+from datetime import MAXYEAR, UTC, datetime, timedelta
 from typing import Any, TypedDict
 
 import msgspec
@@ -67,9 +68,13 @@ RETRIES = 3
 # them. 4: a table of rows per declared config.
 LAYOUT = 4
 CHANGES_PREFIX = f"audit_changes_v{LAYOUT}_"
-# A table per declared config (CONFIGS_KEPT of them, those written last): one
-# set of tables had nodes of two configs take turns rebuilding it over their
-# own, and most of their queries failed.
+# A table per declared config: one set of tables had nodes of two configs (a
+# rolling deploy) take turns rebuilding it over their own, and most of their
+# queries failed. Those of the CONFIGS_KEPT configs used last are kept, and
+# any used within IN_USE: a table in use is never dropped for another's.
+IN_USE = timedelta(hours=1)
+# A process that only reads says it still uses its table this often at most.
+USED_EVERY = 60.0
 
 # The tracking positions, one row per declared config, shared by every config's table.
 metadata = sa.MetaData()
@@ -92,18 +97,18 @@ tracking_table = sa.Table(
     # Drawn when the table is made: a position read before a rebuild, and
     # met again as the same number after it, is not the same.
     sa.Column("generation", sa.String(32), nullable=False),
-    # When rows or a position were last written (UTC, the writer's clock):
-    # the configs kept are the most recently written.
-    sa.Column("written_at", sa.DateTime(), nullable=False),
+    # When a process last wrote or read the rows (UTC, its own clock; reads
+    # every USED_EVERY at most): which tables are kept.
+    sa.Column("used_at", sa.DateTime(), nullable=False),
 )
 
 
-def changes_table_for(config: str) -> sa.Table:
-    """The table of the rows computed over one declared config: named after
-    the first 16 hex digits of its fingerprint."""
-    if not re.fullmatch("[0-9a-f]{16,64}", config):
-        raise ValueError(f"not a config fingerprint: {config!r}")
-    name = CHANGES_PREFIX + config[:16]
+def changes_table_for(application_name: str, config: str) -> sa.Table:
+    """The table of the rows computed over one declared config (for one
+    application, whose position in it the tracking row keeps): named after
+    16 hex digits of a hash of the two."""
+    key = hashlib.sha256(f"{application_name}\0{config}".encode()).hexdigest()[:16]
+    name = CHANGES_PREFIX + key
     return sa.Table(
         name,
         sa.MetaData(),
@@ -286,8 +291,19 @@ class AuditView(TrackingRecorder):
         self.store = store
         self.engine: Engine = store.engine
         self.config = config
-        self.changes_table = changes_table_for(config)
+        self._tables: dict[str, sa.Table] = {}
+        # When this process last said it uses its table (monotonic), by application.
+        self._used: dict[str, float] = {}
         store.create_tables(metadata)
+
+    def table(self, application_name: str) -> sa.Table:
+        """This config's table of rows, for one application."""
+        table = self._tables.get(application_name)
+        if table is None:
+            table = self._tables[application_name] = changes_table_for(
+                application_name, self.config
+            )
+        return table
 
     def reset(self, application_name: str) -> None:
         """Make this config's table anew, empty, at position 0."""
@@ -296,25 +312,30 @@ class AuditView(TrackingRecorder):
 
     def resume_from(self, application_name: str) -> Tracked:
         """Where the rows are up to, and the order of their times. A config
-        without a position (new here, or dropped for newer ones) has its table
+        without its table (new here, dropped for others, or by hand) has it
         made, empty: the catch-up starts from 0."""
-        with self.store.read() as conn:
-            tracked = self._tracked(conn, application_name)
+        try:
+            with self._reading(application_name) as conn:
+                tracked = self._tracked(conn, application_name)
+        except ViewMoved:  # the table is missing
+            tracked = None
         if tracked is not None:
             return tracked
         with self.store.locked("catalog_es.audit") as conn:
             # Another process may have made it since the read.
-            tracked = self._tracked(conn, application_name)
+            if sa.inspect(conn).has_table(self.table(application_name).name):
+                tracked = self._tracked(conn, application_name)
             if tracked is None:
                 tracked = self._make(conn, application_name)
         return tracked
 
     def _make(self, conn: Connection, application_name: str) -> Tracked:
-        """This config's table, made anew with its position at 0; the tables of
-        configs beyond the :data:`CONFIGS_KEPT` most recently written go."""
+        """This config's table, made anew with its position at 0; those of
+        configs no longer in use go (:meth:`_drop_unused`)."""
         metadata.create_all(conn)  # the tracking table, if dropped by hand since the start
-        self.changes_table.drop(conn, checkfirst=True)
-        self.changes_table.create(conn)
+        table = self.table(application_name)
+        table.drop(conn, checkfirst=True)
+        table.create(conn)
         t = tracking_table.c
         conn.execute(
             sa.delete(tracking_table).where(
@@ -330,49 +351,86 @@ class AuditView(TrackingRecorder):
                 times_in_order=True,
                 latest_time=None,
                 generation=tracked.generation,
-                written_at=utc_now().replace(tzinfo=None),
+                used_at=self._now(application_name),
             )
         )
-        self._drop_older(conn)
+        self._drop_unused(conn, application_name)
         return tracked
 
-    def _drop_older(self, conn: Connection) -> None:
-        """Drop the tables of the configs beyond the :data:`CONFIGS_KEPT`
-        written last (this one among them), with their positions. Housekeeping:
-        a table this role may not drop (another role's) is left, with a
-        warning, and tried again when the next config comes."""
+    def _drop_unused(self, conn: Connection, application_name: str) -> None:
+        """Drop the tables, and positions, of the configs neither among the
+        :data:`CONFIGS_KEPT` used last (this one among them) nor used within
+        :data:`IN_USE`. Housekeeping: a table this role may not drop (another
+        role's), or that a read holds, is left, with a warning, and tried again
+        when the next config comes."""
         t = tracking_table.c
-        newest_others = (
-            sa.select(t.config)
-            .where(t.config != self.config)
-            .group_by(t.config)
-            .order_by(sa.func.max(t.written_at).desc())
+        others = (t.application_name != application_name) | (t.config != self.config)
+        recent = (
+            sa.select(t.application_name, t.config)
+            .where(others)
+            .order_by(t.used_at.desc())
             .limit(CONFIGS_KEPT - 1)
         )
-        kept = {self.config, *conn.execute(newest_others).scalars()}
-        configs = {
-            changes_table_for(c).name: c for c in conn.execute(sa.select(t.config)).scalars()
+        in_use = sa.select(t.application_name, t.config).where(
+            others, t.used_at >= self._now(application_name) - IN_USE
+        )
+        kept = {(application_name, self.config)}
+        kept.update(conn.execute(recent).tuples())
+        kept.update(conn.execute(in_use).tuples())
+        tables = {
+            changes_table_for(*key).name: key
+            for key in conn.execute(sa.select(t.application_name, t.config)).tuples()
         }
-        left: set[str] = set()
+        if self.store.dialect == "postgresql":
+            # A drop waits for the reads of that table: not for long, while
+            # holding the audit's lock every other process's rows wait for.
+            conn.exec_driver_sql("SET LOCAL lock_timeout = '100ms'")
         for name in sa.inspect(conn).get_table_names():
-            if not name.startswith(CHANGES_PREFIX) or configs.get(name) in kept:
+            if not name.startswith(CHANGES_PREFIX) or tables.get(name) in kept:
                 continue
             try:
                 with conn.begin_nested():
                     sa.Table(name, sa.MetaData()).drop(conn)
             except sa.exc.DBAPIError as error:
-                log.warning(
-                    "audit table %s of an older config left: %s", name, first_line(str(error.orig))
-                )
-                left.add(configs.get(name, ""))
-        conn.execute(sa.delete(tracking_table).where(t.config.not_in(kept | left)))
+                message = first_line(str(error.orig))
+                log.warning("audit table %s of a config no longer in use left: %s", name, message)
+                if name in tables:
+                    kept.add(tables[name])
+        for key in set(tables.values()) - kept:
+            conn.execute(
+                sa.delete(tracking_table).where(t.application_name == key[0], t.config == key[1])
+            )
 
-    def analyze(self) -> None:
+    def _now(self, application_name: str) -> datetime:
+        """Now, as ``used_at`` keeps it, noted as the last time this process
+        said it uses its table."""
+        self._used[application_name] = time.monotonic()
+        return utc_now().replace(tzinfo=None)
+
+    def _still_used(self, application_name: str) -> None:
+        """Say that this process still uses its table, every :data:`USED_EVERY`
+        at most: a process that only reads writes nothing else. Skipped when
+        it cannot be written (the next read tries again)."""
+        if time.monotonic() - self._used.get(application_name, 0.0) < USED_EVERY:
+            return
+        t = tracking_table.c
+        try:
+            with self.store.locked("catalog_es.audit", wait=0.1) as conn:
+                conn.execute(
+                    sa.update(tracking_table)
+                    .where(t.application_name == application_name, t.config == self.config)
+                    .values(used_at=self._now(application_name))
+                )
+        except (StorageBusy, sa.exc.DBAPIError) as error:
+            # The read was answered: what it could not write is said by the next write.
+            log.debug("audit table's use not recorded: %s", error)
+
+    def analyze(self, application_name: str) -> None:
         """Refresh the planner's statistics; skipped while the database is busy,
         as they only make queries faster (the next large catch-up tries again)."""
         try:
             with self.store.locked("catalog_es.audit") as conn:
-                conn.execute(sa.text(f"ANALYZE {self.changes_table.name}"))
+                conn.execute(sa.text(f"ANALYZE {self.table(application_name).name}"))
         except StorageBusy:
             pass
 
@@ -388,22 +446,23 @@ class AuditView(TrackingRecorder):
         ``generation``, in one transaction, one process at a time. Another
         process may have written some of them since: the same rows, as the
         replay is the same, so only those past its position are written. If it
-        made the table anew, or dropped it for newer configs, the view is no
+        made the table anew, or dropped it as no longer in use, the view is no
         longer the one these rows follow (:class:`ViewMoved`). ``wait``: for
         the lock, as ``SQLRecorder.write``'s."""
+        application_name = tracking.application_name
         with self.store.locked("catalog_es.audit", wait) as conn:
-            tracked = self._tracked(conn, tracking.application_name)
+            tracked = self._tracked(conn, application_name)
             if tracked is None:
                 raise ViewMoved(
                     "the audit rows of this declared config were dropped meanwhile, "
-                    f"for those of the {CONFIGS_KEPT} configs written last"
+                    "as no longer in use"
                 )
             if tracked.generation != generation:
                 raise ViewMoved("the audit tables were rebuilt by another process meanwhile")
             if tracked.position >= tracking.notification_id:
                 return
             conn.execute(
-                sa.insert(self.changes_table),
+                sa.insert(self.table(application_name)),
                 [row for row in rows if row["revision"] > tracked.position],
             )
             self._track(conn, tracking, times)
@@ -437,47 +496,64 @@ class AuditView(TrackingRecorder):
         # collections walk them, as they are fetched and as the pause ends,
         # and promote them to the oldest generation, which brings on a full
         # collection every few answers (about 20 ms here, on reads of 25-30 ms).
-        with self._reading() as conn, collector_paused():
+        with self._reading(application_name) as conn, collector_paused():
             tracked = self._tracked(conn, application_name)
             if tracked is None or tracked.generation != generation or tracked.position < position:
                 raise ViewMoved("the audit tables are being rebuilt by another process")
-            return self._matching(conn, filters, tracked)
+            views = self._matching(conn, filters, application_name, tracked)
+        self._still_used(application_name)
+        return views
 
     def current_changes(self, filters: Filters, application_name: str) -> list[str] | None:
         """:meth:`changes`, when the table is at the head of the log in the
         read; ``None`` otherwise: a catch-up is due."""
         try:
-            with self._reading() as conn, collector_paused():  # paused as in changes()
+            with self._reading(application_name) as conn, collector_paused():  # as in changes()
                 tracked = self._tracked(conn, application_name)
                 if tracked is None or tracked.position != self.store.head(conn):
                     return None
-                return self._matching(conn, filters, tracked)
+                views = self._matching(conn, filters, application_name, tracked)
         except ViewMoved:
             return None
+        self._still_used(application_name)
+        return views
 
     @contextmanager
-    def _reading(self) -> Iterator[Connection]:
-        """A read of the table. On PostgreSQL another process can drop it (for
-        newer configs) between this read's first statement and its own use of
-        the table, which then is missing: the view moved."""
-        try:
-            with self.store.read() as conn:
-                yield conn
-        except sa.exc.ProgrammingError as error:
-            if getattr(error.orig, "sqlstate", None) != "42P01":
-                raise
-            raise ViewMoved("the audit tables were dropped by another process meanwhile") from None
+    def _reading(self, application_name: str) -> Iterator[Connection]:
+        """A read of this config's table; :class:`ViewMoved` when it is missing.
+        On PostgreSQL the table is locked first, before the read's snapshot is
+        taken: a table dropped and made again after the snapshot, under the
+        same name, would show the read none of its rows, and its tracking row
+        the old position. Locked, it is not dropped until the read ends. A
+        SQLite read is one snapshot, tables and all."""
+        name = self.table(application_name).name
+        with self.store.read() as conn:
+            if self.store.dialect == "postgresql":
+                try:
+                    conn.exec_driver_sql(f'LOCK TABLE "{name}" IN ACCESS SHARE MODE')
+                    there = True
+                except sa.exc.ProgrammingError as error:
+                    if getattr(error.orig, "sqlstate", None) != "42P01":
+                        raise
+                    there = False
+            else:
+                there = sa.inspect(conn).has_table(name)
+            if not there:
+                raise ViewMoved("the audit table of this config is missing: it will be made again")
+            yield conn
 
-    def _matching(self, conn: Connection, filters: Filters, tracked: Tracked) -> list[str]:
-        c = self.changes_table.c
-        within = self._revisions(conn, filters, tracked)
-        rows = select_rows(conn, self.changes_table, c.revision, filters, [c.view], within)
+    def _matching(
+        self, conn: Connection, filters: Filters, application_name: str, tracked: Tracked
+    ) -> list[str]:
+        table = self.table(application_name)
+        within = self._revisions(conn, filters, table, tracked)
+        rows = select_rows(conn, table, table.c.revision, filters, [table.c.view], within)
         views = [view for (view,) in rows]
         del rows
         return views
 
     def _revisions(
-        self, conn: Connection, filters: Filters, tracked: Tracked
+        self, conn: Connection, filters: Filters, table: sa.Table, tracked: Tracked
     ) -> tuple[int | None, int | None]:
         """The time bounds as revision bounds, while times are in order: the
         first revision at or after ``since`` and the last before ``until``.
@@ -488,7 +564,7 @@ class AuditView(TrackingRecorder):
             return None, None
         if not tracked.times.in_order:
             return None, None
-        c = self.changes_table.c
+        c = table.c
         nothing = (1, 0)
         first = last = None
         if since is not None:
@@ -511,11 +587,11 @@ class AuditView(TrackingRecorder):
                 return nothing
         return first, last
 
-    def mentions(self, model: str) -> bool:
+    def mentions(self, application_name: str, model: str) -> bool:
         """Whether any stored event is about ``model``."""
-        c = self.changes_table.c
+        c = self.table(application_name).c
         query = sa.select(c.revision).where(c.model == filter_text(model)).limit(1)
-        with self._reading() as conn:
+        with self._reading(application_name) as conn:
             return conn.execute(query).first() is not None
 
     def _tracked(self, conn: Connection, application_name: str) -> Tracked | None:
@@ -540,7 +616,7 @@ class AuditView(TrackingRecorder):
                 notification_id=tracking.notification_id,
                 times_in_order=times is not None and times.in_order,
                 latest_time=times.latest if times is not None else None,
-                written_at=utc_now().replace(tzinfo=None),
+                used_at=self._now(tracking.application_name),
             )
         )
 
@@ -675,7 +751,7 @@ class AuditProjection(Projection[AuditView]):
                             self.flush()
             self.flush()
         if self.recorded - start >= ANALYZE_AFTER:
-            self.view.analyze()
+            self.view.analyze(application_name)
 
     def flush(self) -> None:
         """Write the staged rows and the position they reach, together."""

@@ -25,6 +25,7 @@ from click.testing import CliRunner
 from eventsourcing.persistence import StoredEvent, Tracking
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from sqlalchemy.engine import Connection
 
 import catalog_es.application
 import catalog_es.audit
@@ -613,7 +614,7 @@ def test_rebuilt_audit_tables_give_the_same_answers(models: Models, db: str, con
     models.rebuild_audit()
     assert all_answers(models) == first
     with models.store.engine.begin() as conn:
-        conn.execute(sa.text(f"DROP TABLE {models._audit.view.changes_table.name}"))
+        conn.execute(sa.text(f"DROP TABLE {table_of(models)}"))
         conn.execute(sa.text(f"DROP TABLE {tracking_table.name}"))
     again = open_service(db, config)
     assert all_answers(again) == first
@@ -669,7 +670,9 @@ def test_the_audit_resumes_from_its_position_and_never_applies_twice(
     with pytest.raises(sa.exc.IntegrityError):
         view.insert_tracking(Tracking(models.name, 10))
     with models.store.read() as conn:
-        count = conn.execute(sa.select(sa.func.count()).select_from(view.changes_table)).scalar()
+        count = conn.execute(
+            sa.select(sa.func.count()).select_from(view.table(models.name))
+        ).scalar()
     assert count == 10
     other.close()
 
@@ -849,6 +852,10 @@ def audit_tables(db: str) -> set[str]:
         engine.dispose()
 
 
+def table_of(node: Models) -> str:
+    return changes_table_for(node.name, node.declared.fingerprint).name
+
+
 def rebuilt_audit(db: str, declared: Path) -> list[dict[str, Any]]:
     """The audit over ``declared``, its rows made anew from the log."""
     fresh = open_service(db, declared)
@@ -865,6 +872,20 @@ def scripted(db_url: str, config: Path, clock: Clock) -> Iterator[Models]:
     script(service, clock)
     yield service
     service.close()
+
+
+@pytest.fixture
+def hours(monkeypatch: pytest.MonkeyPatch) -> Clock:
+    """The audit's clock for ``used_at``: two hours on at each reading, so a
+    table counts as in use (used within the hour) only as it is used."""
+    clock = Clock()
+
+    def now() -> datetime:
+        clock.minutes += 120
+        return clock()
+
+    monkeypatch.setattr(projections.audit, "utc_now", now)
+    return clock
 
 
 def test_nodes_declaring_different_configs_each_keep_their_own_audit(
@@ -886,35 +907,51 @@ def test_nodes_declaring_different_configs_each_keep_their_own_audit(
             assert node._audit.view.current_changes({}, node.name) is not None
     assert scripted.audit() == rebuilt_audit(db_url, config)
     assert other.audit() == rebuilt_audit(db_url, declares_chat)
-    assert audit_tables(db_url) == {
-        changes_table_for(node.declared.fingerprint).name for node in (scripted, other)
-    }
+    assert audit_tables(db_url) == {table_of(scripted), table_of(other)}
     other.close()
 
 
-def test_the_audit_keeps_the_tables_of_the_configs_written_last(
-    scripted: Models, db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def test_tables_in_use_are_kept_however_many_configs_use_them(
+    scripted: Models, db_url: str, tmp_path: Path
+) -> None:
+    """Four configs at once, each used within the hour: none is dropped for
+    another's, and none is made again (each table's generation holds)."""
+    nodes = [scripted] + [open_service(db_url, declaring(tmp_path, f"d{i}")) for i in (1, 2, 3)]
+    for node in nodes:
+        node.audit()
+    generations = [node._audit.view.resume_from(node.name).generation for node in nodes]
+    for replicas in (2, 3):
+        scripted.scale("chat", 1, replicas, by="bob")
+        for node in nodes:
+            node.audit()
+    assert [node._audit.view.resume_from(node.name).generation for node in nodes] == generations
+    assert audit_tables(db_url) == {table_of(node) for node in nodes}
+    for node in nodes[1:]:
+        node.close()
+
+
+def test_tables_of_configs_no_longer_in_use_go_beyond_the_three_used_last(
+    scripted: Models, db_url: str, tmp_path: Path, hours: Clock
 ) -> None:
     """Each edit of the config would otherwise leave a copy of the audit behind
     for good. A config whose table went builds it again when next asked."""
-    ticks = iter(range(1, 100))
-    monkeypatch.setattr(projections.audit, "utc_now", lambda: T0 + timedelta(seconds=next(ticks)))
     nodes = [scripted] + [open_service(db_url, declaring(tmp_path, f"d{i}")) for i in (1, 2, 3)]
     first, second, third, fourth = nodes
     answers = [node.audit() for node in nodes[:3]]
     assert CONFIGS_KEPT == 3 and len(audit_tables(db_url)) == 3
 
     def kept() -> set[str]:
+        t = tracking_table.c
         with scripted.store.read() as conn:
-            configs = set(conn.execute(sa.select(tracking_table.c.config)).scalars())
-        tables = {changes_table_for(config).name for config in configs}
-        assert audit_tables(db_url) == tables
-        return configs
+            rows = set(conn.execute(sa.select(t.application_name, t.config)).tuples())
+        assert audit_tables(db_url) == {changes_table_for(*row).name for row in rows}
+        return {config for _, config in rows}
 
     first.scale("chat", 1, 2, by="bob")
-    first.audit()  # written last but one now: second's is the oldest
+    first.audit()  # used last but one now: second's is the oldest
     fourth.audit()
     assert kept() == {n.declared.fingerprint for n in (first, third, fourth)}
+    assert table_of(second) not in audit_tables(db_url)
     assert second.audit() == rebuilt_audit(db_url, declaring(tmp_path, "d1"))
     assert [r["revision"] for r in second.audit()] == list(range(1, 10))
     assert second.audit()[:8] == answers[1]
@@ -923,44 +960,106 @@ def test_the_audit_keeps_the_tables_of_the_configs_written_last(
         node.close()
 
 
-def test_a_read_whose_table_another_node_drops_meanwhile_builds_it_again(
-    scripted: Models, db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def test_a_node_that_only_reads_still_uses_its_table(
+    scripted: Models, db_url: str, tmp_path: Path, hours: Clock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Between a read's first statement and its use of the table, a node of
-    another config drops it (kept: one config). On PostgreSQL the table is
-    then missing; the query builds it again and answers, rather than failing
-    as a database without its tables."""
-    monkeypatch.setattr(projections.audit, "CONFIGS_KEPT", 1)
-    declares_chat = declaring(tmp_path, "chat")
-    other = open_service(db_url, declares_chat)
-    expected = other.audit()
-    view = other._audit.view
-    real_matching = view._matching
-    dropped: list[bool] = []
+    """A quiet log: the production node writes nothing, and only answers. Three
+    configs made since (operators' one-off runs with an edited file) do not
+    take its table, as long as it keeps reading."""
+    monkeypatch.setattr(projections.audit, "USED_EVERY", 0.0)
+    scripted.audit()
+    generation = scripted._audit.view.resume_from(scripted.name).generation
+    for i in (1, 2, 3):
+        scripted.audit()  # read at the head: no row written, only its use
+        one_off = open_service(db_url, declaring(tmp_path, f"d{i}"))
+        one_off.audit()
+        one_off.close()
+    assert table_of(scripted) in audit_tables(db_url)
+    assert scripted._audit.view.resume_from(scripted.name).generation == generation
 
-    def matching(*args: Any) -> list[str]:
-        if not dropped:
-            dropped.append(True)
-            scripted.audit()  # makes its own table, dropping the other's
-        return real_matching(*args)
 
-    monkeypatch.setattr(view, "_matching", matching)
-    assert other.audit() == expected
-    assert other.history("chat") == [r for r in expected if r["model"] == "chat"]
-    assert dropped
+def test_an_audit_table_dropped_by_hand_is_made_again(scripted: Models, db_url: str) -> None:
+    """Its tracking row left behind: the next query makes the table again,
+    rather than failing on every query until a rebuild."""
+    expected = scripted.audit()
+    with scripted.store.engine.begin() as conn:
+        conn.execute(sa.text(f"DROP TABLE {table_of(scripted)}"))
+    assert scripted.audit() == expected
+    assert scripted.history("chat") == [r for r in expected if r["model"] == "chat"]
+
+
+def test_a_postgresql_read_never_answers_from_a_table_made_anew_under_it(
+    pg_url: str, config: Path, clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another node on the same config makes the table anew (a rebuild) as a
+    read goes on. Read after the read's snapshot was taken, the new table
+    showed it none of its rows: an answer of ``[]``, without an error. Locked
+    first, the table is not dropped until the read ends. (A SQLite read is one
+    snapshot, tables and all.)"""
+    models = open_service(pg_url, config)
+    script(models, clock)
+    expected = models.audit()
+    other = open_service(pg_url, config)
+    view = models._audit.view
+    real_tracked = view._tracked
+    rebuilt = threading.Event()
+
+    def tracked(conn: Connection, name: str) -> Tracked | None:
+        monkeypatch.undo()
+        found = real_tracked(conn, name)
+        threading.Thread(target=lambda: (other.rebuild_audit(), rebuilt.set())).start()
+        rebuilt.wait(1)  # it waits for this read to end, or is done by now
+        return found
+
+    monkeypatch.setattr(view, "_tracked", tracked)
+    assert models.audit() == expected
+    assert rebuilt.wait(10)
+    assert models.audit() == expected
     other.close()
+    models.close()
 
 
-def test_a_node_whose_role_may_not_drop_an_older_configs_table_still_answers(
+def test_a_drop_that_waits_for_a_read_gives_way_at_once(
+    pg_url: str,
+    config: Path,
+    clock: Clock,
+    tmp_path: Path,
+    hours: Clock,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A table no longer in use that a read still holds: its drop waited the
+    whole lock wait (10 s), holding the lock every other process's audit
+    rows wait for. It gives way after a moment, and is tried again later."""
+    monkeypatch.setattr(projections.audit, "CONFIGS_KEPT", 1)
+    models = open_service(pg_url, config)
+    script(models, clock)
+    models.audit()
+    engine = create_engine(pg_url)
+    with engine.connect() as reader, reader.begin():
+        reader.execute(sa.text(f"LOCK TABLE {table_of(models)} IN ACCESS SHARE MODE"))
+        other = open_service(pg_url, declaring(tmp_path, "chat"))
+        started = time.monotonic()
+        other.audit()
+        assert time.monotonic() - started < 3
+    assert "no longer in use left: canceling statement due to lock timeout" in caplog.text
+    assert table_of(models) in audit_tables(pg_url)
+    engine.dispose()
+    other.close()
+    models.close()
+
+
+def test_a_node_whose_role_may_not_drop_an_unused_configs_table_still_answers(
     pg_url: str,
     pg_admin: sa.Engine,
     config: Path,
     clock: Clock,
     tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
+    hours: Clock,
     caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Dropping older configs' tables is housekeeping: a table another role
+    """Dropping unused configs' tables is housekeeping: a table another role
     owns is left, with a warning, and the query is answered."""
     monkeypatch.setattr(projections.audit, "CONFIGS_KEPT", 1)
     models = open_service(pg_url, config)
@@ -982,8 +1081,8 @@ def test_a_node_whose_role_may_not_drop_an_older_configs_table_still_answers(
         other = open_service(url.set(username=role).render_as_string(False), declares_chat)
         answer = other.audit()
         other.close()
-        assert "older config left: must be owner of table" in caplog.text
-        assert changes_table_for(models.declared.fingerprint).name in audit_tables(pg_url)
+        assert "no longer in use left: must be owner of table" in caplog.text
+        assert table_of(models) in audit_tables(pg_url)
         assert answer == rebuilt_audit(pg_url, declares_chat)
     finally:
         with pg_admin.connect() as conn:
