@@ -42,7 +42,7 @@ from catalog_es.configuration import CONFIG_DECLARED, CONFIGS_KEPT, Configuratio
 from catalog_es.errors import StorageBusy, first_line
 from catalog_es.inputs import DeclaredConfig
 from catalog_es.mapper import UndecodableEvent, decode_event, model_of_state, topic_name
-from catalog_es.model import DomainEvent, Model, utc_now, utc_text
+from catalog_es.model import DomainEvent, Model, utc_text
 from catalog_es.persistence import SQLRecorder, acquire_within
 from catalog_es.spec import ModelSpec
 from catalog_es.views import event_fields
@@ -97,8 +97,8 @@ tracking_table = sa.Table(
     # Drawn when the table is made: a position read before a rebuild, and
     # met again as the same number after it, is not the same.
     sa.Column("generation", sa.String(32), nullable=False),
-    # When a process last wrote or read the rows (UTC, its own clock; reads
-    # every USED_EVERY at most): which tables are kept.
+    # When a process last wrote or read the rows (UTC, the database's clock;
+    # reads every USED_EVERY at most): which tables are kept.
     sa.Column("used_at", sa.DateTime(), nullable=False),
 )
 
@@ -351,9 +351,10 @@ class AuditView(TrackingRecorder):
                 times_in_order=True,
                 latest_time=None,
                 generation=tracked.generation,
-                used_at=self._now(application_name),
+                used_at=self._now(),
             )
         )
+        self._used[application_name] = time.monotonic()
         self._drop_unused(conn, application_name)
         return tracked
 
@@ -372,7 +373,7 @@ class AuditView(TrackingRecorder):
             .limit(CONFIGS_KEPT - 1)
         )
         in_use = sa.select(t.application_name, t.config).where(
-            others, t.used_at >= self._now(application_name) - IN_USE
+            others, t.used_at >= self._now(IN_USE)
         )
         kept = {(application_name, self.config)}
         kept.update(conn.execute(recent).tuples())
@@ -401,11 +402,16 @@ class AuditView(TrackingRecorder):
                 sa.delete(tracking_table).where(t.application_name == key[0], t.config == key[1])
             )
 
-    def _now(self, application_name: str) -> datetime:
-        """Now, as ``used_at`` keeps it, noted as the last time this process
-        said it uses its table."""
-        self._used[application_name] = time.monotonic()
-        return utc_now().replace(tzinfo=None)
+    def _now(self, ago: timedelta = timedelta(0)) -> sa.ColumnElement[Any]:
+        """Now, less ``ago``, as ``used_at`` keeps it: naive UTC, on the
+        database's clock, one for every node (on their own, a node an hour
+        behind would see its own table as unused)."""
+        seconds = int(ago.total_seconds())
+        if self.store.dialect == "sqlite":
+            return sa.func.strftime("%Y-%m-%d %H:%M:%f", "now", f"-{seconds} seconds")
+        return sa.func.timezone("UTC", sa.func.now()) - sa.literal_column(
+            f"interval '{seconds} seconds'"
+        )
 
     def _still_used(self, application_name: str) -> None:
         """Say that this process still uses its table, every :data:`USED_EVERY`
@@ -419,11 +425,13 @@ class AuditView(TrackingRecorder):
                 conn.execute(
                     sa.update(tracking_table)
                     .where(t.application_name == application_name, t.config == self.config)
-                    .values(used_at=self._now(application_name))
+                    .values(used_at=self._now())
                 )
         except (StorageBusy, sa.exc.DBAPIError) as error:
             # The read was answered: what it could not write is said by the next write.
             log.debug("audit table's use not recorded: %s", error)
+            return
+        self._used[application_name] = time.monotonic()
 
     def analyze(self, application_name: str) -> None:
         """Refresh the planner's statistics; skipped while the database is busy,
@@ -616,9 +624,10 @@ class AuditView(TrackingRecorder):
                 notification_id=tracking.notification_id,
                 times_in_order=times is not None and times.in_order,
                 latest_time=times.latest if times is not None else None,
-                used_at=self._now(tracking.application_name),
+                used_at=self._now(),
             )
         )
+        self._used[tracking.application_name] = time.monotonic()
 
 
 # -- the projection ----------------------------------------------------------------

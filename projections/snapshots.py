@@ -23,9 +23,10 @@ import zstandard
 from sqlalchemy.engine import Connection
 
 from catalog_es.catalog import Catalog, Skipped
-from catalog_es.configuration import CONFIGS_KEPT
+from catalog_es.configuration import CONFIGS_KEPT, CONFIGURATION_ID, Configuration
+from catalog_es.mapper import UndecodableEvent, decode_event
 from catalog_es.model import Model
-from catalog_es.persistence import BIGINT, metadata
+from catalog_es.persistence import BIGINT, events_table, metadata, stream_walk
 from catalog_es.spec import ModelSpec
 
 log = logging.getLogger("catalog_es.snapshots")
@@ -228,15 +229,43 @@ def latest(conn: Connection, fingerprint: str) -> int:
 
 def clear(conn: Connection, fingerprint: str) -> None:
     """Delete this config's snapshots (a rebuild makes them again), and those of
-    the configs beyond the :data:`CONFIGS_KEPT` whose newest snapshots are the
-    newest: nodes running the others read theirs on."""
+    the configs the log did not record among the last others (with this one,
+    :data:`CONFIGS_KEPT`): a node records its config as it starts serving or
+    first writes, so nodes still on those (a rolling deploy) read theirs on,
+    while a one-off run's over an edited config, which records nothing, goes."""
     t = snapshots_table.c
-    newest_others = (
-        sa.select(t.fingerprint)
-        .where(t.fingerprint != fingerprint)
-        .group_by(t.fingerprint)
-        .order_by(sa.func.max(t.revision).desc())
-        .limit(CONFIGS_KEPT - 1)
-    )
-    kept = list(conn.execute(newest_others).scalars())
+    kept = recorded_configs(conn, CONFIGS_KEPT - 1, besides=fingerprint)
     conn.execute(sa.delete(snapshots_table).where(t.fingerprint.not_in(kept)))
+
+
+# How far back the log's records of declared configs are looked through for
+# those of other configs: nodes of two configs writing in turn record theirs
+# in turn, each write.
+RECORDS_LOOKED_AT = 1000
+
+
+def recorded_configs(conn: Connection, count: int, *, besides: str) -> list[str]:
+    """The fingerprints of the last ``count`` configs, other than ``besides``,
+    that the log recorded in force, newest first (a record that cannot be
+    read is passed over)."""
+    stream = stream_walk(CONFIGURATION_ID)
+    e = events_table.c
+    records = (
+        sa.select(stream.c.topic, e.state)
+        .join_from(stream, events_table, e.revision == stream.c.revision)
+        .order_by(stream.c.revision.desc())
+        .limit(RECORDS_LOOKED_AT)
+    )
+    found: list[str] = []
+    for topic, state in conn.execute(records):
+        try:
+            record = decode_event(topic, state)
+        except UndecodableEvent:
+            continue
+        if not isinstance(record, Configuration.Declared):
+            continue  # in the config's stream by hand
+        if record.fingerprint != besides and record.fingerprint not in found:
+            found.append(record.fingerprint)
+            if len(found) == count:
+                break
+    return found

@@ -670,7 +670,10 @@ def test_a_replay_keeps_the_snapshots_of_nodes_on_other_configs(
     """A rolling deploy: ``catalog-es replay`` on a node of the new config
     deleted the old config's snapshots too, and every node still on it
     replayed the log from its start on its next start or read of the past.
-    Configs beyond the three whose snapshots are newest lose theirs."""
+    Kept: those of the two other configs the log recorded last (nodes record
+    theirs as they first write, or start serving). One-off runs over edited
+    configs record nothing: theirs go (they took the old config's place when
+    the newest snapshots were kept)."""
 
     def declaring(name: str) -> Path:
         path = tmp_path / f"{name}.yaml"
@@ -690,21 +693,18 @@ def test_a_replay_keeps_the_snapshots_of_nodes_on_other_configs(
     for i in range(12):
         old.scale("a", 0, i + 1, by="x") if i else old.add(spec("a"), by="x")
     assert snapshotted(old) == [5, 10]
+    one_offs = [open_models(declaring(name), interval=5) for name in ("e1", "e2")]
+    assert [snapshotted(one_off) for one_off in one_offs] == [[13], [13]]  # saved as they load
     new = open_models(declaring("new"), interval=5)
     new.rebuild()
     assert snapshotted(old) == [5, 10]
     assert snapshotted(new) == [5, 10]
-    for i in range(5):  # the old config's newest snapshot is now the newest
-        old.scale("a", 0, i + 1, by="x")
-    assert snapshotted(old) == [5, 10, 15]
-    third = open_models(declaring("third"), interval=5)
-    third.rebuild()
-    fourth = open_models(declaring("fourth"), interval=7)
-    fourth.rebuild()
-    assert snapshotted(old) == [5, 10, 15]
-    assert snapshotted(third) == [5, 10, 15]
-    assert snapshotted(new) == []  # its newest, at 10, was the oldest of the others
-    assert snapshotted(fourth) == [7, 14]
+    assert [snapshotted(one_off) for one_off in one_offs] == [[], []]
+    for name in ("third", "fourth"):  # two more configs' nodes write, recording theirs
+        open_models(declaring(name), interval=5).scale("a", 0, 2, by=name)
+    new.rebuild()
+    assert snapshotted(old) == []
+    assert snapshotted(new) == [5, 10, 15]
 
 
 def _rebuilt_after_a_fast_clock(
