@@ -227,12 +227,16 @@ def load_base(models: Models) -> ModelSpec:
     return models.declared.models[0]
 
 
-@pytest.fixture
-def models(db: str, config: Path, clock: Clock) -> Iterator[Models]:
+def scripted_service(db: str, config: Path, clock: Clock) -> Iterator[Models]:
     service = open_service(db, config)
     script(service, clock)
     yield service
     service.close()
+
+
+@pytest.fixture
+def models(db: str, config: Path, clock: Clock) -> Iterator[Models]:
+    yield from scripted_service(db, config, clock)
 
 
 def event_count(models: Models) -> int:
@@ -868,10 +872,7 @@ def rebuilt_audit(db: str, declared: Path) -> list[dict[str, Any]]:
 @pytest.fixture
 def scripted(db_url: str, config: Path, clock: Clock) -> Iterator[Models]:
     """:func:`models`, on either backend."""
-    service = open_service(db_url, config)
-    script(service, clock)
-    yield service
-    service.close()
+    yield from scripted_service(db_url, config, clock)
 
 
 def age_uses(models: Models, hours: int) -> None:
@@ -1018,52 +1019,47 @@ def test_a_postgresql_read_never_answers_from_a_table_made_anew_under_it(
     models.close()
 
 
+@pytest.fixture
+def unused(
+    pg_url: str, config: Path, clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Models]:
+    """A PostgreSQL node whose audit table the next config's would drop: one
+    config kept, and this one's unused for two hours."""
+    monkeypatch.setattr(projections.audit, "CONFIGS_KEPT", 1)
+    for models in scripted_service(pg_url, config, clock):
+        models.audit()
+        age_uses(models, 2)
+        yield models
+
+
 def test_a_drop_that_waits_for_a_read_gives_way_at_once(
-    pg_url: str,
-    config: Path,
-    clock: Clock,
-    tmp_path: Path,
-    caplog: pytest.LogCaptureFixture,
-    monkeypatch: pytest.MonkeyPatch,
+    unused: Models, pg_url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A table no longer in use that a read still holds: its drop waited the
     whole lock wait (10 s), holding the lock every other process's audit
     rows wait for. It gives way after a moment, and is tried again later."""
-    monkeypatch.setattr(projections.audit, "CONFIGS_KEPT", 1)
-    models = open_service(pg_url, config)
-    script(models, clock)
-    models.audit()
-    age_uses(models, 2)
     engine = create_engine(pg_url)
     with engine.connect() as reader, reader.begin():
-        reader.execute(sa.text(f"LOCK TABLE {table_of(models)} IN ACCESS SHARE MODE"))
+        reader.execute(sa.text(f"LOCK TABLE {table_of(unused)} IN ACCESS SHARE MODE"))
         other = open_service(pg_url, declaring(tmp_path, "chat"))
         started = time.monotonic()
         other.audit()
         assert time.monotonic() - started < 3
     assert "no longer in use left: canceling statement due to lock timeout" in caplog.text
-    assert table_of(models) in audit_tables(pg_url)
+    assert table_of(unused) in audit_tables(pg_url)
     engine.dispose()
     other.close()
-    models.close()
 
 
 def test_a_node_whose_role_may_not_drop_an_unused_configs_table_still_answers(
+    unused: Models,
     pg_url: str,
     pg_admin: sa.Engine,
-    config: Path,
-    clock: Clock,
     tmp_path: Path,
     caplog: pytest.LogCaptureFixture,
-    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Dropping unused configs' tables is housekeeping: a table another role
     owns is left, with a warning, and the query is answered."""
-    monkeypatch.setattr(projections.audit, "CONFIGS_KEPT", 1)
-    models = open_service(pg_url, config)
-    script(models, clock)
-    models.audit()
-    age_uses(models, 2)
     url = sa.make_url(pg_url)
     schema = url.query["options"].partition("=")[2]
     role = f"node_{schema}"
@@ -1081,13 +1077,12 @@ def test_a_node_whose_role_may_not_drop_an_unused_configs_table_still_answers(
         answer = other.audit()
         other.close()
         assert "no longer in use left: must be owner of table" in caplog.text
-        assert table_of(models) in audit_tables(pg_url)
+        assert table_of(unused) in audit_tables(pg_url)
         assert answer == rebuilt_audit(pg_url, declares_chat)
     finally:
         with pg_admin.connect() as conn:
             conn.execute(sa.text(f"DROP OWNED BY {role}"))
             conn.execute(sa.text(f"DROP ROLE {role}"))
-    models.close()
 
 
 # -- the hash chain and verify -----------------------------------------------------
