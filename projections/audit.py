@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import re
 import threading
 import time
 import uuid
@@ -68,6 +69,9 @@ RETRIES = 3
 # them. 4: a table of rows per declared config.
 LAYOUT = 4
 CHANGES_PREFIX = f"audit_changes_v{LAYOUT}_"
+# What this code names a table of rows: another of the prefix (an operator's
+# copy, say) is not this code's to drop.
+ANY_CHANGES_TABLE = re.compile(f"{CHANGES_PREFIX}[0-9a-f]{{16}}")
 # A table per declared config: one set of tables had nodes of two configs (a
 # rolling deploy) take turns rebuilding it over their own, and most of their
 # queries failed. Those of the CONFIGS_KEPT configs used last are kept, and
@@ -387,7 +391,7 @@ class AuditView(TrackingRecorder):
             # holding the audit's lock every other process's rows wait for.
             conn.exec_driver_sql("SET LOCAL lock_timeout = '100ms'")
         for name in sa.inspect(conn).get_table_names():
-            if not name.startswith(CHANGES_PREFIX) or tables.get(name) in kept:
+            if not ANY_CHANGES_TABLE.fullmatch(name) or tables.get(name) in kept:
                 continue
             try:
                 with conn.begin_nested():
@@ -434,13 +438,14 @@ class AuditView(TrackingRecorder):
         self._used[application_name] = time.monotonic()
 
     def analyze(self, application_name: str) -> None:
-        """Refresh the planner's statistics; skipped while the database is busy,
-        as they only make queries faster (the next large catch-up tries again)."""
+        """Refresh the planner's statistics; skipped when they cannot be (the
+        database busy, the table made anew or dropped since the catch-up), as
+        they only make queries faster (the next large catch-up tries again)."""
         try:
             with self.store.locked("catalog_es.audit") as conn:
                 conn.execute(sa.text(f"ANALYZE {self.table(application_name).name}"))
-        except StorageBusy:
-            pass
+        except (StorageBusy, sa.exc.DBAPIError) as error:
+            log.debug("audit table not analyzed: %s", error)
 
     def record(
         self,
@@ -533,15 +538,27 @@ class AuditView(TrackingRecorder):
         taken: a table dropped and made again after the snapshot, under the
         same name, would show the read none of its rows, and its tracking row
         the old position. Locked, it is not dropped until the read ends. A
-        SQLite read is one snapshot, tables and all."""
+        SQLite read is one snapshot, tables and all. The lock is waited for as
+        long as a write's (a drop stalled midway holds it until the server ends
+        its session), and then the read is refused as busy."""
         name = self.table(application_name).name
         with self.store.read() as conn:
             if self.store.dialect == "postgresql":
+                wait = f"{max(1, int(self.store.lock_wait * 1000))}ms"
                 try:
-                    conn.exec_driver_sql(f'LOCK TABLE "{name}" IN ACCESS SHARE MODE')
+                    conn.exec_driver_sql(
+                        f"SET LOCAL lock_timeout = '{wait}';"
+                        f' LOCK TABLE "{name}" IN ACCESS SHARE MODE'
+                    )
                     there = True
-                except sa.exc.ProgrammingError as error:
-                    if getattr(error.orig, "sqlstate", None) != "42P01":
+                except sa.exc.DBAPIError as error:
+                    state = getattr(error.orig, "sqlstate", None)
+                    if state == "55P03":
+                        raise StorageBusy(
+                            f"the audit table stayed locked by another process for "
+                            f"{self.store.lock_wait:g} s; nothing was read, try again"
+                        ) from None
+                    if state != "42P01":
                         raise
                     there = False
             else:

@@ -1,8 +1,9 @@
-"""Nodes on two declared configs sharing one database, as in a rolling deploy
-that changes ``catalog.yaml``: each process writes, asks the audit and, at the
-end, replays, and the script counts what was answered and what failed.
+"""Nodes on several declared configs sharing one database, as in a rolling
+deploy that changes ``catalog.yaml``: each process writes, asks the audit and,
+at the end, replays, and the script counts what was answered and what failed.
 
-    python scripts/rolling_deploy.py [DATABASE_URL] [--seconds 20] [--log 100000]
+    python scripts/rolling_deploy.py [DATABASE_URL] [--configs 2] [--nodes 4]
+                                     [--seconds 20] [--log 100000]
 
 Without a URL it uses a SQLite file in a temporary folder. Give PostgreSQL an
 empty database of its own: the script writes a log of ``--log`` events first.
@@ -27,11 +28,9 @@ from catalog_es.spec import ModelSpec, Profile
 DECLARED = (
     "models:\n  - {name: base, engine: vllm, source: hf://o/base, profiles: [{name: g, gpus: 1}]}\n"
 )
-# The new config declares one model more: the two replay the log differently.
-DECLARED_AFTER = DECLARED + (
-    "  - {name: extra, engine: vllm, source: hf://o/extra, profiles: [{name: g, gpus: 1}]}\n"
-)
-NODES = 4  # half on each config
+# Each config after the first declares one model more of its own: each
+# replays the log differently.
+EXTRA = "  - {{name: extra{0}, engine: vllm, source: hf://o/e, profiles: [{{name: g, gpus: 1}}]}}\n"
 
 
 def attempt(what: str, seen: collections.Counter[str], step: Callable[[], object]) -> None:
@@ -66,25 +65,27 @@ def node(config: str, db: str, number: int, seconds: float) -> collections.Count
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("db", nargs="?", help="database URL (default: a new SQLite file)")
+    parser.add_argument("--configs", type=int, default=2, help="declared configs at once")
+    parser.add_argument("--nodes", type=int, default=4, help="processes, spread over them")
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--log", type=int, default=100_000, help="events written first")
     args = parser.parse_args()
     folder = Path(tempfile.mkdtemp())
-    before, after = folder / "before.yaml", folder / "after.yaml"
-    before.write_text(DECLARED)
-    after.write_text(DECLARED_AFTER)
+    configs = [folder / f"config{number}.yaml" for number in range(args.configs)]
+    for number, config in enumerate(configs):
+        config.write_text(DECLARED + (EXTRA.format(number) if number else ""))
     db = args.db or f"sqlite:///{folder / 'catalog.db'}"
-    models = Models(load_config(str(before)), env={"CATALOG_ES_DB": db})
+    models = Models(load_config(str(configs[0])), env={"CATALOG_ES_DB": db})
     profiles = (Profile("g", gpus=1),)
-    for number in range(NODES):
+    for number in range(args.nodes):
         models.add(ModelSpec(f"m{number}", "vllm", "hf://o/m", profiles=profiles), by="setup")
     for _ in range(args.log // 1000):
         steps = [commands.scale("m0", 1, 1 + i % 7) for i in range(1000)]
         models.apply_changes(steps, by="setup")
     models.close()
-    configs = [str(before if number % 2 else after) for number in range(NODES)]
-    with multiprocessing.Pool(NODES) as pool:
-        counts = pool.starmap(node, [(configs[n], db, n, args.seconds) for n in range(NODES)])
+    nodes = [(str(configs[n % args.configs]), db, n, args.seconds) for n in range(args.nodes)]
+    with multiprocessing.Pool(args.nodes) as pool:
+        counts = pool.starmap(node, nodes)
     total: collections.Counter[str] = collections.Counter()
     for count in counts:
         total.update(count)
