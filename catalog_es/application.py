@@ -37,6 +37,7 @@ from catalog_es.errors import (
     ModelNotFound,
     Refused,
     RevisionConflict,
+    StorageBusy,
     counted,
 )
 from catalog_es.inputs import check_actor, zoned
@@ -1051,7 +1052,14 @@ class Models(AuditTrail, Application[UUID]):
             with self._state:
                 self.catalog = catalog
         if audit:
-            self.rebuild_audit()
+            try:
+                self.rebuild_audit()
+            except StorageBusy as error:
+                # The catalog and its snapshots stand: the operator must know
+                # that only the audit is left to make again.
+                raise StorageBusy(
+                    f"the catalog and its snapshots were made again, the audit's rows not: {error}"
+                ) from None
         return {
             "revision": catalog.revision,
             "models": len(catalog),

@@ -36,7 +36,7 @@ from catalog_es import commands, cpu, persistence
 from catalog_es.application import Models
 from catalog_es.catalog import Catalog, Skipped
 from catalog_es.cli import cli
-from catalog_es.errors import InputError, ModelNotFound, Refused, RevisionConflict
+from catalog_es.errors import InputError, ModelNotFound, Refused, RevisionConflict, StorageBusy
 from catalog_es.inputs import load_config, revision_or_time
 from catalog_es.mapper import EventMapper
 from catalog_es.model import Model, model_id
@@ -1327,6 +1327,33 @@ def test_cli_reads_at_a_revision_diffs_and_rolls_back(
     replay = runner.invoke(cli, [*base, "replay"])
     assert replay.exit_code == 0 and "replayed to revision 4" in replay.stdout
     assert replay.stderr == ""  # the progress bar is for a terminal, and leaves nothing piped
+
+
+def test_a_replay_whose_audit_is_refused_says_what_was_made_again(
+    db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The audit's part of a replay refused as busy: the catalog and its
+    snapshots were made again already, and the one line says so (it said only
+    why the audit was refused, as if nothing had been done)."""
+    definition = tmp_path / "a.yaml"
+    definition.write_text(
+        "name: a\nengine: vllm\nsource: hf://o/a\nprofiles: [{name: g, gpus: 1}]\n"
+    )
+    runner = CliRunner()
+    assert runner.invoke(cli, ["--db", db_url, "model", "add", str(definition)]).exit_code == 0
+    rows = count_events(db_url)
+
+    def refused(self: Models) -> None:
+        raise StorageBusy("the audit rows stayed locked for 10 s; try again")
+
+    monkeypatch.setattr(Models, "rebuild_audit", refused)
+    replay = runner.invoke(cli, ["--db", db_url, "replay"])
+    assert replay.exit_code == 1
+    assert replay.stderr.splitlines() == [
+        "error: the catalog and its snapshots were made again, the audit's rows not: "
+        "the audit rows stayed locked for 10 s; try again"
+    ]
+    assert count_events(db_url) == rows
 
 
 def test_the_snapshot_interval_comes_from_the_environment(
