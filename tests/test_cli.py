@@ -539,6 +539,39 @@ def test_log_json_prints_one_object_per_event_with_the_documented_keys(
     assert "alice" in human and "Scaled" in human and "peak" in human
 
 
+def test_a_run_without_the_declared_config_the_nodes_recorded_says_so(
+    db_url: str, tmp_path: Path
+) -> None:
+    """Run from a folder without the deploy's catalog.yaml, a read left the
+    declared models out and a write recorded no config as the one in force,
+    both in silence (hostile tester). It warns, after its answer; a run given
+    the config, or finding it in its folder, does not."""
+    (tmp_path / "a.yaml").write_bytes(as_yaml(definition("a")))
+    deploy = tmp_path / "deploy"
+    deploy.mkdir()
+    (deploy / "catalog.yaml").write_text(config_yaml(spec("base")))
+    runner = CliRunner()
+    assert runner.invoke(cli, ["--db", db_url, "model", "add", "a.yaml"]).exit_code == 0
+    given = ["--config", str(deploy / "catalog.yaml")]
+    scaled = runner.invoke(cli, ["--db", db_url, *given, "model", "scale", "a", "--max", "2"])
+    assert scaled.exit_code == 0
+
+    def listed(*args: str, folder: Path = tmp_path) -> tuple[list[str], str]:
+        command = [sys.executable, "-m", "catalog_es", "--db", db_url, *args, "model", "list"]
+        done = subprocess.run(
+            [*command, "--json"], capture_output=True, text=True, timeout=60, cwd=folder, check=True
+        )
+        return [m["name"] for m in json.loads(done.stdout)], done.stderr
+
+    assert listed() == (
+        ["a"],
+        "warning: no declared config given (--config, $CATALOG_ES_CONFIG or ./catalog.yaml): "
+        "the log's nodes recorded one at revision 2, and this run goes without its models\n",
+    )
+    assert listed(*given) == (["a", "base"], "")
+    assert listed(folder=deploy) == (["a", "base"], "")
+
+
 def test_a_new_sqlite_log_is_said_to_be_made(tmp_path: Path) -> None:
     """A path mistyped read as an empty catalog, said nothing, and left a new
     file (operator walkthrough): a run that makes the log says so, after its

@@ -65,6 +65,22 @@ class Settings:
                 self.new_log = new_log
             if self.new_log is not None:
                 log.warning("no log at %s yet: a new one is made there", self.new_log)
+            recorded = self._models.catalog.recorded_declaration
+            if (
+                bootstrap.config_path(self.config) is None
+                and recorded is not None
+                and recorded[0] != self._models.declared.fingerprint
+            ):
+                # A run from a folder without the deploy's catalog.yaml reads
+                # the catalog without its declared models, and a write records
+                # that as the config in force: neither is what the nodes run.
+                log.warning(
+                    "no declared config given (--config, $%s or ./%s): the log's nodes "
+                    "recorded one at revision %d, and this run goes without its models",
+                    bootstrap.CONFIG_ENV,
+                    bootstrap.DEFAULT_CONFIG,
+                    recorded[1],
+                )
             context = click.get_current_context(silent=True)
             if context is not None:
                 context.call_on_close(self._models.close)
