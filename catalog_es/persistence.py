@@ -236,6 +236,12 @@ def lock_wait_seconds() -> float:
     return _seconds(LOCK_WAIT_ENV, LOCK_WAIT_SECONDS)
 
 
+def milliseconds(seconds: float) -> int:
+    """A wait in whole milliseconds, as SQLite's busy timeout and PostgreSQL's
+    settings take it: at least 1, as 0 means no bound to either."""
+    return max(1, int(seconds * 1000))
+
+
 def _seconds(variable: str, default: float) -> float:
     """Seconds from environment ``variable``, else ``default``; empty is unset."""
     text = os.environ.get(variable, "").strip()
@@ -279,7 +285,7 @@ def _into_wal(cursor: sqlite3.Cursor, wait: float) -> None:
         time.sleep(min(delay, left))
         delay = min(2 * delay, 0.05)
         # An attempt may also wait in the busy handler: only for what is left.
-        cursor.execute(f"PRAGMA busy_timeout = {max(1, int(left * 1000))}")
+        cursor.execute(f"PRAGMA busy_timeout = {milliseconds(left)}")
         retried = True
     if retried:
         cursor.execute(f"PRAGMA busy_timeout = {int(wait * 1000)}")
@@ -526,9 +532,7 @@ def acquire_within(lock: threading.Lock | threading.RLock, bound: float, busy: s
 
 def _busy_timeout(conn: Connection, seconds: float) -> None:
     """How long SQLite's busy handler waits on ``conn`` for another writer."""
-    _driver(
-        conn.connection.driver_connection, f"PRAGMA busy_timeout = {max(1, int(seconds * 1000))}"
-    )
+    _driver(conn.connection.driver_connection, f"PRAGMA busy_timeout = {milliseconds(seconds)}")
 
 
 # SQLite's errors that mean the database itself cannot be used: not there,
@@ -885,9 +889,9 @@ class SQLRecorder(ProcessRecorder):
                     # Stopped mid-write, a node is idle in its transaction, or,
                     # stopped while the server still sends it a read, leaves
                     # what is sent unacknowledged: either ends its session.
-                    idle = f"'{max(1, int(self.write_idle * 1000))}ms'"
+                    idle = f"'{milliseconds(self.write_idle)}ms'"
                     timeout = (
-                        f"SET LOCAL lock_timeout = '{max(1, int(waiting * 1000))}ms';"
+                        f"SET LOCAL lock_timeout = '{milliseconds(waiting)}ms';"
                         f" SET LOCAL idle_in_transaction_session_timeout = {idle};"
                         f" SET LOCAL tcp_user_timeout = {idle}"
                     )

@@ -44,7 +44,7 @@ from catalog_es.errors import StorageBusy, first_line
 from catalog_es.inputs import DeclaredConfig
 from catalog_es.mapper import UndecodableEvent, decode_event, model_of_state, topic_name
 from catalog_es.model import DomainEvent, Model, utc_text
-from catalog_es.persistence import SQLRecorder, acquire_within
+from catalog_es.persistence import SQLRecorder, acquire_within, milliseconds
 from catalog_es.spec import ModelSpec
 from catalog_es.views import event_fields
 
@@ -79,6 +79,8 @@ ANY_CHANGES_TABLE = re.compile(f"{CHANGES_PREFIX}[0-9a-f]{{16}}")
 IN_USE = timedelta(hours=1)
 # A process that only reads says it still uses its table this often at most.
 USED_EVERY = 60.0
+# How long dropping another config's table waits for the reads that hold it.
+DROP_WAIT = 0.1
 
 # The tracking positions, one row per declared config, shared by every config's table.
 metadata = sa.MetaData()
@@ -369,27 +371,23 @@ class AuditView(TrackingRecorder):
         role's), or that a read holds, is left, with a warning, and tried again
         when the next config comes."""
         t = tracking_table.c
-        others = (t.application_name != application_name) | (t.config != self.config)
-        recent = (
-            sa.select(t.application_name, t.config)
-            .where(others)
-            .order_by(t.used_at.desc())
-            .limit(CONFIGS_KEPT - 1)
-        )
-        in_use = sa.select(t.application_name, t.config).where(
-            others, t.used_at >= self._now(IN_USE)
-        )
-        kept = {(application_name, self.config)}
-        kept.update(conn.execute(recent).tuples())
-        kept.update(conn.execute(in_use).tuples())
-        tables = {
-            changes_table_for(*key).name: key
-            for key in conn.execute(sa.select(t.application_name, t.config)).tuples()
-        }
+        own = (application_name, self.config)
+        rows = conn.execute(
+            sa.select(t.application_name, t.config, t.used_at >= self._now(IN_USE)).order_by(
+                t.used_at.desc()
+            )
+        ).all()
+        tables = {changes_table_for(name, config).name: (name, config) for name, config, _ in rows}
+        # The others, the most recently used first, and whether within IN_USE.
+        others = [
+            ((name, config), in_use) for name, config, in_use in rows if (name, config) != own
+        ]
+        kept = {own, *(key for key, _ in others[: CONFIGS_KEPT - 1])}
+        kept.update(key for key, in_use in others if in_use)
         if self.store.dialect == "postgresql":
             # A drop waits for the reads of that table: not for long, while
             # holding the audit's lock every other process's rows wait for.
-            conn.exec_driver_sql("SET LOCAL lock_timeout = '100ms'")
+            conn.exec_driver_sql(f"SET LOCAL lock_timeout = '{milliseconds(DROP_WAIT)}ms'")
         for name in sa.inspect(conn).get_table_names():
             if not ANY_CHANGES_TABLE.fullmatch(name) or tables.get(name) in kept:
                 continue
@@ -544,10 +542,9 @@ class AuditView(TrackingRecorder):
         name = self.table(application_name).name
         with self.store.read() as conn:
             if self.store.dialect == "postgresql":
-                wait = f"{max(1, int(self.store.lock_wait * 1000))}ms"
                 try:
                     conn.exec_driver_sql(
-                        f"SET LOCAL lock_timeout = '{wait}';"
+                        f"SET LOCAL lock_timeout = '{milliseconds(self.store.lock_wait)}ms';"
                         f' LOCK TABLE "{name}" IN ACCESS SHARE MODE'
                     )
                     there = True
