@@ -52,7 +52,7 @@ from catalog_es.model import (
     utc_text,
 )
 from catalog_es.persistence import (
-    PollingSubscription,
+    PullingSubscription,
     SQLRecorder,
     acquire_within,
     database_unusable,
@@ -1041,7 +1041,9 @@ class Models(AuditTrail, Application[UUID]):
 
     def watch(self, after: int = 0, *, poll_interval: float | None = None) -> Watch:
         """Every change after revision ``after``, in order and once each, then
-        the new ones as they commit."""
+        the new ones as they commit. ``poll_interval``: the seconds between
+        looks with nothing heard (on SQLite, which has no notifications, every
+        look; on PostgreSQL, those in case a notification never comes)."""
         with self.store.read() as conn:
             head = self.store.head(conn)
         if after < 0 or after > head:
@@ -1053,7 +1055,7 @@ class Models(AuditTrail, Application[UUID]):
             with self.store.read() as conn:
                 self.store.head(conn)
             subscription = self.store.subscribe(gt=last)
-            if poll_interval is not None and isinstance(subscription, PollingSubscription):
+            if poll_interval is not None and isinstance(subscription, PullingSubscription):
                 subscription.interval = poll_interval
             return subscription
 

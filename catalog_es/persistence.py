@@ -1542,7 +1542,12 @@ class ListenSubscription(PullingSubscription):
     """Woken by PostgreSQL's LISTEN/NOTIFY rather than by polling. Every
     wake-up reads what is after the last revision delivered, so a lost
     notification delays nothing past the next one, and a slow wake-up misses
-    nothing. The LISTEN connection is the process's, shared (:class:`Listener`)."""
+    nothing. The LISTEN connection is the process's, shared (:class:`Listener`).
+    With nothing heard it looks anyway every ``interval`` seconds: behind a
+    connection pooler in transaction mode notifications are lost, and a
+    watch waited for good."""
+
+    interval: float | None = 10.0
 
     def __init__(
         self, recorder: SQLRecorder, gt: int | None = None, topics: Sequence[str] = ()

@@ -1520,3 +1520,38 @@ def test_a_revision_past_what_a_log_can_hold_is_refused_as_such(written: str) ->
         revision_or_time(written)
     assert revision_or_time(str(2**63 - 1)) == 2**63 - 1
     assert revision_or_time("0" * 5000 + "7") == 7
+
+
+def test_a_postgresql_watch_that_hears_no_notification_still_follows(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Behind a connection pooler in transaction mode notifications are lost
+    on the way to the LISTEN connection: a watch waiting for one waited for
+    good. It looks
+    anyway every ``poll_interval`` seconds (10 by default). (Here its LISTEN
+    is on a channel no write notifies.)"""
+    writer = Models(load_config(None), env={"CATALOG_ES_DB": pg_url})
+    writer.add(spec("a"), by="x")
+    follower = Models(load_config(None), env={"CATALOG_ES_DB": pg_url})
+    channel = persistence.CHANNEL
+    monkeypatch.setattr(persistence, "CHANNEL", "nobody_notifies_this")
+    seen: list[int] = []
+
+    def follow() -> None:
+        for event in follower.watch(writer.revision, poll_interval=0.3):
+            seen.append(event["revision"])
+            return
+
+    thread = threading.Thread(target=follow, daemon=True)
+    thread.start()
+    listener = follower.store.listener()
+    deadline = time.monotonic() + 10
+    while not listener._listening and time.monotonic() < deadline:
+        time.sleep(0.01)
+    monkeypatch.setattr(persistence, "CHANNEL", channel)
+    time.sleep(0.5)  # the watch has looked, once listening, and waits
+    written = writer.scale("a", 0, 2, by="x").revision
+    thread.join(timeout=5)
+    assert seen == [written]
+    writer.close()
+    follower.close()
