@@ -592,16 +592,14 @@ def test_a_batch_does_not_take_back_what_a_read_caught_up_with_after_its_commit(
     class Pausing:
         """The catalog's lock, holding up the writer as it takes it again."""
 
-        def acquire(self) -> bool:
+        def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
             nonlocal writer_takes
             if threading.current_thread() is writer:
                 writer_takes += 1
-                # Before the write lock, inside it, then committed and coming
-                # back for the catalog.
-                if writer_takes == 3:
+                if writer_takes == 2:  # committed, and coming back for the catalog
                     committed.set()
                     go_on.wait(10)
-            return state.acquire()
+            return state.acquire(blocking, timeout)
 
         def release(self) -> None:
             state.release()
