@@ -272,45 +272,55 @@ def test_a_read_sees_one_state_of_the_log_while_others_write(db_url: str) -> Non
     writer.close()
 
 
+@pytest.mark.parametrize("reader_began", ["before the write", "while the write queued"])
 def test_a_write_waits_out_its_own_node_catching_up_with_the_log_let_go(
-    db_url: str, monkeypatch: pytest.MonkeyPatch
+    db_url: str, monkeypatch: pytest.MonkeyPatch, reader_began: str
 ) -> None:
     """A reader catching up a backlog holds its node's catalog for as long as
     that takes; a write of that node waits for it with the log's write lock
     let go, not holding it: other nodes' writes go on meanwhile (they waited
-    5.2 s behind a 300,000-event catch-up, or were refused as busy)."""
-    behind = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
-    other = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
+    5.2 s behind a 300,000-event catch-up, or were refused as busy). Also
+    when the reader began while the write queued for the lock behind
+    another node's, and the write then had it (review)."""
+    behind, other, third = (Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url}) for _ in "123")
     other.add(_definition("a", []), by="setup")
+    monkeypatch.setattr(third.store, "lock_wait", 0.5)
     catching_up, go_on = threading.Event(), threading.Event()
     catch_up = behind._catch_up
 
-    def slow_catch_up(conn: sa.Connection) -> None:
-        catching_up.set()
-        assert go_on.wait(10)
+    def slow_for_the_reader(conn: sa.Connection) -> None:
+        if threading.current_thread().name == "reader":
+            catching_up.set()
+            assert go_on.wait(10)
         catch_up(conn)
 
-    monkeypatch.setattr(behind, "_catch_up", slow_catch_up)
-    monkeypatch.setattr(other.store, "lock_wait", 0.5)
-    reader = threading.Thread(target=behind.list_models)
-    reader.start()
-    assert catching_up.wait(10)
+    monkeypatch.setattr(behind, "_catch_up", slow_for_the_reader)
     written: list[int] = []
     writer = threading.Thread(
         target=lambda: written.append(behind.scale("a", 0, 2, by="node1").revision)
     )
-    writer.start()
-    time.sleep(0.3)  # the write is under way, waiting for the reader
+    reader = threading.Thread(target=behind.list_models, name="reader")
+    if reader_began == "before the write":
+        reader.start()
+        assert catching_up.wait(10)
+        writer.start()
+    else:
+        with other.store.write():  # another node's write under way
+            writer.start()
+            time.sleep(0.3)  # the write queues for the lock
+            reader.start()
+            assert catching_up.wait(10)
+    time.sleep(0.3)  # the write has had the lock, and found its reader catching up
     try:
-        assert other.scale("a", maximum=3, by="node2").revision == 2
+        assert third.scale("a", maximum=3, by="node3").revision == 2
     finally:
         go_on.set()
         reader.join(10)
         writer.join(10)
     assert written == [3]
     assert behind.get_model("a")["scaling"] == {"min": 0, "max": 2}
-    behind.close()
-    other.close()
+    for models in (behind, other, third):
+        models.close()
 
 
 def test_a_write_far_behind_the_log_catches_up_before_it_takes_the_lock(
@@ -340,48 +350,6 @@ def test_a_write_far_behind_the_log_catches_up_before_it_takes_the_lock(
     fresh = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
     assert behind.list_models() == fresh.list_models()
     for models in (behind, other, fresh):
-        models.close()
-
-
-def test_a_write_lets_go_of_the_log_for_a_reader_that_began_while_it_queued(
-    db_url: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A reader of the node may begin catching up while the node's write
-    queues for the log's write lock behind another node's: the write, once
-    it has the lock, lets go of it again rather than hold it for the reader
-    (review)."""
-    behind, other, third = (Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url}) for _ in "123")
-    other.add(_definition("a", []), by="setup")
-    monkeypatch.setattr(third.store, "lock_wait", 0.5)
-    catching_up, go_on = threading.Event(), threading.Event()
-    catch_up = behind._catch_up
-
-    def slow_for_the_reader(conn: sa.Connection) -> None:
-        if threading.current_thread().name == "reader":
-            catching_up.set()
-            assert go_on.wait(10)
-        catch_up(conn)
-
-    monkeypatch.setattr(behind, "_catch_up", slow_for_the_reader)
-    written: list[int] = []
-    writer = threading.Thread(
-        target=lambda: written.append(behind.scale("a", 0, 2, by="node1").revision)
-    )
-    reader = threading.Thread(target=behind.list_models, name="reader")
-    with other.store.write():  # another node's write under way
-        writer.start()
-        time.sleep(0.3)  # the write queues for the lock
-        reader.start()
-        assert catching_up.wait(10)
-    time.sleep(0.3)  # the write has the lock, and finds its reader catching up
-    try:
-        assert third.scale("a", maximum=3, by="node3").revision == 2
-    finally:
-        go_on.set()
-        reader.join(10)
-        writer.join(10)
-    assert written == [3]
-    for models in (behind, other, third):
         models.close()
 
 
