@@ -84,9 +84,6 @@ MAX_REASON_LENGTH = 1000
 # behind (it served nothing while others wrote) lets go of the lock and
 # catches up first: a backlog of 300,000 scalings held it 0.76 s.
 CATCH_UP_HELD = 2_000
-# Seconds it waits, so, for a reader of its own node: a read holds the catalog
-# a few milliseconds, a reader catching up as long as that takes.
-READER_WAIT_HELD = 0.01
 
 
 At = int | datetime | None
@@ -154,9 +151,9 @@ class InForce(Sequence[ModelSpec]):
         return len(self._listed())
 
 
-class _LetGo(Exception):
+class _FarBehind(Exception):
     """A write, holding the log's write lock, found its node more than
-    :data:`CATCH_UP_HELD` events behind, or a reader of its node catching up."""
+    :data:`CATCH_UP_HELD` events behind."""
 
 
 class _Outage:
@@ -660,7 +657,7 @@ class Models(AuditTrail, Application[UUID]):
         writes the declared-config record even with no change planned;
         ``streams``: the models whose stream versions the plan will need;
         ``lock_left``: this is the write again, after catching up outside
-        the lock (:class:`_LetGo`), with that much of the lock wait left."""
+        the lock (:class:`_FarBehind`), with that much of the lock wait left."""
         _check_meta(by, reason)
         # A dry run reads one view of the log and writes nothing: it neither
         # waits for writers nor holds them up (a reader's dry-run rollback of
@@ -671,17 +668,19 @@ class Models(AuditTrail, Application[UUID]):
         if wait is None:
             wait = lock_left
         known, state, holding = self._known, self._state, False
-        # Holding the log's write lock, a write waits for no long catch-up of
-        # its own node's the first time round, its own or a reader's (5.2 s
-        # behind 300,000 events, every node's writes held up meanwhile).
-        letting_go = locked and lock_left is None
         snapshot: bytes | None = None
         try:
+            if locked:
+                # A reader of this process catching up a backlog holds the
+                # catalog for as long as that takes: waited out before the
+                # log's write lock, which every node's writes queue behind, not
+                # while holding it (5.2 s behind 300,000 events).
+                with state:
+                    pass
             with collector_paused():
                 try:
                     with self.store.write(wait) if locked else self.store.read() as conn:
-                        if not state.acquire(timeout=READER_WAIT_HELD if letting_go else -1):
-                            raise _LetGo
+                        state.acquire()
                         holding = True
                         # One read says whether another writer moved the log since
                         # this service last looked, what to chain onto, and the
@@ -698,8 +697,9 @@ class Models(AuditTrail, Application[UUID]):
                             # Revisions burned past the last event (an aborted
                             # write's, on PostgreSQL) are nothing to catch up with.
                             last_event = standing.head.revision if standing.head else 0
-                            if letting_go and last_event - self.catalog.revision > CATCH_UP_HELD:
-                                raise _LetGo
+                            behind = last_event - self.catalog.revision
+                            if locked and lock_left is None and behind > CATCH_UP_HELD:
+                                raise _FarBehind
                             self._catch_up(conn)
                         head = self.catalog.revision
                         if expected_revision is not None and expected_revision != head:
@@ -785,7 +785,7 @@ class Models(AuditTrail, Application[UUID]):
                 if snapshot is not None:
                     self._save_snapshot(revision, snapshot)
             return revision, batch.changes
-        except _LetGo:
+        except _FarBehind:
             pass  # nothing was planned or written: caught up with below, then again
         finally:
             if holding:

@@ -596,7 +596,9 @@ def test_a_batch_does_not_take_back_what_a_read_caught_up_with_after_its_commit(
             nonlocal writer_takes
             if threading.current_thread() is writer:
                 writer_takes += 1
-                if writer_takes == 2:  # committed, and coming back for the catalog
+                # Before the write lock, inside it, then committed and coming
+                # back for the catalog.
+                if writer_takes == 3:
                     committed.set()
                     go_on.wait(10)
             return state.acquire(blocking, timeout)
