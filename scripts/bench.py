@@ -374,9 +374,9 @@ def until_the_wal_is_full(run: Callable[[int], object], database: Path) -> None:
 
 # CPU work between two raw commits, about what a command does besides its
 # commit. On some hosts a commit's wait costs several times as much once
-# anything but the next commit runs between two (the host's side of the disk
-# stops polling for it), so the back-to-back raw loop is a floor no loop that
-# works between its commits reaches.
+# anything but the next commit runs between two (by all appearances the
+# host's side of the disk stops polling for it), so the back-to-back raw loop
+# is a floor no loop that works between its commits reaches.
 SPACING = 100e-6
 
 
