@@ -288,7 +288,7 @@ def _into_wal(cursor: sqlite3.Cursor, wait: float) -> None:
         cursor.execute(f"PRAGMA busy_timeout = {milliseconds(left)}")
         retried = True
     if retried:
-        cursor.execute(f"PRAGMA busy_timeout = {int(wait * 1000)}")
+        cursor.execute(f"PRAGMA busy_timeout = {milliseconds(wait)}")
 
 
 # A stream's row in catalog_streams names its last event: the write it
@@ -1561,7 +1561,8 @@ class ListenSubscription(PullingSubscription):
         super().__exit__(*args, **kwargs)
 
 
-# The LISTEN connection's own, where the database URL does not say. It is
+# The LISTEN connection's own, where the database URL does not say. Its
+# connect is bounded: the last follower out waits for its thread to end. It is
 # idle for as long as nothing is written: a NAT or firewall that drops idle
 # flows (minutes, in most clouds) would cut it without a word, and every
 # watch would wait for good. Probes every 30 s keep the flow, and a peer that
@@ -1619,8 +1620,6 @@ class Listener:
             # Imported here, where PostgreSQL is listened to: importing it
             # costs each CLI run on SQLite 60 ms.
             import psycopg
-
-            # Bounded: the last follower out waits for this thread to end.
             from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
             given = conninfo_to_dict(self._conninfo)
