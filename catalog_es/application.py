@@ -29,6 +29,7 @@ from catalog_es import commands
 from catalog_es.audit import AuditTrail
 from catalog_es.batch import Batch, Change, KnownVersions, declaration_differs
 from catalog_es.catalog import Catalog, Skipped
+from catalog_es.catalog_lock import CatalogLock
 from catalog_es.collector import collector_paused
 from catalog_es.configuration import Configuration, DeclaredConfig
 from catalog_es.errors import (
@@ -278,8 +279,9 @@ class Models(AuditTrail, Application[UUID]):
         self._lock = threading.RLock()
         # Guards the catalog in force, which commands change in place. A
         # command takes it only once it holds the database, so a read (an
-        # HTTP server's) never waits on a write that waits for another process.
-        self._state = threading.RLock()
+        # HTTP server's) never waits on a write that waits for another process;
+        # then before the reads that come after it, as it holds up every node.
+        self._state = CatalogLock()
         self._known = KnownVersions()
         super().__init__(env)
         assert isinstance(self.recorder, SQLRecorder)
@@ -675,12 +677,14 @@ class Models(AuditTrail, Application[UUID]):
                 # catalog for as long as that takes: waited out before the
                 # log's write lock, which every node's writes queue behind, not
                 # while holding it (5.2 s behind 300,000 events).
-                with state:
-                    pass
+                state.acquire(write=True)
+                state.release()
             with collector_paused():
                 try:
                     with self.store.write(wait) if locked else self.store.read() as conn:
-                        state.acquire()
+                        # Its turn before reads that come after it: it holds
+                        # the log's lock (:class:`CatalogLock`).
+                        state.acquire(write=locked)
                         holding = True
                         # One read says whether another writer moved the log since
                         # this service last looked, what to chain onto, and the
@@ -749,7 +753,7 @@ class Models(AuditTrail, Application[UUID]):
                     raise
                 # Committed: only now are the changes in force.
                 if not holding:
-                    state.acquire()
+                    state.acquire(write=True)
                     holding = True
                 revision = revisions[-1]
                 if isinstance(batch.records[0], Configuration.Declared):
