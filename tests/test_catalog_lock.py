@@ -1,12 +1,18 @@
-"""The catalog's lock: re-entrant, and a waiting write goes before the reads
-that come after it. What a node's writes gain by it is tested in
-test_concurrency (`test_a_write_holding_the_log_waits_for_one_read_at_most_…`)."""
+"""The catalog's lock: re-entrant, and taken in turn, a waiting write before
+the reads. What a node's writes gain by it is tested in test_concurrency
+(`test_a_write_holding_the_log_waits_for_one_read_at_most_…`).
+
+Threads here are daemons and every wait is bounded: a broken lock fails
+these tests, never hangs them."""
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 from collections.abc import Callable
+
+import pytest
 
 from catalog_es.catalog_lock import CatalogLock
 
@@ -18,30 +24,67 @@ def until(condition: Callable[[], bool]) -> None:
         time.sleep(0.001)
 
 
-def started(target: Callable[[], object], name: str | None = None) -> threading.Thread:
-    # Daemons: a thread a broken lock leaves waiting must not keep pytest running.
-    thread = threading.Thread(target=target, name=name, daemon=True)
+def started(target: Callable[[], object]) -> threading.Thread:
+    thread = threading.Thread(target=target, daemon=True)
     thread.start()
     return thread
 
 
-def test_a_waiting_write_takes_the_lock_before_reads_that_come_after_it() -> None:
+def queued(lock: CatalogLock) -> int:
+    return len(lock._writes) + len(lock._reads)
+
+
+def test_the_waiting_get_it_in_turn_a_write_before_the_reads() -> None:
     lock, order = CatalogLock(), []
 
-    def take(write: bool) -> None:
-        lock.acquire(write=write)
-        order.append("write" if write else "read")
+    def take(what: str) -> None:
+        lock.acquire(write=what == "write")
+        order.append(what)
         lock.release()
 
     lock.acquire()  # a read under way
-    writer = started(lambda: take(True))
-    until(lambda: lock._writes_waiting == 1)
-    readers = [started(lambda: take(False)) for _ in range(3)]
-    until(lambda: lock._waiting == 4)
+    for n, what in enumerate(["read 1", "read 2", "write", "read 3"], 1):
+        started(lambda what=what: take(what))  # type: ignore[misc]
+        until(lambda n=n: queued(lock) == n)  # type: ignore[misc]
     lock.release()
-    for thread in (writer, *readers):
-        thread.join(10)
-    assert order == ["write", "read", "read", "read"]
+    until(lambda: len(order) == 4)
+    assert order == ["write", "read 1", "read 2", "read 3"]
+
+
+def _nonstop(lock: CatalogLock, writes: list[bool], seconds: float = 1.0) -> list[int]:
+    """Threads taking the lock nonstop (a write where ``writes`` says so), each
+    holding it through a little I/O, as a read catching up does: how many
+    times each took it."""
+    stop, counts = threading.Event(), [0] * len(writes)
+
+    def take(i: int, write: bool) -> None:
+        while not stop.is_set():
+            lock.acquire(write=write)
+            try:
+                time.sleep(0.0002)
+            finally:
+                lock.release()
+            counts[i] += 1
+
+    threads = [started(lambda i=i, w=w: take(i, w)) for i, w in enumerate(writes)]
+    time.sleep(seconds)
+    stop.set()
+    for thread in threads:
+        thread.join(5)
+    return counts
+
+
+def test_threads_reading_nonstop_each_get_their_turns() -> None:
+    """A thread letting go and asking again at once queues behind those
+    waiting: with the lock taken by whoever asked when it was let go, one
+    reader had it thousands of times and the others once."""
+    counts = _nonstop(CatalogLock(), [False] * 6)
+    assert min(counts) >= max(counts) / 4, counts
+
+
+def test_a_nonstop_write_leaves_the_reads_their_turns() -> None:
+    counts = _nonstop(CatalogLock(), [True] + [False] * 4)
+    assert min(counts[1:]) >= counts[0] / 8, counts
 
 
 def test_its_holder_takes_it_again_while_a_write_waits_for_it() -> None:
@@ -52,7 +95,7 @@ def test_its_holder_takes_it_again_while_a_write_waits_for_it() -> None:
     def read_catching_up() -> None:
         with lock:
             holding.set()
-            until(lambda: lock._writes_waiting == 1)
+            until(lambda: len(lock._writes) == 1)
             with lock:
                 again.set()
 
@@ -65,43 +108,33 @@ def test_its_holder_takes_it_again_while_a_write_waits_for_it() -> None:
     assert not reader.is_alive() and not writer.is_alive()
 
 
-def test_a_write_interrupted_while_it_waits_lets_the_reads_it_held_back_go_on() -> None:
-    """Ctrl-C lands in a write waiting for the lock just as its holder lets go:
-    a read that saw the write waiting and went back to wait is woken."""
-    lock = CatalogLock()
-    wait, writer_woken = lock._turn.wait, threading.Event()
+def test_a_write_interrupted_while_it_waits_leaves_its_turn_to_the_next() -> None:
+    """Ctrl-C in a write waiting for the lock: the read queued behind it gets
+    the lock once its holder lets go, rather than waiting for a write that
+    is gone."""
+    lock, holder_may_go, read = CatalogLock(), threading.Event(), threading.Event()
 
-    def interrupted_after_waking(timeout: float | None = None) -> bool:
-        if threading.current_thread().name != "writer":
-            return wait(timeout)
-        wait()
-        writer_woken.set()
-        wait(0.5)  # the read wakes meanwhile, finds the write waiting and waits again
+    def hold() -> None:
+        with lock:
+            holder_may_go.wait(10)
+
+    def interrupt(*_: object) -> None:
         raise KeyboardInterrupt
 
-    lock._turn.wait = interrupted_after_waking  # type: ignore[method-assign]
-    interrupts: list[BaseException] = []
-
-    def write() -> None:
-        try:
+    started(hold)
+    until(lambda: lock._owner is not None)
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        started(lambda: until(lambda: len(lock._writes) == 1) or (lock.acquire(), read.set()))
+        with pytest.raises(KeyboardInterrupt):
             lock.acquire(write=True)
-        except KeyboardInterrupt as error:
-            interrupts.append(error)
-
-    read = threading.Event()
-    lock.acquire()
-    writer = started(write, "writer")
-    until(lambda: lock._writes_waiting == 1)
-    reader = started(lambda: (lock.acquire(), read.set(), lock.release()))
-    until(lambda: lock._waiting == 2)
-    lock.release()
-    assert writer_woken.wait(10)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert queued(lock) == 1  # the read, and no longer the write
+    holder_may_go.set()
     assert read.wait(10), "the read waits for a write that is gone"
-    writer.join(10)
-    reader.join(10)
-    assert len(interrupts) == 1
-    with lock:  # and the lock is free
-        pass
 
 
 def test_a_thread_that_does_not_hold_the_lock_cannot_let_it_go() -> None:

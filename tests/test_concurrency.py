@@ -629,8 +629,9 @@ def test_a_write_holding_the_log_waits_for_one_read_at_most_however_many_threads
     """A write holds the log's lock, which every node's writes queue behind,
     while it waits for its own node's catalog. Threads reading nonstop (an
     HTTP server's) took it back before the write woke, read after read: each
-    write then held the log 13-87 ms behind 4-16 readers. The read under way
-    when the write comes is the one it waits for."""
+    write then held the log 16-87 ms (90th percentile) behind 4-16 readers.
+    The read under way when the write comes is the one it waits for: none
+    that begins after it."""
     models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
     models.apply_changes([commands.add(model_spec(f"m{i}")) for i in range(300)], by="setup")
     holding_the_log, stop = threading.Event(), threading.Event()
@@ -650,25 +651,31 @@ def test_a_write_holding_the_log_waits_for_one_read_at_most_however_many_threads
 
     def read() -> None:
         while not stop.is_set():
+            began_meanwhile = holding_the_log.is_set()
             models.list_models()
-            if holding_the_log.is_set():
+            if began_meanwhile and holding_the_log.is_set():
                 reads_meanwhile[-1] += 1
 
     monkeypatch.setattr(models.store, "write", marked)
-    readers = [threading.Thread(target=read) for _ in range(4)]
+    # Daemons, waited for within bounds: a lock that never comes back fails
+    # the test rather than hang the run.
+    readers = [threading.Thread(target=read, daemon=True) for _ in range(4)]
     writer = threading.Thread(
-        target=lambda: [models.scale("m0", 0, 2 + i % 2, by="ops") for i in range(20)]
+        target=lambda: [models.scale("m0", 0, 2 + i % 2, by="ops") for i in range(20)],
+        daemon=True,
     )
     for thread in readers:
         thread.start()
     try:
         writer.start()
-        writer.join(60)
+        writer.join(30)
     finally:
         stop.set()
         for thread in readers:
-            thread.join(10)
+            thread.join(5)
     assert len(reads_meanwhile) == 20
+    # A read (rarely two) may begin between the write taking the log's lock
+    # and its asking for the catalog's; none after that (before: up to 23).
     assert max(reads_meanwhile) <= 2, reads_meanwhile
     models.close()
 
