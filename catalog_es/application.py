@@ -154,7 +154,7 @@ class InForce(Sequence[ModelSpec]):
 
 class _FarBehind(Exception):
     """A write, holding the log's write lock, found its node more than
-    :data:`CATCH_UP_HELD` events behind."""
+    :data:`CATCH_UP_HELD` events behind, or ahead of a log that lost events."""
 
 
 class _Outage:
@@ -295,9 +295,8 @@ class Models(AuditTrail, Application[UUID]):
     def _load(self) -> Catalog:
         """The catalog in force: the newest snapshot over this config, then the
         log after it. A long tail is snapshotted so the next start is quick."""
-        catalog = self._new_catalog()
         with self.store.read() as conn:
-            snapshots.restore(conn, catalog, self.declared.fingerprint, upto=None)
+            catalog = self._restored(conn, upto=None)
             since = catalog.revision
             catch_up(catalog, self.store, conn, split=True)
             self._tell_undeclared(conn, catalog)
@@ -316,6 +315,13 @@ class Models(AuditTrail, Application[UUID]):
                 "… and %d more skipped events (catalog-es verify lists them)",
                 len(catalog.skipped) - 10,
             )
+        return catalog
+
+    def _restored(self, conn: Connection, upto: int | None) -> Catalog:
+        """The declared layer, and over it the newest snapshot over this config
+        (at ``upto`` or before) if there is one."""
+        catalog = self._new_catalog()
+        snapshots.restore(conn, catalog, self.declared.fingerprint, upto=upto)
         return catalog
 
     def _tell_undeclared(self, conn: Connection, catalog: Catalog) -> None:
@@ -697,14 +703,18 @@ class Models(AuditTrail, Application[UUID]):
                             known.forget()
                             if len(wanted) < len(ids):
                                 standing = self.store.standing(conn, ids)
-                        if standing.last > self.catalog.revision:
-                            # Revisions burned past the last event (an aborted
-                            # write's, on PostgreSQL) are nothing to catch up with.
-                            last_event = standing.head.revision if standing.head else 0
+                        # Revisions burned past the last event (an aborted
+                        # write's, on PostgreSQL) are nothing to catch up with.
+                        last_event = standing.head.revision if standing.head else 0
+                        if (
+                            standing.last > self.catalog.revision
+                            or last_event < self.catalog.revision
+                        ):
                             behind = last_event - self.catalog.revision
-                            if locked and lock_left is None and behind > CATCH_UP_HELD:
+                            # Far behind, or ahead of the log (which lost events).
+                            if locked and lock_left is None and not 0 <= behind <= CATCH_UP_HELD:
                                 raise _FarBehind
-                            self._catch_up(conn)
+                            self._catch_up(conn, last_event)
                         head = self.catalog.revision
                         if expected_revision is not None and expected_revision != head:
                             raise RevisionConflict(expected_revision, head)
@@ -834,7 +844,7 @@ class Models(AuditTrail, Application[UUID]):
             "nothing was written, try again",
         )
 
-    def record_declaration(self, *, by: str) -> int:
+    def record_declaration(self, *, by: str, reason: str = "") -> int:
         """Record the declared config in the log if it differs from the one the
         log last recorded (what ``serve`` does at start, so the log says which
         layer a long-running server put in force). Answers the head. Looked
@@ -844,7 +854,7 @@ class Models(AuditTrail, Application[UUID]):
             if not declaration_differs(catalog, self.declared):
                 return catalog.revision
         revision, _ = self._write(
-            lambda _batch: None, by=by, reason="", expected_revision=None, records_only=True
+            lambda _batch: None, by=by, reason=reason, expected_revision=None, records_only=True
         )
         return revision
 
@@ -881,8 +891,30 @@ class Models(AuditTrail, Application[UUID]):
 
     # -- reading ---------------------------------------------------------------
 
-    def _catch_up(self, conn: Connection) -> None:
-        catch_up(self.catalog, self.store, conn)
+    def _catch_up(self, conn: Connection, head: int | None = None) -> None:
+        """Apply what other writers appended since this node last looked; or,
+        when the log ends before the catalog in force, load it afresh.
+        ``head``: the log's last revision, when the caller has read it."""
+        if head is None:
+            head = self.store.head(conn)
+        if head >= self.catalog.revision:
+            if head > self.catalog.revision:
+                catch_up(self.catalog, self.store, conn)
+            return
+        # The log lost events this node has in force: a failover to a standby
+        # that had not received them, a file restored from a backup. Decided
+        # on, they would be written over (a fallback naming a model the log no
+        # longer has; revisions handed out again), and served as if committed.
+        log.warning(
+            "the log ends at revision %d, before this node's catalog (at %d): it lost "
+            "events (a failover, or a restored backup?); loading the catalog from the log",
+            head,
+            self.catalog.revision,
+        )
+        self._known.forget()
+        catalog = self._restored(conn, upto=head)
+        catch_up(catalog, self.store, conn)
+        self.catalog = catalog
 
     def refresh(self) -> None:
         """Apply what other writers appended since this service last looked."""

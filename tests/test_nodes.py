@@ -23,6 +23,8 @@ from catalog_es import application, commands
 from catalog_es.application import Models
 from catalog_es.errors import Refused
 from catalog_es.inputs import DeclaredConfig, load_config, model_from_data
+from catalog_es.persistence import events_table, head_table, streams_table
+from projections.snapshots import snapshots_table
 from tests.helpers import count_events
 
 CONFIG = """
@@ -285,11 +287,11 @@ def test_a_write_waits_out_its_own_node_catching_up_before_it_takes_the_log(
     catching_up, go_on = threading.Event(), threading.Event()
     catch_up = behind._catch_up
 
-    def slow_for_the_reader(conn: sa.Connection) -> None:
+    def slow_for_the_reader(conn: sa.Connection, head: int | None = None) -> None:
         if threading.current_thread().name == "reader":
             catching_up.set()
             assert go_on.wait(10)
-        catch_up(conn)
+        catch_up(conn, head)
 
     monkeypatch.setattr(behind, "_catch_up", slow_for_the_reader)
     written: list[int] = []
@@ -328,10 +330,10 @@ def test_a_write_far_behind_the_log_catches_up_before_it_takes_the_lock(
     monkeypatch.setattr(other.store, "lock_wait", 0.5)
     catch_up, meanwhile = behind._catch_up, []
 
-    def catch_up_while_another_node_writes(conn: sa.Connection) -> None:
+    def catch_up_while_another_node_writes(conn: sa.Connection, head: int | None = None) -> None:
         if not meanwhile:
             meanwhile.append(other.scale("a", maximum=3, by="node2").revision)
-        catch_up(conn)
+        catch_up(conn, head)
 
     monkeypatch.setattr(behind, "_catch_up", catch_up_while_another_node_writes)
     result = behind.scale("a", minimum=0, by="node1")
@@ -396,3 +398,54 @@ def test_revisions_burned_past_the_last_event_are_no_backlog(
     assert models.scale("a", 0, 2, by="x").revision == 5002
     assert len(takes) == 2  # one each
     models.close()
+
+
+_LOG_TABLES = (events_table, streams_table, head_table, snapshots_table)
+
+
+def _log_rows(url: str) -> list[list[Any]]:
+    engine = sa.create_engine(url)
+    with engine.connect() as conn:
+        rows = [[r._asdict() for r in conn.execute(sa.select(t))] for t in _LOG_TABLES]
+    engine.dispose()
+    return rows
+
+
+def _put_back(url: str, saved: list[list[Any]]) -> None:
+    """The log's tables as they were saved: what a failover to a standby that
+    had not received the commits since, or a restored backup, leaves."""
+    engine = sa.create_engine(url)
+    with engine.begin() as conn:
+        for table, rows in zip(_LOG_TABLES, saved, strict=True):
+            conn.execute(table.delete())
+            if rows:
+                conn.execute(table.insert(), rows)
+    engine.dispose()
+
+
+@pytest.mark.parametrize("first", ["write", "read"])
+def test_a_node_whose_log_lost_its_last_events_loads_it_afresh(
+    db_url: str, first: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A node keeps in force what it wrote or read. Should the log lose its
+    last events (a failover to a standby that had not received them, a
+    backup restored), the node must not serve them, nor decide on them: a
+    fallback naming a model the log no longer has was accepted, under a
+    revision handed out again, and every other node skipped it as invalid."""
+    node = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
+    node.add(_definition("a", []), by="ops")
+    saved, head = _log_rows(db_url), node.revision
+    node.add(_definition("b", []), by="ops")
+    _put_back(db_url, saved)
+    if first == "write":
+        with pytest.raises(Refused, match="'b', which is not in the catalog"):
+            node.add(_definition("c", ["b"]), by="ops")
+        assert _log_rows(db_url) == saved
+    assert [m["name"] for m in node.list_models()] == ["a"]
+    assert node.revision == head
+    assert "the log ends at revision" in caplog.text
+    assert node.add(_definition("c", ["a"]), by="ops").revision > head
+    fresh = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
+    assert fresh.list_models() == node.list_models()
+    for models in (node, fresh):
+        models.close()
