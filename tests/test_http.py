@@ -1029,7 +1029,8 @@ def test_serve_records_the_declared_config_at_start(tmp_path: Path, config_file:
     tokens.chmod(0o666)  # told, not refused: it is the operator's file
     port = free_port()
     command = [sys.executable, "-m", "catalog_es", "--db", db, "--config", config_file]
-    command += ["--by", "deployer", "serve", "--port", str(port), "--tokens", str(tokens)]
+    command += ["--by", "deployer", "--reason", "deploy 42", "serve", "--port", str(port)]
+    command += ["--tokens", str(tokens)]
     server = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
     try:
         assert server.stderr is not None
@@ -1038,7 +1039,11 @@ def test_serve_records_the_declared_config_at_start(tmp_path: Path, config_file:
         assert "serving the catalog at revision 1" in server.stderr.readline()
         response = _wait_for(f"http://127.0.0.1:{port}/log", bearer(secret))
         (record,) = response.json()
-        assert (record["event"], record["by"]) == ("ConfigDeclared", "deployer")
+        assert (record["event"], record["by"], record["reason"]) == (
+            "ConfigDeclared",
+            "deployer",
+            "deploy 42",
+        )
     finally:
         server.terminate()
         server.wait(timeout=10)
@@ -1066,7 +1071,7 @@ def test_serve_logs_each_request_on_stderr_when_asked(tmp_path: Path, config_fil
     assert '"GET /models HTTP/1.1" 200' in err and '"GET /models HTTP/1.1" 401' in err
 
 
-@pytest.mark.parametrize("where", ["taken", "unknown host"])
+@pytest.mark.parametrize("where", ["taken", "unknown host", "empty host"])
 def test_serve_that_cannot_listen_is_refused_before_it_records_anything(
     tmp_path: Path, config_file: str, where: str
 ) -> None:
@@ -1077,16 +1082,19 @@ def test_serve_that_cannot_listen_is_refused_before_it_records_anything(
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = str(taken.getsockname()[1])
-        host = "127.0.0.1" if where == "taken" else "no-such-host.invalid"
+        host = {"taken": "127.0.0.1", "unknown host": "no-such-host.invalid"}.get(where, "")
         command = ["--db", db, "--config", config_file, "serve", "--host", host]
         command += ["--port", port, "--tokens", str(tokens)]
         served = CliRunner().invoke(cli, command)
     assert served.exit_code == 1, served.output
     (line,) = served.stderr.splitlines()
     assert line.startswith(
-        "error: cannot listen on '127.0.0.1' port"
-        if where == "taken"
-        else "error: --host 'no-such-host.invalid': "
+        {
+            "taken": "error: cannot listen on '127.0.0.1' port",
+            "unknown host": "error: --host 'no-such-host.invalid': ",
+            # Not every interface, as the system takes no host to mean.
+            "empty host": "error: --host '': give the address to listen on",
+        }[where]
     )
     assert count_events(db) == 0
 

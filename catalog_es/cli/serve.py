@@ -88,13 +88,19 @@ def serve(
             f"who can write it can add a token; chmod 600 {tokens.path}",
             err=True,
         )
+    if not host:
+        # The system's "no host" is every interface: an unset variable
+        # (--host "$HOST") must not open the API to the network.
+        raise InputError(
+            "--host '': give the address to listen on (0.0.0.0 for every IPv4 interface)"
+        )
     # Listening first: a server that cannot (the port taken, a host that does
     # not resolve) is refused before it opens the database or records anything.
     sockets = _listening(host, port)
     try:
         models = settings.models()
         let_warnings_through()  # a server's log tells them as they come
-        revision = models.record_declaration(by=settings.actor)
+        revision = models.record_declaration(by=settings.actor, reason=settings.reason)
         app = bootstrap.open_web_app(models, tokens, max_watches=max_watches)
         # What is loaded now (the code, the catalog in force) mostly lives as
         # long as the server: out of the collector's sight, a full collection
