@@ -870,6 +870,11 @@ def test_text_that_is_only_unusual_is_printed_as_it_is(run: Run, write: Any) -> 
     config = write("declared.yaml", config_yaml(spec("declared", source=source)).encode())
     assert source in ok(run("--config", config, "model", "show", "declared")).stdout
     assert source in ok(run("--config", config, "model", "show", "declared", "--json")).stdout
+    # Every table alike, where a value is written as JSON (a change's fields).
+    ok(run("model", "add", write("m.yaml", as_yaml(definition("m")))))
+    ok(run("model", "source", "m", "hf://org/日本🤗"))
+    for command in (["log"], ["diff", "0"], ["audit"], ["rollback", "--to", "0", "--dry-run"]):
+        assert "hf://org/日本🤗" in ok(run(*command)).stdout, command
 
 
 # -- reading input --------------------------------------------------------------------

@@ -7,7 +7,6 @@ exit 1, like any other unreadable input.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterable
 from datetime import datetime
 from typing import Any, Unpack
@@ -20,6 +19,7 @@ from catalog_es.cli.base import (
     Settings,
     cli,
     emit,
+    json_line,
     pass_settings,
     query_options,
     shared_options,
@@ -65,15 +65,13 @@ def audit_filters(f: F) -> F:
     return f
 
 
-def _value(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False)
-
-
 def _changes_text(row: dict[str, Any]) -> list[str]:
     """A line per field changed."""
     if row["skipped"] is not None:
         return [f"skipped on load: {row['skipped']}"]
-    lines = [f"{c['field']}: {_value(c['before'])} → {_value(c['after'])}" for c in row["changes"]]
+    lines = [
+        f"{c['field']}: {json_line(c['before'])} → {json_line(c['after'])}" for c in row["changes"]
+    ]
     return lines or ["(no change)"]
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 from datetime import datetime
 from typing import Any
@@ -311,7 +310,7 @@ def _summary(fields: dict[str, Any]) -> str:
             f"{len(fields['models'])} declared models, engines {','.join(fields['engines'])}, "
             f"fingerprint {fields['fingerprint'][:12]}"
         )
-    return " ".join(f"{k}={json.dumps(v)}" for k, v in fields.items())
+    return " ".join(f"{k}={json_line(v)}" for k, v in fields.items())
 
 
 @cli.command("apply")

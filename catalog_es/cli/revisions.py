@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from datetime import datetime
 from typing import Any
@@ -31,8 +30,8 @@ from catalog_es.rollback import DIMENSIONS
 
 
 def _change_rows(diff: dict[str, Any]) -> list[list[str]]:
-    rows = [["+", m["name"], "", "", json.dumps(m["source"])] for m in diff["added"]]
-    rows += [["-", m["name"], "", json.dumps(m["source"]), ""] for m in diff["removed"]]
+    rows = [["+", m["name"], "", "", json_line(m["source"])] for m in diff["added"]]
+    rows += [["-", m["name"], "", json_line(m["source"]), ""] for m in diff["removed"]]
     for change in diff["changed"]:
         for field, values in change["fields"].items():
             rows.append(
@@ -40,8 +39,8 @@ def _change_rows(diff: dict[str, Any]) -> list[list[str]]:
                     "~",
                     change["model"],
                     field,
-                    json.dumps(values["before"]),
-                    json.dumps(values["after"]),
+                    json_line(values["before"]),
+                    json_line(values["after"]),
                 ]
             )
     return rows
@@ -149,7 +148,7 @@ def watch_command(settings: Settings, after: int) -> None:
             if settings.json:
                 click.echo(json_line(event))
             else:
-                what = event.get("error") or json.dumps(event["fields"], ensure_ascii=False)
+                what = event.get("error") or json_line(event["fields"])
                 say(
                     f"{event['revision']} {event['time']} {event['by']} "
                     f"{event['model'] or '-'} {event['event']} {what}"
