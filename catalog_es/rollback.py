@@ -16,7 +16,7 @@ from typing import Any
 
 from catalog_es.batch import Batch
 from catalog_es.catalog import Catalog
-from catalog_es.errors import InputError, Refused
+from catalog_es.errors import DeclaredInConfig, InputError, Refused
 from catalog_es.model import Model
 from catalog_es.spec import ModelSpec
 
@@ -110,7 +110,12 @@ def plan_rollback(
     notes: list[str] = []
     names = sorted(set(current.aggregates) | set(target.aggregates) | set(target.unhealed()))
     if model is not None:
-        if model not in names and not current.is_declared(model):
+        if current.is_declared(model):
+            # What is in force for it is the config's, whatever its history.
+            raise DeclaredInConfig(
+                f"model {model!r} is declared in configuration; roll it back there"
+            )
+        if model not in names:
             raise Refused(f"model {model!r} has no runtime history to roll back")
         names = [model]
     steps: list[Step] = []

@@ -36,7 +36,14 @@ from catalog_es import commands, cpu, persistence
 from catalog_es.application import Models
 from catalog_es.catalog import Catalog, Skipped
 from catalog_es.cli import cli
-from catalog_es.errors import InputError, ModelNotFound, Refused, RevisionConflict, StorageBusy
+from catalog_es.errors import (
+    DeclaredInConfig,
+    InputError,
+    ModelNotFound,
+    Refused,
+    RevisionConflict,
+    StorageBusy,
+)
 from catalog_es.inputs import load_config, revision_or_time
 from catalog_es.mapper import EventMapper
 from catalog_es.model import Model, model_id
@@ -1106,6 +1113,13 @@ def test_rollback_leaves_out_a_model_the_config_now_declares(
     result = reopened.rollback(target, by="ops")
     assert [e["model"] for e in result["events"]] == ["a"]
     assert any("'shadow' is declared in configuration now" in n for n in result["notes"])
+    # Asked for by name, a declared model is refused, as any runtime change to it.
+    head = reopened.revision
+    for name in ("shadow", "base"):  # with a runtime history, and without
+        with pytest.raises(DeclaredInConfig, match=f"'{name}' is declared in configuration;"):
+            reopened.rollback(target, model=name, by="ops")
+    with reopened.store.read() as conn:
+        assert reopened.store.head(conn) == head  # nothing written
 
 
 def test_rollback_notes_a_model_todays_config_cannot_take_as_it_was(
