@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sqlite3
 import subprocess
 import sys
@@ -570,6 +571,26 @@ def test_a_run_without_the_declared_config_the_nodes_recorded_says_so(
     )
     assert listed(*given) == (["a", "base"], "")
     assert listed(folder=deploy) == (["a", "base"], "")
+
+
+def test_a_write_told_in_characters_the_terminal_lacks_still_exits_0(tmp_path: Path) -> None:
+    """A committed write whose answer the terminal's encoding cannot write
+    exited 1, which says nothing was written (hostile test): it is written
+    escaped, and the command exits 0."""
+    db = f"sqlite:///{tmp_path}/catalog.db"
+    definition_file = tmp_path / "m.yaml"
+    definition_file.write_bytes(as_yaml(definition("m", source="hf://org/ｍ")))
+    done = subprocess.run(
+        [sys.executable, "-m", "catalog_es", "--db", db, "model", "add", str(definition_file)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env={**os.environ, "PYTHONIOENCODING": "ascii"},
+    )
+    assert (done.returncode, done.stdout.splitlines()[0]) == (0, "added m at revision 1")
+    assert "hf://org/\\uff4d" in done.stdout
+    assert count_events(db) == 1
 
 
 def test_a_new_sqlite_log_is_said_to_be_made(tmp_path: Path) -> None:

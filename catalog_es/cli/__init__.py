@@ -6,6 +6,7 @@ says what every command shares); :func:`main` runs it.
 
 from __future__ import annotations
 
+import io
 import logging
 import sys
 
@@ -21,6 +22,12 @@ __all__ = ["cli", "main"]
 
 def main() -> None:
     """The console script."""
+    # What the terminal's encoding cannot write is written escaped: a write
+    # committed and then told in a character it lacks must not exit 1, which
+    # says nothing was written (a script would make the change again).
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, io.TextIOWrapper):
+            stream.reconfigure(errors="backslashreplace")
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(VisibleWarnings("warning: %(message)s"))
     logging.basicConfig(level=logging.WARNING, handlers=[handler])
