@@ -65,7 +65,12 @@ class CatalogLock:
             while not waiter.woken.acquire(timeout=RECHECK_SECONDS):
                 with self._mutex:
                     if self._owner == me:
-                        return  # handed over, its wake-up cut off
+                        # Handed over, the one handing it cut off before it
+                        # woke this waiter, or took it off the queue: left
+                        # there, its own release would hand it to itself.
+                        if waiter in queue:
+                            queue.remove(waiter)
+                        return
                     first = queue[0] if queue else None
                     if self._owner is None and first is waiter and (write or not self._writes):
                         # Let go with no one handed it (its holder interrupted).
@@ -74,7 +79,7 @@ class CatalogLock:
                         return
         except BaseException:
             with self._mutex:
-                if self._owner != me and waiter is not None and waiter in queue:
+                if waiter is not None and waiter in queue:
                     queue.remove(waiter)
             # Out of the queue, it is handed nothing more: what it holds, it
             # holds, and hands on.

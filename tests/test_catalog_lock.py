@@ -8,12 +8,17 @@ these tests, never hangs them."""
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
+from types import FrameType
+from typing import Any
 
 import pytest
 
+from catalog_es import catalog_lock
 from catalog_es.catalog_lock import CatalogLock
 
 
@@ -135,6 +140,48 @@ def test_a_write_interrupted_while_it_waits_leaves_its_turn_to_the_next() -> Non
     assert queued(lock) == 1  # the read, and no longer the write
     holder_may_go.set()
     assert read.wait(10), "the read waits for a write that is gone"
+
+
+def test_a_hand_on_cut_off_half_way_leaves_the_lock_to_be_let_go() -> None:
+    """Ctrl-C in the thread letting go, once it made the waiter the holder
+    and before it took it off the queue: the waiter, looking again, holds
+    the lock, and must leave the queue too, or its own release would hand
+    the lock to itself and no other thread would ever get it (review)."""
+    lock, released, done = CatalogLock(), threading.Event(), threading.Event()
+    source = Path(catalog_lock.__file__).read_text().splitlines()
+
+    def read() -> None:
+        with lock:
+            pass
+        released.set()
+        done.wait(10)  # a server's worker lives on (a new thread may reuse its id)
+
+    def interrupt_before_it_leaves_the_queue(frame: FrameType, *_: object) -> Any:
+        if frame.f_code is not CatalogLock.release.__code__:
+            return None
+
+        def line(frame: FrameType, event: str, _: object) -> Any:
+            if event == "line" and "queue.popleft()" in source[frame.f_lineno - 1]:
+                sys.settrace(None)
+                raise KeyboardInterrupt
+            return line
+
+        return line
+
+    lock.acquire()
+    started(read)
+    until(lambda: len(lock._reads) == 1)
+    sys.settrace(interrupt_before_it_leaves_the_queue)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            lock.release()
+    finally:
+        sys.settrace(None)
+    assert released.wait(10)
+    taken = threading.Event()
+    started(lambda: (lock.acquire(), taken.set(), lock.release()))
+    assert taken.wait(10), "the lock stayed with the thread that had let it go"
+    done.set()
 
 
 def test_a_thread_that_does_not_hold_the_lock_cannot_let_it_go() -> None:
