@@ -706,15 +706,14 @@ class Models(AuditTrail, Application[UUID]):
                         # Revisions burned past the last event (an aborted
                         # write's, on PostgreSQL) are nothing to catch up with.
                         last_event = standing.head.revision if standing.head else 0
-                        if (
-                            standing.last > self.catalog.revision
-                            or last_event < self.catalog.revision
-                        ):
+                        # A head before the catalog's: the log lost events (a
+                        # log with no head at all is damage, refused below).
+                        lost = standing.head is not None and last_event < self.catalog.revision
+                        if standing.last > self.catalog.revision or lost:
                             behind = last_event - self.catalog.revision
-                            # Far behind, or ahead of the log (which lost events).
-                            if locked and lock_left is None and not 0 <= behind <= CATCH_UP_HELD:
+                            if locked and lock_left is None and (lost or behind > CATCH_UP_HELD):
                                 raise _FarBehind
-                            self._catch_up(conn, last_event)
+                            self._catch_up(conn, last_event if standing.head else None)
                         head = self.catalog.revision
                         if expected_revision is not None and expected_revision != head:
                             raise RevisionConflict(expected_revision, head)
