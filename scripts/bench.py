@@ -33,7 +33,6 @@ from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
-import psycopg
 import sqlalchemy as sa
 from eventsourcing.domain import Aggregate
 from eventsourcing.persistence import JSONTranscoder, Mapper, StoredEvent
@@ -356,6 +355,10 @@ def raw_postgres(url: str, table: str) -> RawTable:
     """``table`` made anew in the schema ``url`` names, keyed by a bigserial,
     through psycopg as the log's connections are (each statement its own
     round trip)."""
+    # Imported here: the memory figure's child imports this module, and
+    # libpq would count in its size (8 MB).
+    import psycopg
+
     libpq = sa.make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
     conn = psycopg.connect(libpq)
     conn.execute(f"CREATE TABLE {table} (id bigserial PRIMARY KEY, b bytea)")
