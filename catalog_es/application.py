@@ -705,15 +705,15 @@ class Models(AuditTrail, Application[UUID]):
                                 standing = self.store.standing(conn, ids)
                         # Revisions burned past the last event (an aborted
                         # write's, on PostgreSQL) are nothing to catch up with.
-                        last_event = standing.head.revision if standing.head else 0
+                        last_event = standing.head.revision if standing.head else None
                         # A head before the catalog's: the log lost events (a
-                        # log with no head at all is damage, refused below).
-                        lost = standing.head is not None and last_event < self.catalog.revision
+                        # log with no head row is damage, for verify to tell).
+                        lost = last_event is not None and last_event < self.catalog.revision
                         if standing.last > self.catalog.revision or lost:
-                            behind = last_event - self.catalog.revision
+                            behind = (last_event or 0) - self.catalog.revision
                             if locked and lock_left is None and (lost or behind > CATCH_UP_HELD):
                                 raise _FarBehind
-                            self._catch_up(conn, last_event if standing.head else None)
+                            self._catch_up(conn, last_event)
                         head = self.catalog.revision
                         if expected_revision is not None and expected_revision != head:
                             raise RevisionConflict(expected_revision, head)
