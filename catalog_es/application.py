@@ -30,6 +30,7 @@ from catalog_es.audit import AuditTrail
 from catalog_es.batch import Batch, Change, KnownVersions, declaration_differs
 from catalog_es.catalog import Catalog, Skipped
 from catalog_es.catalog_lock import CatalogLock
+from catalog_es.chain import ChainHead, stored_head
 from catalog_es.collector import collector_paused
 from catalog_es.configuration import Configuration, DeclaredConfig
 from catalog_es.errors import (
@@ -54,6 +55,7 @@ from catalog_es.model import (
     utc_text,
 )
 from catalog_es.persistence import (
+    Appended,
     PullingSubscription,
     SQLRecorder,
     acquire_within,
@@ -154,7 +156,14 @@ class InForce(Sequence[ModelSpec]):
 
 class _FarBehind(Exception):
     """A write, holding the log's write lock, found its node more than
-    :data:`CATCH_UP_HELD` events behind, or ahead of a log that lost events."""
+    :data:`CATCH_UP_HELD` events behind, or on events the log lost."""
+
+
+def _chain(revision: int, hash_: object) -> ChainHead | None:
+    """The log's chain at ``revision`` as read: ``None`` at 0, and for a hash
+    a hand edit left unreadable (nothing to check against; verify tells)."""
+    head = stored_head(revision, hash_)
+    return head if isinstance(head, ChainHead) and revision > 0 else None
 
 
 class _Outage:
@@ -299,6 +308,7 @@ class Models(AuditTrail, Application[UUID]):
             catalog = self._restored(conn, upto=None)
             since = catalog.revision
             catch_up(catalog, self.store, conn, split=True)
+            catalog.chain = self._chain_at(conn, catalog.revision)
             self._tell_undeclared(conn, catalog)
         if catalog.revision - since >= self.snapshot_interval:
             self._save_snapshot(catalog.revision, snapshots.encode(catalog))
@@ -323,6 +333,10 @@ class Models(AuditTrail, Application[UUID]):
         catalog = self._new_catalog()
         snapshots.restore(conn, catalog, self.declared.fingerprint, upto=upto)
         return catalog
+
+    def _chain_at(self, conn: Connection, revision: int) -> ChainHead | None:
+        """The log's chain at ``revision``, as ``conn``'s transaction reads it."""
+        return _chain(revision, self.store.kept(conn, revision).hash)
 
     def _tell_undeclared(self, conn: Connection, catalog: Catalog) -> None:
         """Warn of each model the config last recorded declared, no longer
@@ -703,17 +717,13 @@ class Models(AuditTrail, Application[UUID]):
                             known.forget()
                             if len(wanted) < len(ids):
                                 standing = self.store.standing(conn, ids)
-                        # Revisions burned past the last event (an aborted
-                        # write's, on PostgreSQL) are nothing to catch up with.
-                        last_event = standing.head.revision if standing.head else None
-                        # A head before the catalog's: the log lost events (a
-                        # log with no head row is damage, for verify to tell).
-                        lost = last_event is not None and last_event < self.catalog.revision
-                        if standing.last > self.catalog.revision or lost:
-                            behind = (last_event or 0) - self.catalog.revision
-                            if locked and lock_left is None and (lost or behind > CATCH_UP_HELD):
-                                raise _FarBehind
-                            self._catch_up(conn, last_event)
+                        # The log moved since this node wrote or read it, or is
+                        # no longer the one it read (its head is elsewhere).
+                        if (
+                            standing.head != self.catalog.chain
+                            or standing.last > self.catalog.revision
+                        ):
+                            self._catch_up(conn, held=locked and lock_left is None)
                         head = self.catalog.revision
                         if expected_revision is not None and expected_revision != head:
                             raise RevisionConflict(expected_revision, head)
@@ -749,12 +759,10 @@ class Models(AuditTrail, Application[UUID]):
                         # Straight to the recorder: eventsourcing's EventStore.put
                         # would build a Recording per event only for us to read its
                         # revision.
-                        revisions = self.store.insert_events(
-                            [self.mapper.to_stored_event(e) for e in batch.records],
-                            conn=conn,
-                            standing=standing,
+                        appended = self.store.append(
+                            conn, [self.mapper.to_stored_event(e) for e in batch.records], standing
                         )
-                        assert revisions
+                        revisions = appended.revisions
                 except BaseException:
                     # A database error may come of a version this service thought it
                     # knew (rows edited by hand): all are read again next time.
@@ -779,7 +787,7 @@ class Models(AuditTrail, Application[UUID]):
                     self._declaration_held = True
                 known.learn(batch.versions, revision)
                 if self.catalog.revision == head:
-                    self._put_in_force(batch, revisions, several)
+                    self._put_in_force(batch, appended, several)
                 # Else a read caught up with the log between the commit and the
                 # lock (it is let go while a batch is planned): these changes,
                 # and perhaps another writer's after them, are in force already,
@@ -820,8 +828,9 @@ class Models(AuditTrail, Application[UUID]):
             lock_left=max(lock_left, 0.001),
         )
 
-    def _put_in_force(self, batch: Batch, revisions: Sequence[int], several: bool) -> None:
-        """The catalog in force after ``batch``, written at ``revisions``."""
+    def _put_in_force(self, batch: Batch, appended: Appended, several: bool) -> None:
+        """The catalog in force after ``batch``, as ``appended``."""
+        revisions = appended.revisions
         if several:
             self.catalog = batch.catalog
         else:
@@ -832,6 +841,7 @@ class Models(AuditTrail, Application[UUID]):
                 self.catalog.saw(record.timestamp)
                 self.catalog.recorded_declaration = (record.fingerprint, written)
         self.catalog.revision = revisions[-1]
+        self.catalog.chain = appended.head
 
     def _take_write_lock(self, bound: float | None = None) -> float | None:
         """Take this process's write lock (:func:`acquire_within`), waiting
@@ -890,29 +900,47 @@ class Models(AuditTrail, Application[UUID]):
 
     # -- reading ---------------------------------------------------------------
 
-    def _catch_up(self, conn: Connection, head: int | None = None) -> None:
+    def _catch_up(self, conn: Connection, *, held: bool = False) -> None:
         """Apply what other writers appended since this node last looked; or,
-        when the log ends before the catalog in force, load it afresh.
-        ``head``: the log's last revision, when the caller has read it."""
-        if head is None:
-            head = self.store.head(conn)
-        if head >= self.catalog.revision:
-            if head > self.catalog.revision:
-                catch_up(self.catalog, self.store, conn)
+        when the log no longer holds the events of the catalog in force, load
+        it afresh. ``held``: the caller holds the log's write lock, which every
+        node's writes queue behind, and leaves a long catch-up or a reload to
+        be done outside it (:class:`_FarBehind`)."""
+        catalog = self.catalog
+        kept = self.store.kept(conn, catalog.revision)
+        ours = catalog.chain_hash
+        if kept.last >= catalog.revision and (ours is None or kept.hash == ours):
+            if kept.last > catalog.revision:
+                if held and kept.last - catalog.revision > CATCH_UP_HELD:
+                    raise _FarBehind
+                catch_up(catalog, self.store, conn)
+                catalog.chain = _chain(kept.last, kept.last_hash)
             return
+        if held:
+            raise _FarBehind
         # The log lost events this node has in force: a failover to a standby
-        # that had not received them, a file restored from a backup. Decided
-        # on, they would be written over (a fallback naming a model the log no
-        # longer has; revisions handed out again), and served as if committed.
-        log.warning(
-            "the log ends at revision %d, before this node's catalog (at %d): it lost "
-            "events (a failover, or a restored backup?); loading the catalog from the log",
-            head,
-            self.catalog.revision,
-        )
+        # that had not received them, a file restored from a backup, and
+        # perhaps new writes since. Decided on, they would be written over (a
+        # fallback naming a model the log no longer has; revisions handed out
+        # again), and served as if committed.
+        if kept.last < catalog.revision:
+            log.warning(
+                "the log ends at revision %d, before this node's catalog (at %d): it lost "
+                "events (a failover, or a restored backup?); loading the catalog from the log",
+                kept.last,
+                catalog.revision,
+            )
+        else:
+            log.warning(
+                "the log holds other events at revision %d than this node's catalog was "
+                "built from: it lost events and took others since (a failover, or a restored "
+                "backup?); loading the catalog from the log",
+                catalog.revision,
+            )
         self._known.forget()
-        catalog = self._restored(conn, upto=head)
+        catalog = self._restored(conn, upto=kept.last)
         catch_up(catalog, self.store, conn)
+        catalog.chain = _chain(kept.last, kept.last_hash)
         self.catalog = catalog
 
     def refresh(self) -> None:
@@ -1125,6 +1153,7 @@ class Models(AuditTrail, Application[UUID]):
                 def step(revision: int) -> None:
                     nonlocal written
                     if revision % self.snapshot_interval == 0:
+                        catalog.chain = self._chain_at(conn, revision)
                         state = snapshots.encode(catalog)
                         with self.store.write() as wconn:
                             snapshots.save(wconn, self.declared.fingerprint, revision, state)
@@ -1133,6 +1162,7 @@ class Models(AuditTrail, Application[UUID]):
                         progress(revision, head)
 
                 catch_up(catalog, self.store, conn, upto=head, progress=step)
+                catalog.chain = self._chain_at(conn, catalog.revision)
             with self._state:
                 self.catalog = catalog
         if audit:

@@ -16,6 +16,7 @@ from datetime import datetime
 
 import msgspec
 
+from catalog_es.chain import ChainHead
 from catalog_es.configuration import Configuration
 from catalog_es.errors import ConfigError, InvalidModel, Refused
 from catalog_es.model import DomainEvent, Model
@@ -53,6 +54,11 @@ class Catalog:
         self.last_timestamp: datetime | None = None
         # The declared layer the log last recorded (fingerprint, from revision).
         self.recorded_declaration: tuple[str, int] | None = None
+        # The log's chain where this catalog was last read or written to: at
+        # its revision, the hash of the event there, which a log rewritten
+        # under the catalog (a failover, a restored backup, then new writes)
+        # no longer has (see chain_hash).
+        self.chain: ChainHead | None = None
         self.skipped: list[Skipped] = []
         # Models whose latest event load left out and no later one put right.
         self._unhealed: set[str] = set()
@@ -83,6 +89,13 @@ class Catalog:
     def models(self) -> list[ModelSpec]:
         """Every model in force, by name."""
         return sorted([*self.declared.values(), *self.runtime()], key=lambda m: m.name)
+
+    @property
+    def chain_hash(self) -> str | None:
+        """The log's hash at this catalog's revision, if known: ``chain`` is
+        passed over once a replay has moved the revision on past it."""
+        chain = self.chain
+        return chain.hash if chain is not None and chain.revision == self.revision else None
 
     def was_skipped(self, name: str) -> bool:
         """Whether load left out this model's latest event, and nothing applied

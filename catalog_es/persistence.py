@@ -163,7 +163,7 @@ _UNLINKED_COLUMNS = {"revision", "originator_id", "originator_version", "topic",
 # kept past every revision written, so none is handed out twice.
 _REVISION_SEQUENCE = "pg_get_serial_sequence('catalog_events', 'revision')::regclass"
 
-# The events' columns on PostgreSQL, as _append lays each row out.
+# The events' columns on PostgreSQL, as append lays each row out.
 _EVENT_TYPES = ("bigint", "uuid", "bigint", "text", "bytea", "text", "bigint")
 
 
@@ -228,6 +228,24 @@ class Standing(NamedTuple):
     head: ChainHead | None
     last: int
     versions: dict[int, int]
+
+
+class Appended(NamedTuple):
+    """What a write appended: its revisions, and the chain's head after them."""
+
+    revisions: list[int]
+    head: ChainHead
+
+
+class Kept(NamedTuple):
+    """What the log holds of a revision, read in one statement: its last
+    revision (0 when empty) and that event's hash, and the hash of the event
+    at the revision asked about (``None`` when the log has none there). The
+    hashes as stored, which a hand edit may have left of any type."""
+
+    last: int
+    last_hash: Any
+    hash: Any
 
 
 def lock_wait_seconds() -> float:
@@ -299,7 +317,7 @@ _STREAM_ENDS_THERE = (
     " AND e.originator_version = catalog_streams.version)"
 )
 
-# The log's columns, in the order _append's rows and ChainRow's fields have them.
+# The log's columns, in the order append's rows and ChainRow's fields have them.
 _EVENT_COLUMNS = "revision, originator_id, originator_version, topic, state, hash, stream_previous"
 
 _ODD_DIGITS = "('1', '3', '5', '7', '9', 'b', 'd', 'f', 'B', 'D', 'F')"
@@ -970,7 +988,7 @@ class SQLRecorder(ProcessRecorder):
                 return self.insert_events(stored_events, conn=own, tracking=tracking)
         revisions: list[int] = []
         if stored_events:
-            revisions = self._append(conn, stored_events, standing)
+            revisions = self.append(conn, stored_events, standing).revisions
         if tracking is not None:
             self._insert_tracking(conn, tracking)
         return revisions
@@ -1036,6 +1054,28 @@ class SQLRecorder(ProcessRecorder):
         """The last revision in the log, 0 when it is empty."""
         value = conn.execute(sa.select(sa.func.max(events_table.c.revision))).scalar()
         return int(value or 0)
+
+    def kept(self, conn: Connection, revision: int) -> Kept:
+        """The log's last revision and its hash, and the hash at ``revision``:
+        whether the log still holds the events a catalog at ``revision`` was
+        built from. Through the driver, as every read asks it (and a write
+        that catches up, inside its own transaction)."""
+        cursor = conn.connection.cursor()
+        try:
+            cursor.execute(
+                self._sql(
+                    "SELECT revision, hash FROM catalog_events WHERE revision"
+                    " IN (?, (SELECT max(revision) FROM catalog_events))"
+                ),
+                (revision,),
+            )
+            hashes = dict(cursor.fetchall())
+        except self._dbapi_error as error:
+            raise self._as_sqlalchemys(error) from None
+        finally:
+            cursor.close()
+        last = max(hashes, default=0)
+        return Kept(last=int(last), last_hash=hashes.get(last), hash=hashes.get(revision))
 
     def stream_version(self, conn: Connection, originator_id: UUID) -> int:
         """The last version in an aggregate's stream, 0 for a new one. Read from
@@ -1206,13 +1246,14 @@ class SQLRecorder(ProcessRecorder):
             )
         return "(SELECT max(revision) FROM catalog_events)"
 
-    def _append(
+    def append(
         self, conn: Connection, stored_events: Sequence[StoredEvent], standing: Standing | None
-    ) -> list[int]:
+    ) -> Appended:
         """Insert events, each chained onto the one before and onto its
         stream's last, move each stream's last version and the head: one read
         and one write of the head per transaction, not per event. Straight
-        through the driver: this is every command's write."""
+        through the driver: this is every command's write. ``conn`` must come
+        from :meth:`write`, and ``standing`` be read in it (or ``None``)."""
         head, last, _ = standing or self.standing(conn)
         if (
             any(e.originator_version > MAX_REVISION for e in stored_events)
@@ -1316,7 +1357,7 @@ class SQLRecorder(ProcessRecorder):
             raise self._as_sqlalchemys(error) from None
         finally:
             cursor.close()
-        return revisions
+        return Appended(revisions, ChainHead(revision=revisions[-1], hash=chained))
 
     def _append_postgresql(
         self, cursor: Any, rows: list[tuple[Any, ...]], streams: dict[Any, list[Any]], chained: str

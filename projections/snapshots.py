@@ -23,6 +23,7 @@ import zstandard
 from sqlalchemy.engine import Connection
 
 from catalog_es.catalog import Catalog, Skipped
+from catalog_es.chain import ChainHead
 from catalog_es.configuration import CONFIGS_KEPT, CONFIGURATION_ID, Configuration
 from catalog_es.mapper import UndecodableEvent, decode_event
 from catalog_es.model import Model
@@ -36,7 +37,13 @@ class _Built(Protocol):
     """A decoded snapshot: what ``_newest`` reads of each."""
 
     @property
+    def revision(self) -> int: ...
+
+    @property
     def rules(self) -> int: ...
+
+    @property
+    def chain_hash(self) -> str | None: ...
 
 
 T = TypeVar("T", bound=_Built)
@@ -69,6 +76,10 @@ class SnapshotState(msgspec.Struct, frozen=True):
     # leaves no definition, so the aggregates cannot tell.
     unhealed: list[str] = []
     rules: int = 1
+    # The log's hash at the revision (None in those written before it was
+    # kept): a log rewritten since has another there, and the snapshot
+    # would hold events it no longer has.
+    chain_hash: str | None = None
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -86,6 +97,7 @@ def encode(catalog: Catalog) -> bytes:
         skipped=catalog.skipped,
         unhealed=catalog.unhealed(),
         rules=RULES,
+        chain_hash=catalog.chain_hash,
     )
     # zstd: a 10,000-model catalog's 2.2 MB in 0.7 ms and to 31 KB, where
     # zlib took 3.4 ms to 91 KB and a batch writing a snapshot paid for it
@@ -122,6 +134,8 @@ def restore(conn: Connection, catalog: Catalog, fingerprint: str, upto: int | No
             skipped=state.skipped,
             unhealed=state.unhealed,
         )
+        if state.chain_hash is not None:
+            catalog.chain = ChainHead(revision=state.revision, hash=state.chain_hash)
         return True
     return False
 
@@ -144,6 +158,7 @@ class _Entries(msgspec.Struct, frozen=True, gc=False):
     aggregates: list[_Entry]
     skipped: list[Skipped]
     rules: int = 1
+    chain_hash: str | None = None
 
 
 _entries_decoder = msgspec.msgpack.Decoder(_Entries)
@@ -182,7 +197,8 @@ def _newest(
     conn: Connection, fingerprint: str, upto: int | None, decode: Callable[[bytes], T]
 ) -> Iterator[T]:
     """The newest snapshots at or before ``upto``, newest first, decoded; one
-    that cannot be, or was built under older replay rules, is passed over."""
+    that cannot be, was built under older replay rules, or on events the log
+    no longer holds, is passed over."""
     t = snapshots_table.c
     query = sa.select(t.revision, t.state).where(t.fingerprint == fingerprint)
     if upto is not None:
@@ -203,7 +219,20 @@ def _newest(
         if state.rules < RULES:
             log.info("snapshot at %d passed over: built under older replay rules", revision)
             continue
+        if state.chain_hash is not None and state.chain_hash != _hash_at(conn, revision):
+            log.warning(
+                "snapshot at %d passed over: the log holds other events there now"
+                " (a failover, or a restored backup?)",
+                revision,
+            )
+            continue
         yield state
+
+
+def _hash_at(conn: Connection, revision: int) -> object:
+    """The stored hash of the event at ``revision``, ``None`` if there is none."""
+    e = events_table.c
+    return conn.execute(sa.select(e.hash).where(e.revision == revision)).scalar()
 
 
 def _decompressed(blob: bytes) -> bytes:

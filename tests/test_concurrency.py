@@ -285,15 +285,15 @@ def test_a_postgresql_node_stopped_mid_write_lets_go_of_the_lock_within_a_bound(
             stop()
         commands.scale("m", 0, 5).decide(batch)
 
-    append = stopped.store.insert_events
+    append = stopped.store.append
 
     def append_then_stop(*args: Any, **kwargs: Any) -> Any:
-        revisions = append(*args, **kwargs)
+        appended = append(*args, **kwargs)
         stop()
-        return revisions
+        return appended
 
     if stopped_when == "appended":
-        monkeypatch.setattr(stopped.store, "insert_events", append_then_stop)
+        monkeypatch.setattr(stopped.store, "append", append_then_stop)
 
     def write() -> None:
         try:

@@ -287,11 +287,11 @@ def test_a_write_waits_out_its_own_node_catching_up_before_it_takes_the_log(
     catching_up, go_on = threading.Event(), threading.Event()
     catch_up = behind._catch_up
 
-    def slow_for_the_reader(conn: sa.Connection, head: int | None = None) -> None:
+    def slow_for_the_reader(conn: sa.Connection, *, held: bool = False) -> None:
         if threading.current_thread().name == "reader":
             catching_up.set()
             assert go_on.wait(10)
-        catch_up(conn, head)
+        catch_up(conn, held=held)
 
     monkeypatch.setattr(behind, "_catch_up", slow_for_the_reader)
     written: list[int] = []
@@ -330,10 +330,12 @@ def test_a_write_far_behind_the_log_catches_up_before_it_takes_the_lock(
     monkeypatch.setattr(other.store, "lock_wait", 0.5)
     catch_up, meanwhile = behind._catch_up, []
 
-    def catch_up_while_another_node_writes(conn: sa.Connection, head: int | None = None) -> None:
-        if not meanwhile:
+    def catch_up_while_another_node_writes(conn: sa.Connection, *, held: bool = False) -> None:
+        # The write's own look, under the lock, finds the backlog and leaves
+        # it; the catch-up that follows must not hold up the other node.
+        if not held and not meanwhile:
             meanwhile.append(other.scale("a", maximum=3, by="node2").revision)
-        catch_up(conn, head)
+        catch_up(conn, held=held)
 
     monkeypatch.setattr(behind, "_catch_up", catch_up_while_another_node_writes)
     result = behind.scale("a", minimum=0, by="node1")
@@ -448,4 +450,62 @@ def test_a_node_whose_log_lost_its_last_events_loads_it_afresh(
     fresh = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
     assert fresh.list_models() == node.list_models()
     for models in (node, fresh):
+        models.close()
+
+
+@pytest.mark.parametrize("first", ["write", "read"])
+@pytest.mark.parametrize("regrown", [1, 3])
+def test_a_node_whose_log_lost_events_and_took_others_since_loads_it_afresh(
+    db_url: str, first: str, regrown: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The log lost events, then other nodes wrote as many or more before this
+    node looked (a backup restored under it, then an apply): its revision is
+    still in the log, but the events there are others. It must not serve a
+    mix of the lost models and the new, nor decide on it."""
+    node = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
+    node.add(_definition("a", []), by="ops")
+    saved = _log_rows(db_url)
+    node.add(_definition("b", []), by="ops")
+    _put_back(db_url, saved)
+    other = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
+    for name in ("x", "y", "z")[:regrown]:
+        other.add(_definition(name, []), by="elsewhere")
+    assert other.revision >= node.revision
+    now = _log_rows(db_url)
+    if first == "write":
+        with pytest.raises(Refused, match="'b', which is not in the catalog"):
+            node.add(_definition("c", ["b"]), by="ops")
+        assert _log_rows(db_url) == now
+    assert [m["name"] for m in node.list_models()] == ["a", "x", "y", "z"][: 1 + regrown]
+    assert node.revision == other.revision
+    assert "the log holds other events at revision" in caplog.text
+    node.add(_definition("c", ["x"]), by="ops")
+    for models in (other, Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})):
+        assert models.list_models() == node.list_models()
+        models.close()
+    node.close()
+
+
+def test_a_snapshot_of_events_the_log_no_longer_holds_is_passed_over(
+    db_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A snapshot taken before the log lost its events, and others took their
+    revisions (a backup of the events alone restored, then new writes),
+    would start every node on models the log does not have."""
+    env = {"CATALOG_ES_DB": db_url}
+    node = Models(DeclaredConfig(), snapshot_interval=2, env=env)
+    node.add(_definition("a", []), by="ops")
+    saved = _log_rows(db_url)
+    node.add(_definition("b", []), by="ops")
+    node.add(_definition("c", []), by="ops")
+    snapshots = _log_rows(db_url)[-1]
+    assert [row["revision"] for row in snapshots] == [2]
+    _put_back(db_url, [*saved[:-1], snapshots])
+    other = Models(DeclaredConfig(), env=env)
+    for name in ("x", "y", "z"):
+        other.add(_definition(name, []), by="elsewhere")
+    fresh = Models(DeclaredConfig(), snapshot_interval=2, env=env)
+    assert [m["name"] for m in fresh.list_models()] == ["a", "x", "y", "z"]
+    assert "snapshot at 2 passed over: the log holds other events there now" in caplog.text
+    for models in (node, other, fresh):
         models.close()
