@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from catalog_es.batch import Batch
-from catalog_es.catalog import Catalog
+from catalog_es.catalog import Catalog, Skipped
 from catalog_es.errors import DeclaredInConfig, InputError, Refused
 from catalog_es.model import Model
 from catalog_es.spec import ModelSpec
@@ -108,7 +108,12 @@ def plan_rollback(
         raise InputError(f"--only {only!r}: choose one of {', '.join(DIMENSIONS)}")
     current = batch.catalog
     notes: list[str] = []
-    names = sorted(set(current.aggregates) | set(target.aggregates) | set(target.unhealed()))
+    names = sorted(
+        set(current.aggregates)
+        | set(target.aggregates)
+        | set(target.unhealed())
+        | set(current.unhealed())
+    )
     if model is not None:
         if current.is_declared(model):
             # What is in force for it is the config's, whatever its history.
@@ -132,12 +137,23 @@ def plan_rollback(
         if then is None and target.was_skipped(name):
             # Today's config cannot take what it was then: said, not passed over.
             # As read today it was not in force then, so one in force now goes.
-            skip = next(s for s in reversed(target.skipped) if s.model == name)
+            skip = _last_skip(target, name)
             outcome = "is removed" if now is not None and only is None else "is left out"
             notes.append(
                 f"model {name!r} {outcome}: over today's config its record at revision "
                 f"{skip.revision} does not load ({skip.reason})"
             )
+        elif then is None and now is None and only is None and current.was_skipped(name):
+            # In force neither now nor then, but its record stands: it would
+            # come back the day the config takes it again, as it was not then.
+            skip = _last_skip(current, name)
+            notes.append(
+                f"model {name!r} is removed: it is not in force now, as its record at "
+                f"revision {skip.revision} does not load over today's config ({skip.reason}), "
+                f"and was not at revision {target.revision}"
+            )
+            steps.append((Model.Removed, name, {}))
+            continue
         planned = _steps_for(now, then, only, batch)
         if only is not None and now != then and (now is None or then is None):
             notes.append(
@@ -153,6 +169,10 @@ def plan_rollback(
         steps.extend(planned)
     _decide_in_a_valid_order(batch, steps, target.revision)
     return notes
+
+
+def _last_skip(catalog: Catalog, name: str) -> Skipped:
+    return next(s for s in reversed(catalog.skipped) if s.model == name)
 
 
 def _decide_in_a_valid_order(batch: Batch, steps: list[Step], revision: int) -> None:

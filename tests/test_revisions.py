@@ -1152,6 +1152,32 @@ def test_rollback_notes_a_model_todays_config_cannot_take_as_it_was(
     assert note.startswith("model 'a' is removed: over today's config its record at revision")
 
 
+def test_rollback_removes_a_model_skipped_now_that_was_not_there_then(
+    open_models: Callable[..., Models], tmp_path: Path
+) -> None:
+    """A model added since the revision rolled back to, which today's config
+    cannot take (its engine is no longer allowed): not in force now, nor
+    then, yet its record would come back the day the engine is allowed
+    again. Rolled back, it is removed, with a note (hostile test)."""
+    models = open_models()
+    target = models.revision
+    added = models.add(spec("x", engine="sglang"), by="x").revision
+    narrower = tmp_path / "narrower.yaml"
+    narrower.write_text("engines: [vllm]\n" + DECLARED_YAML)
+    reopened = open_models(config=narrower)
+    assert reopened.catalog.was_skipped("x")
+    result = reopened.rollback(target, by="ops")
+    assert [(e["model"], e["event"]) for e in result["events"]] == [("x", "Removed")]
+    (note,) = result["notes"]
+    assert note.startswith(
+        "model 'x' is removed: it is not in force now, as its record at revision "
+        f"{added} does not load over today's config"
+    )
+    assert reopened.rollback(target, by="ops")["events"] == []
+    # Allowed again, the engine brings back nothing the rollback took away.
+    assert "x" not in {m["name"] for m in open_models().list_models()}
+
+
 def test_rollback_of_resources_alone_takes_the_profiles_both_revisions_have(
     open_models: Callable[..., Models],
 ) -> None:
