@@ -97,7 +97,7 @@ class AuditTrail:
 
     def _views(self, filters: Filters) -> list[str]:
         """Each matching row as the JSON it is stored as."""
-        _check_times(filters)
+        _check_filters(filters)
         return self._audit.answer(self.store, self.name, filters)
 
     def rebuild_audit(self) -> None:
@@ -109,7 +109,7 @@ class AuditTrail:
     ) -> list[dict[str, Any]]:
         """Refused commands matching every filter given, as :meth:`audit` takes
         them (``at_most`` as :meth:`audit_json`'s)."""
-        _check_times(filters)
+        _check_filters(filters)
         with self.store.read() as conn:
             rows = select_rows(
                 conn, refusals_table, refusals_table.c.id, _one_more(filters, at_most)
@@ -206,7 +206,11 @@ class AuditTrail:
             log.warning("could not record the refusal of %s for %r: %s", event, name, error)
 
 
-def _check_times(filters: Filters) -> None:
+def _check_filters(filters: Filters) -> None:
+    # An empty name is no model's: it matched the declared-config records,
+    # which have no model, as if they were one.
+    if filters.get("model") == "":
+        raise InputError("model: the name is empty; give a model's name, or no model filter")
     since, until = filters.get("since"), filters.get("until")
     if since is not None:
         zoned(since, "since")

@@ -1747,6 +1747,9 @@ def test_cli_verify_lists_skipped_events_either_way(models: Models, db: str, con
         ),
         (("history", "nope"), "error: model 'nope' has no history"),
         (("history", ""), "error: model '' has no history"),  # not every row's
+        # Not the declared-config records, which have no model.
+        (("audit", "--model", ""), "error: model: the name is empty"),
+        (("refusals", "--model", ""), "error: model: the name is empty"),
     ],
 )
 def test_cli_bad_input_is_one_error_line_and_exit_1(

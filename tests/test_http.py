@@ -1414,6 +1414,11 @@ def test_history_audit_refusals_and_verify(api: Api) -> None:
     assert refused(api.get("/audit", params={"until": "noon"}), 422).startswith(
         "until 'noon': not a UTC time"
     )
+    # Not the declared-config records, which have no model (hostile test).
+    for path in ("/audit", "/refusals"):
+        assert refused(api.get(path, params={"model": ""}), 422).startswith(
+            "model: the name is empty"
+        )
 
     (refusal,) = ok(api.get("/refusals"))
     assert (refusal["by"], refusal["model"], refusal["event"]) == ("write-user", "qwen", "Scaled")
