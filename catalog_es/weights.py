@@ -220,7 +220,7 @@ class Weights:
 
     def check_updates(self, *, by: str, reason: str = "") -> dict[str, Any]:
         """``updates``, recording what is new: the origin of each runtime model
-        that had none (``OriginSet`` by the system actor), then each finding
+        that had none, or part of one (``OriginSet`` by the system actor), then each finding
         not recorded before (``UpstreamChanged``), declared models' too: the
         record changes no definition, and the audit shows when it was first seen."""
         scan = self._scan()
@@ -268,7 +268,9 @@ class Weights:
                     {"model": spec.name, "source": spec.source, "reason": str(error)}
                 )
                 continue
-            if spec.origin is None and not declared:
+            # A runtime origin given in part (no commit, say) is completed
+            # as a missing one is: else the model follows main unreported.
+            if running != spec.origin and not declared:
                 scan.unrecorded.append((spec, running))
             if upstream != running:
                 held = lookups.holds(running.repository, running.revision)
@@ -417,7 +419,8 @@ class Weights:
                 ran.clear()  # a model of that name added since is another model
                 continue
             origin = _origin_set_by(event)
-            if origin is not None and event["revision"] not in skipped:
+            # An origin with no commit says not what ran, but what to work out.
+            if origin is not None and origin.revision and event["revision"] not in skipped:
                 ran.append((event["revision"], origin))
         if to is None:
             ran = [(r, origin) for r, origin in ran if origin != spec.origin]

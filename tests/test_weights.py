@@ -397,6 +397,37 @@ def test_a_model_without_an_origin_gets_one_from_the_mirror_once(world: World) -
     assert world.rows() == rows
 
 
+@pytest.mark.parametrize("given", [{}, {"repository": "org/m"}])
+def test_a_runtime_origin_given_in_part_is_completed_from_the_mirror_once(
+    world: World, given: dict[str, str]
+) -> None:
+    """An origin without a commit was taken as recorded: never completed, the
+    model followed ``main`` unreported, and a rollback took it for weights to
+    go back to (hostile test)."""
+    weights = world.open()
+    weights.models.add(spec("m", origin=given), by="alice")
+    report = weights.check_updates(by="cron")
+    assert [o["model"] for o in report["origins"]] == ["m"]
+    assert weights.models.get_model("m")["origin"] == msgspec.to_builtins(
+        origin_of("org/m", world.c1, V1)
+    )
+    assert weights.check_updates(by="cron")["origins"] == []
+    world.mirror.publish("org/m", V2)
+    weights.update("m", by="bob")
+    weights.rollback("m", by="carol")
+    assert weights.models.get_model("m")["origin"]["revision"] == world.c1
+
+
+def test_weights_given_in_part_are_no_weights_to_go_back_to(world: World) -> None:
+    weights = world.open()
+    weights.models.add(spec("m", origin={"repository": "org/m"}), by="alice")
+    weights.update("m", by="bob")
+    rows = world.rows()
+    with pytest.raises(Refused, match="the log records no earlier weights to go back to"):
+        weights.rollback("m", by="carol")
+    assert world.rows() == rows
+
+
 def test_a_file_name_the_log_cannot_hold_leaves_its_model_unchecked_not_the_run_failed(
     world: World, tracked: Weights
 ) -> None:
