@@ -689,7 +689,10 @@ class Models(AuditTrail, Application[UUID]):
         wait = self._take_write_lock(lock_left) if locked else None
         if wait is None:
             wait = lock_left
-        known, state, holding = self._known, self._state, False
+        known, state = self._known, self._state
+        # What this thread holds of the catalog's lock on coming in: all it
+        # takes beyond that is let go on the way out, however it leaves.
+        entered = state.depth()
         snapshot: bytes | None = None
         try:
             if locked:
@@ -705,7 +708,6 @@ class Models(AuditTrail, Application[UUID]):
                         # Its turn before reads that come after it: it holds
                         # the log's lock (:class:`CatalogLock`).
                         state.acquire(write=locked)
-                        holding = True
                         # One read says whether another writer moved the log since
                         # this service last looked, what to chain onto, and the
                         # versions of the streams the plan names that it does not know.
@@ -748,7 +750,6 @@ class Models(AuditTrail, Application[UUID]):
                             # can move the log while this one holds it: reads go
                             # on meanwhile (a large apply takes seconds), and the
                             # lock is taken again to put the result in force.
-                            holding = False
                             state.release()
                         plan(batch)
                         if dry_run:
@@ -769,9 +770,8 @@ class Models(AuditTrail, Application[UUID]):
                     known.forget()
                     raise
                 # Committed: only now are the changes in force.
-                if not holding:
+                if state.depth() == entered:
                     state.acquire(write=True)
-                    holding = True
                 revision = revisions[-1]
                 if isinstance(batch.records[0], Configuration.Declared):
                     if self._declaration_held and replaced is not None:
@@ -799,9 +799,7 @@ class Models(AuditTrail, Application[UUID]):
                 ):
                     snapshot = snapshots.encode(self.catalog)
                 # Written with the catalog let go: another process may hold the
-                # database by then, and reads must not wait for it. (Marked let
-                # go first: an interrupt in between must not release it twice.)
-                holding = False
+                # database by then, and reads must not wait for it.
                 state.release()
                 if snapshot is not None:
                     self._save_snapshot(revision, snapshot)
@@ -809,8 +807,7 @@ class Models(AuditTrail, Application[UUID]):
         except _FarBehind:
             pass  # nothing was planned or written: caught up with below, then again
         finally:
-            if holding:
-                state.release()
+            state.release_to(entered)
             if locked:
                 self._lock.release()
         # The lock wait bounds the two takes of the lock together, not the catch-up.

@@ -108,6 +108,17 @@ class CatalogLock:
             queue.popleft()
             waiter.woken.release()
 
+    def depth(self) -> int:
+        """How many times the calling thread holds the lock: 0 when it does not."""
+        return self._depth if self._owner == threading.get_ident() else 0
+
+    def release_to(self, depth: int) -> None:
+        """Let go until the calling thread holds the lock ``depth`` times:
+        what it took, counted by what it holds rather than by a flag set
+        after each take, which an interrupt can come before."""
+        while self.depth() > depth:
+            self.release()
+
     def __enter__(self) -> None:
         self.acquire()
 

@@ -623,6 +623,47 @@ def test_a_batch_does_not_take_back_what_a_read_caught_up_with_after_its_commit(
     other.close()
 
 
+@pytest.mark.parametrize("several", [False, True])
+def test_a_write_interrupted_just_after_it_takes_the_catalog_lets_go_of_it(
+    db_url: str, several: bool
+) -> None:
+    """An interrupt (Ctrl-C) landing after a take of the catalog's lock and
+    before the write noted it held it left the lock taken for good: every
+    read of the process then waited forever (review: 25 in 460 interrupts).
+    Each of the write's takes, interrupted: the next read goes through."""
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
+    models.add(model_spec("m"), by="setup")
+    state = models._state
+    acquire = state.acquire
+    takes = 3 if several else 2  # the pass-through, in the transaction, after a batch
+
+    for interrupted in range(1, takes + 1):
+        taken = 0
+
+        def acquire_then_interrupted(*, write: bool = False, at: int = interrupted) -> None:
+            nonlocal taken
+            acquire(write=write)
+            taken += 1
+            if taken == at:
+                raise KeyboardInterrupt
+
+        state.acquire = acquire_then_interrupted  # type: ignore[method-assign]
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                if several:
+                    models.apply_changes([commands.scale("m", 0, 2 + interrupted)], by="ops")
+                else:
+                    models.scale("m", 0, 2 + interrupted, by="ops")
+        finally:
+            state.acquire = acquire  # type: ignore[method-assign]
+        assert state.depth() == 0, interrupted
+        read = threading.Thread(target=models.list_models, daemon=True)
+        read.start()
+        read.join(5)
+        assert not read.is_alive(), f"the lock was kept after take {interrupted}"
+    models.close()
+
+
 def test_a_write_holding_the_log_waits_for_one_read_at_most_however_many_threads_read(
     db_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
