@@ -238,6 +238,20 @@ def test_console_models_history_time_travel_and_rollback(
         page.goto(f"{url}/console/#/model/%E0%A4%A")
         expect(page.locator("#error")).to_contain_text("This address names no model")
 
+        # A revision past the log's last, or no whole number, is told too, with
+        # no other page left under it as if it were that one (hostile test).
+        for at, told in (
+            ("99999", "Revision 99999 is past the log's last, "),
+            ("", 'This address\'s revision, "", is not a whole number.'),
+            ("2x", 'This address\'s revision, "2x", is not a whole number.'),
+        ):
+            page.goto(f"{url}/console/#/models")
+            expect(page.locator("#models tbody tr")).not_to_have_count(0)
+            expect(page.locator("#error")).to_have_text("")
+            page.goto(f"{url}/console/#/models?at={at}")
+            expect(page.locator("#error")).to_contain_text(told)
+            expect(page.locator("#models")).to_have_count(0)
+
         # Revoked, the token's live stream ends, and the console signs out.
         (admin,) = [e for e in tokens.describe() if e["actor"] == "admin-user"]
         tokens.remove(admin["id"])

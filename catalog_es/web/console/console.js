@@ -8,7 +8,7 @@
 const TOKEN_KEY = "catalog-es-token";
 // How long a request of the API may take before the page gives up on it.
 const API_TIMEOUT_MS = 60000;
-const state = { head: 0, me: null, follow: null, rendering: 0, flash: null };
+const state = { head: 0, me: null, follow: null, rendering: 0, flash: null, shown: null };
 
 // -- small helpers -------------------------------------------------------------
 
@@ -61,11 +61,15 @@ async function api(path, { method = "GET", body, ifMatch } = {}) {
 function route() {
   const [path, query] = location.hash.replace(/^#/, "").split("?");
   const params = new URLSearchParams(query || "");
-  const at = params.has("at") ? Number(params.get("at")) : null;
+  // A revision as typed: anything but a whole number is told, not read as 0 or now.
+  const atText = params.get("at");
+  const at = atText === null ? null : /^[0-9]{1,15}$/.test(atText) ? Number(atText) : NaN;
   // Before revision 1 no declared config was recorded: there is none "then".
   const declaredThen = at !== null && at > 0 && params.get("declared") === "then";
-  if (path.startsWith("/model/")) return { page: "model", name: decoded(path.slice(7)), at, declaredThen };
-  return { page: "models", at, declaredThen, filter: params.get("q") || "" };
+  if (path.startsWith("/model/")) {
+    return { page: "model", name: decoded(path.slice(7)), at, atText, declaredThen };
+  }
+  return { page: "models", at, atText, declaredThen, filter: params.get("q") || "" };
 }
 
 // The address with one query key set (or taken out, for null).
@@ -567,7 +571,13 @@ async function render() {
     if (where.page === "model" && where.name === null) {
       throw new Error("This address names no model: its %-escapes are broken.");
     }
+    if (Number.isNaN(where.at)) {
+      throw new Error(`This address's revision, "${where.atText}", is not a whole number.`);
+    }
     state.head = Math.max(state.head, (await api("/revision")).revision);
+    if (where.at !== null && where.at > state.head) {
+      throw new Error(`Revision ${where.at} is past the log's last, ${state.head}.`);
+    }
     const at = where.at !== null && where.at < state.head ? where.at : null;
     const content = where.page === "model" ? await modelPage(where.name, at) : await modelsPage(at, where.filter);
     if (number !== state.rendering) return; // a newer draw started meanwhile
@@ -575,6 +585,7 @@ async function render() {
     // Someone typing in the filter as a change redraws the page keeps typing.
     const typing = document.activeElement && document.activeElement.id === "filter" ? document.activeElement : null;
     $("#page").replaceChildren(flash, h("p", { id: "behind", class: "note" }), ...content);
+    state.shown = location.hash;
     if (typing) {
       const search = $("#filter");
       if (search.value !== typing.value) {
@@ -586,7 +597,11 @@ async function render() {
     }
     document.title = where.page === "model" ? `${where.name} · catalog-es` : "Models · catalog-es";
   } catch (error) {
-    if (number === state.rendering && state.me) $("#error").textContent = error.message;
+    if (number !== state.rendering || !state.me) return;
+    $("#error").textContent = error.message;
+    // Another page's content under the error would read as this one's; the
+    // same page's, redrawn as the log moved, stays until the next draw.
+    if (location.hash !== state.shown) $("#page").replaceChildren();
   }
 }
 
