@@ -56,6 +56,7 @@ from catalog_es.model import (
 )
 from catalog_es.persistence import (
     Appended,
+    Kept,
     PullingSubscription,
     SQLRecorder,
     acquire_within,
@@ -157,6 +158,36 @@ class InForce(Sequence[ModelSpec]):
 class _FarBehind(Exception):
     """A write, holding the log's write lock, found its node more than
     :data:`CATCH_UP_HELD` events behind, or on events the log lost."""
+
+
+def _lost(catalog: Catalog, kept: Kept) -> str | None:
+    """Why the log, as ``kept`` tells it, no longer holds the events
+    ``catalog`` was built from (a failover to a standby that had not received
+    them, a file restored from a backup, perhaps new writes since); ``None``
+    while it does, as far as can be told."""
+    chain = catalog.chain
+    if kept.last < catalog.revision:
+        return (
+            f"the log ends at revision {kept.last}, before this node's catalog (at "
+            f"{catalog.revision}): it lost events (a failover, or a restored backup?)"
+        )
+    if chain is None:
+        return None  # nothing to check against: revision 0, or a hash left unreadable
+    if chain.revision != catalog.revision:
+        # Nothing vouches for what a catch-up applied, or a write put in
+        # force, before it was cut off (the read failing, an interrupt): the
+        # chain only moves once it is done.
+        return (
+            f"this node's catalog was left part-way at revision {catalog.revision} by a "
+            "catch-up or a write cut off before it was done"
+        )
+    if kept.hash == chain.hash or (kept.hash is not None and _chain(1, kept.hash) is None):
+        return None  # the same; or a hash a hand edit left unreadable (verify tells)
+    return (
+        f"the log holds other events at revision {catalog.revision} than this node's "
+        "catalog was built from: it lost events and took others since (a failover, or a "
+        "restored backup?)"
+    )
 
 
 def _chain(revision: int, hash_: object) -> ChainHead | None:
@@ -720,10 +751,13 @@ class Models(AuditTrail, Application[UUID]):
                             if len(wanted) < len(ids):
                                 standing = self.store.standing(conn, ids)
                         # The log moved since this node wrote or read it, or is
-                        # no longer the one it read (its head is elsewhere).
+                        # no longer the one it read: its head is not where this
+                        # node's catalog and chain are.
+                        chain, at = self.catalog.chain, self.catalog.revision
                         if (
-                            standing.head != self.catalog.chain
-                            or standing.last > self.catalog.revision
+                            standing.head != chain
+                            or standing.last != at
+                            or (chain is not None and chain.revision != at)
                         ):
                             self._catch_up(conn, held=locked and lock_left is None)
                         head = self.catalog.revision
@@ -905,8 +939,8 @@ class Models(AuditTrail, Application[UUID]):
         be done outside it (:class:`_FarBehind`)."""
         catalog = self.catalog
         kept = self.store.kept(conn, catalog.revision)
-        ours = catalog.chain_hash
-        if kept.last >= catalog.revision and (ours is None or kept.hash == ours):
+        lost = _lost(catalog, kept)
+        if lost is None:
             if kept.last > catalog.revision:
                 if held and kept.last - catalog.revision > CATCH_UP_HELD:
                     raise _FarBehind
@@ -915,25 +949,10 @@ class Models(AuditTrail, Application[UUID]):
             return
         if held:
             raise _FarBehind
-        # The log lost events this node has in force: a failover to a standby
-        # that had not received them, a file restored from a backup, and
-        # perhaps new writes since. Decided on, they would be written over (a
-        # fallback naming a model the log no longer has; revisions handed out
-        # again), and served as if committed.
-        if kept.last < catalog.revision:
-            log.warning(
-                "the log ends at revision %d, before this node's catalog (at %d): it lost "
-                "events (a failover, or a restored backup?); loading the catalog from the log",
-                kept.last,
-                catalog.revision,
-            )
-        else:
-            log.warning(
-                "the log holds other events at revision %d than this node's catalog was "
-                "built from: it lost events and took others since (a failover, or a restored "
-                "backup?); loading the catalog from the log",
-                catalog.revision,
-            )
+        # Decided on, what the log lost would be written over (a fallback
+        # naming a model the log no longer has; revisions handed out again),
+        # and served as if committed.
+        log.warning("%s; loading the catalog from the log", lost)
         self._known.forget()
         catalog = self._restored(conn, upto=kept.last)
         catch_up(catalog, self.store, conn)

@@ -23,6 +23,7 @@ from catalog_es import application, commands
 from catalog_es.application import Models
 from catalog_es.errors import Refused
 from catalog_es.inputs import DeclaredConfig, load_config, model_from_data
+from catalog_es.mapper import decode_event
 from catalog_es.persistence import events_table, head_table, streams_table
 from projections.snapshots import snapshots_table
 from tests.helpers import count_events
@@ -484,6 +485,46 @@ def test_a_node_whose_log_lost_events_and_took_others_since_loads_it_afresh(
         assert models.list_models() == node.list_models()
         models.close()
     node.close()
+
+
+@pytest.mark.parametrize("regrown", [0, 3])
+def test_a_node_whose_catch_up_was_cut_off_part_way_loads_the_log_afresh(
+    db_url: str, regrown: int, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A read whose catch-up fails half-way (the database failing over under
+    it) leaves the node with events nothing vouches for: the chain only moves
+    once a catch-up is done. Should the log have lost them, the node must not
+    decide on them (review: it wrote a fallback on a lost model)."""
+    node = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
+    node.add(_definition("a", []), by="ops")
+    saved = _log_rows(db_url)
+    other = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
+    other.add(_definition("b", []), by="elsewhere")
+    other.add(_definition("c", []), by="elsewhere")
+
+    def cut_off(catalog: Any, store: Any, conn: sa.Connection, **_: Any) -> None:
+        (first, *_rest), *_pages = store.scan(conn, after=catalog.revision)
+        catalog.apply(decode_event(first[1], first[2]), first[0])
+        raise sa.exc.OperationalError("scan", {}, Exception("the server closed the connection"))
+
+    monkeypatch.setattr(application, "catch_up", cut_off)
+    with pytest.raises(sa.exc.OperationalError):
+        node.list_models()
+    monkeypatch.undo()
+    assert sorted(node.catalog.aggregates) == ["a", "b"]
+    _put_back(db_url, saved)
+    for name in ("x", "y", "z")[:regrown]:
+        Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url}).add(_definition(name, []), by="n")
+    now = _log_rows(db_url)
+    with pytest.raises(Refused, match="'b', which is not in the catalog"):
+        node.add(_definition("d", ["b"]), by="ops")
+    assert _log_rows(db_url) == now
+    assert [m["name"] for m in node.list_models()] == ["a", "x", "y", "z"][: 1 + regrown]
+    assert (
+        "left part-way at revision 2" if regrown else "the log ends at revision 1"
+    ) in caplog.text
+    for models in (node, other):
+        models.close()
 
 
 def test_a_snapshot_of_events_the_log_no_longer_holds_is_passed_over(
