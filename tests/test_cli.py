@@ -25,7 +25,7 @@ from click.testing import CliRunner, Result
 
 from catalog_es.application import Models
 from catalog_es.cli import cli
-from catalog_es.cli.base import VisibleWarnings
+from catalog_es.cli.base import EXIT_PIPE_CLOSED, VisibleWarnings
 from catalog_es.inputs import DeclaredConfig
 from catalog_es.persistence import database_unusable
 from tests.helpers import config_yaml, count_events, definition, spec
@@ -776,8 +776,33 @@ def test_a_reader_that_goes_away_ends_the_command_quietly(tmp_path: Path) -> Non
     assert log.stdout is not None and log.stderr is not None
     assert json.loads(log.stdout.readline())["revision"] == 1
     log.stdout.close()  # as head does, after its first line
-    assert log.wait(timeout=60) == 1
+    assert log.wait(timeout=60) == EXIT_PIPE_CLOSED
     assert log.stderr.read() == b""
+
+
+def test_a_write_whose_reader_went_away_does_not_say_nothing_was_written(
+    tmp_path: Path,
+) -> None:
+    """`catalog-es model scale … | true`: the change is committed, then
+    told to a closed pipe. Exit 1 said it was refused, and a script would
+    make it again (hostile test)."""
+    db = f"sqlite:///{tmp_path}/catalog.db"
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db})
+    models.add(spec("m"), by="ops")
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before a word is said
+    scale = subprocess.run(
+        [sys.executable, "-m", "catalog_es", "--db", db, "model", "scale", "m", "--max", "7"],
+        stdout=write,
+        stderr=subprocess.PIPE,
+        timeout=60,
+        check=False,
+    )
+    os.close(write)
+    assert (scale.returncode, scale.stderr) == (EXIT_PIPE_CLOSED, b"")
+    models.refresh()
+    assert models.get_model("m")["scaling"]["max"] == 7
+    models.close()
 
 
 def test_warnings_escape_what_a_terminal_would_act_on(tmp_path: Path) -> None:

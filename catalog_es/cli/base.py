@@ -355,6 +355,10 @@ def let_warnings_through() -> None:
     _held.stop(told=True)
 
 
+# 128 + SIGPIPE.
+EXIT_PIPE_CLOSED = 141
+
+
 class CatalogGroup(click.Group):
     """Maps domain errors to one line on stderr and exit code 1, for every command."""
 
@@ -391,9 +395,12 @@ class CatalogGroup(click.Group):
             raise
         except BrokenPipeError:
             # The reader went away (`catalog-es log | head`): nothing to tell
-            # it, and nothing left to flush into the closed pipe at exit.
+            # it, and nothing left to flush into the closed pipe at exit. Not
+            # 1, which says nothing was written, of a write told after its
+            # commit (a script would make the change again): the shell's
+            # code for a process a closed pipe ended, as `yes | head` gives.
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            ctx.exit(1)
+            ctx.exit(EXIT_PIPE_CLOSED)
         except Exception as error:  # the last guard: one line, not a traceback
             if os.environ.get("CATALOG_ES_DEBUG"):
                 told = True  # a traceback is no one line: what led to it may help
