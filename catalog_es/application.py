@@ -181,8 +181,10 @@ def _lost(catalog: Catalog, kept: Kept) -> str | None:
             f"this node's catalog was left part-way at revision {catalog.revision} by a "
             "catch-up or a write cut off before it was done"
         )
-    if kept.hash == chain.hash or (kept.hash is not None and _chain(1, kept.hash) is None):
-        return None  # the same; or a hash a hand edit left unreadable (verify tells)
+    # A hash a hand edit left unreadable there is verify's to tell, not a reload's.
+    unreadable = kept.hash is not None and _chain(chain.revision, kept.hash) is None
+    if kept.hash == chain.hash or unreadable:
+        return None
     return (
         f"the log holds other events at revision {catalog.revision} than this node's "
         "catalog was built from: it lost events and took others since (a failover, or a "
