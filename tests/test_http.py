@@ -246,6 +246,11 @@ def test_a_query_key_the_path_does_not_take_is_refused_not_passed_over(api: Api)
         "/models/qwen/scale", params={"reson": "x"}, json={"max": 3}, headers=api.as_("write")
     )
     assert refused(scaled, 422) == "unknown query parameter 'reson'; this path takes: reason"
+    # A key given twice is refused too, not read as its last value (hostile test).
+    for path, query in (("/audit", "model=a&model=b"), ("/models", "at=1&at=2")):
+        twice = api.client.get(f"{path}?{query}", headers=api.as_("read"))
+        key = query.split("=")[0]
+        assert refused(twice, 422) == f"{key} is given more than once in the query: give it once"
     assert count_events(api.db) == written
     # Who is asking is known first: no token, no word on the query.
     assert api.client.get("/models", params={"att": 1}).status_code == 401

@@ -190,7 +190,9 @@ def caller_with(role: Role) -> Callable[..., Caller]:
 def _refuse_unknown_query(request: Request) -> None:
     """A query key the path does not take is refused, not passed over: a read
     asked `?att=3`, or `at` where the path reads only now, answered now, in
-    silence (conformance audit). Checked once the caller is known."""
+    silence (conformance audit). So is a key given twice, rather than the
+    last one read (`?model=a&model=b` answered for b alone, as if filtered
+    by both). Checked once the caller is known."""
     route = request.scope.get("route")
     if not isinstance(route, APIRoute):
         return
@@ -199,6 +201,8 @@ def _refuse_unknown_query(request: Request) -> None:
         if key not in taken:
             takes = ", ".join(sorted(taken)) or "none"
             raise InputError(f"unknown query parameter {shown(key, 40)}; this path takes: {takes}")
+        if len(request.query_params.getlist(key)) > 1:
+            raise InputError(f"{key} is given more than once in the query: give it once")
 
 
 def _query_names(route: APIRoute) -> frozenset[str]:
@@ -281,13 +285,8 @@ ExpectedRevision = Annotated[int | None, Depends(expected_revision)]
 
 
 def reason_value(
-    request: Request,
     reason: Annotated[str, Query(description="Why, recorded with the change.")] = "",
 ) -> str:
-    """A second ``reason`` in the query is refused, as a second key in a body
-    is, rather than the last one recorded."""
-    if len(request.query_params.getlist("reason")) > 1:
-        raise InputError("reason is given more than once in the query: give it once")
     return reason
 
 
