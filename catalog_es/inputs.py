@@ -19,7 +19,16 @@ from typing import Annotated, Any, BinaryIO, NoReturn, TypeVar
 
 import msgspec
 import yaml
-from pydantic import BaseModel, ConfigDict, FailFast, Field, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    FailFast,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
+from pydantic_core import PydanticCustomError
 from yaml._yaml import CParser
 
 from catalog_es import commands
@@ -28,7 +37,7 @@ from catalog_es.configuration import DeclaredConfig as DeclaredConfig  # re-expo
 from catalog_es.errors import SHOWN_LENGTH, ConfigError, InputError, Refused, cut_short, shown
 from catalog_es.model import APPLY, EVENT_TYPES, ROLLBACK
 from catalog_es.persistence import MAX_REVISION as MAX_REVISION  # re-exported
-from catalog_es.spec import DEFAULT_ENGINES, Adapter, ModelSpec, Origin
+from catalog_es.spec import DEFAULT_ENGINES, Adapter, ModelSpec, Origin, effective_class
 
 # A model definition is a few hundred bytes; a megabyte is a mistake or an attack.
 MAX_INPUT_BYTES = 1 << 20
@@ -89,9 +98,42 @@ class ModelInput(_Input):
     adapters: Items[AdapterInput] = []
     fallbacks: Items[str] = []
     origin: OriginInput | None = None
+    # What `model show --json` prints beside the definition, taken back when
+    # it says what the definition does: a model shown can be edited and
+    # added again (it was refused as unknown fields).
+    effective_class: str | None = None
+    declared: bool = False
+    warnings: list[str] = []
+
+    @field_validator("effective_class")
+    @classmethod
+    def _as_worked_out(cls, value: str | None, info: ValidationInfo) -> str | None:
+        scaling, set_class = info.data.get("scaling"), info.data.get("capacity_class")
+        if value is None or scaling is None or set_class is None:
+            return value  # not given, or what it is checked against was refused
+        worked_out = effective_class(set_class, scaling.min)
+        if value != worked_out:
+            raise PydanticCustomError(
+                "shown_only",
+                "is worked out, not set: this definition's is {worked_out} (class sets it)",
+                {"worked_out": repr(worked_out)},
+            )
+        return value
+
+    @field_validator("declared")
+    @classmethod
+    def _not_declared(cls, value: bool) -> bool:
+        if value:
+            raise PydanticCustomError(
+                "shown_only",
+                "true is what model show says of a model the config declares, which is "
+                "changed there; leave declared out",
+            )
+        return value
 
     def to_spec(self) -> ModelSpec:
-        return msgspec.convert(self.model_dump(by_alias=True), ModelSpec)
+        shown_only = {"effective_class", "declared", "warnings"}
+        return msgspec.convert(self.model_dump(by_alias=True, exclude=shown_only), ModelSpec)
 
 
 class ConfigInput(_Input):

@@ -83,15 +83,19 @@ class ModelSpec(Value, frozen=True):
 
     @property
     def effective_class(self) -> str:
-        """The class placement uses: the one set, else what the scaling implies
-        (a model allowed to scale to zero is opportunistic by nature)."""
-        if self.capacity_class:
-            return self.capacity_class
-        return "standard" if self.scaling.min >= 1 else "opportunistic"
+        return effective_class(self.capacity_class, self.scaling.min)
 
     def missing_memory(self) -> list[str]:
         """Names of CPU-only profiles that declare no host memory."""
         return [p.name for p in self.profiles if p.cpu_only and p.min_memory_gb <= 0]
+
+
+def effective_class(capacity_class: str, minimum: int) -> str:
+    """The class placement uses: the one set, else what the scaling implies
+    (a model allowed to scale to zero is opportunistic by nature)."""
+    if capacity_class:
+        return capacity_class
+    return "standard" if minimum >= 1 else "opportunistic"
 
 
 def check_name(name: str, *, model: str | None = None, field: str = "name") -> None:

@@ -163,6 +163,29 @@ def test_by_and_reason_work_before_and_after_the_command(run: Run, write: Any, w
     assert (json.loads(line)["by"], json.loads(line)["reason"]) == ("alice", "load test")
 
 
+def test_a_model_shown_can_be_edited_and_added_again(
+    run: Run, write: Any, rows: Callable[[], int]
+) -> None:
+    """`model show --json`, edited, fed back to `model add`: what show prints
+    beside the definition was refused as unknown fields (hostile test). It
+    is taken back where it says what the definition does, and refused where
+    it says otherwise, as one line with nothing written."""
+    _seeded(run, write)
+    shown = json.loads(ok(run("model", "show", "m", "--json")).stdout)
+    assert (shown["effective_class"], shown["declared"]) == ("standard", False)
+    edited = {**shown, "scaling": {"min": 1, "max": 5}}
+    ok(run("model", "add", write("edited.json", as_json(edited))))
+    assert json.loads(ok(run("model", "show", "m", "--json")).stdout) == edited
+    before = rows()
+    for field, value, told in (
+        ("effective_class", "critical", "effective_class: is worked out, not set: this"),
+        ("declared", True, "declared: true is what model show says of a model the config"),
+    ):
+        wrong = write("wrong.json", as_json({**shown, field: value}))
+        assert told in refused_in_one_line(run("model", "add", wrong))
+    assert rows() == before
+
+
 def test_a_command_option_wins_over_the_root_one(run: Run, write: Any) -> None:
     _seeded(run, write)
     ok(run("--by", "root-actor", "model", "scale", "m", "--max", "3", "--by", "command-actor"))
