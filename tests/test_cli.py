@@ -803,28 +803,31 @@ def test_a_reader_that_goes_away_ends_the_command_quietly(tmp_path: Path) -> Non
     assert log.stderr.read() == b""
 
 
+@pytest.mark.parametrize(
+    "command", [["model", "scale", "m", "--max", "7"], ["model", "list"]], ids=["write", "table"]
+)
 def test_a_write_whose_reader_went_away_does_not_say_nothing_was_written(
-    tmp_path: Path,
+    tmp_path: Path, command: list[str]
 ) -> None:
     """`catalog-es model scale … | true`: the change is committed, then
     told to a closed pipe. Exit 1 said it was refused, and a script would
-    make it again (hostile test)."""
+    make it again (hostile test); a table, which rich prints, did so too."""
     db = f"sqlite:///{tmp_path}/catalog.db"
     models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db})
     models.add(spec("m"), by="ops")
     read, write = os.pipe()
     os.close(read)  # the reader is gone before a word is said
-    scale = subprocess.run(
-        [sys.executable, "-m", "catalog_es", "--db", db, "model", "scale", "m", "--max", "7"],
+    told = subprocess.run(
+        [sys.executable, "-m", "catalog_es", "--db", db, *command],
         stdout=write,
         stderr=subprocess.PIPE,
         timeout=60,
         check=False,
     )
     os.close(write)
-    assert (scale.returncode, scale.stderr) == (EXIT_PIPE_CLOSED, b"")
+    assert (told.returncode, told.stderr) == (EXIT_PIPE_CLOSED, b"")
     models.refresh()
-    assert models.get_model("m")["scaling"]["max"] == 7
+    assert models.get_model("m")["scaling"]["max"] == (7 if "scale" in command else 1)
     models.close()
 
 

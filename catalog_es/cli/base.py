@@ -222,10 +222,17 @@ class VisibleWarnings(logging.Formatter):
         return visible(super().formatMessage(record))
 
 
+class _Console(Console):
+    def on_broken_pipe(self) -> None:
+        # rich's own exits 1, which says nothing was written, past the
+        # handler that tells a reader gone away (CatalogGroup.invoke).
+        raise BrokenPipeError
+
+
 def print_table(table: Table) -> None:
     # On a terminal, fit it; piped, never cut a name short.
     width = None if sys.stdout.isatty() else 10_000
-    Console(soft_wrap=True, width=width).print(table)
+    _Console(soft_wrap=True, width=width).print(table)
 
 
 def emit(settings: Settings, data: Any, human: Callable[[], None]) -> None:
