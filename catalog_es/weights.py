@@ -244,6 +244,12 @@ class Weights:
         """What ``spec`` runs: its origin, with what it leaves out (all of it,
         for a model that has none) worked out from the registry."""
         origin = spec.origin or Origin()
+        if origin.files and not origin.revision:
+            # Paired with the head, they would say it holds what it may not.
+            raise RegistryError(
+                "its origin gives file checksums but no commit: which commit they are "
+                "of cannot be told (give origin.revision)"
+            )
         repository = self._repository(spec)
         revision = origin.revision or lookups.head(repository)
         files = origin.files or lookups.files(repository, revision)

@@ -418,6 +418,22 @@ def test_a_runtime_origin_given_in_part_is_completed_from_the_mirror_once(
     assert weights.models.get_model("m")["origin"]["revision"] == world.c1
 
 
+def test_checksums_given_without_their_commit_leave_the_model_unchecked(world: World) -> None:
+    """Completed with the head commit, they made an origin saying that
+    commit holds files it does not, and a finding of one commit against
+    itself (review)."""
+    weights = world.open()
+    given = {"repository": "org/m", "files": {"config.json": "ab" * 32}}
+    weights.models.add(spec("m", origin=given), by="alice")
+    rows = world.rows()
+    report = weights.check_updates(by="cron")
+    assert (report["origins"], report["updates"]) == ([], [])
+    [unchecked] = report["unchecked"]
+    assert unchecked["model"] == "m"
+    assert unchecked["reason"].startswith("its origin gives file checksums but no commit")
+    assert world.rows() == rows
+
+
 def test_weights_given_in_part_are_no_weights_to_go_back_to(world: World) -> None:
     weights = world.open()
     weights.models.add(spec("m", origin={"repository": "org/m"}), by="alice")
