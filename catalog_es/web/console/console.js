@@ -436,6 +436,8 @@ async function modelsPage(at, filter) {
     size: "40",
     oninput: () => {
       history.replaceState(null, "", href("models", null, at, search.value));
+      // Still the page shown: a redraw's error must not clear it, nor the box.
+      state.shown = location.hash;
       fill(search.value);
     },
   });
