@@ -134,6 +134,23 @@ def plan_rollback(
                 )
             continue
         now, then = current.aggregate(name).spec, target.aggregate(name).spec
+        # In force neither now nor then, but a record written since stands:
+        # it would come back the day the config takes it again, as it was not.
+        unloaded = now is None and then is None and current.was_skipped(name)
+        since = _last_skip(current, name) if unloaded else None
+        if since is not None and since.revision > target.revision:
+            if only is not None:
+                notes.append(
+                    f"model {name!r} is not in force at both revisions; --only {only} leaves it"
+                )
+                continue
+            notes.append(
+                f"model {name!r} is removed: it is not in force now, as its record at "
+                f"revision {since.revision} does not load over today's config ({since.reason}), "
+                f"and was not at revision {target.revision}"
+            )
+            steps.append((Model.Removed, name, {}))
+            continue
         if then is None and target.was_skipped(name):
             # Today's config cannot take what it was then: said, not passed over.
             # As read today it was not in force then, so one in force now goes.
@@ -143,17 +160,6 @@ def plan_rollback(
                 f"model {name!r} {outcome}: over today's config its record at revision "
                 f"{skip.revision} does not load ({skip.reason})"
             )
-        elif then is None and now is None and only is None and current.was_skipped(name):
-            # In force neither now nor then, but its record stands: it would
-            # come back the day the config takes it again, as it was not then.
-            skip = _last_skip(current, name)
-            notes.append(
-                f"model {name!r} is removed: it is not in force now, as its record at "
-                f"revision {skip.revision} does not load over today's config ({skip.reason}), "
-                f"and was not at revision {target.revision}"
-            )
-            steps.append((Model.Removed, name, {}))
-            continue
         planned = _steps_for(now, then, only, batch)
         if only is not None and now != then and (now is None or then is None):
             notes.append(

@@ -1178,6 +1178,33 @@ def test_rollback_removes_a_model_skipped_now_that_was_not_there_then(
     assert "x" not in {m["name"] for m in open_models().list_models()}
 
 
+def test_rollback_removes_a_record_written_since_that_today_s_config_cannot_take_either(
+    open_models: Callable[..., Models], tmp_path: Path
+) -> None:
+    """Skipped at both revisions, but the record standing now is another,
+    written since: it would come back as what never was at the target
+    (review). --only leaves it, and says so."""
+    models = open_models()
+    models.add(spec("x", engine="sglang"), by="x")
+    target = models.revision
+    models.remove("x", by="x")
+    again = models.add(spec("x", engine="sglang", source="hf://org/other"), by="x").revision
+    narrower = tmp_path / "narrower.yaml"
+    narrower.write_text("engines: [vllm]\n" + DECLARED_YAML)
+    reopened = open_models(config=narrower)
+    only = reopened.rollback(target, only="scaling", dry_run=True, by="ops")
+    assert (only["events"], only["notes"]) == (
+        [],
+        ["model 'x' is not in force at both revisions; --only scaling leaves it"],
+    )
+    result = reopened.rollback(target, by="ops")
+    assert [(e["model"], e["event"]) for e in result["events"]] == [("x", "Removed")]
+    (note,) = result["notes"]
+    assert note.startswith(
+        f"model 'x' is removed: it is not in force now, as its record at revision {again} "
+    )
+
+
 def test_rollback_of_resources_alone_takes_the_profiles_both_revisions_have(
     open_models: Callable[..., Models],
 ) -> None:
