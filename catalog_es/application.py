@@ -37,6 +37,7 @@ from catalog_es.errors import (
     ConfigError,
     DamagedLog,
     InputError,
+    LogRewritten,
     ModelNotFound,
     Refused,
     RevisionConflict,
@@ -236,25 +237,34 @@ class Watch:
 
     A follower outlives the database going away (restarted, failed over, its
     sessions ended): it subscribes again after the last revision it gave, so
-    it follows on with no gap and no repeat once the database is back."""
+    it follows on with no gap and no repeat once the database is back. Should
+    the log no longer hold that revision as it was given (a failover to a
+    standby that missed it, then other writes numbered the same), it ends
+    with :class:`LogRewritten`: following on would miss those."""
 
     # Seconds between tries while the database cannot be used.
     retry_seconds = 1.0
 
-    def __init__(self, subscribe: Callable[[int], Subscription[Any]], after: int) -> None:
-        # Makes a subscription after a revision; it asks the database as it
-        # does, so one made means the database answers.
+    def __init__(
+        self,
+        subscribe: Callable[[int, tuple[Any, Any] | None], Subscription[Any]],
+        after: int,
+        given: tuple[Any, Any] | None,
+    ) -> None:
+        # Makes a subscription after a revision, the event given there; it
+        # asks the database as it does, so one made means the database answers.
         self._subscribe = subscribe
         self._after = after
+        self._given = given
         self._stopped = threading.Event()
         self._subscription: Subscription[Any] | None = None
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        last, away = self._after, False
+        last, given, away = self._after, self._given, False
         try:
             while not self._stopped.is_set():
                 try:
-                    self._subscription = subscription = self._subscribe(last)
+                    self._subscription = subscription = self._subscribe(last, given)
                     if away:  # subscribing asks the database: it answered
                         away = False
                         _outage.ended(back=True)
@@ -262,7 +272,7 @@ class Watch:
                         subscription.stop()  # stopped while it was made: it ends at once
                     with subscription as notifications:
                         for n in notifications:
-                            last = n.id
+                            last, given = n.id, (n.topic, n.state)
                             try:
                                 yield event_view(n.id, decode_event(n.topic, n.state))
                             except UndecodableEvent as error:
@@ -1138,20 +1148,28 @@ class Models(AuditTrail, Application[UUID]):
         look; on PostgreSQL, those in case a notification never comes)."""
         with self.store.read() as conn:
             head = self.store.head(conn)
+            given = self.store.event_at(conn, after)
         if after < 0 or after > head:
             raise Refused(f"revision {after} is beyond the head of the log ({head})")
 
-        def subscribe(last: int) -> Subscription[Any]:
+        def subscribe(last: int, given: tuple[Any, Any] | None) -> Subscription[Any]:
             # Asked first, so that a watch knows the database answers (the
-            # subscription reads only once it is iterated).
+            # subscription reads only once it is iterated); and whether the
+            # log still holds what it gave last, so that what follows on is
+            # what comes after it.
             with self.store.read() as conn:
-                self.store.head(conn)
+                if self.store.event_at(conn, last) != given:
+                    raise LogRewritten(
+                        f"the log no longer holds revision {last} as this watch gave it: it "
+                        "lost events and took others (a failover, or a restored backup?); "
+                        "watch again from a revision before the loss"
+                    )
             subscription = self.store.subscribe(gt=last)
             if poll_interval is not None and isinstance(subscription, PullingSubscription):
                 subscription.interval = poll_interval
             return subscription
 
-        return Watch(subscribe, after)
+        return Watch(subscribe, after, given)
 
     def rebuild(
         self, progress: Callable[[int, int], None] | None = None, *, audit: bool = True

@@ -80,6 +80,11 @@ class RevisionConflict(Refused):
         )
 
 
+class LogRewritten(Refused):
+    """The log no longer holds an event as a follower was given it: it lost
+    events and took others in their place (a failover, a restored backup)."""
+
+
 class InputError(Refused):
     """Input that could not be parsed (file, YAML, JSON, arguments)."""
 

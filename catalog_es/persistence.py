@@ -1055,6 +1055,21 @@ class SQLRecorder(ProcessRecorder):
         value = conn.execute(sa.select(sa.func.max(events_table.c.revision))).scalar()
         return int(value or 0)
 
+    def event_at(self, conn: Connection, revision: int) -> tuple[Any, Any] | None:
+        """The ``(topic, state)`` stored at ``revision``, as a follower was given them."""
+        cursor = conn.connection.cursor()
+        try:
+            cursor.execute(
+                self._sql("SELECT topic, state FROM catalog_events WHERE revision = ?"),
+                (revision,),
+            )
+            row = cursor.fetchone()
+        except self._dbapi_error as error:
+            raise self._as_sqlalchemys(error) from None
+        finally:
+            cursor.close()
+        return None if row is None else (row[0], row[1])
+
     def kept(self, conn: Connection, revision: int) -> Kept:
         """The log's last revision and its hash, and the hash at ``revision``:
         whether the log still holds the events a catalog at ``revision`` was

@@ -18,7 +18,9 @@ import yaml
 from catalog_es.catalog import Catalog
 from catalog_es.inputs import model_from_data
 from catalog_es.model import Model, model_id, utc_now
+from catalog_es.persistence import events_table, head_table, streams_table
 from catalog_es.spec import DEFAULT_ENGINES, ModelSpec, Profile
+from projections.snapshots import snapshots_table
 
 GPU = Profile(name="gpu", gpus=1, gpu_memory_gb=24, min_memory_gb=32, cpu_cores=4)
 CPU = Profile(name="cpu", gpus=0, min_memory_gb=8, cpu_cores=4)
@@ -147,3 +149,29 @@ def collections_seen() -> Iterator[list[int]]:
         yield seen
     finally:
         gc.callbacks.remove(note)
+
+
+# -- failovers ---------------------------------------------------------------------
+
+LOG_TABLES = (events_table, streams_table, head_table, snapshots_table)
+
+
+def log_rows(url: str) -> list[list[Any]]:
+    """Every row of the log's tables, as a failover or a backup would keep them."""
+    engine = sa.create_engine(url)
+    with engine.connect() as conn:
+        rows = [[r._asdict() for r in conn.execute(sa.select(t))] for t in LOG_TABLES]
+    engine.dispose()
+    return rows
+
+
+def put_back(url: str, saved: list[list[Any]]) -> None:
+    """The log's tables as they were saved: what a failover to a standby that
+    had not received the commits since, or a restored backup, leaves."""
+    engine = sa.create_engine(url)
+    with engine.begin() as conn:
+        for table, rows in zip(LOG_TABLES, saved, strict=True):
+            conn.execute(table.delete())
+            if rows:
+                conn.execute(table.insert(), rows)
+    engine.dispose()

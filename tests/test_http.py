@@ -31,14 +31,14 @@ from catalog_es import commands
 from catalog_es.application import Models
 from catalog_es.cli import cli
 from catalog_es.cli.serve import _listening
-from catalog_es.errors import InputError, StorageBusy
+from catalog_es.errors import InputError, LogRewritten, StorageBusy
 from catalog_es.inputs import MAX_CHANGES, DeclaredConfig
 from catalog_es.model import model_id
 from catalog_es.persistence import refusals_table
 from catalog_es.web.app import create_app
 from catalog_es.web.events import WAKE_UP_SECONDS
 from catalog_es.web.tokens import TokenStore
-from tests.helpers import config_yaml, count_events, definition, spec
+from tests.helpers import config_yaml, count_events, definition, log_rows, put_back, spec
 from tests.serving import Proxy, bearer, free_port, serving, tokens_for_roles
 from tests.test_concurrency import write_lock_held
 
@@ -1204,6 +1204,47 @@ def test_a_session_ended_by_the_server_mid_query_is_a_503(pg_url: str, tmp_path:
     models.close()
     (answer,) = answers
     assert refused(answer, 503) == "the database could not be used; try again"
+
+
+def test_a_watch_whose_log_was_rewritten_while_it_was_away_ends_saying_so(pg_url: str) -> None:
+    """A failover to a standby that missed the last commits, then other
+    writes numbered the same: a watch following on after the last revision it
+    gave missed those, in silence (hostile test). It ends, told why."""
+    direct = sa.make_url(pg_url)
+    proxy = Proxy((direct.host or "127.0.0.1", direct.port or 5432))
+    through = direct.set(port=proxy.port).render_as_string(hide_password=False)
+    writer = Models(DeclaredConfig(), env={"CATALOG_ES_DB": pg_url})
+    writer.add(spec("m"), by="setup")
+    saved = log_rows(pg_url)
+    follower = Models(DeclaredConfig(), env={"CATALOG_ES_DB": through})
+    watch = follower.watch(0)
+    watch.retry_seconds = 0.1
+    seen: list[int] = []
+    ended: list[BaseException] = []
+
+    def follow() -> None:
+        try:
+            seen.extend(e["revision"] for e in watch)
+        except Exception as error:
+            ended.append(error)
+
+    thread = threading.Thread(target=follow, daemon=True)
+    thread.start()
+    writer.scale("m", 0, 2, by="ops")
+    _until(lambda: seen == [1, 2])
+    proxy.cut()
+    put_back(pg_url, saved)  # the standby had revision 1 only
+    other = Models(DeclaredConfig(), env={"CATALOG_ES_DB": pg_url})
+    other.add(spec("n"), by="elsewhere")  # revision 2 again, another event
+    proxy.resume()
+    thread.join(10)
+    assert not thread.is_alive()
+    assert seen == [1, 2]
+    assert [type(e) for e in ended] == [LogRewritten]
+    assert str(ended[0]).startswith("the log no longer holds revision 2 as this watch gave it")
+    for models in (follower, writer, other):
+        models.close()
+    proxy.cut()  # and its threads end: a later test forks, alone
 
 
 def test_a_watch_follows_on_after_the_database_came_back(

@@ -24,9 +24,7 @@ from catalog_es.application import Models
 from catalog_es.errors import Refused
 from catalog_es.inputs import DeclaredConfig, load_config, model_from_data
 from catalog_es.mapper import decode_event
-from catalog_es.persistence import events_table, head_table, streams_table
-from projections.snapshots import snapshots_table
-from tests.helpers import count_events
+from tests.helpers import count_events, log_rows, put_back
 
 CONFIG = """
 models:
@@ -403,29 +401,6 @@ def test_revisions_burned_past_the_last_event_are_no_backlog(
     models.close()
 
 
-_LOG_TABLES = (events_table, streams_table, head_table, snapshots_table)
-
-
-def _log_rows(url: str) -> list[list[Any]]:
-    engine = sa.create_engine(url)
-    with engine.connect() as conn:
-        rows = [[r._asdict() for r in conn.execute(sa.select(t))] for t in _LOG_TABLES]
-    engine.dispose()
-    return rows
-
-
-def _put_back(url: str, saved: list[list[Any]]) -> None:
-    """The log's tables as they were saved: what a failover to a standby that
-    had not received the commits since, or a restored backup, leaves."""
-    engine = sa.create_engine(url)
-    with engine.begin() as conn:
-        for table, rows in zip(_LOG_TABLES, saved, strict=True):
-            conn.execute(table.delete())
-            if rows:
-                conn.execute(table.insert(), rows)
-    engine.dispose()
-
-
 @pytest.mark.parametrize("first", ["write", "read"])
 def test_a_node_whose_log_lost_its_last_events_loads_it_afresh(
     db_url: str, first: str, caplog: pytest.LogCaptureFixture
@@ -437,13 +412,13 @@ def test_a_node_whose_log_lost_its_last_events_loads_it_afresh(
     revision handed out again, and every other node skipped it as invalid."""
     node = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
     node.add(_definition("a", []), by="ops")
-    saved, head = _log_rows(db_url), node.revision
+    saved, head = log_rows(db_url), node.revision
     node.add(_definition("b", []), by="ops")
-    _put_back(db_url, saved)
+    put_back(db_url, saved)
     if first == "write":
         with pytest.raises(Refused, match="'b', which is not in the catalog"):
             node.add(_definition("c", ["b"]), by="ops")
-        assert _log_rows(db_url) == saved
+        assert log_rows(db_url) == saved
     assert [m["name"] for m in node.list_models()] == ["a"]
     assert node.revision == head
     assert "the log ends at revision" in caplog.text
@@ -465,18 +440,18 @@ def test_a_node_whose_log_lost_events_and_took_others_since_loads_it_afresh(
     mix of the lost models and the new, nor decide on it."""
     node = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
     node.add(_definition("a", []), by="ops")
-    saved = _log_rows(db_url)
+    saved = log_rows(db_url)
     node.add(_definition("b", []), by="ops")
-    _put_back(db_url, saved)
+    put_back(db_url, saved)
     other = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
     for name in ("x", "y", "z")[:regrown]:
         other.add(_definition(name, []), by="elsewhere")
     assert other.revision >= node.revision
-    now = _log_rows(db_url)
+    now = log_rows(db_url)
     if first == "write":
         with pytest.raises(Refused, match="'b', which is not in the catalog"):
             node.add(_definition("c", ["b"]), by="ops")
-        assert _log_rows(db_url) == now
+        assert log_rows(db_url) == now
     assert [m["name"] for m in node.list_models()] == ["a", "x", "y", "z"][: 1 + regrown]
     assert node.revision == other.revision
     assert "the log holds other events at revision" in caplog.text
@@ -497,7 +472,7 @@ def test_a_node_whose_catch_up_was_cut_off_part_way_loads_the_log_afresh(
     decide on them (review: it wrote a fallback on a lost model)."""
     node = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
     node.add(_definition("a", []), by="ops")
-    saved = _log_rows(db_url)
+    saved = log_rows(db_url)
     other = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
     other.add(_definition("b", []), by="elsewhere")
     other.add(_definition("c", []), by="elsewhere")
@@ -512,13 +487,13 @@ def test_a_node_whose_catch_up_was_cut_off_part_way_loads_the_log_afresh(
         node.list_models()
     monkeypatch.undo()
     assert sorted(node.catalog.aggregates) == ["a", "b"]
-    _put_back(db_url, saved)
+    put_back(db_url, saved)
     for name in ("x", "y", "z")[:regrown]:
         Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url}).add(_definition(name, []), by="n")
-    now = _log_rows(db_url)
+    now = log_rows(db_url)
     with pytest.raises(Refused, match="'b', which is not in the catalog"):
         node.add(_definition("d", ["b"]), by="ops")
-    assert _log_rows(db_url) == now
+    assert log_rows(db_url) == now
     assert [m["name"] for m in node.list_models()] == ["a", "x", "y", "z"][: 1 + regrown]
     assert (
         "left part-way at revision 2" if regrown else "the log ends at revision 1"
@@ -536,12 +511,12 @@ def test_a_snapshot_of_events_the_log_no_longer_holds_is_passed_over(
     env = {"CATALOG_ES_DB": db_url}
     node = Models(DeclaredConfig(), snapshot_interval=2, env=env)
     node.add(_definition("a", []), by="ops")
-    saved = _log_rows(db_url)
+    saved = log_rows(db_url)
     node.add(_definition("b", []), by="ops")
     node.add(_definition("c", []), by="ops")
-    snapshots = _log_rows(db_url)[-1]
+    snapshots = log_rows(db_url)[-1]
     assert [row["revision"] for row in snapshots] == [2]
-    _put_back(db_url, [*saved[:-1], snapshots])
+    put_back(db_url, [*saved[:-1], snapshots])
     other = Models(DeclaredConfig(), env=env)
     for name in ("x", "y", "z"):
         other.add(_definition(name, []), by="elsewhere")

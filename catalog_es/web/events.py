@@ -26,6 +26,7 @@ from typing import Any, cast
 from fastapi.responses import Response, StreamingResponse
 
 from catalog_es.application import Watch
+from catalog_es.errors import LogRewritten
 
 # A comment line this often keeps proxies from closing a quiet stream, and
 # finds a client that left without a word.
@@ -109,7 +110,13 @@ async def _messages(
                     yield ": keep-alive\n\n"
                 continue
             quiet_since = time.monotonic()
-            event = pending.result()
+            try:
+                event = pending.result()
+            except LogRewritten as error:
+                # Said as a comment, which followers pass over, and the stream
+                # ends: one resumed with Last-Event-ID follows the new log on.
+                yield f": error: {error}\n\n"
+                return
             pending = None
             if event is None or not still_allowed():
                 return
