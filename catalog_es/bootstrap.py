@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import getpass
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -34,16 +35,26 @@ DEFAULT_TOKENS = "catalog-tokens.json"
 
 def database_url(given: str | None = None) -> str:
     """``--db``, else ``CATALOG_ES_DB``, else the SQLite file ``catalog.db`` here."""
+    _said(given, "--db", "a database URL")
     return given or os.environ.get(DB_ENV) or DEFAULT_URL
 
 
 def config_path(given: str | None = None) -> str | None:
     """``--config``, else ``CATALOG_ES_CONFIG``, else ``./catalog.yaml`` when present."""
+    _said(given, "--config", "a config file")
     if given:
         return given
     if os.environ.get(CONFIG_ENV):
         return os.environ[CONFIG_ENV]
     return DEFAULT_CONFIG if Path(DEFAULT_CONFIG).is_file() else None
+
+
+def _said(given: str | None, option: str, what: str) -> None:
+    """An option given empty (``--db "$URL"``, the variable unset) is refused,
+    as ``--by ''`` is, not taken for one left out: the default it fell back
+    to was another log, or another declared layer, than the one meant."""
+    if given == "":
+        raise InputError(f"{option} is empty: give {what}, or leave {option} out")
 
 
 def actor(given: str | None = None) -> str:
@@ -89,21 +100,27 @@ def snapshot_interval() -> int:
     return interval
 
 
-def open_weights(models: Models, mirror: str | None = None, weights: str | None = None) -> Weights:
-    """Weights provenance over ``models``. The registry is the mirror at
-    ``--mirror``, else ``CATALOG_ES_MIRROR``; fetched commits are kept under
-    ``--weights``, else ``CATALOG_ES_WEIGHTS``, else ``./weights``."""
+def open_weights(
+    models: Callable[[], Models], mirror: str | None = None, weights: str | None = None
+) -> Weights:
+    """Weights provenance over the service ``models`` opens, once the
+    registry is known: the mirror at ``--mirror``, else ``CATALOG_ES_MIRROR``;
+    fetched commits are kept under ``--weights``, else ``CATALOG_ES_WEIGHTS``,
+    else ``./weights``."""
+    _said(mirror, "--mirror", "a mirror directory")
+    _said(weights, "--weights", "a weights directory")
     root = mirror or os.environ.get(MIRROR_ENV)
     if not root:
         raise InputError(f"no registry to compare with: give --mirror DIR or set {MIRROR_ENV}")
     if not Path(root).is_dir():
         raise InputError(f"mirror {root}: not a directory")
     store = Path(weights or os.environ.get(WEIGHTS_ENV) or DEFAULT_WEIGHTS)
-    return Weights(models, MirrorRegistry(Path(root)), WeightsStore(store))
+    return Weights(models(), MirrorRegistry(Path(root)), WeightsStore(store))
 
 
 def tokens_path(given: str | None = None) -> Path:
     """``--tokens``, else ``CATALOG_ES_TOKENS``, else ``./catalog-tokens.json``."""
+    _said(given, "--tokens", "a tokens file")
     return Path(given or os.environ.get(TOKENS_ENV) or DEFAULT_TOKENS)
 
 

@@ -231,6 +231,30 @@ def test_db_and_config_come_from_the_environment(
     assert (tmp_path / "from-env.db").exists()
 
 
+@pytest.mark.parametrize(
+    ("args", "told"),
+    [
+        (["--db", "", "model", "list"], "error: --db is empty: give a database URL"),
+        (["--config", "", "model", "list"], "error: --config is empty: give a config file"),
+        (["token", "list", "--tokens", ""], "error: --tokens is empty: give a tokens file"),
+        (["model", "updates", "--mirror", ""], "error: --mirror is empty: give a mirror"),
+    ],
+)
+def test_an_option_given_empty_is_refused_not_taken_for_its_default(
+    tmp_path: Path, write: Any, monkeypatch: pytest.MonkeyPatch, args: list[str], told: str
+) -> None:
+    """`--db "$URL"` with the variable unset wrote to ./catalog.db, and
+    `--config ''` read ./catalog.yaml: another log, or another declared
+    layer, than the one meant (hostile test)."""
+    monkeypatch.chdir(tmp_path)
+    write("catalog.yaml", config_yaml(spec("declared")).encode())
+    monkeypatch.setenv("CATALOG_ES_DB", f"sqlite:///{tmp_path}/from-env.db")
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 1, (result.stdout, result.stderr)
+    assert result.stderr.startswith(told) and result.stderr.count("\n") == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["catalog.yaml"]  # nothing made
+
+
 # -- reading a definition -------------------------------------------------------------
 
 

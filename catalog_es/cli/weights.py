@@ -40,7 +40,7 @@ def registry_options(f: F) -> F:
 
 
 def _weights(settings: Settings, mirror: str | None, weights_dir: str | None) -> Weights:
-    return bootstrap.open_weights(settings.models(), mirror, weights_dir)
+    return bootstrap.open_weights(settings.models, mirror, weights_dir)
 
 
 def _short(revision: str) -> str:
