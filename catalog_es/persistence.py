@@ -266,7 +266,9 @@ def _seconds(variable: str, default: float) -> float:
     if not text:
         return default
     try:
-        seconds = float(text)
+        # As written in ASCII, without underscores: Python's float() also
+        # reads "١" as 1 and "1_0" as 10 (hostile test).
+        seconds = float(text) if text.isascii() and "_" not in text else float("nan")
     except ValueError:
         seconds = float("nan")
     # Written so that NaN fails too; an hour is already far past any useful wait.

@@ -881,7 +881,10 @@ LOCK_WAIT_REFUSAL = "must be a number of seconds above 0 and at most 3600, not {
 @pytest.mark.parametrize(
     ("variable", "value", "refusal"),
     [
-        *((LOCK_WAIT_ENV, v, LOCK_WAIT_REFUSAL) for v in ["soon", "0", "-1", "nan", "inf", "1e9"]),
+        *(
+            (LOCK_WAIT_ENV, v, LOCK_WAIT_REFUSAL)
+            for v in ["soon", "0", "-1", "nan", "inf", "1e9", "\u0661", "1_0"]
+        ),
         *((WRITE_IDLE_ENV, v, LOCK_WAIT_REFUSAL) for v in ["a minute", "0", "nan", "3601"]),
         (SYNC_ENV, "OFF", "must be FULL or NORMAL, not {!r}"),
         (SYNC_ENV, "garbage", "must be FULL or NORMAL, not {!r}"),  # as given
