@@ -1059,40 +1059,38 @@ class SQLRecorder(ProcessRecorder):
 
     def event_at(self, conn: Connection, revision: int) -> tuple[Any, Any] | None:
         """The ``(topic, state)`` stored at ``revision``, as a follower was given them."""
-        cursor = conn.connection.cursor()
-        try:
-            cursor.execute(
-                self._sql("SELECT topic, state FROM catalog_events WHERE revision = ?"),
-                (revision,),
-            )
-            row = cursor.fetchone()
-        except self._dbapi_error as error:
-            raise self._as_sqlalchemys(error) from None
-        finally:
-            cursor.close()
-        return None if row is None else (row[0], row[1])
+        rows = self._fetch(
+            conn, "SELECT topic, state FROM catalog_events WHERE revision = ?", revision
+        )
+        return (rows[0][0], rows[0][1]) if rows else None
 
     def kept(self, conn: Connection, revision: int) -> Kept:
         """The log's last revision and its hash, and the hash at ``revision``:
         whether the log still holds the events a catalog at ``revision`` was
         built from. Through the driver, as every read asks it (and a write
         that catches up, inside its own transaction)."""
+        hashes = dict(
+            self._fetch(
+                conn,
+                "SELECT revision, hash FROM catalog_events WHERE revision"
+                " IN (?, (SELECT max(revision) FROM catalog_events))",
+                revision,
+            )
+        )
+        last = max(hashes, default=0)
+        return Kept(last=int(last), last_hash=hashes.get(last), hash=hashes.get(revision))
+
+    def _fetch(self, conn: Connection, sql: str, *params: Any) -> list[Any]:
+        """The rows of one statement written with ``?`` marks, through the
+        driver in ``conn``'s transaction; its errors as SQLAlchemy tells them."""
         cursor = conn.connection.cursor()
         try:
-            cursor.execute(
-                self._sql(
-                    "SELECT revision, hash FROM catalog_events WHERE revision"
-                    " IN (?, (SELECT max(revision) FROM catalog_events))"
-                ),
-                (revision,),
-            )
-            hashes = dict(cursor.fetchall())
+            cursor.execute(self._sql(sql), params)
+            return list(cursor.fetchall())
         except self._dbapi_error as error:
             raise self._as_sqlalchemys(error) from None
         finally:
             cursor.close()
-        last = max(hashes, default=0)
-        return Kept(last=int(last), last_hash=hashes.get(last), hash=hashes.get(revision))
 
     def stream_version(self, conn: Connection, originator_id: UUID) -> int:
         """The last version in an aggregate's stream, 0 for a new one. Read from

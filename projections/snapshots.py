@@ -37,9 +37,6 @@ class _Built(Protocol):
     """A decoded snapshot: what ``_newest`` reads of each."""
 
     @property
-    def revision(self) -> int: ...
-
-    @property
     def rules(self) -> int: ...
 
     @property

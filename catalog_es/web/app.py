@@ -287,6 +287,7 @@ ExpectedRevision = Annotated[int | None, Depends(expected_revision)]
 def reason_value(
     reason: Annotated[str, Query(description="Why, recorded with the change.")] = "",
 ) -> str:
+    # A dependency, so that the parameter has its default wherever it stands.
     return reason
 
 
