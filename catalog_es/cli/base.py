@@ -12,19 +12,18 @@ import json
 import logging
 import os
 import re
+import shutil
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime
 from typing import Any, TypeVar
 
 import click
 import msgspec
-from rich.console import Console
-from rich.markup import escape
-from rich.table import Table
 
 from catalog_es import bootstrap
 from catalog_es.application import CommandResult, Models
+from catalog_es.cli import tables
 from catalog_es.errors import ConfigError, InputError, Refused, first_line
 from catalog_es.inputs import MAX_REVISION, revision_or_time
 from catalog_es.persistence import database_unusable, new_sqlite_file
@@ -222,17 +221,13 @@ class VisibleWarnings(logging.Formatter):
         return visible(super().formatMessage(record))
 
 
-class _Console(Console):
-    def on_broken_pipe(self) -> None:
-        # rich's own exits 1, which says nothing was written, past the
-        # handler that tells a reader gone away (CatalogGroup.invoke).
-        raise BrokenPipeError
-
-
-def print_table(table: Table) -> None:
+def print_table(
+    header: Sequence[str] | None, rows: Iterable[Sequence[tables.Cell]], *, keys: bool = False
+) -> None:
     # On a terminal, fit it; piped, never cut a name short.
-    width = None if sys.stdout.isatty() else 10_000
-    _Console(soft_wrap=True, width=width).print(table)
+    terminal = sys.stdout.isatty()
+    width = shutil.get_terminal_size().columns if terminal else None
+    tables.echo(tables.render(header, rows, width=width, bold=terminal, keys=keys))
 
 
 def emit(settings: Settings, data: Any, human: Callable[[], None]) -> None:
@@ -289,32 +284,23 @@ def show_model(m: dict[str, Any]) -> None:
                 f"{origin['repository']}@{origin['revision']} ({len(origin['files'])} files)",
             )
         )
-    table = Table(show_header=False, box=None, pad_edge=False)
-    table.add_column(style="bold")
-    table.add_column(overflow="fold")
-    for key, value in rows:
-        table.add_row(key, escape(visible(value)))
-    print_table(table)
+    print_table(None, [((key,), (visible(value),)) for key, value in rows], keys=True)
     for warning in m.get("warnings", []):
         click.echo(f"warning: {warning}", err=True)
 
 
-Cell = str | list[str]
+Text = str | list[str]
 
 
-def table(columns: Iterable[str], rows: Iterable[Iterable[Cell]]) -> None:
+def table(columns: Sequence[str], rows: Iterable[Iterable[Text]]) -> None:
     """Rows of cells, each text or a list of lines: a line break inside a
     text is data, written as ``\\n`` like whatever else a terminal would act
     on, and a cell is only on several lines where it is made of them."""
-    table = Table(*columns, box=None, pad_edge=False, header_style="bold")
-    for row in rows:
-        # Cells are data, not rich markup: "profiles[cpu]" prints as it is.
-        table.add_row(*(escape(_lines(cell)) for cell in row))
-    print_table(table)
+    print_table(columns, ([_lines(cell) for cell in row] for row in rows))
 
 
-def _lines(cell: Cell) -> str:
-    return visible(cell) if isinstance(cell, str) else "\n".join(map(visible, cell))
+def _lines(cell: Text) -> list[str]:
+    return [visible(cell)] if isinstance(cell, str) else [visible(line) for line in cell]
 
 
 # -- the root ----------------------------------------------------------------------
