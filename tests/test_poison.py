@@ -12,7 +12,12 @@ else (declared models always), and let a poisoned name be added again.
 from __future__ import annotations
 
 import json
+import queue
 import re
+import signal
+import subprocess
+import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -356,6 +361,36 @@ def test_the_cli_reports_each_skip_with_its_revision_and_reason(
     assert log.exit_code == 0, (log.stderr, log.exception)
     errors = {e["revision"] for e in map(json.loads, log.stdout.splitlines()) if "error" in e}
     assert errors == {revision for revision, p in poisoned.items() if p.undecodable}
+    # As text, an undecodable record has no time or actor: "?" in log and in
+    # watch alike (watch printed "None None").
+    log = CliRunner().invoke(cli, [*base, "log"])
+    by_revision = {line.split()[0]: line.split() for line in log.stdout.splitlines()[1:]}
+    watched = {line.split()[0]: line.split() for line in _watched(base, max(by_revision, key=int))}
+    for revision in errors:
+        assert by_revision[str(revision)][1:3] == ["?", "?"]
+        assert watched[str(revision)][1:3] == ["?", "?"]
+
+
+def _watched(base: list[str], last: str) -> list[str]:
+    """The lines ``watch`` prints up to revision ``last``; then it is stopped."""
+    watch = subprocess.Popen(
+        [sys.executable, "-m", "catalog_es", *base, "watch"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(
+        target=lambda: [lines.put(line) for line in watch.stdout or ()], daemon=True
+    ).start()
+    seen: list[str] = []
+    try:
+        while not seen or seen[-1].split()[0] != last:
+            seen.append(lines.get(timeout=30))
+    finally:
+        watch.send_signal(signal.SIGINT)
+        watch.wait(timeout=30)
+    return seen
 
 
 def test_a_poisoned_name_can_be_added_again_which_heals_it(

@@ -149,8 +149,9 @@ def watch_command(settings: Settings, after: int) -> None:
                 click.echo(json_line(event))
             else:
                 what = event.get("error") or json_line(event["fields"])
+                # An undecodable record has no time or actor: "?", as log shows it.
                 say(
-                    f"{event['revision']} {event['time']} {event['by']} "
+                    f"{event['revision']} {event['time'] or '?'} {event['by'] or '?'} "
                     f"{event['model'] or '-'} {event['event']} {what}"
                 )
     except KeyboardInterrupt:
