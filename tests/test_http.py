@@ -982,7 +982,31 @@ def test_token_commands(tmp_path: Path) -> None:
     # A tokens file where none can be: one line (a traceback, before; review).
     inside_a_file = str(tokens / "t.json")
     nowhere = runner.invoke(cli, ["token", "add", "bob", "--tokens", inside_a_file])
-    assert (nowhere.exit_code, nowhere.stderr) == (1, f"error: {tokens}: File exists\n")
+    assert (nowhere.exit_code, nowhere.stderr) == (
+        1,
+        f"error: {tokens}: no such directory; make it first\n",
+    )
+
+
+def test_a_mistyped_tokens_path_is_refused_not_taken_for_an_empty_file(tmp_path: Path) -> None:
+    """`token list --tokens typo.json` listed none, and `token add` into a
+    mistyped folder made it, with a tokens file no server reads (hostile test)."""
+    runner = CliRunner()
+    tokens = tmp_path / "t.json"
+    ok = runner.invoke(cli, ["token", "add", "alice", "--role", "admin", "--tokens", str(tokens)])
+    assert ok.exit_code == 0, ok.stderr
+    typo = str(tmp_path / "typo.json")
+    for args in (["token", "list"], ["token", "list", "--json"], ["token", "remove", "abc"]):
+        refused = runner.invoke(cli, [*args, "--tokens", typo])
+        assert (refused.exit_code, refused.stdout) == (1, ""), args
+        assert refused.stderr == (
+            f"error: no tokens file at {typo} (catalog-es token add makes one)\n"
+        )
+    folder = tmp_path / "typo" / "sub"
+    refused = runner.invoke(cli, ["token", "add", "bob", "--tokens", str(folder / "t.json")])
+    assert (refused.exit_code, refused.stdout) == (1, "")
+    assert refused.stderr == f"error: {folder}: no such directory; make it first\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".t.json.lock", "t.json"]
 
 
 def test_tokens_added_at_once_are_all_kept(tmp_path: Path) -> None:

@@ -233,7 +233,9 @@ def token_add(settings: Settings, actor: str, role: str, tokens_file: str | None
 @pass_settings
 def token_list(settings: Settings, tokens_file: str | None) -> None:
     """The tokens: id, actor, role, when created (never the tokens themselves)."""
-    entries = bootstrap.open_tokens(tokens_file).describe()
+    tokens = bootstrap.open_tokens(tokens_file)
+    tokens.require()
+    entries = tokens.describe()
     emit(
         settings,
         entries,
@@ -251,7 +253,9 @@ def token_list(settings: Settings, tokens_file: str | None) -> None:
 @pass_settings
 def token_remove(settings: Settings, token_id: str, tokens_file: str | None) -> None:
     """Revoke a token; a running server refuses it from its next request on."""
-    entry = bootstrap.open_tokens(tokens_file).remove(token_id)
+    tokens = bootstrap.open_tokens(tokens_file)
+    tokens.require()
+    entry = tokens.remove(token_id)
     emit(
         settings,
         {"id": entry.id, "actor": entry.actor, "role": entry.role},

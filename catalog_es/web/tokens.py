@@ -129,10 +129,9 @@ class TokenStore:
         under an exclusive lock on ``.NAME.lock`` beside it: no other change
         reads it in between."""
         lock_path = self.path.with_name(f".{self.path.name}.lock")
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as error:
-            raise InputError(f"{self.path.parent}: {error.strerror or error}") from None
+        if not self.path.parent.is_dir():
+            # Made, a mistyped folder held a tokens file no server reads.
+            raise InputError(f"{self.path.parent}: no such directory; make it first")
         try:
             lock = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
         except OSError as error:
@@ -151,6 +150,12 @@ class TokenStore:
 
     def entries(self) -> list[TokenEntry]:
         return list(self._read().tokens)
+
+    def require(self) -> None:
+        """Refuse a tokens file that is not there: listing or revoking in one
+        is a mistyped path, not an empty file."""
+        if not self.path.exists():
+            raise InputError(f"no tokens file at {self.path} (catalog-es token add makes one)")
 
     def add(self, actor: str, role: str) -> tuple[TokenEntry, str]:
         """A new token for ``actor``: its entry and the token itself, which is
