@@ -106,7 +106,10 @@ def _check_origin(model: str, origin: Origin) -> None:
     if origin.revision:
         _held_to(model, "origin.revision", check_commit, origin.revision)
     for path in origin.files:
-        _held_to(model, f"origin.files[{shown(path)}]", relative_file, path)
+        field = f"origin.files[{shown(path)}]"
+        _held_to(model, field, relative_file, path)
+        # A file's name is shown, logged and made a path as a source is.
+        _check_printable(model, field, path)
 
 
 def _held_to(model: str, field: str, check: Callable[[str], object], value: str) -> None:

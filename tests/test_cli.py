@@ -959,6 +959,33 @@ def test_refused_input_is_printed_escaped_and_reads_back_as_given(run: Run, writ
     assert json.loads(printed)[0]["fields"]["source"] == "hf://org/\u202em"
 
 
+def test_an_origin_file_name_that_would_act_on_the_terminal_is_refused(
+    run: Run, write: Any, db_url: str
+) -> None:
+    """An origin's file names are shown, logged and made paths as sources are
+    (hostile test: a bidi override, an escape, a newline were written)."""
+    ok(run("model", "add", write("m.yaml", as_yaml(definition("m")))))
+    before = count_events(db_url)
+    for name in ("evil\u202egpj.exe", "a\x1b[2Jb", "a\nb"):
+        line = refused_in_one_line(
+            run(
+                "model",
+                "source",
+                "m",
+                "hf://o/m2",
+                "--repository",
+                "o/m",
+                "--revision",
+                "abcdef0",
+                "--file",
+                f"{name}={'0' * 64}",
+            )
+        )
+        assert "a control or format character" in line
+        assert "\u202e" not in line and "\x1b" not in line
+    assert count_events(db_url) == before
+
+
 def test_text_that_is_only_unusual_is_printed_as_it_is(run: Run, write: Any) -> None:
     # The joiners inside emoji and Persian words are text, not tricks: only
     # what a terminal acts on or reorders is escaped.

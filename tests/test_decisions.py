@@ -411,6 +411,24 @@ NOT_A_PATH = "is not a plain path inside a revision"
             id="nul",
         ),
         pytest.param(
+            Origin(files={"evil\u202egpj.exe": DIGEST}),
+            "origin.files['evil\\u202egpj.exe']",
+            "holds U+202E, a control or format character",
+            id="file-bidi",
+        ),
+        pytest.param(
+            Origin(files={"a\x1b[2Jb": DIGEST}),
+            "origin.files['a\\x1b[2Jb']",
+            "holds U+001B, a control or format character",
+            id="file-escape",
+        ),
+        pytest.param(
+            Origin(files={"a\nb": DIGEST}),
+            "origin.files['a\\nb']",
+            "holds U+000A, a control or format character",
+            id="file-newline",
+        ),
+        pytest.param(
             Origin(files={"x" * 256: DIGEST}),
             f"origin.files[{shown('x' * 256)}]",
             "longer than a weights folder holds",
@@ -439,7 +457,7 @@ def test_an_origin_no_registry_could_name_is_refused(
     assert problem in refusal.value.problem
 
 
-@pytest.mark.parametrize("path", ["model\xa0v2.bin", "a\nb", "模型/权重.bin", "x" * 255])
+@pytest.mark.parametrize("path", ["model\xa0v2.bin", "模型/权重.bin", "x" * 255])
 def test_an_origin_file_name_a_file_system_holds_is_taken(path: str) -> None:
     origin = Origin(repository="o/m", revision="1f3c9a0", files={path: DIGEST})
     assert when(given(), added(spec("a", origin=origin))) is not None
