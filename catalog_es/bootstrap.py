@@ -35,13 +35,13 @@ DEFAULT_TOKENS = "catalog-tokens.json"
 
 def database_url(given: str | None = None) -> str:
     """``--db``, else ``CATALOG_ES_DB``, else the SQLite file ``catalog.db`` here."""
-    _said(given, "--db", "a database URL")
+    refuse_empty(given, "--db", "a database URL")
     return given or os.environ.get(DB_ENV) or DEFAULT_URL
 
 
 def config_path(given: str | None = None) -> str | None:
     """``--config``, else ``CATALOG_ES_CONFIG``, else ``./catalog.yaml`` when present."""
-    _said(given, "--config", "a config file")
+    refuse_empty(given, "--config", "a config file")
     if given:
         return given
     if os.environ.get(CONFIG_ENV):
@@ -49,7 +49,7 @@ def config_path(given: str | None = None) -> str | None:
     return DEFAULT_CONFIG if Path(DEFAULT_CONFIG).is_file() else None
 
 
-def _said(given: str | None, option: str, what: str) -> None:
+def refuse_empty(given: str | None, option: str, what: str) -> None:
     """An option given empty (``--db "$URL"``, the variable unset) is refused,
     as ``--by ''`` is, not taken for one left out: the default it fell back
     to was another log, or another declared layer, than the one meant."""
@@ -107,8 +107,8 @@ def open_weights(
     registry is known: the mirror at ``--mirror``, else ``CATALOG_ES_MIRROR``;
     fetched commits are kept under ``--weights``, else ``CATALOG_ES_WEIGHTS``,
     else ``./weights``."""
-    _said(mirror, "--mirror", "a mirror directory")
-    _said(weights, "--weights", "a weights directory")
+    refuse_empty(mirror, "--mirror", "a mirror directory")
+    refuse_empty(weights, "--weights", "a weights directory")
     root = mirror or os.environ.get(MIRROR_ENV)
     if not root:
         raise InputError(f"no registry to compare with: give --mirror DIR or set {MIRROR_ENV}")
@@ -120,7 +120,7 @@ def open_weights(
 
 def tokens_path(given: str | None = None) -> Path:
     """``--tokens``, else ``CATALOG_ES_TOKENS``, else ``./catalog-tokens.json``."""
-    _said(given, "--tokens", "a tokens file")
+    refuse_empty(given, "--tokens", "a tokens file")
     return Path(given or os.environ.get(TOKENS_ENV) or DEFAULT_TOKENS)
 
 

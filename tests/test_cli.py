@@ -255,6 +255,28 @@ def test_an_option_given_empty_is_refused_not_taken_for_its_default(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["catalog.yaml"]  # nothing made
 
 
+def test_an_empty_profile_is_refused_not_taken_for_every_profile(
+    run: Run, write: Any, db_url: str
+) -> None:
+    """`--profile "$P"` with the variable unset changed every profile, a
+    large one's memory cut to a small one's (hostile test)."""
+    profiles = [
+        {"name": "big", "gpus": 4, "min_memory_gb": 256},
+        {"name": "small", "gpus": 1, "min_memory_gb": 32},
+    ]
+    ok(run("model", "add", write("m.yaml", as_yaml(definition("m", profiles=profiles)))))
+    before = count_events(db_url)
+    line = refused_in_one_line(run("model", "resources", "m", "--profile", "", "--memory-gb", "8"))
+    assert line == "error: --profile is empty: give a profile's name, or leave --profile out"
+    assert count_events(db_url) == before
+    shown = json.loads(ok(run("model", "show", "m", "--json")).stdout)
+    assert [p["min_memory_gb"] for p in shown["profiles"]] == [256, 32]
+    # Left out, it still means every profile.
+    ok(run("model", "resources", "m", "--memory-gb", "8"))
+    shown = json.loads(ok(run("model", "show", "m", "--json")).stdout)
+    assert [p["min_memory_gb"] for p in shown["profiles"]] == [8, 8]
+
+
 # -- reading a definition -------------------------------------------------------------
 
 

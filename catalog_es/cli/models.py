@@ -8,6 +8,7 @@ from typing import Any
 
 import click
 
+from catalog_es import bootstrap
 from catalog_es.cli.base import (
     COUNT,
     REVISION,
@@ -122,19 +123,26 @@ def model_scale(settings: Settings, name: str, minimum: int | None, maximum: int
 
 @model.command("resources")
 @click.argument("name")
-@click.option("--profile", default="", help="The profile to change (default: every profile).")
+@click.option("--profile", help="The profile to change (default: every profile).")
 @click.option("--memory-gb", type=int, help="Host memory a replica reserves (min_memory_gb).")
 @click.option("--cpu-cores", type=int, help="CPU cores a replica reserves.")
 @shared_options
 @pass_settings
 def model_resources(
-    settings: Settings, name: str, profile: str, memory_gb: int | None, cpu_cores: int | None
+    settings: Settings,
+    name: str,
+    profile: str | None,
+    memory_gb: int | None,
+    cpu_cores: int | None,
 ) -> None:
     """Set what a profile reserves of a node."""
     if memory_gb is None and cpu_cores is None:
         raise click.UsageError("give --memory-gb, --cpu-cores, or both")
+    # Given empty (``--profile "$P"``, the variable unset), it would change
+    # every profile where one was meant.
+    bootstrap.refuse_empty(profile, "--profile", "a profile's name")
     result = settings.models().set_resources(
-        name, profile=profile, memory_gb=memory_gb, cpu_cores=cpu_cores, **meta(settings)
+        name, profile=profile or "", memory_gb=memory_gb, cpu_cores=cpu_cores, **meta(settings)
     )
     emit_result(settings, result, "resources set on")
 
