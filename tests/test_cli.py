@@ -193,6 +193,47 @@ def test_a_command_option_wins_over_the_root_one(run: Run, write: Any) -> None:
     assert json.loads(line)["by"] == "command-actor"
 
 
+@pytest.mark.parametrize(
+    "options",
+    [
+        (["--expected-revision", "1"], ["--expected-revision", "2"]),
+        ([], ["--expected-revision", "2", "--expected-revision", "1"]),
+        (["--expected-revision", "2", "--expected-revision", "1"], []),
+    ],
+    ids=["root-and-command", "twice-on-the-command", "twice-on-the-root"],
+)
+def test_an_expected_revision_given_twice_must_be_one(
+    run: Run, write: Any, rows: Callable[[], int], options: tuple[list[str], list[str]]
+) -> None:
+    """Unlike `--by`, a condition: the command's value won, and a stale one a
+    wrapper gave on the root was dropped without a word (hostile test)."""
+    _seeded(run, write)
+    ok(run("model", "scale", "m", "--max", "2"))  # the log is at revision 2
+    before = rows()
+    root, command = options
+    refused = run(*root, "model", "scale", "m", "--max", "3", *command)
+    assert refused.exit_code == 2, refused.stderr
+    assert refused.stderr.splitlines()[-1] == (
+        "Error: Invalid value for '--expected-revision': given as 1 and as 2: the log cannot"
+        " be at both; give it once"
+    )
+    assert rows() == before
+    ok(
+        run(
+            "--expected-revision",
+            "2",
+            "model",
+            "scale",
+            "m",
+            "--max",
+            "3",
+            "--expected-revision",
+            "2",
+        )
+    )
+    assert rows() == before + 1
+
+
 def test_the_actor_comes_from_the_environment_without_by(
     run: Run, write: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -98,6 +98,22 @@ def _set(attribute: str) -> Callable[[click.Context, click.Parameter, Any], None
     return callback
 
 
+def _set_expected_revision(ctx: click.Context, _param: click.Parameter, given: Any) -> None:
+    # A condition, not a default a command may override: given twice (on the
+    # root by a wrapper and on the command, or twice in one place), both must
+    # hold, and keeping the last dropped a stale one silently.
+    settings = ctx.ensure_object(Settings)
+    said = {*given, *([] if settings.expected_revision is None else [settings.expected_revision])}
+    if len(said) > 1:
+        first, *others = sorted(said)
+        raise click.BadParameter(
+            f"given as {first} and as {', '.join(map(str, others))}: the log cannot be at both;"
+            " give it once"
+        )
+    if said:
+        settings.expected_revision = said.pop()
+
+
 def shared_options(
     f: F, by_help: str = "Who is making the change (else $CATALOG_ES_ACTOR, else the OS user)."
 ) -> F:
@@ -131,8 +147,9 @@ def shared_options(
             "--expected-revision",
             type=REVISION,
             metavar="REV",
+            multiple=True,
             expose_value=False,
-            callback=_set("expected_revision"),
+            callback=_set_expected_revision,
             help="Refuse if the log has moved past this revision (commands that write, and "
             "rollback's dry run; reads ignore it).",
         ),
