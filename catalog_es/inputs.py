@@ -182,6 +182,9 @@ def _problem(error: Any) -> str:
         return "required field is missing"
     value = error.get("input")
     got = repr(value) if not isinstance(value, dict | list) else type(value).__name__
+    if error["type"] == "model_type":
+        # pydantic's message names this module's class, which says nothing to an operator.
+        return f"expected a mapping of fields (got {cut_short(got, 40)})"
     return f"{error['msg']} (got {cut_short(got, 40)})"
 
 

@@ -602,6 +602,22 @@ def test_an_empty_config_is_refused_not_read_as_declaring_nothing(
     assert rows() == 4  # the new config's record, and the change
 
 
+def test_input_that_is_not_a_mapping_is_told_in_the_operators_words(
+    seeded: Run, run: Run, write: Any, rows: Callable[[], int]
+) -> None:
+    """pydantic's message named this project's classes ("a valid dictionary
+    or instance of ConfigInput"), which say nothing to an operator (hostile test)."""
+    listed = write("listed.yaml", b"- a\n")
+    line = refused_in_one_line(run("--config", listed, "model", "scale", "m", "--max", "3"))
+    assert line == f"error: {listed}: (top level): expected a mapping of fields (got list)"
+    line = refused_in_one_line(run("model", "add", "-", input=b""))
+    assert line == "error: standard input: (top level): expected a mapping of fields (got None)"
+    profile = write("p.yaml", as_yaml(definition("p", profiles=[3])))
+    line = refused_in_one_line(run("model", "add", profile))
+    assert line == f"error: {profile}: profiles[0]: expected a mapping of fields (got 3)"
+    assert rows() == 2
+
+
 def test_a_missing_config_file_is_refused_in_one_line(run: Run) -> None:
     line = refused_in_one_line(run("--config", "absent.yaml", "model", "list"))
     assert "absent.yaml: cannot read the config" in line
