@@ -16,6 +16,7 @@ computed in the same transaction from the head kept in ``catalog_head``.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import re
@@ -345,7 +346,13 @@ def sqlite_synchronous() -> str:
 
 def create_engine(url: str) -> Engine:
     """An engine with the settings the log relies on."""
-    engine = _settled_engine(_log_url(url))
+    parsed = _log_url(url)
+    try:
+        engine = _settled_engine(parsed)
+    except (ValueError, TypeError) as error:
+        # A setting in the URL's query the driver cannot read (?timeout=abc).
+        told = shown(parsed.render_as_string(hide_password=True))
+        raise ConfigError(f"the database URL {told}: {first_line(str(error))}") from None
     _forgotten_by_children(engine)
     return engine
 
@@ -471,7 +478,30 @@ def _settled_engine(url: sa.URL) -> Engine:
                 )
 
         return engine
-    return sa.create_engine(url, pool_pre_ping=True)
+    engine = sa.create_engine(url, pool_pre_ping=True)
+    _check_connection_settings(engine, url)
+    return engine
+
+
+def _check_connection_settings(engine: Engine, url: sa.URL) -> None:
+    """The settings a PostgreSQL URL gives, read as psycopg reads them to
+    connect: it tells a setting libpq does not know (``?foo=``), or a
+    ``connect_timeout`` that is not a number, as a programming error on each
+    connect. Read here, either is the URL's mistake, told once."""
+    # Here, not at the top: a process on SQLite does not load libpq.
+    import psycopg
+    from psycopg import conninfo
+
+    args, kwargs = engine.dialect.create_connect_args(url)
+    # What connect() takes for itself (an adapters context, say) is no setting.
+    own = inspect.signature(psycopg.Connection.connect).parameters
+    try:
+        settings = conninfo.make_conninfo(
+            *args, **{k: v for k, v in kwargs.items() if k not in own}
+        )
+        conninfo.timeout_from_conninfo(conninfo.conninfo_to_dict(settings))
+    except psycopg.ProgrammingError as error:
+        raise ValueError(str(error)) from None
 
 
 # Seconds a held PostgreSQL writer may sit idle before it is asked whether it

@@ -809,6 +809,13 @@ def test_sqlite_errors_that_pass_are_told_from_those_an_operator_must_mend(
         ("catalog.db", "is not a URL"),
         ("http://x/catalog", "the log is kept in SQLite, or in PostgreSQL through psycopg"),
         ("postgresql+psycopg2://ops:s3cret@db/x", "'postgresql+psycopg2://ops:***@db/x'"),
+        # Settings the driver cannot read were "error: unexpected ValueError"
+        # (hostile test): no more told than a typo is.
+        ("sqlite:///c.db?timeout=abc", "could not convert string to float: 'abc'"),
+        ("sqlite:///c.db?check_same_thread=maybe", "String is not true/false: 'maybe'"),
+        ("sqlite:///c.db?cached_statements=x", "invalid literal for int()"),
+        ("postgresql://ops:s3cret@127.0.0.1/x?connect_timeout=abc", "bad value for connect_"),
+        ("postgresql://ops:s3cret@127.0.0.1/x?fo=bar", 'invalid connection option "fo"'),
     ],
 )
 def test_a_database_url_the_log_cannot_be_kept_at_is_refused(
