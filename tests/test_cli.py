@@ -893,8 +893,12 @@ def test_a_bare_postgresql_url_means_psycopg(pg_url: str) -> None:
     assert json.loads(result.stdout) == []
 
 
-def test_a_reader_that_goes_away_ends_the_command_quietly(tmp_path: Path) -> None:
-    """`catalog-es log | head -1`: no error about the closed pipe."""
+@pytest.mark.parametrize("output", [["--json"], []], ids=["json", "table"])
+def test_a_reader_that_goes_away_ends_the_command_quietly(
+    tmp_path: Path, output: list[str]
+) -> None:
+    """`catalog-es log | head -1`: no error about the closed pipe, and 141. A
+    table written in one go was cut short without a word, and exited 0 (review)."""
     db = f"sqlite:///{tmp_path}/catalog.db"
     models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db})
     models.add(spec("m"), by="ops")
@@ -902,12 +906,13 @@ def test_a_reader_that_goes_away_ends_the_command_quietly(tmp_path: Path) -> Non
         models.scale("m", 0, maximum, by="ops")
     models.close()
     log = subprocess.Popen(
-        [sys.executable, "-m", "catalog_es", "--db", db, "log", "--json"],
+        [sys.executable, "-m", "catalog_es", "--db", db, "log", *output],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
     )
     assert log.stdout is not None and log.stderr is not None
-    assert json.loads(log.stdout.readline())["revision"] == 1
+    first = log.stdout.readline()
+    assert json.loads(first)["revision"] == 1 if output else first.startswith(b"REV ")
     log.stdout.close()  # as head does, after its first line
     assert log.wait(timeout=60) == EXIT_PIPE_CLOSED
     assert log.stderr.read() == b""

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from rich.cells import cell_len
 
-from catalog_es.cli.tables import render
+from catalog_es.cli.tables import NARROWEST, WHOLE_WORD, render
 from tests.helpers import config_yaml, spec
 
 
@@ -52,6 +52,17 @@ def test_on_a_terminal_the_widest_column_is_narrowed_first_and_wrapped_at_spaces
     ]
 
 
+def test_a_short_word_is_not_broken_to_fit_nor_are_long_ones_narrowed_first() -> None:
+    """A time, an event's name stay whole where a column of long text can
+    give the room (the widest-first narrowing broke them all alike)."""
+    header = ["REV", "TIME", "EVENT", "REASON"]
+    rows = [[["7"], ["2026-12-06T02:00:00Z"], ["ConfigDeclared"], ["the canary failed " * 5]]]
+    lines = render(header, rows, width=60)
+    assert lines[1].split()[:3] == ["7", "2026-12-06T02:00:00Z", "ConfigDeclared"]
+    assert all(cell_len(line) <= 60 for line in lines)
+    assert len(lines) > 2
+
+
 # Text as cells hold it: what visible() leaves (no control characters), wide
 # characters and long words included.
 cell_text = st.text(
@@ -63,7 +74,12 @@ cell_text = st.text(
 @given(text=cell_text, width=st.integers(min_value=2, max_value=60))
 def test_a_wrapped_cell_keeps_every_character_and_each_piece_fits(text: str, width: int) -> None:
     pieces = render(None, [[[text]]], width=width)
-    assert all(cell_len(piece) <= max(width, 6) for piece in pieces)
+    # A column is kept as wide as its longest word, where that is short.
+    longest = max((cell_len(word) for word in text.split(" ")), default=0)
+    floor = max(NARROWEST, longest if longest <= WHOLE_WORD else 0)
+    assert all(cell_len(piece) <= max(width, floor) for piece in pieces)
+    # The spaces at a break go with it: no piece after one starts with a space.
+    assert not any(piece.startswith(" ") for piece in pieces[1:])
     # Read back in order, the pieces are the text without the spaces it broke at.
     assert "".join("".join(p.split()) for p in pieces) == "".join(text.split())
 
@@ -81,7 +97,11 @@ def test_a_fitted_table_fits_when_its_columns_can_narrow_that_far(
     natural = [
         max(cell_len(t) for t in [h, *(row[i] for row in rows)]) for i, h in enumerate(header)
     ]
-    floors = [min(w, max(cell_len(h), 6)) for h, w in zip(header, natural, strict=True)]
+    # At most what a column may be kept at: its header, a whole word, six.
+    floors = [
+        min(w, max(cell_len(h), WHOLE_WORD, NARROWEST))
+        for h, w in zip(header, natural, strict=True)
+    ]
     if sum(floors) + 4 <= width:
         assert all(cell_len(line) <= width for line in lines)
     visible = "".join(t for t in [*header, *(t for row in rows for t in row)])

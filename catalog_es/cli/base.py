@@ -244,7 +244,8 @@ def print_table(
     # On a terminal, fit it; piped, never cut a name short.
     terminal = sys.stdout.isatty()
     width = shutil.get_terminal_size().columns if terminal else None
-    tables.echo(tables.render(header, rows, width=width, bold=terminal, keys=keys))
+    bold = terminal and os.environ.get("TERM") != "dumb"
+    tables.echo(tables.render(header, rows, width=width, bold=bold, keys=keys))
 
 
 def emit(settings: Settings, data: Any, human: Callable[[], None]) -> None:
