@@ -13,7 +13,14 @@ import unicodedata
 from collections.abc import Callable
 
 from catalog_es.catalog import Catalog
-from catalog_es.errors import DeclaredInConfig, InvalidModel, ModelNotFound, Refused, shown
+from catalog_es.errors import (
+    UNSAFE_TEXT,
+    DeclaredInConfig,
+    InvalidModel,
+    ModelNotFound,
+    Refused,
+    shown,
+)
 from catalog_es.model import Model
 from catalog_es.registry import check_commit, check_repository, relative_file
 from catalog_es.spec import ModelSpec, Origin
@@ -108,8 +115,15 @@ def _check_origin(model: str, origin: Origin) -> None:
     for path in origin.files:
         field = f"origin.files[{shown(path)}]"
         _held_to(model, field, relative_file, path)
-        # A file's name is shown, logged and made a path as a source is.
-        _check_printable(model, field, path)
+        # A file's name is shown, logged and made a path. Held to what a
+        # terminal acts on, not to every format character as a source typed
+        # in is: these also come from registries, where a joiner in a name is
+        # text, and one file refused stops a whole check for updates.
+        unsafe = UNSAFE_TEXT.search(path)
+        if unsafe is not None:
+            raise InvalidModel(
+                model, field, f"holds U+{ord(unsafe.group()):04X}, which a terminal acts on"
+            )
 
 
 def _held_to(model: str, field: str, check: Callable[[str], object], value: str) -> None:

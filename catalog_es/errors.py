@@ -3,6 +3,18 @@ message is written for the operator who typed the command."""
 
 from __future__ import annotations
 
+import re
+
+# What a terminal acts on or draws other than as written: C0 and C1 controls
+# (an escape sequence can retitle or clear it), the bidi controls (an override
+# shows "evil\u202egpj.exe" as "evilexe.jpg"), the line and paragraph
+# separators, and lone surrogates. Not every character Python calls
+# unprintable: the joiners inside emoji and Persian words, the soft hyphen,
+# and the no-break and ideographic spaces, are text.
+UNSAFE_TEXT = re.compile(
+    "[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069\u2028\u2029\ud800-\udfff]"
+)
+
 # How much of a refused value a message quotes.
 SHOWN_LENGTH = 60
 # A model name, quoted: any valid one whole (128 characters and the quotes).

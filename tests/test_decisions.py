@@ -413,19 +413,19 @@ NOT_A_PATH = "is not a plain path inside a revision"
         pytest.param(
             Origin(files={"evil\u202egpj.exe": DIGEST}),
             "origin.files['evil\\u202egpj.exe']",
-            "holds U+202E, a control or format character",
+            "holds U+202E, which a terminal acts on",
             id="file-bidi",
         ),
         pytest.param(
             Origin(files={"a\x1b[2Jb": DIGEST}),
             "origin.files['a\\x1b[2Jb']",
-            "holds U+001B, a control or format character",
+            "holds U+001B, which a terminal acts on",
             id="file-escape",
         ),
         pytest.param(
             Origin(files={"a\nb": DIGEST}),
             "origin.files['a\\nb']",
-            "holds U+000A, a control or format character",
+            "holds U+000A, which a terminal acts on",
             id="file-newline",
         ),
         pytest.param(
@@ -457,7 +457,11 @@ def test_an_origin_no_registry_could_name_is_refused(
     assert problem in refusal.value.problem
 
 
-@pytest.mark.parametrize("path", ["model\xa0v2.bin", "模型/权重.bin", "x" * 255])
+@pytest.mark.parametrize(
+    "path",
+    # A joiner, a soft hyphen, a no-break space: text, as a registry may name a file.
+    ["model\xa0v2.bin", "read\u200dme.md", "soft\xadhyphen.bin", "模型/权重.bin", "x" * 255],
+)
 def test_an_origin_file_name_a_file_system_holds_is_taken(path: str) -> None:
     origin = Origin(repository="o/m", revision="1f3c9a0", files={path: DIGEST})
     assert when(given(), added(spec("a", origin=origin))) is not None

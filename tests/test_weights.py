@@ -397,6 +397,19 @@ def test_a_model_without_an_origin_gets_one_from_the_mirror_once(world: World) -
     assert world.rows() == rows
 
 
+def test_a_file_name_holding_a_joiner_does_not_stop_a_check_for_updates(world: World) -> None:
+    """A registry's file names are text as a terminal shows them: one with a
+    joiner in it stopped the whole check, for every model (review)."""
+    joined = {**V1, "read\u200dme.md": b"hello"}
+    world.mirror.publish("org/j", joined)
+    weights = world.open()
+    weights.models.add(spec("j", source="hf://org/j"), by="alice")
+    weights.models.add(spec("m"), by="alice")
+    report = weights.check_updates(by="cron")
+    assert sorted(o["model"] for o in report["origins"]) == ["j", "m"]
+    assert "read\u200dme.md" in weights.models.get_model("j")["origin"]["files"]
+
+
 @pytest.mark.parametrize("given", [{}, {"repository": "org/m"}])
 def test_a_runtime_origin_given_in_part_is_completed_from_the_mirror_once(
     world: World, given: dict[str, str]

@@ -11,7 +11,6 @@ import io
 import json
 import logging
 import os
-import re
 import shutil
 import sys
 from collections.abc import Callable, Iterable, Sequence
@@ -24,7 +23,7 @@ import msgspec
 from catalog_es import bootstrap
 from catalog_es.application import CommandResult, Models
 from catalog_es.cli import tables
-from catalog_es.errors import ConfigError, InputError, Refused, first_line
+from catalog_es.errors import UNSAFE_TEXT, ConfigError, InputError, Refused, first_line
 from catalog_es.inputs import MAX_REVISION, revision_or_time
 from catalog_es.persistence import database_unusable, new_sqlite_file
 
@@ -199,29 +198,18 @@ class RevisionOrTime(click.ParamType):  # type: ignore[type-arg]
 REVISION_OR_TIME = RevisionOrTime()
 
 
-# What a terminal acts on or draws other than as written: C0 and C1 controls
-# (an escape sequence can retitle or clear it), the bidi controls (an override
-# shows "evil\u202egpj.exe" as "evilexe.jpg"), the line and paragraph
-# separators, and lone surrogates. Not every character Python calls
-# unprintable: the joiners inside emoji and Persian words, and the no-break
-# and ideographic spaces, are text.
-_UNSAFE = re.compile(
-    "[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069\u2028\u2029\ud800-\udfff]"
-)
-
-
 def visible(text: str) -> str:
     """``text`` for a terminal, with what it would act on or hide written as
     ``repr`` writes it (``\\x1b``, ``\\u202e``). Sources stored before they
     were checked, and refused input, can hold any."""
-    return _UNSAFE.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
+    return UNSAFE_TEXT.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
 
 
 def json_line(data: Any) -> str:
     """``data`` as one line of JSON that is safe to print: what :func:`visible`
     escapes is a ``\\uXXXX`` escape here, which reads back as the same text."""
     text = json.dumps(data, ensure_ascii=False)
-    return _UNSAFE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+    return UNSAFE_TEXT.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
 
 
 def say(text: str, *, err: bool = False) -> None:
