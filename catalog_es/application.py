@@ -469,7 +469,7 @@ class Models(AuditTrail, Application[UUID]):
         self,
         name: str,
         *,
-        profile: str = "",
+        profile: str | None = None,
         memory_gb: int | None = None,
         cpu_cores: int | None = None,
         by: str,

@@ -97,15 +97,23 @@ def scale(name: str, minimum: int | None = None, maximum: int | None = None) -> 
 
 
 def resources(
-    name: str, profile: str = "", memory_gb: int | None = None, cpu_cores: int | None = None
+    name: str,
+    profile: str | None = None,
+    memory_gb: int | None = None,
+    cpu_cores: int | None = None,
 ) -> Step:
-    """Host memory and CPU cores of one profile, or of every profile."""
+    """Host memory and CPU cores of one profile, or (``None``) of every profile."""
     if memory_gb is None and cpu_cores is None:
         raise InputError("say what to set: memory (GB), CPU cores, or both")
+    if profile == "":
+        # Said empty (a template's variable unset), it would change every
+        # profile where one was meant; the event's "" for every profile is
+        # written only for one left out.
+        raise InputError("the profile is empty: name one, or leave it out for every profile")
     return Step(
         Model.ResourcesSet,
         name,
-        {"profile": profile, "memory_gb": memory_gb, "cpu_cores": cpu_cores},
+        {"profile": profile or "", "memory_gb": memory_gb, "cpu_cores": cpu_cores},
     )
 
 

@@ -586,7 +586,7 @@ class ScaleFields(_Input):
 
 
 class ResourcesFields(_Input):
-    profile: str = ""
+    profile: str | None = None
     memory_gb: int | None = None
     cpu_cores: int | None = None
 

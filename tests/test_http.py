@@ -528,6 +528,15 @@ def test_bad_bodies_are_422_with_the_clis_message_and_write_nothing(
         "say what to set: the minimum, the maximum, or both"
     )
     assert refused(api.post("/models/base/scale", [1]), 422).startswith("request body: ")
+    # Said empty, a profile would be every profile (review: only the CLI refused it).
+    empty_profile = "the profile is empty: name one, or leave it out for every profile"
+    assert refused(api.post("/models/qwen/resources", {"profile": "", "memory_gb": 8}), 422) == (
+        empty_profile
+    )
+    resources = [{"resources": {"name": "qwen", "profile": "", "memory_gb": 8}}]
+    assert refused(api.post("/apply", resources), 422) == (
+        f"request body: change 1 (resources): {empty_profile}"
+    )
     assert refused(api.post("/apply", []), 422) == (
         "request body: expected a non-empty list of changes"
     )

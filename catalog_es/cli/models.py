@@ -142,7 +142,7 @@ def model_resources(
     # every profile where one was meant.
     bootstrap.refuse_empty(profile, "--profile", "a profile's name")
     result = settings.models().set_resources(
-        name, profile=profile or "", memory_gb=memory_gb, cpu_cores=cpu_cores, **meta(settings)
+        name, profile=profile, memory_gb=memory_gb, cpu_cores=cpu_cores, **meta(settings)
     )
     emit_result(settings, result, "resources set on")
 
