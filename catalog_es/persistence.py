@@ -487,21 +487,32 @@ def _check_connection_settings(engine: Engine, url: sa.URL) -> None:
     """The settings a PostgreSQL URL gives, read as psycopg reads them to
     connect: it tells a setting libpq does not know (``?foo=``), or a
     ``connect_timeout`` that is not a number, as a programming error on each
-    connect. Read here, either is the URL's mistake, told once."""
+    connect. Read here, either is the URL's mistake, told once; and so is one
+    of psycopg's own options (``?autocommit=false`` turned autocommit on, and
+    a write was no longer one transaction)."""
     # Here, not at the top: a process on SQLite does not load libpq.
     import psycopg
     from psycopg import conninfo
 
-    args, kwargs = engine.dialect.create_connect_args(url)
-    # What connect() takes for itself (an adapters context, say) is no setting.
     own = inspect.signature(psycopg.Connection.connect).parameters
+    for key in url.query:
+        if key in own:
+            raise ValueError(f"{key} is psycopg's own option, not a connection setting")
+    args, kwargs = engine.dialect.create_connect_args(url)
     try:
-        settings = conninfo.make_conninfo(
-            *args, **{k: v for k, v in kwargs.items() if k not in own}
+        # What connect() takes for itself (the dialect's adapters) is no setting.
+        settings = conninfo.conninfo_to_dict(
+            conninfo.make_conninfo(*args, **{k: v for k, v in kwargs.items() if k not in own})
         )
-        conninfo.timeout_from_conninfo(conninfo.conninfo_to_dict(settings))
     except psycopg.ProgrammingError as error:
         raise ValueError(str(error)) from None
+    try:
+        conninfo.timeout_from_conninfo(settings)
+    except psycopg.ProgrammingError as error:
+        if "connect_timeout" in settings:
+            raise ValueError(str(error)) from None
+        # Not the URL's: libpq's variable, read when the URL gives none.
+        raise ConfigError(f"PGCONNECT_TIMEOUT: {error}") from None
 
 
 # Seconds a held PostgreSQL writer may sit idle before it is asked whether it

@@ -816,6 +816,9 @@ def test_sqlite_errors_that_pass_are_told_from_those_an_operator_must_mend(
         ("sqlite:///c.db?cached_statements=x", "invalid literal for int()"),
         ("postgresql://ops:s3cret@127.0.0.1/x?connect_timeout=abc", "bad value for connect_"),
         ("postgresql://ops:s3cret@127.0.0.1/x?fo=bar", 'invalid connection option "fo"'),
+        # psycopg's own: "false" turned autocommit on, a write no longer one transaction.
+        ("postgresql://ops@127.0.0.1/x?autocommit=false", "autocommit is psycopg's own option"),
+        ("postgresql://ops@127.0.0.1/x?prepare_threshold=0", "prepare_threshold is psycopg's"),
     ],
 )
 def test_a_database_url_the_log_cannot_be_kept_at_is_refused(
@@ -830,6 +833,15 @@ def test_a_database_url_the_log_cannot_be_kept_at_is_refused(
     assert message in line
     assert "s3cret" not in line
     assert [p.name for p in tmp_path.iterdir()] == ["m.yaml"]  # no file made
+
+
+def test_a_bad_connect_timeout_in_libpqs_environment_is_not_blamed_on_the_url(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PGCONNECT_TIMEOUT", "abc")
+    refused = CliRunner().invoke(cli, ["--db", "postgresql://ops@127.0.0.1/x", "revision"])
+    line = refused_in_one_line(refused)
+    assert line == "error: PGCONNECT_TIMEOUT: bad value for connect_timeout: 'abc'"
 
 
 @pytest.mark.parametrize("dialect", ["sqlite", "postgresql"])
