@@ -124,8 +124,13 @@ def tokens_path(given: str | None = None) -> Path:
     return Path(given or os.environ.get(TOKENS_ENV) or DEFAULT_TOKENS)
 
 
-def open_tokens(given: str | None = None) -> TokenStore:
-    return TokenStore(tokens_path(given))
+def open_tokens(given: str | None = None, *, existing: bool = False) -> TokenStore:
+    """The tokens file; ``existing``: refused when it is not there (listing or
+    revoking in one is a mistyped path, not an empty file)."""
+    tokens = TokenStore(tokens_path(given))
+    if existing:
+        tokens.require()
+    return tokens
 
 
 def open_web_app(models: Models, tokens: TokenStore, *, max_watches: int) -> FastAPI:

@@ -1000,10 +1000,7 @@ def test_token_commands(tmp_path: Path) -> None:
     # A tokens file where none can be: one line (a traceback, before; review).
     inside_a_file = str(tokens / "t.json")
     nowhere = runner.invoke(cli, ["token", "add", "bob", "--tokens", inside_a_file])
-    assert (nowhere.exit_code, nowhere.stderr) == (
-        1,
-        f"error: {tokens}: no such directory; make it first\n",
-    )
+    assert (nowhere.exit_code, nowhere.stderr) == (1, f"error: {tokens}: not a directory\n")
 
 
 def test_a_mistyped_tokens_path_is_refused_not_taken_for_an_empty_file(tmp_path: Path) -> None:

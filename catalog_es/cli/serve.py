@@ -233,9 +233,7 @@ def token_add(settings: Settings, actor: str, role: str, tokens_file: str | None
 @pass_settings
 def token_list(settings: Settings, tokens_file: str | None) -> None:
     """The tokens: id, actor, role, when created (never the tokens themselves)."""
-    tokens = bootstrap.open_tokens(tokens_file)
-    tokens.require()
-    entries = tokens.describe()
+    entries = bootstrap.open_tokens(tokens_file, existing=True).describe()
     emit(
         settings,
         entries,
@@ -253,9 +251,7 @@ def token_list(settings: Settings, tokens_file: str | None) -> None:
 @pass_settings
 def token_remove(settings: Settings, token_id: str, tokens_file: str | None) -> None:
     """Revoke a token; a running server refuses it from its next request on."""
-    tokens = bootstrap.open_tokens(tokens_file)
-    tokens.require()
-    entry = tokens.remove(token_id)
+    entry = bootstrap.open_tokens(tokens_file, existing=True).remove(token_id)
     emit(
         settings,
         {"id": entry.id, "actor": entry.actor, "role": entry.role},

@@ -129,9 +129,11 @@ class TokenStore:
         under an exclusive lock on ``.NAME.lock`` beside it: no other change
         reads it in between."""
         lock_path = self.path.with_name(f".{self.path.name}.lock")
-        if not self.path.parent.is_dir():
+        folder = self.path.parent
+        if not folder.is_dir():
             # Made, a mistyped folder held a tokens file no server reads.
-            raise InputError(f"{self.path.parent}: no such directory; make it first")
+            missing = "not a directory" if folder.exists() else "no such directory; make it first"
+            raise InputError(f"{folder}: {missing}")
         try:
             lock = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
         except OSError as error:
@@ -152,8 +154,7 @@ class TokenStore:
         return list(self._read().tokens)
 
     def require(self) -> None:
-        """Refuse a tokens file that is not there: listing or revoking in one
-        is a mistyped path, not an empty file."""
+        """Refuse a tokens file that is not there."""
         if not self.path.exists():
             raise InputError(f"no tokens file at {self.path} (catalog-es token add makes one)")
 
