@@ -380,9 +380,12 @@ def _watched(base: list[str], last: str) -> list[str]:
         text=True,
     )
     lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(
-        target=lambda: [lines.put(line) for line in watch.stdout or ()], daemon=True
-    ).start()
+
+    def read() -> None:
+        for line in watch.stdout or ():
+            lines.put(line)
+
+    threading.Thread(target=read, daemon=True).start()
     seen: list[str] = []
     try:
         while not seen or seen[-1].split()[0] != last:
