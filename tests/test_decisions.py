@@ -410,23 +410,18 @@ NOT_A_PATH = "is not a plain path inside a revision"
             "(a NUL, or a lone surrogate)",
             id="nul",
         ),
-        pytest.param(
-            Origin(files={"evil\u202egpj.exe": DIGEST}),
-            "origin.files['evil\\u202egpj.exe']",
-            "holds U+202E, which a terminal acts on",
-            id="file-bidi",
-        ),
-        pytest.param(
-            Origin(files={"a\x1b[2Jb": DIGEST}),
-            "origin.files['a\\x1b[2Jb']",
-            "holds U+001B, which a terminal acts on",
-            id="file-escape",
-        ),
-        pytest.param(
-            Origin(files={"a\nb": DIGEST}),
-            "origin.files['a\\nb']",
-            "holds U+000A, which a terminal acts on",
-            id="file-newline",
+        *(
+            pytest.param(
+                Origin(files={name: DIGEST}),
+                f"origin.files[{shown(name)}]",
+                f"holds U+{ord(held):04X}, which a terminal acts on",
+                id=case,
+            )
+            for name, held, case in [
+                ("evil\u202egpj.exe", "\u202e", "file-bidi"),
+                ("a\x1b[2Jb", "\x1b", "file-escape"),
+                ("a\nb", "\n", "file-newline"),
+            ]
         ),
         pytest.param(
             Origin(files={"x" * 256: DIGEST}),
