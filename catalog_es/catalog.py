@@ -212,7 +212,8 @@ class Catalog:
         self.last_timestamp = last_timestamp
         self.recorded_declaration = recorded_declaration
         self.skipped = list(skipped)
-        self._unhealed = set(unhealed)
+        # Snapshots written before unreadable names were left out may hold "".
+        self._unhealed = {name for name in unhealed if name}
 
     def adopt(
         self, aggregates: Iterable[Model], unhealed: Iterable[str], theirs: Callable[[str], bool]
@@ -332,7 +333,9 @@ class Catalog:
         filed in another's stream)."""
         skipped = Skipped(revision=revision, model=model, event=event, reason=reason)
         self.skipped.append(skipped)
-        if its_own:
+        # A record whose model's name cannot be read is no model's to heal: a
+        # rollback took "" for a model and wrote a removal of it.
+        if its_own and model:
             self._unhealed.add(model)
         self.revision = max(self.revision, revision)
         return skipped

@@ -396,6 +396,19 @@ def _watched(base: list[str], last: str) -> list[str]:
     return seen
 
 
+def test_a_rollback_past_records_whose_model_cannot_be_read_writes_nothing_for_them(
+    poisoned: dict[int, Poison], open_models: Callable[..., Models], configs: tuple[Path, Path]
+) -> None:
+    """A whole rollback took an unreadable record's "" for a model that fell
+    out of force, and wrote a Removed of the name "" (hostile test)."""
+    models = open_models(configs[1])
+    result = models.rollback(0, by="ops")
+    assert result["written"]
+    assert "" not in {e["model"] for e in result["events"]}
+    assert not any("model ''" in note for note in result["notes"])
+    assert "" not in {e["model"] for e in models.log_events(after=max(poisoned))}
+
+
 def test_a_poisoned_name_can_be_added_again_which_heals_it(
     poisoned: dict[int, Poison], open_models: Callable[..., Models], configs: tuple[Path, Path]
 ) -> None:
