@@ -23,7 +23,7 @@ GAP = "  "
 # this; or its longest word, where that is no longer than WHOLE_WORD (a time,
 # an event's name, a revision: broken, they no longer read as one).
 NARROWEST = 6
-WHOLE_WORD = 24
+WHOLE_WORD = 32  # a time with its microseconds is 27
 # A word and the spaces after it: a wrapped line breaks after them. Spaces
 # only: a no-break space, an ideographic one, is text.
 _WORDS = re.compile(r"[^ ]+ *| +")
