@@ -211,6 +211,9 @@ def _check_filters(filters: Filters) -> None:
     # which have no model, as if they were one.
     if filters.get("model") == "":
         raise InputError("model: the name is empty; give a model's name, or no model filter")
+    # No actor is empty either (check_actor): an empty filter matched nothing, said as nothing done.
+    if filters.get("by") == "":
+        raise InputError("by: the actor is empty; give an actor, or no actor filter")
     since, until = filters.get("since"), filters.get("until")
     if since is not None:
         zoned(since, "since")

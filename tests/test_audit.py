@@ -1750,6 +1750,9 @@ def test_cli_verify_lists_skipped_events_either_way(models: Models, db: str, con
         # Not the declared-config records, which have no model.
         (("audit", "--model", ""), "error: model: the name is empty"),
         (("refusals", "--model", ""), "error: model: the name is empty"),
+        # No actor is empty: the filter matched nothing, as if there were nothing (hostile test).
+        (("audit", "--by", ""), "error: by: the actor is empty"),
+        (("refusals", "--by", ""), "error: by: the actor is empty"),
     ],
 )
 def test_cli_bad_input_is_one_error_line_and_exit_1(

@@ -1504,6 +1504,7 @@ def test_history_audit_refusals_and_verify(api: Api) -> None:
         assert refused(api.get(path, params={"model": ""}), 422).startswith(
             "model: the name is empty"
         )
+        assert refused(api.get(path, params={"by": ""}), 422).startswith("by: the actor is empty")
 
     (refusal,) = ok(api.get("/refusals"))
     assert (refusal["by"], refusal["model"], refusal["event"]) == ("write-user", "qwen", "Scaled")
