@@ -25,7 +25,7 @@ from click.testing import CliRunner, Result
 
 from catalog_es.application import Models
 from catalog_es.cli import cli
-from catalog_es.cli.base import EXIT_PIPE_CLOSED, VisibleWarnings
+from catalog_es.cli.base import EXIT_OUTPUT_FAILED, EXIT_PIPE_CLOSED, VisibleWarnings
 from catalog_es.inputs import DeclaredConfig
 from catalog_es.persistence import database_unusable
 from tests.helpers import config_yaml, count_events, definition, spec
@@ -905,12 +905,17 @@ def test_a_bare_postgresql_url_means_psycopg(pg_url: str) -> None:
     assert json.loads(result.stdout) == []
 
 
-@pytest.mark.parametrize("output", [["--json"], []], ids=["json", "table"])
+@pytest.mark.parametrize(
+    "command",
+    [["log", "--json"], ["log"], ["audit", "--json"]],
+    ids=["json-lines", "table", "json-document"],
+)
 def test_a_reader_that_goes_away_ends_the_command_quietly(
-    tmp_path: Path, output: list[str]
+    tmp_path: Path, command: list[str]
 ) -> None:
-    """`catalog-es log | head -1`: no error about the closed pipe, and 141. A
-    table written in one go was cut short without a word, and exited 0 (review)."""
+    """`catalog-es log | head -c 100`: no error about the closed pipe, and 141.
+    A table, or a JSON document, written in one go was cut short without a
+    word, and exited 0 (review, hostile test)."""
     db = f"sqlite:///{tmp_path}/catalog.db"
     models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db})
     models.add(spec("m"), by="ops")
@@ -918,16 +923,55 @@ def test_a_reader_that_goes_away_ends_the_command_quietly(
         models.scale("m", 0, maximum, by="ops")
     models.close()
     log = subprocess.Popen(
-        [sys.executable, "-m", "catalog_es", "--db", db, "log", *output],
+        [sys.executable, "-m", "catalog_es", "--db", db, *command],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
     )
     assert log.stdout is not None and log.stderr is not None
-    first = log.stdout.readline()
-    assert json.loads(first)["revision"] == 1 if output else first.startswith(b"REV ")
-    log.stdout.close()  # as head does, after its first line
+    assert len(log.stdout.read(100)) == 100
+    log.stdout.close()  # as head does, having read what it wanted
     assert log.wait(timeout=60) == EXIT_PIPE_CLOSED
     assert log.stderr.read() == b""
+
+
+@pytest.mark.parametrize(
+    ("command", "output", "code"),
+    [
+        (["model", "scale", "m", "--max", "7"], ">/dev/full", EXIT_OUTPUT_FAILED),
+        (["--json", "model", "scale", "m", "--max", "7"], ">/dev/full", EXIT_OUTPUT_FAILED),
+        (["model", "list"], ">/dev/full", EXIT_OUTPUT_FAILED),
+        (["model", "scale", "m", "--max", "7"], ">&-", 0),
+    ],
+    ids=["full-disk", "full-disk-json", "full-disk-table", "closed"],
+)
+def test_a_write_whose_answer_cannot_be_written_out_is_not_told_as_refused(
+    tmp_path: Path, command: list[str], output: str, code: int
+) -> None:
+    """A write committed, then told to a full disk or a closed standard
+    output, exited 1 ("error: unexpected OSError"), which says nothing was
+    written (hostile test): 74, sysexits' I/O error, with one line; and with
+    no standard output at all, the answer goes nowhere."""
+    db = f"sqlite:///{tmp_path}/catalog.db"
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db})
+    models.add(spec("m"), by="ops")
+    told = subprocess.run(
+        f'exec "{sys.executable}" -m catalog_es --db {db} {" ".join(command)} {output}',
+        shell=True,
+        cwd=Path(__file__).parent.parent,  # the code under test, not an installed copy
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert told.returncode == code, told.stderr
+    if code:
+        assert (
+            told.stderr
+            == "error: the answer could not be written out: [Errno 28] No space left on device\n"
+        )
+    models.refresh()
+    assert models.get_model("m")["scaling"]["max"] == (7 if "scale" in command else 1)
+    models.close()
 
 
 @pytest.mark.parametrize(

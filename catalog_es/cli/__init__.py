@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import io
 import logging
+import os
 import sys
+from pathlib import Path
 
 from catalog_es.cli import audit as _audit  # noqa: F401  (registers the commands)
 from catalog_es.cli import models as _models  # noqa: F401  (registers the commands)
@@ -25,6 +27,13 @@ def main() -> None:
     # What the terminal's encoding cannot write is written escaped: a write
     # committed and then told in a character it lacks must not exit 1, which
     # says nothing was written (a script would make the change again).
+    # Started with standard output or error closed (`>&-`), Python has none:
+    # what would be written there goes nowhere, rather than a write committed
+    # and then refused for want of somewhere to say so.
+    if sys.stdout is None:
+        sys.stdout = Path(os.devnull).open("w")  # noqa: SIM115 (for the process's life)
+    if sys.stderr is None:
+        sys.stderr = Path(os.devnull).open("w")  # noqa: SIM115 (for the process's life)
     for stream in (sys.stdout, sys.stderr):
         if isinstance(stream, io.TextIOWrapper):
             stream.reconfigure(errors="backslashreplace")

@@ -13,7 +13,9 @@ import logging
 import os
 import shutil
 import sys
+import traceback
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import suppress
 from datetime import datetime
 from typing import Any, TypeVar
 
@@ -233,12 +235,12 @@ def print_table(
     terminal = sys.stdout.isatty()
     width = shutil.get_terminal_size().columns if terminal else None
     bold = terminal and os.environ.get("TERM") != "dumb"
-    tables.echo(tables.render(header, rows, width=width, bold=bold, keys=keys))
+    tables.write_lines(tables.render(header, rows, width=width, bold=bold, keys=keys))
 
 
 def emit(settings: Settings, data: Any, human: Callable[[], None]) -> None:
     if settings.json:
-        click.echo(json_line(data))
+        tables.write_lines([json_line(data)])
     else:
         human()
 
@@ -356,6 +358,8 @@ def let_warnings_through() -> None:
 
 # 128 + SIGPIPE.
 EXIT_PIPE_CLOSED = 141
+# An answer standard output could not take, after the command did its work.
+EXIT_OUTPUT_FAILED = 74
 
 
 class CatalogGroup(click.Group):
@@ -401,6 +405,14 @@ class CatalogGroup(click.Group):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             ctx.exit(EXIT_PIPE_CLOSED)
         except Exception as error:  # the last guard: one line, not a traceback
+            if isinstance(error, OSError) and _raised_writing_out(error):
+                # Standard output could not take the answer (a full disk, an
+                # I/O error): what the command did stands, so not 1, which
+                # says nothing was written. sysexits' EX_IOERR.
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+                with suppress(OSError):
+                    say(f"error: the answer could not be written out: {error}", err=True)
+                ctx.exit(EXIT_OUTPUT_FAILED)
             if os.environ.get("CATALOG_ES_DEBUG"):
                 told = True  # a traceback is no one line: what led to it may help
                 raise
@@ -408,6 +420,17 @@ class CatalogGroup(click.Group):
             ctx.exit(1)
         finally:
             _held.stop(told=told)
+
+
+# Where every answer is written out: an error raised in one is the output's.
+_WRITERS = {click.echo.__code__, tables.write_lines.__code__}
+
+
+def _raised_writing_out(error: BaseException) -> bool:
+    """Whether ``error`` came from writing an answer out, not from the work
+    (a tokens file on a full disk is the command's own failure)."""
+    frames = traceback.walk_tb(error.__traceback__)
+    return any(frame.f_code in _WRITERS for frame, _ in frames)
 
 
 def failure_line(error: Exception) -> str:

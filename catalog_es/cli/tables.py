@@ -134,11 +134,19 @@ def _wrap(cell: Cell, width: int) -> list[str]:
     return pieces
 
 
-def echo(lines: Iterable[str]) -> None:
-    """Write the table out through ``sys.stdout`` as it is set up (what its
+# The most written to standard output at once (see ``write_lines``).
+CHUNK = 1 << 16
+
+
+def write_lines(lines: Iterable[str]) -> None:
+    """Write lines out through ``sys.stdout`` as it is set up (what its
     encoding lacks written escaped; ``click.echo`` would write UTF-8 to a
-    terminal that said it is ASCII), a line at a time: one large write to a
-    pipe its reader closed part-way was cut short without a word, and the
-    command exited 0, not 141."""
-    sys.stdout.writelines(f"{line}\n" for line in lines)
-    sys.stdout.flush()
+    terminal that said it is ASCII), in pieces of at most ``CHUNK``: one
+    larger write to a pipe its reader closed part-way was cut short without
+    a word, and the command exited 0, not 141."""
+    out = sys.stdout
+    for line in lines:
+        text = f"{line}\n"
+        for start in range(0, len(text), CHUNK):
+            out.write(text[start : start + CHUNK])
+    out.flush()
