@@ -328,19 +328,24 @@ def test_model_add_dash_reads_standard_input(run: Run, encode: Callable[[Any], b
     assert (out["revision"], out["model"]["name"], out["replaced"]) == (1, "piped", False)
 
 
+def in_a_shell(db: str, command: str, redirection: str) -> subprocess.CompletedProcess[str]:
+    """The CLI on ``db`` run by a shell, with ``redirection`` (`<&-`, `>/dev/full`)."""
+    return subprocess.run(
+        f'exec "{sys.executable}" -m catalog_es --db {db} {command} {redirection}',
+        shell=True,
+        cwd=Path(__file__).parent.parent,  # the code under test, not an installed copy
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
 def test_a_dash_with_standard_input_closed_is_one_line(tmp_path: Path) -> None:
     """Started with standard input closed (`<&-`), Python has none at all."""
     db = f"sqlite:///{tmp_path}/catalog.db"
     for command in ("model add", "apply"):
-        done = subprocess.run(
-            f'exec "{sys.executable}" -m catalog_es --db {db} {command} - <&-',
-            shell=True,
-            cwd=Path(__file__).parent.parent,  # the code under test, not an installed copy
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
+        done = in_a_shell(db, f"{command} -", "<&-")
         assert done.returncode == 1, command
         # The log the run opened is new, and said to be (the path may be mistyped).
         assert done.stderr.startswith("error: standard input: closed, there is nothing to read")
@@ -954,15 +959,7 @@ def test_a_write_whose_answer_cannot_be_written_out_is_not_told_as_refused(
     db = f"sqlite:///{tmp_path}/catalog.db"
     models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db})
     models.add(spec("m"), by="ops")
-    told = subprocess.run(
-        f'exec "{sys.executable}" -m catalog_es --db {db} {" ".join(command)} {output}',
-        shell=True,
-        cwd=Path(__file__).parent.parent,  # the code under test, not an installed copy
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    told = in_a_shell(db, " ".join(command), output)
     assert told.returncode == code, told.stderr
     if code:
         assert (
