@@ -24,9 +24,6 @@ __all__ = ["cli", "main"]
 
 def main() -> None:
     """The console script."""
-    # What the terminal's encoding cannot write is written escaped: a write
-    # committed and then told in a character it lacks must not exit 1, which
-    # says nothing was written (a script would make the change again).
     # Started with standard output or error closed (`>&-`), Python has none:
     # what would be written there goes nowhere, rather than a write committed
     # and then refused for want of somewhere to say so.
@@ -34,6 +31,9 @@ def main() -> None:
         sys.stdout = Path(os.devnull).open("w")  # noqa: SIM115 (for the process's life)
     if sys.stderr is None:
         sys.stderr = Path(os.devnull).open("w")  # noqa: SIM115 (for the process's life)
+    # What the terminal's encoding cannot write is written escaped: a write
+    # committed and then told in a character it lacks must not exit 1, which
+    # says nothing was written (a script would make the change again).
     for stream in (sys.stdout, sys.stderr):
         if isinstance(stream, io.TextIOWrapper):
             stream.reconfigure(errors="backslashreplace")
