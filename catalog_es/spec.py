@@ -101,10 +101,12 @@ def effective_class(capacity_class: str, minimum: int) -> str:
 def check_name(name: str, *, model: str | None = None, field: str = "name") -> None:
     if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
         short = name if isinstance(name, str) and len(name) <= 40 else f"{str(name)[:40]}…"
+        # Quoted as shown, cut short as shown: a name of line separators
+        # (each "\u2028" written out) made a 466-character line (fuzz test).
         raise InvalidModel(
             model if model is not None else short,
             field,
-            f"{short!r} is not a valid name: 1-128 characters of A-Z a-z 0-9 . _ : / -, "
+            f"{shown(short, 40)} is not a valid name: 1-128 characters of A-Z a-z 0-9 . _ : / -, "
             "starting with a letter or digit",
         )
 

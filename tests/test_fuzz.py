@@ -30,7 +30,7 @@ import msgspec
 import pytest
 import yaml
 from click.testing import CliRunner, Result
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from catalog_es.application import Models
@@ -479,6 +479,9 @@ apply_documents = st.one_of(
 
 @FUZZ
 @given(document=apply_documents)
+# Found here: a name of line separators, each written out as "\u2028",
+# quoted twice, made a 466-character line.
+@example(document=b'[{"remove": "\\u001f' + "\u2028".encode() * 20 + b'"}, {"remove": "m"}]')
 def test_fuzzed_apply_lists_apply_whole_or_are_refused_in_one_line(
     harness: Harness, document: bytes
 ) -> None:
