@@ -228,6 +228,24 @@ class VisibleWarnings(logging.Formatter):
         return visible(super().formatMessage(record))
 
 
+# The most written to standard output at once (see ``write_out``).
+CHUNK = 1 << 16
+
+
+def write_out(lines: Iterable[str]) -> None:
+    """Write lines out through ``sys.stdout`` as it is set up (what its
+    encoding lacks written escaped; ``click.echo`` would write UTF-8 to a
+    terminal that said it is ASCII), in pieces of at most ``CHUNK``: one
+    larger write to a pipe its reader closed part-way was cut short without
+    a word, and the command exited 0, not 141."""
+    out = sys.stdout
+    for line in lines:
+        text = f"{line}\n"
+        for start in range(0, len(text), CHUNK):
+            out.write(text[start : start + CHUNK])
+    out.flush()
+
+
 def print_table(
     header: Sequence[str] | None, rows: Iterable[Sequence[tables.Cell]], *, keys: bool = False
 ) -> None:
@@ -235,12 +253,12 @@ def print_table(
     terminal = sys.stdout.isatty()
     width = shutil.get_terminal_size().columns if terminal else None
     bold = terminal and os.environ.get("TERM") != "dumb"
-    tables.write_lines(tables.render(header, rows, width=width, bold=bold, keys=keys))
+    write_out(tables.render(header, rows, width=width, bold=bold, keys=keys))
 
 
 def emit(settings: Settings, data: Any, human: Callable[[], None]) -> None:
     if settings.json:
-        tables.write_lines([json_line(data)])
+        write_out([json_line(data)])
     else:
         human()
 
@@ -423,7 +441,7 @@ class CatalogGroup(click.Group):
 
 
 # Where every answer is written out: an error raised in one is the output's.
-_WRITERS = {click.echo.__code__, tables.write_lines.__code__}
+_WRITERS = {click.echo.__code__, write_out.__code__}
 
 
 def _raised_writing_out(error: BaseException) -> bool:

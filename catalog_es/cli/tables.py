@@ -11,7 +11,6 @@ Cells come here made safe for a terminal (:func:`catalog_es.cli.base.visible`).
 from __future__ import annotations
 
 import re
-import sys
 from collections.abc import Iterable, Sequence
 
 import click
@@ -132,21 +131,3 @@ def _wrap(cell: Cell, width: int) -> list[str]:
                 current += word[len(text) :]
         pieces.append(current.rstrip(" "))
     return pieces
-
-
-# The most written to standard output at once (see ``write_lines``).
-CHUNK = 1 << 16
-
-
-def write_lines(lines: Iterable[str]) -> None:
-    """Write lines out through ``sys.stdout`` as it is set up (what its
-    encoding lacks written escaped; ``click.echo`` would write UTF-8 to a
-    terminal that said it is ASCII), in pieces of at most ``CHUNK``: one
-    larger write to a pipe its reader closed part-way was cut short without
-    a word, and the command exited 0, not 141."""
-    out = sys.stdout
-    for line in lines:
-        text = f"{line}\n"
-        for start in range(0, len(text), CHUNK):
-            out.write(text[start : start + CHUNK])
-    out.flush()
