@@ -14,7 +14,6 @@ from collections.abc import Callable
 
 from catalog_es.catalog import Catalog
 from catalog_es.errors import (
-    UNSAFE_TEXT,
     DeclaredInConfig,
     InvalidModel,
     ModelNotFound,
@@ -115,15 +114,6 @@ def _check_origin(model: str, origin: Origin) -> None:
     for path in origin.files:
         field = f"origin.files[{shown(path)}]"
         _held_to(model, field, relative_file, path)
-        # A file's name is shown, logged and made a path. Held to what a
-        # terminal acts on, not to every format character as a source typed
-        # in is: these also come from registries, where a joiner in a name is
-        # text, and one file refused stops a whole check for updates.
-        unsafe = UNSAFE_TEXT.search(path)
-        if unsafe is not None:
-            raise InvalidModel(
-                model, field, f"holds U+{ord(unsafe.group()):04X}, which a terminal acts on"
-            )
 
 
 def _held_to(model: str, field: str, check: Callable[[str], object], value: str) -> None:

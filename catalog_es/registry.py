@@ -28,7 +28,7 @@ from contextlib import suppress
 from io import BufferedReader
 from pathlib import Path, PurePosixPath
 
-from catalog_es.errors import Refused
+from catalog_es.errors import UNSAFE_TEXT, Refused
 
 SCHEME = "hf://"
 DEFAULT_BRANCH = "main"
@@ -65,8 +65,8 @@ _NAME_MAX, _PATH_MAX = 255, 1024
 
 def relative_file(path: str) -> PurePosixPath:
     """A file path inside a revision, refused if it could point outside it,
-    or if no file system could hold it (found only when the file is fetched,
-    after it was recorded in the log)."""
+    if no file system could hold it (found only when the file is fetched,
+    after it was recorded in the log), or if a terminal would act on it."""
     pure = PurePosixPath(path)
     if not path or pure.is_absolute() or any(part in ("", ".", "..") for part in path.split("/")):
         raise RegistryError(f"file path {path[:80]!r} is not a plain path inside a revision")
@@ -77,6 +77,14 @@ def relative_file(path: str) -> PurePosixPath:
     if b"\0" in encoded:
         raise RegistryError(
             f"file path {path[:80]!r} holds what no file name can (a NUL, or a lone surrogate)"
+        )
+    # A file's name is shown, logged and made a path: held to what a terminal
+    # acts on, not to every format character as a source typed in is (a
+    # joiner in a registry's file name is text).
+    unsafe = UNSAFE_TEXT.search(path)
+    if unsafe is not None:
+        raise RegistryError(
+            f"file path {path[:80]!r} holds U+{ord(unsafe.group()):04X}, which a terminal acts on"
         )
     longest = max(len(part.encode("utf-8")) for part in path.split("/"))
     if longest > _NAME_MAX or len(encoded) > _PATH_MAX:

@@ -457,18 +457,28 @@ def test_weights_given_in_part_are_no_weights_to_go_back_to(world: World) -> Non
     assert world.rows() == rows
 
 
+@pytest.mark.parametrize(
+    ("name", "why"),
+    [
+        pytest.param("\udcff.bin", "lone surrogate", id="not-utf8"),
+        pytest.param("a\nb.bin", "holds U+000A, which a terminal acts on", id="newline"),
+        pytest.param("a\x1b[2Jb.bin", "holds U+001B, which a terminal acts on", id="escape"),
+        pytest.param("evil\u202egpj.exe", "holds U+202E, which a terminal acts on", id="bidi"),
+    ],
+)
 def test_a_file_name_the_log_cannot_hold_leaves_its_model_unchecked_not_the_run_failed(
-    world: World, tracked: Weights
+    world: World, tracked: Weights, name: str, why: str
 ) -> None:
     """A commit with a file named in bytes that are not UTF-8 failed the whole
     check-updates run after it had written, every run after it too (hostile
-    test): its model is listed as unchecked, the others go on."""
+    test); one named with what a terminal acts on failed it before it wrote:
+    its model is listed as unchecked, the others go on."""
     tracked.models.add(spec("other", source="hf://org/other"), by="alice")
     world.mirror.publish("org/other", V1)
-    world.mirror.publish("org/m", {**V2, "\udcff.bin": b"odd"})
+    world.mirror.publish("org/m", {**V2, name: b"odd"})
     report = tracked.check_updates(by="cron")
     [unchecked] = report["unchecked"]
-    assert unchecked["model"] == "m" and "lone surrogate" in unchecked["reason"]
+    assert unchecked["model"] == "m" and why in unchecked["reason"]
     assert [o["model"] for o in report["origins"]] == ["other"]
 
 
