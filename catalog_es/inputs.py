@@ -37,7 +37,16 @@ from catalog_es.configuration import DeclaredConfig as DeclaredConfig  # re-expo
 from catalog_es.errors import SHOWN_LENGTH, ConfigError, InputError, Refused, cut_short, shown
 from catalog_es.model import APPLY, EVENT_TYPES, ROLLBACK
 from catalog_es.persistence import MAX_REVISION as MAX_REVISION  # re-exported
-from catalog_es.spec import DEFAULT_ENGINES, Adapter, ModelSpec, Origin, effective_class
+from catalog_es.spec import (
+    DEFAULT_ENGINES,
+    Adapter,
+    ModelSpec,
+    Origin,
+    Profile,
+    effective_class,
+    memory_warnings,
+    profiles_missing_memory,
+)
 
 # A model definition is a few hundred bytes; a megabyte is a mistake or an attack.
 MAX_INPUT_BYTES = 1 << 20
@@ -103,7 +112,7 @@ class ModelInput(_Input):
     # added again (it was refused as unknown fields).
     effective_class: str | None = None
     declared: bool = False
-    warnings: list[str] = []
+    warnings: list[str] | None = None
 
     @field_validator("effective_class")
     @classmethod
@@ -128,6 +137,29 @@ class ModelInput(_Input):
                 "shown_only",
                 "true is what model show says of a model the config declares, which is "
                 "changed there; leave declared out",
+            )
+        return value
+
+    @field_validator("warnings")
+    @classmethod
+    def _warned_of(cls, value: list[str] | None, info: ValidationInfo) -> list[str] | None:
+        profiles = info.data.get("profiles")
+        if value is None or profiles is None:
+            return value  # not given, or what it is checked against was refused
+        worked_out = memory_warnings(
+            profiles_missing_memory(
+                msgspec.convert([p.model_dump() for p in profiles], list[Profile])
+            )
+        )
+        if value != worked_out:
+            raise PydanticCustomError(
+                "shown_only",
+                "are worked out, not set: this definition has {worked_out}",
+                {
+                    "worked_out": json.dumps(worked_out, ensure_ascii=False)
+                    if worked_out
+                    else "none"
+                },
             )
         return value
 

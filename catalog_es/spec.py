@@ -87,7 +87,20 @@ class ModelSpec(Value, frozen=True):
 
     def missing_memory(self) -> list[str]:
         """Names of CPU-only profiles that declare no host memory."""
-        return [p.name for p in self.profiles if p.cpu_only and p.min_memory_gb <= 0]
+        return profiles_missing_memory(self.profiles)
+
+
+def profiles_missing_memory(profiles: Iterable[Profile]) -> list[str]:
+    """Names of those of ``profiles`` that are CPU-only and declare no host memory."""
+    return [p.name for p in profiles if p.cpu_only and p.min_memory_gb <= 0]
+
+
+def memory_warnings(missing: Iterable[str]) -> list[str]:
+    """What ``model show`` warns of a definition whose CPU-only profiles
+    ``missing`` declare no host memory."""
+    return [
+        f"profile {p!r} runs without a GPU and declares no memory (min_memory_gb)" for p in missing
+    ]
 
 
 def effective_class(capacity_class: str, minimum: int) -> str:

@@ -15,7 +15,7 @@ from catalog_es.collector import collector_paused
 from catalog_es.configuration import CONFIG_DECLARED, Configuration
 from catalog_es.mapper import topic_name
 from catalog_es.model import DomainEvent, Model, utc_text
-from catalog_es.spec import ModelSpec
+from catalog_es.spec import ModelSpec, memory_warnings
 
 
 def model_view(spec: ModelSpec, *, declared: bool) -> dict[str, Any]:
@@ -46,10 +46,7 @@ def _complete(view: dict[str, Any], spec: ModelSpec, declared: bool) -> dict[str
     view["declared"] = declared
     missing = spec.missing_memory()
     if missing:
-        view["warnings"] = [
-            f"profile {p!r} runs without a GPU and declares no memory (min_memory_gb)"
-            for p in missing
-        ]
+        view["warnings"] = memory_warnings(missing)
     return view
 
 

@@ -180,6 +180,7 @@ def test_a_model_shown_can_be_edited_and_added_again(
     for field, value, told in (
         ("effective_class", "critical", "effective_class: is worked out, not set: this"),
         ("declared", True, "declared: true is what model show says of a model the config"),
+        ("warnings", ["bogus"], "warnings: are worked out, not set: this definition has none"),
     ):
         wrong = write("wrong.json", as_json({**shown, field: value}))
         assert told in refused_in_one_line(run("model", "add", wrong))
