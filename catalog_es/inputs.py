@@ -513,6 +513,8 @@ def _read_at_most(file: BinaryIO, limit: int) -> bytes | None:
 
 def read_text(path: str, limit: int = MAX_INPUT_BYTES) -> tuple[str, str]:
     """The text of a file, or of standard input for ``-``, and how to name it."""
+    if not path:  # a variable left unset ("$FILE"): not the working directory
+        raise InputError("FILE is empty: give a file's path, or - for standard input")
     if path == "-":
         where = "standard input"
         if sys.stdin is None:  # started with it closed (`<&-`)

@@ -280,6 +280,8 @@ def test_db_and_config_come_from_the_environment(
         (["--config", "", "model", "list"], "error: --config is empty: give a config file"),
         (["token", "list", "--tokens", ""], "error: --tokens is empty: give a tokens file"),
         (["model", "updates", "--mirror", ""], "error: --mirror is empty: give a mirror"),
+        (["model", "add", ""], "error: FILE is empty: give a file's path, or - for standard"),
+        (["apply", ""], "error: FILE is empty: give a file's path, or - for standard input"),
     ],
 )
 def test_an_option_given_empty_is_refused_not_taken_for_its_default(
@@ -287,7 +289,8 @@ def test_an_option_given_empty_is_refused_not_taken_for_its_default(
 ) -> None:
     """`--db "$URL"` with the variable unset wrote to ./catalog.db, and
     `--config ''` read ./catalog.yaml: another log, or another declared
-    layer, than the one meant (hostile test)."""
+    layer, than the one meant (hostile test). A FILE given empty was told
+    as `error: : Is a directory` (the working one)."""
     monkeypatch.chdir(tmp_path)
     write("catalog.yaml", config_yaml(spec("declared")).encode())
     monkeypatch.setenv("CATALOG_ES_DB", f"sqlite:///{tmp_path}/from-env.db")

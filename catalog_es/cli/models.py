@@ -333,7 +333,8 @@ def apply_command(settings: Settings, file: str) -> None:
     resources {name, profile, memory_gb, cpu_cores}, class {name, class},
     owner {name, owner}, adapters {name, adapters}, source {name, source, origin}.
     """
-    result = settings.models().apply_changes(read_changes(file), **meta(settings))
+    changes = read_changes(file)  # refused before a log is opened, or made
+    result = settings.models().apply_changes(changes, **meta(settings))
 
     def text() -> None:
         changes = counted(result["changes"], "change")
