@@ -610,6 +610,12 @@ def test_a_stale_if_match_is_409_and_writes_nothing(api: Api) -> None:
         "/models/qwen/scale?reason=a&reason=b", json={"max": 5}, headers=api.as_("write")
     )
     assert refused(twice, 422) == "reason is given more than once in the query: give it once"
+    # %-escapes that are not UTF-8 were read as U+FFFD, and recorded (hostile test).
+    for query in ("reason=%FF", "reason=%ED%A0%80", "%FF=x"):
+        odd = api.client.post(
+            f"/models/qwen/scale?{query}", json={"max": 5}, headers=api.as_("write")
+        )
+        assert refused(odd, 422) == "query: not UTF-8 text once its %-escapes are read", query
     assert count_events(api.db) == before + 2
 
 

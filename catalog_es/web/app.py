@@ -19,6 +19,7 @@ from contextlib import contextmanager, nullcontext
 from datetime import datetime
 from importlib.metadata import version
 from typing import Annotated, Any, Literal, Protocol, TypeVar
+from urllib.parse import unquote_to_bytes
 
 import msgspec
 import sqlalchemy as sa
@@ -181,18 +182,24 @@ def caller_with(role: Role) -> Callable[..., Caller]:
             raise HTTPException(401, "the token is not valid (unknown or revoked)", challenge)
         if found.role < role:
             raise forbidden(found, f"this needs {role.name}")
-        _refuse_unknown_query(request)
+        _check_query(request)
         return found
 
     return caller
 
 
-def _refuse_unknown_query(request: Request) -> None:
+def _check_query(request: Request) -> None:
     """A query key the path does not take is refused, not passed over: a read
     asked `?att=3`, or `at` where the path reads only now, answered now, in
     silence (conformance audit). So is a key given twice, rather than the
     last one read (`?model=a&model=b` answered for b alone, as if filtered
-    by both). Checked once the caller is known."""
+    by both); and a query whose %-escapes are not UTF-8, which was read with
+    U+FFFD in their place (a `reason=%FF` recorded as what no one sent), as
+    a request body that is not is. Checked once the caller is known."""
+    try:
+        unquote_to_bytes(request.scope.get("query_string", b"")).decode("utf-8")
+    except UnicodeDecodeError:
+        raise InputError("query: not UTF-8 text once its %-escapes are read") from None
     route = request.scope.get("route")
     if not isinstance(route, APIRoute):
         return
