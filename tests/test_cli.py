@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -343,6 +344,29 @@ def in_a_shell(db: str, command: str, redirection: str) -> subprocess.CompletedP
         timeout=60,
         check=False,
     )
+
+
+def test_ctrl_c_while_the_command_line_loads_is_no_traceback(tmp_path: Path) -> None:
+    """Its imports take most of a second: a Ctrl-C in them printed a
+    traceback through SQLAlchemy's (hostile test). Sent once an import is
+    under way, told by ``-X importtime`` as each one ends."""
+    loading = subprocess.Popen(
+        [sys.executable, "-X", "importtime", "-m", "catalog_es"],
+        cwd=Path(__file__).parent.parent,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert loading.stderr is not None
+        while "catalog_es.errors" not in loading.stderr.readline():
+            pass
+        loading.send_signal(signal.SIGINT)
+        out, err = loading.communicate(timeout=30)
+    finally:
+        loading.kill()
+    assert (loading.returncode, out) == (1, "")
+    assert err.endswith("\nAborted!\n") and "Traceback" not in err, err[-2000:]
 
 
 def test_a_dash_with_standard_input_closed_is_one_line(tmp_path: Path) -> None:
