@@ -11,6 +11,7 @@ import gc
 import json
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -1119,6 +1120,29 @@ def test_serve_logs_each_request_on_stderr_when_asked(tmp_path: Path, config_fil
         out, err = server.communicate(timeout=10)
     assert out == ""
     assert '"GET /models HTTP/1.1" 200' in err and '"GET /models HTTP/1.1" 401' in err
+
+
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_serve_stopped_as_asked_says_stopped_and_exits_0(
+    tmp_path: Path, config_file: str, stop: signal.Signals
+) -> None:
+    """A stop asked for is how a server ends: Ctrl-C told "Aborted!" and exit 1,
+    which says a command was refused, and SIGTERM killed it (hostile test)."""
+    db = f"sqlite:///{tmp_path}/serve.db"
+    tokens = tmp_path / "tokens.json"
+    secret = TokenStore(tokens).add("ops", "read")[1]
+    port = free_port()
+    command = [sys.executable, "-m", "catalog_es", "--db", db, "--config", config_file]
+    command += ["serve", "--port", str(port), "--tokens", str(tokens)]
+    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert _wait_for(f"http://127.0.0.1:{port}/revision", bearer(secret)).status_code == 200
+        server.send_signal(stop)
+        out, err = server.communicate(timeout=20)
+    finally:
+        server.kill()
+    assert (server.returncode, out) == (0, "")
+    assert err.endswith("\nstopped\n") and "Aborted" not in err, err
 
 
 @pytest.mark.parametrize("where", ["taken", "unknown host", "empty host"])
