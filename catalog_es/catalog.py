@@ -13,13 +13,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import datetime
+from uuid import UUID
 
 import msgspec
 
 from catalog_es.chain import ChainHead
 from catalog_es.configuration import Configuration
 from catalog_es.errors import ConfigError, InvalidModel, Refused
-from catalog_es.model import DomainEvent, Model
+from catalog_es.model import DomainEvent, Model, model_id
 from catalog_es.spec import DEFAULT_ENGINES, EVERY_FIELD, ModelSpec, check_spec
 
 _DECLARED = Configuration.Declared
@@ -70,6 +71,17 @@ class Catalog:
         self._check_declared_graph()
 
     # -- reading ---------------------------------------------------------------
+
+    def name_of(self, originator_id: UUID) -> str | None:
+        """The model whose stream ``originator_id`` is, of those this catalog has
+        an aggregate of: for a record that cannot say so itself. Rare, so each
+        is looked for afresh: among the ids the replay worked out, then (a
+        catalog restored from a snapshot has none yet) among every name."""
+        wanted = originator_id.int
+        for name, known in self._ids.items():
+            if known == wanted:
+                return name
+        return next((name for name in self.aggregates if model_id(name).int == wanted), None)
 
     def get(self, name: str) -> ModelSpec | None:
         spec = self.declared.get(name)

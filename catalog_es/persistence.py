@@ -1148,6 +1148,23 @@ class SQLRecorder(ProcessRecorder):
         _check_whole([value])
         return value or 0
 
+    def originator_of(self, conn: Connection, revision: int) -> UUID | None:
+        """The stream the event at ``revision`` was filed in; ``None`` for no such
+        row, or an id edited by hand into no UUID."""
+        cursor = conn.connection.cursor()
+        try:
+            cursor.execute(
+                self._sql("SELECT originator_id FROM catalog_events WHERE revision = ?"),
+                (revision,),
+            )
+            (value,) = cursor.fetchone() or (None,)
+        finally:
+            cursor.close()
+        try:
+            return _as_uuid(value) if value is not None else None
+        except (ValueError, TypeError, AttributeError):
+            return None
+
     def stream_versions(self, conn: Connection, originator_ids: Sequence[UUID]) -> list[int]:
         """``stream_version`` of many streams, in the order given, in a few round trips."""
         # Keyed by the stored form, so no UUID is parsed or hashed per row.

@@ -66,8 +66,9 @@ RETRIES = 3
 # written), so that each version of this code keeps tables of its own, and
 # nodes of two versions sharing a database during an upgrade each read tables
 # they understand. Tables of an earlier layout are left to the nodes that use
-# them. 4: a table of rows per declared config.
-LAYOUT = 4
+# them. 4: a table of rows per declared config; 5: a record that cannot say
+# its model is its stream's (it was no model's, so no model's history).
+LAYOUT = 5
 CHANGES_PREFIX = f"audit_changes_v{LAYOUT}_"
 # What this code names a table of rows: another of the prefix (an operator's
 # copy, say) is not this code's to drop.
@@ -769,12 +770,23 @@ class AuditProjection(Projection[AuditView]):
                 for page in recorder.scan(conn, after=self.catalog.revision):
                     for revision, topic, state in page:
                         record = read_record(topic, state)
+                        if type(record) is Unreadable and not record.model:
+                            record = self._filed_under(record, recorder, conn, revision)
                         self.process_event(record, Tracking(application_name, revision))
                         if len(self._staged) >= BATCH_SIZE:
                             self.flush()
             self.flush()
         if self.recorded - start >= ANALYZE_AFTER:
             self.view.analyze(application_name)
+
+    def _filed_under(
+        self, record: Unreadable, recorder: SQLRecorder, conn: Connection, revision: int
+    ) -> Unreadable:
+        """``record``, whose bytes do not say its model, as its stream's: the
+        model's history shows it, as ``log --model`` does (it was left out)."""
+        stream = recorder.originator_of(conn, revision)
+        name = self.catalog.name_of(stream) if stream is not None else None
+        return record if name is None else msgspec.structs.replace(record, model=name)
 
     def flush(self) -> None:
         """Write the staged rows and the position they reach, together."""

@@ -541,6 +541,32 @@ def test_skipped_events_are_in_the_audit_with_why(models: Models) -> None:
     assert [s["revision"] for s in report["skipped"]] == [9, 10]
 
 
+def test_a_record_that_cannot_say_its_model_is_in_its_streams_history(models: Models) -> None:
+    """`history` and `audit --model` filter on each record's model: one whose
+    bytes could not be read at all named none, so it was missing from its
+    model's history while `log --model` showed it. Its stream says whose it
+    is; a stream no readable record ever named stays nameless."""
+    chat, nameless = (
+        StoredEvent(
+            originator_id=model_id(name),
+            originator_version=version,
+            topic="catalog_es.model:Model.Scaled",
+            state=b"\x00\xff{{not json",
+        )
+        for name, version in (("chat", 5), ("never-named", 1))
+    )
+    append_directly(models, chat, nameless)
+    skipped = [(r["revision"], r["model"]) for r in models.audit() if r["skipped"]]
+    assert skipped == [(9, "chat"), (10, "")]
+    (row,) = [r for r in models.history("chat") if r["skipped"]]
+    assert (row["revision"], row["skipped"]) == (
+        9,
+        "corrupt payload: JSON is malformed: invalid character (byte 0)",
+    )
+    assert row["before"] == row["after"] and row["changes"] == []
+    assert row in models.audit(model="chat")
+
+
 # -- refusals ----------------------------------------------------------------------
 
 

@@ -322,6 +322,10 @@ def test_the_audit_shows_each_poison_with_why_and_answers_by_time(
     rows = models.audit()
     assert {r["revision"]: r["skipped"] for r in rows if r["skipped"]} == skipped
     assert set(poisoned) <= set(skipped)
+    # A record that cannot say its model is its stream's, for history to show.
+    cut = next(r for r, p in poisoned.items() if p.case == "a row cut in half")
+    assert next(r["model"] for r in rows if r["revision"] == cut) == "good-b"
+    assert cut in [r["revision"] for r in models.history("good-b")]
     assert models.audit(model="p-nul\0")[0]["model"] == "p-nul\0"
     with pytest.raises(ModelNotFound):
         models.history("never\0")
