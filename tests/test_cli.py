@@ -369,6 +369,30 @@ def test_ctrl_c_while_the_command_line_loads_is_no_traceback(tmp_path: Path) -> 
     assert err.endswith("\nAborted!\n") and "Traceback" not in err, err[-2000:]
 
 
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_watch_stopped_as_asked_says_stopped_and_exits_0(
+    run: Run, write: Any, db_url: str, stop: signal.Signals
+) -> None:
+    """A follower runs until stopped, by hand or by its supervisor's SIGTERM,
+    which killed it (review)."""
+    ok(run("model", "add", write("m.yaml", as_yaml(definition("m")))))
+    watch = subprocess.Popen(
+        [sys.executable, "-m", "catalog_es", "--db", db_url, "watch", "--json"],
+        cwd=Path(__file__).parent.parent,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert watch.stdout is not None
+        assert json.loads(watch.stdout.readline())["model"] == "m"  # following now
+        watch.send_signal(stop)
+        _, err = watch.communicate(timeout=30)
+    finally:
+        watch.kill()
+    assert (watch.returncode, err) == (0, "stopped\n")
+
+
 def test_a_dash_with_standard_input_closed_is_one_line(tmp_path: Path) -> None:
     """Started with standard input closed (`<&-`), Python has none at all."""
     db = f"sqlite:///{tmp_path}/catalog.db"

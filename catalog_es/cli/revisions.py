@@ -23,6 +23,7 @@ from catalog_es.cli.base import (
     pass_settings,
     say,
     shared_options,
+    stopped_when_asked,
     table,
 )
 from catalog_es.errors import counted
@@ -140,10 +141,11 @@ def rollback_command(
 @shared_options
 @pass_settings
 def watch_command(settings: Settings, after: int) -> None:
-    """Every change after a revision, in order, then follow live. Ctrl-C stops."""
-    models = settings.models()
-    let_warnings_through()  # it runs until stopped
-    try:
+    """Every change after a revision, in order, then follow live. Ctrl-C (or
+    SIGTERM) stops."""
+    with stopped_when_asked():
+        models = settings.models()
+        let_warnings_through()  # it runs until stopped
         for event in models.watch(after):
             if settings.json:
                 click.echo(json_line(event))
@@ -154,8 +156,6 @@ def watch_command(settings: Settings, after: int) -> None:
                     f"{event['revision']} {event['time'] or '?'} {event['by'] or '?'} "
                     f"{event['model'] or '-'} {event['event']} {what}"
                 )
-    except KeyboardInterrupt:
-        click.echo("stopped", err=True)
 
 
 @cli.command("replay")

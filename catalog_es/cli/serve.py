@@ -5,10 +5,8 @@ from __future__ import annotations
 import copy
 import gc
 import logging
-import signal
 import socket
 import sys
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import FrameType
@@ -24,6 +22,7 @@ from catalog_es.cli.base import (
     pass_settings,
     say,
     shared_options,
+    stopped_when_asked,
     table,
 )
 from catalog_es.errors import InputError, shown
@@ -101,7 +100,7 @@ def serve(
     # Listening first: a server that cannot (the port taken, a host that does
     # not resolve) is refused before it opens the database or records anything.
     sockets = _listening(host, port)
-    with _stopped_when_asked(), _closing(sockets):
+    with stopped_when_asked(), _closing(sockets):
         models = settings.models()
         let_warnings_through()  # a server's log tells them as they come
         revision = models.record_declaration(by=settings.actor, reason=settings.reason)
@@ -143,36 +142,9 @@ def serve(
         Server(config).run(sockets=sockets)
 
 
-class _StopAsked(BaseException):
-    """SIGINT or SIGTERM, while uvicorn's handlers are not the ones set."""
-
-
-@contextmanager
-def _stopped_when_asked() -> Iterator[None]:
-    """A stop asked for (Ctrl-C; SIGTERM, a supervisor's) ends ``serve`` with
-    ``stopped`` and exit 0. uvicorn shuts down gracefully on either, then
-    raises the signal again for the handler it found: that told "Aborted!"
-    and exit 1, which says a command was refused, or died of SIGTERM. One
-    before uvicorn runs (a large catalog loading) stops the server as well."""
-    if threading.current_thread() is not threading.main_thread():
-        yield  # signals are the main thread's to handle
-        return
-
-    def stop(_signal: int, _frame: FrameType | None) -> None:
-        raise _StopAsked
-
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    except _StopAsked:
-        say("stopped", err=True)
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
 @contextmanager
 def _closing(sockets: list[socket.socket]) -> Iterator[None]:
+    """``sockets`` closed as the block ends, however it ends."""
     try:
         yield
     finally:
