@@ -12,7 +12,8 @@ def main() -> None:
 
         run_command_line()
     except KeyboardInterrupt:
-        print("\nAborted!", file=sys.stderr)
+        if sys.stderr is not None:  # started with it closed (`2>&-`): not on stdout
+            print("\nAborted!", file=sys.stderr)
         sys.exit(1)
 
 

@@ -346,7 +346,7 @@ def in_a_shell(db: str, command: str, redirection: str) -> subprocess.CompletedP
     )
 
 
-def test_ctrl_c_while_the_command_line_loads_is_no_traceback(tmp_path: Path) -> None:
+def test_ctrl_c_while_the_command_line_loads_is_no_traceback() -> None:
     """Its imports take most of a second: a Ctrl-C in them printed a
     traceback through SQLAlchemy's (hostile test). Sent once an import is
     under way, told by ``-X importtime`` as each one ends."""
@@ -359,8 +359,11 @@ def test_ctrl_c_while_the_command_line_loads_is_no_traceback(tmp_path: Path) -> 
     )
     try:
         assert loading.stderr is not None
-        while "catalog_es.errors" not in loading.stderr.readline():
-            pass
+        for line in loading.stderr:
+            if "catalog_es.errors" in line:
+                break
+        else:
+            pytest.fail("the command line ended before it imported catalog_es.errors")
         loading.send_signal(signal.SIGINT)
         out, err = loading.communicate(timeout=30)
     finally:

@@ -23,7 +23,7 @@ __all__ = ["cli", "main"]
 
 
 def main() -> None:
-    """The console script."""
+    """The command line, once :func:`catalog_es.__main__.main` has imported it."""
     # Started with standard output or error closed (`>&-`), Python has none:
     # what would be written there goes nowhere, rather than a write committed
     # and then refused for want of somewhere to say so.
