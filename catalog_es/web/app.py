@@ -193,14 +193,16 @@ def _check_query(request: Request) -> None:
     asked `?att=3`, or `at` where the path reads only now, answered now, in
     silence (conformance audit). So is a key given twice, rather than the
     last one read (`?model=a&model=b` answered for b alone, as if filtered
-    by both); and a query whose %-escapes are not UTF-8, which was read with
-    U+FFFD in their place (a `reason=%FF` recorded as what no one sent), as
-    a request body that is not is. Checked once the caller is known."""
-    try:
-        unquote_to_bytes(request.scope.get("query_string", b"")).decode("utf-8")
-    except UnicodeDecodeError:
-        raise InputError("query: not UTF-8 text once its %-escapes are read") from None
-    route = request.scope.get("route")
+    by both); and a path or query whose %-escapes are not UTF-8, which were
+    read with U+FFFD in their place (a `reason=%FF` recorded as what no one
+    sent), as a request body that is not is. Checked once the caller is known."""
+    scope = request.scope
+    for part, raw in (("path", scope.get("raw_path")), ("query", scope.get("query_string"))):
+        try:
+            unquote_to_bytes(raw or b"").decode("utf-8")
+        except UnicodeDecodeError:
+            raise InputError(f"{part}: not UTF-8 text once its %-escapes are read") from None
+    route = scope.get("route")
     if not isinstance(route, APIRoute):
         return
     taken = _query_names(route)
