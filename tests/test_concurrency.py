@@ -1277,11 +1277,11 @@ def test_an_interrupt_anywhere_in_a_write_leaves_no_lock_held(
                 signal.setitimer(signal.ITIMER_REAL, rng.uniform(0.00005, 0.0012))
                 for i in range(1000):
                     models.scale("a", i % 2, 3, by="ops")
-            except KeyboardInterrupt as interrupt:
+            except KeyboardInterrupt as cut:
                 interrupts += 1
                 # Where it landed, for the failure below (rare: once in eight
                 # full runs, never in storms of 20,000 interrupts alone).
-                landed = traceback.format_tb(interrupt.__traceback__)[-6:]
+                landed = traceback.format_tb(cut.__traceback__)[-6:]
             other = sqlite3.connect(path, timeout=0, isolation_level=None)
             try:
                 other.execute("BEGIN IMMEDIATE")  # "database is locked" if one is held
