@@ -346,17 +346,22 @@ def in_a_shell(db: str, command: str, redirection: str) -> subprocess.CompletedP
     )
 
 
-def test_ctrl_c_while_the_command_line_loads_is_no_traceback() -> None:
-    """Its imports take most of a second: a Ctrl-C in them printed a
-    traceback through SQLAlchemy's (hostile test). Sent once an import is
-    under way, told by ``-X importtime`` as each one ends."""
-    loading = subprocess.Popen(
-        [sys.executable, "-X", "importtime", "-m", "catalog_es"],
+def python(*args: str) -> subprocess.Popen[str]:
+    """Python running ``args`` on the code under test, its output piped."""
+    return subprocess.Popen(
+        [sys.executable, *args],
         cwd=Path(__file__).parent.parent,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
+
+
+def test_ctrl_c_while_the_command_line_loads_is_no_traceback() -> None:
+    """Its imports take most of a second: a Ctrl-C in them printed a
+    traceback through SQLAlchemy's (hostile test). Sent once an import is
+    under way, told by ``-X importtime`` as each one ends."""
+    loading = python("-X", "importtime", "-m", "catalog_es")
     try:
         assert loading.stderr is not None
         for line in loading.stderr:
@@ -379,13 +384,7 @@ def test_watch_stopped_as_asked_says_stopped_and_exits_0(
     """A follower runs until stopped, by hand or by its supervisor's SIGTERM,
     which killed it (review)."""
     ok(run("model", "add", write("m.yaml", as_yaml(definition("m")))))
-    watch = subprocess.Popen(
-        [sys.executable, "-m", "catalog_es", "--db", db_url, "watch", "--json"],
-        cwd=Path(__file__).parent.parent,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    watch = python("-m", "catalog_es", "--db", db_url, "watch", "--json")
     try:
         assert watch.stdout is not None
         assert json.loads(watch.stdout.readline())["model"] == "m"  # following now
