@@ -235,6 +235,36 @@ def test_refs_linked_out_of_the_mirror_are_refused(world: World) -> None:
         MirrorRegistry(world.mirror.root).resolve("org/m", "main")
 
 
+@pytest.mark.parametrize("where", ["in the mirror", "linked out of it"])
+def test_refs_that_are_a_pipe_are_refused_not_waited_on(world: World, where: str) -> None:
+    """Opening a pipe to read waits for a writer: every weights command hung
+    for good, a cron job's piling up (hostile test)."""
+    refs = world.mirror.root / "org/m/refs"
+    refs.unlink()
+    pipe = refs if where == "in the mirror" else world.root / "elsewhere-refs"
+    os.mkfifo(pipe)
+    if pipe != refs:
+        refs.symlink_to(pipe)
+    refused: list[BaseException] = []
+
+    def resolve() -> None:
+        try:
+            MirrorRegistry(world.mirror.root).resolve("org/m", "main")
+        except RegistryError as error:
+            refused.append(error)
+
+    reading = threading.Thread(target=resolve, daemon=True)
+    reading.start()
+    reading.join(timeout=10)
+    if reading.is_alive():
+        with pipe.open("wb"):  # the writer the open waits for: the thread ends
+            pass
+        reading.join()
+        pytest.fail("the refs were waited on")
+    (error,) = refused
+    assert "refused" in str(error)
+
+
 def test_a_branch_named_as_a_commit_is_refused_as_ambiguous(world: World) -> None:
     """The branch won, and an update asked for one commit moved to another
     (hostile test)."""
