@@ -161,6 +161,22 @@ class _FarBehind(Exception):
     :data:`CATCH_UP_HELD` events behind, or on events the log lost."""
 
 
+def _tell_skipped(skipped: Sequence[Skipped]) -> None:
+    """A warning for each record a replay left out, ten at most and then a count."""
+    for skip in skipped[:10]:
+        log.warning(
+            "skipped revision %d (model %r, %s): %s",
+            skip.revision,
+            skip.model,
+            skip.event,
+            skip.reason,
+        )
+    if len(skipped) > 10:
+        log.warning(
+            "… and %d more skipped events (catalog-es verify lists them)", len(skipped) - 10
+        )
+
+
 def _lost(catalog: Catalog, kept: Kept) -> str | None:
     """Why the log, as ``kept`` tells it, no longer holds the events
     ``catalog`` was built from (a failover to a standby that had not received
@@ -355,19 +371,7 @@ class Models(AuditTrail, Application[UUID]):
             self._tell_undeclared(conn, catalog)
         if catalog.revision - since >= self.snapshot_interval:
             self._save_snapshot(catalog.revision, snapshots.encode(catalog))
-        for skip in catalog.skipped[:10]:
-            log.warning(
-                "skipped revision %d (model %r, %s): %s",
-                skip.revision,
-                skip.model,
-                skip.event,
-                skip.reason,
-            )
-        if len(catalog.skipped) > 10:
-            log.warning(
-                "… and %d more skipped events (catalog-es verify lists them)",
-                len(catalog.skipped) - 10,
-            )
+        _tell_skipped(catalog.skipped)
         return catalog
 
     def _restored(self, conn: Connection, upto: int | None) -> Catalog:
@@ -956,7 +960,9 @@ class Models(AuditTrail, Application[UUID]):
             if kept.last > catalog.revision:
                 if held and kept.last - catalog.revision > CATCH_UP_HELD:
                     raise _FarBehind
-                catch_up(catalog, self.store, conn)
+                # Told as they come: a node that runs on (serve, watch) loaded
+                # long ago, and another node's config may take what this one's cannot.
+                _tell_skipped(catch_up(catalog, self.store, conn))
                 catalog.chain = _chain(kept.last, kept.last_hash)
             return
         if held:
@@ -967,7 +973,7 @@ class Models(AuditTrail, Application[UUID]):
         log.warning("%s; loading the catalog from the log", lost)
         self._known.forget()
         catalog = self._restored(conn, upto=kept.last)
-        catch_up(catalog, self.store, conn)
+        _tell_skipped(catch_up(catalog, self.store, conn))
         catalog.chain = _chain(kept.last, kept.last_hash)
         self.catalog = catalog
 

@@ -227,6 +227,25 @@ def test_a_poisoned_record_is_skipped_and_reported_and_the_rest_loads(
     assert [s.revision for s in reopened.skipped()] == [revisions[poison.id]]
 
 
+def test_a_record_skipped_while_following_another_writer_is_reported(
+    make_models: MakeModels, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Skips were reported as a node loaded only: one that runs on (`serve`,
+    `watch`) was never told of the records another node's config let it
+    write and its own cannot take (hostile test)."""
+    caplog.set_level(logging.WARNING, logger="catalog_es")
+    following = make_models(config_yaml(engines=["vllm", "sglang"]))
+    writing = make_models(config_yaml())
+    revision = writing.add(spec("r9", engine="tgi"), by=ACTOR).revision
+    caplog.clear()
+    following.refresh()
+    assert [s.revision for s in following.skipped()] == [revision]
+    assert f"skipped revision {revision} (model 'r9', Added): " in caplog.text
+    caplog.clear()
+    following.refresh()  # told once
+    assert "skipped" not in caplog.text
+
+
 def test_exactly_the_poisoned_records_are_skipped_together(
     make_models: MakeModels, db_url: str
 ) -> None:
