@@ -234,6 +234,23 @@ def test_console_models_history_time_travel_and_rollback(
         expect(reader.locator("#rollback-confirm")).to_have_count(0)
         reader.close()
 
+        # A confirmation the log has moved past is refused once, its plan
+        # withdrawn (each click added the same refusal under it: hostile test).
+        page.goto(f"{url}/console/#/models?at=1")
+        page.click("#rollback-preview")
+        expect(page.locator("#rollback-confirm")).to_have_count(1)
+        models.scale("qwen2.5-7b-instruct", 0, 5, by="elsewhere")
+        written = count_events(db)
+        page.click("#rollback-confirm")
+        expect(page.locator("#rollback-refused")).to_contain_text(
+            "someone changed the catalog since you read it"
+        )
+        expect(page.locator("#rollback .error")).to_have_count(1)
+        expect(page.locator("#rollback-confirm")).to_have_count(0)
+        assert count_events(db) == written
+        page.click("#rollback-again")
+        expect(page.locator("#rollback-confirm")).to_have_count(1)
+
         # An address whose %-escapes are broken is told, not thrown.
         page.goto(f"{url}/console/#/model/%E0%A4%A")
         expect(page.locator("#error")).to_contain_text("This address names no model")

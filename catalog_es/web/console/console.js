@@ -336,7 +336,14 @@ function rollbackPanel(to, model) {
           state.flash = { text, until: Date.now() + 10000 };
           location.hash = href(route().page, model, null);
         } catch (error) {
-          panel.append(h("p", { class: "error" }, error.message));
+          // The plan goes with its refusal, to be worked out again on asking:
+          // each click added the same refusal under a plan that, the log
+          // having moved, could no longer be confirmed.
+          panel.replaceChildren(
+            h("p", { class: "error", id: "rollback-refused" }, error.message),
+            h("button", { type: "button", id: "rollback-again", onclick: preview }, "Work out the rollback again"),
+            h("button", { type: "button", id: "rollback-cancel", onclick: cancel }, "Cancel")
+          );
         }
       };
       panel.replaceChildren(
