@@ -1265,4 +1265,7 @@ class Models(AuditTrail, Application[UUID]):
             try:
                 yield event_view(revision, decode_event(topic, state))
             except UndecodableEvent as error:
-                yield undecodable_view(revision, topic, model_of_state(state), str(error))
+                # Asked for one model, every row is of its stream: one whose
+                # bytes cannot say so is still its, as history has it.
+                named = model_of_state(state) or model or ""
+                yield undecodable_view(revision, topic, named, str(error))

@@ -770,7 +770,11 @@ class AuditProjection(Projection[AuditView]):
                 for page in recorder.scan(conn, after=self.catalog.revision):
                     for revision, topic, state in page:
                         record = read_record(topic, state)
-                        if type(record) is Unreadable and not record.model:
+                        if (
+                            type(record) is Unreadable
+                            and not record.model
+                            and revision > self.recorded  # else its row is written
+                        ):
                             record = self._filed_under(record, recorder, conn, revision)
                         self.process_event(record, Tracking(application_name, revision))
                         if len(self._staged) >= BATCH_SIZE:

@@ -565,6 +565,8 @@ def test_a_record_that_cannot_say_its_model_is_in_its_streams_history(models: Mo
     )
     assert row["before"] == row["after"] and row["changes"] == []
     assert row in models.audit(model="chat")
+    # The log asked for the model's events says whose it is too.
+    assert [e["model"] for e in models.log_events(model="chat") if e["revision"] == 9] == ["chat"]
 
 
 # -- refusals ----------------------------------------------------------------------
