@@ -384,7 +384,7 @@ def stopped_when_asked() -> Iterator[None]:
     whenever it comes, a long load included; not "Aborted!" and 1, which says
     a command was refused, nor death by the signal. uvicorn shuts down
     gracefully on either, then raises the signal again for the handler it
-    found: this one."""
+    found: Python's for SIGINT (a KeyboardInterrupt), this one for SIGTERM."""
     if threading.current_thread() is not threading.main_thread():
         yield  # signals are the main thread's to handle
         return
@@ -395,10 +395,27 @@ def stopped_when_asked() -> Iterator[None]:
     previous = signal.signal(signal.SIGTERM, stop)
     try:
         yield
-    except KeyboardInterrupt:
+    except BaseException as error:
+        if not _stopping(error):
+            raise
         say("stopped", err=True)
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def _stopping(error: BaseException) -> bool:
+    """Whether ``error`` is a stop, or came of one: psycopg cancels the query
+    a stop cuts off, and handing its connection back may then fail in turn
+    ("can't change 'autocommit' now"), which took the stop's place (a
+    `watch` on PostgreSQL, once in forty Ctrl-Cs)."""
+    seen: BaseException | None = error
+    for _ in range(10):  # a chain of contexts, never a loop, but bounded all the same
+        if seen is None:
+            return False
+        if isinstance(seen, KeyboardInterrupt):
+            return True
+        seen = seen.__context__
+    return False
 
 
 def let_warnings_through() -> None:
