@@ -96,6 +96,10 @@ class OriginInput(_Input):
     files: dict[str, str] = {}
 
 
+# A warning quoted in a refusal: the sentence whole, a profile's name cut short.
+WARNING_SHOWN = 160
+
+
 class ModelInput(_Input):
     name: str
     engine: str
@@ -153,8 +157,8 @@ class ModelInput(_Input):
         )
         if value != worked_out:
             # One warning a CPU-only profile: quoted the first of them, not
-            # each of a definition's thousands.
-            first = cut_short(worked_out[0], SHOWN_LENGTH) if worked_out else ""
+            # each of a definition's thousands; whole, but for a long name.
+            first = cut_short(worked_out[0], WARNING_SHOWN) if worked_out else ""
             has = {0: "none", 1: f"1: {first}"}.get(len(worked_out))
             raise PydanticCustomError(
                 "shown_only",

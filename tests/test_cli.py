@@ -194,6 +194,23 @@ def test_a_model_shown_can_be_edited_and_added_again(
     assert rows() == before
 
 
+@pytest.mark.parametrize("cpu_profiles", [1, 2000])
+def test_warnings_given_back_wrong_are_refused_quoting_the_first(
+    run: Run, write: Any, rows: Callable[[], int], cpu_profiles: int
+) -> None:
+    """The refusal quoted every worked-out warning: 2,000 CPU-only profiles
+    made a 157 KB line (review)."""
+    profiles = [{"name": f"cpu{i}"} for i in range(cpu_profiles)]
+    given = definition("m", profiles=profiles) | {"warnings": ["bogus"]}
+    before = rows()
+    line = refused_in_one_line(run("model", "add", write("m.json", as_json(given))))
+    first = "profile 'cpu0' runs without a GPU and declares no memory (min_memory_gb)"
+    has = f"1: {first}" if cpu_profiles == 1 else f"2,000, the first: {first}"
+    assert f"warnings: are worked out, not set: this definition has {has} (got list)" in line
+    assert len(line) < 300
+    assert rows() == before
+
+
 def test_a_command_option_wins_over_the_root_one(run: Run, write: Any) -> None:
     _seeded(run, write)
     ok(run("--by", "root-actor", "model", "scale", "m", "--max", "3", "--by", "command-actor"))
