@@ -960,8 +960,8 @@ class Models(AuditTrail, Application[UUID]):
             if kept.last > catalog.revision:
                 if held and kept.last - catalog.revision > CATCH_UP_HELD:
                     raise _FarBehind
-                # Told as they come: a node that runs on (serve, watch) loaded
-                # long ago, and another node's config may take what this one's cannot.
+                # Told as they come: a node that runs on (serve) loaded long
+                # ago, and another node's config may take what this one's cannot.
                 _tell_skipped(catch_up(catalog, self.store, conn))
                 catalog.chain = _chain(kept.last, kept.last_hash)
             return

@@ -98,17 +98,17 @@ def relative_file(path: str) -> PurePosixPath:
 
 def open_inside(path: Path, within: Path) -> BufferedReader:
     """``path`` opened for reading, once the file opened is known to be a
-    regular file in ``within``, links followed: refused otherwise. Nothing
-    outside is opened at all; and what is opened is checked, so a link
-    swapped between the check and the read cannot slip through. Opened
-    without waiting: opening a pipe to read waits for a writer, and every
-    weights command hung on a ``refs`` that was one."""
+    regular file in ``within``, links followed: refused otherwise. What
+    leads outside is refused before it is opened; and what is opened is
+    checked, so a link swapped in between is refused unread. Opened without
+    waiting: opening a pipe to read waits for a writer, and every weights
+    command hung on a ``refs`` that was one."""
     _real_inside(path, within)
     opened = os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb")
     try:
         status = os.fstat(opened.fileno())
         if not stat.S_ISREG(status.st_mode):
-            raise RegistryError(f"{path} is not a file (a pipe, a device?): refused")
+            raise RegistryError(f"{path} is not a file (a folder, a pipe?): refused")
         os.set_blocking(opened.fileno(), True)
         if not os.path.samestat(status, _real_inside(path, within).stat()):
             raise RegistryError(f"{path} changed while it was read: refused")

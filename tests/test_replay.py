@@ -230,9 +230,9 @@ def test_a_poisoned_record_is_skipped_and_reported_and_the_rest_loads(
 def test_a_record_skipped_while_following_another_writer_is_reported(
     make_models: MakeModels, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Skips were reported as a node loaded only: one that runs on (`serve`,
-    `watch`) was never told of the records another node's config let it
-    write and its own cannot take (hostile test)."""
+    """Skips were reported as a node loaded only: one that runs on (`serve`)
+    was never told of the records another node's config let it write and its
+    own cannot take (hostile test)."""
     caplog.set_level(logging.WARNING, logger="catalog_es")
     following = make_models(config_yaml(engines=["vllm", "sglang"]))
     writing = make_models(config_yaml())

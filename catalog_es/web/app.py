@@ -182,13 +182,13 @@ def caller_with(role: Role) -> Callable[..., Caller]:
             raise HTTPException(401, "the token is not valid (unknown or revoked)", challenge)
         if found.role < role:
             raise forbidden(found, f"this needs {role.name}")
-        _check_query(request)
+        _check_path_and_query(request)
         return found
 
     return caller
 
 
-def _check_query(request: Request) -> None:
+def _check_path_and_query(request: Request) -> None:
     """A query key the path does not take is refused, not passed over: a read
     asked `?att=3`, or `at` where the path reads only now, answered now, in
     silence (conformance audit). So is a key given twice, rather than the
