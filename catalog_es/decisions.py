@@ -13,13 +13,7 @@ import unicodedata
 from collections.abc import Callable
 
 from catalog_es.catalog import Catalog
-from catalog_es.errors import (
-    DeclaredInConfig,
-    InvalidModel,
-    ModelNotFound,
-    Refused,
-    shown,
-)
+from catalog_es.errors import DeclaredInConfig, InvalidModel, ModelNotFound, Refused, shown
 from catalog_es.model import Model
 from catalog_es.registry import check_commit, check_repository, relative_file
 from catalog_es.spec import ModelSpec, Origin
@@ -112,8 +106,7 @@ def _check_origin(model: str, origin: Origin) -> None:
     if origin.revision:
         _held_to(model, "origin.revision", check_commit, origin.revision)
     for path in origin.files:
-        field = f"origin.files[{shown(path)}]"
-        _held_to(model, field, relative_file, path)
+        _held_to(model, f"origin.files[{shown(path)}]", relative_file, path)
 
 
 def _held_to(model: str, field: str, check: Callable[[str], object], value: str) -> None:

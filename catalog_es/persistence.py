@@ -1151,17 +1151,11 @@ class SQLRecorder(ProcessRecorder):
     def originator_of(self, conn: Connection, revision: int) -> UUID | None:
         """The stream the event at ``revision`` was filed in; ``None`` for no such
         row, or an id edited by hand into no UUID."""
-        cursor = conn.connection.cursor()
+        rows = self._fetch(
+            conn, "SELECT originator_id FROM catalog_events WHERE revision = ?", revision
+        )
         try:
-            cursor.execute(
-                self._sql("SELECT originator_id FROM catalog_events WHERE revision = ?"),
-                (revision,),
-            )
-            (value,) = cursor.fetchone() or (None,)
-        finally:
-            cursor.close()
-        try:
-            return _as_uuid(value) if value is not None else None
+            return _as_uuid(rows[0][0]) if rows else None
         except (ValueError, TypeError, AttributeError):
             return None
 
