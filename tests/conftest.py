@@ -19,7 +19,7 @@ from catalog_es.inputs import load_config
 from catalog_es.ports import Applier, PreAddCheck
 from catalog_es.spec import ModelSpec
 from projections.snapshots import DEFAULT_INTERVAL
-from tests.helpers import count_events
+from tests.helpers import count_events, schema_of
 
 # eventsourcing lets the environment override an application's settings, and
 # the CLI reads CATALOG_ES_*: a developer's shell must not steer the tests.
@@ -70,7 +70,7 @@ def read_only_url(pg_url: str, pg_admin: sa.Engine) -> Iterator[Callable[[], str
     """``read_only_url()``: a URL on ``pg_url``'s schema as a role that may only
     read the tables there now (as the README says a reading role needs)."""
     url = sa.make_url(pg_url)
-    schema = url.query["options"].partition("=")[2]
+    schema = schema_of(pg_url)
     reader = f"reader_{schema}"
     made = False
 

@@ -123,6 +123,13 @@ def candidate(catalog: Catalog, e: Model.Event) -> Model.Event:
 # -- the database ----------------------------------------------------------------
 
 
+def schema_of(pg_url: str) -> str:
+    """The schema a ``pg_url`` fixture's URL puts first on the search path."""
+    options = sa.make_url(pg_url).query["options"]
+    assert isinstance(options, str)
+    return options.partition("=")[2]
+
+
 def count_events(url: str) -> int:
     """Rows in the log, read straight from the database (not through the code under test)."""
     engine = sa.create_engine(url)

@@ -34,6 +34,7 @@ from catalog_es import collector
 from catalog_es.application import Models
 from catalog_es.chain import link
 from catalog_es.cli import cli
+from catalog_es.configuration import CONFIGS_KEPT
 from catalog_es.errors import (
     DamagedLog,
     DeclaredInConfig,
@@ -58,7 +59,6 @@ from catalog_es.ports import PreAddCheck
 from catalog_es.spec import ModelSpec, Origin, Profile, Scaling
 from projections.audit import (
     ANY_CHANGES_TABLE,
-    CONFIGS_KEPT,
     AuditView,
     TimeOrder,
     Tracked,
@@ -66,7 +66,7 @@ from projections.audit import (
     stored_time,
     tracking_table,
 )
-from tests.helpers import collections_seen, event
+from tests.helpers import collections_seen, event, schema_of
 
 T0 = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 
@@ -751,7 +751,8 @@ def test_a_catch_up_racing_a_rebuild_leaves_no_gap(
     def resume_from(name: str) -> Tracked:
         tracked = real_resume_from(name)
         if not resets:
-            resets.append(models._audit.view.reset(models.name))
+            models._audit.view.reset(models.name)
+            resets.append(None)
         return tracked
 
     monkeypatch.setattr(view, "resume_from", resume_from)
@@ -907,7 +908,9 @@ def age_uses(models: Models, hours: int) -> None:
     """Every audit table's last use ``hours`` further back, as the database keeps it."""
     t = tracking_table.c
     if models.store.dialect == "sqlite":
-        older = sa.func.strftime("%Y-%m-%d %H:%M:%f", t.used_at, f"-{hours * 3600} seconds")
+        older: sa.ColumnElement[Any] = sa.func.strftime(
+            "%Y-%m-%d %H:%M:%f", t.used_at, f"-{hours * 3600} seconds"
+        )
     else:
         older = t.used_at - sa.literal_column(f"interval '{hours} hours'")
     with models.store.engine.begin() as conn:
@@ -1040,7 +1043,12 @@ def test_a_postgresql_read_never_answers_from_a_table_made_anew_under_it(
     def tracked(conn: Connection, name: str) -> Tracked | None:
         monkeypatch.undo()
         found = real_tracked(conn, name)
-        threading.Thread(target=lambda: (other.rebuild_audit(), rebuilt.set())).start()
+
+        def rebuild() -> None:
+            other.rebuild_audit()
+            rebuilt.set()
+
+        threading.Thread(target=rebuild).start()
         rebuilt.wait(1)  # it waits for this read to end, or is done by now
         return found
 
@@ -1136,7 +1144,7 @@ def test_a_node_whose_role_may_not_drop_an_unused_configs_table_still_answers(
     """Dropping unused configs' tables is housekeeping: a table another role
     owns is left, with a warning, and the query is answered."""
     url = sa.make_url(pg_url)
-    schema = url.query["options"].partition("=")[2]
+    schema = schema_of(pg_url)
     role = f"node_{schema}"
     with pg_admin.connect() as conn:
         conn.execute(sa.text(f"CREATE ROLE {role} LOGIN"))

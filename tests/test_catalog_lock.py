@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -71,7 +72,7 @@ def _nonstop(lock: CatalogLock, writes: list[bool], seconds: float = 1.0) -> lis
                 lock.release()
             counts[i] += 1
 
-    threads = [started(lambda i=i, w=w: take(i, w)) for i, w in enumerate(writes)]
+    threads = [started(partial(take, i, w)) for i, w in enumerate(writes)]
     time.sleep(seconds)
     stop.set()
     for thread in threads:
@@ -106,7 +107,12 @@ def test_its_holder_takes_it_again_while_a_write_waits_for_it() -> None:
 
     reader = started(read_catching_up)
     assert holding.wait(10)
-    writer = started(lambda: (lock.acquire(write=True), lock.release()))
+
+    def write_once() -> None:
+        lock.acquire(write=True)
+        lock.release()
+
+    writer = started(write_once)
     reader.join(10)
     writer.join(10)
     assert again.is_set()
@@ -131,7 +137,13 @@ def test_a_write_interrupted_while_it_waits_leaves_its_turn_to_the_next() -> Non
     previous = signal.signal(signal.SIGALRM, interrupt)
     try:
         signal.setitimer(signal.ITIMER_REAL, 0.3)
-        started(lambda: until(lambda: len(lock._writes) == 1) or (lock.acquire(), read.set()))
+
+        def read_behind_the_writer() -> None:
+            until(lambda: len(lock._writes) == 1)
+            lock.acquire()
+            read.set()
+
+        started(read_behind_the_writer)
         with pytest.raises(KeyboardInterrupt):
             lock.acquire(write=True)
     finally:
@@ -179,7 +191,13 @@ def test_a_hand_on_cut_off_half_way_leaves_the_lock_to_be_let_go() -> None:
         sys.settrace(None)
     assert released.wait(10)
     taken = threading.Event()
-    started(lambda: (lock.acquire(), taken.set(), lock.release()))
+
+    def take_once() -> None:
+        lock.acquire()
+        taken.set()
+        lock.release()
+
+    started(take_once)
     assert taken.wait(10), "the lock stayed with the thread that had let it go"
     done.set()
 

@@ -51,6 +51,7 @@ from catalog_es.persistence import (
     events_table,
 )
 from catalog_es.ports import Applier, NoApplier
+from catalog_es.rollback import plan_rollback
 from catalog_es.spec import ModelSpec, Scaling
 from projections import snapshots
 from tests.helpers import config_yaml, count_events, event, model_data, model_spec
@@ -462,7 +463,7 @@ def test_a_dry_run_rollback_diffs_from_the_head_it_read_while_a_write_lands(
     models.add(model_spec("m"), by="setup")
     added = models.revision
     models.scale("m", 0, 3, by="ops")
-    plan = application.plan_rollback
+    plan = plan_rollback
 
     def plan_while_another_writes(*args: Any, **kwargs: Any) -> list[str]:
         meanwhile = threading.Thread(target=models.scale, args=("m", 0, 5), kwargs={"by": "x"})
@@ -556,7 +557,12 @@ def test_reads_go_on_while_this_process_plans_a_batch(
     writer.start()
     try:
         assert planning.wait(10)
-        reader = threading.Thread(target=lambda: (models.refresh(), models.list_models()))
+
+        def read() -> None:
+            models.refresh()
+            models.list_models()
+
+        reader = threading.Thread(target=read)
         reader.start()
         reader.join(timeout=2)
         assert not reader.is_alive(), "reads waited for the batch being planned"
@@ -1184,7 +1190,7 @@ def test_a_write_ends_whole_whichever_layer_its_statements_went_through(
     before = count_events(db_url)
     added = event(Model.Added, "b", version=1, spec=model_spec("b"))
     with contextlib.suppress(_Stop), models.store.write() as conn:
-        steps = {
+        steps: dict[str, Callable[[], object]] = {
             "sqlalchemy": lambda: models.store._insert_tracking(conn, Tracking("test-reader", 7)),
             "driver": lambda: models.events.put([added], conn=conn),
         }

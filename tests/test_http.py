@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -371,13 +371,13 @@ def test_head_of_the_stream_ends_with_its_headers_on_any_server(api: Api) -> Non
     ASGI spec 2.4 does not tell (review). Called as such a server calls it,
     with a client that never leaves, the answer ends by itself."""
     app = create_app(api.models, api.tokens)
-    sent: list[dict[str, Any]] = []
+    sent: list[MutableMapping[str, Any]] = []
 
     async def never_leaves() -> dict[str, Any]:
         await asyncio.Event().wait()
         raise AssertionError("unreachable")
 
-    async def send(message: dict[str, Any]) -> None:
+    async def send(message: MutableMapping[str, Any]) -> None:
         sent.append(message)
 
     token = api.token["read"]

@@ -327,7 +327,7 @@ def test_a_write_far_behind_the_log_catches_up_before_it_takes_the_lock(
     for name in ("a", "b", "c", "d"):
         other.add(_definition(name, []), by="setup")
     monkeypatch.setattr(other.store, "lock_wait", 0.5)
-    catch_up, meanwhile = behind._catch_up, []
+    catch_up, meanwhile = behind._catch_up, list[int]()
 
     def catch_up_while_another_node_writes(conn: sa.Connection, *, held: bool = False) -> None:
         # The write's own look, under the lock, finds the backlog and leaves
@@ -357,7 +357,7 @@ def test_a_write_catches_up_outside_the_lock_once_however_far_behind_it_falls_ag
     other = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
     for name in ("a", "b", "c", "d"):
         other.add(_definition(name, []), by="setup")
-    refresh, write, takes = behind.refresh, behind.store.write, []
+    refresh, write, takes = behind.refresh, behind.store.write, list[int]()
 
     def refresh_while_others_write() -> None:
         refresh()

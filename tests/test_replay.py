@@ -383,11 +383,12 @@ def test_a_replay_split_in_two_lets_fall_what_a_whole_one_does(
     answers: list[object] = []
     monkeypatch.setattr(projections.catalog, "SPLIT_AFTER", 0)
     monkeypatch.setattr(projections.catalog, "SPLIT_CORES", 0)
-    monkeypatch.setattr(
-        projections.catalog,
-        "_split_replay",
-        lambda *args: answers.append(split(*args)) or answers[-1],
-    )
+
+    def answered(*args: Any) -> Any:
+        answers.append(split(*args))
+        return answers[-1]
+
+    monkeypatch.setattr(projections.catalog, "_split_replay", answered)
     halves = load()
     assert answers and answers[0] is not None, "the load was split"
     assert [(s.revision, s.model) for s in halves.skipped()] == [(removed, "b"), (removed, "e")]

@@ -46,7 +46,7 @@ from catalog_es.errors import (
 )
 from catalog_es.inputs import load_config, revision_or_time
 from catalog_es.mapper import EventMapper
-from catalog_es.model import Model, model_id
+from catalog_es.model import Model, model_id, utc_now
 from catalog_es.persistence import events_table
 from catalog_es.spec import Scaling
 from catalog_es.views import model_view
@@ -723,7 +723,7 @@ def _rebuilt_after_a_fast_clock(
 
     models = open_models(interval=3)
     models.add(spec("a"), by="x")
-    real_now = catalog_es.application.utc_now
+    real_now = utc_now
     ahead = lambda: real_now() + timedelta(minutes=30)  # noqa: E731
     monkeypatch.setattr(catalog_es.application, "utc_now", ahead)
     models.scale("a", 0, 2, by="fast-node")
@@ -1460,7 +1460,7 @@ def test_a_node_with_a_fast_clock_does_not_hide_later_changes_from_reads_by_time
 
     models = open_models()
     models.add(spec("a"), by="x")
-    real_now = catalog_es.application.utc_now
+    real_now = utc_now
     monkeypatch.setattr(catalog_es.application, "utc_now", lambda: real_now() + timedelta(hours=2))
     models.add(spec("b"), by="fast-node")
     monkeypatch.setattr(catalog_es.application, "utc_now", real_now)

@@ -891,7 +891,7 @@ def test_cycles_made_in_lasting_pauses_are_collected_unasked(
     for _ in range(4):
         with collector_paused(lasting=True):
             cycles.append(_cycle())
-            kept = [{} for _ in range(2_000)]
+            kept = [dict[str, int]() for _ in range(2_000)]
         del kept
     # Over 5,000 aged after the third: the fourth began with a full collection.
     assert [cycle() for cycle in cycles[:3]] == [None, None, None]
@@ -908,7 +908,7 @@ def test_a_lasting_pause_that_makes_no_cycle_brings_no_full_collection_nearer(
     with collections_seen() as seen:
         for _ in range(4):
             with collector_paused(lasting=True, cycles=False):
-                kept = [{} for _ in range(2_000)]
+                kept = [dict[str, int]() for _ in range(2_000)]
             del kept
     assert 2 not in seen
 

@@ -115,7 +115,7 @@ def unlink(url: str) -> None:
     engine.dispose()
 
 
-def links(url: str) -> tuple[list[Any], list[Any], list[str]]:
+def links(url: str) -> tuple[list[Any], list[Any], list[str | None]]:
     """Each event's link to its stream's event before it, each stream's last
     version and revision, and the indexes on the log's table."""
     engine = create_engine(url)

@@ -151,10 +151,10 @@ class World:
         self.applier = RecordingApplier()
         self._opened: list[Models] = []
 
-    def open(self, registry: Registry | None = None) -> Weights:
+    def open(self, registry: Registry | None = None, applier: Applier | None = None) -> Weights:
         models = Models(
             load_config(str(self.config)),
-            applier=self.applier,
+            applier=applier or self.applier,
             env={"CATALOG_ES_DB": f"sqlite:///{self.db}"},
         )
         self._opened.append(models)
@@ -856,9 +856,8 @@ def test_an_applier_that_fails_to_replace_replicas_leaves_the_move_written_and_t
     """The caller got the applier's bare error, no word that the move was
     written (hostile test). As with a catalog it fails on: logged, and the
     answer is the write's."""
-    (tmp_path / "a-file").write_text("")
-    world.applier = JsonFileApplier(tmp_path / "a-file" / "catalog.json")  # cannot be written
-    weights = world.open()
+    (tmp_path / "a-file").write_text("")  # so catalog.json cannot be written
+    weights = world.open(applier=JsonFileApplier(tmp_path / "a-file" / "catalog.json"))
     weights.models.add(spec("m"), by="alice")
     weights.check_updates(by="cron")
     c2 = world.mirror.publish("org/m", V2)
@@ -1015,7 +1014,7 @@ def test_the_json_file_applier_queues_replica_replacements_in_order(tmp_path: Pa
         (7, "a", "one-at-a-time"),
         (8, "b", "one-at-a-time"),
     ]
-    assert NoApplier().replace_replicas(spec("a"), 7) is None
+    NoApplier().replace_replicas(spec("a"), 7)  # nothing to replace: no error either
 
 
 # -- the CLI ----------------------------------------------------------------------------------
