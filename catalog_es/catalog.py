@@ -295,8 +295,14 @@ class Catalog:
         except Refused as refusal:
             self.aggregates[name] = aggregate.mutate(change, current)
             return self.skip(revision, name, type(change).__name__, str(refusal))
-        if observation and declared:
-            return None  # see commit()
+        if observation:
+            if declared:
+                return None  # see commit()
+            if current is None:
+                # What upstream did puts no definition back: a model load left
+                # out stays out, and removable (a command refuses the record).
+                self.aggregates[name] = aggregate.mutate(change, None)
+                return None
         self._put(name, change.originator_version, current, new)
         if new is None and name in self._referrers:
             self._fall_with(name, revision)

@@ -21,11 +21,13 @@ import sqlalchemy as sa
 
 import projections.catalog
 from catalog_es.application import Models
+from catalog_es.batch import Batch
 from catalog_es.configuration import DeclaredConfig
 from catalog_es.errors import DeclaredInConfig, InvalidModel, ModelNotFound
 from catalog_es.inputs import load_config
+from catalog_es.model import Model
 from catalog_es.persistence import events_table
-from catalog_es.spec import DEFAULT_ENGINES, Scaling
+from catalog_es.spec import DEFAULT_ENGINES, Origin, Scaling
 from tests.helpers import ACTOR, config_yaml, spec
 
 MakeModels = Callable[..., Models]
@@ -305,6 +307,32 @@ def test_a_skipped_model_can_be_removed(make_models: MakeModels, db_url: str) ->
     assert engine_gone.victim.name not in _names(restored)
     with pytest.raises(ModelNotFound, match="is not in the catalog"):
         restored.remove(engine_gone.victim.name, by=ACTOR)
+
+
+def test_what_upstream_did_to_a_skipped_model_leaves_it_skipped(make_models: MakeModels) -> None:
+    """An observation (``check-updates`` recording upstream's move) of a
+    model the config has since left out of force healed the skip on load,
+    as if it had put a definition back: the model could then not be
+    removed, nor its absence explained (review). A command would have
+    refused the record, as of a model not in the catalog."""
+    first = make_models()
+    first.add(spec("x", engine="sglang"), by=ACTOR)
+    upstream = Origin(repository="org/x", revision="b" * 40)
+
+    def seen_upstream(batch: Batch) -> None:
+        batch.decide(
+            batch.event(
+                Model.UpstreamChanged, "x", ref="main", revision="a" * 40, upstream=upstream
+            )
+        )
+
+    first.write_plan(seen_upstream, by="cron")
+    without_sglang = make_models(config_yaml(engines=[e for e in DEFAULT_ENGINES if e != "sglang"]))
+    assert [(s.revision, s.model, s.event) for s in without_sglang.skipped()] == [(1, "x", "Added")]
+    with pytest.raises(ModelNotFound, match="load skips 1 event of it, from revision 1"):
+        without_sglang.get_model("x")
+    assert without_sglang.remove("x", by=ACTOR).removed == "x"
+    assert "x" not in _names(make_models())
 
 
 @pytest.mark.parametrize("while_away", ["declared", "engine-gone"])
