@@ -876,19 +876,25 @@ class Models(AuditTrail, Application[UUID]):
         )
 
     def _put_in_force(self, batch: Batch, appended: Appended, several: bool) -> None:
-        """The catalog in force after ``batch``, as ``appended``."""
+        """The catalog in force after ``batch``, as ``appended``. Cut off on the
+        way (an interrupt between two lines), the catalog must read as left
+        part-way (:func:`_lost`) and be loaded again: caught up instead, from
+        the revision before the batch, it would replay the changes over
+        themselves (a Scaled after the model's removal, skipped). So the chain
+        moves first and the revision last, and a batch's own catalog is put
+        in force whole."""
         revisions = appended.revisions
-        if several:
-            self.catalog = batch.catalog
-        else:
+        catalog = batch.catalog
+        catalog.chain = appended.head
+        if not several:  # the catalog in force itself
             for event, new in batch.changes:
-                self.catalog.commit(event, new)
+                catalog.commit(event, new)
         for record, written in zip(batch.records, revisions, strict=True):
             if isinstance(record, Configuration.Declared):
-                self.catalog.saw(record.timestamp)
-                self.catalog.recorded_declaration = (record.fingerprint, written)
-        self.catalog.revision = revisions[-1]
-        self.catalog.chain = appended.head
+                catalog.saw(record.timestamp)
+                catalog.recorded_declaration = (record.fingerprint, written)
+        catalog.revision = revisions[-1]
+        self.catalog = catalog
 
     def _take_write_lock(self, bound: float | None = None) -> float | None:
         """Take this process's write lock (:func:`acquire_within`), waiting

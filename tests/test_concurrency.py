@@ -8,6 +8,7 @@ stack imported already (``forkserver``), so a test can start many of them.
 from __future__ import annotations
 
 import contextlib
+import dis
 import json
 import logging
 import multiprocessing
@@ -24,6 +25,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from multiprocessing.context import ForkServerContext
 from pathlib import Path
+from types import CodeType, FrameType
 from typing import Any
 
 import pytest
@@ -1306,6 +1308,61 @@ def test_an_interrupt_anywhere_in_a_write_leaves_no_lock_held(
     models.scale("a", 0, 2, by="ops")
     assert models.get_model("a")["scaling"] == {"min": 0, "max": 2}
     models.close()
+
+
+def interrupted_at(code: CodeType, line: int, landed: list[int]) -> Any:
+    """A tracer that raises KeyboardInterrupt, as SIGINT does between two
+    statements, the first time ``code`` reaches ``line`` (noted in ``landed``)."""
+
+    def tracer(frame: FrameType, event: str, _: object) -> Any:
+        if frame.f_code is not code:
+            return None
+
+        def at_line(frame: FrameType, event: str, _: object) -> Any:
+            if event == "line" and frame.f_lineno == line:
+                sys.settrace(None)
+                landed.append(line)
+                raise KeyboardInterrupt
+            return at_line
+
+        return at_line
+
+    return tracer
+
+
+@pytest.mark.parametrize("several", [False, True], ids=["one-event", "a-batch"])
+def test_an_interrupt_while_a_write_is_put_in_force_leaves_no_phantom_skip(
+    tmp_path: Path, several: bool
+) -> None:
+    """Cut off between two lines of putting a write in force, the catalog
+    held the changes at the revision before them, and the next read replayed
+    them over themselves: a Scaled of the model the batch then removed was
+    reported skipped, by every node that loaded a snapshot taken since
+    (review). Whatever line it lands on, the node reads what a fresh one does."""
+    code = Models._put_in_force.__code__
+    lines = sorted({line for _, line in dis.findlinestarts(code)})[1:]  # not the def
+    landed: list[int] = []
+    for line in lines:
+        url = f"sqlite:///{tmp_path}/{line}-{several}.db"
+        models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": url})
+        models.add(model_spec("x"), by="ops")
+        models.add(model_spec("y"), by="ops")
+        sys.settrace(interrupted_at(code, line, landed))
+        try:
+            if several:
+                models.apply_changes([commands.scale("x", 0, 2), commands.remove("x")], by="ops")
+            else:
+                models.remove("x", by="ops")
+        except KeyboardInterrupt:
+            pass
+        finally:
+            sys.settrace(None)
+        fresh = Models(DeclaredConfig(), env={"CATALOG_ES_DB": url})
+        read = (models.list_models(), models.skipped())
+        assert read == (fresh.list_models(), fresh.skipped()) == ([fresh.get_model("y")], []), line
+        models.close()
+        fresh.close()
+    assert len(landed) > len(lines) // 2  # each path passes some lines by
 
 
 def test_a_busy_database_keeps_the_write_connection(
