@@ -67,8 +67,9 @@ RETRIES = 3
 # nodes of two versions sharing a database during an upgrade each read tables
 # they understand. Tables of an earlier layout are left to the nodes that use
 # them. 4: a table of rows per declared config; 5: a record that cannot say
-# its model is its stream's (it was no model's, so no model's history).
-LAYOUT = 5
+# its model is its stream's (it was no model's, so no model's history); 6: a
+# config record's changes, to the declared layer (it had none).
+LAYOUT = 6
 CHANGES_PREFIX = f"audit_changes_v{LAYOUT}_"
 # What this code names a table of rows: another of the prefix (an operator's
 # copy, say) is not this code's to drop.
@@ -252,6 +253,12 @@ def _is_named_list(value: Any) -> bool:
 
 def _definition(spec: ModelSpec | None) -> dict[str, Any] | None:
     return msgspec.to_builtins(spec) if spec is not None else None
+
+
+def _declared_layer(engines: Sequence[str], models: Sequence[ModelSpec]) -> dict[str, Any]:
+    """A config record's engines and models, as its row's changes compare them
+    (``models[chat].scaling.max``, ``engines``)."""
+    return {"engines": list(engines), "models": [msgspec.to_builtins(m) for m in models]}
 
 
 # -- the view ----------------------------------------------------------------------
@@ -688,6 +695,8 @@ class AuditProjection(Projection[AuditView]):
         self._tracking: Tracking | None = None
         self.times = TimeOrder()  # of the rows written and staged
         self.generation = ""  # of the tables the rows follow
+        # The declared layer the last config record held: what the next changes.
+        self.declared_then: dict[str, Any] = _declared_layer((), ())
 
     # -- driving -----------------------------------------------------------------
 
@@ -835,9 +844,15 @@ class AuditProjection(Projection[AuditView]):
 
     @process_event.register
     def declaration(self, event: Configuration.Declared, tracking: Tracking) -> None:
-        """A record of the declared config: who ran which config, from when."""
+        """A record of the declared config: who ran which config, from when,
+        and what it changed of the one recorded before it (the first, all it
+        declares)."""
         revision = tracking.notification_id
         self.catalog.apply(event, revision)
+        before, self.declared_then = (
+            self.declared_then,
+            _declared_layer(event.engines, event.models),
+        )
         if revision <= self.recorded:
             return
         self._stage(
@@ -855,6 +870,7 @@ class AuditProjection(Projection[AuditView]):
             None,
             None,
             None,
+            changes=field_changes(before, self.declared_then),
         )
 
     @process_event.register
@@ -879,10 +895,12 @@ class AuditProjection(Projection[AuditView]):
         before: ModelSpec | None,
         after: ModelSpec | None,
         skipped: Skipped | None,
+        changes: list[dict[str, Any]] | None = None,
     ) -> None:
         """Stage the row of one stored event: the columns queries filter on, and
         its view, the ``log --json`` line of the event plus what it did to the
-        definition in force."""
+        definition in force (``changes``: to the declared layer, a config
+        record's)."""
         old, new = _definition(before), _definition(after)
         time, actor = row.get("time"), row.get("actor")
         view = {
@@ -896,7 +914,7 @@ class AuditProjection(Projection[AuditView]):
             "fields": row["fields"],
             "rollback_to": row.get("rollback_to"),
             "skipped": skipped.reason if skipped is not None else None,
-            "changes": field_changes(old or {}, new or {}),
+            "changes": field_changes(old or {}, new or {}) if changes is None else changes,
             "before": old,
             "after": new,
         }

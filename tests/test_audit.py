@@ -56,7 +56,7 @@ from catalog_es.persistence import (
     streams_table,
 )
 from catalog_es.ports import PreAddCheck
-from catalog_es.spec import ModelSpec, Origin, Profile, Scaling
+from catalog_es.spec import DEFAULT_ENGINES, ModelSpec, Origin, Profile, Scaling
 from projections.audit import (
     ANY_CHANGES_TABLE,
     AuditView,
@@ -431,6 +431,40 @@ def test_audit_rows_are_the_history_rows(models: Models) -> None:
         (7, "embed", "alice", "Removed"),
         (8, "chat", "carol", "OwnerSet"),
     ]
+
+
+def test_a_config_records_row_says_what_it_changed_of_the_declared_layer(
+    models: Models, db: str, config: Path
+) -> None:
+    """A record of a changed config was "(no change)" in the audit, whatever
+    it changed of the declared models (design audit). Its changes are to the
+    declared layer, against the record before it; the first's, all it declares."""
+    (first,) = models.audit(event_type="ConfigDeclared")
+    assert [(c["field"], c["before"]) for c in first["changes"]] == [
+        ("engines", []),
+        ("models[base]", None),
+    ]
+    assert first["changes"][0]["after"] == list(DEFAULT_ENGINES)
+    assert first["changes"][1]["after"]["source"] == "hf://org/base"
+    config.write_text(
+        "engines: [vllm, tgi]\n"
+        + CONFIG.replace("gpus: 1,", "gpus: 2,")
+        + "  - {name: rerank, engine: tgi, source: hf://org/rerank,"
+        " profiles: [{name: cpu, min_memory_gb: 4}]}\n"
+    )
+    deployed = open_service(db, config)  # a node that has not read the first record
+    recorded = deployed.scale("chat", 0, 2, by="dave").revision - 1
+    *_, row = deployed.audit(event_type="ConfigDeclared")
+    assert (row["revision"], row["by"]) == (recorded, "dave")
+    assert [(c["field"], c["before"]) for c in row["changes"]] == [
+        ("engines", list(DEFAULT_ENGINES)),
+        ("models[base].profiles[a100].gpus", 1),
+        ("models[rerank]", None),
+    ]
+    assert [c["after"] for c in row["changes"][:2]] == [["vllm", "tgi"], 2]
+    assert row["changes"][2]["after"]["engine"] == "tgi"
+    assert row in models.audit()  # as any node reads it
+    deployed.close()
 
 
 def append_directly(models: Models, *stored: StoredEvent) -> None:
