@@ -1475,17 +1475,24 @@ UNWRITABLE: dict[str, tuple[tuple[str, ...], str]] = {
 }
 
 
-@pytest.mark.parametrize("how", ["command", "apply"])
+@pytest.mark.parametrize("how", ["command", "apply", "rollback"])
 @pytest.mark.parametrize("edit", UNWRITABLE, ids=list(UNWRITABLE))
 def test_a_log_edited_past_what_can_be_appended_refuses_writes_and_is_left_as_it_is(
     models: Models, db: str, config: Path, tmp_path: Path, edit: str, how: str
 ) -> None:
+    """Whichever write meets it, a rollback too (whose steps, each refused
+    one tried again, could have told the damage as a rollback that would
+    make the catalog invalid, and kept it as a refusal)."""
     statements, message = UNWRITABLE[edit]
     run_sql(models, *statements)
     before, refusals = stored_log(models), models.refusals()
     changes = tmp_path / "changes.yaml"
     changes.write_text("- owner: {name: chat, owner: 'team:other'}\n")
-    args = ["apply", str(changes)] if how == "apply" else ["model", "owner", "chat", "team:other"]
+    args = {
+        "command": ["model", "owner", "chat", "team:other"],
+        "apply": ["apply", str(changes)],
+        "rollback": ["rollback", "--to", "2"],
+    }[how]
     result = invoke(db, config, *args)
     assert result.exit_code == 1
     assert result.stderr.startswith(message)
