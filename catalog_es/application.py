@@ -733,15 +733,17 @@ class Models(AuditTrail, Application[UUID]):
         # a large catalog held every node's writes for seconds).
         locked = not dry_run
         started = time.monotonic()
-        wait = self._take_write_lock(lock_left) if locked else None
-        if wait is None:
-            wait = lock_left
         known, state = self._known, self._state
         # What this thread holds of the catalog's lock on coming in: all it
         # takes beyond that is let go on the way out, however it leaves.
         entered = state.depth()
         snapshot: bytes | None = None
+        # Taken last before the try: an interrupt lands at a call, and none
+        # comes between them to leave the lock held.
+        wait = self._take_write_lock(lock_left) if locked else None
         try:
+            if wait is None:
+                wait = lock_left
             if locked:
                 # A reader of this process catching up a backlog holds the
                 # catalog for as long as that takes: waited out before the
@@ -857,9 +859,11 @@ class Models(AuditTrail, Application[UUID]):
         except _FarBehind:
             pass  # nothing was planned or written: caught up with below, then again
         finally:
-            state.release_to(entered)
-            if locked:
-                self._lock.release()
+            try:
+                state.release_to(entered)
+            finally:
+                if locked:
+                    self._lock.release()
         # The lock wait bounds the two takes of the lock together, not the catch-up.
         lock_left = self.store.lock_wait - (time.monotonic() - started)
         self.refresh()
