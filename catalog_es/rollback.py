@@ -4,14 +4,15 @@ A rollback never rewrites the log. It compares the runtime layer in force now
 with the one at the target revision (replayed over today's config) and plans
 the events that make the first equal the second: a removal, a re-add, or the
 event of each dimension that differs. Each is decided in turn against the
-catalog the ones before it leave, so every intermediate state is valid; the
-order is found by trying what is left until nothing more can go (a fallback
-has to exist before a model names it, and must outlive the models naming it).
+catalog the ones before it leave, so every intermediate state is valid: a
+fallback has to exist before a model names it, and must outlive the models
+naming it. The order follows the fallbacks, and what it cannot settle is
+tried again until nothing more can go.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
 from catalog_es.batch import Batch
@@ -182,9 +183,22 @@ def _last_skip(catalog: Catalog, name: str) -> Skipped:
 
 
 def _decide_in_a_valid_order(batch: Batch, steps: list[Step], revision: int) -> None:
-    # Removals first, then changes, then additions: what usually lets the rest go.
-    rank = {Model.Removed: 0, Model.Added: 2}
-    pending = sorted(steps, key=lambda s: rank.get(s[0], 1))
+    # Removals first, then changes, then additions: what usually lets the rest
+    # go. A removal goes after those of the models naming it, an addition after
+    # those of its fallbacks: tried in name order instead, a chain of fallbacks
+    # went a link a pass, quadratic in its length, the log locked throughout.
+    removals = {step[1]: step for step in steps if step[0] is Model.Removed}
+    additions = {step[1]: step for step in steps if step[0] is Model.Added}
+    pending = [
+        *(removals[name] for name in _ordered(removals, batch.catalog.referrers)),
+        *(step for step in steps if step[0] not in (Model.Removed, Model.Added)),
+        *(
+            additions[name]
+            for name in _ordered(additions, lambda n: additions[n][2]["spec"].fallbacks)
+        ),
+    ]
+    # What the order above cannot settle (a swap of fallbacks, a cycle cut
+    # short) is tried again while anything is left that can go.
     while pending:
         refusal: Refused | None = None
         left: list[Step] = []
@@ -199,3 +213,28 @@ def _decide_in_a_valid_order(batch: Batch, steps: list[Step], revision: int) -> 
                 f"rolling back to revision {revision} would make the catalog invalid: {refusal}"
             )
         pending = left
+
+
+def _ordered(names: Collection[str], first: Callable[[str], Iterable[str]]) -> list[str]:
+    """``names``, each after those of them that ``first`` says go before it,
+    else in their own order; of a cycle, where it was entered (a chain tens
+    of thousands long: no recursion)."""
+    among = set(names)
+    placed: set[str] = set()
+    order: list[str] = []
+    for root in names:
+        if root in placed:
+            continue
+        placed.add(root)
+        path = [(root, iter(first(root)))]
+        while path:
+            name, before = path[-1]
+            for other in before:
+                if other in among and other not in placed:
+                    placed.add(other)
+                    path.append((other, iter(first(other))))
+                    break
+            else:
+                path.pop()
+                order.append(name)
+    return order
