@@ -1,12 +1,17 @@
 """``python -m catalog_es`` and the ``catalog-es`` console script."""
 
+import signal
 import sys
 
 
 def main() -> None:
     """Run the command line. Its imports take most of a second on a slow
     host: a Ctrl-C in them is told as one in a command is (click's
-    ``Aborted!``, exit 1; nothing was written), not as a traceback."""
+    ``Aborted!``, exit 1; nothing was written), not as a traceback. Once
+    the command is done, told or refused, a Ctrl-C changes nothing: in the
+    interpreter's shutdown, which puts the default handler back, it killed
+    the process (status 130 after a write was told: a script would make it
+    again; hostile test)."""
     try:
         from catalog_es.cli import main as run_command_line
 
@@ -15,6 +20,8 @@ def main() -> None:
         if sys.stderr is not None:  # started with it closed (`2>&-`): not on stdout
             print("\nAborted!", file=sys.stderr)
         sys.exit(1)
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 if __name__ == "__main__":
