@@ -63,6 +63,8 @@ from catalog_es.persistence import (
     acquire_within,
     database_unusable,
     events_table,
+    holds,
+    release_to,
     stream_walk,
 )
 from catalog_es.ports import AcceptAll, Applier, NoApplier, PreAddCheck
@@ -734,14 +736,13 @@ class Models(AuditTrail, Application[UUID]):
         locked = not dry_run
         started = time.monotonic()
         known, state = self._known, self._state
-        # What this thread holds of the catalog's lock on coming in: all it
-        # takes beyond that is let go on the way out, however it leaves.
-        entered = state.depth()
+        # What this thread holds of the catalog's lock and of the write lock
+        # on coming in: all it takes beyond that is let go on the way out,
+        # however it leaves (an interrupt as the write lock's wait ends).
+        entered, held = state.depth(), holds(self._lock)
         snapshot: bytes | None = None
-        # Taken last before the try: an interrupt lands at a call, and none
-        # comes between them to leave the lock held.
-        wait = self._take_write_lock(lock_left) if locked else None
         try:
+            wait = self._take_write_lock(lock_left) if locked else None
             if wait is None:
                 wait = lock_left
             if locked:
@@ -859,11 +860,17 @@ class Models(AuditTrail, Application[UUID]):
         except _FarBehind:
             pass  # nothing was planned or written: caught up with below, then again
         finally:
+            # Both let go down to what this thread held coming in. An
+            # interrupt lands as a call begins or returns, these included:
+            # one landing as they let go has them let go again before it is
+            # told, or a lock is left held by no one's write (review).
             try:
                 state.release_to(entered)
-            finally:
-                if locked:
-                    self._lock.release()
+                release_to(self._lock, held)
+            except KeyboardInterrupt:
+                state.release_to(entered)
+                release_to(self._lock, held)
+                raise
         # The lock wait bounds the two takes of the lock together, not the catch-up.
         lock_left = self.store.lock_wait - (time.monotonic() - started)
         self.refresh()

@@ -591,6 +591,21 @@ def acquire_within(lock: threading.Lock | threading.RLock, bound: float, busy: s
     return None if waited < 0.001 else max(0.001, bound - waited)
 
 
+def holds(lock: threading.RLock) -> int:
+    """How many times this thread holds ``lock``. Python's RLock keeps the
+    count, and has no public way to ask it."""
+    count: int = lock._recursion_count()  # type: ignore[attr-defined]
+    return count
+
+
+def release_to(lock: threading.RLock, held: int) -> None:
+    """Let go of ``lock`` until this thread holds it ``held`` times, as it did
+    coming in. An interrupt lands as a call returns, the lock's own wait
+    included: whether that wait took it is known only by asking the lock."""
+    while holds(lock) > held:
+        lock.release()
+
+
 def _busy_timeout(conn: Connection, seconds: float) -> None:
     """How long SQLite's busy handler waits on ``conn`` for another writer."""
     _driver(conn.connection.driver_connection, f"PRAGMA busy_timeout = {milliseconds(seconds)}")

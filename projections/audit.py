@@ -44,7 +44,7 @@ from catalog_es.errors import StorageBusy, first_line
 from catalog_es.inputs import DeclaredConfig
 from catalog_es.mapper import UndecodableEvent, decode_event, model_of_state, topic_name
 from catalog_es.model import DomainEvent, Model, utc_text
-from catalog_es.persistence import SQLRecorder, acquire_within, milliseconds
+from catalog_es.persistence import SQLRecorder, acquire_within, holds, milliseconds, release_to
 from catalog_es.spec import ModelSpec
 from catalog_es.views import event_fields
 
@@ -683,7 +683,7 @@ class AuditProjection(Projection[AuditView]):
     def __init__(self, view: AuditView, declared: DeclaredConfig) -> None:
         super().__init__(view)
         self.declared = declared
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()
         # While catching up: what is left of the bounded wait for the write lock.
         self._wait: float | None = None
         self._restart()
@@ -706,17 +706,24 @@ class AuditProjection(Projection[AuditView]):
         Catching up writes under a lock another process may hold: queries
         queued behind one waiting for it are each refused within the one
         bounded wait of their own start, not one wait after another."""
-        self._wait = acquire_within(
-            self.lock,
-            recorder.lock_wait,
-            f"the audit rows stayed locked for {recorder.lock_wait:g} s, another query "
-            "bringing them up to the log; try again",
-        )
+        held = holds(self.lock)
         try:
+            self._wait = acquire_within(
+                self.lock,
+                recorder.lock_wait,
+                f"the audit rows stayed locked for {recorder.lock_wait:g} s, another query "
+                "bringing them up to the log; try again",
+            )
             self._catch_up_racing(recorder, application_name)
         finally:
             self._wait = None
-            self.lock.release()
+            # Let go down to what this thread held, and again should an
+            # interrupt land as it does (see Models._write).
+            try:
+                release_to(self.lock, held)
+            except KeyboardInterrupt:
+                release_to(self.lock, held)
+                raise
 
     def answer(self, recorder: SQLRecorder, application_name: str, filters: Filters) -> list[str]:
         """The views of the rows matching ``filters`` once caught up: read

@@ -860,10 +860,23 @@ def test_a_query_on_tables_at_the_head_does_not_wait_for_another_querys_catch_up
     head of the log are read without the lock; behind it, a query waits."""
     assert len(models.audit()) == 8
     monkeypatch.setattr(models.store, "lock_wait", 0.2)
-    with models._audit.lock:  # as another query catching up holds it
+    taken, done = threading.Event(), threading.Event()
+
+    def another_query_catching_up() -> None:
+        with models._audit.lock:
+            taken.set()
+            done.wait(10)
+
+    holder = threading.Thread(target=another_query_catching_up)
+    holder.start()
+    try:
+        assert taken.wait(10)
         assert [r["revision"] for r in models.audit()] == list(range(1, 9))
         models.scale("chat", 1, 2, by="bob")
         refuse(models.audit, StorageBusy)
+    finally:
+        done.set()
+        holder.join(10)
     assert [r["revision"] for r in models.audit()] == list(range(1, 10))
 
 

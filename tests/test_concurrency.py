@@ -51,6 +51,7 @@ from catalog_es.persistence import (
     create_engine,
     database_unusable,
     events_table,
+    holds,
 )
 from catalog_es.ports import Applier, NoApplier
 from catalog_es.rollback import plan_rollback
@@ -1258,8 +1259,8 @@ def test_an_interrupt_anywhere_in_a_write_leaves_no_lock_held(
 ) -> None:
     """Ctrl-C in a process that goes on (a REPL, a notebook) lands between any
     two statements of a write, BEGIN and COMMIT included: what it interrupts
-    is rolled back or let go, so no other process waits on a lock that no one
-    will release, and the next command writes."""
+    is rolled back or let go, so no other process or thread waits on a lock
+    that no one will release, and the next command writes."""
     monkeypatch.setenv(SYNC_ENV, "NORMAL")  # many commands in a short time
     path = tmp_path / "c.db"
     models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": f"sqlite:///{path}"})
@@ -1290,6 +1291,10 @@ def test_an_interrupt_anywhere_in_a_write_leaves_no_lock_held(
                 # Where it landed, for the failure below (rare: once in eight
                 # full runs, never in storms of 20,000 interrupts alone).
                 landed = traceback.format_tb(cut.__traceback__)[-6:]
+            # This process's write lock too: the thread that took it re-enters
+            # it, and every other thread's write was refused as busy (review).
+            if holds(models._lock):
+                pytest.fail("the write lock is left held; interrupted at:\n" + "".join(landed))
             other = sqlite3.connect(path, timeout=0, isolation_level=None)
             try:
                 other.execute("BEGIN IMMEDIATE")  # "database is locked" if one is held
@@ -1368,6 +1373,8 @@ def test_an_interrupt_on_any_line_of_a_write_leaves_the_catalog_a_fresh_node_rea
                 pass
             finally:
                 sys.settrace(None)
+            # No lock left held: this thread would re-enter it, no other could (review).
+            assert (holds(models._lock), models._state.depth()) == (0, 0), line
             fresh = Models(DeclaredConfig(), env={"CATALOG_ES_DB": url})
             read = (models.list_models(), models.skipped())
             # Written or not, as the log has it, and nothing skipped.
