@@ -190,7 +190,7 @@ def _decide_in_a_valid_order(batch: Batch, steps: list[Step], revision: int) -> 
     removals = {step[1]: step for step in steps if step[0] is Model.Removed}
     additions = {step[1]: step for step in steps if step[0] is Model.Added}
     pending = [
-        *(removals[name] for name in _ordered(removals, batch.catalog.referrers)),
+        *(removals[name] for name in _ordered(removals, _referrers_of(batch.catalog))),
         *(step for step in steps if step[0] not in (Model.Removed, Model.Added)),
         *(
             additions[name]
@@ -238,3 +238,9 @@ def _ordered(names: Collection[str], first: Callable[[str], Iterable[str]]) -> l
                 path.pop()
                 order.append(name)
     return order
+
+
+def _referrers_of(catalog: Catalog) -> Callable[[str], list[str]]:
+    """The models naming each as a fallback, in name order: a set's order
+    changes from one process to the next, and so did a rollback's events."""
+    return lambda name: sorted(catalog.referrers(name))

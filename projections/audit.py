@@ -258,7 +258,8 @@ def _definition(spec: ModelSpec | None) -> dict[str, Any] | None:
 def _declared_layer(engines: Sequence[str], models: Sequence[ModelSpec]) -> dict[str, Any]:
     """A config record's engines and models, as its row's changes compare them
     (``models[chat].scaling.max``, ``engines``)."""
-    return {"engines": list(engines), "models": [msgspec.to_builtins(m) for m in models]}
+    # Engines are a set (the fingerprint sorts them): a new order is no change.
+    return {"engines": sorted(engines), "models": [msgspec.to_builtins(m) for m in models]}
 
 
 # -- the view ----------------------------------------------------------------------

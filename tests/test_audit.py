@@ -444,7 +444,7 @@ def test_a_config_records_row_says_what_it_changed_of_the_declared_layer(
         ("engines", []),
         ("models[base]", None),
     ]
-    assert first["changes"][0]["after"] == list(DEFAULT_ENGINES)
+    assert first["changes"][0]["after"] == sorted(DEFAULT_ENGINES)
     assert first["changes"][1]["after"]["source"] == "hf://org/base"
     config.write_text(
         "engines: [vllm, tgi]\n"
@@ -457,13 +457,22 @@ def test_a_config_records_row_says_what_it_changed_of_the_declared_layer(
     *_, row = deployed.audit(event_type="ConfigDeclared")
     assert (row["revision"], row["by"]) == (recorded, "dave")
     assert [(c["field"], c["before"]) for c in row["changes"]] == [
-        ("engines", list(DEFAULT_ENGINES)),
+        ("engines", sorted(DEFAULT_ENGINES)),
         ("models[base].profiles[a100].gpus", 1),
         ("models[rerank]", None),
     ]
-    assert [c["after"] for c in row["changes"][:2]] == [["vllm", "tgi"], 2]
+    assert [c["after"] for c in row["changes"][:2]] == [["tgi", "vllm"], 2]
     assert row["changes"][2]["after"]["engine"] == "tgi"
     assert row in models.audit()  # as any node reads it
+    # Engines are a set: the same in another order is no change (review).
+    config.write_text(
+        config.read_text().replace("[vllm, tgi]", "[tgi, vllm]").replace("gpus: 2,", "gpus: 4,")
+    )
+    reordered = open_service(db, config)
+    reordered.scale("chat", 0, 3, by="dave")
+    *_, row = reordered.audit(event_type="ConfigDeclared")
+    assert [c["field"] for c in row["changes"]] == ["models[base].profiles[a100].gpus"]
+    reordered.close()
     deployed.close()
 
 

@@ -992,6 +992,19 @@ def test_rollback_orders_its_events_so_every_step_is_valid(
     assert [e["model"] for e in result["events"]] == ["a", "b", "c"]
 
 
+def test_a_rollback_removes_the_models_naming_one_in_name_order(
+    open_models: Callable[..., Models],
+) -> None:
+    """They came out in the order of a set, which changes from one process
+    to the next: each node's dry run told another order (review)."""
+    models = open_models()
+    models.add(spec("target"), by="x")
+    names = [f"m{i}" for i in range(8)]
+    models.apply_changes([commands.add(spec(n, fallbacks=["target"])) for n in names], by="x")
+    dry = models.rollback(0, by="ops", dry_run=True)
+    assert [e["model"] for e in dry["events"]] == [*names, "target"]
+
+
 def test_a_rollback_of_a_long_fallback_chain_decides_each_step_once(
     open_models: Callable[..., Models], monkeypatch: pytest.MonkeyPatch
 ) -> None:
