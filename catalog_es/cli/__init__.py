@@ -40,4 +40,5 @@ def main() -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(VisibleWarnings("warning: %(message)s"))
     logging.basicConfig(level=logging.WARNING, handlers=[handler])
+    cli.ignores_interrupts_when_done = True
     cli(prog_name="catalog-es")
