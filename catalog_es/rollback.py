@@ -185,17 +185,25 @@ def _last_skip(catalog: Catalog, name: str) -> Skipped:
 def _decide_in_a_valid_order(batch: Batch, steps: list[Step], revision: int) -> None:
     # Removals first, then changes, then additions: what usually lets the rest
     # go. A removal goes after those of the models naming it, an addition after
-    # those of its fallbacks: tried in name order instead, a chain of fallbacks
-    # went a link a pass, quadratic in its length, the log locked throughout.
+    # those of the models its fallbacks lead to, by way of others too (what it
+    # falls back to must be there, and must not lead back to it): tried in
+    # name order instead, a chain of fallbacks went a link a pass, quadratic
+    # in its length, the log locked throughout.
+    catalog = batch.catalog
     removals = {step[1]: step for step in steps if step[0] is Model.Removed}
     additions = {step[1]: step for step in steps if step[0] is Model.Added}
+
+    def fallbacks_then(name: str) -> tuple[str, ...]:
+        if name in additions:
+            spec: ModelSpec = additions[name][2]["spec"]
+            return spec.fallbacks
+        now = catalog.get(name)
+        return now.fallbacks if now is not None else ()
+
     pending = [
-        *(removals[name] for name in _ordered(removals, _referrers_of(batch.catalog))),
+        *(removals[name] for name in _ordered(removals, _referrers_of(catalog))),
         *(step for step in steps if step[0] not in (Model.Removed, Model.Added)),
-        *(
-            additions[name]
-            for name in _ordered(additions, lambda n: additions[n][2]["spec"].fallbacks)
-        ),
+        *(additions[name] for name in _ordered(additions, fallbacks_then, through=True)),
     ]
     # What the order above cannot settle (a swap of fallbacks, a cycle cut
     # short) is tried again while anything is left that can go.
@@ -215,10 +223,13 @@ def _decide_in_a_valid_order(batch: Batch, steps: list[Step], revision: int) -> 
         pending = left
 
 
-def _ordered(names: Collection[str], first: Callable[[str], Iterable[str]]) -> list[str]:
-    """``names``, each after those of them that ``first`` says go before it,
-    else in their own order; of a cycle, where it was entered (a chain tens
-    of thousands long: no recursion)."""
+def _ordered(
+    names: Collection[str], first: Callable[[str], Iterable[str]], *, through: bool = False
+) -> list[str]:
+    """``names``, each after those of them that ``first`` says go before it
+    (``through``: by way of names not among them too), else in their own
+    order; of a cycle, where it was entered (a chain tens of thousands long:
+    no recursion)."""
     among = set(names)
     placed: set[str] = set()
     order: list[str] = []
@@ -230,13 +241,14 @@ def _ordered(names: Collection[str], first: Callable[[str], Iterable[str]]) -> l
         while path:
             name, before = path[-1]
             for other in before:
-                if other in among and other not in placed:
+                if (through or other in among) and other not in placed:
                     placed.add(other)
                     path.append((other, iter(first(other))))
                     break
             else:
                 path.pop()
-                order.append(name)
+                if name in among:
+                    order.append(name)
     return order
 
 

@@ -992,6 +992,19 @@ def test_rollback_orders_its_events_so_every_step_is_valid(
     assert [e["model"] for e in result["events"]] == ["a", "b", "c"]
 
 
+def count_decisions(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The models of the events batches decide from now on, one an event."""
+    decided: list[str] = []
+    real_decide = Batch.decide
+
+    def counted(batch: Batch, event: Model.Event) -> ModelSpec | None:
+        decided.append(event.model)
+        return real_decide(batch, event)
+
+    monkeypatch.setattr(Batch, "decide", counted)
+    return decided
+
+
 def test_a_rollback_removes_the_models_naming_one_in_name_order(
     open_models: Callable[..., Models],
 ) -> None:
@@ -1019,33 +1032,52 @@ def test_a_rollback_of_a_long_fallback_chain_decides_each_step_once(
     # before it, which sorts first, so the removals in name order all wait.
     chain = [spec(f"c{i:03d}", fallbacks=[f"c{i - 1:03d}"] if i else []) for i in range(links)]
     models.apply_changes([commands.add(m) for m in chain], by="x")
-    decided: list[str] = []
-    real_decide = Batch.decide
-
-    def counted(batch: Batch, event: Model.Event) -> ModelSpec | None:
-        decided.append(event.model)
-        return real_decide(batch, event)
-
-    monkeypatch.setattr(Batch, "decide", counted)
+    decided = count_decisions(monkeypatch)
     removed = models.rollback(0, by="ops")
     assert [e["model"] for e in removed["events"]] == [m.name for m in reversed(chain)]
     assert len(decided) == links
-    decided.clear()
     # And back: each added after its fallback, which name order has the
     # other way round when each falls back to the one after it.
     reversed_chain = [
         spec(f"d{i:03d}", fallbacks=[f"d{i + 1:03d}"] if i < links - 1 else [])
         for i in range(links)
     ]
-    monkeypatch.setattr(Batch, "decide", real_decide)
+    monkeypatch.undo()
     models.apply_changes([commands.add(m) for m in reversed(reversed_chain)], by="x")
     present = models.revision
     models.apply_changes([commands.remove(m.name) for m in reversed_chain], by="x")
-    monkeypatch.setattr(Batch, "decide", counted)
+    decided = count_decisions(monkeypatch)
     added = models.rollback(present, by="ops")
     assert [e["model"] for e in added["events"]] == [m.name for m in reversed(reversed_chain)]
     assert len(decided) == links
     assert models.list_models() == models.list_models(at=present)
+
+
+def test_a_rollback_re_adds_each_model_after_those_its_fallbacks_lead_back_through(
+    open_models: Callable[..., Models], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Then, each ``n`` fell back to a ``t`` that falls back to the next
+    ``n``; now each ``n`` falls back to the one before it. Putting one back
+    would close a loop through its ``t`` until the next ``n`` is back: the
+    order followed only the re-added, and settled one a pass (review)."""
+    models = open_models()
+    size = 60
+    n = [f"n{i:03d}" for i in range(size)]
+    t = [f"t{i:03d}" for i in range(size)]
+    then = [commands.add(spec(t[-1])), commands.add(spec(n[-1], fallbacks=[t[-1]]))]
+    for i in reversed(range(size - 1)):
+        then += [
+            commands.add(spec(t[i], fallbacks=[n[i + 1]])),
+            commands.add(spec(n[i], fallbacks=[t[i]])),
+        ]
+    models.apply_changes(then, by="x")
+    target = models.revision
+    now = [commands.add(spec(n[i], fallbacks=[n[i - 1]] if i else [])) for i in range(size)]
+    models.apply_changes(now, by="x")
+    decided = count_decisions(monkeypatch)
+    result = models.rollback(target, by="ops")
+    assert len(result["events"]) == len(decided) == size
+    assert models.list_models() == models.list_models(at=target)
 
 
 def test_a_rollback_that_would_break_a_fallback_is_refused_and_writes_nothing(
