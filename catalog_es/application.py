@@ -194,8 +194,9 @@ def _lost(catalog: Catalog, kept: Kept) -> str | None:
         return None  # nothing to check against: revision 0, or a hash left unreadable
     if chain.revision != catalog.revision:
         # Nothing vouches for what a catch-up applied, or a write put in
-        # force, before it was cut off (the read failing, an interrupt): the
-        # chain only moves once it is done.
+        # force, before it was cut off (the read failing, an interrupt): a
+        # catch-up's chain moves once it is done, a write's first and its
+        # revision last, so the two disagree until then.
         return (
             f"this node's catalog was left part-way at revision {catalog.revision} by a "
             "catch-up or a write cut off before it was done"
