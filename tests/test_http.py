@@ -1426,9 +1426,11 @@ def test_the_listen_connection_is_kept_alive_and_given_up_when_its_peer_goes(
 
     def listen_port() -> int | None:
         with writer.store.read() as conn:
+            # The newest: an earlier test's may not have closed yet (seen once).
             return conn.exec_driver_sql(
                 "SELECT client_port FROM pg_stat_activity"
                 " WHERE query = 'LISTEN catalog_events' AND datname = current_database()"
+                " ORDER BY backend_start DESC LIMIT 1"
             ).scalar()
 
     _until(lambda: listen_port() is not None)

@@ -1434,6 +1434,35 @@ def test_a_stop_just_as_a_watch_looks_for_more_is_not_lost(
     assert not follower.is_alive() and seen == []
 
 
+def test_an_unread_follower_holds_a_page_of_a_bounded_size(
+    open_models: Callable[..., Models],
+) -> None:
+    """A page was 500 events whatever their size: of definitions with
+    thousands of profiles, 32 unread event streams held 5 GB (hostile test).
+    It ends once a megabyte is reached, with one event at least."""
+    models = open_models()
+    models.add(spec("first"), by="x")  # and the declared config's record
+    before = models.revision
+    adapters = [{"name": f"lora-{i:05d}", "source": f"s3://a/lora-{i:05d}"} for i in range(6000)]
+    for i in range(5):
+        models.add(spec(f"big{i}", adapters=adapters), by="x")
+    models.add(spec("small"), by="x")
+    size = min(len(n.state) for n in models.store.select_notifications(before + 1, 5))
+    assert size > 300_000
+    subscription = models.store.subscribe(gt=before)
+    assert isinstance(subscription, persistence.PullingSubscription)
+    try:
+        first = next(subscription)
+        held = [first, *subscription._buffer]  # the page it pulled
+        assert 1 < len(held) <= (1 << 20) // size
+        rest = [next(subscription) for _ in range(5)]
+    finally:
+        subscription.stop()
+    assert [n.id for n in [first, *rest]] == list(range(before + 1, before + 7))
+    assert models.store.page_end(before, 500, 1) == before + 1  # one, however large
+    assert models.store.page_end(before + 6, 500, 1 << 20) is None
+
+
 # -- the CLI ------------------------------------------------------------------------------------
 
 
