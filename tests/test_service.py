@@ -865,7 +865,9 @@ def test_a_pause_keeps_a_frozen_heap_frozen() -> None:
         frozen = gc.get_freeze_count()
         with collector_paused(lasting=True):
             pass
-        assert gc.get_freeze_count() == frozen
+        # Thawed, it would be none. A few frozen with the rest may die
+        # meanwhile, in threads an earlier test left winding down (seen once).
+        assert frozen - 1000 <= gc.get_freeze_count() <= frozen
     finally:
         gc.unfreeze()
 
