@@ -90,6 +90,10 @@ BODY = "request body"
 # request is served on, for the write lock, up to its bounded wait; sixty
 # behind another process's write took them all, and reads stalled with them.
 MAX_WRITES_WAITING = 16
+# Bodies over a single definition's size (a list of changes) parsed at once,
+# at most: one of 59 MB of YAML took 420 MB while it was read, and six at
+# once 2.5 GB (hostile test); past them, a client is told to try again.
+MAX_LARGE_BODIES = 2
 # Rows one answer of /log or /audit holds at most; asked for more, a client
 # is told to page. Unbounded, one answer of a long log was built whole in
 # memory: 70 MB of JSON for 80,000 rows, 3.3 GB for forty at once.
@@ -358,7 +362,18 @@ def document(limit: int, parse: _Parser) -> Callable[..., Any]:
             raise InputError(f"{BODY}: not UTF-8 text") from None
         # In a thread: YAML is read in Python, seconds for a megabyte, and on
         # the event loop that held up every other request (hostile test).
-        return await run_in_threadpool(parse, text, BODY, limit=limit)
+        if len(raw) <= MAX_INPUT_BYTES:
+            return await run_in_threadpool(parse, text, BODY, limit=limit)
+        places: threading.BoundedSemaphore = request.app.state.large_body_places
+        if not places.acquire(blocking=False):
+            raise TooBusy(
+                f"{MAX_LARGE_BODIES} bodies over {MAX_INPUT_BYTES // 1024} KiB are already "
+                "being read here; try again"
+            )
+        try:
+            return await run_in_threadpool(parse, text, BODY, limit=limit)
+        finally:
+            places.release()
 
     return parsed
 
@@ -1005,6 +1020,7 @@ def create_app(models: Models, tokens: TokenStore, *, max_watches: int = MAX_WAT
     app.state.closing = threading.Event()  # set by ``end_streams``
     app.state.stream_places = StreamPlaces(max_watches)
     app.state.write_places = threading.BoundedSemaphore(MAX_WRITES_WAITING)
+    app.state.large_body_places = threading.BoundedSemaphore(MAX_LARGE_BODIES)
     _errors(app)
     app.include_router(route)
     app.add_middleware(_Guarded)
