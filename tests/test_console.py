@@ -22,6 +22,7 @@ from playwright.sync_api import BrowserContext, Page, expect, sync_playwright
 
 from catalog_es import commands
 from catalog_es.application import Models
+from catalog_es.configuration import DeclaredConfig
 from catalog_es.inputs import load_config, model_from_data
 from catalog_es.web.app import create_app
 from tests.helpers import count_events
@@ -103,6 +104,42 @@ def signed_in(
         yield page, url
         page.close()
     assert errors == []
+
+
+# What a CDN's Swagger UI could run once taken over: it reads the token.
+STEALING_SWAGGER_UI = """
+window.SwaggerUIBundle = function () {
+  try { window.stolen = sessionStorage.getItem("catalog-es-token") }
+  catch (error) { window.stolen = error.name }
+};
+window.SwaggerUIBundle.presets = {};
+"""
+
+
+def test_the_api_docs_page_cannot_read_the_consoles_token(
+    browser: BrowserContext, tmp_path: Path
+) -> None:
+    """/docs runs Swagger UI from a CDN, at a version that floats, on the
+    console's origin: opened in the tab after signing in, its scripts could
+    read the token the console keeps (hostile test). Sandboxed, it has an
+    origin of its own; the schema it shows is still served to it."""
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": f"sqlite:///{tmp_path}/d.db"})
+    with signed_in(browser, models, tmp_path, "/console/") as (page, url):
+        page.wait_for_selector("#models")
+        assert page.evaluate("() => sessionStorage.getItem('catalog-es-token')")
+        page.route(
+            "https://cdn.jsdelivr.net/**",
+            lambda route: route.fulfill(
+                content_type="text/javascript" if route.request.url.endswith(".js") else "text/css",
+                body=STEALING_SWAGGER_UI if route.request.url.endswith(".js") else "",
+            ),
+        )
+        page.goto(f"{url}/docs")
+        page.wait_for_function("() => window.stolen !== undefined")
+        assert page.evaluate("() => window.stolen") == "SecurityError"
+        title = "async () => (await (await fetch('/openapi.json')).json()).info.title"
+        assert page.evaluate(title) == "catalog-es"
+    models.close()
 
 
 def _history(models: Models) -> None:

@@ -25,8 +25,9 @@ import msgspec
 import sqlalchemy as sa
 from fastapi import APIRouter, Depends, FastAPI, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import RedirectResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from fastapi.staticfiles import StaticFiles
@@ -959,8 +960,8 @@ class _Guarded:
             if message["type"] == "http.response.start":
                 headers = MutableHeaders(scope=message)
                 for name, value in GUARD_HEADERS.items():
-                    if name == "Cache-Control" and (console_file or name in headers):
-                        continue  # cacheable, or the answer said how itself
+                    if name in headers or (name == "Cache-Control" and console_file):
+                        continue  # the answer said how itself, or cacheable
                     headers[name] = value
             await send(message)
 
@@ -1014,6 +1015,9 @@ def create_app(models: Models, tokens: TokenStore, *, max_watches: int = MAX_WAT
         description="The model catalog of an LLM-serving gateway, kept as an event-sourced log. "
         "Every command answers the revision it wrote (also in `ETag` and "
         f'`{REVISION_HEADER}`); errors are `{{"error": "..."}}`.',
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
     )
     app.state.models = models
     app.state.tokens = tokens
@@ -1034,6 +1038,23 @@ def create_app(models: Models, tokens: TokenStore, *, max_watches: int = MAX_WAT
     @app.get("/", include_in_schema=False)
     def home() -> RedirectResponse:
         return RedirectResponse("/console/")
+
+    @app.get("/openapi.json", include_in_schema=False)
+    def schema() -> JSONResponse:
+        # Public, and read by /docs from an origin of its own.
+        return JSONResponse(app.openapi(), headers={"Access-Control-Allow-Origin": "*"})
+
+    @app.get("/docs", include_in_schema=False)
+    def docs() -> HTMLResponse:
+        # Swagger UI is a CDN's script. Sandboxed, the page has an origin of
+        # its own: it cannot read the token the console keeps in this
+        # origin's session storage (it could; hostile test), and its "Try it
+        # out" does not reach the API (curl does, or the console).
+        page = get_swagger_ui_html(openapi_url="/openapi.json", title="catalog-es API")
+        page.headers["Content-Security-Policy"] = (
+            "sandbox allow-scripts allow-popups; frame-ancestors 'none'"
+        )
+        return page
 
     app.openapi = _openapi(app)  # type: ignore[method-assign]
     return app
