@@ -717,10 +717,12 @@ class AuditProjection(Projection[AuditView]):
             )
             self._catch_up_racing(recorder, application_name)
         finally:
-            self._wait = None
             # Let go down to what this thread held, and again should an
-            # interrupt land as it does (see Models._write).
+            # interrupt land as it does (see Models._write). The wait is the
+            # holder's: one refused the lock leaves it alone (review).
             try:
+                if holds(self.lock) > held:
+                    self._wait = None
                 release_to(self.lock, held)
             except KeyboardInterrupt:
                 release_to(self.lock, held)

@@ -889,6 +889,33 @@ def test_a_query_on_tables_at_the_head_does_not_wait_for_another_querys_catch_up
     assert [r["revision"] for r in models.audit()] == list(range(1, 10))
 
 
+def test_a_query_refused_the_audit_lock_leaves_the_holders_wait_alone(
+    models: Models, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What is left of the bounded wait of the query holding the lock is
+    its own: one refused the lock cleared it, and the holder then waited
+    the whole bound again for the database (review)."""
+    monkeypatch.setattr(models.store, "lock_wait", 0.2)
+    audit = models._audit
+    taken, done = threading.Event(), threading.Event()
+
+    def holder() -> None:
+        with audit.lock:
+            audit._wait = 0.42  # what is left of its own wait
+            taken.set()
+            done.wait(10)
+
+    holding = threading.Thread(target=holder)
+    holding.start()
+    try:
+        assert taken.wait(10)
+        refuse(models.audit, StorageBusy)
+        assert audit._wait == 0.42
+    finally:
+        done.set()
+        holding.join(10)
+
+
 def test_a_catch_up_that_fails_otherwise_starts_again_from_the_view(
     models: Models, db: str, config: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

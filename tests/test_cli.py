@@ -444,6 +444,36 @@ def test_ctrl_c_once_a_write_is_told_leaves_its_exit_status_0(
     assert count_events(db_url) == 1
 
 
+def test_ctrl_c_as_the_log_closes_after_an_answer_that_could_not_be_written_leaves_74(
+    db_url: str, tmp_path: Path
+) -> None:
+    """The answer's own status stands too: 74 (the write stands, its answer
+    could not be written out) became `Aborted!` and 1 (review)."""
+    config = tmp_path / "catalog.yaml"
+    config.write_text("models: []\n")
+    with Path("/dev/full").open("w") as full:
+        told = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "import os, signal, sys, time\n"
+                "from catalog_es.__main__ import main\n"
+                f"sys.argv = ['catalog-es', '--db', {db_url!r}, '--config', {str(config)!r},"
+                " 'model', 'add', '-']\n" + CTRL_C_WHEN["closing-the-log"],
+            ],
+            cwd=Path(__file__).parent.parent,
+            input=yaml.safe_dump(definition("m")),
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    assert told.returncode == 74
+    assert "Aborted" not in told.stderr and "could not be written out" in told.stderr
+    assert count_events(db_url) == 1
+
+
 @pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_watch_stopped_as_asked_says_stopped_and_exits_0(
     run: Run, write: Any, db_url: str, stop: signal.Signals

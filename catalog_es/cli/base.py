@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from datetime import datetime
 from types import FrameType
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import click
 import msgspec
@@ -446,8 +446,6 @@ class CatalogGroup(click.Group):
         try:
             result = super().invoke(ctx)
             told = True
-            if self.ignores_interrupts_when_done:
-                signal.signal(signal.SIGINT, signal.SIG_IGN)
             return result
         except (Refused, ConfigError) as refusal:
             settings = ctx.find_object(Settings)
@@ -459,7 +457,7 @@ class CatalogGroup(click.Group):
                 )
             else:
                 say(f"error: {refusal}", err=True)
-            ctx.exit(1)
+            self._exit(ctx, 1)
         except click.exceptions.Exit as done:
             told = done.exit_code == 0
             raise
@@ -470,7 +468,7 @@ class CatalogGroup(click.Group):
             error.show(file=told_by_click)
             for line in told_by_click.getvalue().splitlines():
                 say(line, err=True)
-            ctx.exit(error.exit_code)
+            self._exit(ctx, error.exit_code)
         except (click.Abort, KeyboardInterrupt):
             raise
         except BrokenPipeError:
@@ -480,7 +478,7 @@ class CatalogGroup(click.Group):
             # commit (a script would make the change again): the shell's
             # code for a process a closed pipe ended, as `yes | head` gives.
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            ctx.exit(EXIT_PIPE_CLOSED)
+            self._exit(ctx, EXIT_PIPE_CLOSED)
         except Exception as error:  # the last guard: one line, not a traceback
             if isinstance(error, OSError) and _raised_writing_out(error):
                 # Standard output could not take the answer (a full disk, an
@@ -489,14 +487,26 @@ class CatalogGroup(click.Group):
                 os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
                 with suppress(OSError):
                     say(f"error: the answer could not be written out: {error}", err=True)
-                ctx.exit(EXIT_OUTPUT_FAILED)
+                self._exit(ctx, EXIT_OUTPUT_FAILED)
             if os.environ.get("CATALOG_ES_DEBUG"):
                 told = True  # a traceback is no one line: what led to it may help
                 raise
             say(failure_line(error), err=True)
-            ctx.exit(1)
+            self._exit(ctx, 1)
         finally:
+            self._done()
             _held.stop(told=told)
+
+    def _done(self) -> None:
+        """The command's status is said (told, refused, 74, 141): from here a
+        Ctrl-C changes nothing, as its log closes or the interpreter ends."""
+        if self.ignores_interrupts_when_done:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def _exit(self, ctx: click.Context, code: int) -> NoReturn:
+        # Click closes the context, and the log with it, before it exits.
+        self._done()
+        ctx.exit(code)
 
 
 # Where every answer is written out: an error raised in one is the output's.
