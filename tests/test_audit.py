@@ -14,6 +14,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -860,6 +861,31 @@ def test_a_catch_up_kept_waiting_keeps_its_rows_for_the_next_query(
     assert scans == [9]
 
 
+@contextmanager
+def audit_lock_held_by_another_query(
+    models: Models, wait_left: float | None = None
+) -> Iterator[None]:
+    """The audit's lock held by another thread for the block, as a query
+    catching up holds it, with ``wait_left`` of its bounded wait."""
+    audit = models._audit
+    taken, done = threading.Event(), threading.Event()
+
+    def catching_up() -> None:
+        with audit.lock:
+            audit._wait = wait_left
+            taken.set()
+            done.wait(10)
+
+    holder = threading.Thread(target=catching_up)
+    holder.start()
+    try:
+        assert taken.wait(10)
+        yield
+    finally:
+        done.set()
+        holder.join(10)
+
+
 def test_a_query_on_tables_at_the_head_does_not_wait_for_another_querys_catch_up(
     models: Models, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -869,23 +895,10 @@ def test_a_query_on_tables_at_the_head_does_not_wait_for_another_querys_catch_up
     head of the log are read without the lock; behind it, a query waits."""
     assert len(models.audit()) == 8
     monkeypatch.setattr(models.store, "lock_wait", 0.2)
-    taken, done = threading.Event(), threading.Event()
-
-    def another_query_catching_up() -> None:
-        with models._audit.lock:
-            taken.set()
-            done.wait(10)
-
-    holder = threading.Thread(target=another_query_catching_up)
-    holder.start()
-    try:
-        assert taken.wait(10)
+    with audit_lock_held_by_another_query(models):
         assert [r["revision"] for r in models.audit()] == list(range(1, 9))
         models.scale("chat", 1, 2, by="bob")
         refuse(models.audit, StorageBusy)
-    finally:
-        done.set()
-        holder.join(10)
     assert [r["revision"] for r in models.audit()] == list(range(1, 10))
 
 
@@ -896,24 +909,9 @@ def test_a_query_refused_the_audit_lock_leaves_the_holders_wait_alone(
     its own: one refused the lock cleared it, and the holder then waited
     the whole bound again for the database (review)."""
     monkeypatch.setattr(models.store, "lock_wait", 0.2)
-    audit = models._audit
-    taken, done = threading.Event(), threading.Event()
-
-    def holder() -> None:
-        with audit.lock:
-            audit._wait = 0.42  # what is left of its own wait
-            taken.set()
-            done.wait(10)
-
-    holding = threading.Thread(target=holder)
-    holding.start()
-    try:
-        assert taken.wait(10)
+    with audit_lock_held_by_another_query(models, wait_left=0.42):
         refuse(models.audit, StorageBusy)
-        assert audit._wait == 0.42
-    finally:
-        done.set()
-        holding.join(10)
+        assert models._audit._wait == 0.42
 
 
 def test_a_catch_up_that_fails_otherwise_starts_again_from_the_view(
