@@ -255,11 +255,16 @@ def _definition(spec: ModelSpec | None) -> dict[str, Any] | None:
     return msgspec.to_builtins(spec) if spec is not None else None
 
 
-def _declared_layer(engines: Sequence[str], models: Sequence[ModelSpec]) -> dict[str, Any]:
+def _declared_layer(record: Configuration.Declared | None) -> dict[str, Any]:
     """A config record's engines and models, as its row's changes compare them
-    (``models[chat].scaling.max``, ``engines``)."""
+    (``models[chat].scaling.max``, ``engines``); none before the first."""
+    if record is None:
+        return {"engines": [], "models": []}
     # Engines are a set (the fingerprint sorts them): a new order is no change.
-    return {"engines": sorted(engines), "models": [msgspec.to_builtins(m) for m in models]}
+    return {
+        "engines": sorted(record.engines),
+        "models": [msgspec.to_builtins(m) for m in record.models],
+    }
 
 
 # -- the view ----------------------------------------------------------------------
@@ -696,8 +701,8 @@ class AuditProjection(Projection[AuditView]):
         self._tracking: Tracking | None = None
         self.times = TimeOrder()  # of the rows written and staged
         self.generation = ""  # of the tables the rows follow
-        # The declared layer the last config record held: what the next changes.
-        self.declared_then: dict[str, Any] = _declared_layer((), ())
+        # The last config record: what the next one changes.
+        self.declared_then: Configuration.Declared | None = None
 
     # -- driving -----------------------------------------------------------------
 
@@ -859,12 +864,9 @@ class AuditProjection(Projection[AuditView]):
         declares)."""
         revision = tracking.notification_id
         self.catalog.apply(event, revision)
-        before, self.declared_then = (
-            self.declared_then,
-            _declared_layer(event.engines, event.models),
-        )
+        before, self.declared_then = self.declared_then, event
         if revision <= self.recorded:
-            return
+            return  # its row is written: the layers are compared for a row alone
         self._stage(
             tracking,
             {
@@ -880,7 +882,7 @@ class AuditProjection(Projection[AuditView]):
             None,
             None,
             None,
-            changes=field_changes(before, self.declared_then),
+            changes=field_changes(_declared_layer(before), _declared_layer(event)),
         )
 
     @process_event.register
