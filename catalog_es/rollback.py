@@ -193,6 +193,11 @@ def _decide_in_a_valid_order(batch: Batch, steps: list[Step], revision: int) -> 
     removals = {step[1]: step for step in steps if step[0] is Model.Removed}
     additions = {step[1]: step for step in steps if step[0] is Model.Added}
 
+    def naming_now(name: str) -> list[str]:
+        # In name order: a set's changes from one process to the next, and so
+        # did a rollback's events.
+        return sorted(catalog.referrers(name))
+
     def fallbacks_then(name: str) -> tuple[str, ...]:
         if name in additions:
             spec: ModelSpec = additions[name][2]["spec"]
@@ -201,7 +206,7 @@ def _decide_in_a_valid_order(batch: Batch, steps: list[Step], revision: int) -> 
         return now.fallbacks if now is not None else ()
 
     pending = [
-        *(removals[name] for name in _ordered(removals, _referrers_of(catalog))),
+        *(removals[name] for name in _ordered(removals, naming_now)),
         *(step for step in steps if step[0] not in (Model.Removed, Model.Added)),
         *(additions[name] for name in _ordered(additions, fallbacks_then, through=True)),
     ]
@@ -250,9 +255,3 @@ def _ordered(
                 if name in among:
                     order.append(name)
     return order
-
-
-def _referrers_of(catalog: Catalog) -> Callable[[str], list[str]]:
-    """The models naming each as a fallback, in name order: a set's order
-    changes from one process to the next, and so did a rollback's events."""
-    return lambda name: sorted(catalog.referrers(name))
