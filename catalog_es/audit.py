@@ -33,6 +33,7 @@ from catalog_es.persistence import SQLRecorder, refusals_table
 from projections.audit import (
     AuditProjection,
     AuditView,
+    ChangeFilters,
     Filters,
     filter_text,
     select_rows,
@@ -62,19 +63,26 @@ class AuditTrail:
         view = AuditView(self.store, self.declared.fingerprint)
         return AuditProjection(view, self.declared)
 
-    def history(self, name: str, *, by: str | None = None) -> list[dict[str, Any]]:
-        """Every stored event about one model, oldest first, with the field-level
-        change it made (or why load skips it)."""
-        return _rows(self._history_views(name, by))
+    def history(self, name: str, **filters: Unpack[ChangeFilters]) -> list[dict[str, Any]]:
+        """Every stored event about one model matching the filters given (as
+        :meth:`audit` takes them), oldest first, with the field-level change it
+        made (or why load skips it)."""
+        return _rows(self._history_views(name, {**filters, "model": name}))
 
-    def history_json(self, name: str, *, by: str | None = None) -> bytes:
-        """:meth:`history` as JSON, as :meth:`audit_json` answers."""
-        return _json(self._history_views(name, by))
+    def history_json(
+        self, name: str, *, at_most: int | None = None, **filters: Unpack[ChangeFilters]
+    ) -> bytes:
+        """:meth:`history` as JSON, as :meth:`audit_json` answers (``at_most``
+        as its)."""
+        wanted: Filters = {**filters, "model": name}
+        views = self._history_views(name, _one_more(wanted, at_most))
+        _within(len(views), wanted, at_most)
+        return _json(views)
 
-    def _history_views(self, name: str, by: str | None) -> list[str]:
+    def _history_views(self, name: str, filters: Filters) -> list[str]:
         # No name filters nothing: every row would be this "history".
         if name:
-            views = self._views({"model": name, "by": by})
+            views = self._views(filters)
             declared = any(m.name == name for m in self.declared.models)
             if views or declared or self._audit.view.mentions(self.name, name):
                 return views
@@ -297,7 +305,13 @@ def _one_more(filters: Filters, at_most: int | None) -> Filters:
 def _within(count: int, filters: Filters, at_most: int | None) -> None:
     """Refuse an answer of more rows than ``at_most``, asked without a ``limit``."""
     if at_most is not None and filters.get("limit") is None and count > at_most:
+        # A model's history is narrowed already to its model.
+        narrowing = (
+            "by, type, since or until"
+            if filters.get("model")
+            else ("model, by, type, since or until")
+        )
         raise InputError(
             f"more than {at_most:,} rows match: give limit (the most recent N, at most "
-            f"{at_most:,}), or narrow them with model, by, type, since or until"
+            f"{at_most:,}), or narrow them with {narrowing}"
         )

@@ -165,15 +165,21 @@ def filter_text(text: str | None) -> str | None:
 # -- queries -----------------------------------------------------------------------
 
 
-class Filters(TypedDict, total=False):
-    """What an audit query asks for. Every filter given must match."""
+class ChangeFilters(TypedDict, total=False):
+    """What a query of one model's changes asks for (``history``). Every
+    filter given must match."""
 
-    model: str | None
     by: str | None
     event_type: str | None
     since: datetime | None  # inclusive
     until: datetime | None  # exclusive
     limit: int | None  # the most recent ones
+
+
+class Filters(ChangeFilters, total=False):
+    """What an audit query asks for: a query of changes, of any model or one."""
+
+    model: str | None
 
 
 def select_rows(

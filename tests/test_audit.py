@@ -61,6 +61,7 @@ from catalog_es.spec import DEFAULT_ENGINES, ModelSpec, Origin, Profile, Scaling
 from projections.audit import (
     ANY_CHANGES_TABLE,
     AuditView,
+    ChangeFilters,
     TimeOrder,
     Tracked,
     changes_table_for,
@@ -310,6 +311,24 @@ def test_history_of_a_removed_model_ends_with_its_removal(models: Models) -> Non
         (7, "alice", "Removed", removed(resized)),
     ]
     assert history[2]["after"] is None
+
+
+def test_history_is_filtered_as_the_audit_is(models: Models) -> None:
+    """A model scaled every minute for a year has half a million rows: its
+    history is narrowed as the audit's rows are, by actor, type, time and
+    the most recent N."""
+    cases: list[tuple[ChangeFilters, list[int]]] = [
+        ({"by": "bob"}, [3, 6]),
+        ({"event_type": "OwnerSet"}, [8]),
+        ({"since": T0 + timedelta(minutes=2), "until": T0 + timedelta(minutes=7)}, [3, 6]),
+        ({"limit": 2}, [6, 8]),
+        ({"by": "nobody"}, []),
+    ]
+    for filters, expected in cases:
+        assert [r["revision"] for r in models.history("chat", **filters)] == expected, filters
+    assert models.history("chat", limit=1) == models.audit(model="chat", limit=1)
+    with pytest.raises(ModelNotFound):
+        models.history("never-seen", limit=1)
 
 
 def test_history_of_an_unknown_name_is_not_found_and_of_a_declared_one_is_empty(
@@ -1782,6 +1801,9 @@ def test_cli_history_table_shows_field_changes(models: Models, db: str, config: 
 def test_cli_json_is_what_the_queries_return(models: Models, db: str, config: Path) -> None:
     cases = {
         ("history", "chat", "--json"): models.history("chat"),
+        ("history", "chat", "--since", "2026-11-30T12:02:00Z", "--limit", "2", "--json"): (
+            models.history("chat", since=T0 + timedelta(minutes=2), limit=2)
+        ),
         ("audit", "--by", "alice", "--json"): models.audit(by="alice"),
         ("--json", "audit", "--type", "scaled", "--since", "2026-11-30T12:00:00Z"): models.audit(
             event_type="Scaled", since=T0

@@ -404,6 +404,19 @@ def test_console_keeps_up_with_a_busy_log_and_filters_a_large_catalog(
         right = "(s) => document.querySelector(s).getBoundingClientRect().right"
         edges = [page.evaluate(f"({right})('{table}')") for table in ("#diff table", "#models")]
         assert edges[0] <= edges[1], f"the diff reaches {edges[0]} px, the page {edges[1]}"
+
+        # A long history: the most recent page of it, and where the rest is
+        # (all of it was asked for, and over 10,000 rows refused).
+        steps = [commands.scale("tiny-0007", 0, 1 + i % 3) for i in range(1000)]
+        models.apply_changes(steps, by="ops")
+        page.goto(f"{url}/console/#/model/tiny-0007")
+        expect(page.locator("#history li.entry")).to_have_count(1000)
+        expect(page.locator("#history")).to_contain_text(
+            "The most recent 1,000 changes; all of them: catalog-es history tiny-0007"
+        )
+        expect(page.locator("#history li.entry").last).to_have_attribute(
+            "data-revision", str(models.revision)
+        )
     models.close()
 
 

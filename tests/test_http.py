@@ -960,6 +960,19 @@ def test_log_and_audit_answers_past_a_page_are_refused_not_built(api: Api) -> No
     recent = ok(api.get("/audit", params={"limit": 5}))
     assert [r["revision"] for r in recent] == list(range(head - 4, head + 1))
     assert ok(api.get("/audit", params={"by": "write-user"}))  # one row: well within
+    # Nor one model's history: a model scaled every minute has half a million rows.
+    assert refused(api.get("/history/qwen"), 422) == (
+        "more than 10,000 rows match: give limit (the most recent N, at most 10,000), "
+        "or narrow them with by, type, since or until"
+    )
+    recent = ok(api.get("/history/qwen", params={"limit": 3}))
+    assert [r["revision"] for r in recent] == list(range(head - 2, head + 1))
+    (added,) = ok(api.get("/history/qwen", params={"type": "added"}))
+    assert added["revision"] == 2
+    assert ok(api.get("/history/qwen", params={"until": "2000-01-01"})) == []
+    assert refused(api.get("/history/never", params={"limit": 3}), 404).startswith(
+        "model 'never' has no history"
+    )
     # The refusals too (written straight to their table: ten thousand
     # refused commands would take a while).
     row = {"actor": "x", "model": "qwen", "event": "Scaled", "refusal": "no", "reason": ""}

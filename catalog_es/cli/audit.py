@@ -26,7 +26,7 @@ from catalog_es.cli.base import (
     table,
 )
 from catalog_es.inputs import event_type, utc_time
-from projections.audit import Filters
+from projections.audit import ChangeFilters, Filters
 
 
 def _time_option(_ctx: click.Context, param: click.Parameter, value: str | None) -> datetime | None:
@@ -37,10 +37,10 @@ def _event_option(_ctx: click.Context, _param: click.Parameter, value: str | Non
     return None if value is None else event_type(value, "--type")
 
 
-def audit_filters(f: F) -> F:
-    """The filters ``audit`` and ``refusals`` share (``--by`` is a shared option)."""
+def change_filters(f: F) -> F:
+    """The filters ``history``, ``audit`` and ``refusals`` share (``--by`` is a
+    shared option)."""
     options = [
-        click.option("--model", metavar="NAME", help="Only this model."),
         click.option(
             "--type",
             "event_type",
@@ -63,6 +63,12 @@ def audit_filters(f: F) -> F:
     for option in reversed(options):
         f = option(f)
     return f
+
+
+def audit_filters(f: F) -> F:
+    """The filters of ``audit`` and ``refusals``: those of a model's changes,
+    and which model."""
+    return click.option("--model", metavar="NAME", help="Only this model.")(change_filters(f))
 
 
 def _changes_text(row: dict[str, Any]) -> list[str]:
@@ -104,11 +110,14 @@ def _show_changes(rows: list[dict[str, Any]], *, with_model: bool) -> Callable[[
 
 @cli.command("history")
 @click.argument("name")
+@change_filters
 @query_options
 @pass_settings
-def history(settings: Settings, name: str) -> None:
-    """Every change to one model, oldest first, field by field; --by names the actor."""
-    rows = settings.models().history(name, by=settings.by)
+def history(settings: Settings, name: str, **filters: Unpack[ChangeFilters]) -> None:
+    """Every change to one model, oldest first, field by field, filtered; --by
+    names the actor."""
+    filters["by"] = settings.by
+    rows = settings.models().history(name, **filters)
     emit(settings, rows, _show_changes(rows, with_model=False))
 
 

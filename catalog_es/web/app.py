@@ -80,7 +80,7 @@ from catalog_es.persistence import database_unusable
 from catalog_es.web import MAX_WATCHES
 from catalog_es.web.events import StreamPlaces, event_stream
 from catalog_es.web.tokens import Caller, Role, TokenStore
-from projections.audit import Filters
+from projections.audit import ChangeFilters, Filters
 
 log = logging.getLogger("catalog_es")
 
@@ -769,8 +769,7 @@ def _nothing_to_give_back() -> None:
 # -- the audit trail ---------------------------------------------------------------
 
 
-def audit_filters(
-    model: Annotated[str | None, Query(description="Only this model.")] = None,
+def change_filters(
     by: Annotated[str | None, Query(description="Only this actor's.")] = None,
     event: Annotated[
         str | None,
@@ -790,10 +789,9 @@ def audit_filters(
             ge=1, le=MAX_ANSWER_ROWS, description=f"Only the most recent N (≤ {MAX_ANSWER_ROWS})."
         ),
     ] = None,
-) -> Filters:
-    """The filters of ``catalog-es audit`` and ``refusals``, read as they read them."""
-    return Filters(
-        model=model,
+) -> ChangeFilters:
+    """The filters of ``catalog-es history``, read as it reads them."""
+    return ChangeFilters(
         by=by,
         event_type=None if event is None else event_type(event, "type"),
         since=None if since is None else utc_time(since, "since"),
@@ -802,18 +800,25 @@ def audit_filters(
     )
 
 
+HistoryFilters = Annotated[ChangeFilters, Depends(change_filters)]
+
+
+def audit_filters(
+    filters: HistoryFilters,
+    model: Annotated[str | None, Query(description="Only this model.")] = None,
+) -> Filters:
+    """The filters of ``catalog-es audit`` and ``refusals``, read as they read them."""
+    return {**filters, "model": model}
+
+
 AuditFilters = Annotated[Filters, Depends(audit_filters)]
 
 
 @route.get("/history/{name:path}", tags=["audit"])
-def history(
-    name: str,
-    caller: Reader,
-    models: Service,
-    by: Annotated[str | None, Query(description="Only this actor's.")] = None,
-) -> Response:
-    """Every change to one model, oldest first, field by field (before → after)."""
-    return respond_json(models.history_json(name, by=by))
+def history(name: str, caller: Reader, models: Service, filters: HistoryFilters) -> Response:
+    """Every change to one model, oldest first, field by field (before → after),
+    filtered; more than a page of them is refused: give `limit`, or narrow them."""
+    return respond_json(models.history_json(name, at_most=MAX_ANSWER_ROWS, **filters))
 
 
 @route.get("/audit", tags=["audit"])

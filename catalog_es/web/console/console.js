@@ -525,10 +525,14 @@ function changes(r) {
   return h("ul", { class: "changes" }, (r.changes || []).map(change));
 }
 
+// A page's worth of a model's history, the most recent: a model scaled
+// every minute for a year has half a million rows, which no page can show.
+const HISTORY_ROWS = 1000;
+
 async function timeline(name, at) {
   let rows;
   try {
-    rows = await api(`/history/${encodeURIComponent(name)}`);
+    rows = await api(`/history/${encodeURIComponent(name)}?limit=${HISTORY_ROWS}`);
   } catch (error) {
     if (error.status !== 404) throw error;
     rows = [];
@@ -548,7 +552,8 @@ async function timeline(name, at) {
       changes(r)
     )
   );
-  return h("section", { id: "history" }, h("h2", {}, "History"), items.length ? h("ol", { class: "timeline" }, items) : h("p", { class: "quiet" }, "No runtime changes."));
+  const older = rows.length === HISTORY_ROWS ? h("p", { class: "quiet" }, `The most recent ${HISTORY_ROWS.toLocaleString("en")} changes; all of them: catalog-es history ${name}`) : "";
+  return h("section", { id: "history" }, h("h2", {}, "History"), older, items.length ? h("ol", { class: "timeline" }, items) : h("p", { class: "quiet" }, "No runtime changes."));
 }
 
 async function modelPage(name, at) {
