@@ -753,8 +753,15 @@ def watch(
             f"{places.most} watches are open here, as many as this server serves "
             "(serve --max-watches); try again later"
         )
+    try:
+        changes = models.watch(after or 0)
+    except BaseException:
+        # Refused (past the head) or the database out: no stream holds the
+        # place, and one kept would be lost to every client until a restart.
+        give_back()
+        raise
     return event_stream(
-        models.watch(after or 0),
+        changes,
         request.app.state.closing,
         lambda: tokens.verify(token) is not None,
         head=head,
