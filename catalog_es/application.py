@@ -117,6 +117,18 @@ def _declaration(catalog: Catalog) -> dict[str, Any] | None:
     return {"fingerprint": fingerprint, "recorded_at": revision}
 
 
+def _event_views(rows: Sequence[sa.Row[Any]], model: str | None) -> Iterator[dict[str, Any]]:
+    """Each stored row as ``log --json`` prints it, decoded as it is asked for."""
+    for revision, topic, state in rows:
+        try:
+            yield event_view(revision, decode_event(topic, state))
+        except UndecodableEvent as error:
+            # Asked for one model, every row is of its stream: one whose
+            # bytes cannot say so is still its, as history has it.
+            named = model_of_state(state) or model or ""
+            yield undecodable_view(revision, topic, named, str(error))
+
+
 class CommandResult(msgspec.Struct, frozen=True):
     """What a command answers: the revision it wrote and the model as it will run."""
 
@@ -1088,6 +1100,9 @@ class Models(AuditTrail, Application[UUID]):
     ) -> dict[str, Any]:
         """What changed from one revision (or time) to another (default: now);
         ``declared_then``: each past end over the declared config recorded then."""
+        if model is not None:
+            # A name no model can have is a typo, not "no change" (review).
+            check_name(model)
         before = self.catalog_at(since, declared_then=declared_then)
         with self._reading(until, declared_then=declared_then) as after:
             result = diff_catalogs(before, after, model=model)
@@ -1264,7 +1279,8 @@ class Models(AuditTrail, Application[UUID]):
         self, *, after: int = 0, limit: int | None = None, model: str | None = None
     ) -> Iterator[dict[str, Any]]:
         """The stored events with their revisions, oldest first, undecodable ones
-        included (with the error)."""
+        included (with the error). A name no model can have is refused here,
+        not once the events are first asked for."""
         t = events_table.c
         query = sa.select(t.revision, t.topic, t.state).where(t.revision > after)
         if model is not None:
@@ -1279,11 +1295,4 @@ class Models(AuditTrail, Application[UUID]):
             query = query.limit(limit)
         with self.store.read() as conn:
             rows = conn.execute(query).all()
-        for revision, topic, state in rows:
-            try:
-                yield event_view(revision, decode_event(topic, state))
-            except UndecodableEvent as error:
-                # Asked for one model, every row is of its stream: one whose
-                # bytes cannot say so is still its, as history has it.
-                named = model_of_state(state) or model or ""
-                yield undecodable_view(revision, topic, named, str(error))
+        return _event_views(rows, model)

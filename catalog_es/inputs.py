@@ -20,6 +20,7 @@ from typing import Annotated, Any, BinaryIO, NoReturn, TypeVar
 import msgspec
 import yaml
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     FailFast,
@@ -96,6 +97,15 @@ class OriginInput(_Input):
     files: dict[str, str] = {}
 
 
+def _recorded(origin: OriginInput | None) -> OriginInput | None:
+    # An origin that says nothing is none: `origin: {}` was stored as one of
+    # empty fields, where the CLI's `model source` without them stores none.
+    return None if origin == OriginInput() else origin
+
+
+MaybeOrigin = Annotated[OriginInput | None, AfterValidator(_recorded)]
+
+
 # A warning quoted in a refusal: the sentence whole, a profile's name cut short.
 WARNING_SHOWN = 160
 
@@ -110,7 +120,7 @@ class ModelInput(_Input):
     owner: str = ""
     adapters: Items[AdapterInput] = []
     fallbacks: Items[str] = []
-    origin: OriginInput | None = None
+    origin: MaybeOrigin = None
     # What `model show --json` prints beside the definition, taken back when
     # it says what the definition does: a model shown can be edited and
     # added again (it was refused as unknown fields).
@@ -646,7 +656,7 @@ class AdaptersFields(_Input):
 
 class SourceFields(_Input):
     source: str
-    origin: OriginInput | None = None
+    origin: MaybeOrigin = None
 
     def to_origin(self) -> Origin | None:
         return _origin(self.origin)

@@ -106,7 +106,7 @@ def plan_rollback(
     """Decide, into ``batch``, the events that make its runtime layer equal the
     target's. Returns notes on what was left out."""
     if only is not None and only not in DIMENSIONS:
-        raise InputError(f"--only {only!r}: choose one of {', '.join(DIMENSIONS)}")
+        raise InputError(f"only {only!r}: choose one of {', '.join(DIMENSIONS)}")
     current = batch.catalog
     notes: list[str] = []
     names = sorted(

@@ -26,6 +26,7 @@ import msgspec
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
+from catalog_es import commands
 from catalog_es.application import SYSTEM_ACTOR, Models
 from catalog_es.batch import Batch, Change
 from catalog_es.errors import InputError, ModelNotFound, Refused
@@ -313,7 +314,7 @@ class Weights:
             for spec, origin in unrecorded:
                 if batch.catalog.get(spec.name) != spec:
                     continue  # changed since it was read: the next run looks again
-                batch.decide(batch.event(Model.OriginSet, spec.name, origin=origin))
+                commands.origin(spec.name, origin).decide(batch)
                 recorded.append({"model": spec.name, **_weights_view(spec.source, origin)})
 
         if unrecorded:
@@ -514,7 +515,7 @@ class Weights:
                     f"model {spec.name!r} changed while its weights were being fetched; "
                     "nothing was written, run the command again"
                 )
-            batch.decide(batch.event(Model.SourceSet, spec.name, source=source, origin=origin))
+            commands.source(spec.name, source, origin).decide(batch)
 
         return self.models.write_plan(
             plan,

@@ -632,6 +632,12 @@ def test_a_record_that_cannot_say_its_model_is_in_its_streams_history(models: Mo
     assert [e["model"] for e in models.log_events(model="chat") if e["revision"] == 9] == ["chat"]
 
 
+def test_a_log_of_a_name_no_model_can_have_is_refused_when_asked(models: Models) -> None:
+    """Not once its first event is: a query returns its answer's refusal (review)."""
+    with pytest.raises(InvalidModel, match="is not a valid name"):
+        models.log_events(model="bad name!")
+
+
 # -- refusals ----------------------------------------------------------------------
 
 

@@ -126,6 +126,15 @@ def test_every_command_answers_its_revision_and_records_the_tokens_actor(api: Ap
     assert shown["profiles"][0]["min_memory_gb"] == 48
     assert shown["adapters"] == [{"name": "sql", "source": "s3://a/sql"}]
     assert shown["origin"]["repository"] == "org/qwen-awq"
+    # An origin that says nothing is none, as the CLI's `model source` without
+    # its options records: it was kept as one of empty fields (review).
+    ok(api.post("/models/qwen/source", {"source": "hf://org/qwen", "origin": {}}))
+    assert ok(api.get("/models/qwen"))["origin"] is None
+    revision += 1
+    ok(api.post("/models", {**definition("bare"), "origin": {}}))
+    assert ok(api.get("/models/bare"))["origin"] is None
+    ok(api.client.delete("/models/bare", headers=api.as_("write")))
+    revision += 2
 
     applied = ok(
         api.post("/apply", [{"add": definition("tiny")}, {"scale": {"name": "tiny", "max": 2}}])
@@ -268,6 +277,16 @@ def test_a_log_asked_of_a_name_no_model_can_have_is_refused(api: Api) -> None:
         name = os.urandom(30_000).hex()
         assert "is not a valid name" in refused(api.get("/log", params={"model": name}), 422)
     assert model_id.cache_info().currsize == kept
+    # A diff of such a name said "no change", as if the name were a model's (review).
+    bad = refused(api.get("/diff", params={"since": 0, "model": "bad name!"}), 422)
+    assert "'bad name!'" in bad and "is not a valid name" in bad
+
+
+def test_a_rollback_of_a_dimension_there_is_not_is_refused_in_the_apis_words(api: Api) -> None:
+    """It was refused in the CLI's: "--only 'nope'", an option HTTP has not (review)."""
+    api.post("/models", definition("qwen"))
+    answer = api.post("/rollback", {"to": 1, "only": "nope"}, role="admin")
+    assert refused(answer, 422).startswith("only 'nope': choose one of source, scaling, ")
 
 
 def test_a_large_yaml_body_being_read_holds_up_no_other_request(api: Api) -> None:

@@ -1,4 +1,6 @@
-"""The HTTP API: every command and query of the CLI, over the same service.
+"""The HTTP API: the catalog's commands and queries, over the CLI's service.
+What it leaves to the CLI: the weights commands (`model updates`,
+`check-updates`, `model update`, `model rollback`), `replay` and `token`.
 
 This layer only parses, calls :class:`catalog_es.application.Models` and maps
 domain errors to statuses; the rules live in the service. Bodies are parsed
