@@ -1024,8 +1024,6 @@ class Models(AuditTrail, Application[UUID]):
         with self.store.read() as conn:
             head = self.store.head(conn)
             if isinstance(at, datetime):
-                if at > utc_now():
-                    raise Refused(f"time {utc_text(at)} is in the future")
                 return pointintime.resolve_time(conn, head, at)
             return pointintime.resolve_revision(conn, head, at)
 

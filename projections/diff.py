@@ -11,15 +11,18 @@ from catalog_es.views import model_view
 def diff_catalogs(before: Catalog, after: Catalog, *, model: str | None = None) -> dict[str, Any]:
     """``added`` and ``removed`` (model views), and ``changed``: per model, each
     field that differs with its value ``before`` and ``after``. Declared and
-    runtime models alike; ``model`` limits it to one name."""
+    runtime models alike, and a model moving from one to the other is changed
+    (``declared``: the config now decides it, and runtime changes are refused);
+    ``model`` limits it to one name."""
     old = {m.name: m for m in before.models() if model is None or m.name == model}
     new = {m.name: m for m in after.models() if model is None or m.name == model}
     changed = []
     for name in sorted(old.keys() & new.keys()):
-        if old[name] == new[name]:
+        declared = before.is_declared(name), after.is_declared(name)
+        if old[name] == new[name] and declared[0] == declared[1]:
             continue
-        a = model_view(old[name], declared=before.is_declared(name))
-        b = model_view(new[name], declared=after.is_declared(name))
+        a = model_view(old[name], declared=declared[0])
+        b = model_view(new[name], declared=declared[1])
         fields = {
             key: {"before": a.get(key), "after": b.get(key)}
             for key in dict.fromkeys([*a, *b])

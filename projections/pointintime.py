@@ -21,7 +21,7 @@ from catalog_es.collector import collector_paused
 from catalog_es.configuration import CONFIGURATION_ID, Configuration, DeclaredConfig
 from catalog_es.errors import ConfigError, Refused
 from catalog_es.mapper import UNREADABLE, UndecodableEvent, decode_event
-from catalog_es.model import MAX_CLOCK_SKEW, UtcTime, utc_now
+from catalog_es.model import MAX_CLOCK_SKEW, UtcTime, utc_now, utc_text
 from catalog_es.persistence import SQLRecorder, events_table, stream_walk
 from catalog_es.spec import EVERY_FIELD, ModelSpec
 from projections import snapshots
@@ -87,7 +87,15 @@ def resolve_time(conn: Connection, head: int, moment: datetime) -> int:
     horizon, and undecodable ones, are passed over as untimed."""
     if moment.tzinfo is None:
         raise Refused(f"time {moment.isoformat()} has no time zone; give UTC, e.g. ...Z")
-    horizon = utc_now() + MAX_CLOCK_SKEW
+    now = utc_now()
+    horizon = now + MAX_CLOCK_SKEW
+    if moment > now:
+        # Ahead of this clock, but not of the log's when a node's clock runs
+        # fast (commands follow it): a time `log` shows reads as any other.
+        # Past both, a change may yet be written before it.
+        newest = _last_timed(conn, head, horizon)
+        if newest is None or moment > newest:
+            raise Refused(f"time {utc_text(moment)} is in the future")
     low, high = 0, head
     while low < high:
         middle = (low + high + 1) // 2
@@ -99,6 +107,22 @@ def resolve_time(conn: Connection, head: int, moment: datetime) -> int:
         else:
             high = middle - 1
     return low
+
+
+def _last_timed(conn: Connection, head: int, horizon: datetime) -> datetime | None:
+    """The time of the last record up to ``head`` with a time to trust."""
+    before = head + 1
+    while True:
+        rows = conn.execute(
+            _rows.where(_t.revision < before).order_by(_t.revision.desc()).limit(64)
+        ).all()
+        for _revision, state in rows:
+            stamp = _stamp(state)
+            if stamp is not None and stamp <= horizon:
+                return stamp
+        if len(rows) < 64:
+            return None
+        before = rows[-1][0]
 
 
 def _first_timed(
@@ -127,6 +151,11 @@ def declared_at(conn: Connection, revision: int) -> DeclaredConfig:
     found = conn.execute(
         sa.select(stream.c.revision, stream.c.topic).where(stream.c.revision <= revision).limit(1)
     ).first()
+    if found is None and revision > 0:
+        # A write records the layer in force unless it is the one a log that
+        # recorded none has: nothing declared, the default engines. So after
+        # a write, no record yet means that one (`models: []`, or no config).
+        return DeclaredConfig()
     if found is None:
         raise Refused(
             f"no declared config was recorded at or before revision {revision} "

@@ -519,6 +519,27 @@ def test_at_a_time_reads_the_last_revision_written_by_then(
         models.list_models(at=datetime(2999, 1, 1, 1, tzinfo=timezone(timedelta(hours=1))))
 
 
+def test_a_time_the_log_shows_reads_though_a_fast_clock_wrote_it(
+    open_models: Callable[..., Models],
+) -> None:
+    """A node ten minutes fast stamps its changes ahead of the reader's
+    clock, within the hour the log trusts: each time `log` showed was refused
+    as "in the future" until the reader's clock caught up (hostile test)."""
+    models = open_models()
+    fast = datetime.now(UTC) + timedelta(minutes=10)
+    with patch("catalog_es.application.utc_now", lambda: fast):
+        models.add(spec("a"), by="fast-node")
+        models.scale("a", 0, 3, by="fast-node")
+    *_, added, scaled = (datetime.fromisoformat(e["time"]) for e in models.log_events())
+    assert added == fast and scaled > fast  # each after the one before it
+    assert models.get_model("a", at=added)["scaling"] == {"min": 1, "max": 1}
+    assert models.get_model("a", at=scaled)["scaling"] == {"min": 0, "max": 3}
+    assert models.diff(added, scaled)["changed"]
+    # Past the log's newest time and this clock, a change may yet come before it.
+    with pytest.raises(Refused, match="is in the future"):
+        models.list_models(at=scaled + timedelta(microseconds=1))
+
+
 def test_a_revision_inside_a_transaction_reads_the_boundary_before_it(
     open_models: Callable[..., Models],
 ) -> None:
@@ -597,12 +618,46 @@ def test_a_diff_over_the_configs_recorded_then_shows_what_the_deploy_changed(
     assert models.diff(before)["changed"] == []
 
 
+def test_a_diff_over_the_configs_recorded_then_shows_a_model_declared_as_it_ran(
+    open_models: Callable[..., Models], tmp_path: Path
+) -> None:
+    """Declared with the very definition it ran with at runtime, a model
+    changed nothing but who decides it (runtime changes to it are refused
+    from then on): the diff said "no change" (hostile test)."""
+    models = open_models()
+    models.add(spec("same"), by="alice")  # 2 (1: the first config's record)
+    deployed = tmp_path / "deployed.yaml"
+    deployed.write_text(config_yaml(spec("base"), spec("same")))
+    after = open_models(config=deployed)
+    after.add(spec("other"), by="bob")  # 3: the deployed config's record, 4: the add
+    changed = {c["model"]: c["fields"] for c in after.diff(2, declared_then=True)["changed"]}
+    assert changed["same"] == {"declared": {"before": False, "after": True}}
+    (same,) = after.diff(2, model="same", declared_then=True)["changed"]
+    assert same == {"model": "same", "fields": changed["same"]}
+    assert after.diff(2, model="same")["changed"] == []  # over today's config at both ends
+
+
 def test_a_read_of_the_past_over_a_config_before_any_was_recorded_is_refused(
     open_models: Callable[..., Models], tmp_path: Path
 ) -> None:
     models, _, _ = _a_deploy_declaring_a_trial(open_models, tmp_path)
     with pytest.raises(Refused, match=r"^no declared config was recorded at or before revision 0 "):
         models.list_models(0, declared_then=True)
+
+
+def test_a_read_of_the_past_over_a_config_declaring_nothing_reads_it(
+    open_models: Callable[..., Models], tmp_path: Path
+) -> None:
+    """Declaring nothing, a config is the layer a log that recorded none has,
+    so the first write records none; a read over the config of then was
+    refused as if none had been known (differential test)."""
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("models: []\n")
+    models = open_models(config=empty)
+    models.add(spec("r1"), by="alice")  # 1: the add, and no record
+    (listed,) = models.list_models(1, declared_then=True)
+    assert (listed["name"], listed["declared"]) == ("r1", False)
+    assert models.get_model("r1", 1, declared_then=True) == listed
 
 
 def test_a_config_record_that_cannot_be_read_is_refused_by_a_read_over_it(
