@@ -311,7 +311,9 @@ def test_sigkill_at_random_moments_loses_nothing(
     recorder.engine.dispose()
     assert kills >= 50, f"only {kills} writers were killed (seed {seed})"
     # Sanity of the experiment itself: it wrote, snapshotted, and caught commits in flight.
-    assert commands > 3 * KILLS, commands
+    # (About 3.5 commands a round on an idle host; 2.75 seen with two cores busy
+    # elsewhere, where writers killed within 20 ms get fewer done.)
+    assert commands > 2 * KILLS, commands
     assert resumed_from_snapshot > KILLS // 2, resumed_from_snapshot
     print(
         f"crash: seed {seed}, {kills} kills ({kills_inside_a_command} inside a command), "
