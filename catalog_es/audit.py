@@ -120,7 +120,7 @@ class AuditTrail:
         _check_filters(filters)
         with self.store.read() as conn:
             rows = select_rows(
-                conn, refusals_table, refusals_table.c.id, _one_more(filters, at_most)
+                conn, refusals_table, (refusals_table.c.id,), _one_more(filters, at_most)
             )
         _within(len(rows), filters, at_most)
         return [

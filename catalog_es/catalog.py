@@ -61,6 +61,9 @@ class Catalog:
         # no longer has (see chain_hash).
         self.chain: ChainHead | None = None
         self.skipped: list[Skipped] = []
+        # Told of each model a removal takes out of force, with the definition
+        # it had: the audit gives each a row (no event of its own says so).
+        self.taken_out: Callable[[Skipped, ModelSpec], object] | None = None
         # Models whose latest event load left out and no later one put right.
         self._unhealed: set[str] = set()
         # name -> its aggregate id as an int, for the check every replayed event
@@ -243,6 +246,7 @@ class Catalog:
         other._referrers = {k: set(v) for k, v in self._referrers.items()}
         other.skipped = list(self.skipped)
         other._unhealed = set(self._unhealed)
+        other.taken_out = None  # the copy's changes are tried, not the log's
         return other
 
     def apply(self, event: DomainEvent, revision: int) -> Skipped | None:
@@ -323,14 +327,17 @@ class Catalog:
             aggregate = self.aggregates.get(name)
             if aggregate is None or aggregate.spec is None or name in self.declared:
                 continue
-            self._put(name, aggregate.version, aggregate.spec, None)
-            self.skip(
+            spec = aggregate.spec
+            self._put(name, aggregate.version, spec, None)
+            skipped = self.skip(
                 revision,
                 name,
                 "Removed",
                 f"model {name!r}: fallbacks: names {gone!r}, which this revision removed; "
                 "out of force until added again",
             )
+            if self.taken_out is not None:
+                self.taken_out(skipped, spec)
             falling += [(name, referrer) for referrer in sorted(self.referrers(name))]
 
     def saw(self, timestamp: datetime) -> None:

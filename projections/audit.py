@@ -68,8 +68,9 @@ RETRIES = 3
 # they understand. Tables of an earlier layout are left to the nodes that use
 # them. 4: a table of rows per declared config; 5: a record that cannot say
 # its model is its stream's (it was no model's, so no model's history); 6: a
-# config record's changes, to the declared layer (it had none).
-LAYOUT = 6
+# config record's changes, to the declared layer (it had none); 7: a row of
+# its own for each model a removal takes out of force (a revision had one row).
+LAYOUT = 7
 CHANGES_PREFIX = f"audit_changes_v{LAYOUT}_"
 # What this code names a table of rows: another of the prefix (an operator's
 # copy, say) is not this code's to drop.
@@ -86,7 +87,6 @@ DROP_WAIT = 0.1
 
 # The tracking positions, one row per declared config, shared by every config's table.
 metadata = sa.MetaData()
-# INTEGER on SQLite, so the revision is the rowid itself.
 _revision = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
 
 tracking_table = sa.Table(
@@ -121,6 +121,10 @@ def changes_table_for(application_name: str, config: str) -> sa.Table:
         name,
         sa.MetaData(),
         sa.Column("revision", _revision, primary_key=True, autoincrement=False),
+        # 0: the event's own row; 1 on: each model it took out of force, in
+        # the order load did (a removal takes those naming the model removed
+        # as a fallback, and those naming them in turn).
+        sa.Column("place", sa.Integer(), primary_key=True, autoincrement=False),
         # What the queries filter on. UTC; NULL, like actor, for a record that
         # could not be decoded.
         sa.Column("time", sa.DateTime()),
@@ -132,12 +136,12 @@ def changes_table_for(application_name: str, config: str) -> sa.Table:
         # rows is then one decode, not four columns and a dict a row, which was
         # most of its time.
         sa.Column("view", sa.Text(), nullable=False),
-        # With the revision in each index, a filtered query reads its rows in
-        # order, newest first for a limit, without sorting.
-        sa.Index(f"{name}_model", "model", "revision"),
-        sa.Index(f"{name}_actor", "actor", "revision"),
-        sa.Index(f"{name}_event", "event", "revision"),
-        sa.Index(f"{name}_time", "time", "revision"),
+        # With the row's key in each index, a filtered query reads its rows
+        # in order, newest first for a limit, without sorting.
+        sa.Index(f"{name}_model", "model", "revision", "place"),
+        sa.Index(f"{name}_actor", "actor", "revision", "place"),
+        sa.Index(f"{name}_event", "event", "revision", "place"),
+        sa.Index(f"{name}_time", "time", "revision", "place"),
     )
 
 
@@ -185,23 +189,23 @@ class Filters(ChangeFilters, total=False):
 def select_rows(
     conn: Connection,
     table: sa.Table,
-    order: sa.Column[Any],
+    order: Sequence[sa.Column[Any]],
     filters: Filters,
     columns: Sequence[sa.ColumnElement[Any]] = (),
     within: tuple[int | None, int | None] = (None, None),
 ) -> list[sa.Row[Any]]:
     """The rows of ``table`` (one with ``time``, ``actor``, ``model`` and
-    ``event`` columns: the audit, the refusals) that match, oldest first; with
-    a limit, the last ``limit`` of them. ``columns``: what to read of each,
-    by default every column; ``within``: the first and last ``order`` the
-    matches can have, when known."""
+    ``event`` columns: the audit, the refusals) that match, oldest first by
+    ``order``; with a limit, the last ``limit`` of them. ``columns``: what to
+    read of each, by default every column; ``within``: the first and last
+    value of ``order``'s first column the matches can have, when known."""
     c = table.c
     query = sa.select(*columns) if columns else sa.select(table)
     first, last = within
     if first is not None:
-        query = query.where(order >= first)
+        query = query.where(order[0] >= first)
     if last is not None:
-        query = query.where(order <= last)
+        query = query.where(order[0] <= last)
     for column, value in (
         (c.model, filters.get("model")),
         (c.actor, filters.get("by")),
@@ -215,8 +219,8 @@ def select_rows(
     if until is not None:
         query = query.where(c.time < stored_time(until))
     if limit is None:
-        return list(conn.execute(query.order_by(order)).all())
-    latest = conn.execute(query.order_by(order.desc()).limit(limit))
+        return list(conn.execute(query.order_by(*order)).all())
+    latest = conn.execute(query.order_by(*(column.desc() for column in order)).limit(limit))
     return list(reversed(latest.all()))
 
 
@@ -589,7 +593,8 @@ class AuditView(TrackingRecorder):
     ) -> list[str]:
         table = self.table(application_name)
         within = self._revisions(conn, filters, table, tracked)
-        rows = select_rows(conn, table, table.c.revision, filters, [table.c.view], within)
+        order = (table.c.revision, table.c.place)
+        rows = select_rows(conn, table, order, filters, [table.c.view], within)
         views = [view for (view,) in rows]
         del rows
         return views
@@ -702,6 +707,8 @@ class AuditProjection(Projection[AuditView]):
 
     def _restart(self) -> None:
         self.catalog = Catalog(self.declared.models, self.declared.engines)
+        self._taken_out: list[tuple[Skipped, ModelSpec]] = []  # by the event replayed
+        self.catalog.taken_out = lambda skip, spec: self._taken_out.append((skip, spec))
         self.recorded = 0  # the position of the view: rows up to here are written
         self._staged: list[dict[str, Any]] = []
         self._tracking: Tracking | None = None
@@ -842,26 +849,26 @@ class AuditProjection(Projection[AuditView]):
     def model_event(self, event: Model.Event, tracking: Tracking) -> None:
         revision = tracking.notification_id
         before = self.catalog.get(event.model)
+        self._taken_out.clear()
         outcome = self.catalog.apply(event, revision)
         if revision <= self.recorded:
             return
         after = self.catalog.get(event.model)
-        self._stage(
-            tracking,
-            {
-                "time": stored_time(event.timestamp),
-                "actor": event.by,
-                "model": event.model,
-                "event": type(event).__name__,
-                "class_version": event.class_version,
-                "reason": event.reason,
-                "rollback_to": event.rollback_to,
-                "fields": event_fields(event),
-            },
-            before,
-            after,
-            outcome,
-        )
+        row = {
+            "time": stored_time(event.timestamp),
+            "actor": event.by,
+            "model": event.model,
+            "event": type(event).__name__,
+            "class_version": event.class_version,
+            "reason": event.reason,
+            "rollback_to": event.rollback_to,
+            "fields": event_fields(event),
+        }
+        self._stage(tracking, row, before, after, outcome)
+        # The models a removal took out of force with it, each in a row of its
+        # own: their history ended here, though no event of theirs says so.
+        for place, (skip, spec) in enumerate(self._taken_out, start=1):
+            self._stage(tracking, {**row, "model": skip.model}, spec, None, skip, place)
 
     @process_event.register
     def declaration(self, event: Configuration.Declared, tracking: Tracking) -> None:
@@ -913,12 +920,14 @@ class AuditProjection(Projection[AuditView]):
         before: ModelSpec | None,
         after: ModelSpec | None,
         skipped: Skipped | None,
+        place: int = 0,
         changes: list[dict[str, Any]] | None = None,
     ) -> None:
-        """Stage the row of one stored event: the columns queries filter on, and
+        """Stage a row of one stored event: the columns queries filter on, and
         its view, the ``log --json`` line of the event plus what it did to the
         definition in force (``changes``: to the declared layer, a config
-        record's)."""
+        record's). ``place``: 0 for the event's own model, 1 on for each model
+        it took out of force with it."""
         old, new = _definition(before), _definition(after)
         time, actor = row.get("time"), row.get("actor")
         view = {
@@ -940,6 +949,7 @@ class AuditProjection(Projection[AuditView]):
         self._staged.append(
             {
                 "revision": tracking.notification_id,
+                "place": place,
                 "time": time,
                 "actor": filter_text(actor),
                 "model": filter_text(row["model"] or ""),

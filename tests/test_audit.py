@@ -68,7 +68,7 @@ from projections.audit import (
     stored_time,
     tracking_table,
 )
-from tests.helpers import collections_seen, event, schema_of
+from tests.helpers import collections_seen, config_yaml, event, schema_of, spec
 
 T0 = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 
@@ -329,6 +329,51 @@ def test_history_is_filtered_as_the_audit_is(models: Models) -> None:
     assert models.history("chat", limit=1) == models.audit(model="chat", limit=1)
     with pytest.raises(ModelNotFound):
         models.history("never-seen", limit=1)
+
+
+def test_a_model_a_removal_takes_out_of_force_has_a_row_of_its_own(
+    make_models: Callable[..., Models],
+) -> None:
+    """Its fallback removed by a node whose config declared it (its runtime
+    definition was not in force there), a model goes out of force when the
+    config no longer declares it: `model show`, `diff` and `verify` said so,
+    while its history ended with it in force (two hostile tests)."""
+    models = make_models()
+    models.add(spec("y"), by="alice")  # 1
+    models.add(spec("x", fallbacks=("y",)), by="alice")  # 2
+    models.add(spec("w", fallbacks=("x",)), by="alice")  # 3
+    declaring_x = make_models(config_yaml(spec("x"), spec("w")))
+    declaring_x.remove("y", by="bob", reason="unused here")  # 4: the config's record, 5
+    models.close()
+    models = make_models()  # the first config again
+    assert models.list_models() == []
+    reason = (
+        "model {}: fallbacks: names {}, which this revision removed; out of force until added again"
+    )
+    for name, fallback in (("x", "y"), ("w", "x")):
+        added_row, last = models.history(name)
+        assert (last["revision"], last["model"], last["event"], last["by"]) == (
+            5,
+            name,
+            "Removed",
+            "bob",
+        )
+        assert last["reason"] == "unused here"
+        assert last["skipped"] == reason.format(repr(name), repr(fallback))
+        assert (last["before"], last["after"]) == (added_row["after"], None)
+        assert last["before"]["fallbacks"] == [fallback]
+    # In the revision's place: after the removal, in the order load took them out.
+    assert [(r["revision"], r["model"]) for r in models.audit()][-3:] == [
+        (5, "y"),
+        (5, "x"),
+        (5, "w"),
+    ]
+    assert [r["model"] for r in models.audit(limit=2)] == ["x", "w"]
+    assert models.audit(model="x", limit=1) == models.history("x")[-1:]
+    # Built anew from the log, the rows are the same.
+    rows = models.audit()
+    models.rebuild_audit()
+    assert models.audit() == rows
 
 
 def test_history_of_an_unknown_name_is_not_found_and_of_a_declared_one_is_empty(
