@@ -56,6 +56,7 @@ from catalog_es.model import (
     utc_text,
 )
 from catalog_es.persistence import (
+    STREAMED,
     Appended,
     Kept,
     PullingSubscription,
@@ -63,6 +64,7 @@ from catalog_es.persistence import (
     acquire_within,
     database_unusable,
     events_table,
+    fetched_within,
     holds,
     release_to,
     stream_walk,
@@ -119,7 +121,7 @@ def _declaration(catalog: Catalog) -> dict[str, Any] | None:
 
 def _event_views(rows: Sequence[sa.Row[Any]], model: str | None) -> Iterator[dict[str, Any]]:
     """Each stored row as ``log --json`` prints it, decoded as it is asked for."""
-    for revision, topic, state in rows:
+    for state, revision, topic in rows:
         try:
             yield event_view(revision, decode_event(topic, state))
         except UndecodableEvent as error:
@@ -1274,13 +1276,20 @@ class Models(AuditTrail, Application[UUID]):
         return dict(sorted(out.items()))
 
     def log_events(
-        self, *, after: int = 0, limit: int | None = None, model: str | None = None
+        self,
+        *,
+        after: int = 0,
+        limit: int | None = None,
+        model: str | None = None,
+        max_bytes: int | None = None,
     ) -> Iterator[dict[str, Any]]:
         """The stored events with their revisions, oldest first, undecodable ones
         included (with the error). A name no model can have is refused here,
-        not once the events are first asked for."""
+        not once the events are first asked for. ``max_bytes``: what the
+        events' stored forms may hold in all (``AnswerTooLarge`` past it)."""
         t = events_table.c
-        query = sa.select(t.revision, t.topic, t.state).where(t.revision > after)
+        # The stored form first: what an answer's size is reckoned by.
+        query = sa.select(t.state, t.revision, t.topic).where(t.revision > after)
         if model is not None:
             # Refused before its id is worked out: ids are cached, and any
             # text a client sent was kept, without bound.
@@ -1291,6 +1300,8 @@ class Models(AuditTrail, Application[UUID]):
         query = query.order_by(t.revision)
         if limit is not None:
             query = query.limit(limit)
+        if max_bytes is not None:
+            query = query.execution_options(**STREAMED)
         with self.store.read() as conn:
-            rows = conn.execute(query).all()
+            rows = fetched_within(conn.execute(query), max_bytes)
         return _event_views(rows, model)

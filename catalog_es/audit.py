@@ -29,7 +29,7 @@ from catalog_es.errors import (
 )
 from catalog_es.inputs import DeclaredConfig, zoned
 from catalog_es.model import Model, utc_now, utc_text
-from catalog_es.persistence import SQLRecorder, refusals_table
+from catalog_es.persistence import AnswerTooLarge, SQLRecorder, refusals_table
 from projections.audit import (
     AuditProjection,
     AuditView,
@@ -70,19 +70,26 @@ class AuditTrail:
         return _rows(self._history_views(name, {**filters, "model": name}))
 
     def history_json(
-        self, name: str, *, at_most: int | None = None, **filters: Unpack[ChangeFilters]
+        self,
+        name: str,
+        *,
+        at_most: int | None = None,
+        at_most_bytes: int | None = None,
+        **filters: Unpack[ChangeFilters],
     ) -> bytes:
         """:meth:`history` as JSON, as :meth:`audit_json` answers (``at_most``
-        as its)."""
+        and ``at_most_bytes`` as its)."""
         wanted: Filters = {**filters, "model": name}
-        views = self._history_views(name, _one_more(wanted, at_most))
+        views = self._history_views(name, _one_more(wanted, at_most), at_most_bytes)
         _within(len(views), wanted, at_most)
         return _json(views)
 
-    def _history_views(self, name: str, filters: Filters) -> list[str]:
+    def _history_views(
+        self, name: str, filters: Filters, at_most_bytes: int | None = None
+    ) -> list[str]:
         # No name filters nothing: every row would be this "history".
         if name:
-            views = self._views(filters)
+            views = self._views(filters, at_most_bytes)
             declared = any(m.name == name for m in self.declared.models)
             if views or declared or self._audit.view.mentions(self.name, name):
                 return views
@@ -94,19 +101,33 @@ class AuditTrail:
         with a ``limit``, the most recent ones."""
         return _rows(self._views(filters))
 
-    def audit_json(self, *, at_most: int | None = None, **filters: Unpack[Filters]) -> bytes:
+    def audit_json(
+        self,
+        *,
+        at_most: int | None = None,
+        at_most_bytes: int | None = None,
+        **filters: Unpack[Filters],
+    ) -> bytes:
         """:meth:`audit` as the JSON array it encodes to, made without building
         the rows (what the HTTP API sends): most of a large answer's time is
         building them. ``at_most``: asked without a ``limit``, an answer of
-        more rows than this is refused rather than built."""
-        views = self._views(_one_more(filters, at_most))
+        more rows than this is refused rather than built; ``at_most_bytes``:
+        one whose rows hold more than this is refused, limit or not, once
+        that much of it is read."""
+        views = self._views(_one_more(filters, at_most), at_most_bytes)
         _within(len(views), filters, at_most)
         return _json(views)
 
-    def _views(self, filters: Filters) -> list[str]:
+    def _views(self, filters: Filters, at_most_bytes: int | None = None) -> list[str]:
         """Each matching row as the JSON it is stored as."""
         _check_filters(filters)
-        return self._audit.answer(self.store, self.name, filters)
+        try:
+            return self._audit.answer(self.store, self.name, filters, at_most_bytes)
+        except AnswerTooLarge:
+            raise InputError(
+                f"the rows that match hold more than {at_most_bytes:,} bytes: give a smaller "
+                f"limit, or narrow them with {_narrowing(filters)}"
+            ) from None
 
     def rebuild_audit(self) -> None:
         """Drop the audit tables and build them again from the log."""
@@ -305,13 +326,13 @@ def _one_more(filters: Filters, at_most: int | None) -> Filters:
 def _within(count: int, filters: Filters, at_most: int | None) -> None:
     """Refuse an answer of more rows than ``at_most``, asked without a ``limit``."""
     if at_most is not None and filters.get("limit") is None and count > at_most:
-        # A model's history is narrowed already to its model.
-        narrowing = (
-            "by, type, since or until"
-            if filters.get("model")
-            else ("model, by, type, since or until")
-        )
         raise InputError(
             f"more than {at_most:,} rows match: give limit (the most recent N, at most "
-            f"{at_most:,}), or narrow them with {narrowing}"
+            f"{at_most:,}), or narrow them with {_narrowing(filters)}"
         )
+
+
+def _narrowing(filters: Filters) -> str:
+    # Asked of one model (a history, or a model filter), a query is narrowed
+    # by model already.
+    return "by, type, since or until" if filters.get("model") else "model, by, type, since or until"

@@ -249,6 +249,31 @@ class Kept(NamedTuple):
     hash: Any
 
 
+class AnswerTooLarge(Exception):
+    """The rows that match hold more than an answer may: none was kept."""
+
+
+def fetched_within(result: Iterable[sa.Row[Any]], max_bytes: int | None) -> list[sa.Row[Any]]:
+    """The rows of ``result``, whose first column is text or bytes, read one
+    batch at a time and refused (:class:`AnswerTooLarge`) once that column
+    holds more than ``max_bytes`` in all: forty rows of large definitions made
+    an answer of 183 MB, and ten thousand would take the server's memory."""
+    if max_bytes is None:
+        return list(result)
+    rows, held = [], 0
+    for row in result:
+        held += len(row[0])
+        if held > max_bytes:
+            raise AnswerTooLarge
+        rows.append(row)
+    return rows
+
+
+# Read a batch at a time (on PostgreSQL, through a cursor on the server), so
+# an answer refused for its size was never held whole.
+STREAMED = {"stream_results": True, "yield_per": 500}
+
+
 def lock_wait_seconds() -> float:
     """The bounded wait for the write lock: ``CATALOG_ES_LOCK_WAIT`` seconds,
     else ``LOCK_WAIT_SECONDS``."""

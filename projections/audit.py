@@ -44,7 +44,15 @@ from catalog_es.errors import StorageBusy, first_line
 from catalog_es.inputs import DeclaredConfig
 from catalog_es.mapper import UndecodableEvent, decode_event, model_of_state, topic_name
 from catalog_es.model import DomainEvent, Model, utc_text
-from catalog_es.persistence import SQLRecorder, acquire_within, holds, milliseconds, release_to
+from catalog_es.persistence import (
+    STREAMED,
+    SQLRecorder,
+    acquire_within,
+    fetched_within,
+    holds,
+    milliseconds,
+    release_to,
+)
 from catalog_es.spec import ModelSpec
 from catalog_es.views import event_fields
 
@@ -193,12 +201,14 @@ def select_rows(
     filters: Filters,
     columns: Sequence[sa.ColumnElement[Any]] = (),
     within: tuple[int | None, int | None] = (None, None),
+    max_bytes: int | None = None,
 ) -> list[sa.Row[Any]]:
     """The rows of ``table`` (one with ``time``, ``actor``, ``model`` and
     ``event`` columns: the audit, the refusals) that match, oldest first by
     ``order``; with a limit, the last ``limit`` of them. ``columns``: what to
     read of each, by default every column; ``within``: the first and last
-    value of ``order``'s first column the matches can have, when known."""
+    value of ``order``'s first column the matches can have, when known;
+    ``max_bytes``: what the first column may hold in all (:func:`fetched_within`)."""
     c = table.c
     query = sa.select(*columns) if columns else sa.select(table)
     first, last = within
@@ -218,10 +228,12 @@ def select_rows(
         query = query.where(c.time >= stored_time(since))
     if until is not None:
         query = query.where(c.time < stored_time(until))
+    if max_bytes is not None:
+        query = query.execution_options(**STREAMED)
     if limit is None:
-        return list(conn.execute(query.order_by(*order)).all())
+        return fetched_within(conn.execute(query.order_by(*order)), max_bytes)
     latest = conn.execute(query.order_by(*(column.desc() for column in order)).limit(limit))
-    return list(reversed(latest.all()))
+    return list(reversed(fetched_within(latest, max_bytes)))
 
 
 # -- what changed ------------------------------------------------------------------
@@ -522,11 +534,17 @@ class AuditView(TrackingRecorder):
         return (tracked.position or None) if tracked is not None else None
 
     def changes(
-        self, filters: Filters, application_name: str, position: int, generation: str
+        self,
+        filters: Filters,
+        application_name: str,
+        position: int,
+        generation: str,
+        max_bytes: int | None = None,
     ) -> list[str]:
         """The stored views of the matching rows, each a row as JSON, from the
         table at ``position`` or past it in ``generation``: not from one another
-        process is making anew (:class:`ViewMoved`)."""
+        process is making anew (:class:`ViewMoved`). ``max_bytes``: what the
+        views may hold in all (:func:`fetched_within`)."""
         # Paused, and the rows made and freed inside: otherwise the young
         # collections walk them, as they are fetched and as the pause ends,
         # and promote them to the oldest generation, which brings on a full
@@ -535,11 +553,13 @@ class AuditView(TrackingRecorder):
             tracked = self._tracked(conn, application_name)
             if tracked is None or tracked.generation != generation or tracked.position < position:
                 raise ViewMoved("the audit tables are being rebuilt by another process")
-            views = self._matching(conn, filters, application_name, tracked)
+            views = self._matching(conn, filters, application_name, tracked, max_bytes)
         self._still_used(application_name)
         return views
 
-    def current_changes(self, filters: Filters, application_name: str) -> list[str] | None:
+    def current_changes(
+        self, filters: Filters, application_name: str, max_bytes: int | None = None
+    ) -> list[str] | None:
         """:meth:`changes`, when the table is at the head of the log in the
         read; ``None`` otherwise: a catch-up is due."""
         try:
@@ -547,7 +567,7 @@ class AuditView(TrackingRecorder):
                 tracked = self._tracked(conn, application_name)
                 if tracked is None or tracked.position != self.store.head(conn):
                     return None
-                views = self._matching(conn, filters, application_name, tracked)
+                views = self._matching(conn, filters, application_name, tracked, max_bytes)
         except ViewMoved:
             return None
         self._still_used(application_name)
@@ -589,12 +609,17 @@ class AuditView(TrackingRecorder):
             yield conn
 
     def _matching(
-        self, conn: Connection, filters: Filters, application_name: str, tracked: Tracked
+        self,
+        conn: Connection,
+        filters: Filters,
+        application_name: str,
+        tracked: Tracked,
+        max_bytes: int | None,
     ) -> list[str]:
         table = self.table(application_name)
         within = self._revisions(conn, filters, table, tracked)
         order = (table.c.revision, table.c.place)
-        rows = select_rows(conn, table, order, filters, [table.c.view], within)
+        rows = select_rows(conn, table, order, filters, [table.c.view], within, max_bytes)
         views = [view for (view,) in rows]
         del rows
         return views
@@ -746,23 +771,36 @@ class AuditProjection(Projection[AuditView]):
                 release_to(self.lock, held)
                 raise
 
-    def answer(self, recorder: SQLRecorder, application_name: str, filters: Filters) -> list[str]:
+    def answer(
+        self,
+        recorder: SQLRecorder,
+        application_name: str,
+        filters: Filters,
+        max_bytes: int | None = None,
+    ) -> list[str]:
         """The views of the rows matching ``filters`` once caught up: read
         again after catching up again if another process rebuilt the tables
         between the catch-up and the read. Tables already at the head are read
         at once: queries at the same moment would otherwise each wait for the
-        lock in turn, to find nothing to catch up (four of forty were refused)."""
-        views = self.view.current_changes(filters, application_name)
+        lock in turn, to find nothing to catch up (four of forty were refused).
+        ``max_bytes``: what the views may hold in all (:func:`fetched_within`)."""
+        views = self.view.current_changes(filters, application_name, max_bytes)
         if views is not None:
             return views
         for _ in range(RETRIES - 1):
             self.catch_up(recorder, application_name)
             try:
-                return self.view.changes(filters, application_name, self.recorded, self.generation)
+                return self._changes(application_name, filters, max_bytes)
             except ViewMoved:
                 continue
         self.catch_up(recorder, application_name)
-        return self.view.changes(filters, application_name, self.recorded, self.generation)
+        return self._changes(application_name, filters, max_bytes)
+
+    def _changes(self, application_name: str, filters: Filters, max_bytes: int | None) -> list[str]:
+        """The matching rows of the table this process caught up."""
+        return self.view.changes(
+            filters, application_name, self.recorded, self.generation, max_bytes
+        )
 
     def rebuild(self, recorder: SQLRecorder, application_name: str) -> None:
         """Drop the tables and replay the whole log into them again."""

@@ -1009,6 +1009,34 @@ def test_log_and_audit_answers_past_a_page_are_refused_not_built(api: Api) -> No
     assert len(ok(api.get("/refusals", params={"limit": 3}))) == 3
 
 
+def test_log_audit_and_history_answers_past_a_size_are_refused_not_built(
+    api: Api, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Bounded in rows, answers were not in bytes: forty events of large
+    definitions made one of 183 MB, and a page of ten thousand would take the
+    server's memory (hostile test). Past the bound, the client is told how to
+    page; the rows are read a batch at a time, so no more is held."""
+    # Random text, which the stored form cannot compress.
+    adapters = [{"name": f"a{i}", "source": f"s3://a/{os.urandom(200).hex()}"} for i in range(40)]
+    for _ in range(5):  # about 17 KB stored each; a row has the definition twice or thrice
+        api.post("/models", definition("qwen", adapters=adapters))
+    monkeypatch.setattr("catalog_es.web.app.MAX_ANSWER_BYTES", 60_000)
+    assert refused(api.get("/log"), 422) == (
+        "the events after revision 0 hold more than 60,000 bytes: page with after and a "
+        "smaller limit"
+    )
+    assert len(ok(api.get("/log", params={"limit": 2}))) == 2  # the config's record, the first
+    rows_too_large = "the rows that match hold more than 60,000 bytes: give a smaller limit, "
+    assert refused(api.get("/audit"), 422) == (
+        rows_too_large + "or narrow them with model, by, type, since or until"
+    )
+    assert refused(api.get("/history/qwen"), 422) == (
+        rows_too_large + "or narrow them with by, type, since or until"
+    )
+    assert [r["revision"] for r in ok(api.get("/history/qwen", params={"limit": 1}))] == [6]
+    assert ok(api.get("/audit", params={"type": "ConfigDeclared"}))  # small: well within
+
+
 def test_a_stream_ends_once_its_token_is_revoked(api: Api) -> None:
     """Revoked, a token is refused from its next request on; its open stream
     stopped getting changes only when the client left (hostile test)."""

@@ -78,7 +78,7 @@ from catalog_es.inputs import (
     utc_time,
     whole_number,
 )
-from catalog_es.persistence import database_unusable
+from catalog_es.persistence import AnswerTooLarge, database_unusable
 from catalog_es.web import MAX_WATCHES
 from catalog_es.web.events import StreamPlaces, event_stream
 from catalog_es.web.tokens import Caller, Role, TokenStore
@@ -101,6 +101,10 @@ MAX_LARGE_BODIES = 2
 # is told to page. Unbounded, one answer of a long log was built whole in
 # memory: 70 MB of JSON for 80,000 rows, 3.3 GB for forty at once.
 MAX_ANSWER_ROWS = 10_000
+# And bytes: forty events of large definitions made an answer of 183 MB, and
+# a page of them would take the server's memory. As large as the largest
+# body it takes (an `apply` file).
+MAX_ANSWER_BYTES = MAX_CHANGES_BYTES
 
 
 class TooBusy(Refused):
@@ -697,7 +701,20 @@ def log_events(
 ) -> Response:
     """The stored events with their revisions, oldest first (`log --json`, as a
     list); more than a page of them is refused: page with `after` and `limit`."""
-    events = list(models.log_events(after=after, limit=limit or MAX_ANSWER_ROWS + 1, model=model))
+    try:
+        events = list(
+            models.log_events(
+                after=after,
+                limit=limit or MAX_ANSWER_ROWS + 1,
+                model=model,
+                max_bytes=MAX_ANSWER_BYTES,
+            )
+        )
+    except AnswerTooLarge:
+        raise InputError(
+            f"the events after revision {after} hold more than {MAX_ANSWER_BYTES:,} bytes: "
+            "page with after and a smaller limit"
+        ) from None
     if len(events) > MAX_ANSWER_ROWS:
         raise InputError(
             f"more than {MAX_ANSWER_ROWS:,} events after revision {after}: page with after "
@@ -809,11 +826,11 @@ def change_filters(
     )
 
 
-HistoryFilters = Annotated[ChangeFilters, Depends(change_filters)]
+ChangeFilterParams = Annotated[ChangeFilters, Depends(change_filters)]
 
 
 def audit_filters(
-    filters: HistoryFilters,
+    filters: ChangeFilterParams,
     model: Annotated[str | None, Query(description="Only this model.")] = None,
 ) -> Filters:
     """The filters of ``catalog-es audit`` and ``refusals``, read as they read them."""
@@ -824,17 +841,23 @@ AuditFilters = Annotated[Filters, Depends(audit_filters)]
 
 
 @route.get("/history/{name:path}", tags=["audit"])
-def history(name: str, caller: Reader, models: Service, filters: HistoryFilters) -> Response:
+def history(name: str, caller: Reader, models: Service, filters: ChangeFilterParams) -> Response:
     """Every change to one model, oldest first, field by field (before → after),
     filtered; more than a page of them is refused: give `limit`, or narrow them."""
-    return respond_json(models.history_json(name, at_most=MAX_ANSWER_ROWS, **filters))
+    return respond_json(
+        models.history_json(
+            name, at_most=MAX_ANSWER_ROWS, at_most_bytes=MAX_ANSWER_BYTES, **filters
+        )
+    )
 
 
 @route.get("/audit", tags=["audit"])
 def audit(caller: Reader, models: Service, filters: AuditFilters) -> Response:
     """Changes across the catalog, oldest first, filtered; more than a page of
     them is refused: give `limit`, or narrow them."""
-    return respond_json(models.audit_json(at_most=MAX_ANSWER_ROWS, **filters))
+    return respond_json(
+        models.audit_json(at_most=MAX_ANSWER_ROWS, at_most_bytes=MAX_ANSWER_BYTES, **filters)
+    )
 
 
 @route.get("/refusals", tags=["audit"])
