@@ -24,10 +24,11 @@ import shutil
 import stat
 import tempfile
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from contextlib import suppress
 from io import BufferedReader
 from pathlib import Path, PurePosixPath
+from typing import BinaryIO
 
 from catalog_es.errors import UNSAFE_TEXT, Refused
 
@@ -208,10 +209,12 @@ class Registry(ABC):
         """Each file of a commit and its sha256, as the registry states them."""
 
     @abstractmethod
-    def fetch(self, repository: str, revision: str, paths: Iterable[str], into: Path) -> None:
-        """Copy the named files of a commit under ``into``, each one whole or
-        not at all. A path the commit does not have is not written:
-        :func:`verify` reports it."""
+    def fetch(self, repository: str, revision: str, files: Mapping[str, str], into: Path) -> None:
+        """Copy the named files of a commit under ``into`` ({path: sha256}),
+        each one whole and with that checksum, or not at all: a copy that
+        differs is refused and not kept, so the next fetch fetches it again.
+        A path the commit does not have is not written: :func:`verify`
+        reports it."""
 
 
 class MirrorRegistry(Registry):
@@ -287,7 +290,7 @@ class MirrorRegistry(Registry):
     def files(self, repository: str, revision: str) -> dict[str, str]:
         return checksums(self._revision_folder(repository, revision), self.root)
 
-    def fetch(self, repository: str, revision: str, paths: Iterable[str], into: Path) -> None:
+    def fetch(self, repository: str, revision: str, files: Mapping[str, str], into: Path) -> None:
         folder = self._revision_folder(repository, revision)
         # Partial copies are made in a folder of this fetch's own beside the
         # revision's, and renamed into place: a file in the revision's folder
@@ -297,7 +300,7 @@ class MirrorRegistry(Registry):
         _delete_abandoned(into.parent)
         partials, held = _partial_folder(into.parent, into.name)
         try:
-            for path in paths:
+            for path, expected in files.items():
                 source = folder / relative_file(path)
                 if not source.is_file():
                     continue
@@ -307,17 +310,42 @@ class MirrorRegistry(Registry):
                     target.parent.mkdir(parents=True, exist_ok=True)
                     partial = partials / "copy"
                     with partial.open("wb") as out, open_inside(source, self.root) as src:
-                        shutil.copyfileobj(src, out, 1 << 20)
+                        copied = _Hashing(out)
+                        shutil.copyfileobj(src, copied, 1 << 20)
                         out.flush()
                         os.fsync(out.fileno())
-                    partial.replace(target)
                 except OSError as error:  # the disk full, a name too long for it…
                     raise RegistryError(
                         f"{path}: cannot be copied into {into}: {error.strerror or error}"
                     ) from None
+                digest = copied.sha256.hexdigest()
+                if digest != expected:
+                    # Kept, the copy would be found there by every later fetch
+                    # and refused each time, though the mirror were put right.
+                    raise RegistryError(
+                        f"{repository}@{revision}: {path} was copied with sha256 "
+                        f"{digest[:12]}…, expected {expected[:12]}… (changed in the mirror, "
+                        "or while it was read); the copy was not kept"
+                    )
+                partial.replace(target)
         finally:
             shutil.rmtree(partials, ignore_errors=True)
             os.close(held)
+
+
+class _Hashing:
+    """A file being written, and the sha256 of what was written to it."""
+
+    def __init__(self, file: BinaryIO) -> None:
+        self.file = file
+        self.sha256 = hashlib.sha256()
+
+    def write(self, data: bytes) -> int:
+        self.sha256.update(data)
+        return self.file.write(data)
+
+    def flush(self) -> None:
+        self.file.flush()
 
 
 # A fetch holds a lock (flock) on a file in its folder of partial copies for

@@ -76,8 +76,10 @@ class WeightsStore:
         return self.root / org / name / check_commit(revision)
 
     def source(self, origin: Origin) -> str:
-        """The model source of a commit kept here: a ``file://`` URL."""
-        return self.folder(origin.repository, origin.revision).absolute().as_uri()
+        """The model source of a commit kept here: a ``file://`` URL, of the
+        folder itself (links and ``..`` resolved): another spelling of the
+        store, or a link to it pointed elsewhere later, names the same files."""
+        return self.folder(origin.repository, origin.revision).resolve().as_uri()
 
     def stage(self, registry: Registry, origin: Origin) -> None:
         """Make the folder of ``origin`` an exact copy of its files: fetch those
@@ -89,7 +91,11 @@ class WeightsStore:
         # A folder linked elsewhere would be written there, and hashed there.
         folder = inside(self.folder(origin.repository, origin.revision), self.root)
         try:
-            missing = [p for p in origin.files if not (folder / relative_file(p)).is_file()]
+            missing = {
+                path: digest
+                for path, digest in origin.files.items()
+                if not (folder / relative_file(path)).is_file()
+            }
             if missing:
                 registry.fetch(origin.repository, origin.revision, missing, folder)
         except OSError as error:  # the store a file, or a name too long for it
@@ -330,7 +336,9 @@ class Weights:
             # Inside the write transaction: two runs at once record a finding once.
             for finding in findings:
                 name = finding.spec.name
-                if batch.catalog.get(name) != finding.spec:
+                # As read, or with the origin this run recorded (_record_origins).
+                completed = msgspec.structs.replace(finding.spec, origin=finding.running)
+                if batch.catalog.get(name) not in (finding.spec, completed):
                     continue
                 last = _last_finding(batch.conn, name)
                 if last is not None and finding.recorded_by(last[1]):
@@ -426,8 +434,14 @@ class Weights:
                 ran.clear()  # a model of that name added since is another model
                 continue
             origin = _origin_set_by(event)
-            # An origin with no commit says not what ran, but what to work out.
-            if origin is not None and origin.revision and event["revision"] not in skipped:
+            # An origin with no commit says not what ran, but what to work
+            # out; one with no files, nothing a copy could be checked against.
+            if (
+                origin is not None
+                and origin.revision
+                and origin.files
+                and event["revision"] not in skipped
+            ):
                 ran.append((event["revision"], origin))
         if to is None:
             ran = [(r, origin) for r, origin in ran if origin != spec.origin]
@@ -467,6 +481,18 @@ class Weights:
         if (source, target) == (spec.source, spec.origin):
             view = model_view(spec, declared=False)
             return {"revision": self.models.revision, "written": False, "model": view, **result}
+        # What the write would refuse of the new source (a store path too
+        # long for one), refused before gigabytes are fetched for it.
+        self._write_source(
+            spec,
+            source,
+            target,
+            by=by,
+            reason=reason,
+            expected_revision=expected_revision,
+            rollback_to=rollback_to,
+            dry_run=True,
+        )
         self.store.stage(self.registry, target)
         revision, changes = self._write_source(
             spec,

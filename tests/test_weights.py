@@ -18,7 +18,7 @@ import sqlite3
 import subprocess
 import sys
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -124,16 +124,17 @@ class RecordingApplier(Applier):
 class TamperingRegistry(MirrorRegistry):
     """Delivers one fetched file with other bytes than the commit holds."""
 
-    def fetch(self, repository: str, revision: str, paths: Iterable[str], into: Path) -> None:
-        super().fetch(repository, revision, paths, into)
+    def fetch(self, repository: str, revision: str, files: Mapping[str, str], into: Path) -> None:
+        super().fetch(repository, revision, files, into)
         (into / "model.safetensors").write_bytes(b"not what was published")
 
 
 class LosingRegistry(MirrorRegistry):
     """Delivers every file of a commit but one."""
 
-    def fetch(self, repository: str, revision: str, paths: Iterable[str], into: Path) -> None:
-        super().fetch(repository, revision, [p for p in paths if p != "config.json"], into)
+    def fetch(self, repository: str, revision: str, files: Mapping[str, str], into: Path) -> None:
+        kept = {path: digest for path, digest in files.items() if path != "config.json"}
+        super().fetch(repository, revision, kept, into)
 
 
 class World:
@@ -202,7 +203,8 @@ def test_the_mirror_resolves_branches_lists_checksums_and_fetches(world: World) 
     assert registry.resolve("org/n", "dev") == nested
     assert registry.resolve("org/n", nested) == nested
     assert registry.files("org/n", nested) == {"a.bin": sha(b"a"), "onnx/model.onnx": sha(b"b")}
-    registry.fetch("org/n", nested, ["onnx/model.onnx", "absent.bin"], world.root / "out")
+    wanted = {"onnx/model.onnx": sha(b"b"), "absent.bin": sha(b"c")}
+    registry.fetch("org/n", nested, wanted, world.root / "out")
     assert checksums(world.root / "out", world.root) == {"onnx/model.onnx": sha(b"b")}
     files = registry.files("org/n", nested)
     assert verify(world.root / "out", files, world.root) == ["a.bin: missing"]
@@ -300,7 +302,7 @@ def test_names_that_could_leave_the_mirror_are_refused(
 ) -> None:
     registry = MirrorRegistry(world.mirror.root)
     with pytest.raises(RegistryError, match="is not"):
-        registry.fetch(repository, world.c1, [path], world.root / "out")
+        registry.fetch(repository, world.c1, {path: sha(b"x")}, world.root / "out")
 
 
 @pytest.mark.parametrize("linked", ["a file", "the commit's folder", "the repository's folder"])
@@ -364,7 +366,7 @@ def test_a_file_linked_out_of_the_mirror_after_it_was_listed_is_not_copied(
     listed.unlink()
     listed.symlink_to(secret)
     with pytest.raises(RegistryError, match=r"outside .*mirror: refused"):
-        registry.fetch("org/m", world.c1, [path], world.root / "out")
+        registry.fetch("org/m", world.c1, {path: files[path]}, world.root / "out")
     assert not (world.root / "out" / path).exists()
 
 
@@ -477,6 +479,22 @@ def test_checksums_given_without_their_commit_leave_the_model_unchecked(world: W
     assert world.rows() == rows
 
 
+def test_a_commit_given_without_its_files_is_no_weights_to_go_back_to(
+    world: World, tracked: Weights
+) -> None:
+    """Taken for the weights the model ran before, a commit named by hand
+    without its files (nothing to check a copy against) was the default
+    rollback's target, and refused, where complete weights ran before it
+    (hostile test)."""
+    c2 = world.mirror.publish("org/m", V2)
+    partial = Origin(repository="org/m", revision=c2)
+    tracked.models.set_source("m", "hf://org/m", partial, by="alice")
+    tracked.update("m", by="bob")
+    assert tracked.models.get_model("m")["origin"]["files"]  # completed by the update
+    tracked.rollback("m", by="carol")
+    assert tracked.models.get_model("m")["origin"]["revision"] == world.c1
+
+
 def test_weights_given_in_part_are_no_weights_to_go_back_to(world: World) -> None:
     weights = world.open()
     weights.models.add(spec("m", origin={"repository": "org/m"}), by="alice")
@@ -510,6 +528,22 @@ def test_a_file_name_the_log_cannot_hold_leaves_its_model_unchecked_not_the_run_
     [unchecked] = report["unchecked"]
     assert unchecked["model"] == "m" and why in unchecked["reason"]
     assert [o["model"] for o in report["origins"]] == ["other"]
+
+
+def test_an_origin_completed_and_an_upstream_change_are_recorded_in_one_run(
+    world: World,
+) -> None:
+    """The change was listed but recorded only by the next run: the model's
+    definition had changed since the scan, by this run's own origin record
+    (hostile test)."""
+    weights = world.open()
+    weights.models.add(spec("m", origin={"repository": "org/m", "revision": world.c1}), by="a")
+    c2 = world.mirror.publish("org/m", V2)
+    report = weights.check_updates(by="cron")
+    assert [o["model"] for o in report["origins"]] == ["m"]
+    assert [(u["running"], u["upstream"]) for u in report["updates"]] == [(world.c1, c2)]
+    assert report["recorded"] == ["m"]
+    assert weights.check_updates(by="cron")["recorded"] == []
 
 
 def test_an_upstream_change_is_listed_once_and_recorded_once(
@@ -658,6 +692,63 @@ def test_a_tampered_copy_in_the_store_is_reported_not_replaced(
     assert world.rows() == rows
 
 
+def test_a_copy_that_does_not_verify_is_not_kept_and_is_fetched_again(
+    world: World, tracked: Weights
+) -> None:
+    """Renamed into the commit's folder before it was checked, a copy that
+    differed (the mirror's file changed in place, or while it was read) was
+    found there by every later fetch and refused each time, the mirror put
+    right or not (hostile test)."""
+    world.mirror.publish("org/m", V2)
+    tracked.update("m", by="bob")
+    published = world.mirror.folder("org/m", world.c1) / "model.safetensors"
+    published.write_bytes(b"re-quantised in place")
+    rows = world.rows()
+    with pytest.raises(RegistryError, match=r"model.safetensors was copied with sha256 .*not kept"):
+        tracked.rollback("m", by="carol")
+    assert not (world.store / "org/m" / world.c1 / "model.safetensors").exists()
+    assert world.rows() == rows
+    published.write_bytes(V1["model.safetensors"])  # upstream puts it back
+    assert tracked.rollback("m", by="carol")["written"]
+    assert tracked.models.get_model("m")["origin"]["revision"] == world.c1
+
+
+def test_a_source_the_write_would_refuse_is_refused_before_anything_is_fetched(
+    world: World, tracked: Weights
+) -> None:
+    """Refused only once every file was fetched (gigabytes, for weights), and
+    those left in the store: a store path long enough that the model's new
+    source is longer than a source may be (hostile test)."""
+    world.mirror.publish("org/m", V2)
+    deep = world.root.joinpath(*["d" * 200] * 10)
+    weights = Weights(tracked.models, MirrorRegistry(world.mirror.root), WeightsStore(deep))
+    rows = world.rows()
+    with pytest.raises(Refused, match="source: is longer than 2048 characters"):
+        weights.update("m", by="bob")
+    assert not deep.exists()
+    assert world.rows() == rows
+
+
+def test_the_source_is_the_store_folder_itself_however_the_store_was_named(
+    world: World, tracked: Weights
+) -> None:
+    """Named through a link, or with `..`, the store gave the model a source
+    of that spelling: the link pointed elsewhere later, the source named other
+    files than those checked; another spelling moved the model to the same
+    folder again (hostile test)."""
+    c2 = world.mirror.publish("org/m", V2)
+    world.store.mkdir()
+    link = world.root / "store-link"
+    link.symlink_to(world.store)
+    registry = MirrorRegistry(world.mirror.root)
+    linked = Weights(tracked.models, registry, WeightsStore(link))
+    assert linked.update("m", by="bob")["written"]
+    folder = (world.store / "org/m" / c2).resolve()
+    assert tracked.models.get_model("m")["source"] == folder.as_uri()
+    spelled = Weights(tracked.models, registry, WeightsStore(world.root / "x" / ".." / "weights"))
+    assert not spelled.update("m", by="bob")["written"]
+
+
 def test_a_model_changed_while_its_weights_were_fetched_is_not_moved(
     world: World, tracked: Weights
 ) -> None:
@@ -665,8 +756,10 @@ def test_a_model_changed_while_its_weights_were_fetched_is_not_moved(
     operator = world.open().models
 
     class SlowRegistry(MirrorRegistry):
-        def fetch(self, repository: str, revision: str, paths: Iterable[str], into: Path) -> None:
-            super().fetch(repository, revision, paths, into)
+        def fetch(
+            self, repository: str, revision: str, files: Mapping[str, str], into: Path
+        ) -> None:
+            super().fetch(repository, revision, files, into)
             operator.set_source("m", "hf://org/m", None, by="dave")  # meanwhile, elsewhere
 
     weights = world.open(SlowRegistry(world.mirror.root))
@@ -721,7 +814,7 @@ def copy_then_stick(source, target, length=0):
 shutil.copyfileobj = copy_then_stick
 mirror, repository, commit, into = sys.argv[1:]
 registry = MirrorRegistry(Path(mirror))
-registry.fetch(repository, commit, sorted(registry.files(repository, commit)), Path(into))
+registry.fetch(repository, commit, registry.files(repository, commit), Path(into))
 """
 
 
