@@ -120,7 +120,7 @@ class ModelInput(_Input):
     owner: str = ""
     adapters: Items[AdapterInput] = []
     fallbacks: Items[str] = []
-    origin: MaybeOrigin = None
+    origin: OriginInput | None = None
     # What `model show --json` prints beside the definition, taken back when
     # it says what the definition does: a model shown can be edited and
     # added again (it was refused as unknown fields).
@@ -180,6 +180,15 @@ class ModelInput(_Input):
     def to_spec(self) -> ModelSpec:
         shown_only = {"effective_class", "declared", "warnings"}
         return msgspec.convert(self.model_dump(by_alias=True, exclude=shown_only), ModelSpec)
+
+
+class RuntimeModelInput(ModelInput):
+    """A model added at runtime. Only there is an origin that says nothing
+    none: a declared one is kept as written, or an unchanged config would
+    have a new fingerprint, and nodes of two releases would take turns
+    recording it."""
+
+    origin: MaybeOrigin = None
 
 
 class ConfigInput(_Input):
@@ -555,7 +564,7 @@ def read_text(path: str, limit: int = MAX_INPUT_BYTES) -> tuple[str, str]:
 
 def model_from_data(data: Any, where: str) -> ModelSpec:
     try:
-        return ModelInput.model_validate(data).to_spec()
+        return RuntimeModelInput.model_validate(data).to_spec()
     except ValidationError as error:
         raise InputError(f"{where}: {describe(error)}") from None
 
@@ -693,7 +702,7 @@ def _origin(value: OriginInput | None) -> Origin | None:
 
 def _step(kind: str, value: Any) -> commands.Step:
     if kind == "add":
-        return commands.add(ModelInput.model_validate(value).to_spec())
+        return commands.add(RuntimeModelInput.model_validate(value).to_spec())
     if kind == "remove":
         # The name alone, or named as every other change names its model.
         if isinstance(value, dict):

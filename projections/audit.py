@@ -95,7 +95,6 @@ DROP_WAIT = 0.1
 
 # The tracking positions, one row per declared config, shared by every config's table.
 metadata = sa.MetaData()
-_revision = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
 
 tracking_table = sa.Table(
     f"audit_tracking_v{LAYOUT}",
@@ -104,7 +103,7 @@ tracking_table = sa.Table(
     # Fingerprint of the declared config the rows were computed over.
     sa.Column("config", sa.String(64), primary_key=True),
     # Written with the table, at 0: a config without a row has no table.
-    sa.Column("notification_id", _revision, nullable=False),
+    sa.Column("notification_id", sa.BigInteger(), nullable=False),
     # Whether the rows' times never go back as the revisions go up (rows
     # without a time aside), and the latest so far. While they do not, a time
     # bound is a revision bound, which every index can seek.
@@ -128,7 +127,10 @@ def changes_table_for(application_name: str, config: str) -> sa.Table:
     return sa.Table(
         name,
         sa.MetaData(),
-        sa.Column("revision", _revision, primary_key=True, autoincrement=False),
+        # A rowid table on SQLite all the same: clustered by this key instead
+        # (WITHOUT ROWID), each row an index finds is a seek down the key's
+        # tree, and one actor's 10,000 rows took 84 ms rather than 65.
+        sa.Column("revision", sa.BigInteger(), primary_key=True, autoincrement=False),
         # 0: the event's own row; 1 on: each model it took out of force, in
         # the order load did (a removal takes those naming the model removed
         # as a fallback, and those naming them in turn).

@@ -111,35 +111,40 @@ def resolve_time(conn: Connection, head: int, moment: datetime) -> int:
 
 def _last_timed(conn: Connection, head: int, horizon: datetime) -> datetime | None:
     """The time of the last record up to ``head`` with a time to trust."""
-    before = head + 1
-    while True:
-        rows = conn.execute(
-            _rows.where(_t.revision < before).order_by(_t.revision.desc()).limit(64)
-        ).all()
-        for _revision, state in rows:
-            stamp = _stamp(state)
-            if stamp is not None and stamp <= horizon:
-                return stamp
-        if len(rows) < 64:
-            return None
-        before = rows[-1][0]
+    found = _timed(conn, 1, head, horizon, backwards=True)
+    return found[1] if found is not None else None
 
 
 def _first_timed(
     conn: Connection, start: int, stop: int, horizon: datetime
 ) -> tuple[int, datetime] | None:
     """The first record in ``start..stop`` with a time to trust, and its time."""
+    return _timed(conn, start, stop, horizon, backwards=False)
+
+
+# Records read at a time, looking for one with a time to trust.
+_TIMED_PAGE = 64
+
+
+def _timed(
+    conn: Connection, start: int, stop: int, horizon: datetime, *, backwards: bool
+) -> tuple[int, datetime] | None:
+    """The record nearest ``start`` (or ``stop``, ``backwards``) in
+    ``start..stop`` with a time to trust, and its time."""
+    order = _t.revision.desc() if backwards else _t.revision
     while start <= stop:
-        rows = conn.execute(
-            _rows.where(_t.revision >= start, _t.revision <= stop).order_by(_t.revision).limit(64)
-        ).all()
+        within = _rows.where(_t.revision >= start, _t.revision <= stop)
+        rows = conn.execute(within.order_by(order).limit(_TIMED_PAGE)).all()
         for revision, state in rows:
             stamp = _stamp(state)
             if stamp is not None and stamp <= horizon:
                 return int(revision), stamp
-        if len(rows) < 64:
+        if len(rows) < _TIMED_PAGE:
             return None
-        start = rows[-1][0] + 1
+        if backwards:
+            stop = rows[-1][0] - 1
+        else:
+            start = rows[-1][0] + 1
     return None
 
 

@@ -342,6 +342,7 @@ def test_a_model_a_removal_takes_out_of_force_has_a_row_of_its_own(
     models.add(spec("y"), by="alice")  # 1
     models.add(spec("x", fallbacks=("y",)), by="alice")  # 2
     models.add(spec("w", fallbacks=("x",)), by="alice")  # 3
+    assert len(models.audit()) == 3  # built this far: the rows after are caught up
     declaring_x = make_models(config_yaml(spec("x"), spec("w")))
     declaring_x.remove("y", by="bob", reason="unused here")  # 4: the config's record, 5
     models.close()

@@ -417,6 +417,22 @@ def test_console_keeps_up_with_a_busy_log_and_filters_a_large_catalog(
         expect(page.locator("#history li.entry").last).to_have_attribute(
             "data-revision", str(models.revision)
         )
+        # Exactly a page of it: all shown, and nothing said of older ones (review).
+        exact = model_from_data(
+            {
+                "name": "exact",
+                "engine": "llamacpp",
+                "source": "hf://org/exact-GGUF",
+                "profiles": [{"name": "cpu", "min_memory_gb": 4}],
+            },
+            "exact",
+        )
+        models.add(exact, by="ops")
+        models.apply_changes([commands.scale("exact", 0, 2 + i % 2) for i in range(999)], by="ops")
+        assert len(models.history("exact")) == 1000
+        page.goto(f"{url}/console/#/model/exact")
+        expect(page.locator("#history li.entry")).to_have_count(1000)
+        expect(page.locator("#history")).not_to_contain_text("The most recent")
     models.close()
 
 

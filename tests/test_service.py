@@ -29,7 +29,7 @@ from catalog_es.errors import (
     Refused,
     RevisionConflict,
 )
-from catalog_es.inputs import model_from_data
+from catalog_es.inputs import load_config, model_from_data
 from catalog_es.model import Model, model_id, utc_now
 from catalog_es.spec import Adapter, Origin, Scaling
 from tests.conftest import RecordingApplier, RefuseSources
@@ -694,6 +694,26 @@ def test_a_config_whose_engines_no_model_could_name_is_refused(
     with pytest.raises(ConfigError) as error:
         open_models(db_url, path)
     assert str(error.value).startswith(f"{path}: {problem}")
+
+
+def test_an_origin_that_says_nothing_is_none_at_runtime_and_as_written_in_config(
+    write_config: Callable[[str], str],
+) -> None:
+    """At runtime `origin: {}` is no origin, as the CLI's `model source`
+    without its options records. A config keeps it as written: read as none,
+    an unchanged config had a new fingerprint, recorded again by the first
+    write after an upgrade and in turns with nodes of the release before (review)."""
+    definition = {
+        "name": "d",
+        "engine": "vllm",
+        "source": "hf://org/d",
+        "profiles": [{"name": "gpu", "gpus": 1}],
+        "origin": {},
+    }
+    assert model_from_data(definition, "d.yaml").origin is None
+    config = load_config(write_config(yaml.safe_dump({"models": [definition]})))
+    (declared,) = config.models
+    assert declared.origin == Origin()
 
 
 def test_a_config_past_its_size_is_refused_without_reading_it_all(

@@ -532,12 +532,14 @@ const HISTORY_ROWS = 1000;
 async function timeline(name, at) {
   let rows;
   try {
-    rows = await api(`/history/${encodeURIComponent(name)}?limit=${HISTORY_ROWS}`);
+    // One more than shown: whether there are older ones.
+    rows = await api(`/history/${encodeURIComponent(name)}?limit=${HISTORY_ROWS + 1}`);
   } catch (error) {
     if (error.status !== 404) throw error;
     rows = [];
   }
-  const items = rows.map((r) =>
+  const older = rows.length > HISTORY_ROWS ? h("p", { class: "quiet" }, `The most recent ${HISTORY_ROWS.toLocaleString("en")} changes; all of them: catalog-es history ${name}`) : "";
+  const items = rows.slice(-HISTORY_ROWS).map((r) =>
     h(
       "li",
       { class: `entry${at !== null && r.revision > at ? " later" : ""}`, "data-revision": r.revision },
@@ -552,7 +554,6 @@ async function timeline(name, at) {
       changes(r)
     )
   );
-  const older = rows.length === HISTORY_ROWS ? h("p", { class: "quiet" }, `The most recent ${HISTORY_ROWS.toLocaleString("en")} changes; all of them: catalog-es history ${name}`) : "";
   return h("section", { id: "history" }, h("h2", {}, "History"), older, items.length ? h("ol", { class: "timeline" }, items) : h("p", { class: "quiet" }, "No runtime changes."));
 }
 
