@@ -134,3 +134,52 @@ def test_the_catalog_rebuilt_from_the_log_is_the_one_in_force(
             assert [e["revision"] for e in live.log_events()] == list(range(1, written + 1))
         finally:
             live.close()
+
+
+# A second config, as a deploy under way has on some nodes: it declares a
+# name the first runs at runtime, so each node accepts what the other's
+# replay must skip (a removal of a fallback only the hidden definition names).
+ROLLING = (DECLARED, spec("a", profiles=(GPU,)))
+# A chain through that name: c falls back on a, which falls back on b.
+CHAIN = [
+    Call("add", (spec(name, fallbacks=fallbacks),), {"by": ACTOR})
+    for name, fallbacks in (("b", ()), ("a", ("b",)), ("c", ("a",)))
+]
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.booleans(), commands), min_size=8, max_size=30))
+def test_every_event_load_skips_has_its_audit_row_saying_why(
+    script: list[tuple[bool, Call]],
+) -> None:
+    """Whatever two nodes of two configs wrote, each skip a load reports
+    (``verify``, ``model show``) is an audit row of that revision and model
+    saying the same, and no other row says it was skipped."""
+    with tempfile.TemporaryDirectory() as directory:
+        first, rolling = Path(directory) / "first.yaml", Path(directory) / "rolling.yaml"
+        first.write_text(config_yaml(DECLARED), encoding="utf-8")
+        rolling.write_text(config_yaml(*ROLLING), encoding="utf-8")
+        db = f"sqlite:///{directory}/catalog.db"
+        nodes = (open_models(db, str(first)), open_models(db, str(rolling)))
+        try:
+            for command in CHAIN:
+                command(nodes[0])
+            for on_rolling, command in script:
+                try:
+                    command(nodes[on_rolling])
+                except Refused:
+                    continue
+            fresh = open_models(db, str(first))
+            try:
+                skipped = {(s.revision, s.model, s.reason) for s in fresh.catalog.skipped}
+                rows = {
+                    (r["revision"], r["model"], r["skipped"])
+                    for r in fresh.audit()
+                    if r["skipped"] is not None
+                }
+                assert rows == skipped
+            finally:
+                fresh.close()
+        finally:
+            for node in nodes:
+                node.close()
