@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -481,28 +482,21 @@ class Weights:
         if (source, target) == (spec.source, spec.origin):
             view = model_view(spec, declared=False)
             return {"revision": self.models.revision, "written": False, "model": view, **result}
+        write = partial(
+            self._write_source,
+            spec,
+            source,
+            target,
+            by=by,
+            reason=reason,
+            expected_revision=expected_revision,
+            rollback_to=rollback_to,
+        )
         # What the write would refuse of the new source (a store path too
         # long for one), refused before gigabytes are fetched for it.
-        self._write_source(
-            spec,
-            source,
-            target,
-            by=by,
-            reason=reason,
-            expected_revision=expected_revision,
-            rollback_to=rollback_to,
-            dry_run=True,
-        )
+        write(dry_run=True)
         self.store.stage(self.registry, target)
-        revision, changes = self._write_source(
-            spec,
-            source,
-            target,
-            by=by,
-            reason=reason,
-            expected_revision=expected_revision,
-            rollback_to=rollback_to,
-        )
+        revision, changes = write()
         new = changes[-1][1]
         assert new is not None
         try:
