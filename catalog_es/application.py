@@ -56,7 +56,6 @@ from catalog_es.model import (
     utc_text,
 )
 from catalog_es.persistence import (
-    STREAMED,
     Appended,
     Kept,
     PullingSubscription,
@@ -64,10 +63,10 @@ from catalog_es.persistence import (
     acquire_within,
     database_unusable,
     events_table,
-    fetched_within,
     holds,
     release_to,
     stream_walk,
+    within_bytes,
 )
 from catalog_es.ports import AcceptAll, Applier, NoApplier, PreAddCheck
 from catalog_es.rollback import plan_rollback
@@ -121,7 +120,7 @@ def _declaration(catalog: Catalog) -> dict[str, Any] | None:
 
 def _event_views(rows: Sequence[sa.Row[Any]], model: str | None) -> Iterator[dict[str, Any]]:
     """Each stored row as ``log --json`` prints it, decoded as it is asked for."""
-    for state, revision, topic in rows:
+    for revision, topic, state in rows:
         try:
             yield event_view(revision, decode_event(topic, state))
         except UndecodableEvent as error:
@@ -1286,10 +1285,9 @@ class Models(AuditTrail, Application[UUID]):
         """The stored events with their revisions, oldest first, undecodable ones
         included (with the error). A name no model can have is refused here,
         not once the events are first asked for. ``max_bytes``: what the
-        events' stored forms may hold in all (``AnswerTooLarge`` past it)."""
+        events' stored forms may hold in all (:func:`within_bytes`)."""
         t = events_table.c
-        # The stored form first: what an answer's size is reckoned by.
-        query = sa.select(t.state, t.revision, t.topic).where(t.revision > after)
+        query = sa.select(t.revision, t.topic, t.state).where(t.revision > after)
         if model is not None:
             # Refused before its id is worked out: ids are cached, and any
             # text a client sent was kept, without bound.
@@ -1300,8 +1298,9 @@ class Models(AuditTrail, Application[UUID]):
         query = query.order_by(t.revision)
         if limit is not None:
             query = query.limit(limit)
-        if max_bytes is not None:
-            query = query.execution_options(**STREAMED)
         with self.store.read() as conn:
-            rows = fetched_within(conn.execute(query), max_bytes)
+            if max_bytes is not None:
+                sizes = conn.execute(query.with_only_columns(sa.func.length(t.state))).scalars()
+                within_bytes(sizes.all(), max_bytes)
+            rows = conn.execute(query).all()
         return _event_views(rows, model)

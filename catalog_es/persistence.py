@@ -250,28 +250,17 @@ class Kept(NamedTuple):
 
 
 class AnswerTooLarge(Exception):
-    """The rows that match hold more than an answer may: none was kept."""
+    """The rows that match hold more than an answer may: none was read."""
 
 
-def fetched_within(result: Iterable[sa.Row[Any]], max_bytes: int | None) -> list[sa.Row[Any]]:
-    """The rows of ``result``, whose first column is text or bytes, read one
-    batch at a time and refused (:class:`AnswerTooLarge`) once that column
-    holds more than ``max_bytes`` in all: forty rows of large definitions made
-    an answer of 183 MB, and ten thousand would take the server's memory."""
-    if max_bytes is None:
-        return list(result)
-    rows, held = [], 0
-    for row in result:
-        held += len(row[0])
-        if held > max_bytes:
-            raise AnswerTooLarge
-        rows.append(row)
-    return rows
-
-
-# Read a batch at a time (on PostgreSQL, through a cursor on the server), so
-# an answer refused for its size was never held whole.
-STREAMED = {"stream_results": True, "yield_per": 500}
+def within_bytes(sizes: Sequence[int], max_bytes: int) -> None:
+    """Refuse (:class:`AnswerTooLarge`) rows of these sizes, read before the
+    rows themselves, that hold more than ``max_bytes`` in all: forty rows of
+    large definitions made an answer of 183 MB, and ten thousand would take
+    the server's memory. One row is always answered, whatever its size, so
+    that a page of one reads anything the log holds."""
+    if len(sizes) > 1 and sum(sizes) > max_bytes:
+        raise AnswerTooLarge
 
 
 def lock_wait_seconds() -> float:

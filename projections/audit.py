@@ -45,13 +45,12 @@ from catalog_es.inputs import DeclaredConfig
 from catalog_es.mapper import UndecodableEvent, decode_event, model_of_state, topic_name
 from catalog_es.model import DomainEvent, Model, utc_text
 from catalog_es.persistence import (
-    STREAMED,
     SQLRecorder,
     acquire_within,
-    fetched_within,
     holds,
     milliseconds,
     release_to,
+    within_bytes,
 )
 from catalog_es.spec import ModelSpec
 from catalog_es.views import event_fields
@@ -142,16 +141,22 @@ def changes_table_for(application_name: str, config: str) -> sa.Table:
         sa.Column("model", sa.Text(), nullable=False),
         # Text, not a bounded string: an unreadable record's topic can be any length.
         sa.Column("event", sa.Text(), nullable=False),
+        # The bytes of ``view``, so that what an answer would hold is known
+        # before any view is read (before it, so that a read of it alone
+        # reads none of the view's overflow pages on SQLite).
+        sa.Column("size", sa.BigInteger(), nullable=False),
         # The row as the queries return it, as JSON: an answer of ten thousand
         # rows is then one decode, not four columns and a dict a row, which was
         # most of its time.
         sa.Column("view", sa.Text(), nullable=False),
         # With the row's key in each index, a filtered query reads its rows
-        # in order, newest first for a limit, without sorting.
-        sa.Index(f"{name}_model", "model", "revision", "place"),
-        sa.Index(f"{name}_actor", "actor", "revision", "place"),
-        sa.Index(f"{name}_event", "event", "revision", "place"),
-        sa.Index(f"{name}_time", "time", "revision", "place"),
+        # in order, newest first for a limit, without sorting; with its size,
+        # what an answer would hold is read from the index alone (from the
+        # table, 10,000 rows of one actor took 23 ms more).
+        sa.Index(f"{name}_model", "model", "revision", "place", "size"),
+        sa.Index(f"{name}_actor", "actor", "revision", "place", "size"),
+        sa.Index(f"{name}_event", "event", "revision", "place", "size"),
+        sa.Index(f"{name}_time", "time", "revision", "place", "size"),
     )
 
 
@@ -203,14 +208,12 @@ def select_rows(
     filters: Filters,
     columns: Sequence[sa.ColumnElement[Any]] = (),
     within: tuple[int | None, int | None] = (None, None),
-    max_bytes: int | None = None,
 ) -> list[sa.Row[Any]]:
     """The rows of ``table`` (one with ``time``, ``actor``, ``model`` and
     ``event`` columns: the audit, the refusals) that match, oldest first by
     ``order``; with a limit, the last ``limit`` of them. ``columns``: what to
     read of each, by default every column; ``within``: the first and last
-    value of ``order``'s first column the matches can have, when known;
-    ``max_bytes``: what the first column may hold in all (:func:`fetched_within`)."""
+    value of ``order``'s first column the matches can have, when known."""
     c = table.c
     query = sa.select(*columns) if columns else sa.select(table)
     first, last = within
@@ -230,12 +233,10 @@ def select_rows(
         query = query.where(c.time >= stored_time(since))
     if until is not None:
         query = query.where(c.time < stored_time(until))
-    if max_bytes is not None:
-        query = query.execution_options(**STREAMED)
     if limit is None:
-        return fetched_within(conn.execute(query.order_by(*order)), max_bytes)
+        return list(conn.execute(query.order_by(*order)).all())
     latest = conn.execute(query.order_by(*(column.desc() for column in order)).limit(limit))
-    return list(reversed(fetched_within(latest, max_bytes)))
+    return list(reversed(latest.all()))
 
 
 # -- what changed ------------------------------------------------------------------
@@ -546,7 +547,7 @@ class AuditView(TrackingRecorder):
         """The stored views of the matching rows, each a row as JSON, from the
         table at ``position`` or past it in ``generation``: not from one another
         process is making anew (:class:`ViewMoved`). ``max_bytes``: what the
-        views may hold in all (:func:`fetched_within`)."""
+        views may hold in all (:func:`within_bytes`)."""
         # Paused, and the rows made and freed inside: otherwise the young
         # collections walk them, as they are fetched and as the pause ends,
         # and promote them to the oldest generation, which brings on a full
@@ -621,7 +622,10 @@ class AuditView(TrackingRecorder):
         table = self.table(application_name)
         within = self._revisions(conn, filters, table, tracked)
         order = (table.c.revision, table.c.place)
-        rows = select_rows(conn, table, order, filters, [table.c.view], within, max_bytes)
+        if max_bytes is not None:
+            sizes = select_rows(conn, table, order, filters, [table.c.size], within)
+            within_bytes([size for (size,) in sizes], max_bytes)
+        rows = select_rows(conn, table, order, filters, [table.c.view], within)
         views = [view for (view,) in rows]
         del rows
         return views
@@ -785,7 +789,7 @@ class AuditProjection(Projection[AuditView]):
         between the catch-up and the read. Tables already at the head are read
         at once: queries at the same moment would otherwise each wait for the
         lock in turn, to find nothing to catch up (four of forty were refused).
-        ``max_bytes``: what the views may hold in all (:func:`fetched_within`)."""
+        ``max_bytes``: what the views may hold in all (:func:`within_bytes`)."""
         views = self.view.current_changes(filters, application_name, max_bytes)
         if views is not None:
             return views
@@ -994,7 +998,8 @@ class AuditProjection(Projection[AuditView]):
                 "actor": filter_text(actor),
                 "model": filter_text(row["model"] or ""),
                 "event": filter_text(row["event"]),
-                "view": msgspec.json.encode(view).decode(),
+                "size": len(encoded := msgspec.json.encode(view)),
+                "view": encoded.decode(),
             }
         )
         self._tracking = tracking

@@ -29,6 +29,7 @@ from catalog_es.mapper import EventMapper
 from catalog_es.model import Model, model_id
 from catalog_es.persistence import SQLRecorder
 from catalog_es.spec import ModelSpec, Profile, Scaling
+from catalog_es.web.app import MAX_ANSWER_BYTES, MAX_ANSWER_ROWS
 from projections.audit import Filters
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
@@ -152,6 +153,14 @@ def main() -> None:
         large = max(runs // 2, 5)
         measure("by actor (all its rows)", lambda: service.audit(by=actor()), large)
         measure("by actor (all its rows), as JSON", lambda: service.audit_json(by=actor()), large)
+        measure(
+            # A page of /audit: its rows' sizes read first, to bound the answer.
+            "by actor, a page of /audit",
+            lambda: service.audit_json(
+                by=actor(), limit=MAX_ANSWER_ROWS, at_most_bytes=MAX_ANSWER_BYTES
+            ),
+            large,
+        )
         measure("by actor and model", lambda: service.audit(by=actor(), model=model()), runs)
         measure("one hour (--since/--until)", lambda: service.audit(**window()), runs)
         measure("by type, --limit 100", lambda: service.audit(event_type="Scaled", limit=100), runs)

@@ -503,3 +503,30 @@ def _scale_often(models: Models, name: str, times: int, pause: float) -> None:
     for i in range(times):
         models.scale(name, 0, 1 + i % 3, by="autoscaler")
         time.sleep(pause)
+
+
+def test_a_model_whose_recent_history_is_past_an_answers_bytes_shows_what_fits(
+    browser: BrowserContext, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its page was left blank, the API's refusal of a page of its history
+    the only line on it (hostile test): the page asks for fewer until an
+    answer holds them, and says where the rest are."""
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": f"sqlite:///{tmp_path}/c.db"})
+    adapters = [{"name": f"a{i}", "source": f"s3://adapters/{'x' * 400}/{i}"} for i in range(40)]
+    definition = {
+        "name": "big",
+        "engine": "vllm",
+        "source": "hf://org/big",
+        "profiles": [{"name": "gpu", "gpus": 1}],
+        "adapters": adapters,
+    }
+    for maximum in (1, 2, 3):  # rows of 17–51 KB
+        models.add(model_from_data({**definition, "scaling": {"max": maximum}}, "big"), by="ops")
+    monkeypatch.setattr("catalog_es.web.app.MAX_ANSWER_BYTES", 40_000)
+    with signed_in(browser, models, tmp_path, "/console/#/model/big") as (page, _url):
+        expect(page.locator("#definition")).to_contain_text("1..3")
+        expect(page.locator("#history li.entry")).to_have_count(1)
+        expect(page.locator("#history")).to_contain_text(
+            "The most recent 1 change; all of them: catalog-es history big"
+        )
+    models.close()

@@ -309,9 +309,9 @@ function diffTable(diff) {
   );
 }
 
-// "1 change", "3 changes".
+// "1 change", "1,000 changes".
 function counted(count, noun) {
-  return `${count} ${noun}${count === 1 ? "" : "s"}`;
+  return `${count.toLocaleString("en")} ${noun}${count === 1 ? "" : "s"}`;
 }
 
 // A rollback is shown first (a dry run), then confirmed with If-Match set to
@@ -529,17 +529,26 @@ function changes(r) {
 // every minute for a year has half a million rows, which no page can show.
 const HISTORY_ROWS = 1000;
 
-async function timeline(name, at) {
-  let rows;
-  try {
-    // One more than shown: whether there are older ones.
-    rows = await api(`/history/${encodeURIComponent(name)}?limit=${HISTORY_ROWS + 1}`);
-  } catch (error) {
-    if (error.status !== 404) throw error;
-    rows = [];
+// The most recent of a model's history that an answer holds: pages shrink
+// until one fits its bytes (64 MiB; a page of one always does), each asking
+// for one more than it shows, to tell whether there are older ones.
+async function recentHistory(name) {
+  for (const asked of [HISTORY_ROWS + 1, 101, 11, 2, 1]) {
+    const shown = Math.max(asked - 1, 1);
+    try {
+      const rows = await api(`/history/${encodeURIComponent(name)}?limit=${asked}`);
+      return { rows: rows.slice(-shown), shown, older: asked === 1 || rows.length > shown };
+    } catch (error) {
+      if (error.status === 404) return { rows: [], shown, older: false };
+      if (error.status !== 422 || asked === 1) throw error;
+    }
   }
-  const older = rows.length > HISTORY_ROWS ? h("p", { class: "quiet" }, `The most recent ${HISTORY_ROWS.toLocaleString("en")} changes; all of them: catalog-es history ${name}`) : "";
-  const items = rows.slice(-HISTORY_ROWS).map((r) =>
+}
+
+async function timeline(name, at) {
+  const { rows, shown, older } = await recentHistory(name);
+  const note = older ? h("p", { class: "quiet" }, `The most recent ${counted(shown, "change")}; all of them: catalog-es history ${name}`) : "";
+  const items = rows.map((r) =>
     h(
       "li",
       { class: `entry${at !== null && r.revision > at ? " later" : ""}`, "data-revision": r.revision },
@@ -554,7 +563,7 @@ async function timeline(name, at) {
       changes(r)
     )
   );
-  return h("section", { id: "history" }, h("h2", {}, "History"), older, items.length ? h("ol", { class: "timeline" }, items) : h("p", { class: "quiet" }, "No runtime changes."));
+  return h("section", { id: "history" }, h("h2", {}, "History"), note, items.length ? h("ol", { class: "timeline" }, items) : h("p", { class: "quiet" }, "No runtime changes."));
 }
 
 async function modelPage(name, at) {
