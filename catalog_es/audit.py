@@ -112,8 +112,8 @@ class AuditTrail:
         the rows (what the HTTP API sends): most of a large answer's time is
         building them. ``at_most``: asked without a ``limit``, an answer of
         more rows than this is refused rather than built; ``at_most_bytes``:
-        one whose rows hold more than this is refused, limit or not, once
-        that much of it is read."""
+        one of rows holding more than this in all is refused, limit or not,
+        their sizes read before any row (one row is always answered)."""
         views = self._views(_one_more(filters, at_most), at_most_bytes)
         _within(len(views), filters, at_most)
         return _json(views)

@@ -253,13 +253,25 @@ class AnswerTooLarge(Exception):
     """The rows that match hold more than an answer may: none was read."""
 
 
+def fitting(sizes: Iterable[int], max_bytes: int) -> int:
+    """How many of the first of ``sizes`` come to no more than ``max_bytes``:
+    one at least, whatever its size, so that a page of one reads anything the
+    log holds."""
+    count, total = 0, 0
+    for size in sizes:
+        total += size
+        if count and total > max_bytes:
+            break
+        count += 1
+    return count
+
+
 def within_bytes(sizes: Sequence[int], max_bytes: int) -> None:
     """Refuse (:class:`AnswerTooLarge`) rows of these sizes, read before the
-    rows themselves, that hold more than ``max_bytes`` in all: forty rows of
-    large definitions made an answer of 183 MB, and ten thousand would take
-    the server's memory. One row is always answered, whatever its size, so
-    that a page of one reads anything the log holds."""
-    if len(sizes) > 1 and sum(sizes) > max_bytes:
+    rows themselves, that do not all fit ``max_bytes`` (:func:`fitting`):
+    forty rows of large definitions made an answer of 183 MB, and ten
+    thousand would take the server's memory."""
+    if fitting(sizes, max_bytes) < len(sizes):
         raise AnswerTooLarge
 
 
@@ -1129,14 +1141,10 @@ class SQLRecorder(ProcessRecorder):
         query = sa.select(t.revision, sa.func.length(t.state)).where(t.revision > after)
         if topics:
             query = query.where(t.topic.in_(topics))
-        end, total = None, 0
         with self.read() as conn:
-            for revision, size in conn.execute(query.order_by(t.revision).limit(limit)):
-                total += size
-                if end is not None and total > max_bytes:
-                    break
-                end = revision
-        return end
+            rows = conn.execute(query.order_by(t.revision).limit(limit)).all()
+        count = fitting((size for _, size in rows), max_bytes)
+        return rows[count - 1][0] if count else None
 
     def max_notification_id(self) -> int | None:
         with self.read() as conn:
