@@ -173,11 +173,17 @@ def restore_model(
     then differ from the whole catalog's)."""
 
     for state in _newest(conn, fingerprint, upto, _entries_decoder.decode):
-        found = [
-            Model(entry.name, entry.version, _spec_decoder.decode(entry.spec))
-            for entry in state.aggregates
-            if entry.name == name
-        ]
+        try:
+            found = [
+                Model(entry.name, entry.version, _spec_decoder.decode(entry.spec))
+                for entry in state.aggregates
+                if entry.name == name
+            ]
+        except msgspec.MsgspecError as error:
+            # Passed over as the whole catalog's read passes it over: a
+            # read of this model must not fail where a list answers.
+            _passed_over(state.revision, error)
+            continue
         catalog.restore(
             revision=state.revision,
             last_timestamp=None,
@@ -211,7 +217,7 @@ def _newest(
         try:
             state = decode(_decompressed(blob))
         except (zlib.error, zstandard.ZstdError, msgspec.MsgspecError) as error:
-            log.warning("snapshot at revision %d passed over: %s", revision, error)
+            _passed_over(revision, error)
             continue
         if state.rules < RULES:
             log.info("snapshot at %d passed over: built under older replay rules", revision)
@@ -224,6 +230,10 @@ def _newest(
             )
             continue
         yield state
+
+
+def _passed_over(revision: int, error: Exception) -> None:
+    log.warning("snapshot at revision %d passed over: %s", revision, error)
 
 
 def _hash_at(conn: Connection, revision: int) -> object:

@@ -871,6 +871,32 @@ def test_a_corrupt_snapshot_is_passed_over(
     assert open_models(interval=2).list_models(at=2) == models.list_models(at=2)
 
 
+def test_a_snapshot_with_a_definition_of_the_wrong_shape_is_passed_over_by_one_models_read(
+    open_models: Callable[..., Models],
+) -> None:
+    """The read of one model decodes its definition alone: one of the wrong
+    shape passes the snapshot over there too (it failed the read, where the
+    whole catalog's answered)."""
+    models = open_models(interval=2)
+    models.add(spec("a"), by="x")
+    models.scale("a", 0, 2, by="x")
+    models.scale("a", 0, 3, by="x")
+    with models.store.write() as conn:
+        t = snapshots_table.c
+        for revision, blob in conn.execute(sa.select(t.revision, t.state)).all():
+            state = msgspec.msgpack.decode(zstandard.ZstdDecompressor().decompress(blob))
+            state["aggregates"][0]["spec"]["engine"] = 7
+            conn.execute(
+                sa.update(snapshots_table)
+                .where(t.revision == revision)
+                .values(state=zstandard.ZstdCompressor().compress(msgspec.msgpack.encode(state)))
+            )
+    again = open_models(interval=2)
+    for revision in (2, 3):
+        assert again.get_model("a", revision) == models.get_model("a", revision)
+    assert again.list_models(at=2) == models.list_models(at=2)
+
+
 def test_a_snapshot_0_2_0_wrote_serves_starts_and_reads_of_the_past(
     open_models: Callable[..., Models],
 ) -> None:
