@@ -619,7 +619,8 @@ def test_a_stale_if_match_is_409_and_writes_nothing(api: Api) -> None:
     assert count_events(api.db) == before
     assert ok(api.post("/models/qwen/scale", {"max": 3}, **{"If-Match": "2"}))["revision"] == 3
     assert ok(api.post("/models/qwen/scale", {"max": 4}, **{"If-Match": "*"}))["revision"] == 4
-    assert refused(api.post("/models/qwen/scale", {"max": 5}, **{"If-Match": "x"}), 422)
+    for unread in ("x", '"4', '4"', '"'):
+        assert refused(api.post("/models/qwen/scale", {"max": 5}, **{"If-Match": unread}), 422)
     # A weak tag never matches; of two headers, which counts would be a guess.
     weak = api.post("/models/qwen/scale", {"max": 5}, **{"If-Match": 'W/"4"'})
     assert refused(weak, 422).startswith("If-Match 'W/\"4\"': a weak tag never matches")
@@ -639,6 +640,26 @@ def test_a_stale_if_match_is_409_and_writes_nothing(api: Api) -> None:
     odd = api.client.post("/models/qw%FFen/scale", json={"max": 5}, headers=api.as_("write"))
     assert refused(odd, 422) == "path: not UTF-8 text once its %-escapes are read"
     assert count_events(api.db) == before + 2
+
+
+def test_a_name_with_a_line_break_after_it_is_refused_not_read_without_it(api: Api) -> None:
+    """A route's pattern matched before a last line break: DELETE of
+    `qwen%0A` removed qwen (hostile test)."""
+    ok(api.post("/models", definition("qwen")))
+    before = log_rows(api.db)
+    writer = api.as_("write")
+    for method, path in (
+        ("DELETE", "/models/qwen%0A"),
+        ("POST", "/models/qwen/scale%0A"),
+        ("GET", "/models/qwen%0A"),
+        ("GET", "/history/qwen%0A"),
+    ):
+        answer = api.client.request(method, path, json={"max": 5}, headers=writer)
+        assert refused(answer, 422) == "path: holds a line break, which no name or path has"
+    # Within the path, no route's pattern matches it.
+    inside = api.client.post("/models/qwen%0A/scale", json={"max": 5}, headers=writer)
+    assert refused(inside, 404) == "Not Found"
+    assert log_rows(api.db) == before
 
 
 def test_a_list_sent_while_a_change_lands_never_lets_if_match_overwrite_it(
