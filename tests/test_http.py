@@ -980,6 +980,65 @@ def test_large_bodies_read_at_once_are_bounded(
     models.close()
 
 
+def _sent_in_part(url: str, headers: dict[str, str], length: int, part: bytes) -> socket.socket:
+    """A POST /apply saying its body is ``length`` bytes, of which ``part`` is sent."""
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)))
+    head = "".join(f"{name}: {value}\r\n" for name, value in headers.items())
+    sock.sendall(
+        f"POST /apply HTTP/1.1\r\nHost: {host}\r\n{head}Content-Length: {length}\r\n\r\n".encode()
+        + part
+    )
+    return sock
+
+
+def test_a_large_body_past_the_places_is_refused_as_it_grows_not_once_it_has_come(
+    api: Api,
+) -> None:
+    """Places were taken once a body had all come: sixteen clients each
+    sending 60 MB were held in memory together, a gigabyte, before any was
+    refused (hostile test)."""
+    before = log_rows(api.db)
+    headers = {**api.as_("write"), "Content-Type": "application/yaml"}
+    two_megabytes = b"#" * (2 << 20)
+    holders = [_sent_in_part(api.url, headers, 60 << 20, two_megabytes) for _ in range(2)]
+    try:
+        # The two places are taken once each body passes a megabyte.
+        deadline = time.monotonic() + 10
+        third = _sent_in_part(api.url, headers, 60 << 20, two_megabytes)
+        third.settimeout(max(deadline - time.monotonic(), 0.1))
+        answer = ""
+        while "}" not in answer and (received := third.recv(1 << 16)):
+            answer += received.decode()
+        third.close()
+    finally:
+        for holder in holders:
+            holder.close()
+    assert answer.startswith("HTTP/1.1 503"), answer[:200]
+    assert "2 bodies over 1024 KiB are already being read here; try again" in answer
+    assert log_rows(api.db) == before
+
+
+def test_a_client_hanging_up_mid_body_is_not_an_error_of_the_server(
+    api: Api, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each one logged a traceback as an unexpected error (hostile test)."""
+    server_log = logging.getLogger("uvicorn.error")  # it does not propagate
+    server_log.addHandler(caplog.handler)
+    caplog.set_level(logging.INFO)
+    try:
+        for _ in range(3):
+            _sent_in_part(api.url, api.as_("write"), 100, b"- scale").close()
+        deadline = time.monotonic() + 10
+        while caplog.text.count("went away") < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        server_log.removeHandler(caplog.handler)
+    assert caplog.text.count("POST /apply: the client went away before its body came") == 3
+    assert "Exception in ASGI application" not in caplog.text
+    ok(api.get("/revision"))
+
+
 def test_log_and_audit_answers_past_a_page_are_refused_not_built(api: Api) -> None:
     """One read of a long log was built whole in memory: 70 MB of JSON for
     80,000 rows, 3.3 GB for forty at once (hostile test). Past a page, the
