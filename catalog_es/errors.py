@@ -15,6 +15,32 @@ UNSAFE_TEXT = re.compile(
     "[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069\u2028\u2029\ud800-\udfff]"
 )
 
+# The first bytes of what UNSAFE_TEXT matches past ASCII, in UTF-8 (C1 and
+# U+00A0-U+00BF share a first byte, as do the bidi controls and the dashes
+# and quotes of U+2000-U+2FFF): a body without any needs no closer look.
+_UNSAFE_LEADS = b"\x7f\xc2\xd8\xe2\xed"
+_NOT_UNSAFE_LEADS = bytes(b for b in range(256) if b not in _UNSAFE_LEADS)
+
+
+def json_escaped(text: str) -> str:
+    """JSON ``text`` with what :data:`UNSAFE_TEXT` matches written as a
+    ``\\uXXXX`` escape: the same document, safe to print. (Outside its
+    strings JSON holds nothing it matches.)"""
+    return UNSAFE_TEXT.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+
+
+def json_escaped_bytes(body: bytes) -> bytes:
+    """:func:`json_escaped` of UTF-8 JSON, looked at closely only when one
+    of its bytes could begin what it escapes: an answer of tens of
+    megabytes is passed through in milliseconds."""
+    if not body.translate(None, _NOT_UNSAFE_LEADS):
+        return body
+    text = body.decode("utf-8", "surrogatepass")
+    if UNSAFE_TEXT.search(text) is None:
+        return body
+    return json_escaped(text).encode("utf-8")
+
+
 # How much of a refused value a message quotes.
 SHOWN_LENGTH = 60
 # A model name, quoted: any valid one whole (128 characters and the quotes).

@@ -354,6 +354,38 @@ def test_no_answer_can_be_framed_and_the_apis_are_never_cached(api: Api) -> None
         assert stream.headers["cache-control"] == "no-cache"
 
 
+def test_what_would_act_on_a_terminal_is_sent_escaped_as_the_cli_prints_it(
+    tmp_path: Path, make_models: Callable[..., Models]
+) -> None:
+    """A declared source with an escape sequence and a bidi override went
+    out raw to `curl` (hostile test); the CLI's JSON escapes both, and the
+    docs say these are its lines. Read back, it is the same text."""
+    source = "hf://org/\x1b[2J\u202egpj.live\x9b"
+    models = make_models(config_yaml(spec("declared", source=source)))
+    models.add(spec("runtime", source="hf://org/quoted’"), by="setup")
+    tokens, token = tokens_for_roles(tmp_path / "tokens.json")
+    with (
+        serving(create_app(models, tokens)) as url,
+        httpx.Client(base_url=url, headers=bearer(token["read"])) as client,
+    ):
+        answers = [client.get(path) for path in ("/models", "/models/declared", "/log", "/sources")]
+        with client.stream("GET", "/events", params={"from": 0}) as stream:
+            sent = []
+            for line in stream.iter_lines():
+                sent.append(line)
+                if line.startswith("data: "):
+                    break
+    for text in [answer.text for answer in answers] + sent:
+        assert not set(text) & {"\x1b", "\u202e", "\x9b"}, text
+    assert answers[1].json()["source"] == source
+    assert "\\u001b[2J\\u202egpj.live\\u009b" in answers[0].text
+    # Text that is only text goes out as it is.
+    assert "quoted’" in answers[0].text
+    data = json.loads(sent[-1].removeprefix("data: "))
+    # The config as recorded, the declared source in it as given.
+    assert json.dumps(source)[1:-1] in json.dumps(data)
+
+
 def test_head_is_answered_as_get_is_without_the_body(api: Api) -> None:
     """Monitors and ``curl -I`` ask with HEAD; it was refused with 405."""
     api.post("/models", definition("qwen"))

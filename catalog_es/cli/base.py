@@ -28,7 +28,14 @@ import msgspec
 from catalog_es import bootstrap
 from catalog_es.application import CommandResult, Models
 from catalog_es.cli import tables
-from catalog_es.errors import UNSAFE_TEXT, ConfigError, InputError, Refused, first_line
+from catalog_es.errors import (
+    UNSAFE_TEXT,
+    ConfigError,
+    InputError,
+    Refused,
+    first_line,
+    json_escaped,
+)
 from catalog_es.inputs import MAX_REVISION, revision_or_time
 from catalog_es.persistence import database_unusable, new_sqlite_file
 
@@ -215,8 +222,7 @@ def visible(text: str) -> str:
 def json_line(data: Any) -> str:
     """``data`` as one line of JSON that is safe to print: what :func:`visible`
     escapes is a ``\\uXXXX`` escape here, which reads back as the same text."""
-    text = json.dumps(data, ensure_ascii=False)
-    return UNSAFE_TEXT.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+    return json_escaped(json.dumps(data, ensure_ascii=False))
 
 
 def say(text: str, *, err: bool = False) -> None:

@@ -49,6 +49,7 @@ from catalog_es.errors import (
     Refused,
     RevisionConflict,
     StorageBusy,
+    json_escaped_bytes,
     shown,
 )
 from catalog_es.inputs import (
@@ -134,7 +135,7 @@ def _status(refusal: Refused) -> int:
 
 def error_response(status: int, message: str, headers: Mapping[str, str] | None = None) -> Response:
     return Response(
-        msgspec.json.encode({"error": message}),
+        json_escaped_bytes(msgspec.json.encode({"error": message})),
         status_code=status,
         media_type="application/json",
         headers=headers,
@@ -148,11 +149,14 @@ def respond(data: Any, revision: int | None = None) -> Response:
 
 
 def respond_json(body: bytes, revision: int | None = None) -> Response:
-    """:func:`respond` for data that is JSON already."""
+    """:func:`respond` for data that is JSON already. What a terminal would
+    act on is escaped, as the CLI's ``--json`` escapes it: ``curl`` prints
+    an answer to one (a source with a bidi override or an escape sequence
+    in it went out raw)."""
     headers = None
     if revision is not None:
         headers = {REVISION_HEADER: str(revision), "ETag": f'"{revision}"'}
-    return Response(body, media_type="application/json", headers=headers)
+    return Response(json_escaped_bytes(body), media_type="application/json", headers=headers)
 
 
 def command_response(result: CommandResult) -> Response:
