@@ -60,6 +60,32 @@ def _resources(now: ModelSpec, then: ModelSpec) -> list[Step]:
     ]
 
 
+def _resources_left(now: ModelSpec, then: ModelSpec) -> list[str]:
+    """Notes on what of the profiles ``--only resources`` cannot roll back:
+    a profile only one revision has, and GPUs (a resources change sets
+    memory and cores; an "already as at" said nothing of the GPUs)."""
+    notes = []
+    profiles_now = {p.name: p for p in now.profiles}
+    changed = profiles_now.keys() ^ {p.name for p in then.profiles}
+    if changed:
+        notes.append(
+            f"model {now.name!r}: --only resources leaves the profiles only one revision "
+            f"has as they are ({', '.join(sorted(changed))})"
+        )
+    gpus = [
+        b.name
+        for b in then.profiles
+        if (a := profiles_now.get(b.name)) is not None
+        and (a.gpus, a.gpu_memory_gb) != (b.gpus, b.gpu_memory_gb)
+    ]
+    if gpus:
+        notes.append(
+            f"model {now.name!r}: --only resources leaves the GPUs of profiles as they are "
+            f"({', '.join(gpus)}); a rollback without --only restores them"
+        )
+    return notes
+
+
 DIMENSIONS: dict[str, _Planner] = {
     "source": _source,
     "scaling": _one_field(Model.Scaled, "scaling"),
@@ -167,12 +193,7 @@ def plan_rollback(
                 f"model {name!r} is not in force at both revisions; --only {only} leaves it"
             )
         elif only == "resources" and now is not None and then is not None:
-            changed = {p.name for p in now.profiles} ^ {p.name for p in then.profiles}
-            if changed:
-                notes.append(
-                    f"model {name!r}: --only resources leaves the profiles only one revision "
-                    f"has as they are ({', '.join(sorted(changed))})"
-                )
+            notes.extend(_resources_left(now, then))
         steps.extend(planned)
     _decide_in_a_valid_order(batch, steps, target.revision)
     return notes

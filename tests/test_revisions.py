@@ -1395,6 +1395,36 @@ def test_rollback_of_resources_alone_takes_the_profiles_both_revisions_have(
     assert set(profiles) == {"g", "c"}
 
 
+def test_rollback_of_resources_alone_says_it_leaves_the_gpus(
+    open_models: Callable[..., Models], db_url: str
+) -> None:
+    """A resources change sets memory and cores: GPUs changed since were
+    left as they were, with "already as at" the revision (review)."""
+    models = open_models()
+    models.add(spec("a", profiles=[{"name": "g", "gpus": 1, "min_memory_gb": 32}]), by="x")
+    target = models.revision
+    bigger = {"name": "g", "gpus": 2, "gpu_memory_gb": 80, "min_memory_gb": 32}
+    models.add(spec("a", profiles=[bigger]), by="x")
+    result = models.rollback(target, only="resources", dry_run=True, by="ops")
+    assert (result["events"], result["notes"]) == (
+        [],
+        [
+            "model 'a': --only resources leaves the GPUs of profiles as they are (g); "
+            "a rollback without --only restores them"
+        ],
+    )
+    printed = CliRunner().invoke(
+        cli, ["--db", db_url, "rollback", "--to", str(target), "--only", "resources"]
+    )
+    assert printed.exit_code == 0, printed.output
+    assert printed.stdout.splitlines()[-1] == (
+        f"nothing written: what differs from revision {target} is left out"
+    )
+    assert "note: model 'a': --only resources leaves the GPUs" in printed.stderr
+    assert models.rollback(target, by="ops")["events"][0]["event"] == "Added"
+    assert models.get_model("a")["profiles"][0]["gpus"] == 1
+
+
 # -- watch ------------------------------------------------------------------------------------
 
 

@@ -123,6 +123,8 @@ def rollback_command(
                 f"rolled back to revision {result['to']}: {events}, "
                 f"now at revision {result['revision']}"
             )
+        elif result["notes"]:
+            click.echo(f"nothing written: what differs from revision {result['to']} is left out")
         else:
             click.echo(f"already as at revision {result['to']}: nothing written")
 
