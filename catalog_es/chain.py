@@ -173,11 +173,16 @@ def _broken_streams(
     """The first stream whose recorded last version and revision (catalog_streams)
     are not its last event's: the next write would follow the wrong one."""
     recorded = {originator_id: (revision, version) for originator_id, version, revision in streams}
-    for originator_id in sorted(ends.keys() | recorded.keys(), key=lambda i: _at(ends.get(i))):
+
+    def told_at(originator_id: Any) -> int:
+        # As the break is told: a row for a stream with no events is at its own revision.
+        return _at(ends.get(originator_id)) or _at(recorded.get(originator_id))
+
+    for originator_id in sorted(ends.keys() | recorded.keys(), key=told_at):
         end, kept = ends.get(originator_id), recorded.get(originator_id)
         if end != kept:
             return ChainBreak(
-                revision=_at(end) or _at(kept),
+                revision=told_at(originator_id),
                 problem=f"catalog_streams records stream {originator_id} as at "
                 f"{_shown_end(kept)}, but its last event is {_shown_end(end)}: "
                 "edited by hand, and the next write to it would follow the wrong version",

@@ -1039,6 +1039,28 @@ def test_a_stream_row_edited_by_hand_refuses_writes_to_that_model(db_url: str, e
     fresh.close()
 
 
+def test_verify_names_the_earliest_of_two_stream_rows_edited_by_hand(db_url: str) -> None:
+    """A row for a stream with no events was told first, however late its
+    revision, before an earlier break (review)."""
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
+    for name in "abc":
+        models.add(model_spec(name), by="setup")
+    sqlite = db_url.startswith("sqlite")
+    stored = {n: model_id(n).hex if sqlite else str(model_id(n)) for n in ("a", "ghost")}
+    with models.store.engine.begin() as conn:
+        conn.exec_driver_sql(
+            f"UPDATE catalog_streams SET version = 7 WHERE originator_id = '{stored['a']}'"
+        )
+        conn.exec_driver_sql(
+            "INSERT INTO catalog_streams (originator_id, version, revision)"
+            f" VALUES ('{stored['ghost']}', 1, 3)"
+        )
+    broken = models.verify()["broken"]
+    assert broken["revision"] == 1
+    assert f"stream {stored['a']} as at version 7" in broken["problem"]
+    models.close()
+
+
 def test_a_stream_row_deleted_by_hand_under_a_running_service_is_damage(db_url: str) -> None:
     """Without its row in catalog_streams a model would start again at
     version 1: the running service's write fails the check of the version
