@@ -68,7 +68,7 @@ from projections.audit import (
     stored_time,
     tracking_table,
 )
-from tests.helpers import collections_seen, config_yaml, event, schema_of, spec
+from tests.helpers import collections_seen, config_yaml, definition, event, schema_of, spec
 
 T0 = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 
@@ -1960,6 +1960,19 @@ def test_cli_bad_input_is_one_error_line_and_exit_1(
     assert result.exit_code == 1
     assert result.stderr.startswith(message)
     assert result.stderr.count("\n") == 1
+
+
+def test_refusals_are_found_by_a_name_no_model_can_have(
+    db: str, config: Path, tmp_path: Path
+) -> None:
+    """A definition naming a model as none can be named is refused and
+    recorded: the refusals filter takes the name as it was tried (as the
+    audit's takes the name a poison record in the log gives)."""
+    definition_file = tmp_path / "bad.yaml"
+    definition_file.write_text(json.dumps(definition("bad!n")))
+    assert invoke(db, config, "model", "add", str(definition_file)).exit_code == 1
+    found = json.loads(invoke(db, config, "refusals", "--model", "bad!n", "--json").stdout)
+    assert [(r["model"], r["event"]) for r in found] == [("bad!n", "Added")]
 
 
 def test_cli_refused_add_is_recorded(db: str, config: Path, tmp_path: Path, clock: Clock) -> None:
