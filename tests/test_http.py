@@ -333,6 +333,33 @@ def test_the_openapi_schema_and_the_console_are_served(api: Api) -> None:
     assert api.client.get("/console/console.js").status_code == 200
 
 
+def test_the_schema_documents_each_error_as_it_is_answered(api: Api) -> None:
+    """Every error answers {"error": one line}; the schema said FastAPI's
+    validation shape for 422, and no other status (hostile test)."""
+    schema = ok(api.client.get("/openapi.json"))
+    assert "HTTPValidationError" not in json.dumps(schema)
+    ok(api.post("/models", definition("qwen")))
+    answered = {
+        ("get", "/models", 401): api.client.get("/models"),
+        ("post", "/models/{name}/scale", 403): api.post("/models/qwen/scale", {}, role="read"),
+        ("get", "/models/{name}", 404): api.get("/models/nope"),
+        ("post", "/models/{name}/scale", 409): api.post(
+            "/models/qwen/scale", {"max": 2}, **{"If-Match": "1"}
+        ),
+        ("post", "/apply", 422): api.post("/apply", [{"frobnicate": 1}]),
+        ("get", "/log", 422): api.get("/log", params={"limit": 0}),
+    }
+    for (method, path, status), answer in answered.items():
+        assert list(refused(answer, status)) and list(answer.json()) == ["error"]
+        told = schema["paths"][path][method]["responses"][str(status)]
+        ref = told["content"]["application/json"]["schema"]["$ref"]
+        assert ref == "#/components/schemas/ErrorBody", (method, path, status)
+    body = schema["paths"]["/apply"]["post"]["requestBody"]["content"]["application/json"]
+    listed, wrapped = body["schema"]["oneOf"]
+    assert listed["items"]["additionalProperties"] is False
+    assert wrapped["properties"]["changes"] == listed
+
+
 def test_no_answer_can_be_framed_and_the_apis_are_never_cached(api: Api) -> None:
     """A page of another site could frame the console and have its buttons
     clicked; a browser kept the catalog in its cache after signing out

@@ -53,6 +53,7 @@ from catalog_es.errors import (
     shown,
 )
 from catalog_es.inputs import (
+    MAX_CHANGES,
     MAX_CHANGES_BYTES,
     MAX_INPUT_BYTES,
     MAX_REVISION,
@@ -453,17 +454,66 @@ _CHANGE_MODELS: dict[str, type[BaseModel]] = {
 
 
 def _changes_schema() -> dict[str, Any]:
-    properties: dict[str, Any] = {"remove": {"type": "string", "description": "a model's name"}}
+    named = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}},
+        "required": ["name"],
+        "additionalProperties": False,
+    }
+    properties: dict[str, Any] = {
+        "remove": {"oneOf": [{"type": "string"}, named], "description": "a model's name"}
+    }
     for kind, model in _CHANGE_MODELS.items():
         _BODY_MODELS[model.__name__] = model
         properties[kind] = {"$ref": f"#/components/schemas/{model.__name__}"}
-    item = {"type": "object", "minProperties": 1, "maxProperties": 1, "properties": properties}
-    return {"type": "array", "minItems": 1, "items": item}
+    item = {
+        "type": "object",
+        "minProperties": 1,
+        "maxProperties": 1,
+        "properties": properties,
+        "additionalProperties": False,
+    }
+    changes = {"type": "array", "minItems": 1, "maxItems": MAX_CHANGES, "items": item}
+    wrapped = {
+        "type": "object",
+        "properties": {"changes": changes},
+        "required": ["changes"],
+        "additionalProperties": False,
+    }
+    return {"oneOf": [changes, wrapped]}
+
+
+class ErrorBody(BaseModel):
+    """What every refusal and failure answers: one line saying why."""
+
+    error: str
+
+
+# What each error status means here, for the schema. Every one answers an
+# ErrorBody: FastAPI's own shape for a request it cannot read is never sent.
+_ERROR_MEANINGS = {
+    401: "No token, or one that is not valid (unknown or revoked).",
+    403: "The token's role does not allow this.",
+    404: "No such model (now, or at the revision or time asked).",
+    409: "If-Match: the log has moved past that revision; read again and retry.",
+    422: "Refused: the request, or the change it asks for. Nothing was written.",
+    500: "The server's fault, or a log edited by hand; the server's log says more.",
+    503: "Busy, or the database out of reach: try again (Retry-After).",
+}
+
+
+def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """The schema's word for the error answers ``statuses``."""
+    return {s: {"model": ErrorBody, "description": _ERROR_MEANINGS[s]} for s in statuses}
+
+
+# Writes: the role, and If-Match.
+WRITE_ERRORS = errors(403, 409)
 
 
 # -- the routes --------------------------------------------------------------------
 
-route = APIRouter()
+route = APIRouter(responses=errors(401, 422, 500, 503))
 MODEL = "/models/{name:path}"
 
 
@@ -512,7 +562,7 @@ def list_models(caller: Reader, models: Service, at: At, declared_then: Declared
     return respond(models.list_models(past, declared_then=declared_then), revision)
 
 
-@route.get(MODEL, tags=["models"])
+@route.get(MODEL, tags=["models"], responses=errors(404))
 def show_model(
     name: str, caller: Reader, models: Service, at: At, declared_then: DeclaredThen
 ) -> Response:
@@ -524,6 +574,7 @@ def show_model(
 @route.post(
     "/models",
     tags=["commands"],
+    responses=WRITE_ERRORS,
     openapi_extra=body_of(ModelInput, "A model definition, as `model add` takes it."),
 )
 def add_model(
@@ -539,7 +590,7 @@ def add_model(
     return command_response(models.add(spec, **command_meta(caller, reason, expected)))
 
 
-@route.delete(MODEL, tags=["commands"])
+@route.delete(MODEL, tags=["commands"], responses={**WRITE_ERRORS, **errors(404)})
 def remove_model(
     name: str,
     caller: Writer,
@@ -577,6 +628,7 @@ def model_command(verb: str, kind: type[Fields], summary: str, body: str, run: R
         tags=["commands"],
         name=f"model {verb}",
         summary=summary,
+        responses={**WRITE_ERRORS, **errors(404)},
         openapi_extra=body_of(kind, body),
     )(command)
 
@@ -630,6 +682,7 @@ model_command(
 @route.post(
     "/apply",
     tags=["commands"],
+    responses=WRITE_ERRORS,
     openapi_extra=body_schema(
         _changes_schema(), "A list of changes, each one key (as a `catalog-es apply` file)."
     ),
@@ -666,6 +719,7 @@ def diff(
 @route.post(
     "/rollback",
     tags=["revisions"],
+    responses=WRITE_ERRORS,
     openapi_extra=body_of(RollbackBody, "Where to go back to; `dry_run` writes nothing."),
 )
 def rollback(
@@ -856,7 +910,7 @@ def audit_filters(
 AuditFilters = Annotated[Filters, Depends(audit_filters)]
 
 
-@route.get("/history/{name:path}", tags=["audit"])
+@route.get("/history/{name:path}", tags=["audit"], responses=errors(404))
 def history(name: str, caller: Reader, models: Service, filters: ChangeFilterParams) -> Response:
     """Every change to one model, oldest first, field by field (before → after),
     filtered; more than a page of them is refused: give `limit`, or narrow them."""
