@@ -102,11 +102,11 @@ def _skips_of(catalog: Catalog, name: str) -> str:
     the reason is otherwise only in the load's warnings."""
     if not catalog.was_skipped(name):
         return ""  # never skipped, or removed since (its removal is why it is gone)
-    skips = [s for s in catalog.skipped if s.model == name]
-    first = skips[0]  # the others mostly follow from it
+    skips = sum(s.model == name for s in catalog.skipped)
+    cause = catalog.taken_out_by(name)
     return (
-        f" (load skips {counted(len(skips), 'event')} of it, from revision {first.revision},"
-        f" {first.event}: {first.reason}; catalog-es verify lists them)"
+        f" (load skips {counted(skips, 'event')} of it, out of force since revision"
+        f" {cause.revision}, {cause.event}: {cause.reason}; catalog-es verify lists them)"
     )
 
 

@@ -19,7 +19,7 @@ import msgspec
 
 from catalog_es.chain import ChainHead
 from catalog_es.configuration import Configuration
-from catalog_es.errors import ConfigError, InvalidModel, Refused
+from catalog_es.errors import ConfigError, InvalidModel, ModelNotFound, Refused
 from catalog_es.model import DomainEvent, Model
 from catalog_es.spec import DEFAULT_ENGINES, EVERY_FIELD, ModelSpec, check_spec
 
@@ -113,6 +113,14 @@ class Catalog:
         """Whether load left out this model's latest event, and nothing applied
         since (so a removal can heal it, once)."""
         return name in self._unhealed
+
+    def taken_out_by(self, name: str) -> Skipped:
+        """The skip that took a model :meth:`was_skipped` out of force: the
+        last of its skips that is not a mere follow-on (an event on a model
+        already out, "not in the catalog"), which only repeats that it is out."""
+        skips = [s for s in self.skipped if s.model == name]
+        follow_on = str(ModelNotFound(name))
+        return next((s for s in reversed(skips) if s.reason != follow_on), skips[-1])
 
     def unhealed(self) -> list[str]:
         """Every model :meth:`was_skipped` tells of, by name."""

@@ -168,12 +168,14 @@ def plan_rollback(
         if since is not None and since.revision > target.revision:
             if only is not None:
                 notes.append(
-                    f"model {name!r} is not in force at both revisions; --only {only} leaves it"
+                    f"model {name!r} is in force at neither revision; --only {only} leaves "
+                    "its record"
                 )
                 continue
+            cause = current.taken_out_by(name)
             notes.append(
                 f"model {name!r} is removed: it is not in force now, as its record at "
-                f"revision {since.revision} does not load over today's config ({since.reason}), "
+                f"revision {cause.revision} does not load over today's config ({cause.reason}), "
                 f"and was not at revision {target.revision}"
             )
             steps.append((Model.Removed, name, {}))
@@ -181,7 +183,7 @@ def plan_rollback(
         if then is None and target.was_skipped(name):
             # Today's config cannot take what it was then: said, not passed over.
             # As read today it was not in force then, so one in force now goes.
-            skip = _last_skip(target, name)
+            skip = target.taken_out_by(name)
             outcome = "is removed" if now is not None and only is None else "is left out"
             notes.append(
                 f"model {name!r} {outcome}: over today's config its record at revision "
@@ -190,7 +192,8 @@ def plan_rollback(
         planned = _steps_for(now, then, only, batch)
         if only is not None and now != then and (now is None or then is None):
             notes.append(
-                f"model {name!r} is not in force at both revisions; --only {only} leaves it"
+                f"model {name!r} is in force at only one of the two revisions; "
+                f"--only {only} leaves it"
             )
         elif only == "resources" and now is not None and then is not None:
             notes.extend(_resources_left(now, then))

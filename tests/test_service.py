@@ -554,9 +554,9 @@ def test_a_model_out_of_force_because_load_skips_it_says_why_where_it_is_asked_f
     with pytest.raises(ModelNotFound) as refused:
         make_models(config_yaml()).get_model("trial")
     assert str(refused.value) == (
-        "model 'trial' is not in the catalog (load skips 2 events of it, from revision 2, Added: "
-        "model 'trial': fallbacks: names 'base', which is not in the catalog; catalog-es verify "
-        "lists them)"
+        "model 'trial' is not in the catalog (load skips 2 events of it, out of force since "
+        "revision 2, Added: model 'trial': fallbacks: names 'base', which is not in the "
+        "catalog; catalog-es verify lists them)"
     )
     with pytest.raises(ModelNotFound, match=r"^model 'other' is not in the catalog$"):
         models.get_model("other")
