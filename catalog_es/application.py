@@ -192,6 +192,23 @@ def _tell_skipped(skipped: Sequence[Skipped]) -> None:
         )
 
 
+def _tell_standing_skips(catalog: Catalog) -> None:
+    """What a load leaves out that still counts (:meth:`Catalog.standing_skips`),
+    as :func:`_tell_skipped` tells it. The rest (later changes to those
+    models, records of models re-added or removed since) only in one line
+    of the process's log: told on every command for good, they pushed the
+    one new conflict out of sight (operator walkthrough)."""
+    standing = catalog.standing_skips()
+    _tell_skipped(standing)
+    others = len(catalog.skipped) - len(standing)
+    if others:
+        log.info(
+            "load skips %s more: later changes to those models, and records of models "
+            "re-added or removed since (catalog-es verify lists them)",
+            counted(others, "event"),
+        )
+
+
 def _lost(catalog: Catalog, kept: Kept) -> str | None:
     """Why the log, as ``kept`` tells it, no longer holds the events
     ``catalog`` was built from (a failover to a standby that had not received
@@ -387,7 +404,7 @@ class Models(AuditTrail, Application[UUID]):
             self._tell_undeclared(conn, catalog)
         if catalog.revision - since >= self.snapshot_interval:
             self._save_snapshot(catalog.revision, snapshots.encode(catalog))
-        _tell_skipped(catalog.skipped)
+        _tell_standing_skips(catalog)
         return catalog
 
     def _restored(self, conn: Connection, upto: int | None) -> Catalog:

@@ -122,6 +122,17 @@ class Catalog:
         follow_on = str(ModelNotFound(name))
         return next((s for s in reversed(skips) if s.reason != follow_on), skips[-1])
 
+    def standing_skips(self) -> list[Skipped]:
+        """What load leaves out that still counts, by revision: for each model
+        a skip keeps out of force, or from its latest change, the skip that
+        did (:meth:`taken_out_by`); and each record that is no model's change
+        (its model cannot be read, or it is filed in another's stream)."""
+        standing = [self.taken_out_by(name) for name in self._unhealed]
+        standing += (
+            s for s in self.skipped if not s.model or s.reason == _filed_elsewhere(s.model)
+        )
+        return sorted(standing, key=lambda s: s.revision)
+
     def unhealed(self) -> list[str]:
         """Every model :meth:`was_skipped` tells of, by name."""
         return sorted(self._unhealed)
@@ -282,13 +293,8 @@ class Catalog:
             # Filed in another model's stream: it moves neither model. Taken as
             # the named model's, its version put that model ahead of its own
             # stream, and every command on it was refused as a hand edit.
-            return self.skip(
-                revision,
-                name,
-                type(change).__name__,
-                f"its aggregate id does not belong to model {name!r}",
-                its_own=False,
-            )
+            event_type = type(change).__name__
+            return self.skip(revision, name, event_type, _filed_elsewhere(name), its_own=False)
         declared = name in self.declared
         observation = change.observation
         current = aggregate.spec
@@ -429,3 +435,8 @@ class Catalog:
                 raise ConfigError(
                     f"model {spec.name!r}: fallbacks: form a cycle: {' -> '.join(cycle)}"
                 )
+
+
+def _filed_elsewhere(name: str) -> str:
+    """Why a record filed in another model's stream is skipped."""
+    return f"its aggregate id does not belong to model {name!r}"

@@ -229,6 +229,46 @@ def test_a_poisoned_record_is_skipped_and_reported_and_the_rest_loads(
     assert [s.revision for s in reopened.skipped()] == [revisions[poison.id]]
 
 
+def test_a_load_warns_of_the_skips_that_still_count_and_only_counts_the_rest(
+    make_models: MakeModels, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every skip was told on every command, for good: a model healed and
+    removed long ago kept nine lines coming, and pushed a new conflict past
+    the ten told (operator walkthrough). Told now: the skip that keeps each
+    model out; the rest, counted, in the process's log only."""
+    declared = config_yaml(spec("base"))
+    models = make_models(declared)
+    a = models.add(spec("a", fallbacks=("base",)), by=ACTOR).revision
+    models.scale("a", 0, 2, by=ACTOR)  # skipped too, as a change to a model out
+    b = models.add(spec("b", fallbacks=("base",)), by=ACTOR).revision
+    without_base = config_yaml()
+
+    def warned_on_load() -> list[str]:
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="catalog_es"):
+            make_models(without_base)
+        told = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        counted = [
+            r.getMessage() for r in caplog.records if "more: later changes" in r.getMessage()
+        ]
+        return told + counted
+
+    cause = "fallbacks: names 'base', which is not in the catalog"
+    assert [line.split(":", 1)[0] for line in warned_on_load()] == [
+        f"skipped revision {a} (model 'a', Added)",
+        f"skipped revision {b} (model 'b', Added)",
+        "load skips 1 event more",
+    ]
+    assert cause in warned_on_load()[0]
+    healing = make_models(without_base)
+    healing.add(spec("a"), by=ACTOR)
+    healing.remove("b", by=ACTOR)
+    assert warned_on_load() == [
+        "load skips 3 events more: later changes to those models, and records of models "
+        "re-added or removed since (catalog-es verify lists them)"
+    ]
+
+
 def test_a_record_skipped_while_following_another_writer_is_reported(
     make_models: MakeModels, caplog: pytest.LogCaptureFixture
 ) -> None:
