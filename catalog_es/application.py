@@ -34,6 +34,7 @@ from catalog_es.chain import ChainHead, stored_head
 from catalog_es.collector import collector_paused
 from catalog_es.configuration import Configuration, DeclaredConfig
 from catalog_es.errors import (
+    UNSAFE_TEXT,
     ConfigError,
     DamagedLog,
     InputError,
@@ -142,8 +143,12 @@ class CommandResult(msgspec.Struct, frozen=True):
 
 def _check_meta(by: str, reason: str) -> None:
     check_actor(by)
-    if len(reason) > MAX_REASON_LENGTH or not reason.replace("\n", " ").isprintable():
-        raise InputError(f"reason: must be at most {MAX_REASON_LENGTH} printable characters")
+    # A line break is text in a reason; what else a terminal would act on is not.
+    if len(reason) > MAX_REASON_LENGTH or UNSAFE_TEXT.search(reason.replace("\n", " ")):
+        raise InputError(
+            f"reason: must be at most {MAX_REASON_LENGTH} characters, "
+            "and no control or bidi characters but line breaks"
+        )
 
 
 class InForce(Sequence[ModelSpec]):

@@ -35,7 +35,15 @@ from yaml._yaml import CParser
 from catalog_es import commands
 from catalog_es.configuration import CONFIG_DECLARED
 from catalog_es.configuration import DeclaredConfig as DeclaredConfig  # re-exported
-from catalog_es.errors import SHOWN_LENGTH, ConfigError, InputError, Refused, cut_short, shown
+from catalog_es.errors import (
+    SHOWN_LENGTH,
+    UNSAFE_TEXT,
+    ConfigError,
+    InputError,
+    Refused,
+    cut_short,
+    shown,
+)
 from catalog_es.model import APPLY, EVENT_TYPES, ROLLBACK
 from catalog_es.persistence import MAX_REVISION as MAX_REVISION  # re-exported
 from catalog_es.spec import (
@@ -57,9 +65,14 @@ MAX_ACTOR_LENGTH = 128
 
 
 def check_actor(by: str) -> None:
-    """An actor's name, as commands record it and tokens stand for it."""
-    if not by or not by.strip() or len(by) > MAX_ACTOR_LENGTH or not by.isprintable():
-        raise InputError(f"actor {by[:40]!r}: must be 1-{MAX_ACTOR_LENGTH} printable characters")
+    """An actor's name, as commands record it and tokens stand for it: text,
+    as cli.md has it (an emoji's joiners were refused, as Python does not
+    call them printable), with nothing a terminal would act on."""
+    if not by.strip() or len(by) > MAX_ACTOR_LENGTH or UNSAFE_TEXT.search(by):
+        raise InputError(
+            f"actor {by[:40]!r}: must be 1-{MAX_ACTOR_LENGTH} characters, not all spaces, "
+            "and no control or bidi characters"
+        )
 
 
 class _Input(BaseModel):

@@ -220,7 +220,8 @@ def _owner(spec: ModelSpec, engines: frozenset[str]) -> None:
         raise InvalidModel(
             spec.name,
             "owner",
-            f"{shown(spec.owner)} is not org:ID, team:ID or project:ID (or empty)",
+            f"{shown(spec.owner)} is not org:ID, team:ID or project:ID (or empty); an ID is "
+            "1-128 of A-Z a-z 0-9 . _ -, starting with a letter or digit",
         )
 
 

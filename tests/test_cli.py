@@ -324,6 +324,24 @@ def test_an_option_given_empty_is_refused_not_taken_for_its_default(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["catalog.yaml"]  # nothing made
 
 
+def test_counts_in_a_shown_model_are_singular_or_plural_as_they_read(run: Run, write: Any) -> None:
+    """It printed "1 cores", "(1 files)" and "(4 GPU)" (operator walkthrough)."""
+    profiles = [
+        {"name": "big", "gpus": 4, "min_memory_gb": 256, "cpu_cores": 1},
+        {"name": "small", "gpus": 1, "min_memory_gb": 32, "cpu_cores": 2},
+    ]
+    origin = {"repository": "org/m", "revision": "a" * 40, "files": {"w.bin": "b" * 64}}
+    shown = ok(
+        run(
+            "model",
+            "add",
+            write("m.yaml", as_yaml(definition("m", profiles=profiles, origin=origin))),
+        )
+    ).stdout
+    assert "big (4 GPUs, 256 GB, 1 core); small (1 GPU, 32 GB, 2 cores)" in shown
+    assert f"org/m@{'a' * 40} (1 file)" in shown
+
+
 def test_an_empty_profile_is_refused_not_taken_for_every_profile(
     run: Run, write: Any, db_url: str
 ) -> None:
@@ -717,6 +735,10 @@ TWO_DIGESTS = ["--file", f"w.bin={'a' * 64}", "--file", f"w.bin={'b' * 64}"]
         ),
         pytest.param(["--by", "x" * 200, "model", "remove", "m"], "actor", id="long-actor"),
         pytest.param(["--by", "", "model", "remove", "m"], "actor '': must be", id="no-actor"),
+        pytest.param(["--by", "a\x1b[2Jb", "model", "remove", "m"], "actor", id="escape-actor"),
+        pytest.param(
+            ["model", "remove", "m", "--reason", "x\u202ey"], "reason: must be", id="bidi-reason"
+        ),
     ],
 )
 def test_a_refused_command_is_one_line_and_writes_nothing(
@@ -724,6 +746,19 @@ def test_a_refused_command_is_one_line_and_writes_nothing(
 ) -> None:
     assert message in refused_in_one_line(seeded(*args))
     assert rows() == 2
+
+
+def test_an_actor_or_reason_of_emoji_with_joiners_is_text(seeded: Run) -> None:
+    """cli.md has emoji and the joiners inside them print as they are; as
+    an actor they were refused, Python not calling a joiner printable
+    (operator walkthrough)."""
+    actor, reason = (
+        "\U0001f469\u200d\U0001f4bb dev",
+        "na\u00efve \u2014 \u0645\u06cc\u200c\u062e\u0648\u0627\u0647\u0645",
+    )
+    ok(seeded("--by", actor, "model", "scale", "m", "--max", "3", "--reason", reason))
+    (last,) = [json.loads(line) for line in ok(seeded("log", "--json")).stdout.splitlines()][-1:]
+    assert (last["by"], last["reason"]) == (actor, reason)
 
 
 def test_a_bad_config_file_is_refused_in_one_line_naming_it(run: Run, write: Any) -> None:

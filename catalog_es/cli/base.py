@@ -33,6 +33,7 @@ from catalog_es.errors import (
     ConfigError,
     InputError,
     Refused,
+    counted,
     first_line,
     json_escaped,
 )
@@ -292,10 +293,10 @@ def scaling_text(m: dict[str, Any]) -> str:
 def profiles_text(m: dict[str, Any]) -> str:
     parts = []
     for p in m["profiles"]:
-        what = f"{p['gpus']} GPU" if p["gpus"] else "CPU"
+        what = counted(p["gpus"], "GPU") if p["gpus"] else "CPU"
         extras = [f"{p['gpu_memory_gb']} GB GPU"] if p["gpu_memory_gb"] else []
         extras += [f"{p['min_memory_gb']} GB"] if p["min_memory_gb"] else []
-        extras += [f"{p['cpu_cores']} cores"] if p["cpu_cores"] else []
+        extras += [counted(p["cpu_cores"], "core")] if p["cpu_cores"] else []
         parts.append(f"{p['name']} ({', '.join([what, *extras])})")
     return "; ".join(parts)
 
@@ -318,7 +319,8 @@ def show_model(m: dict[str, Any]) -> None:
         rows.append(
             (
                 "origin",
-                f"{origin['repository']}@{origin['revision']} ({len(origin['files'])} files)",
+                f"{origin['repository']}@{origin['revision']} "
+                f"({counted(len(origin['files']), 'file')})",
             )
         )
     print_table(None, [((key,), (visible(value),)) for key, value in rows], keys=True)
