@@ -392,7 +392,13 @@ class Models(AuditTrail, Application[UUID]):
         super().__init__(env)
         assert isinstance(self.recorder, SQLRecorder)
         self.store: SQLRecorder = self.recorder
-        self.catalog = self._load()
+        try:
+            self.catalog = self._load()
+        except BaseException:
+            # Its engine and pool go with it: a watch starting while the
+            # database is away makes a service a second until it is back.
+            self.close()
+            raise
         # Whether this node's config has been the one the log records, since
         # it started: recording it again then means another node's replaced it.
         recorded = self.catalog.recorded_declaration

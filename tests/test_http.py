@@ -11,6 +11,7 @@ import gc
 import json
 import logging
 import os
+import queue
 import signal
 import socket
 import subprocess
@@ -1555,6 +1556,38 @@ def test_a_watch_whose_log_was_rewritten_while_it_was_away_ends_saying_so(pg_url
     for models in (follower, writer, other):
         models.close()
     proxy.cut()  # and its threads end: a later test forks, alone
+
+
+def test_a_watch_starting_while_the_database_is_away_waits_for_it(pg_url: str) -> None:
+    """A replica starting as its database failed over exited 1 (multi-node
+    test), where one already following waits. It waits too now, told once,
+    and gives everything once the database is back."""
+    direct = sa.make_url(pg_url)
+    writer = Models(DeclaredConfig(), env={"CATALOG_ES_DB": pg_url})
+    writer.add(spec("m"), by="setup")
+    proxy = Proxy((direct.host or "127.0.0.1", direct.port or 5432))
+    through = direct.set(port=proxy.port).render_as_string(hide_password=False)
+    proxy.cut()
+    command = [sys.executable, "-m", "catalog_es", "--db", through, "watch", "--json"]
+    watching = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines: dict[str, queue.Queue[str]] = {"out": queue.Queue(), "err": queue.Queue()}
+    for name, stream in (("out", watching.stdout), ("err", watching.stderr)):
+        threading.Thread(target=lambda q=lines[name], s=stream: [q.put(x) for x in s]).start()
+    try:
+        told = lines["err"].get(timeout=30)
+        assert told.startswith("warning: watch: the database could not be used (")
+        assert told.rstrip().endswith("trying again every 1 s")
+        writer.scale("m", 0, 2, by="ops")  # while it cannot reach the database
+        proxy.resume()
+        given = [json.loads(lines["out"].get(timeout=30))["revision"] for _ in range(2)]
+        assert given == [1, 2]
+    finally:
+        watching.send_signal(signal.SIGTERM)
+        watching.wait(timeout=30)
+        writer.close()
+        proxy.cut()
+    assert watching.returncode == 0
+    assert lines["err"].get(timeout=10).strip() == "stopped"
 
 
 def test_a_watch_follows_on_after_the_database_came_back(

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import sys
+import time
 from datetime import datetime
 from typing import Any
 
 import click
+import sqlalchemy as sa
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from catalog_es.application import Watch
 from catalog_es.cli.base import (
     REVISION,
     REVISION_OR_TIME,
@@ -27,6 +30,7 @@ from catalog_es.cli.base import (
     table,
 )
 from catalog_es.errors import counted
+from catalog_es.persistence import database_unusable
 from catalog_es.rollback import DIMENSIONS
 
 
@@ -146,9 +150,9 @@ def watch_command(settings: Settings, after: int) -> None:
     """Every change after a revision, in order, then follow live. Ctrl-C (or
     SIGTERM) stops."""
     with stopped_when_asked():
-        models = settings.models()
+        changes = _started(settings, after)
         let_warnings_through()  # it runs until stopped
-        for event in models.watch(after):
+        for event in changes:
             if settings.json:
                 click.echo(json_line(event))
             else:
@@ -158,6 +162,33 @@ def watch_command(settings: Settings, after: int) -> None:
                     f"{event['revision']} {event['time'] or '?'} {event['by'] or '?'} "
                     f"{event['model'] or '-'} {event['event']} {what}"
                 )
+
+
+# Seconds between tries of a watch starting while the database cannot be used.
+START_RETRY_SECONDS = 1.0
+
+
+def _started(settings: Settings, after: int) -> Watch:
+    """The watch, once the database answers: a replica starting as its
+    database fails over waits for it, as a watch already following does,
+    where it exited 1 (multi-node test). A database set up wrong (a
+    password, a name) is told at once, as any command tells it."""
+    waiting = False
+    while True:
+        try:
+            return settings.models().watch(after)
+        except sa.exc.DBAPIError as error:
+            unusable = database_unusable(error)
+            if unusable is None or unusable.lasting:
+                raise
+            if not waiting:
+                say(
+                    f"warning: watch: the database could not be used ({unusable.said}); "
+                    f"trying again every {START_RETRY_SECONDS:g} s",
+                    err=True,
+                )
+                waiting = True
+        time.sleep(START_RETRY_SECONDS)
 
 
 @cli.command("replay")
