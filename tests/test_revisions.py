@@ -10,6 +10,8 @@ import _thread
 import json
 import os
 import signal
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -552,8 +554,28 @@ def test_a_revision_inside_a_transaction_reads_the_boundary_before_it(
     result = models.rollback(before, by="carol")
     assert len(result["events"]) == 2
     first_of_rollback = result["revision"] - 1
-    assert models.resolve(first_of_rollback) == result["revision"] - 2
-    assert models.list_models(at=first_of_rollback) == models.list_models(at=result["revision"] - 2)
+    boundary = result["revision"] - 2
+    assert models.resolve(first_of_rollback) == boundary
+    assert models.list_models(at=first_of_rollback) == models.list_models(at=boundary)
+    # Said where it is asked, not answered as another revision without a word
+    # (operator walkthrough); a boundary asked for is read without a word.
+    db = models.store.engine.url.render_as_string(hide_password=False)
+    told = (
+        f"warning: revision {first_of_rollback} is inside one write, which lands whole: "
+        f"read at revision {boundary}, before it\n"
+    )
+    for asked, warned in ((first_of_rollback, told), (boundary, "")):
+        listing = [sys.executable, "-m", "catalog_es", "--db", db, "model", "list"]
+        done = subprocess.run(
+            [*listing, "--at", str(asked)], capture_output=True, text=True, timeout=60, check=False
+        )
+        assert (done.returncode, done.stderr) == (0, warned)
+    # A refusal is its one line.
+    shown = CliRunner().invoke(
+        cli, ["--db", db, "model", "show", "a", "--at", str(first_of_rollback)]
+    )
+    refusal = f"error: model 'a' is not in the catalog at revision {boundary}\n"
+    assert (shown.exit_code, shown.stderr) == (1, refusal)
 
 
 # -- reads of the past over the declared config recorded then --------------------------

@@ -188,10 +188,24 @@ declared_then_option = click.option(
 )
 
 
-def past_only(declared_then: bool, at: object) -> None:
-    """``--declared-then`` reads the past: refused without ``--at``."""
-    if declared_then and at is None:
-        raise click.UsageError("--declared-then reads the past: give --at too")
+def read_at(settings: Settings, at: int | datetime | None, declared_then: bool) -> int | None:
+    """``--at`` as the revision it reads; ``--declared-then``, which reads the
+    past, refused without it. A revision inside one write reads the one
+    before that write, which lands whole: said, where the answer was
+    another revision's without a word (operator walkthrough)."""
+    if at is None:
+        if declared_then:
+            raise click.UsageError("--declared-then reads the past: give --at too")
+        return None
+    revision = settings.models().resolve(at)
+    if isinstance(at, int) and revision != at:
+        # A warning, as the load's are: told after the answer, left out of a refusal.
+        log.warning(
+            "revision %d is inside one write, which lands whole: read at revision %d, before it",
+            at,
+            revision,
+        )
+    return revision
 
 
 class RevisionOrTime(click.ParamType):  # type: ignore[type-arg]

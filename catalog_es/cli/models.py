@@ -21,7 +21,7 @@ from catalog_es.cli.base import (
     json_line,
     meta,
     pass_settings,
-    past_only,
+    read_at,
     scaling_text,
     shared_options,
     show_model,
@@ -48,8 +48,8 @@ AT_HELP = "Read the catalog as it was at a revision or UTC time."
 @pass_settings
 def model_list(settings: Settings, at: int | datetime | None, declared_then: bool) -> None:
     """Every model in force, declared and runtime."""
-    past_only(declared_then, at)
-    models = settings.models().list_models(at, declared_then=declared_then)
+    revision = read_at(settings, at, declared_then)
+    models = settings.models().list_models(revision, declared_then=declared_then)
     emit(
         settings,
         models,
@@ -81,8 +81,8 @@ def model_show(
     settings: Settings, name: str, at: int | datetime | None, declared_then: bool
 ) -> None:
     """One model as it will run (or as it was, with --at)."""
-    past_only(declared_then, at)
-    m = settings.models().get_model(name, at, declared_then=declared_then)
+    revision = read_at(settings, at, declared_then)
+    m = settings.models().get_model(name, revision, declared_then=declared_then)
     emit(settings, m, lambda: show_model(m))
 
 
@@ -245,8 +245,8 @@ def model_source(
 @pass_settings
 def sources(settings: Settings, at: int | datetime | None, declared_then: bool) -> None:
     """Each weights source in the catalog, and the models and adapters using it."""
-    past_only(declared_then, at)
-    data = settings.models().sources(at, declared_then=declared_then)
+    revision = read_at(settings, at, declared_then)
+    data = settings.models().sources(revision, declared_then=declared_then)
     emit(
         settings,
         data,
