@@ -389,6 +389,9 @@ class Models(AuditTrail, Application[UUID]):
         # then before the reads that come after it, as it holds up every node.
         self._state = CatalogLock()
         self._known = KnownVersions()
+        # The revision of this service's last committed write: what an
+        # interrupt after it, as the answer is made or told, cannot undo.
+        self.last_written: int | None = None
         super().__init__(env)
         assert isinstance(self.recorder, SQLRecorder)
         self.store: SQLRecorder = self.recorder
@@ -865,6 +868,7 @@ class Models(AuditTrail, Application[UUID]):
                     known.forget()
                     raise
                 # Committed: only now are the changes in force.
+                self.last_written = revisions[-1]
                 if state.depth() == entered:
                     state.acquire(write=True)
                 revision = revisions[-1]

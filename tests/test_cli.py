@@ -462,6 +462,36 @@ def test_ctrl_c_once_a_write_is_told_leaves_its_exit_status_0(
     assert count_events(db_url) == 1
 
 
+def test_ctrl_c_after_the_commit_before_the_answer_is_told_says_the_change_stands(
+    db_url: str, tmp_path: Path
+) -> None:
+    """Cut off as its answer was made or written (a large apply's, a
+    rollback's), a command said `Aborted!` and 1, which says nothing was
+    written, of a change committed (hostile test)."""
+    config = tmp_path / "catalog.yaml"
+    config.write_text("models: []\n")
+    told = python(
+        "-c",
+        "import os, signal, sys, time\n"
+        "from catalog_es.__main__ import main\n"
+        "from catalog_es.cli import base\n"
+        "def interrupted(lines):\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    time.sleep(5)\n"
+        "base.write_out = interrupted\n"
+        f"sys.argv = ['catalog-es', '--db', {db_url!r}, '--config', {str(config)!r},"
+        " '--json', 'model', 'add', '-']\n"
+        "main()\n",
+    )
+    out, err = told.communicate(yaml.safe_dump(definition("m")), timeout=60)
+    assert (told.returncode, out, err) == (
+        130,
+        "",
+        "stopped: the change stands, written at revision 1\n",
+    )
+    assert count_events(db_url) == 1
+
+
 def test_ctrl_c_as_the_log_closes_after_an_answer_that_could_not_be_written_leaves_74(
     db_url: str, tmp_path: Path
 ) -> None:

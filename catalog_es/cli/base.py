@@ -66,6 +66,10 @@ class Settings:
         # on its refusal's line).
         self.new_log: str | None = None
 
+    def last_written(self) -> int | None:
+        """The revision this run's last committed write answers, if it wrote."""
+        return self._models.last_written if self._models is not None else None
+
     def models(self) -> Models:
         """The service, opened once per run and closed with the command (its
         held write connection and pool with it)."""
@@ -449,6 +453,8 @@ def let_warnings_through() -> None:
 
 # 128 + SIGPIPE.
 EXIT_PIPE_CLOSED = 141
+# 128 + SIGINT, as for any process Ctrl-C ends: after a write committed.
+EXIT_INTERRUPTED = 130
 # An answer standard output could not take, after the command did its work.
 EXIT_OUTPUT_FAILED = 74
 
@@ -492,7 +498,14 @@ class CatalogGroup(click.Group):
                 say(line, err=True)
             self._exit(ctx, error.exit_code)
         except (click.Abort, KeyboardInterrupt):
-            raise
+            settings = ctx.find_object(Settings)
+            written = settings.last_written() if settings is not None else None
+            if written is None:
+                raise  # `Aborted!` and 1: a write it cut off is rolled back
+            # Cut off as the answer was made or told: 1 would say nothing was
+            # written (hostile test), and a script would make the change again.
+            say(f"stopped: the change stands, written at revision {written}", err=True)
+            self._exit(ctx, EXIT_INTERRUPTED)
         except BrokenPipeError:
             # The reader went away (`catalog-es log | head`): nothing to tell
             # it, and nothing left to flush into the closed pipe at exit. Not
