@@ -17,7 +17,7 @@ from typing import Any
 
 from catalog_es.batch import Batch
 from catalog_es.catalog import Catalog, Skipped
-from catalog_es.errors import DeclaredInConfig, InputError, Refused
+from catalog_es.errors import NAME_SHOWN_LENGTH, DeclaredInConfig, InputError, Refused, shown
 from catalog_es.model import Model
 from catalog_es.spec import ModelSpec
 
@@ -148,7 +148,9 @@ def plan_rollback(
                 f"model {model!r} is declared in configuration; roll it back there"
             )
         if model not in names:
-            raise Refused(f"model {model!r} has no runtime history to roll back")
+            raise Refused(
+                f"model {shown(model, NAME_SHOWN_LENGTH)} has no runtime history to roll back"
+            )
         names = [model]
     steps: list[Step] = []
     batch.prefetch(names)

@@ -759,6 +759,11 @@ TWO_DIGESTS = ["--file", f"w.bin={'a' * 64}", "--file", f"w.bin={'b' * 64}"]
         ),
         pytest.param(["model", "show", TEN_KB_NAME[:200]], "is not in the catalog", id="show"),
         pytest.param(
+            ["rollback", "--to", "1", "--model", TEN_KB_NAME],
+            f"error: model '{TEN_KB_NAME[:129]}… has no runtime history to roll back",
+            id="rollback-long-name",
+        ),
+        pytest.param(
             ["model", "scale", "nope", "--max", "2"],
             "error: model 'nope' is not in the catalog",
             id="scale-absent",
