@@ -25,15 +25,25 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 import pytest
 import sqlalchemy as sa
 from click.testing import CliRunner
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from catalog_es import commands
 from catalog_es.application import Models
 from catalog_es.cli import cli
 from catalog_es.cli.serve import _listening
-from catalog_es.errors import InputError, LogRewritten, StorageBusy
+from catalog_es.errors import (
+    UNSAFE_TEXT,
+    InputError,
+    LogRewritten,
+    StorageBusy,
+    json_escaped,
+    json_escaped_bytes,
+)
 from catalog_es.inputs import MAX_CHANGES, DeclaredConfig
 from catalog_es.model import model_id
 from catalog_es.persistence import refusals_table
@@ -412,6 +422,23 @@ def test_what_would_act_on_a_terminal_is_sent_escaped_as_the_cli_prints_it(
     data = json.loads(sent[-1].removeprefix("data: "))
     # The config as recorded, the declared source in it as given.
     assert json.dumps(source)[1:-1] in json.dumps(data)
+
+
+@given(st.text(alphabet=st.characters(codec="utf-8"), max_size=40))
+@example("\x7f")
+@example("\u061c")
+@example("a\u0085b")
+@example("\u2069")
+@settings(max_examples=500)
+def test_answers_are_escaped_exactly_where_the_clis_json_escapes(text: str) -> None:
+    """Looked for in the bytes (fast), what is escaped is what the CLI's
+    --json escapes, and reads back as the same text."""
+    body = msgspec.json.encode({"text": text})
+    answer = json_escaped_bytes(body)
+    assert answer.decode("utf-8") == json_escaped(body.decode("utf-8"))
+    assert msgspec.json.decode(answer) == {"text": text}
+    # The C0 controls the encoder escaped itself.
+    assert (answer != body) == (UNSAFE_TEXT.search(body.decode("utf-8")) is not None)
 
 
 def test_head_is_answered_as_get_is_without_the_body(api: Api) -> None:
