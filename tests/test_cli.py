@@ -419,9 +419,18 @@ def test_ctrl_c_while_the_command_line_loads_is_no_traceback() -> None:
     assert err.endswith("\nAborted!\n") and "Traceback" not in err, err[-2000:]
 
 
-# A Ctrl-C sent as the log is closed (an engine disposed, a WAL checkpoint),
-# and once the command line has returned (in the interpreter's shutdown).
+# A Ctrl-C sent as the answer is written, as the log is closed (an engine
+# disposed, a WAL checkpoint), and once the command line has returned (in
+# the interpreter's shutdown).
 CTRL_C_WHEN = {
+    "writing-the-answer": (
+        "from catalog_es.cli import base\n"
+        "def interrupted(lines):\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    time.sleep(5)\n"
+        "base.write_out = interrupted\n"
+        "main()\n"
+    ),
     "closing-the-log": (
         "from catalog_es.application import Models\n"
         "close = Models.close\n"
@@ -438,7 +447,20 @@ CTRL_C_WHEN = {
 }
 
 
-@pytest.mark.parametrize("when", CTRL_C_WHEN, ids=list(CTRL_C_WHEN))
+def adding_with_ctrl_c(db_url: str, tmp_path: Path, when: str, *options: str) -> list[str]:
+    """Python's arguments to run the command line adding a model, ``options``
+    before the command, with a Ctrl-C sent ``when``."""
+    config = tmp_path / "catalog.yaml"
+    config.write_text("models: []\n")
+    argv = ["catalog-es", "--db", db_url, "--config", str(config), *options, "model", "add", "-"]
+    return [
+        "-c",
+        f"import os, signal, sys, time\nfrom catalog_es.__main__ import main\nsys.argv = {argv!r}\n"
+        + CTRL_C_WHEN[when],
+    ]
+
+
+@pytest.mark.parametrize("when", ["closing-the-log", "shutting-down"])
 def test_ctrl_c_once_a_write_is_told_leaves_its_exit_status_0(
     db_url: str, tmp_path: Path, when: str
 ) -> None:
@@ -446,15 +468,7 @@ def test_ctrl_c_once_a_write_is_told_leaves_its_exit_status_0(
     killed the process in its shutdown (status 130, in a fifth of the runs
     of a hostile test), or said `Aborted!` and 1 as it closed the log
     (review): a script would make the change again. It is let be."""
-    config = tmp_path / "catalog.yaml"
-    config.write_text("models: []\n")
-    told = python(
-        "-c",
-        "import os, signal, sys, time\n"
-        "from catalog_es.__main__ import main\n"
-        f"sys.argv = ['catalog-es', '--db', {db_url!r}, '--config', {str(config)!r},"
-        " 'model', 'add', '-']\n" + CTRL_C_WHEN[when],
-    )
+    told = python(*adding_with_ctrl_c(db_url, tmp_path, when))
     out, err = told.communicate(yaml.safe_dump(definition("m")), timeout=60)
     assert told.returncode == 0
     assert "KeyboardInterrupt" not in err and "Aborted" not in err
@@ -468,27 +482,10 @@ def test_ctrl_c_after_the_commit_before_the_answer_is_told_says_the_change_stand
     """Cut off as its answer was made or written (a large apply's, a
     rollback's), a command said `Aborted!` and 1, which says nothing was
     written, of a change committed (hostile test)."""
-    config = tmp_path / "catalog.yaml"
-    config.write_text("models: []\n")
-    told = python(
-        "-c",
-        "import os, signal, sys, time\n"
-        "from catalog_es.__main__ import main\n"
-        "from catalog_es.cli import base\n"
-        "def interrupted(lines):\n"
-        "    os.kill(os.getpid(), signal.SIGINT)\n"
-        "    time.sleep(5)\n"
-        "base.write_out = interrupted\n"
-        f"sys.argv = ['catalog-es', '--db', {db_url!r}, '--config', {str(config)!r},"
-        " '--json', 'model', 'add', '-']\n"
-        "main()\n",
-    )
+    told = python(*adding_with_ctrl_c(db_url, tmp_path, "writing-the-answer", "--json"))
     out, err = told.communicate(yaml.safe_dump(definition("m")), timeout=60)
-    assert (told.returncode, out, err) == (
-        130,
-        "",
-        "stopped: the change stands, written at revision 1\n",
-    )
+    stopped = "stopped: the change stands, written at revision 1\n"
+    assert (told.returncode, out, err) == (130, "", stopped)
     assert count_events(db_url) == 1
 
 
@@ -497,18 +494,9 @@ def test_ctrl_c_as_the_log_closes_after_an_answer_that_could_not_be_written_leav
 ) -> None:
     """The answer's own status stands too: 74 (the write stands, its answer
     could not be written out) became `Aborted!` and 1 (review)."""
-    config = tmp_path / "catalog.yaml"
-    config.write_text("models: []\n")
     with Path("/dev/full").open("w") as full:
         told = subprocess.run(
-            [
-                sys.executable,
-                "-c",
-                "import os, signal, sys, time\n"
-                "from catalog_es.__main__ import main\n"
-                f"sys.argv = ['catalog-es', '--db', {db_url!r}, '--config', {str(config)!r},"
-                " 'model', 'add', '-']\n" + CTRL_C_WHEN["closing-the-log"],
-            ],
+            [sys.executable, *adding_with_ctrl_c(db_url, tmp_path, "closing-the-log")],
             cwd=Path(__file__).parent.parent,
             input=yaml.safe_dump(definition("m")),
             stdout=full,
