@@ -40,24 +40,9 @@ class DeclaredConfig(msgspec.Struct, frozen=True, dict=True):
     def fingerprint(self) -> str:
         """Identifies the declared layer: same models and engines, same fingerprint."""
         canonical = msgspec.json.encode(
-            {
-                "engines": sorted(set(self.engines)),
-                "models": sorted(map(_files_in_order, self.models), key=lambda m: m.name),
-            }
+            {"engines": sorted(self.engines), "models": sorted(self.models, key=lambda m: m.name)}
         )
         return hashlib.sha256(canonical).hexdigest()
-
-
-def _files_in_order(model: ModelSpec) -> ModelSpec:
-    """``model`` with its origin's files in path order: two files' lines
-    swapped in the YAML made a new fingerprint for models that compare
-    equal, recorded again and telling of another node's config (review).
-    Files already in order, the fingerprint is as it always was."""
-    origin = model.origin
-    if origin is None or list(origin.files) == sorted(origin.files):
-        return model
-    files = dict(sorted(origin.files.items()))
-    return msgspec.structs.replace(model, origin=msgspec.structs.replace(origin, files=files))
 
 
 # What a declared-config record is called where events are listed by name.

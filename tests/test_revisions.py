@@ -1030,28 +1030,6 @@ def test_a_changed_declared_config_is_recorded_by_the_next_write_only(
     assert log[2]["fields"]["fingerprint"] == load_config(str(other)).fingerprint
 
 
-def test_a_config_written_in_another_order_is_the_same_config(
-    open_models: Callable[..., Models], tmp_path: Path
-) -> None:
-    """Two files of an origin swapped, or an engine named twice: models that
-    compare equal made a new fingerprint, recorded again by the next write
-    (and told as another node's config) (review)."""
-    files = {"b.safetensors": "1" * 64, "a.safetensors": "2" * 64}
-    origin = {"repository": "org/m", "revision": "a" * 40}
-    written = tmp_path / "written.yaml"
-    written.write_text(
-        config_yaml(spec("base", origin={**origin, "files": files}), engines=["vllm"])
-    )
-    reordered = tmp_path / "reordered.yaml"
-    swapped = {**origin, "files": dict(reversed(files.items()))}
-    reordered.write_text(config_yaml(spec("base", origin=swapped), engines=["vllm", "vllm"]))
-    assert load_config(str(written)).fingerprint == load_config(str(reordered)).fingerprint
-    open_models(config=written).add(spec("a"), by="x")
-    open_models(config=reordered).add(spec("b"), by="x")
-    events = [e["event"] for e in open_models(config=reordered).log_events()]
-    assert events == ["ConfigDeclared", "Added", "Added"]
-
-
 # -- diff ---------------------------------------------------------------------------------
 
 
