@@ -118,7 +118,10 @@ class Catalog:
         """The skip that took a model :meth:`was_skipped` out of force: the
         last of its skips that is not a mere follow-on (an event on a model
         already out, "not in the catalog"), which only repeats that it is out."""
-        skips = [s for s in self.skipped if s.model == name]
+        # Its own records only: one filed in another model's stream names it
+        # but never moved it (nor made it unhealed).
+        elsewhere = _filed_elsewhere(name)
+        skips = [s for s in self.skipped if s.model == name and s.reason != elsewhere]
         follow_on = str(ModelNotFound(name))
         return next((s for s in reversed(skips) if s.reason != follow_on), skips[-1])
 

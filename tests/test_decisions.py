@@ -628,3 +628,23 @@ def test_replaying_a_long_fallback_chain_is_linear(monkeypatch: pytest.MonkeyPat
     # And a change that could close the chain into a cycle is still caught.
     with pytest.raises(InvalidModel, match=f"form a cycle: m0 -> m{depth - 1} -> "):
         when(catalog, added(spec("m0", fallbacks=(f"m{depth - 1}",))))
+
+
+def test_a_model_out_of_force_is_told_by_its_own_skip_that_took_it_out() -> None:
+    """Not by a later change to it, skipped only as "not in the catalog"; nor
+    by a record naming it filed in another model's stream, which never moved
+    it (and was told twice; review)."""
+    foreign = msgspec.structs.replace(
+        event(Model.Scaled, "x", scaling=Scaling(0, 2)),
+        originator_id=model_id("other"),
+        originator_version=1,
+    )
+    catalog = given(
+        added(spec("x", engine="gone")),
+        event(Model.Scaled, "x", scaling=Scaling(0, 3)),
+        engines=["vllm"],
+    )
+    catalog.apply(foreign, 3)
+    assert [s.revision for s in catalog.skipped] == [1, 2, 3]
+    assert catalog.taken_out_by("x").revision == 1
+    assert [s.revision for s in catalog.standing_skips()] == [1, 3]
