@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+import unicodedata
 from collections.abc import Sequence
 from datetime import UTC, date, datetime, timedelta
 from functools import lru_cache
@@ -67,11 +68,13 @@ MAX_ACTOR_LENGTH = 128
 def check_actor(by: str) -> None:
     """An actor's name, as commands record it and tokens stand for it: text,
     as cli.md has it (an emoji's joiners were refused, as Python does not
-    call them printable), with nothing a terminal would act on."""
-    if not by.strip() or len(by) > MAX_ACTOR_LENGTH or UNSAFE_TEXT.search(by):
+    call them printable), with nothing a terminal would act on, and
+    something to see (zero-width spaces alone named no one; review)."""
+    seen = any(not c.isspace() and unicodedata.category(c) != "Cf" for c in by)
+    if not seen or len(by) > MAX_ACTOR_LENGTH or UNSAFE_TEXT.search(by):
         raise InputError(
-            f"actor {by[:40]!r}: must be 1-{MAX_ACTOR_LENGTH} characters, not all spaces, "
-            "and no control or bidi characters"
+            f"actor {by[:40]!r}: must be 1-{MAX_ACTOR_LENGTH} characters, some of them "
+            "visible, and no control or bidi characters"
         )
 
 
