@@ -484,7 +484,7 @@ def test_ctrl_c_after_the_commit_before_the_answer_is_told_says_the_change_stand
     written, of a change committed (hostile test)."""
     told = python(*adding_with_ctrl_c(db_url, tmp_path, "writing-the-answer", "--json"))
     out, err = told.communicate(yaml.safe_dump(definition("m")), timeout=60)
-    stopped = "stopped: the change stands, written at revision 1\n"
+    stopped = "stopped: what it wrote stands, up to revision 1\n"
     assert (told.returncode, out, err) == (130, "", stopped)
     assert count_events(db_url) == 1
 

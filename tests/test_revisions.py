@@ -561,8 +561,8 @@ def test_a_revision_inside_a_transaction_reads_the_boundary_before_it(
     # (operator walkthrough); a boundary asked for is read without a word.
     db = models.store.engine.url.render_as_string(hide_password=False)
     told = (
-        f"warning: revision {first_of_rollback} is inside one write, which lands whole: "
-        f"read at revision {boundary}, before it\n"
+        f"warning: no write ends at revision {first_of_rollback} (a write of several changes "
+        f"lands whole): read at revision {boundary}, the last one that does before it\n"
     )
     for asked, warned in ((first_of_rollback, told), (boundary, "")):
         listing = [sys.executable, "-m", "catalog_es", "--db", db, "model", "list"]

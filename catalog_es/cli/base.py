@@ -194,9 +194,9 @@ declared_then_option = click.option(
 
 def read_at(settings: Settings, at: int | datetime | None, declared_then: bool) -> int | None:
     """``--at`` as the revision it reads; ``--declared-then``, which reads the
-    past, refused without it. A revision inside one write reads the one
-    before that write, which lands whole: said, where the answer was
-    another revision's without a word (operator walkthrough)."""
+    past, refused without it. A revision inside one write (or one PostgreSQL
+    burned) reads the last before it where a write ends: said, where the
+    answer was another revision's without a word (operator walkthrough)."""
     if at is None:
         if declared_then:
             raise click.UsageError("--declared-then reads the past: give --at too")
@@ -205,7 +205,8 @@ def read_at(settings: Settings, at: int | datetime | None, declared_then: bool) 
     if isinstance(at, int) and revision != at:
         # A warning, as the load's are: told after the answer, left out of a refusal.
         log.warning(
-            "revision %d is inside one write, which lands whole: read at revision %d, before it",
+            "no write ends at revision %d (a write of several changes lands whole): "
+            "read at revision %d, the last one that does before it",
             at,
             revision,
         )
@@ -504,7 +505,7 @@ class CatalogGroup(click.Group):
                 raise  # `Aborted!` and 1: a write it cut off is rolled back
             # Cut off as the answer was made or told: 1 would say nothing was
             # written (hostile test), and a script would make the change again.
-            say(f"stopped: the change stands, written at revision {written}", err=True)
+            say(f"stopped: what it wrote stands, up to revision {written}", err=True)
             self._exit(ctx, EXIT_INTERRUPTED)
         except BrokenPipeError:
             # The reader went away (`catalog-es log | head`): nothing to tell
