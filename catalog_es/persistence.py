@@ -660,6 +660,20 @@ _SQLITE_OUTAGES = {"BUSY", "LOCKED", "FULL", "IOERR", "NOMEM", "CANTOPEN"}
 _POSTGRESQL_OUTAGES = ("08", "53", "57P01", "57P02", "57P03", "57P05", "25006", "25P03")
 _POSTGRESQL_SETUP = ("28", "3D", "3F", "42501", "42P01", "42703")
 _CLIENT_FAILURES = {"OperationalError", "InterfaceError", "DatabaseError"}
+# A server that refuses a connection as it is made says why with FATAL and,
+# through libpq, no SQLSTATE: setup (no such role or database, a password),
+# unless it says it is starting, stopping, recovering or full. Its words are
+# English unless the server is set otherwise: then taken for setup, as the
+# CLI always told them.
+_CONNECT_OUTAGES = (
+    "starting up",
+    "shutting down",
+    "in recovery",
+    "not yet accepting",
+    "not accepting connections",
+    "too many clients",
+    "administrator command",
+)
 
 
 class Unusable(NamedTuple):
@@ -687,7 +701,10 @@ def database_unusable(error: BaseException) -> Unusable | None:
         return None
     state: str | None = getattr(driver, "sqlstate", None)
     if state is None:
-        return Unusable(said, lasting=False) if kind.__name__ in _CLIENT_FAILURES else None
+        if kind.__name__ not in _CLIENT_FAILURES:
+            return None
+        refused = "FATAL:" in said and not any(words in said for words in _CONNECT_OUTAGES)
+        return Unusable(said, lasting=refused)
     if state.startswith(_POSTGRESQL_OUTAGES):
         return Unusable(said, lasting=False)
     if state.startswith(_POSTGRESQL_SETUP):

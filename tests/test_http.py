@@ -1617,6 +1617,25 @@ def test_a_watch_starting_while_the_database_is_away_waits_for_it(pg_url: str) -
     assert lines["err"].get(timeout=10).strip() == "stopped"
 
 
+def test_a_watch_on_a_database_set_up_wrong_is_an_error_at_once(
+    pg_url: str, tmp_path: Path
+) -> None:
+    """Waiting is for outages: a name, a role that is not there, a SQLite
+    file that cannot be opened, waited for good (review)."""
+    direct = sa.make_url(pg_url)
+    wrong = [
+        direct.set(database="no_such_database_here").render_as_string(hide_password=False),
+        direct.set(username="no_such_role_here").render_as_string(hide_password=False),
+        f"sqlite:///{tmp_path}/no/such/folder/catalog.db",
+    ]
+    for url in wrong:
+        command = [sys.executable, "-m", "catalog_es", "--db", url, "watch"]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+        assert done.returncode == 1, (url, done.stderr)
+        assert done.stderr.startswith("error: the database could not be used: "), done.stderr
+        assert "trying again" not in done.stderr
+
+
 def test_a_watch_follows_on_after_the_database_came_back(
     pg_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:

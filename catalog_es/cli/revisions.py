@@ -12,6 +12,7 @@ import sqlalchemy as sa
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from catalog_es import bootstrap
 from catalog_es.application import Watch
 from catalog_es.cli.base import (
     REVISION,
@@ -170,25 +171,49 @@ START_RETRY_SECONDS = 1.0
 
 def _started(settings: Settings, after: int) -> Watch:
     """The watch, once the database answers: a replica starting as its
-    database fails over waits for it, as a watch already following does,
-    where it exited 1 (multi-node test). A database set up wrong (a
-    password, a name) is told at once, as any command tells it."""
-    waiting = False
+    PostgreSQL fails over waits for it, as a watch already following does,
+    where it exited 1 (multi-node test). A database set up wrong (a role, a
+    password, a name), and a SQLite file that cannot be opened, are told at
+    once, as any command tells them. While it waits, one engine without a
+    pool looks every second: a service made each time kept some memory."""
+    probe: sa.Engine | None = None
+    try:
+        while True:
+            try:
+                return settings.models().watch(after)
+            except sa.exc.DBAPIError as error:
+                unusable = _passing(error)
+                url = bootstrap.database_url(settings.db)
+                if unusable is None or sa.make_url(url).get_backend_name() != "postgresql":
+                    raise
+                if probe is None:
+                    say(
+                        f"warning: watch: the database could not be used ({unusable}); "
+                        f"trying again every {START_RETRY_SECONDS:g} s",
+                        err=True,
+                    )
+                    probe = sa.create_engine(url, poolclass=sa.pool.NullPool)
+                _until_it_answers(probe)
+    finally:
+        if probe is not None:
+            probe.dispose()
+
+
+def _passing(error: sa.exc.DBAPIError) -> str | None:
+    """What the driver said, when ``error`` is an outage to wait out."""
+    unusable = database_unusable(error)
+    return None if unusable is None or unusable.lasting else unusable.said
+
+
+def _until_it_answers(probe: sa.Engine) -> None:
     while True:
-        try:
-            return settings.models().watch(after)
-        except sa.exc.DBAPIError as error:
-            unusable = database_unusable(error)
-            if unusable is None or unusable.lasting:
-                raise
-            if not waiting:
-                say(
-                    f"warning: watch: the database could not be used ({unusable.said}); "
-                    f"trying again every {START_RETRY_SECONDS:g} s",
-                    err=True,
-                )
-                waiting = True
         time.sleep(START_RETRY_SECONDS)
+        try:
+            with probe.connect():
+                return
+        except sa.exc.DBAPIError as error:
+            if _passing(error) is None:
+                raise
 
 
 @cli.command("replay")
