@@ -47,6 +47,7 @@ from catalog_es.errors import (
 from catalog_es.inputs import MAX_CHANGES, DeclaredConfig
 from catalog_es.model import model_id
 from catalog_es.persistence import refusals_table
+from catalog_es.web import app as web_app
 from catalog_es.web.app import create_app
 from catalog_es.web.events import WAKE_UP_SECONDS
 from catalog_es.web.tokens import TokenStore
@@ -1103,6 +1104,34 @@ def test_a_large_body_past_the_places_is_refused_as_it_grows_not_once_it_has_com
             holder.close()
     assert answer.startswith("HTTP/1.1 503"), answer[:200]
     assert "2 bodies over 1024 KiB are already being read here; try again" in answer
+    assert log_rows(api.db) == before
+
+
+def test_a_large_body_that_does_not_come_in_time_gives_its_place_back(
+    api: Api, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two clients sending a byte a second once past a megabyte held both
+    places for as long as they liked: every other large body was refused
+    (review of the session's diff)."""
+    monkeypatch.setattr(web_app, "LARGE_BODY_SECONDS", 1.0)
+    before = log_rows(api.db)
+    headers = {**api.as_("write"), "Content-Type": "application/yaml"}
+    two_megabytes = b"#" * (2 << 20)
+    slow = [_sent_in_part(api.url, headers, 3 << 20, two_megabytes) for _ in range(2)]
+    try:
+        for sock in slow:
+            sock.settimeout(30)
+            answer = b""
+            while b"}" not in answer and (received := sock.recv(1 << 16)):
+                answer += received
+            assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+            assert b"it did not all come within 1 s" in answer
+    finally:
+        for sock in slow:
+            sock.close()
+    large = "- scale: {name: base, max: 3}\n" + "#" * (2 << 20) + "\n"
+    taken = api.client.post("/apply", content=large, headers=headers)
+    assert "declared in configuration" in refused(taken, 422)  # read, then refused
     assert log_rows(api.db) == before
 
 

@@ -23,6 +23,7 @@ from importlib.metadata import version
 from typing import Annotated, Any, Literal, Protocol, TypeVar
 from urllib.parse import unquote_to_bytes
 
+import anyio
 import msgspec
 import sqlalchemy as sa
 from fastapi import APIRouter, Depends, FastAPI, Header, Query, Request
@@ -100,6 +101,10 @@ MAX_WRITES_WAITING = 16
 # at most: one of 59 MB of YAML took 420 MB while it was read, and six at
 # once 2.5 GB (hostile test); past them, a client is told to try again.
 MAX_LARGE_BODIES = 2
+# Seconds a body that holds one of those places has to come in full (64 MiB
+# at a megabyte a second): two clients sending a byte a second held both
+# places for as long as they liked, and every other large body was refused.
+LARGE_BODY_SECONDS = 60.0
 # Rows one answer of /log or /audit holds at most; asked for more, a client
 # is told to page. Unbounded, one answer of a long log was built whole in
 # memory: 70 MB of JSON for 80,000 rows, 3.3 GB for forty at once.
@@ -114,6 +119,10 @@ class TooBusy(Refused):
     """As many requests of a kind are open as this server takes: try again."""
 
 
+class TooSlow(Refused):
+    """A request's body did not come in the time given to it."""
+
+
 # The first of these a refusal is an instance of gives its status; every
 # other refusal is 422. 409 means exactly "read again and retry": a model
 # declared in config is refused with 422, since retrying cannot help. A log
@@ -123,6 +132,7 @@ _STATUS_OF_REFUSAL: tuple[tuple[type[Refused], int], ...] = (
     (ModelNotFound, 404),
     (StorageBusy, 503),
     (TooBusy, 503),
+    (TooSlow, 408),
     (DamagedLog, 500),
 )
 
@@ -372,20 +382,28 @@ def document(limit: int, parse: _Parser) -> Callable[..., Any]:
         large = False
         try:
             raw = bytearray()
-            async for chunk in request.stream():
-                raw += chunk
-                if len(raw) > limit:
-                    raise InputError(f"{BODY}: larger than {limit // 1024} KiB")
-                # A place is taken as the body grows past a definition's size,
-                # not once it has all come: sixteen clients each sending 60 MB
-                # were held in memory together before any was refused.
-                if not large and len(raw) > MAX_INPUT_BYTES:
-                    if not places.acquire(blocking=False):
-                        raise TooBusy(
-                            f"{MAX_LARGE_BODIES} bodies over {MAX_INPUT_BYTES // 1024} KiB are "
-                            "already being read here; try again"
-                        )
-                    large = True
+            with anyio.CancelScope() as receiving:
+                async for chunk in request.stream():
+                    raw += chunk
+                    if len(raw) > limit:
+                        raise InputError(f"{BODY}: larger than {limit // 1024} KiB")
+                    # A place is taken as the body grows past a definition's
+                    # size, not once it has all come: sixteen clients each
+                    # sending 60 MB were held in memory together before any
+                    # was refused. From then on the body has a deadline.
+                    if not large and len(raw) > MAX_INPUT_BYTES:
+                        if not places.acquire(blocking=False):
+                            raise TooBusy(
+                                f"{MAX_LARGE_BODIES} bodies over {MAX_INPUT_BYTES // 1024} KiB "
+                                "are already being read here; try again"
+                            )
+                        large = True
+                        receiving.deadline = anyio.current_time() + LARGE_BODY_SECONDS
+            if receiving.cancelled_caught:
+                raise TooSlow(
+                    f"{BODY}: over {MAX_INPUT_BYTES // 1024} KiB, it did not all come within "
+                    f"{LARGE_BODY_SECONDS:g} s"
+                )
             if not raw.strip():
                 raise InputError(f"{BODY}: empty; send a JSON (or YAML) document")
             try:
@@ -495,6 +513,7 @@ _ERROR_MEANINGS = {
     401: "No token, or one that is not valid (unknown or revoked).",
     403: "The token's role does not allow this.",
     404: "No such model (now, or at the revision or time asked).",
+    408: "A body over a megabyte did not all come within a minute.",
     409: "If-Match: the log has moved past that revision; read again and retry.",
     422: "Refused: the request, or the change it asks for. Nothing was written.",
     500: "The server's fault, or a log edited by hand; the server's log says more.",
@@ -507,8 +526,9 @@ def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
     return {s: {"model": ErrorBody, "description": _ERROR_MEANINGS[s]} for s in statuses}
 
 
-# Writes: the role, and If-Match.
+# Writes: the role, and If-Match; and those with a body, its deadline.
 WRITE_ERRORS = errors(403, 409)
+BODY_ERRORS = {**WRITE_ERRORS, **errors(408)}
 
 
 # -- the routes --------------------------------------------------------------------
@@ -574,7 +594,7 @@ def show_model(
 @route.post(
     "/models",
     tags=["commands"],
-    responses=WRITE_ERRORS,
+    responses=BODY_ERRORS,
     openapi_extra=body_of(ModelInput, "A model definition, as `model add` takes it."),
 )
 def add_model(
@@ -628,7 +648,7 @@ def model_command(verb: str, kind: type[Fields], summary: str, body: str, run: R
         tags=["commands"],
         name=f"model {verb}",
         summary=summary,
-        responses={**WRITE_ERRORS, **errors(404)},
+        responses={**BODY_ERRORS, **errors(404)},
         openapi_extra=body_of(kind, body),
     )(command)
 
@@ -682,7 +702,7 @@ model_command(
 @route.post(
     "/apply",
     tags=["commands"],
-    responses=WRITE_ERRORS,
+    responses=BODY_ERRORS,
     openapi_extra=body_schema(
         _changes_schema(), "A list of changes, each one key (as a `catalog-es apply` file)."
     ),
@@ -719,7 +739,7 @@ def diff(
 @route.post(
     "/rollback",
     tags=["revisions"],
-    responses=WRITE_ERRORS,
+    responses=BODY_ERRORS,
     openapi_extra=body_of(RollbackBody, "Where to go back to; `dry_run` writes nothing."),
 )
 def rollback(
