@@ -134,7 +134,8 @@ class Catalog:
         standing += (
             s for s in self.skipped if not s.model or s.reason == _filed_elsewhere(s.model)
         )
-        return sorted(standing, key=lambda s: s.revision)
+        # By name too: models a removal takes out together share its revision.
+        return sorted(standing, key=lambda s: (s.revision, s.model))
 
     def unhealed(self) -> list[str]:
         """Every model :meth:`was_skipped` tells of, by name."""

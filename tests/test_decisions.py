@@ -648,3 +648,16 @@ def test_a_model_out_of_force_is_told_by_its_own_skip_that_took_it_out() -> None
     assert [s.revision for s in catalog.skipped] == [1, 2, 3]
     assert catalog.taken_out_by("x").revision == 1
     assert [s.revision for s in catalog.standing_skips()] == [1, 3]
+
+
+def test_skips_at_one_revision_are_told_by_name() -> None:
+    """Models a removal takes out together share its revision: told in the
+    order of a set, they came out differently from one start to the next."""
+    names = [f"m{i}" for i in range(12, 0, -1)]
+    catalog = given(
+        added(spec("f")),
+        *(added(spec(name, fallbacks=("f",))) for name in names),
+        removed("f"),
+    )
+    standing = catalog.standing_skips()
+    assert [(s.revision, s.model) for s in standing] == [(14, name) for name in sorted(names)]
