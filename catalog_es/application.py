@@ -392,6 +392,9 @@ class Models(AuditTrail, Application[UUID]):
         # The revision of this service's last committed write: what an
         # interrupt after it, as the answer is made or told, cannot undo.
         self.last_written: int | None = None
+        # The last revision and event of the write being committed, until it
+        # is known to be (see :meth:`written`).
+        self._committing: tuple[int, tuple[str, bytes]] | None = None
         super().__init__(env)
         assert isinstance(self.recorder, SQLRecorder)
         self.store: SQLRecorder = self.recorder
@@ -858,17 +861,17 @@ class Models(AuditTrail, Application[UUID]):
                         # Straight to the recorder: eventsourcing's EventStore.put
                         # would build a Recording per event only for us to read its
                         # revision.
-                        appended = self.store.append(
-                            conn, [self.mapper.to_stored_event(e) for e in batch.records], standing
-                        )
+                        stored = [self.mapper.to_stored_event(e) for e in batch.records]
+                        appended = self.store.append(conn, stored, standing)
                         revisions = appended.revisions
+                        self._committing = (revisions[-1], (stored[-1].topic, stored[-1].state))
                 except BaseException:
                     # A database error may come of a version this service thought it
                     # knew (rows edited by hand): all are read again next time.
                     known.forget()
                     raise
                 # Committed: only now are the changes in force.
-                self.last_written = revisions[-1]
+                self.last_written, self._committing = revisions[-1], None
                 if state.depth() == entered:
                     state.acquire(write=True)
                 revision = revisions[-1]
@@ -931,6 +934,19 @@ class Models(AuditTrail, Application[UUID]):
             streams=streams,
             lock_left=max(lock_left, 0.001),
         )
+
+    def written(self) -> int | None:
+        """The revision this service's last committed write answers, if it
+        wrote; also of one an interrupt cut off as its commit returned (it
+        said `Aborted!` and 1 of a change written; hostile test), which the
+        log is asked about."""
+        if self._committing is not None:
+            revision, last = self._committing
+            self._committing = None
+            with self.store.read() as conn:
+                if self.store.event_at(conn, revision) == last:
+                    self.last_written = revision
+        return self.last_written
 
     def _put_in_force(self, batch: Batch, appended: Appended, several: bool) -> None:
         """The catalog in force after ``batch``, as ``appended``. Cut off on the

@@ -423,6 +423,18 @@ def test_ctrl_c_while_the_command_line_loads_is_no_traceback() -> None:
 # disposed, a WAL checkpoint), and once the command line has returned (in
 # the interpreter's shutdown).
 CTRL_C_WHEN = {
+    # SQLite's COMMIT returned, the write not yet told done.
+    "as-the-commit-returns": (
+        "from catalog_es import persistence\n"
+        "end = persistence._end\n"
+        "def interrupted(conn, driver, *, commit):\n"
+        "    end(conn, driver, commit=commit)\n"
+        "    if commit:\n"
+        "        os.kill(os.getpid(), signal.SIGINT)\n"
+        "        time.sleep(5)\n"
+        "persistence._end = interrupted\n"
+        "main()\n"
+    ),
     "writing-the-answer": (
         "from catalog_es.cli import base\n"
         "def interrupted(lines):\n"
@@ -476,13 +488,15 @@ def test_ctrl_c_once_a_write_is_told_leaves_its_exit_status_0(
     assert count_events(db_url) == 1
 
 
+@pytest.mark.parametrize("when", ["as-the-commit-returns", "writing-the-answer"])
 def test_ctrl_c_after_the_commit_before_the_answer_is_told_says_the_change_stands(
-    db_url: str, tmp_path: Path
+    tmp_path: Path, when: str
 ) -> None:
-    """Cut off as its answer was made or written (a large apply's, a
-    rollback's), a command said `Aborted!` and 1, which says nothing was
-    written, of a change committed (hostile test)."""
-    told = python(*adding_with_ctrl_c(db_url, tmp_path, "writing-the-answer", "--json"))
+    """Cut off as its commit returned, or as its answer was made or written
+    (a large apply's, a rollback's), a command said `Aborted!` and 1, which
+    says nothing was written, of a change committed (hostile tests)."""
+    db_url = f"sqlite:///{tmp_path}/catalog.db"
+    told = python(*adding_with_ctrl_c(db_url, tmp_path, when, "--json"))
     out, err = told.communicate(yaml.safe_dump(definition("m")), timeout=60)
     stopped = "stopped: what it wrote stands, up to revision 1\n"
     assert (told.returncode, out, err) == (130, "", stopped)

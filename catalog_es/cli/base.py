@@ -67,8 +67,15 @@ class Settings:
         self.new_log: str | None = None
 
     def last_written(self) -> int | None:
-        """The revision this run's last committed write answers, if it wrote."""
-        return self._models.last_written if self._models is not None else None
+        """The revision this run's last committed write answers, if it wrote
+        (what an interrupt is told after); if the log cannot be asked, what
+        the run knows of it."""
+        if self._models is None:
+            return None
+        try:
+            return self._models.written()
+        except Exception:
+            return self._models.last_written
 
     def models(self) -> Models:
         """The service, opened once per run and closed with the command (its
