@@ -564,12 +564,18 @@ def test_a_revision_inside_a_transaction_reads_the_boundary_before_it(
         f"warning: no write ends at revision {first_of_rollback} (a write of several changes "
         f"lands whole): read at revision {boundary}, the last one that does before it\n"
     )
+    catalog_es = [sys.executable, "-m", "catalog_es", "--db", db]
     for asked, warned in ((first_of_rollback, told), (boundary, "")):
-        listing = [sys.executable, "-m", "catalog_es", "--db", db, "model", "list"]
-        done = subprocess.run(
-            [*listing, "--at", str(asked)], capture_output=True, text=True, timeout=60, check=False
-        )
-        assert (done.returncode, done.stderr) == (0, warned)
+        for command in (
+            ["model", "list", "--at", str(asked)],
+            ["diff", str(asked)],
+            ["rollback", "--dry-run", "--to", str(asked)],
+        ):
+            done = subprocess.run(
+                [*catalog_es, *command], capture_output=True, text=True, timeout=60, check=False
+            )
+            assert (done.returncode, done.stderr.endswith(warned)) == (0, True), command
+            assert done.stderr.count("warning:") == (1 if warned else 0), command
     # A refusal is its one line.
     shown = CliRunner().invoke(
         cli, ["--db", db, "model", "show", "a", "--at", str(first_of_rollback)]

@@ -200,14 +200,20 @@ declared_then_option = click.option(
 
 
 def read_at(settings: Settings, at: int | datetime | None, declared_then: bool) -> int | None:
-    """``--at`` as the revision it reads; ``--declared-then``, which reads the
-    past, refused without it. A revision inside one write (or one PostgreSQL
-    burned) reads the last before it where a write ends: said, where the
-    answer was another revision's without a word (operator walkthrough)."""
+    """``--at`` as the revision it reads (:func:`resolved`); ``--declared-then``,
+    which reads the past, refused without it."""
     if at is None:
         if declared_then:
             raise click.UsageError("--declared-then reads the past: give --at too")
         return None
+    return resolved(settings, at)
+
+
+def resolved(settings: Settings, at: int | datetime) -> int:
+    """The revision a revision or time given reads. One inside a write (or
+    one PostgreSQL burned) reads the last before it where a write ends:
+    said, where the answer was another revision's without a word (operator
+    walkthrough)."""
     revision = settings.models().resolve(at)
     if isinstance(at, int) and revision != at:
         # A warning, as the load's are: told after the answer, left out of a refusal.

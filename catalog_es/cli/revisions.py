@@ -25,6 +25,7 @@ from catalog_es.cli.base import (
     let_warnings_through,
     meta,
     pass_settings,
+    resolved,
     say,
     shared_options,
     stopped_when_asked,
@@ -85,7 +86,12 @@ def diff_command(
     declared_then: bool,
 ) -> None:
     """What changed from one revision (or UTC time) to another, default now."""
-    diff = settings.models().diff(since, until, model=model_name, declared_then=declared_then)
+    diff = settings.models().diff(
+        resolved(settings, since),
+        None if until is None else resolved(settings, until),
+        model=model_name,
+        declared_then=declared_then,
+    )
 
     def human() -> None:
         show_diff(diff)
@@ -113,7 +119,7 @@ def rollback_command(
     """Make the runtime catalog what it was at a revision, by appending
     compensating events in one transaction (the log is never rewritten)."""
     result = settings.models().rollback(
-        to, model=model_name, only=only, dry_run=dry_run, **meta(settings)
+        resolved(settings, to), model=model_name, only=only, dry_run=dry_run, **meta(settings)
     )
 
     def human() -> None:
