@@ -70,8 +70,11 @@ def check_actor(by: str) -> None:
     as cli.md has it (an emoji's joiners were refused, as Python does not
     call them printable), with nothing a terminal would act on, and
     something to see (zero-width spaces alone named no one; review)."""
-    seen = any(not c.isspace() and unicodedata.category(c) != "Cf" for c in by)
-    if not seen or len(by) > MAX_ACTOR_LENGTH or UNSAFE_TEXT.search(by):
+    if (
+        len(by) > MAX_ACTOR_LENGTH
+        or UNSAFE_TEXT.search(by)
+        or all(c.isspace() or unicodedata.category(c) == "Cf" for c in by)
+    ):
         raise InputError(
             f"actor {by[:40]!r}: must be 1-{MAX_ACTOR_LENGTH} characters, some of them "
             "visible, and no control or bidi characters"
