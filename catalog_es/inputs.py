@@ -65,16 +65,24 @@ MAX_CONFIG_BYTES = 64 << 20
 MAX_ACTOR_LENGTH = 128
 
 
+# Letters that show nothing: Hangul fillers, the blank Braille pattern, the
+# combining grapheme joiner.
+_BLANK_LETTERS = frozenset("\u115f\u1160\u3164\uffa0\u2800\u034f")
+
+
+def _seen(c: str) -> bool:
+    """Whether a character shows as something: not a space, a format
+    character (a zero-width space, a joiner), a combining mark on its own,
+    nor a letter that is blank."""
+    return not (c.isspace() or unicodedata.category(c) in ("Cf", "Mn", "Me") or c in _BLANK_LETTERS)
+
+
 def check_actor(by: str) -> None:
     """An actor's name, as commands record it and tokens stand for it: text,
     as cli.md has it (an emoji's joiners were refused, as Python does not
     call them printable), with nothing a terminal would act on, and
     something to see (zero-width spaces alone named no one; review)."""
-    if (
-        len(by) > MAX_ACTOR_LENGTH
-        or UNSAFE_TEXT.search(by)
-        or all(c.isspace() or unicodedata.category(c) == "Cf" for c in by)
-    ):
+    if len(by) > MAX_ACTOR_LENGTH or UNSAFE_TEXT.search(by) or not any(map(_seen, by)):
         raise InputError(
             f"actor {by[:40]!r}: must be 1-{MAX_ACTOR_LENGTH} characters, some of them "
             "visible, and no control or bidi characters"

@@ -672,6 +672,8 @@ _CONNECT_OUTAGES = (
     "not yet accepting",
     "not accepting connections",
     "too many clients",
+    "too many connections",
+    "remaining connection slots",
     "administrator command",
 )
 

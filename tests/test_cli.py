@@ -775,6 +775,9 @@ TWO_DIGESTS = ["--file", f"w.bin={'a' * 64}", "--file", f"w.bin={'b' * 64}"]
         pytest.param(["--by", "a\x1b[2Jb", "model", "remove", "m"], "actor", id="escape-actor"),
         pytest.param(["--by", "\u200b\u2060 ", "model", "remove", "m"], "actor", id="unseen-actor"),
         pytest.param(
+            ["--by", "\u3164\u2800\u0301", "model", "remove", "m"], "actor", id="blank-actor"
+        ),
+        pytest.param(
             ["model", "remove", "m", "--reason", "x\u202ey"], "reason: must be", id="bidi-reason"
         ),
     ],

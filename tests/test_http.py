@@ -26,6 +26,7 @@ from typing import Any
 
 import httpx
 import msgspec
+import psycopg
 import pytest
 import sqlalchemy as sa
 from click.testing import CliRunner
@@ -46,7 +47,7 @@ from catalog_es.errors import (
 )
 from catalog_es.inputs import MAX_CHANGES, DeclaredConfig
 from catalog_es.model import model_id
-from catalog_es.persistence import refusals_table
+from catalog_es.persistence import database_unusable, refusals_table
 from catalog_es.web import app as web_app
 from catalog_es.web.app import create_app
 from catalog_es.web.events import WAKE_UP_SECONDS
@@ -1930,3 +1931,26 @@ def test_history_audit_refusals_and_verify(api: Api) -> None:
 
     report = ok(api.get("/verify"))
     assert report["ok"] is True and report["events"] == 3 and report["skipped"] == []
+
+
+@pytest.mark.parametrize(
+    ("said", "lasting"),
+    [
+        ('FATAL:  database "nope" does not exist', True),
+        ('FATAL:  role "nope" does not exist', True),
+        ('FATAL:  password authentication failed for user "x"', True),
+        ("FATAL:  the database system is starting up", False),
+        ("FATAL:  sorry, too many clients already", False),
+        ('FATAL:  too many connections for role "x"', False),
+        ("FATAL:  remaining connection slots are reserved for roles with SUPERUSER", False),
+        ("Connection refused", False),
+    ],
+)
+def test_a_connection_refused_as_it_is_made_is_setup_or_an_outage_by_what_it_says(
+    said: str, lasting: bool
+) -> None:
+    """libpq gives no SQLSTATE as a connection is made: a full server was
+    told apart from a missing database by its words (review)."""
+    error = psycopg.OperationalError(f"connection failed: connection to server failed: {said}")
+    unusable = database_unusable(error)
+    assert unusable is not None and unusable.lasting is lasting

@@ -562,7 +562,7 @@ def test_a_revision_inside_a_transaction_reads_the_boundary_before_it(
     db = models.store.engine.url.render_as_string(hide_password=False)
     told = (
         f"warning: no write ends at revision {first_of_rollback} (a write of several changes "
-        f"lands whole): read at revision {boundary}, the last one that does before it\n"
+        f"lands whole): taken as revision {boundary}, the last one that does before it\n"
     )
     catalog_es = [sys.executable, "-m", "catalog_es", "--db", db]
     for asked, warned in ((first_of_rollback, told), (boundary, "")):

@@ -219,7 +219,7 @@ def resolved(settings: Settings, at: int | datetime) -> int:
         # A warning, as the load's are: told after the answer, left out of a refusal.
         log.warning(
             "no write ends at revision %d (a write of several changes lands whole): "
-            "read at revision %d, the last one that does before it",
+            "taken as revision %d, the last one that does before it",
             at,
             revision,
         )
