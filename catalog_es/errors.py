@@ -3,7 +3,9 @@ message is written for the operator who typed the command."""
 
 from __future__ import annotations
 
+import json
 import re
+from typing import Any
 
 # What a terminal acts on or draws other than as written: C0 and C1 controls
 # (an escape sequence can retitle or clear it), the bidi controls (an override
@@ -21,6 +23,13 @@ def json_escaped(text: str) -> str:
     ``\\uXXXX`` escape: the same document, safe to print. (Outside its
     strings JSON holds nothing it matches.)"""
     return UNSAFE_TEXT.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+
+
+def json_line(data: Any) -> str:
+    """``data`` as one line of JSON that is safe to print, as ``--json``, the
+    event stream's ``data:`` and ``watch --json`` write it: what a terminal
+    would act on is a ``\\uXXXX`` escape, which reads back as the same text."""
+    return json_escaped(json.dumps(data, ensure_ascii=False))
 
 
 # What UNSAFE_TEXT matches, as it is found in UTF-8 JSON: an encoder escapes

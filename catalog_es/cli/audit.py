@@ -19,12 +19,12 @@ from catalog_es.cli.base import (
     Settings,
     cli,
     emit,
-    json_line,
     pass_settings,
     query_options,
     shared_options,
     table,
 )
+from catalog_es.errors import json_line
 from catalog_es.inputs import event_type, utc_time
 from projections.audit import ChangeFilters, Filters
 

@@ -8,7 +8,6 @@ or JSON with ``--json``), warnings and errors to stderr. Exit 0 on success,
 from __future__ import annotations
 
 import io
-import json
 import logging
 import os
 import shutil
@@ -35,7 +34,7 @@ from catalog_es.errors import (
     Refused,
     counted,
     first_line,
-    json_escaped,
+    json_line,
 )
 from catalog_es.inputs import MAX_REVISION, revision_or_time
 from catalog_es.persistence import database_unusable, new_sqlite_file
@@ -250,12 +249,6 @@ def visible(text: str) -> str:
     ``repr`` writes it (``\\x1b``, ``\\u202e``). Sources stored before they
     were checked, and refused input, can hold any."""
     return UNSAFE_TEXT.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
-
-
-def json_line(data: Any) -> str:
-    """``data`` as one line of JSON that is safe to print: what :func:`visible`
-    escapes is a ``\\uXXXX`` escape here, which reads back as the same text."""
-    return json_escaped(json.dumps(data, ensure_ascii=False))
 
 
 def say(text: str, *, err: bool = False) -> None:

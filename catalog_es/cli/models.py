@@ -18,7 +18,6 @@ from catalog_es.cli.base import (
     declared_then_option,
     emit,
     emit_result,
-    json_line,
     meta,
     pass_settings,
     read_at,
@@ -27,7 +26,7 @@ from catalog_es.cli.base import (
     show_model,
     table,
 )
-from catalog_es.errors import InputError, counted, shown
+from catalog_es.errors import InputError, counted, json_line, shown
 from catalog_es.inputs import read_changes, read_model
 from catalog_es.spec import Adapter, Origin
 

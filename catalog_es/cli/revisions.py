@@ -21,7 +21,6 @@ from catalog_es.cli.base import (
     cli,
     declared_then_option,
     emit,
-    json_line,
     let_warnings_through,
     meta,
     pass_settings,
@@ -31,7 +30,7 @@ from catalog_es.cli.base import (
     stopped_when_asked,
     table,
 )
-from catalog_es.errors import counted
+from catalog_es.errors import counted, json_line
 from catalog_es.persistence import database_unusable
 from catalog_es.rollback import DIMENSIONS
 

@@ -15,7 +15,6 @@ whose token was revoked.
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 import time
 import weakref
@@ -26,7 +25,7 @@ from typing import Any, cast
 from fastapi.responses import Response, StreamingResponse
 
 from catalog_es.application import Watch
-from catalog_es.errors import LogRewritten, json_escaped
+from catalog_es.errors import LogRewritten, json_line
 
 # A comment line this often keeps proxies from closing a quiet stream, and
 # finds a client that left without a word.
@@ -38,8 +37,7 @@ WAKE_UP_SECONDS = 0.5
 def sse_message(event: dict[str, Any]) -> str:
     """One event: ``id`` the revision (what a reconnecting EventSource sends
     back as Last-Event-ID), ``data`` the event as ``watch --json`` prints it."""
-    data = json_escaped(json.dumps(event, ensure_ascii=False))
-    return f"id: {event['revision']}\ndata: {data}\n\n"
+    return f"id: {event['revision']}\ndata: {json_line(event)}\n\n"
 
 
 class StreamPlaces:
