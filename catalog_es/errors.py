@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, TypeVar
 
 # What a terminal acts on or draws other than as written: C0 and C1 controls
 # (an escape sequence can retitle or clear it), the bidi controls (an override
@@ -23,6 +24,35 @@ def json_escaped(text: str) -> str:
     ``\\uXXXX`` escape: the same document, safe to print. (Outside its
     strings JSON holds nothing it matches.)"""
     return UNSAFE_TEXT.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+
+
+# How many of a list's items :func:`json_in_pieces` joins into one piece.
+ITEMS_A_PIECE = 64
+JSONText = TypeVar("JSONText", str, bytes)
+
+
+def json_in_pieces(
+    encode: Callable[[Any], JSONText],
+    separator: JSONText,
+    data: dict[str, Any],
+    key: str,
+    items: Iterable[Any],
+) -> Iterator[JSONText]:
+    """``encode(data)`` with ``items`` as the list ``data[key]``, its last key,
+    in pieces of :data:`ITEMS_A_PIECE` items: the same document as encoding
+    it whole, for a list too large to hold whole (an apply's answer)."""
+    empty = encode({**data, key: []})
+    yield empty[:-2]  # up to and with the list's "["
+    later = empty[:0]
+    group: list[JSONText] = []
+    for item in items:
+        group.append(encode(item))
+        if len(group) == ITEMS_A_PIECE:
+            yield later + separator.join(group)
+            later, group = separator, []
+    if group:
+        yield later + separator.join(group)
+    yield empty[-2:]  # the list's "]" and the document's "}"
 
 
 def json_line(data: Any) -> str:

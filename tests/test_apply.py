@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import tracemalloc
 from pathlib import Path
 
 import pytest
@@ -14,8 +15,9 @@ from catalog_es import commands
 from catalog_es.application import Models
 from catalog_es.cli import cli
 from catalog_es.configuration import DeclaredConfig
-from catalog_es.errors import InputError, Refused
+from catalog_es.errors import InputError, Refused, json_in_pieces, json_line
 from catalog_es.inputs import read_changes
+from catalog_es.spec import ModelSpec
 from tests.helpers import count_events, model_spec
 
 CHANGES = """
@@ -250,3 +252,57 @@ def test_a_batch_continues_each_stream_at_its_own_next_version(db_url: str) -> N
         streams.setdefault(str(originator_id), []).append(version)
     assert sorted(map(len, streams.values())) == [1, 2, 8]
     assert all(versions == list(range(1, len(versions) + 1)) for versions in streams.values())
+
+
+def _many_adapters(name: str) -> ModelSpec:
+    adapters = [{"name": f"ad{i}", "source": f"s3://adapters/{name}/ad{i}"} for i in range(100)]
+    return model_spec(name, adapters=adapters)
+
+
+def test_a_large_answer_is_built_as_it_is_read(db_url: str) -> None:
+    """Each change's item gives the model whole: 5,000 changes to one model
+    with a hundred adapters answered 58 MB, held whole until written (and,
+    by the server, for as long as its client did not read). Read a piece
+    at a time, it is never all in memory."""
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
+    models.add(_many_adapters("wide"), by="ops")
+    steps = [commands.scale("wide", 0, 1 + i % 7) for i in range(2_000)]
+    tracemalloc.start()
+    try:
+        result = models.apply_changes(steps, by="ops")
+        head = {"revision": result["revision"], "changes": result["changes"]}
+        size = 0
+        for piece in json_in_pieces(json_line, ", ", head, "models", result["models"]):
+            size += len(piece)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert size > 10_000_000
+    assert peak < size / 3, (peak, size)
+
+
+def test_cli_apply_json_is_one_document_whatever_its_length(tmp_path: Path) -> None:
+    """Written in pieces, the answer is still one line of JSON: each change's
+    item, in the file's order, with the model as that change left it."""
+    db = f"sqlite:///{tmp_path}/catalog.db"
+    adds = "".join(
+        f"- add: {{name: m{i}, engine: vllm, source: hf://o/m, profiles: [{{name: g, gpus: 1}}]}}\n"
+        for i in range(300)
+    )
+    scales = "".join(f"- scale: {{name: m{i % 300}, max: {2 + i % 5}}}\n" for i in range(600))
+    done = CliRunner().invoke(
+        cli, ["--db", db, "--json", "apply", write(tmp_path, adds + scales + "- remove: m7\n")]
+    )
+    assert done.exit_code == 0, done.stderr
+    assert done.stdout.count("\n") == 1
+    answer = json.loads(done.stdout)
+    assert (answer["revision"], answer["changes"]) == (901, 901)
+    assert [(m["model"], m["event"]) for m in answer["models"]] == (
+        [(f"m{i}", "Added") for i in range(300)]
+        + [(f"m{i % 300}", "Scaled") for i in range(600)]
+        + [("m7", "Removed")]
+    )
+    assert [m["definition"]["scaling"]["max"] for m in answer["models"][300:900]] == [
+        2 + i % 5 for i in range(600)
+    ]
+    assert answer["models"][-1]["definition"] is None

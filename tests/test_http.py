@@ -167,6 +167,35 @@ def test_every_command_answers_its_revision_and_records_the_tokens_actor(api: Ap
     assert log[0]["reason"] == "trying"
 
 
+def test_a_large_apply_is_answered_as_it_is_built(api: Api) -> None:
+    """An apply's answer gives each change's model whole (58 MB for 5,000
+    changes to a model with a hundred adapters) and was held whole until
+    its client read it; it is sent as it is built, one document all the same."""
+    changes = [{"add": definition(f"m{i}")} for i in range(150)]
+    changes += [{"scale": {"name": f"m{i % 150}", "max": 2 + i % 5}} for i in range(300)]
+    with api.client.stream(
+        "POST", "/apply", json=[*changes, {"remove": "m7"}], headers=api.as_("write")
+    ) as answer:
+        assert answer.status_code == 200
+        body = json.loads(answer.read())
+    assert "content-length" not in answer.headers
+    assert answer.headers["x-catalog-revision"] == str(body["revision"]) == str(api.models.revision)
+    assert answer.headers["etag"] == f'"{body["revision"]}"'
+    assert (answer.headers["cache-control"], answer.headers["x-frame-options"]) == (
+        "no-store",
+        "DENY",
+    )
+    assert body["changes"] == 451
+    assert [(m["model"], m["event"]) for m in body["models"]] == (
+        [(f"m{i}", "Added") for i in range(150)]
+        + [(f"m{i % 150}", "Scaled") for i in range(300)]
+        + [("m7", "Removed")]
+    )
+    scaled = [m["definition"]["scaling"]["max"] for m in body["models"][150:450]]
+    assert scaled == [2 + i % 5 for i in range(300)]
+    assert body["models"][-1]["definition"] is None
+
+
 def test_a_body_or_query_that_names_the_actor_is_refused(api: Api) -> None:
     before = count_events(api.db)
     message = refused(api.post("/models", {**definition("qwen"), "by": "mallory"}), 422)
@@ -1082,30 +1111,35 @@ def _sent_in_part(url: str, headers: dict[str, str], length: int, part: bytes) -
 
 
 def test_a_large_body_past_the_places_is_refused_as_it_grows_not_once_it_has_come(
-    api: Api,
+    db_url: str, tmp_path: Path, make_models: Callable[..., Models]
 ) -> None:
     """Places were taken once a body had all come: sixteen clients each
     sending 60 MB were held in memory together, a gigabyte, before any was
     refused (hostile test)."""
-    before = log_rows(api.db)
-    headers = {**api.as_("write"), "Content-Type": "application/yaml"}
+    models = make_models(DECLARED_YAML)
+    before = log_rows(db_url)
+    tokens, token = tokens_for_roles(tmp_path / "tokens.json")
+    app = create_app(models, tokens)
+    headers = {**bearer(token["write"]), "Content-Type": "application/yaml"}
     two_megabytes = b"#" * (2 << 20)
-    holders = [_sent_in_part(api.url, headers, 60 << 20, two_megabytes) for _ in range(2)]
-    try:
-        # The two places are taken once each body passes a megabyte.
-        deadline = time.monotonic() + 10
-        third = _sent_in_part(api.url, headers, 60 << 20, two_megabytes)
-        third.settimeout(max(deadline - time.monotonic(), 0.1))
-        answer = ""
-        while "}" not in answer and (received := third.recv(1 << 16)):
-            answer += received.decode()
-        third.close()
-    finally:
-        for holder in holders:
-            holder.close()
+    with serving(app) as url:
+        holders = [_sent_in_part(url, headers, 60 << 20, two_megabytes) for _ in range(2)]
+        try:
+            # The two places are taken once each body passes a megabyte.
+            _until(lambda: app.state.large_body_places._value == 0)
+            deadline = time.monotonic() + 10
+            third = _sent_in_part(url, headers, 60 << 20, two_megabytes)
+            third.settimeout(max(deadline - time.monotonic(), 0.1))
+            answer = ""
+            while "}" not in answer and (received := third.recv(1 << 16)):
+                answer += received.decode()
+            third.close()
+        finally:
+            for holder in holders:
+                holder.close()
     assert answer.startswith("HTTP/1.1 503"), answer[:200]
     assert "2 bodies over 1024 KiB are already being read or written here; try again" in answer
-    assert log_rows(api.db) == before
+    assert log_rows(db_url) == before
 
 
 def test_a_large_body_holds_its_place_until_its_change_is_written(
@@ -1142,6 +1176,26 @@ def test_a_large_body_holds_its_place_until_its_change_is_written(
         assert [ok(answer)["changes"] for answer in answers] == [1, 1]
         _until(lambda: places._value == 2)  # given back once each is answered
     models.close()
+
+
+def test_places_are_given_back_once_written_though_the_answer_is_not_read(api: Api) -> None:
+    """An apply's answer is sent as it is built, and waits on its client:
+    held until it was sent, two clients that did not read theirs kept both
+    places for large bodies, and every other was refused (review)."""
+    adapters = [{"name": f"ad{i}", "source": f"s3://adapters/wide/ad{i}"} for i in range(100)]
+    ok(api.post("/models", definition("wide", adapters=adapters)))
+    changes = [{"scale": {"name": "wide", "max": 1 + i % 7}} for i in range(2_000)]
+    # Twenty megabytes of answer each, more than the connection buffers.
+    large = json.dumps(changes).encode() + b" " * (1 << 20)
+    headers = {**api.as_("write"), "Content-Type": "application/json"}
+    head = count_events(api.db)
+    unread = [_sent_in_part(api.url, headers, len(large), large) for _ in range(2)]
+    try:
+        _until(lambda: count_events(api.db) == head + 4_000, seconds=30)
+        assert ok(api.client.post("/apply", content=large, headers=headers))["changes"] == 2_000
+    finally:
+        for sock in unread:
+            sock.close()
 
 
 def test_a_large_body_that_does_not_come_in_time_gives_its_place_back(

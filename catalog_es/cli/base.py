@@ -275,9 +275,13 @@ def write_out(lines: Iterable[str]) -> None:
     terminal that said it is ASCII), in pieces of at most ``CHUNK``: one
     larger write to a pipe its reader closed part-way was cut short without
     a word, and the command exited 0, not 141."""
+    write_text(f"{line}\n" for line in lines)
+
+
+def write_text(pieces: Iterable[str]) -> None:
+    """:func:`write_out` of text in pieces, written as they come."""
     out = sys.stdout
-    for line in lines:
-        text = f"{line}\n"
+    for text in pieces:
         for start in range(0, len(text), CHUNK):
             out.write(text[start : start + CHUNK])
     out.flush()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from datetime import datetime
+from itertools import chain
 from typing import Any
 
 import click
@@ -25,8 +26,9 @@ from catalog_es.cli.base import (
     shared_options,
     show_model,
     table,
+    write_text,
 )
-from catalog_es.errors import InputError, counted, json_line, shown
+from catalog_es.errors import InputError, counted, json_in_pieces, json_line, shown
 from catalog_es.inputs import read_changes, read_model
 from catalog_es.spec import Adapter, Origin
 
@@ -335,11 +337,11 @@ def apply_command(settings: Settings, file: str) -> None:
     changes = read_changes(file)  # refused before a log is opened, or made
     result = settings.models().apply_changes(changes, **meta(settings))
 
-    def text() -> None:
-        changes = counted(result["changes"], "change")
-        click.echo(f"applied {changes}, now at revision {result['revision']}")
-        for change in result["models"]:
-            if change["replaced"]:
-                click.echo(f"replaced {change['model']}")
-
-    emit(settings, result, text)
+    if settings.json:
+        head = {key: result[key] for key in ("revision", "changes")}
+        write_text(chain(json_in_pieces(json_line, ", ", head, "models", result["models"]), ["\n"]))
+        return
+    applied = counted(result["changes"], "change")
+    click.echo(f"applied {applied}, now at revision {result['revision']}")
+    for name in result["replaced"]:
+        click.echo(f"replaced {name}")

@@ -30,7 +30,13 @@ from fastapi import APIRouter, Depends, FastAPI, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
+from fastapi.responses import (
+    HTMLResponse,
+    JSONResponse,
+    RedirectResponse,
+    Response,
+    StreamingResponse,
+)
 from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from fastapi.staticfiles import StaticFiles
@@ -51,6 +57,7 @@ from catalog_es.errors import (
     RevisionConflict,
     StorageBusy,
     json_escaped_bytes,
+    json_in_pieces,
     shown,
 )
 from catalog_es.inputs import (
@@ -164,10 +171,19 @@ def respond_json(body: bytes, revision: int | None = None) -> Response:
     act on is escaped, as the CLI's ``--json`` escapes it: ``curl`` prints
     an answer to one (a source with a bidi override or an escape sequence
     in it went out raw)."""
-    headers = None
-    if revision is not None:
-        headers = {REVISION_HEADER: str(revision), "ETag": f'"{revision}"'}
-    return Response(json_escaped_bytes(body), media_type="application/json", headers=headers)
+    return Response(
+        json_escaped_bytes(body), media_type="application/json", headers=revision_headers(revision)
+    )
+
+
+def revision_headers(revision: int | None) -> dict[str, str] | None:
+    if revision is None:
+        return None
+    return {REVISION_HEADER: str(revision), "ETag": f'"{revision}"'}
+
+
+def _escaped_json(data: Any) -> bytes:
+    return json_escaped_bytes(msgspec.json.encode(data))
 
 
 def command_response(result: CommandResult) -> Response:
@@ -282,7 +298,7 @@ def write_place(request: Request) -> Iterator[None]:
 
 
 def held_write_place(request: Request) -> Iterator[None]:
-    """A dependency: a place for a write, held until the answer is sent. The
+    """A dependency: a place for a write, held until the command returns. The
     last a command asks for, so a body still arriving, or being read, holds
     none (sixteen clients trickling bodies took them all)."""
     with write_place(request):
@@ -291,7 +307,7 @@ def held_write_place(request: Request) -> Iterator[None]:
 
 Reader = Annotated[Caller, Depends(caller_with(Role.read))]
 Writer = Annotated[Caller, Depends(caller_with(Role.write))]
-WritePlace = Annotated[None, Depends(held_write_place)]
+WritePlace = Annotated[None, Depends(held_write_place, scope="function")]
 
 
 def expected_revision(
@@ -377,7 +393,7 @@ class _Parser(Protocol):
 def document(limit: int, parse: _Parser) -> Callable[..., Any]:
     """A dependency: the request body, JSON or YAML, parsed as the CLI parses
     a file. One over a definition's size holds one of the places for large
-    bodies until its request is answered: let go once parsed, a list waiting
+    bodies until its command returns: let go once parsed, a list waiting
     for the write lock kept its memory past the two (eight of 3.7 MB took a
     server to a gigabyte; hostile test)."""
 
@@ -424,8 +440,10 @@ def document(limit: int, parse: _Parser) -> Callable[..., Any]:
     return parsed
 
 
-Document = Annotated[Any, Depends(document(MAX_INPUT_BYTES, parse_document))]
-Changes = Annotated[Any, Depends(document(MAX_CHANGES_BYTES, parse_changes))]
+# Held until the command returns, not until its answer is sent: an answer sent
+# as it is built (an apply's) waits on its client, who may not read it.
+Document = Annotated[Any, Depends(document(MAX_INPUT_BYTES, parse_document), scope="function")]
+Changes = Annotated[Any, Depends(document(MAX_CHANGES_BYTES, parse_changes), scope="function")]
 
 
 Fields = TypeVar("Fields", bound=BaseModel)
@@ -722,7 +740,14 @@ def apply_changes(
     """Several changes in one transaction, all or nothing."""
     steps = changes_from_data(data, BODY)
     result = models.apply_changes(steps, **command_meta(caller, reason, expected))
-    return respond(result, result["revision"])
+    head = {key: result[key] for key in ("revision", "changes")}
+    # Sent as it is built, so that a client that does not read holds only
+    # what the connection buffers, not the whole answer.
+    return StreamingResponse(
+        json_in_pieces(_escaped_json, b",", head, "models", result["models"]),
+        media_type="application/json",
+        headers=revision_headers(result["revision"]),
+    )
 
 
 @route.get("/diff", tags=["revisions"])
