@@ -65,6 +65,7 @@ from projections.audit import (
     TimeOrder,
     Tracked,
     changes_table_for,
+    read_record,
     stored_time,
     tracking_table,
 )
@@ -822,6 +823,59 @@ def test_the_audit_resumes_from_its_position_and_never_applies_twice(
         ).scalar()
     assert count == 10
     other.close()
+
+
+def test_a_new_process_catches_up_from_a_snapshot_with_the_rows_a_full_replay_writes(
+    db: str, config: Path, clock: Clock, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each CLI query is a new process, whose catalog starts empty: after any
+    write it replayed the whole log to write one row (200,000 events, 1.4 s).
+    It starts from the newest snapshot at or before the view's position, and
+    its rows, a config record's among them, are those a full replay writes."""
+    monkeypatch.setattr(projections.audit, "SNAPSHOT_AFTER", 1, raising=False)
+    env = {"CATALOG_ES_DB": db}
+    writer = Models(
+        load_config(str(config)),
+        pre_add_check=RefuseBrokenWeights(),
+        env=env,
+        snapshot_interval=2,
+    )
+    script(writer, clock)
+    writer.audit()  # the view at the head, 8
+    other_config = tmp_path / "other.yaml"
+    other_config.write_text(CONFIG.replace("min_memory_gb: 32", "min_memory_gb: 48"))
+    other = Models(load_config(str(other_config)), env=env)
+    other.scale("chat", 1, 2, by="erin")  # records its config first
+    writer.set_class("chat", "", by="bob")  # and this one records the first again
+    writer.close()
+    other.close()
+    decoded: list[int] = []
+
+    def counted(topic: str, state: bytes) -> Any:
+        decoded.append(1)
+        return read_record(topic, state)
+
+    monkeypatch.setattr(projections.audit, "read_record", counted)
+    fresh = open_service(db, config)
+    rows = fresh.audit()
+    assert len(decoded) < 8  # from the snapshot at 8 (or 6), not from the first event
+    assert [(r["revision"], r["event"]) for r in rows[-4:]] == [
+        (9, "ConfigDeclared"),
+        (10, "Scaled"),
+        (11, "ConfigDeclared"),
+        (12, "ClassSet"),
+    ]
+    # Each config record's row says what it changed of the one before it.
+    memory = "models[base].profiles[a100].min_memory_gb"
+    assert [(c["field"], c["before"], c["after"]) for c in rows[-4]["changes"]] == [
+        (memory, 32, 48)
+    ]
+    assert [(c["field"], c["before"], c["after"]) for c in rows[-2]["changes"]] == [
+        (memory, 48, 32)
+    ]
+    fresh.rebuild_audit()  # a replay from the first event
+    assert fresh.audit() == rows
+    fresh.close()
 
 
 def test_a_catch_up_that_another_process_overtook_writes_only_what_is_left(
