@@ -94,10 +94,10 @@ def _check_sources(event: Model.Event, new: ModelSpec) -> None:
         for i, adapter in enumerate(new.adapters):
             _check_printable(new.name, f"adapters[{i}].source", adapter.source)
     if "origin" in touches and new.origin is not None:
-        _check_origin(new.name, new.origin)
+        check_origin(new.name, new.origin)
 
 
-def _check_origin(model: str, origin: Origin) -> None:
+def check_origin(model: str, origin: Origin) -> None:
     # An origin says where in a registry the weights came from, and `update`
     # and `rollback` later build paths from it: held to the rules they read
     # it by, so what is written now can be moved back to.

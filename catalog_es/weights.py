@@ -30,7 +30,8 @@ from sqlalchemy.engine import Connection
 from catalog_es import commands
 from catalog_es.application import SYSTEM_ACTOR, Models
 from catalog_es.batch import Batch, Change
-from catalog_es.errors import InputError, ModelNotFound, Refused
+from catalog_es.decisions import check_origin
+from catalog_es.errors import InputError, InvalidModel, ModelNotFound, Refused
 from catalog_es.mapper import UndecodableEvent, decode_event, topic_of
 from catalog_es.model import Model, model_id
 from catalog_es.persistence import events_table, stream_walk
@@ -285,6 +286,22 @@ class Weights:
             # A runtime origin given in part (no commit, say) is completed
             # as a missing one is: else the model follows main unreported.
             if running != spec.origin and not declared:
+                try:
+                    # An older release's origin may break today's input rules
+                    # (a file name too long to fetch): refused in the batch
+                    # of every model's origins, it refused them all, each run.
+                    check_origin(spec.name, running)
+                except InvalidModel as refusal:
+                    scan.unchecked.append(
+                        {
+                            "model": spec.name,
+                            "source": spec.source,
+                            "reason": f"its origin, stored before today's rules, cannot be "
+                            f"completed: {refusal.field}: {refusal.problem} (model update "
+                            "moves it to other weights)",
+                        }
+                    )
+                    continue
                 scan.unrecorded.append((spec, running))
             if upstream != running:
                 held = lookups.holds(running.repository, running.revision)

@@ -25,12 +25,15 @@ from typing import Any
 import msgspec
 import pytest
 from click.testing import CliRunner
+from eventsourcing.persistence import StoredEvent
 
 from catalog_es.application import SYSTEM_ACTOR, Models
 from catalog_es.bootstrap import MIRROR_ENV
 from catalog_es.cli import cli
 from catalog_es.errors import DeclaredInConfig, Refused
 from catalog_es.inputs import load_config
+from catalog_es.mapper import encode_event, topic_of
+from catalog_es.model import Model, model_id, utc_now
 from catalog_es.ports import Applier, JsonFileApplier, NoApplier
 from catalog_es.registry import MirrorRegistry, Registry, RegistryError, checksums, verify
 from catalog_es.spec import ModelSpec, Origin
@@ -174,6 +177,34 @@ class World:
 
 def events(weights: Weights, name: str) -> list[dict[str, Any]]:
     return list(weights.models.log_events(model=name))
+
+
+def stored_before_the_rules(weights: Weights, definition: ModelSpec) -> None:
+    """``definition`` added as an older release stored it, a source or an
+    origin today's input rules refuse included: straight into the log, as
+    tests/test_upgrade.py plants its records."""
+    store = weights.models.store
+    stream = model_id(definition.name)
+    with store.write() as conn:
+        version = store.stream_version(conn, stream) + 1
+        added = Model.Added(
+            originator_id=stream,
+            originator_version=version,
+            timestamp=utc_now(),
+            by="older-release",
+            model=definition.name,
+            spec=definition,
+        )
+        stored = StoredEvent(stream, version, topic_of(Model.Added), encode_event(added))
+        store.insert_events([stored], conn=conn)
+
+
+# File names an older release took in an origin, which today's input rule refuses.
+OLD_FILE_NAMES = [
+    pytest.param("x" * 300, "is longer than a weights folder holds", id="long"),
+    pytest.param("sub//w", "is not a plain path inside a revision", id="empty-part"),
+    pytest.param("a\x1b[2Jb", "holds U+001B, which a terminal acts on", id="escape"),
+]
 
 
 @pytest.fixture
@@ -528,6 +559,40 @@ def test_a_file_name_the_log_cannot_hold_leaves_its_model_unchecked_not_the_run_
     [unchecked] = report["unchecked"]
     assert unchecked["model"] == "m" and why in unchecked["reason"]
     assert [o["model"] for o in report["origins"]] == ["other"]
+
+
+@pytest.mark.parametrize(("name", "why"), OLD_FILE_NAMES)
+def test_an_old_origin_todays_rules_refuse_leaves_its_model_unchecked_not_the_run_refused(
+    world: World, name: str, why: str
+) -> None:
+    """An older release recorded a commit and a file, but no repository: the
+    origin completed from it was refused as new input, in the one batch of
+    every model's origins, so check-updates recorded nothing for any model,
+    on every run (hostile test). That model is passed over; the rest are
+    recorded."""
+    given = Origin(revision=world.c1, files={name: sha(b"old")})
+    weights = world.open()
+    weights.models.add(spec("m"), by="alice")
+    weights.check_updates(by="cron")  # m runs c1
+    legacy = msgspec.structs.replace(spec("legacy", source="hf://org/m"), origin=given)
+    stored_before_the_rules(weights, legacy)
+    weights = world.open()
+    weights.models.add(spec("fresh", source="hf://org/base"), by="alice")  # no origin yet
+    c2 = world.mirror.publish("org/m", V2)
+    [unchecked] = weights.updates()["unchecked"]
+    assert unchecked["model"] == "legacy" and why in unchecked["reason"]
+    legacy_events = len(events(weights, "legacy"))
+    report = weights.check_updates(by="cron")
+    assert [u["model"] for u in report["unchecked"]] == ["legacy"]
+    assert unchecked["reason"].startswith("its origin, stored before today's rules, cannot be")
+    assert [o["model"] for o in report["origins"]] == ["fresh"]
+    assert [(u["model"], u["upstream"]) for u in report["updates"]] == [("m", c2)]
+    assert report["recorded"] == ["m"]
+    assert len(events(weights, "legacy")) == legacy_events
+    assert weights.models.get_model("legacy")["origin"] == msgspec.to_builtins(given)
+    rows = world.rows()
+    assert weights.check_updates(by="cron")["recorded"] == []
+    assert world.rows() == rows
 
 
 def test_an_origin_completed_and_an_upstream_change_are_recorded_in_one_run(
