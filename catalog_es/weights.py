@@ -30,8 +30,14 @@ from sqlalchemy.engine import Connection
 from catalog_es import commands
 from catalog_es.application import SYSTEM_ACTOR, Models
 from catalog_es.batch import Batch, Change
-from catalog_es.decisions import check_origin
-from catalog_es.errors import InputError, InvalidModel, ModelNotFound, Refused
+from catalog_es.decisions import check_origin, declared_refusal
+from catalog_es.errors import (
+    DeclaredInConfig,
+    InputError,
+    InvalidModel,
+    ModelNotFound,
+    Refused,
+)
 from catalog_es.mapper import UndecodableEvent, decode_event, topic_of
 from catalog_es.model import Model, model_id
 from catalog_es.persistence import events_table, stream_walk
@@ -429,17 +435,23 @@ class Weights:
         spec = self.models.catalog_at().get(name)
         if spec is None:
             raise ModelNotFound(name)
-        # Refused now, before anything is fetched, when the write would be: a
-        # declared model (configuration owns its weights), a log moved past
-        # --expected-revision.
-        self._write_source(
-            spec,
-            spec.source,
-            spec.origin,
-            by=by,
-            reason=reason,
-            expected_revision=expected_revision,
-            dry_run=True,
+
+        def plan(batch: Batch) -> None:
+            # Refused now, before anything is fetched, when the write would
+            # be: a declared model (configuration owns its weights), a log
+            # moved past --expected-revision, a model gone. Only that: the
+            # weights it runs are what the move replaces, not input. Dry-run
+            # as a SourceSet to themselves, a source or an origin an older
+            # release stored, which today's rules refuse, refused the move
+            # off it, naming what the operator never typed (hostile test).
+            if batch.catalog.is_declared(name):
+                asked = batch.event(Model.SourceSet, name, source=spec.source, origin=spec.origin)
+                raise DeclaredInConfig(declared_refusal(asked))
+            if batch.catalog.get(name) is None:
+                raise ModelNotFound(name)
+
+        self.models.write_plan(
+            plan, by=by, reason=reason, expected_revision=expected_revision, dry_run=True
         )
         return spec
 

@@ -946,6 +946,58 @@ def test_a_partial_folder_whose_fetch_cannot_be_told_ended_is_kept(
     assert (older / "copy").read_bytes() == b"an older release's copy under way"
 
 
+@pytest.mark.parametrize("move", ["update", "rollback"])
+@pytest.mark.parametrize(
+    ("source", "origin"),
+    [
+        pytest.param("file:///srv/w\x1b[2Jy", {"repository": "org/m"}, id="source-escape"),
+        pytest.param("hf://org/m", {"files": {"x" * 300: sha(b"old")}}, id="origin-long-file"),
+    ],
+)
+def test_a_model_is_moved_off_an_old_source_or_origin_todays_rules_refuse(
+    world: World, tracked: Weights, move: str, source: str, origin: dict[str, Any]
+) -> None:
+    """The early dry run wrote the model's current source and origin back as
+    new input: the command meant to replace weights an older release stored
+    was refused because of them (`model 'm': source: holds U+001B`), naming
+    what the operator never typed (hostile test)."""
+    given = Origin(**{"revision": world.c1, **origin}) if "files" in origin else Origin(**origin)
+    old = msgspec.structs.replace(spec("m"), source=source, origin=given)
+    stored_before_the_rules(tracked, old)
+    weights = world.open()
+    c2 = world.mirror.publish("org/m", V2)
+    if move == "update":
+        result = weights.update("m", by="bob")
+        assert result["to"]["revision"] == c2
+    else:
+        result = weights.rollback("m", by="bob")  # to c1, as check-updates recorded it
+        assert result["to"]["revision"] == world.c1
+    assert result["written"] and result["from"]["source"] == source
+    moved = weights.models.get_model("m")
+    assert moved["source"] == result["to"]["source"] and moved["source"].startswith("file://")
+    assert weights.models.refusals() == []
+
+
+def test_a_move_is_still_refused_before_anything_is_fetched_when_its_write_would_be(
+    world: World, tracked: Weights
+) -> None:
+    world.mirror.publish("org/m", V2)
+    head = tracked.models.revision
+    tracked.models.scale("m", 3, 4, by="alice")
+    rows = world.rows()
+    for move in (tracked.update, tracked.rollback):
+        with pytest.raises(Refused, match=f"revision {head + 1}, not {head}"):
+            move("m", by="bob", expected_revision=head)
+    assert world.rows() == rows
+    tracked.models.remove("m", by="alice")
+    rows = world.rows()
+    for move in (tracked.update, tracked.rollback):
+        with pytest.raises(Refused, match="model 'm' is not in the catalog"):
+            move("m", by="bob")
+    assert world.rows() == rows
+    assert not world.store.exists()
+
+
 def test_a_commit_the_mirror_does_not_have_is_refused(world: World, tracked: Weights) -> None:
     rows = world.rows()
     with pytest.raises(RegistryError, match="has no commit 0000000 in the mirror"):
