@@ -57,6 +57,7 @@ from catalog_es.views import event_view, model_view
 log = logging.getLogger("catalog_es")
 
 _UPSTREAM_TOPIC = topic_of(Model.UpstreamChanged)
+_ADDED_TOPIC = topic_of(Model.Added)
 
 
 class VerificationFailed(Refused):
@@ -181,17 +182,22 @@ class _Scan(msgspec.Struct):
 
 
 def _last_finding(conn: Connection, name: str) -> tuple[int, Model.UpstreamChanged] | None:
-    """The newest upstream change recorded on a model, with its log revision."""
+    """The newest upstream change recorded on a model since it was last
+    added, with its log revision: one recorded of a model of that name
+    before (removed, or replaced) was taken for this one's first sighting,
+    and never recorded for it (hostile test)."""
     t = events_table.c
     # Newest first, stopping at the first found: not the model's whole history,
     # once a finding, inside the write transaction.
     stream = stream_walk(model_id(name))
     found = conn.execute(
-        sa.select(stream.c.revision).where(stream.c.topic == _UPSTREAM_TOPIC).limit(1)
-    ).scalar()
-    if found is None:
+        sa.select(stream.c.revision, stream.c.topic)
+        .where(stream.c.topic.in_((_UPSTREAM_TOPIC, _ADDED_TOPIC)))
+        .limit(1)
+    ).first()
+    if found is None or found.topic != _UPSTREAM_TOPIC:
         return None
-    row = conn.execute(sa.select(t.revision, t.state).where(t.revision == found)).one()
+    row = conn.execute(sa.select(t.revision, t.state).where(t.revision == found.revision)).one()
     try:
         event = decode_event(_UPSTREAM_TOPIC, row[1])
     except UndecodableEvent:

@@ -655,6 +655,33 @@ def test_an_upstream_change_is_listed_once_and_recorded_once(
     assert [e["fields"]["upstream"]["revision"] for e in seen] == [c2, c3]
 
 
+@pytest.mark.parametrize("removed", [True, False], ids=["removed-and-added", "replaced"])
+def test_a_finding_about_an_earlier_model_of_the_name_is_not_a_new_ones_first_sighting(
+    world: World, tracked: Weights, removed: bool
+) -> None:
+    """A new model of a name was told its finding was first seen when one
+    about the model removed before was recorded, and it was never recorded
+    for it (hostile test): a model added again starts afresh."""
+    c2 = world.mirror.publish("org/m", V2)
+    assert tracked.check_updates(by="cron")["recorded"] == ["m"]
+    if removed:
+        tracked.models.remove("m", by="alice")
+    tracked.models.add(spec("m", origin={"repository": "org/m", "revision": world.c1}), by="al")
+    [finding] = [u for u in tracked.updates()["updates"] if u["model"] == "m"]
+    assert (finding["running"], finding["upstream"], finding["first_seen"]) == (
+        world.c1,
+        c2,
+        None,
+    )
+    report = tracked.check_updates(by="cron")
+    assert report["recorded"] == ["m"]
+    seen = [e for e in events(tracked, "m") if e["event"] == "UpstreamChanged"]
+    assert len(seen) == 2
+    [again] = [u for u in report["updates"] if u["model"] == "m"]
+    assert again["first_seen"]["revision"] == seen[-1]["revision"]
+    assert tracked.check_updates(by="cron")["recorded"] == []
+
+
 def test_checksums_changed_under_the_same_commit_are_an_upstream_change(
     world: World, tracked: Weights
 ) -> None:
