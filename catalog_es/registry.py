@@ -241,7 +241,9 @@ class MirrorRegistry(Registry):
         path = self._repository_folder(repository) / REFS_FILE
         try:
             with open_inside(path, self.root) as file:  # as every file the mirror gives
-                text = file.read().decode("utf-8")
+                # A byte-order mark, as some editors on Windows save UTF-8,
+                # is no part of the first line (its branch was refused).
+                text = file.read().decode("utf-8-sig")
         except (OSError, UnicodeDecodeError) as error:
             raise RegistryError(f"{path}: cannot read the refs: {error}") from None
         refs: dict[str, str] = {}

@@ -298,6 +298,23 @@ def test_refs_that_are_a_pipe_are_refused_not_waited_on(world: World, where: str
     assert "refused" in str(error)
 
 
+def test_refs_saved_with_a_byte_order_mark_are_read(world: World) -> None:
+    """The mark was taken for part of the first branch's name, and the
+    model listed as unchecked (`refs line 1: expected '<branch> <commit>'`;
+    hostile test)."""
+    refs = world.mirror.root / "org/m/refs"
+    refs.write_bytes(f"main {world.c1}\n".encode("utf-8-sig"))
+    assert MirrorRegistry(world.mirror.root).resolve("org/m", "main") == world.c1
+    weights = world.open()
+    weights.models.add(spec("m"), by="alice")
+    report = weights.check_updates(by="cron")
+    assert report["unchecked"] == [] and [o["model"] for o in report["origins"]] == ["m"]
+    # Anywhere else, it is what it was: not a refs line.
+    refs.write_bytes(f"main {world.c1}\n\ufeffdev {world.c1}\n".encode())
+    with pytest.raises(RegistryError, match="refs line 2: expected"):
+        MirrorRegistry(world.mirror.root).resolve("org/m", "main")
+
+
 def test_a_branch_named_as_a_commit_is_refused_as_ambiguous(world: World) -> None:
     """The branch won, and an update asked for one commit moved to another
     (hostile test)."""
