@@ -789,6 +789,18 @@ def test_a_refused_command_is_one_line_and_writes_nothing(
     assert rows() == 2
 
 
+def test_a_file_path_holding_an_equals_sign_is_split_from_its_digest_at_the_last(
+    seeded: Run,
+) -> None:
+    """`--file x=y.bin=<sha>` was split at the first `=`, and refused: `'y.bin=…'
+    is not a lower-case hex sha256 digest` (hostile test). A sha256 holds none."""
+    digest = "ab" * 32
+    args = ["model", "source", "m", "hf://org/b", "--repository", "org/b"]
+    ok(seeded(*args, "--revision", "1111111", "--file", f"x=y.bin={digest}"))
+    shown = json.loads(ok(seeded("model", "show", "m", "--json")).stdout)
+    assert shown["origin"]["files"] == {"x=y.bin": digest}
+
+
 def test_an_actor_or_reason_of_emoji_with_joiners_is_text(seeded: Run) -> None:
     """cli.md has emoji and the joiners inside them print as they are; as
     an actor they were refused, Python not calling a joiner printable

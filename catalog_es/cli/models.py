@@ -171,12 +171,14 @@ def model_owner(settings: Settings, name: str, owner: str) -> None:
     emit_result(settings, result, "owner set on")
 
 
-def _pairs(values: Iterable[str], what: str) -> list[tuple[str, str]]:
+def _pairs(values: Iterable[str], what: str, *, at_last: bool = False) -> list[tuple[str, str]]:
     """``NAME=VALUE`` options, each name once: a second value for one name is
-    refused rather than left to win."""
+    refused rather than left to win. ``at_last``: split at the last ``=``,
+    for names that may hold one and values that never do (a file path and
+    its sha256)."""
     pairs: dict[str, str] = {}
     for value in values:
-        key, sep, rest = value.partition("=")
+        key, sep, rest = value.rpartition("=") if at_last else value.partition("=")
         if not sep or not key or not rest:
             raise InputError(f"{what} {shown(value)}: expected NAME=VALUE")
         if key in pairs:
@@ -217,7 +219,7 @@ def model_adapters(settings: Settings, name: str, adapters: tuple[str, ...], cle
     "files",
     multiple=True,
     metavar="PATH=SHA256",
-    help="A weights file and its sha256; repeat for each.",
+    help="A weights file and its sha256 (split at the last '='); repeat for each.",
 )
 @shared_options
 @pass_settings
@@ -233,7 +235,9 @@ def model_source(
     origin = None
     if repository or revision or files:
         origin = Origin(
-            repository=repository, revision=revision, files=dict(_pairs(files, "--file"))
+            repository=repository,
+            revision=revision,
+            files=dict(_pairs(files, "--file", at_last=True)),
         )
     result = settings.models().set_source(name, source, origin, **meta(settings))
     emit_result(settings, result, "source set on")
