@@ -759,6 +759,18 @@ TWO_DIGESTS = ["--file", f"w.bin={'a' * 64}", "--file", f"w.bin={'b' * 64}"]
             "--file 'w.bin' is given more than once",
             id="file-twice",
         ),
+        # Given empty (a variable unset), it wrote the source with no origin,
+        # exit 0 (hostile test).
+        pytest.param(
+            ["model", "source", "m", "hf://org/b", "--repository", ""],
+            "error: --repository is empty: give a registry repository (org/name), or leave",
+            id="empty-repository",
+        ),
+        pytest.param(
+            ["model", "source", "m", "hf://org/b", "--revision", ""],
+            "error: --revision is empty: give a commit, or leave --revision out",
+            id="empty-revision",
+        ),
         pytest.param(["model", "show", TEN_KB_NAME[:200]], "is not in the catalog", id="show"),
         pytest.param(
             ["rollback", "--to", "1", "--model", TEN_KB_NAME],

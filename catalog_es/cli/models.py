@@ -212,8 +212,8 @@ def model_adapters(settings: Settings, name: str, adapters: tuple[str, ...], cle
 @model.command("source")
 @click.argument("name")
 @click.argument("source")
-@click.option("--repository", default="", help="Registry repository the weights came from.")
-@click.option("--revision", default="", help="Commit in that repository (not a log revision).")
+@click.option("--repository", help="Registry repository the weights came from.")
+@click.option("--revision", help="Commit in that repository (not a log revision).")
 @click.option(
     "--file",
     "files",
@@ -227,16 +227,20 @@ def model_source(
     settings: Settings,
     name: str,
     source: str,
-    repository: str,
-    revision: str,
+    repository: str | None,
+    revision: str | None,
     files: tuple[str, ...],
 ) -> None:
     """Move a runtime model to other weights, recording where they came from."""
+    # Given empty (``--revision "$REV"``, the variable unset), it would write
+    # the source with no origin at all, and exit 0.
+    bootstrap.refuse_empty(repository, "--repository", "a registry repository (org/name)")
+    bootstrap.refuse_empty(revision, "--revision", "a commit")
     origin = None
     if repository or revision or files:
         origin = Origin(
-            repository=repository,
-            revision=revision,
+            repository=repository or "",
+            revision=revision or "",
             files=dict(_pairs(files, "--file", at_last=True)),
         )
     result = settings.models().set_source(name, source, origin, **meta(settings))
