@@ -285,11 +285,18 @@ class Weights:
             try:
                 running = self._running(spec, lookups)
                 head = lookups.head(running.repository)
-                upstream = Origin(
-                    repository=running.repository,
-                    revision=head,
-                    files=lookups.files(running.repository, head),
-                )
+                files = lookups.files(running.repository, head)
+                if head == running.revision:
+                    # An origin speaks for the files it lists, as it is taken
+                    # (not completed) when it lists any: on its own commit, a
+                    # file it leaves out is no difference, where one it lists
+                    # changed or gone is. Compared whole, an origin given with
+                    # the weights file alone was a finding of its commit
+                    # against itself, recorded (hostile test).
+                    files = {
+                        path: digest for path, digest in files.items() if path in running.files
+                    }
+                upstream = Origin(repository=running.repository, revision=head, files=files)
             except RegistryError as error:
                 scan.unchecked.append(
                     {"model": spec.name, "source": spec.source, "reason": str(error)}

@@ -708,6 +708,45 @@ def test_checksums_changed_under_the_same_commit_are_an_upstream_change(
     assert finding["changed"] == ["model.safetensors"]
 
 
+def test_files_an_origin_does_not_list_are_no_upstream_change_on_its_commit(
+    world: World,
+) -> None:
+    """An origin given with some of a commit's files (`model source --file
+    model.safetensors=…`) was reported as "0 changed, 1 added" against its
+    own commit, and an UpstreamChanged recorded, though nothing upstream
+    changed (hostile test). The files it lists still count."""
+    weights = world.open()
+    listed = {p: sha(V1[p]) for p in ("model.safetensors", "tokenizer.json")}
+    given = {"repository": "org/m", "revision": world.c1, "files": listed}
+    weights.models.add(spec("m", origin=given), by="alice")
+    rows = world.rows()
+    report = weights.check_updates(by="cron")
+    assert (report["updates"], report["origins"], report["recorded"]) == ([], [], [])
+    assert world.rows() == rows
+    # A listed file changed in place, or gone, is one.
+    commit = world.mirror.folder("org/m", world.c1)
+    (commit / "model.safetensors").write_bytes(b"rewritten")
+    (commit / "tokenizer.json").unlink()
+    report = weights.check_updates(by="cron")
+    [finding] = report["updates"]
+    assert (finding["running"], finding["upstream"]) == (world.c1, world.c1)
+    assert (finding["added"], finding["removed"], finding["changed"]) == (
+        [],
+        ["tokenizer.json"],
+        ["model.safetensors"],
+    )
+    assert report["recorded"] == ["m"]
+    assert weights.check_updates(by="cron")["recorded"] == []
+    # Another commit on main: every file of it is compared.
+    c2 = world.mirror.publish("org/m", V2)
+    [finding] = weights.updates()["updates"]
+    assert (finding["upstream"], finding["added"], finding["changed"]) == (
+        c2,
+        ["config.json", "generation_config.json"],
+        ["model.safetensors"],
+    )
+
+
 def test_a_record_of_an_upstream_change_leaves_the_catalog_as_it_is(
     world: World, tracked: Weights
 ) -> None:
