@@ -53,6 +53,7 @@ from catalog_es.registry import (
 )
 from catalog_es.spec import ModelSpec, Origin
 from catalog_es.views import event_view, model_view
+from projections import pointintime
 
 log = logging.getLogger("catalog_es")
 
@@ -429,17 +430,22 @@ class Weights:
         recorded them (checksums included), verified the same way: the ones
         before the current by default, or the latest it ran of commit ``to``
         (an id or a prefix of one). The event is marked with the log revision
-        those weights were recorded at."""
+        those weights were recorded at (the end of the write that did)."""
         with self.models.refusals_recorded("SourceSet", name, by, reason, {"to": to}):
             spec = self._movable(name, by=by, reason=reason, expected_revision=expected_revision)
             recorded_at, target = self._earlier_weights(spec, to)
+            with self.models.store.read() as conn:
+                # The end of the write that recorded them: a revision inside
+                # one (an apply's first add) reads as the state before it,
+                # where the model may not be at all (review).
+                rollback_to = pointintime.write_end(conn, recorded_at)
             return self._move(
                 spec,
                 target,
                 by=by,
                 reason=reason,
                 expected_revision=expected_revision,
-                rollback_to=recorded_at,
+                rollback_to=rollback_to,
             )
 
     def _movable(

@@ -78,6 +78,24 @@ def resolve_revision(conn: Connection, head: int, revision: int) -> int:
         before = rows[-1][0]
 
 
+def write_end(conn: Connection, revision: int) -> int:
+    """The last revision of the write that ``revision`` is in: what a read
+    of, or a rollback to, the state it left reads as meant."""
+    at = _row(conn, _rows.where(_t.revision == revision))
+    stamp = _stamp(at[1]) if at is not None else None
+    if stamp is None:
+        return revision
+    end = revision
+    while True:
+        rows = conn.execute(_rows.where(_t.revision > end).order_by(_t.revision).limit(1000)).all()
+        for r, state in rows:
+            if _stamp(state) != stamp:
+                return end
+            end = int(r)
+        if len(rows) < 1000:
+            return end
+
+
 def resolve_time(conn: Connection, head: int, moment: datetime) -> int:
     """The last revision written at or before ``moment`` (0: before the first).
 

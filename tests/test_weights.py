@@ -27,6 +27,7 @@ import pytest
 from click.testing import CliRunner
 from eventsourcing.persistence import StoredEvent
 
+from catalog_es import commands
 from catalog_es.application import SYSTEM_ACTOR, Models
 from catalog_es.bootstrap import MIRROR_ENV
 from catalog_es.cli import cli
@@ -1103,6 +1104,23 @@ def test_rollback_brings_the_previous_origin_back_verified(world: World, tracked
     assert result["rollback_to"] == origin_recorded_at
     assert events(tracked, "m")[-1]["rollback_to"] == origin_recorded_at
     assert [s[0] for s in world.applier.steps] == ["catalog"] + ["start", "stop"] * 3
+
+
+def test_rollback_names_the_end_of_the_write_that_recorded_the_weights(
+    world: World, tracked: Weights
+) -> None:
+    """Weights recorded by the first of an apply's changes were marked with
+    that change's revision, which a read reads as the state before the
+    apply: the model was not there (review)."""
+    tracked.models.remove("m", by="alice")
+    m = spec("m", origin=msgspec.to_builtins(origin_of("org/m", world.c1, V1)))
+    applied = tracked.models.apply_changes([commands.add(m), commands.add(spec("n"))], by="alice")
+    world.mirror.publish("org/m", V2)
+    tracked.update("m", by="bob")
+    result = tracked.rollback("m", by="carol")
+    assert result["rollback_to"] == applied["revision"]
+    then = tracked.models.get_model("m", at=result["rollback_to"])
+    assert then["origin"] == msgspec.to_builtins(origin_of("org/m", world.c1, V1))
 
 
 @pytest.mark.parametrize("extra", ["a link out of the store", "a link to nothing", "a pipe"])
