@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from fastapi import FastAPI
 from playwright.sync_api import BrowserContext, Page, expect, sync_playwright
 
 from catalog_es import commands
@@ -93,15 +94,36 @@ def signed_in(
 ) -> Iterator[tuple[Page, str]]:
     """A tab of the console served over ``models``, opened at ``address`` and
     signed in with a read token; no script error may happen in it."""
+    with console_of(browser, create_app_for(models, tmp_path), address) as (page, url, _app):
+        yield page, url
+
+
+def create_app_for(
+    models: Models, tmp_path: Path, **options: int
+) -> tuple[FastAPI, dict[str, str]]:
+    """The app over ``models``, and a token for each role."""
     tokens, token = tokens_for_roles(tmp_path / "tokens.json")
+    return create_app(models, tokens, **options), token
+
+
+@contextmanager
+def console_of(
+    browser: BrowserContext,
+    served: tuple[FastAPI, dict[str, str]],
+    address: str,
+    role: str = "read",
+) -> Iterator[tuple[Page, str, FastAPI]]:
+    """A tab of the console of ``served``, opened at ``address`` and signed in
+    with a token of ``role``; no script error may happen in it."""
+    app, token = served
     page = browser.new_page()
     errors: list[str] = []
     page.on("pageerror", lambda error: errors.append(str(error)))
-    with serving(create_app(models, tokens)) as url:
+    with serving(app) as url:
         page.goto(f"{url}{address}")
-        page.fill("#token", token["read"])
+        page.fill("#token", token[role])
         page.click("#login button")
-        yield page, url
+        yield page, url, app
         page.close()
     assert errors == []
 
@@ -256,14 +278,17 @@ def test_console_models_history_time_travel_and_rollback(
 
         # A read token previews a rollback, and is told only an admin confirms
         # it (the button was there, and refused with 403 once clicked).
+        # Revision 1, the config's record, was written with revision 2: the
+        # server reads it as 0, and the page says so (it said "to revision 1").
         reader = browser.new_page()  # a tab of its own: its own sign-in
         reader.on("pageerror", lambda error: errors.append(str(error)))
         reader.goto(f"{url}/console/#/models?at=1")
         reader.fill("#token", token["read"])
         reader.click("#login button")
+        expect(reader.locator("#taken-as")).to_contain_text("taken as revision 0")
         reader.click("#rollback-preview")
         expect(reader.locator("#rollback")).to_contain_text(
-            "Dry run: roll back the catalog to revision 1"
+            "Dry run: roll back the catalog to revision 0"
         )
         expect(reader.locator("#rollback-admin-only")).to_have_text(
             "Only an admin confirms a rollback; this token is read."
@@ -529,4 +554,83 @@ def test_a_model_whose_recent_history_is_past_an_answers_bytes_shows_what_fits(
         expect(page.locator("#history")).to_contain_text(
             "The most recent 1 change; all of them: catalog-es history big"
         )
+    models.close()
+
+
+def _within_a_write(models: Models) -> None:
+    """Revisions 1–4 one apply (a added, scaled to 2, 3, 4), 5 a scaled to 9,
+    6 a model, its actor and its reason all long and unbroken."""
+    a = {
+        "name": "a",
+        "engine": "llamacpp",
+        "source": "hf://org/a-GGUF",
+        "profiles": [{"name": "cpu", "min_memory_gb": 4}],
+        "scaling": {"max": 1},
+    }
+    scales = [commands.scale("a", 1, top) for top in (2, 3, 4)]
+    models.apply_changes([commands.add(model_from_data(a, "a")), *scales], by="ops")
+    models.scale("a", 1, 9, by="ops")
+    long = {**a, "name": "l" + "o" * 127, "source": "hf://org/" + "s" * 300}
+    models.add(model_from_data(long, "long"), by="b" * 128, reason="r" * 1000)
+
+
+def test_console_reads_a_revision_inside_a_write_as_the_server_does(
+    browser: BrowserContext, tmp_path: Path
+) -> None:
+    """A revision inside a write of several changes reads as the end of the
+    write before it. The console kept the number from the address: "a at
+    revision 3" said "Not in the catalog at revision 3", and "Roll back a to
+    revision 3" planned, and wrote, a's removal (hostile test). It says the
+    revision read, rolls back to that one, and links history entries to where
+    their write ends."""
+    db = f"sqlite:///{tmp_path}/console.db"
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db})
+    _within_a_write(models)
+    served = create_app_for(models, tmp_path)
+    with console_of(browser, served, "/console/#/model/a", role="admin") as (page, url, _app):
+        # Each entry of the apply links to where the apply ends.
+        expect(page.locator("#definition")).to_contain_text("1..9")
+        links = page.locator("#history li.entry .when a")
+        expect(links).to_have_count(5)
+        ends = [link.get_attribute("href") for link in links.all()]
+        assert ends == [f"#/model/a?at={at}" for at in (4, 4, 4, 4, 5)]
+        third = page.locator('#history li[data-revision="3"]')
+        expect(third).to_contain_text("revision 3 (written together with revision 4: shown there)")
+
+        # Asked for revision 3 (as the link was), it says what it read: 0.
+        page.goto(f"{url}/console/#/model/a?at=3")
+        expect(page.locator("#page h1 small")).to_have_text(" at revision 0")
+        expect(page.locator("#taken-as")).to_have_text(
+            "No write ends at revision 3 (a write of several changes lands whole): "
+            "taken as revision 0, the last one that does before it."
+        )
+        expect(page.locator("#definition")).to_have_text("Not in the catalog at revision 0.")
+        expect(page.locator("#history li.later")).to_have_count(5)
+        expect(page.locator("#rollback-preview")).to_have_text("Roll back a to revision 0…")
+        page.goto(f"{url}/console/#/models?at=3")
+        expect(page.locator("#page h1 small")).to_have_text("at revision 0")
+        expect(page.locator("#taken-as")).to_contain_text("taken as revision 0")
+        expect(page.locator("#rollback-preview")).to_have_text(
+            "Roll back the catalog to revision 0…"
+        )
+
+        # From the history, revision 3 shows a as the apply left it, and a
+        # rollback there goes to it.
+        page.goto(f"{url}/console/#/model/a")
+        third.locator("a").click()
+        expect(page).to_have_url(f"{url}/console/#/model/a?at=4")
+        expect(page.locator("#page h1 small")).to_have_text(" at revision 4")
+        expect(page.locator("#taken-as")).to_have_count(0)
+        expect(page.locator("#definition")).to_contain_text("1..4")
+        expect(page.locator("#history li.later")).to_have_count(1)
+        page.click("#rollback-preview")
+        expect(page.locator("#rollback h3")).to_have_text("Dry run: roll back a to revision 4")
+        expect(page.locator("#rollback")).to_contain_text("a Scaled")
+        page.click("#rollback-confirm")
+        expect(page.locator("#flash")).to_have_text(
+            "Rolled back a to revision 4: now at revision 7."
+        )
+        expect(page.locator("#definition")).to_contain_text("1..4")
+        assert [e["rollback_to"] for e in models.log_events(after=6)] == [4]
+
     models.close()

@@ -316,9 +316,13 @@ function counted(count, noun) {
 
 // A rollback is shown first (a dry run), then confirmed with If-Match set to
 // the revision the preview was made at: what is written is what was shown.
+// ``to`` is the revision the page read, never one inside a write: the server
+// reads that as the end of the write before it, and the rollback was labelled
+// "to revision 3" while it planned (and wrote) one to 0. The plan says the
+// revision it read ("to"), and that is what is shown and confirmed.
 function rollbackPanel(to, model) {
   const panel = h("div", { class: "rollback", id: "rollback" });
-  const what = model ? `${model} to revision ${to}` : `the catalog to revision ${to}`;
+  const what = (revision) => (model ? `${model} to revision ${revision}` : `the catalog to revision ${revision}`);
   const preview = async () => {
     panel.classList.add("open");
     panel.replaceChildren(h("p", { class: "quiet" }, "Working out the compensating events…"));
@@ -328,11 +332,11 @@ function rollbackPanel(to, model) {
         try {
           const done = await api("/rollback", {
             method: "POST",
-            body: { to, model, dry_run: false },
+            body: { to: plan.to, model, dry_run: false },
             ifMatch: plan.revision,
           });
           // Shown for a while, across the redraws its own events cause.
-          const text = done.written ? `Rolled back ${what}: now at revision ${done.revision}.` : "Nothing to write.";
+          const text = done.written ? `Rolled back ${what(done.to)}: now at revision ${done.revision}.` : "Nothing to write.";
           state.flash = { text, until: Date.now() + 10000 };
           location.hash = href(route().page, model, null);
         } catch (error) {
@@ -347,7 +351,7 @@ function rollbackPanel(to, model) {
         }
       };
       panel.replaceChildren(
-        h("h3", {}, `Dry run: roll back ${what}`),
+        h("h3", {}, `Dry run: roll back ${what(plan.to)}`),
         plan.notes.map((note) => h("p", { class: "note" }, note)),
         h("p", {}, `${counted(plan.events.length, "compensating event")} would be written:`),
         h("ul", { class: "events" }, plan.events.map((e) => h("li", {}, `${e.model} ${e.event} ${show(e.fields)}`))),
@@ -367,22 +371,39 @@ function rollbackPanel(to, model) {
     panel.classList.remove("open");
     panel.replaceChildren(start);
   };
-  const start = h("button", { type: "button", id: "rollback-preview", onclick: preview }, `Roll back ${what}…`);
+  const start = h("button", { type: "button", id: "rollback-preview", onclick: preview }, `Roll back ${what(to)}…`);
   panel.append(start);
   return panel;
 }
 
-async function diffSection(at, model) {
+// The diff from revision ``at`` to now; its ``from`` is the revision the
+// server read for ``at``: one inside a write of several changes (an apply, a
+// rollback) is read as the last before it where a write ends, as every read
+// of the past reads it.
+async function pastDiff(at, model) {
   const query = new URLSearchParams({ since: String(at) });
   if (model) query.set("model", model);
   if (route().declaredThen) query.set("declared", "then");
-  const diff = await api(`/diff?${query}`);
+  return api(`/diff?${query}`);
+}
+
+// Said when the revision asked for is not the one read (as the CLI warns).
+function takenAs(at, read) {
+  if (at === null || read === at) return "";
+  return h(
+    "p",
+    { class: "note", id: "taken-as" },
+    `No write ends at revision ${at} (a write of several changes lands whole): taken as revision ${read}, the last one that does before it.`
+  );
+}
+
+function diffSection(diff, model) {
   return h(
     "section",
     { id: "diff" },
     h("h2", {}, `Changes from revision ${diff.from} to now (${diff.to})`),
     diffTable(diff),
-    rollbackPanel(at, model)
+    rollbackPanel(diff.from, model)
   );
 }
 
@@ -416,7 +437,13 @@ function matches(m, filter) {
 }
 
 async function modelsPage(at, filter) {
-  const [models, skipped] = await Promise.all([api(`/models${pastQuery(at)}`), api("/skipped")]);
+  const [models, skipped, diff] = await Promise.all([
+    api(`/models${pastQuery(at)}`),
+    api("/skipped"),
+    at === null ? null : pastDiff(at, null),
+  ]);
+  // What is shown is the catalog at the revision read, said as that one.
+  const read = diff ? diff.from : null;
   const body = h("tbody", {});
   const shown = h("p", { id: "shown", class: "quiet" });
   // Filtered as it is typed, from the list already read; the address keeps
@@ -424,7 +451,7 @@ async function modelsPage(at, filter) {
   // redraws that changes bring, a reload and a link.
   const fill = (text) => {
     const found = text ? models.filter((m) => matches(m, text)) : models;
-    const rows = found.slice(0, ROWS_SHOWN).map((m) => modelRow(m, at));
+    const rows = found.slice(0, ROWS_SHOWN).map((m) => modelRow(m, read));
     const none = text ? `No model matches “${text}”.` : "No models.";
     body.replaceChildren(...(rows.length ? rows : [h("tr", {}, h("td", { colspan: "9", class: "quiet" }, none))]));
     shown.textContent =
@@ -450,8 +477,9 @@ async function modelsPage(at, filter) {
   });
   fill(filter);
   const page = [
-    h("h1", {}, "Models ", h("small", {}, moment(at))),
-    picker(at, (picked) => (location.hash = href("models", null, picked, route().filter))),
+    h("h1", {}, "Models ", h("small", {}, moment(read))),
+    takenAs(at, read),
+    picker(read, (picked) => (location.hash = href("models", null, picked, route().filter))),
     h("div", { class: "filter" }, search, shown),
     h(
       "table",
@@ -464,7 +492,7 @@ async function modelsPage(at, filter) {
       body
     ),
   ];
-  if (at !== null) page.push(await diffSection(at, null));
+  if (diff) page.push(diffSection(diff, null));
   page.push(
     h(
       "section",
@@ -545,17 +573,41 @@ async function recentHistory(name) {
   }
 }
 
+// Where each row's write ends, as far as this model's rows tell: the events of
+// one write (an apply, a rollback) share its time, and no two writes do. A
+// link to a revision inside a write read as the end of the write before it
+// ("revision 3" of an apply of 1–4 showed the model not there yet); it goes
+// to the last of the write's rows instead. (A write whose later events are
+// of other models only ends later still: the page read says so.)
+function writeEnds(rows) {
+  const ends = new Array(rows.length);
+  for (let i = rows.length - 1; i >= 0; i--) {
+    const sameWrite = i + 1 < rows.length && rows[i].time && rows[i + 1].time === rows[i].time;
+    ends[i] = sameWrite ? ends[i + 1] : rows[i].revision;
+  }
+  return ends;
+}
+
+// ``at``: the revision the page read (null: now); the rows after it are dimmed.
 async function timeline(name, at) {
   const { rows, shown, older } = await recentHistory(name);
   const note = older ? h("p", { class: "quiet" }, `The most recent ${counted(shown, "change")}; all of them: catalog-es history ${name}`) : "";
-  const items = rows.map((r) =>
+  const ends = writeEnds(rows);
+  const items = rows.map((r, i) =>
     h(
       "li",
       { class: `entry${at !== null && r.revision > at ? " later" : ""}`, "data-revision": r.revision },
       h(
         "div",
         { class: "when" },
-        h("a", { href: href("model", name, r.revision), title: "the model at this revision" }, `revision ${r.revision}`),
+        ends[i] === r.revision
+          ? h("a", { href: href("model", name, r.revision), title: "the model at this revision" }, `revision ${r.revision}`)
+          : h(
+              "a",
+              { href: href("model", name, ends[i]), title: `the model once the write of this change had landed, at revision ${ends[i]}` },
+              `revision ${r.revision}`,
+              h("span", { class: "write" }, ` (written together with revision ${ends[i]}: shown there)`)
+            ),
         ` · ${r.time || "?"} · `,
         h("strong", {}, r.by || "?")
       ),
@@ -567,24 +619,31 @@ async function timeline(name, at) {
 }
 
 async function modelPage(name, at) {
-  let model = null;
-  try {
-    model = await api(`/models/${encodeURIComponent(name)}${pastQuery(at)}`);
-  } catch (error) {
-    if (error.status !== 404) throw error;
-  }
+  const asked = async () => {
+    try {
+      return await api(`/models/${encodeURIComponent(name)}${pastQuery(at)}`);
+    } catch (error) {
+      if (error.status !== 404) throw error;
+      return null;
+    }
+  };
+  // The diff says the revision read, a 404 of the model not.
+  const [model, diff] = await Promise.all([asked(), at === null ? null : pastDiff(at, name)]);
+  const read = diff ? diff.from : null;
   const page = [
-    h("p", {}, h("a", { href: href("models", null, at) }, "← Models")),
-    h("h1", {}, name, " ", model ? h("span", { class: `badge ${model.declared ? "declared" : "runtime"}` }, model.declared ? "declared" : "runtime") : "", h("small", {}, ` ${moment(at)}`)),
-    picker(at, (picked) => (location.hash = href("model", name, picked))),
-    model ? definition(model) : h("p", { class: "quiet", id: "definition" }, at === null ? "Not in the catalog now." : `Not in the catalog at revision ${at}.`),
+    h("p", {}, h("a", { href: href("models", null, read) }, "← Models")),
+    h("h1", {}, name, " ", model ? h("span", { class: `badge ${model.declared ? "declared" : "runtime"}` }, model.declared ? "declared" : "runtime") : "", h("small", {}, ` ${moment(read)}`)),
+    takenAs(at, read),
+    picker(read, (picked) => (location.hash = href("model", name, picked))),
+    model ? definition(model) : h("p", { class: "quiet", id: "definition" }, read === null ? "Not in the catalog now." : `Not in the catalog at revision ${read}.`),
   ];
-  if (at !== null) page.push(await diffSection(at, name));
-  page.push(await timeline(name, at));
+  if (diff) page.push(diffSection(diff, name));
+  page.push(await timeline(name, read));
   return page;
 }
 
 // -- drawing -------------------------------------------------------------------
+
 
 async function render() {
   if (!state.me) return;
