@@ -26,7 +26,7 @@ from catalog_es.application import Models
 from catalog_es.configuration import DeclaredConfig
 from catalog_es.inputs import load_config, model_from_data
 from catalog_es.web.app import create_app
-from tests.helpers import count_events
+from tests.helpers import count_events, log_rows, put_back
 from tests.serving import serving, tokens_for_roles
 
 CHROMIUM = "/usr/bin/chromium"
@@ -633,4 +633,59 @@ def test_console_reads_a_revision_inside_a_write_as_the_server_does(
         expect(page.locator("#definition")).to_contain_text("1..4")
         assert [e["rollback_to"] for e in models.log_events(after=6)] == [4]
 
+    models.close()
+
+
+def test_console_says_when_it_cannot_follow_the_log_or_the_log_went_back(
+    browser: BrowserContext, tmp_path: Path
+) -> None:
+    """A stream refused (all the server's watches taken) left the page stale,
+    its dot still "following the log"; a log put back to an earlier head (a
+    backup restored, a failover) froze the page on the lost catalog, its
+    stream refused every 2 s as past the head (hostile tests)."""
+    db = f"sqlite:///{tmp_path}/console.db"
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db})
+    cpu = [{"name": "cpu", "min_memory_gb": 4}]
+    tiny = {"name": "m", "engine": "llamacpp", "source": "hf://org/m-GGUF", "profiles": cpu}
+    models.add(model_from_data(tiny, "m"), by="ops")  # 1
+    models.scale("m", 0, 2, by="ops")  # 2
+    saved = log_rows(db)
+    models.scale("m", 0, 3, by="ops")
+    models.scale("m", 0, 4, by="ops")  # 4
+    served = create_app_for(models, tmp_path, max_watches=0)
+    with console_of(browser, served, "/console/#/models") as (page, _url, app):
+        heading = page.locator("#page h1 small")
+        expect(heading).to_have_text("now, revision 4")
+        dot, note = page.locator("#live"), page.locator("#live-note")
+        expect(note).to_have_text("live updates paused")
+        expect(dot).to_have_attribute(
+            "title",
+            "Live updates paused: the server refused the stream (503: 0 watches are open "
+            "here, as many as this server serves (serve --max-watches); try again later). "
+            "Retrying every 2 s; what is shown may be out of date.",
+        )
+        expect(dot).not_to_have_class("live on")
+        # It keeps asking: once there is room, it follows the log again.
+        app.state.stream_places.most = 8
+        expect(dot).to_have_class("live on")
+        expect(dot).to_have_attribute("title", "following the log")
+        expect(note).to_have_text("")
+
+        # The log put back to revision 2 under a server whose streams end (a
+        # restart): the page follows it down and says what was lost.
+        put_back(db, saved)
+        app.state.closing.set()
+        expect(dot).not_to_have_class("live on")
+        app.state.closing.clear()
+        expect(page.locator("#went-back")).to_contain_text(
+            "The log went back: its last revision is now 2, where this page had seen 4; "
+            "revisions 3–4 were lost"
+        )
+        expect(heading).to_have_text("now, revision 2")
+        expect(dot).to_have_class("live on")
+        models.scale("m", 0, 5, by="ops")  # 3, again
+        expect(heading).to_have_text("now, revision 3")
+        expect(page.locator('#models tr[data-model="m"]')).to_contain_text("0..5")
+        page.click("#went-back-dismiss")
+        expect(page.locator("#went-back")).to_have_count(0)
     models.close()

@@ -8,7 +8,9 @@
 const TOKEN_KEY = "catalog-es-token";
 // How long a request of the API may take before the page gives up on it.
 const API_TIMEOUT_MS = 60000;
-const state = { head: 0, me: null, follow: null, rendering: 0, flash: null, shown: null };
+// ``lost``: the log went back under this page (a restored backup, a failover),
+// the heads before and after, told until dismissed or signing out.
+const state = { head: 0, me: null, follow: null, rendering: 0, flash: null, shown: null, lost: null };
 
 // -- small helpers -------------------------------------------------------------
 
@@ -56,6 +58,23 @@ async function api(path, { method = "GET", body, ifMatch } = {}) {
   if (response.status === 401) signOut(data && data.error);
   if (!response.ok) throw new ApiError(response.status, (data && data.error) || response.statusText);
   return data;
+}
+
+// The head of the log as the server has it now. Lower than the one this page
+// knew (asked before the question was sent, so no change seen since can make
+// it so), the log went back: a backup restored, a failover to a copy that had
+// not received the last writes. The page follows it down and says so, where
+// it kept the lost head for good and asked the stream for changes after it.
+async function readHead() {
+  const known = state.head;
+  const head = (await api("/revision")).revision;
+  if (head < known) {
+    state.lost = { from: Math.max(known, state.lost ? state.lost.from : 0), to: head };
+    state.head = head;
+    return true;
+  }
+  state.head = Math.max(state.head, head);
+  return false;
 }
 
 function route() {
@@ -122,6 +141,7 @@ function signOut(message) {
   $("#whoami").textContent = "";
   $("#logout").hidden = true;
   $("#page").replaceChildren();
+  state.lost = null;
   $("#login").hidden = false;
   $("#login-error").textContent = message || "";
 }
@@ -141,15 +161,39 @@ async function signIn() {
 
 // -- following the log ---------------------------------------------------------
 
+// How long the page waits to ask for the stream again once it ended or was refused.
+const FOLLOW_RETRY_MS = 2000;
+
 function stopFollowing() {
   if (state.follow) state.follow.abort();
   state.follow = null;
-  $("#live").classList.remove("on");
+  live(null);
+}
+
+// The dot in the header, and what it says: following the log (true), not
+// (null: signed out), or paused, and why, retrying. A stream refused (503:
+// the server's watches all taken) only turned the dot grey, its tooltip still
+// saying "following the log", while the page went stale.
+function live(following, why) {
+  const dot = $("#live");
+  const note = $("#live-note");
+  dot.classList.toggle("on", following === true);
+  if (following === true || following === null) {
+    dot.title = following ? "following the log" : "not following the log";
+    note.textContent = "";
+    note.title = "";
+    return;
+  }
+  const text = `Live updates paused: ${why}. Retrying every ${FOLLOW_RETRY_MS / 1000} s; what is shown may be out of date.`;
+  dot.title = text;
+  note.title = text;
+  note.textContent = "live updates paused";
 }
 
 // Server-sent events through fetch, since EventSource cannot send a token.
 async function follow() {
-  stopFollowing();
+  // The dot keeps what it said until this stream is answered: a pause stays told while retrying.
+  if (state.follow) state.follow.abort();
   const controller = new AbortController();
   state.follow = controller;
   try {
@@ -163,8 +207,21 @@ async function follow() {
       signOut(data && data.error);
       return;
     }
-    if (!response.ok) throw new ApiError(response.status, "watch refused");
-    $("#live").classList.add("on");
+    if (!response.ok) {
+      const data = await response.json().catch(() => null);
+      const why = (data && data.error) || response.statusText;
+      live(false, `the server refused the stream (${response.status}: ${why})`);
+      // Refused as past the head: the log went back under the page (422
+      // "revision 4 is beyond the head of the log (2)", every 2 s, while the
+      // page showed the lost catalog). Follow it down, and say so.
+      if (response.status === 422 && (await readHead().catch(() => false))) {
+        await render();
+        if (state.follow === controller) setTimeout(() => state.follow === controller && follow(), 0);
+        return;
+      }
+      throw new ApiError(response.status, why);
+    }
+    live(true);
     const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
     let buffer = "";
     for (;;) {
@@ -183,11 +240,12 @@ async function follow() {
         if (data) changed(JSON.parse(data));
       }
     }
+    live(false, "the stream ended");
   } catch (error) {
     if (controller.signal.aborted) return;
+    if (!(error instanceof ApiError)) live(false, `the stream was cut (${error.message})`);
   }
-  $("#live").classList.remove("on");
-  if (state.follow === controller) setTimeout(() => state.follow === controller && follow(), 2000);
+  if (state.follow === controller) setTimeout(() => state.follow === controller && follow(), FOLLOW_RETRY_MS);
 }
 
 // A redraw for changes that arrived: one at a time, the next 150 ms after the
@@ -644,6 +702,20 @@ async function modelPage(name, at) {
 
 // -- drawing -------------------------------------------------------------------
 
+// Told on every page until dismissed: revisions this page saw are gone.
+function wentBack() {
+  if (!state.lost) return "";
+  const { from, to } = state.lost;
+  const gone = from === to + 1 ? `revision ${from} was` : `revisions ${to + 1}–${from} were`;
+  const note = h(
+    "p",
+    { class: "error", id: "went-back", role: "alert" },
+    `The log went back: its last revision is now ${to}, where this page had seen ${from}; ${gone} lost ` +
+      "(a backup restored, or a failover to a copy that had not received them). What is shown is the log as it is now. ",
+    h("button", { type: "button", id: "went-back-dismiss", onclick: () => ((state.lost = null), note.remove()) }, "Dismiss")
+  );
+  return note;
+}
 
 async function render() {
   if (!state.me) return;
@@ -657,7 +729,7 @@ async function render() {
     if (Number.isNaN(where.at)) {
       throw new Error(`This address's revision, "${where.atText}", is not a whole number.`);
     }
-    state.head = Math.max(state.head, (await api("/revision")).revision);
+    await readHead();
     if (where.at !== null && where.at > state.head) {
       throw new Error(`Revision ${where.at} is past the log's last, ${state.head}.`);
     }
@@ -667,7 +739,7 @@ async function render() {
     const flash = state.flash && Date.now() < state.flash.until ? h("p", { class: "ok", id: "flash" }, state.flash.text) : "";
     // Someone typing in the filter as a change redraws the page keeps typing.
     const typing = document.activeElement && document.activeElement.id === "filter" ? document.activeElement : null;
-    $("#page").replaceChildren(flash, h("p", { id: "behind", class: "note" }), ...content);
+    $("#page").replaceChildren(flash, wentBack(), h("p", { id: "behind", class: "note" }), ...content);
     state.shown = location.hash;
     if (typing) {
       const search = $("#filter");
