@@ -574,6 +574,11 @@ def _within_a_write(models: Models) -> None:
     models.add(model_from_data(long, "long"), by="b" * 128, reason="r" * 1000)
 
 
+def _fits_the_window(page: Page) -> None:
+    width = page.evaluate("() => [document.documentElement.scrollWidth, window.innerWidth]")
+    assert width[0] <= width[1], f"the page is {width[0]} px wide in a window of {width[1]}"
+
+
 def test_console_reads_a_revision_inside_a_write_as_the_server_does(
     browser: BrowserContext, tmp_path: Path
 ) -> None:
@@ -582,7 +587,8 @@ def test_console_reads_a_revision_inside_a_write_as_the_server_does(
     revision 3" said "Not in the catalog at revision 3", and "Roll back a to
     revision 3" planned, and wrote, a's removal (hostile test). It says the
     revision read, rolls back to that one, and links history entries to where
-    their write ends."""
+    their write ends. Beside it: the number box, long text, signing out and
+    in (hostile tests too)."""
     db = f"sqlite:///{tmp_path}/console.db"
     models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db})
     _within_a_write(models)
@@ -633,6 +639,38 @@ def test_console_reads_a_revision_inside_a_write_as_the_server_does(
         expect(page.locator("#definition")).to_contain_text("1..4")
         assert [e["rollback_to"] for e in models.log_events(after=6)] == [4]
 
+        # A 1,000-character reason and 128-character names wrap in the page.
+        page.goto(f"{url}/console/#/models")
+        expect(page.locator("#models tbody tr")).to_have_count(2)
+        _fits_the_window(page)
+        page.goto(f"{url}/console/#/model/l{'o' * 127}")
+        expect(page.locator("#history")).to_contain_text("r" * 1000)
+        _fits_the_window(page)
+
+        # The number box refuses what the address refuses, in its words: an
+        # empty one read as 0, one past the head as now.
+        for typed, told in (
+            ("", 'This address\'s revision, "", is not a whole number.'),
+            ("99999", "Revision 99999 is past the log's last, 7."),
+        ):
+            page.goto(f"{url}/console/#/models")
+            expect(page.locator("#models")).to_have_count(1)
+            page.fill("#revision-number", typed)
+            page.dispatch_event("#revision-number", "change")
+            expect(page.locator("#error")).to_have_text(told)
+            expect(page.locator("#models")).to_have_count(0)
+
+        # Signing out takes the last error away with the page.
+        page.click("#logout")
+        expect(page.locator("#login")).to_be_visible()
+        expect(page.locator("#error")).to_have_text("")
+
+        # What cannot be a token is said to be none, and not kept.
+        for typed in ("ces_ключ_секрет", "x" * 100_000):
+            page.fill("#token", typed)
+            page.click("#login button")
+            expect(page.locator("#login-error")).to_have_text("That token is not valid.")
+            assert page.evaluate("() => sessionStorage.getItem('catalog-es-token')") is None
     models.close()
 
 

@@ -141,16 +141,36 @@ function signOut(message) {
   $("#whoami").textContent = "";
   $("#logout").hidden = true;
   $("#page").replaceChildren();
+  // The last page's error is no longer about anything on screen.
+  $("#error").textContent = "";
   state.lost = null;
   $("#login").hidden = false;
   $("#login-error").textContent = message || "";
 }
 
+// What could be a token: printable ASCII, as a header carries it. Anything
+// else made fetch throw ("non ISO-8859-1 code point"), or the server answer
+// 400 (a 100 kB one), and the raw exception was shown, the token kept.
+const TOKEN_MOST = 1024;
+const tokenLike = (text) => text.length <= TOKEN_MOST && /^[\x21-\x7e]+$/.test(text);
+const NOT_A_TOKEN = "That token is not valid.";
+
 async function signIn() {
+  if (!tokenLike(token())) {
+    sessionStorage.removeItem(TOKEN_KEY);
+    $("#login-error").textContent = NOT_A_TOKEN;
+    return false;
+  }
   try {
     state.me = await api("/me");
   } catch (error) {
-    if (error.status !== 401) $("#login-error").textContent = error.message;
+    // Refused for any reason, the token is not kept (a 401 signed out already).
+    sessionStorage.removeItem(TOKEN_KEY);
+    if (error.status === 401) return false;
+    // Another refusal of the request is of the token it carried; an outage
+    // or a timeout is told as it is.
+    const ofTheToken = error.status >= 400 && error.status < 500;
+    $("#login-error").textContent = ofTheToken ? NOT_A_TOKEN : error.message;
     return false;
   }
   $("#login").hidden = true;
@@ -314,7 +334,13 @@ function picker(at, onPick) {
     max: String(state.head),
     value: String(value),
     "aria-label": "revision number",
-    onchange: () => onPick(Number(number.value) >= state.head ? null : Number(number.value)),
+    // Taken as typed, into the address, which refuses what is no revision
+    // (empty, past the head) in its own words: an empty box was read as
+    // Number("") = 0, and one past the head as now, without a word.
+    onchange: () => {
+      const text = number.value.trim();
+      onPick(/^[0-9]{1,15}$/.test(text) && Number(text) === state.head ? null : text);
+    },
   });
   // Reads of the past are over today's declared config unless this is ticked.
   const then =
@@ -766,7 +792,7 @@ async function start() {
     sessionStorage.setItem(TOKEN_KEY, $("#token").value.trim());
     $("#token").value = "";
     if (await signIn()) begin();
-    else if (!$("#login-error").textContent) $("#login-error").textContent = "That token is not valid.";
+    else if (!$("#login-error").textContent) $("#login-error").textContent = NOT_A_TOKEN;
   });
   $("#logout").addEventListener("click", () => signOut());
   window.addEventListener("hashchange", render);
