@@ -34,15 +34,18 @@ JSONText = TypeVar("JSONText", str, bytes)
 def json_in_pieces(
     encode: Callable[[Any], JSONText],
     separator: JSONText,
-    data: dict[str, Any],
-    key: str,
     items: Iterable[Any],
+    data: dict[str, Any] | None = None,
+    key: str = "",
 ) -> Iterator[JSONText]:
-    """``encode(data)`` with ``items`` as the list ``data[key]``, its last key,
-    in pieces of :data:`ITEMS_A_PIECE` items: the same document as encoding
-    it whole, for a list too large to hold whole (an apply's answer)."""
-    empty = encode({**data, key: []})
-    yield empty[:-2]  # up to and with the list's "["
+    """``encode`` of ``items`` as one list, in pieces of :data:`ITEMS_A_PIECE`
+    items: the same document as encoding it whole, for a list too large to
+    hold whole (an apply's answer, an audit's rows). The list is the document
+    itself, or, given ``data``, the value of its last key, ``key``."""
+    empty = encode([]) if data is None else encode({**data, key: []})
+    # Up to and with the list's "[", and from its "]" on (and the document's "}").
+    opening, closing = (empty[:-1], empty[-1:]) if data is None else (empty[:-2], empty[-2:])
+    yield opening
     later = empty[:0]
     group: list[JSONText] = []
     for item in items:
@@ -52,7 +55,7 @@ def json_in_pieces(
             later, group = separator, []
     if group:
         yield later + separator.join(group)
-    yield empty[-2:]  # the list's "]" and the document's "}"
+    yield closing
 
 
 def json_line(data: Any) -> str:

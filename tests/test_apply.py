@@ -272,7 +272,7 @@ def test_a_large_answer_is_built_as_it_is_read(db_url: str) -> None:
         result = models.apply_changes(steps, by="ops")
         head = {"revision": result["revision"], "changes": result["changes"]}
         size = 0
-        for piece in json_in_pieces(json_line, ", ", head, "models", result["models"]):
+        for piece in json_in_pieces(json_line, ", ", result["models"], head, "models"):
             size += len(piece)
         _, peak = tracemalloc.get_traced_memory()
     finally:

@@ -33,6 +33,7 @@ from catalog_es.cli.base import (
     VisibleWarnings,
     stopped_when_asked,
 )
+from catalog_es.errors import ITEMS_A_PIECE, json_in_pieces, json_line
 from catalog_es.inputs import DeclaredConfig
 from catalog_es.persistence import database_unusable
 from tests.helpers import config_yaml, count_events, definition, spec
@@ -148,6 +149,23 @@ def test_every_group_and_command_takes_the_shared_options() -> None:
                 yield from walk(sub, (*path, name))
 
     assert ("token", "list") in set(walk(cli, ()))
+
+
+@pytest.mark.parametrize("count", [0, 1, ITEMS_A_PIECE, ITEMS_A_PIECE + 1, 3 * ITEMS_A_PIECE])
+def test_json_in_pieces_is_the_document_encoded_whole(count: int) -> None:
+    """A list written in pieces (``audit --json``'s rows, ``apply --json``'s
+    models) is byte for byte the list encoded at once, on its own or as a
+    document's last key; what a terminal would act on escaped as ever."""
+    items = [{"n": i, "text": f"row {i}\u202e\x1b[2J é"} for i in range(count)]
+    assert "".join(json_in_pieces(json_line, ", ", iter(items))) == json_line(items)
+    head = {"revision": 7, "changes": count}
+    whole = json_line({**head, "models": items})
+    assert "".join(json_in_pieces(json_line, ", ", iter(items), head, "models")) == whole
+
+    def compact(data: Any) -> bytes:  # as the server encodes
+        return json.dumps(data, separators=(",", ":")).encode()
+
+    assert b"".join(json_in_pieces(compact, b",", items)) == compact(items)
 
 
 def test_json_before_and_after_the_command_is_the_same(run: Run, write: Any) -> None:

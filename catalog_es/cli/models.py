@@ -347,7 +347,7 @@ def apply_command(settings: Settings, file: str) -> None:
 
     if settings.json:
         head = {key: result[key] for key in ("revision", "changes")}
-        write_text(chain(json_in_pieces(json_line, ", ", head, "models", result["models"]), ["\n"]))
+        write_text(chain(json_in_pieces(json_line, ", ", result["models"], head, "models"), ["\n"]))
         return
     applied = counted(result["changes"], "change")
     click.echo(f"applied {applied}, now at revision {result['revision']}")

@@ -744,7 +744,7 @@ def apply_changes(
     # Sent as it is built, so that a client that does not read holds only
     # what the connection buffers, not the whole answer.
     return StreamingResponse(
-        json_in_pieces(_escaped_json, b",", head, "models", result["models"]),
+        json_in_pieces(_escaped_json, b",", result["models"], head, "models"),
         media_type="application/json",
         headers=revision_headers(result["revision"]),
     )
