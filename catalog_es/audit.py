@@ -69,6 +69,10 @@ class AuditTrail:
         made (or why load skips it)."""
         return _rows(self._history_views(name, {**filters, "model": name}))
 
+    def history_rows(self, name: str, **filters: Unpack[ChangeFilters]) -> Iterator[dict[str, Any]]:
+        """:meth:`history`, each row decoded as it is asked for (:func:`_decoded`)."""
+        return _decoded(self._history_views(name, {**filters, "model": name}))
+
     def history_json(
         self,
         name: str,
@@ -100,6 +104,11 @@ class AuditTrail:
         ``event_type``, ``since`` inclusive, ``until`` exclusive), oldest first;
         with a ``limit``, the most recent ones."""
         return _rows(self._views(filters))
+
+    def audit_rows(self, **filters: Unpack[Filters]) -> Iterator[dict[str, Any]]:
+        """:meth:`audit`, each row decoded as it is asked for (:func:`_decoded`):
+        what the CLI writes out a row at a time."""
+        return _decoded(self._views(filters))
 
     def audit_json(
         self,
@@ -253,9 +262,20 @@ def _check_filters(filters: Filters) -> None:
 def _rows(views: list[str]) -> list[dict[str, Any]]:
     """Rows from their stored views; decoded one by one rather than joined
     into one array first, which copied 8 MB about for 10,000 rows."""
-    decode = _row_decoder.decode
     with collector_paused(lasting=True, cycles=False):
-        return [decode(view) for view in views]
+        return list(_decoded(views))
+
+
+def _decoded(views: list[str]) -> Iterator[dict[str, Any]]:
+    """Each row of ``views``, decoded as it is asked for, its view let go as
+    it is (the list is emptied): a caller that writes each row out and drops
+    it holds one decoded row at a time, not the whole answer as dicts, its
+    before and after definitions several times the size of its JSON (the CLI's
+    200,000 rows took 1.4 GB)."""
+    decode = _row_decoder.decode
+    views.reverse()
+    while views:
+        yield decode(views.pop())
 
 
 def _json(views: list[str]) -> bytes:
