@@ -19,6 +19,7 @@ from catalog_es.cli.base import (
     Settings,
     cli,
     emit,
+    emit_rows,
     pass_settings,
     query_options,
     shared_options,
@@ -87,7 +88,11 @@ def _event_text(row: dict[str, Any]) -> str:
     return str(row["event"])
 
 
-def _show_changes(rows: list[dict[str, Any]], *, with_model: bool) -> Callable[[], None]:
+def _show_changes(rows: Iterable[dict[str, Any]], *, with_model: bool) -> Callable[[], None]:
+    """The table of ``rows``, which holds their cells' text only: each row is
+    let go once its cells are made (its definitions before and after are most
+    of it)."""
+
     def human() -> None:
         table(
             ["REV", "TIME", "BY", *(["MODEL"] if with_model else []), "EVENT", "CHANGES", "REASON"],
@@ -117,8 +122,8 @@ def history(settings: Settings, name: str, **filters: Unpack[ChangeFilters]) -> 
     """Every change to one model, oldest first, field by field, filtered; --by
     names the actor."""
     filters["by"] = settings.by
-    rows = settings.models().history(name, **filters)
-    emit(settings, rows, _show_changes(rows, with_model=False))
+    rows = settings.models().history_rows(name, **filters)
+    emit_rows(settings, rows, _show_changes(rows, with_model=False))
 
 
 @cli.command("audit")
@@ -128,8 +133,8 @@ def history(settings: Settings, name: str, **filters: Unpack[ChangeFilters]) -> 
 def audit(settings: Settings, **filters: Unpack[Filters]) -> None:
     """Changes across the catalog, oldest first, filtered; --by names the actor."""
     filters["by"] = settings.by
-    rows = settings.models().audit(**filters)
-    emit(settings, rows, _show_changes(rows, with_model=True))
+    rows = settings.models().audit_rows(**filters)
+    emit_rows(settings, rows, _show_changes(rows, with_model=True))
 
 
 @cli.command("refusals")
@@ -140,7 +145,7 @@ def refusals(settings: Settings, **filters: Unpack[Filters]) -> None:
     """Commands that were refused: who tried what, and why. They changed nothing."""
     filters["by"] = settings.by
     rows = settings.models().refusals(**filters)
-    emit(
+    emit_rows(
         settings,
         rows,
         lambda: table(

@@ -18,6 +18,7 @@ import traceback
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from datetime import datetime
+from itertools import chain
 from types import FrameType
 from typing import Any, NoReturn, TypeVar
 
@@ -34,6 +35,7 @@ from catalog_es.errors import (
     Refused,
     counted,
     first_line,
+    json_in_pieces,
     json_line,
 )
 from catalog_es.inputs import MAX_REVISION, revision_or_time
@@ -300,6 +302,16 @@ def print_table(
 def emit(settings: Settings, data: Any, human: Callable[[], None]) -> None:
     if settings.json:
         write_out([json_line(data)])
+    else:
+        human()
+
+
+def emit_rows(settings: Settings, rows: Iterable[Any], human: Callable[[], None]) -> None:
+    """:func:`emit` of a list of rows, written as they come: the JSON array
+    in pieces, never all of it (or all its rows) at once. ``rows`` is read
+    once, by whichever of the two is written."""
+    if settings.json:
+        write_text(chain(json_in_pieces(json_line, ", ", rows), ["\n"]))
     else:
         human()
 
