@@ -28,7 +28,7 @@ from sqlalchemy.engine import Connection
 from catalog_es import commands
 from catalog_es.audit import AuditTrail
 from catalog_es.batch import Batch, Change, KnownVersions, declaration_differs
-from catalog_es.catalog import Catalog, Skipped
+from catalog_es.catalog import UNREADABLE_DECLARATION, Catalog, Skipped
 from catalog_es.catalog_lock import CatalogLock
 from catalog_es.chain import ChainHead, stored_head
 from catalog_es.collector import collector_paused
@@ -112,11 +112,24 @@ def _skips_of(catalog: Catalog, name: str) -> str:
 
 
 def _declaration(catalog: Catalog) -> dict[str, Any] | None:
-    """The declared layer the log had recorded as in force at a catalog's revision."""
+    """The declared layer the log had recorded as in force at a catalog's
+    revision. A record that cannot be read has no fingerprint, and says why:
+    it is the one in force there all the same (``--declared-then`` refuses
+    to read over it), not the readable one before it."""
     if catalog.recorded_declaration is None:
         return None
     fingerprint, revision = catalog.recorded_declaration
-    return {"fingerprint": fingerprint, "recorded_at": revision}
+    if fingerprint != UNREADABLE_DECLARATION:
+        return {"fingerprint": fingerprint, "recorded_at": revision}
+    why = next(
+        (s.reason for s in catalog.skipped if s.revision == revision),
+        "written by another version of catalog-es",
+    )
+    return {
+        "fingerprint": None,
+        "recorded_at": revision,
+        "error": f"the declared config recorded at revision {revision} cannot be read: {why}",
+    }
 
 
 def _event_views(rows: Sequence[sa.Row[Any]], model: str | None) -> Iterator[dict[str, Any]]:
@@ -209,13 +222,7 @@ class _FarBehind(Exception):
 def _tell_skipped(skipped: Sequence[Skipped]) -> None:
     """A warning for each record a replay left out, ten at most and then a count."""
     for skip in skipped[:10]:
-        log.warning(
-            "skipped revision %d (model %r, %s): %s",
-            skip.revision,
-            skip.model,
-            skip.event,
-            skip.reason,
-        )
+        log.warning("skipped revision %d (%s): %s", skip.revision, skip.what(), skip.reason)
     if len(skipped) > 10:
         log.warning(
             "… and %d more skipped events (catalog-es verify lists them)", len(skipped) - 10

@@ -18,12 +18,18 @@ from uuid import UUID
 import msgspec
 
 from catalog_es.chain import ChainHead
-from catalog_es.configuration import Configuration
+from catalog_es.configuration import CONFIG_DECLARED, Configuration
 from catalog_es.errors import ConfigError, InvalidModel, ModelNotFound, Refused
 from catalog_es.model import DomainEvent, Model
 from catalog_es.spec import DEFAULT_ENGINES, EVERY_FIELD, ModelSpec, check_spec
 
 _DECLARED = Configuration.Declared
+
+# The fingerprint :attr:`Catalog.recorded_declaration` holds for a
+# declared-config record that cannot be read (one a newer release wrote,
+# say): no config's, so it is never this node's, and its next write records
+# this node's own.
+UNREADABLE_DECLARATION = ""
 
 
 class Skipped(msgspec.Struct, frozen=True):
@@ -33,6 +39,12 @@ class Skipped(msgspec.Struct, frozen=True):
     model: str
     event: str
     reason: str
+
+    def what(self) -> str:
+        """What was skipped, as a warning names it."""
+        if self.event == CONFIG_DECLARED:
+            return "the declared config's record"
+        return f"model {self.model!r}, {self.event}"
 
 
 class Catalog:
@@ -53,7 +65,8 @@ class Catalog:
         # later, so time in the log never runs backwards, whichever node's
         # clock is slow (see Models._next_timestamp).
         self.last_timestamp: datetime | None = None
-        # The declared layer the log last recorded (fingerprint, from revision).
+        # The declared layer the log last recorded (fingerprint, from revision);
+        # UNREADABLE_DECLARATION for a record this code cannot read.
         self.recorded_declaration: tuple[str, int] | None = None
         # The log's chain where this catalog was last read or written to: at
         # its revision, the hash of the event there, which a log rewritten
@@ -246,7 +259,13 @@ class Catalog:
         self.revision = revision
         self.last_timestamp = last_timestamp
         self.recorded_declaration = recorded_declaration
-        self.skipped = list(skipped)
+        self.skipped = [_named(s) for s in skipped]
+        # Snapshots written before an unreadable config record counted as
+        # the one in force name the readable record before it.
+        skips = self.skipped
+        unreadable = max((s.revision for s in skips if s.event == CONFIG_DECLARED), default=0)
+        if unreadable > (recorded_declaration[1] if recorded_declaration else 0):
+            self.recorded_declaration = (UNREADABLE_DECLARATION, unreadable)
         # Snapshots written before unreadable names were left out may hold "".
         self._unhealed = {name for name in unhealed if name}
 
@@ -380,6 +399,14 @@ class Catalog:
         self.revision = max(self.revision, revision)
         return skipped
 
+    def skip_declaration(self, revision: int, reason: str) -> Skipped:
+        """Report a declared-config record load cannot read. The layer in
+        force from it on is not known, but it is not the one recorded before
+        it: :attr:`recorded_declaration` says so, as a read of the config
+        recorded then (``--declared-then``) refuses it."""
+        self.recorded_declaration = (UNREADABLE_DECLARATION, revision)
+        return self.skip(revision, "", CONFIG_DECLARED, reason)
+
     def commit(self, event: Model.Event, new: ModelSpec | None) -> None:
         """Put an event that was checked into force."""
         self.saw(event.timestamp)
@@ -439,6 +466,14 @@ class Catalog:
                 raise ConfigError(
                     f"model {spec.name!r}: fallbacks: form a cycle: {' -> '.join(cycle)}"
                 )
+
+
+def _named(skip: Skipped) -> Skipped:
+    """A skip as this code names it: a snapshot written before unreadable
+    config records were named as readable ones are has ``Declared``."""
+    if skip.event == "Declared" and not skip.model:
+        return msgspec.structs.replace(skip, event=CONFIG_DECLARED)
+    return skip
 
 
 def _filed_elsewhere(name: str) -> str:

@@ -18,7 +18,7 @@ import msgspec
 from eventsourcing.persistence import Compressor, Mapper, StoredEvent, Transcoder
 from eventsourcing.utils import get_topic
 
-from catalog_es.configuration import Configuration
+from catalog_es.configuration import CONFIG_DECLARED, Configuration
 from catalog_es.errors import InputError, shown
 from catalog_es.model import EVENT_TYPES, DomainEvent
 
@@ -29,6 +29,9 @@ _decoders: dict[str, msgspec.json.Decoder[Any]] = {
     topic: msgspec.json.Decoder(cls) for topic, cls in EVENT_CLASSES.items()
 }
 _raw = msgspec.json.Decoder(dict[str, Any])
+
+# The topic declared-config records are stored under.
+DECLARED_TOPIC = get_topic(Configuration.Declared)
 
 
 class UndecodableEvent(Exception):
@@ -103,7 +106,10 @@ def is_about_another(topic: str, state: bytes, model: str) -> bool:
 def topic_name(topic: str) -> str:
     """The event's class name from its topic, as the log shows an undecodable
     record; a topic that is not text (SQLite lets a row hold any type) as
-    ``repr`` writes it."""
+    ``repr`` writes it. A declared-config record is ``ConfigDeclared``, as
+    the log shows one it can read."""
+    if topic == DECLARED_TOPIC:
+        return CONFIG_DECLARED
     return topic.rpartition(".")[2] if isinstance(topic, str) else repr(topic)
 
 

@@ -82,14 +82,16 @@ def event_view(revision: int, event: DomainEvent) -> dict[str, Any]:
 
 
 def undecodable_view(revision: int, topic: str, model: str, error: str) -> dict[str, Any]:
-    """A stored record that could not be decoded, shown rather than hidden."""
+    """A stored record that could not be decoded, shown rather than hidden: a
+    declared-config record as one that can be read is, ``model`` null."""
+    event = topic_name(topic)
     return {
         "revision": revision,
         "time": None,
         "by": None,
         "reason": None,
-        "model": model,
-        "event": topic_name(topic),
+        "model": None if event == CONFIG_DECLARED else model,
+        "event": event,
         "class_version": None,
         "fields": {},
         "rollback_to": None,

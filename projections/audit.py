@@ -999,13 +999,19 @@ class AuditProjection(Projection[AuditView]):
     @process_event.register
     def unreadable(self, record: Unreadable, tracking: Tracking) -> None:
         revision = tracking.notification_id
-        skipped = self.catalog.skip(revision, record.model, record.event, record.error)
+        if record.event == CONFIG_DECLARED:
+            # No model's: ``model`` null, as log --json shows the record.
+            skipped = self.catalog.skip_declaration(revision, record.error)
+            model = None
+        else:
+            skipped = self.catalog.skip(revision, record.model, record.event, record.error)
+            model = record.model
         if revision <= self.recorded:
             return
         definition = self.catalog.get(record.model)
         self._stage(
             tracking,
-            {"model": record.model, "event": record.event, "fields": {}},
+            {"model": model, "event": record.event, "fields": {}},
             definition,
             definition,
             skipped,

@@ -31,7 +31,9 @@ from sqlalchemy.engine import Connection
 from catalog_es import cpu
 from catalog_es.catalog import Catalog, Skipped
 from catalog_es.collector import collector_paused
+from catalog_es.configuration import CONFIG_DECLARED
 from catalog_es.mapper import (
+    DECLARED_TOPIC,
     UndecodableEvent,
     decode_event,
     is_about_another,
@@ -102,7 +104,10 @@ def _replay(
             try:
                 event = decode_event(topic, state)
             except UndecodableEvent as error:
-                catalog.skip(revision, model_of_state(state), topic_name(topic), str(error))
+                if topic == DECLARED_TOPIC:
+                    catalog.skip_declaration(revision, str(error))
+                else:
+                    catalog.skip(revision, model_of_state(state), topic_name(topic), str(error))
             else:
                 last, last_revision = event, revision
                 apply(event, revision)
@@ -204,7 +209,9 @@ def _replay_half(
 ) -> tuple[list[Skipped], tuple[int, datetime] | None]:
     skipped, last = _replay(half, pages)
     if half.changed_the_other_half(start) or any(
-        half.parity_of(skip.model) != half.parity for skip in skipped
+        half.parity_of(skip.model) != half.parity
+        for skip in skipped
+        if skip.event != CONFIG_DECLARED  # no model's: the merge takes the later record
     ):
         # A record filed by hand in a stream of this half but about a model of
         # the other: the check is made once, after, not on every event.

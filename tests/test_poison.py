@@ -247,7 +247,7 @@ POISONS = [
     Poison(
         "a declared-config record that is not JSON",
         "",
-        "Declared",
+        "ConfigDeclared",
         r"^corrupt payload",
         lambda p, _: p.insert(topic_of(Configuration.Declared), b"\x00", CONFIGURATION_ID),
     ),
@@ -358,7 +358,10 @@ def test_the_cli_reports_each_skip_with_its_revision_and_reason(
     for revision, poison in poisoned.items():
         # A stored name is shown as repr shows it: "p-nul\\x00", not a raw NUL.
         shown = poison.model.replace("\0", "\\x00") or "?"
-        prefix = f"skipped revision {revision} ({shown}, {poison.event}): "
+        what = f"{shown}, {poison.event}"
+        if poison.event == "ConfigDeclared":
+            what = "the declared config's record"
+        prefix = f"skipped revision {revision} ({what}): "
         assert reported[revision].startswith(prefix), reported[revision]
         assert re.search(poison.reason, reported[revision].removeprefix(prefix))
     log = CliRunner().invoke(cli, [*base, "log", "--json"])

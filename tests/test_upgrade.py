@@ -22,17 +22,22 @@ from uuid import UUID
 import msgspec
 import pytest
 import sqlalchemy as sa
+import zstandard
 from click.testing import CliRunner
 from eventsourcing.persistence import StoredEvent
 
 from catalog_es import mapper
 from catalog_es.application import Models
+from catalog_es.catalog import Skipped
 from catalog_es.cli import cli
+from catalog_es.configuration import CONFIGURATION_ID, Configuration
+from catalog_es.errors import Refused
 from catalog_es.inputs import DeclaredConfig, load_config
 from catalog_es.mapper import EVENT_CLASSES, encode_event, topic_of
 from catalog_es.model import DomainEvent, Model, Upcaster, model_id, utc_now
 from catalog_es.persistence import SQLRecorder, create_engine
 from catalog_es.spec import Scaling
+from projections import snapshots
 from tests.helpers import model_spec
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -431,3 +436,156 @@ def test_a_record_from_a_newer_release_is_skipped_by_an_older_one(
         )
     ]
     assert models.get_model("m")["scaling"] == {"min": 1, "max": 3}
+
+
+# -- a declared-config record from a newer release ------------------------------------
+
+ROLLING = (
+    "models:\n  - {name: base, engine: vllm, source: hf://org/base,"
+    " profiles: [{name: g, gpus: 1}]}\n"
+)
+
+
+def plant_newer_declaration(models: Models) -> tuple[int, str]:
+    """A declared-config record as a newer release writes it, ``class_version``
+    2, which this code cannot read: its revision, and why it cannot."""
+    with models.store.write() as conn:
+        version = models.store.stream_version(conn, CONFIGURATION_ID) + 1
+        state = {
+            "originator_id": str(CONFIGURATION_ID),
+            "originator_version": version,
+            "timestamp": "2026-12-06T00:00:00Z",
+            "class_version": 2,
+            "by": "node-b",
+            "reason": "",
+            "rollback_to": None,
+            "fingerprint": "f" * 64,
+            "engines": ["vllm"],
+            "models": [],
+            "path": "/etc/catalog.yaml",
+            "labels": {},
+        }
+        stored = StoredEvent(
+            CONFIGURATION_ID, version, topic_of(Configuration.Declared), msgspec.json.encode(state)
+        )
+        (revision,) = models.store.insert_events([stored], conn=conn) or [0]
+    return revision, (
+        "written by a newer version of catalog-es (Configuration.Declared class_version 2;"
+        " this one reads up to 1)"
+    )
+
+
+def test_a_config_record_this_release_cannot_read_is_not_taken_for_its_own(
+    db_url: str, tmp_path: Path
+) -> None:
+    """A rolling deploy: a newer node records its config in a form this one
+    cannot read. This node's next write records its own config again (the
+    record it cannot read was not it), and a diff names the unreadable record
+    as the one in force where ``--declared-then`` refuses to read over it,
+    not the readable one before it (hostile test: the write recorded nothing,
+    and the diff named revision 1's config)."""
+    path = tmp_path / "catalog.yaml"
+    path.write_text(ROLLING)
+    config = load_config(str(path))
+    env = {"CATALOG_ES_DB": db_url}
+    writer = Models(config, env=env)
+    writer.add(model_spec("a"), by="x")  # 1 ConfigDeclared, 2 Added
+    newer, why = plant_newer_declaration(writer)
+    writer.close()
+    models = Models(config, env=env)
+    assert models.scale("a", 1, 3, by="x").revision == newer + 2
+    events = list(models.log_events(after=newer - 1))
+    assert [(e["revision"], e["event"]) for e in events] == [
+        (newer, "ConfigDeclared"),
+        (newer + 1, "ConfigDeclared"),
+        (newer + 2, "Scaled"),
+    ]
+    assert events[1]["fields"]["fingerprint"] == config.fingerprint
+    unreadable = f"the declared config recorded at revision {newer} cannot be read: {why}"
+    assert models.diff(newer - 1, newer)["declared"]["to"] == {
+        "fingerprint": None,
+        "recorded_at": newer,
+        "error": unreadable,
+    }
+    with pytest.raises(Refused) as refused:
+        models.list_models(at=newer, declared_then=True)
+    assert str(refused.value) == unreadable
+    assert models.diff(newer - 1, newer + 2)["declared"]["to"] == {
+        "fingerprint": config.fingerprint,
+        "recorded_at": newer + 1,
+    }
+    assert models.list_models(at=newer + 2, declared_then=True) == models.list_models()
+    # Nor does a node that is already on the config the log recorded
+    # write it again (the record from this node stands).
+    assert models.scale("a", 1, 4, by="x").revision == newer + 3
+    models.close()
+
+
+def test_a_snapshot_from_before_names_the_unreadable_config_record_in_force(
+    tmp_path: Path,
+) -> None:
+    """Snapshots written before the fix named the readable record before an
+    unreadable one as in force, and the skip ``Declared``: restored, they
+    name the unreadable one, so the next write records this node's config."""
+    url = f"sqlite:///{tmp_path}/snap.db"
+    path = tmp_path / "catalog.yaml"
+    path.write_text(ROLLING)
+    config = load_config(str(path))
+    writer = Models(config, env={"CATALOG_ES_DB": url})
+    writer.add(model_spec("a"), by="x")
+    newer, why = plant_newer_declaration(writer)
+    catalog = writer.catalog_at(newer)
+    old = msgspec.structs.replace(
+        snapshots._decoder.decode(zstandard.decompress(snapshots.encode(catalog))),
+        recorded_declaration=(config.fingerprint, 1),
+        skipped=[Skipped(revision=newer, model="", event="Declared", reason=why)],
+    )
+    with writer.store.write() as conn:
+        snapshots.save(
+            conn,
+            config.fingerprint,
+            newer,
+            zstandard.ZstdCompressor().compress(msgspec.msgpack.encode(old)),
+        )
+    writer.close()
+    models = Models(config, env={"CATALOG_ES_DB": url})
+    assert [(s.revision, s.event) for s in models.skipped()] == [(newer, "ConfigDeclared")]
+    assert models.scale("a", 1, 3, by="x").revision == newer + 2
+    assert [e["event"] for e in models.log_events(after=newer)] == ["ConfigDeclared", "Scaled"]
+    models.close()
+
+
+def test_an_unreadable_config_record_is_shown_as_one(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """In ``log --json``, as a config record (``ConfigDeclared``, ``model``
+    null) with why it cannot be read; in the load's warning, as the declared
+    config's record (it showed ``"model": ""``, ``Declared`` and ``model ''``)."""
+    url = f"sqlite:///{tmp_path}/shown.db"
+    path = tmp_path / "catalog.yaml"
+    path.write_text(ROLLING)
+    writer = Models(load_config(str(path)), env={"CATALOG_ES_DB": url})
+    writer.add(model_spec("a"), by="x")
+    newer, why = plant_newer_declaration(writer)
+    writer.close()
+    log = CliRunner().invoke(cli, ["--db", url, "--config", str(path), "log", "--json"])
+    assert log.exit_code == 0, log.stderr
+    shown = json.loads(log.stdout.splitlines()[newer - 1])
+    assert {k: shown[k] for k in ("revision", "model", "event", "error")} == {
+        "revision": newer,
+        "model": None,
+        "event": "ConfigDeclared",
+        "error": why,
+    }
+    assert f"skipped revision {newer} (the declared config's record): {why}" in caplog.messages
+    audit = CliRunner().invoke(cli, ["--db", url, "--config", str(path), "audit", "--json"])
+    assert audit.exit_code == 0, audit.stderr
+    row = next(r for r in json.loads(audit.stdout) if r["revision"] == newer)
+    assert (row["model"], row["event"], row["skipped"]) == (None, "ConfigDeclared", why)
+    diff = CliRunner().invoke(
+        cli, ["--db", url, "--config", str(path), "diff", str(newer - 1), str(newer)]
+    )
+    assert diff.exit_code == 0, diff.stderr
+    assert diff.stderr.splitlines()[-1] == (
+        f"note: the declared config recorded at revision {newer} cannot be read: {why}"
+    )

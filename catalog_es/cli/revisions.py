@@ -30,6 +30,7 @@ from catalog_es.cli.base import (
     stopped_when_asked,
     table,
 )
+from catalog_es.configuration import CONFIG_DECLARED
 from catalog_es.errors import counted, json_line
 from catalog_es.persistence import database_unusable
 from catalog_es.rollback import DIMENSIONS
@@ -97,6 +98,10 @@ def diff_command(
         declared = diff["declared"]
         if None not in (declared["from"], declared["to"]) and declared["from"] != declared["to"]:
             click.echo("note: the declared config recorded in the log changed in between", err=True)
+        # A record this version cannot read (a newer release's), in force at an end.
+        ends = (declared["from"], declared["to"])
+        for error in dict.fromkeys(end["error"] for end in ends if end and "error" in end):
+            click.echo(f"note: {error}", err=True)
 
     emit(settings, diff, human)
 
@@ -221,6 +226,13 @@ def _until_it_answers(probe: sa.Engine) -> None:
                 raise
 
 
+def _skipped_what(skip: dict[str, Any]) -> str:
+    """What a replay left out, as its summary line names it."""
+    if skip["event"] == CONFIG_DECLARED:
+        return "the declared config's record"
+    return f"{skip['model'] or '?'}, {skip['event']}"
+
+
 @cli.command("replay")
 @shared_options
 @pass_settings
@@ -250,9 +262,6 @@ def replay_command(settings: Settings) -> None:
             f"{summary['snapshots']} snapshots, {len(summary['skipped'])} events skipped"
         )
         for s in summary["skipped"]:
-            say(
-                f"skipped revision {s['revision']} ({s['model'] or '?'}, {s['event']}): "
-                f"{s['reason']}"
-            )
+            say(f"skipped revision {s['revision']} ({_skipped_what(s)}): {s['reason']}")
 
     emit(settings, summary, human)
