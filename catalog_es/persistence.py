@@ -159,6 +159,14 @@ tracking_table = sa.Table(
 _UNLINKED_COLUMNS = {"revision", "originator_id", "originator_version", "topic", "state", "hash"}
 
 
+def _unlinked(inspector: sa.Inspector) -> bool:
+    """Whether the log's table is 0.1.0's, unlinked (no ``stream_previous``),
+    though every table of today's is there: one made beside it by a release
+    that did not bring it over (an operator's column on it stopped that)."""
+    columns = {c["name"] for c in inspector.get_columns("catalog_events")}
+    return columns >= _UNLINKED_COLUMNS and "stream_previous" not in columns
+
+
 # The revision column's sequence on PostgreSQL (NULL if it has none, and the
 # functions given it answer NULL): older releases numbered from it, and it is
 # kept past every revision written, so none is handed out twice.
@@ -847,7 +855,9 @@ class SQLRecorder(ProcessRecorder):
         only when a table is missing: a start must not wait for a writer when
         there is nothing to create."""
         inspector = sa.inspect(self.engine)
-        if all(inspector.has_table(table.name) for table in tables.sorted_tables):
+        if all(inspector.has_table(table.name) for table in tables.sorted_tables) and not (
+            tables is metadata and _unlinked(inspector)
+        ):
             return
         # The events table may not exist yet to LOCK: an advisory lock instead.
         with self.locked("catalog_es.tables") as conn:
@@ -865,11 +875,27 @@ class SQLRecorder(ProcessRecorder):
         A ``catalog_streams`` dropped from today's layout is made again from
         the rows: left empty, every model's next version would be 1 again."""
         columns = [c["name"] for c in sa.inspect(conn).get_columns("catalog_events")]
-        if set(columns) != _UNLINKED_COLUMNS:
-            if not streams_kept and "stream_previous" in columns:
+        if "stream_previous" in columns:
+            if not streams_kept:
                 self._fill_streams(conn)
-            # Else a table of that name that is not the log's (refused on use).
             return
+        if not set(columns) >= _UNLINKED_COLUMNS:
+            return  # a table of that name that is not the log's (refused on use)
+        # Columns an operator added to 0.1.0's table. PostgreSQL adds today's
+        # to the table as it is, and they stay; SQLite makes the table anew,
+        # and from what it keeps of a column (its type, NOT NULL, default)
+        # could not make it again with its constraints (CHECK, COLLATE,
+        # REFERENCES): refused before anything is made, the log left as it
+        # was (a catalog_streams made empty beside it was never filled).
+        added = [c for c in columns if c not in _UNLINKED_COLUMNS]
+        if added and self.dialect == "sqlite":
+            named = ", ".join(added)
+            raise UpgradeFailed(
+                f"the log's table catalog_events has columns 0.1.0 did not make ({named}):"
+                " this version cannot bring a SQLite log with them to its layout, nothing"
+                " was changed; copy what they hold elsewhere if it is needed, drop them"
+                f" (ALTER TABLE catalog_events DROP COLUMN {added[0]}), and run again"
+            )
         log.warning(
             "bringing the log's tables to this version's layout, once (one transaction over"
             " every event: about 20 s a million); 0.1.0 nodes can no longer write to it"
@@ -938,6 +964,10 @@ class SQLRecorder(ProcessRecorder):
         self._fill_streams(conn)
 
     def _fill_streams(self, conn: Connection) -> None:
+        # Each stream's last event, worked out from the events alone: what a
+        # catalog_streams made beside a 0.1.0 table holds (by a release that
+        # then left it unfilled) is not trusted.
+        conn.exec_driver_sql("DELETE FROM catalog_streams")
         conn.exec_driver_sql(
             "INSERT INTO catalog_streams (originator_id, version, revision)"
             " SELECT originator_id, max(originator_version), max(revision)"

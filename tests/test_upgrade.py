@@ -35,7 +35,7 @@ from catalog_es.errors import Refused
 from catalog_es.inputs import DeclaredConfig, load_config
 from catalog_es.mapper import EVENT_CLASSES, encode_event, topic_of
 from catalog_es.model import DomainEvent, Model, Upcaster, model_id, utc_now
-from catalog_es.persistence import SQLRecorder, create_engine
+from catalog_es.persistence import SQLRecorder, create_engine, streams_table
 from catalog_es.spec import Scaling
 from projections import snapshots
 from tests.helpers import model_spec
@@ -259,6 +259,80 @@ def test_a_log_that_cannot_be_brought_over_is_one_line_and_left_as_it_was(
         c["name"] for c in sa.inspect(engine).get_columns("catalog_events")
     ]
     engine.dispose()
+
+
+def test_a_sqlite_log_with_a_column_an_operator_added_is_refused_and_left_as_it_was(
+    tmp_path: Path,
+) -> None:
+    """SQLite remakes the table, and could not make a column of the
+    operator's again as it was: one line saying what to do, and nothing
+    made (hostile test: the upgrade was passed over, an empty catalog_streams
+    made, every write then refused as a hand edit, for good)."""
+    url = f"sqlite:///{tmp_path}/noted.db"
+    load_fixture(url, LOGS[-1])
+    unlink(url)
+    engine = create_engine(url)
+    with engine.begin() as conn:
+        conn.exec_driver_sql("ALTER TABLE catalog_events ADD COLUMN note TEXT")
+        before = conn.exec_driver_sql("SELECT * FROM catalog_events ORDER BY revision").all()
+    for command in (["model", "list"], ["verify"]):
+        result = CliRunner().invoke(cli, ["--db", url, *command])
+        assert result.exit_code == 1
+        assert result.stderr.splitlines() == [
+            "error: the log's table catalog_events has columns 0.1.0 did not make (note): this"
+            " version cannot bring a SQLite log with them to its layout, nothing was changed;"
+            " copy what they hold elsewhere if it is needed, drop them (ALTER TABLE"
+            " catalog_events DROP COLUMN note), and run again"
+        ]
+    with engine.begin() as conn:
+        assert not sa.inspect(conn).has_table("catalog_streams")
+        assert conn.exec_driver_sql("SELECT * FROM catalog_events ORDER BY revision").all() == (
+            before
+        )
+        conn.exec_driver_sql("ALTER TABLE catalog_events DROP COLUMN note")
+    engine.dispose()
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": url})
+    assert models.verify()["ok"] is True
+    models.close()
+
+
+def test_a_postgresql_log_with_a_column_an_operator_added_is_brought_over_with_it(
+    pg_url: str,
+) -> None:
+    load_fixture(pg_url, LOGS[-1])
+    linked = links(pg_url)
+    unlink(pg_url)
+    engine = create_engine(pg_url)
+    with engine.begin() as conn:
+        conn.exec_driver_sql("ALTER TABLE catalog_events ADD COLUMN note TEXT")
+        conn.exec_driver_sql("UPDATE catalog_events SET note = 'seen' WHERE revision = 2")
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": pg_url})
+    assert links(pg_url) == linked
+    assert models.verify()["ok"] is True
+    with engine.connect() as conn:
+        notes = conn.exec_driver_sql(
+            "SELECT revision, note FROM catalog_events WHERE note IS NOT NULL"
+        )
+        assert [tuple(row) for row in notes] == [(2, "seen")]
+    engine.dispose()
+    models.close()
+
+
+def test_a_0_1_0_log_beside_an_empty_catalog_streams_is_still_brought_over(db_url: str) -> None:
+    """What a release that passed the upgrade over left behind: every table
+    of today's, the log's still 0.1.0's. The next start brings it over
+    (it was passed over for good, every write refused as a hand edit)."""
+    load_fixture(db_url, LOGS[-1])
+    linked = links(db_url)
+    unlink(db_url)
+    engine = create_engine(db_url)
+    with engine.begin() as conn:
+        streams_table.create(conn)
+    engine.dispose()
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
+    assert links(db_url) == linked
+    assert models.verify()["ok"] is True
+    models.close()
 
 
 def test_the_newest_fixture_holds_every_kind_of_stored_event() -> None:
