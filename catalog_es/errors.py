@@ -26,8 +26,10 @@ def json_escaped(text: str) -> str:
     return UNSAFE_TEXT.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
 
 
-# How many of a list's items :func:`json_in_pieces` joins into one piece.
-ITEMS_A_PIECE = 64
+# How long a piece :func:`json_in_pieces` joins its items into grows before
+# it is given (an item longer is a piece of its own): 64 items a piece held
+# 640 MB for a client that did not read, of items of 10 MB (hostile test).
+PIECE_LENGTH = 1 << 18
 JSONText = TypeVar("JSONText", str, bytes)
 
 
@@ -38,8 +40,8 @@ def json_in_pieces(
     data: dict[str, Any] | None = None,
     key: str = "",
 ) -> Iterator[JSONText]:
-    """``encode`` of ``items`` as one list, in pieces of :data:`ITEMS_A_PIECE`
-    items: the same document as encoding it whole, for a list too large to
+    """``encode`` of ``items`` as one list, in pieces of about :data:`PIECE_LENGTH`
+    (bytes, or characters): the same document as encoding it whole, for a list too large to
     hold whole (an apply's answer, an audit's rows). The list is the document
     itself, or, given ``data``, the value of its last key, ``key``."""
     empty = encode([]) if data is None else encode({**data, key: []})
@@ -48,11 +50,13 @@ def json_in_pieces(
     yield opening
     later = empty[:0]
     group: list[JSONText] = []
+    length = 0
     for item in items:
-        group.append(encode(item))
-        if len(group) == ITEMS_A_PIECE:
+        group.append(encoded := encode(item))
+        length += len(encoded)
+        if length >= PIECE_LENGTH:
             yield later + separator.join(group)
-            later, group = separator, []
+            later, group, length = separator, [], 0
     if group:
         yield later + separator.join(group)
     yield closing

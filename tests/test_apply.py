@@ -254,19 +254,21 @@ def test_a_batch_continues_each_stream_at_its_own_next_version(db_url: str) -> N
     assert all(versions == list(range(1, len(versions) + 1)) for versions in streams.values())
 
 
-def _many_adapters(name: str) -> ModelSpec:
-    adapters = [{"name": f"ad{i}", "source": f"s3://adapters/{name}/ad{i}"} for i in range(100)]
+def _many_adapters(name: str, count: int) -> ModelSpec:
+    adapters = [{"name": f"ad{i}", "source": f"s3://adapters/{name}/ad{i}"} for i in range(count)]
     return model_spec(name, adapters=adapters)
 
 
-def test_a_large_answer_is_built_as_it_is_read(db_url: str) -> None:
+@pytest.mark.parametrize(("adapters", "changes"), [(100, 2_000), (5_000, 40)])
+def test_a_large_answer_is_built_as_it_is_read(db_url: str, adapters: int, changes: int) -> None:
     """Each change's item gives the model whole: 5,000 changes to one model
     with a hundred adapters answered 58 MB, held whole until written (and,
     by the server, for as long as its client did not read). Read a piece
-    at a time, it is never all in memory."""
+    at a time, it is never all in memory, nor are many large items at once
+    (64 definitions of 10 MB were built and joined together)."""
     models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
-    models.add(_many_adapters("wide"), by="ops")
-    steps = [commands.scale("wide", 0, 1 + i % 7) for i in range(2_000)]
+    models.add(_many_adapters("wide", adapters), by="ops")
+    steps = [commands.scale("wide", 0, 1 + i % 7) for i in range(changes)]
     tracemalloc.start()
     try:
         result = models.apply_changes(steps, by="ops")

@@ -33,7 +33,7 @@ from catalog_es.cli.base import (
     VisibleWarnings,
     stopped_when_asked,
 )
-from catalog_es.errors import ITEMS_A_PIECE, json_in_pieces, json_line
+from catalog_es.errors import PIECE_LENGTH, json_in_pieces, json_line
 from catalog_es.inputs import DeclaredConfig
 from catalog_es.persistence import database_unusable
 from tests.helpers import config_yaml, count_events, definition, spec
@@ -151,13 +151,19 @@ def test_every_group_and_command_takes_the_shared_options() -> None:
     assert ("token", "list") in set(walk(cli, ()))
 
 
-@pytest.mark.parametrize("count", [0, 1, ITEMS_A_PIECE, ITEMS_A_PIECE + 1, 3 * ITEMS_A_PIECE])
+@pytest.mark.parametrize("count", [0, 1, 2, 40])
 def test_json_in_pieces_is_the_document_encoded_whole(count: int) -> None:
     """A list written in pieces (``audit --json``'s rows, ``apply --json``'s
     models) is byte for byte the list encoded at once, on its own or as a
-    document's last key; what a terminal would act on escaped as ever."""
-    items = [{"n": i, "text": f"row {i}\u202e\x1b[2J é"} for i in range(count)]
-    assert "".join(json_in_pieces(json_line, ", ", iter(items))) == json_line(items)
+    document's last key; what a terminal would act on escaped as ever. A
+    piece is about as long as it may be, an item longer than that its own."""
+    padding = [(i * 37_813) % (2 * PIECE_LENGTH) for i in range(count)]
+    items = [{"n": i, "text": f"row {i}\u202e\x1b[2J é" + "x" * padding[i]} for i in range(count)]
+    pieces = list(json_in_pieces(json_line, ", ", iter(items)))
+    assert "".join(pieces) == json_line(items)
+    assert all(len(piece) < 2 * PIECE_LENGTH + 1000 for piece in pieces)
+    if count == 40:
+        assert len(pieces) > 20
     head = {"revision": 7, "changes": count}
     whole = json_line({**head, "models": items})
     assert "".join(json_in_pieces(json_line, ", ", iter(items), head, "models")) == whole
