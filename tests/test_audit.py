@@ -62,7 +62,7 @@ from catalog_es.persistence import (
     streams_table,
 )
 from catalog_es.ports import PreAddCheck
-from catalog_es.spec import DEFAULT_ENGINES, ModelSpec, Origin, Profile, Scaling
+from catalog_es.spec import DEFAULT_ENGINES, Adapter, ModelSpec, Origin, Profile, Scaling
 from projections.audit import (
     ANY_CHANGES_TABLE,
     AuditView,
@@ -945,6 +945,29 @@ def test_a_new_process_catches_up_from_a_snapshot_with_the_rows_a_full_replay_wr
     fresh.rebuild_audit()  # a replay from the first event
     assert fresh.audit() == rows
     fresh.close()
+
+
+def test_a_catch_up_writes_its_rows_before_they_hold_too_much(
+    db: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each row holds the model before and after: rows were written 5,000 at
+    a time whatever their size, and 5,000 changes to a model of 800 KB took a
+    catch-up to 3.3 GB (hostile test)."""
+    monkeypatch.setattr(projections.audit, "BATCH_BYTES", 1 << 20, raising=False)
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db})
+    adapters = tuple(Adapter(f"ad{i}", f"s3://adapters/wide/ad{i}") for i in range(500))
+    models.add(msgspec.structs.replace(CHAT, name="wide", fallbacks=(), adapters=adapters), by="a")
+    models.apply_changes([commands.scale("wide", 0, 1 + i % 5) for i in range(400)], by="a")
+    tracemalloc.start()
+    try:
+        assert [r["revision"] for r in models.audit(limit=1)] == [models.revision]
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    written = len(models.audit_json())
+    assert written > 20_000_000
+    assert peak < written / 4, (peak, written)
+    models.close()
 
 
 def test_a_catch_up_that_another_process_overtook_writes_only_what_is_left(
