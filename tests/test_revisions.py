@@ -1454,6 +1454,28 @@ def test_rollback_of_resources_alone_says_it_leaves_the_gpus(
     assert models.get_model("a")["profiles"][0]["gpus"] == 1
 
 
+def test_a_rollbacks_notes_are_told_ten_at_most_then_how_many_more(
+    open_models: Callable[..., Models], db_url: str
+) -> None:
+    """One note for each of 10,000 models buried the warning after them (hostile test)."""
+    models = open_models()
+    models.add(spec("a"), by="x")
+    target = models.revision
+    models.apply_changes([commands.add(spec(f"m{i:02d}")) for i in range(12)], by="x")
+    assert len(models.rollback(target, only="scaling", dry_run=True, by="ops")["notes"]) == 12
+    printed = CliRunner().invoke(
+        cli, ["--db", db_url, "rollback", "--to", str(target), "--only", "scaling", "--dry-run"]
+    )
+    assert printed.exit_code == 0, printed.output
+    notes = [line for line in printed.stderr.splitlines() if line.startswith("note: ")]
+    assert notes[:10] == [
+        f"note: model 'm{i:02d}' is in force at only one of the two revisions; "
+        "--only scaling leaves it"
+        for i in range(10)
+    ]
+    assert notes[10:] == ["note: … and 2 more notes (rollback --json gives them all)"]
+
+
 # -- watch ------------------------------------------------------------------------------------
 
 

@@ -106,6 +106,11 @@ def diff_command(
     emit(settings, diff, human)
 
 
+# Notes a rollback tells, at most, then how many more: one for each of 10,000
+# models buried the warning that followed them (hostile test).
+NOTES_SHOWN = 10
+
+
 @cli.command("rollback")
 @click.option("--to", "to", type=REVISION_OR_TIME, required=True, help="The revision or UTC time.")
 @click.option("--model", "model_name", metavar="NAME", help="Only this model.")
@@ -127,8 +132,12 @@ def rollback_command(
     )
 
     def human() -> None:
-        for note in result["notes"]:
+        notes = result["notes"]
+        for note in notes[:NOTES_SHOWN]:
             say(f"note: {note}", err=True)
+        if len(notes) > NOTES_SHOWN:
+            more = counted(len(notes) - NOTES_SHOWN, "more note")
+            say(f"note: … and {more} (rollback --json gives them all)", err=True)
         show_diff(result["diff"])
         events = counted(len(result["events"]), "event")
         if dry_run:
