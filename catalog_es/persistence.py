@@ -1180,16 +1180,28 @@ class SQLRecorder(ProcessRecorder):
             ]
 
     def page_end(
-        self, after: int, limit: int, max_bytes: int, topics: Sequence[str] = ()
+        self,
+        after: int,
+        limit: int,
+        max_bytes: int,
+        topics: Sequence[str] = (),
+        *,
+        upto: int | None = None,
+        among: Sequence[int] | None = None,
     ) -> int | None:
         """The last revision of a page of at most ``limit`` events after
         ``after`` whose stored forms come to no more than ``max_bytes`` (one
         event at least, however large); ``None`` when there is none. Told by
-        the sizes alone, which neither database reads the bytes for."""
+        the sizes alone, which neither database reads the bytes for. Only
+        events up to ``upto``, and only those of the revisions ``among``."""
         t = events_table.c
         query = sa.select(t.revision, sa.func.length(t.state)).where(t.revision > after)
         if topics:
             query = query.where(t.topic.in_(topics))
+        if upto is not None:
+            query = query.where(t.revision <= upto)
+        if among is not None:
+            query = query.where(t.revision.in_(among))
         with self.read() as conn:
             rows = conn.execute(query.order_by(t.revision).limit(limit)).all()
         count = fitting((size for _, size in rows), max_bytes)

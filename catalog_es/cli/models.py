@@ -26,6 +26,7 @@ from catalog_es.cli.base import (
     shared_options,
     show_model,
     table,
+    write_out,
     write_text,
 )
 from catalog_es.errors import InputError, counted, json_in_pieces, json_line, shown
@@ -291,9 +292,11 @@ def log_command(settings: Settings, model_name: str | None, after: int, limit: i
     """The raw events with their revisions, who and when, oldest first."""
     events = settings.models().log_events(after=after, limit=limit, model=model_name)
     if settings.json:
-        for e in events:
-            click.echo(json_line(e))
+        # Written as the events are read, a page at a time: one line each.
+        write_out(json_line(e) for e in events)
         return
+    # A table's columns are as wide as their widest cell, so it is written
+    # once every row is read: only the cells' text is kept until then.
     table(
         ["REV", "TIME", "BY", "MODEL", "EVENT", "CHANGE", "REASON"],
         (
