@@ -155,6 +155,12 @@ class CommandResult(msgspec.Struct, frozen=True):
     written: bool = True
 
 
+# The most of the stored events' bytes ``log`` reads at once (and
+# ``PullingSubscription.page`` events at most), as a watch pages but a
+# quarter of its bytes: a page is written out as soon as it is read, so a
+# smaller one costs little, and held a page of 1 MiB took 2.4 MB.
+LOG_PAGE_BYTES = 1 << 18
+
 # How many of an apply's answer items are built at once, at most, and the
 # weight of their definitions (a profile, an adapter, an origin's file each
 # count one) past which fewer are: 64 models of 5,000 adapters each took
@@ -1422,7 +1428,8 @@ class Models(AuditTrail, Application[UUID]):
     ) -> Iterator[Any]:
         """Rows after ``after`` up to ``head`` (only those of the revisions
         ``among``, in order, when given), at most ``limit``, in pages as a
-        watch pulls them: so many events or so many bytes of them."""
+        watch pulls them (:meth:`SQLRecorder.page_end`): so many events or
+        ``LOG_PAGE_BYTES`` of them."""
         t = events_table.c
         left = limit if among is None else len(among)
         start = 0  # where ``among`` is up to
@@ -1432,7 +1439,7 @@ class Models(AuditTrail, Application[UUID]):
             )
             chunk = None if among is None else among[start : start + count]
             end = self.store.page_end(
-                after, count, PullingSubscription.page_bytes, upto=head, among=chunk
+                after, count, LOG_PAGE_BYTES, upto=head, among=chunk
             )
             if end is None:
                 return
