@@ -7,6 +7,8 @@ events, when this command, then this catalog.
 from __future__ import annotations
 
 import gc
+import hashlib
+import io
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -182,3 +184,20 @@ def put_back(url: str, saved: list[list[Any]]) -> None:
             if rows:
                 conn.execute(table.insert(), rows)
     engine.dispose()
+
+
+class CountedOutput(io.TextIOBase):
+    """Standard output that keeps nothing of what is written: its length and digest."""
+
+    def __init__(self) -> None:
+        self.size = self.lines = 0
+        self.digest = hashlib.sha256()
+
+    def write(self, text: str) -> int:
+        self.size += len(text)
+        self.lines += text.count("\n")
+        self.digest.update(text.encode())
+        return len(text)
+
+    def isatty(self) -> bool:
+        return False

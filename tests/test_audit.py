@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import gc
 import hashlib
-import io
 import json
 import os
 import sys
@@ -75,6 +74,7 @@ from projections.audit import (
     tracking_table,
 )
 from tests.helpers import (
+    CountedOutput,
     collections_seen,
     config_yaml,
     definition,
@@ -623,23 +623,6 @@ def test_large_answers_bring_on_no_collection_of_the_oldest_generation(
     assert 2 not in seen
     assert [len(rows) for rows in answers] == [len(msgspec.json.decode(answer))] * 2
     assert len(answers[0]) == 4 + scalings
-
-
-class CountedOutput(io.TextIOBase):
-    """Standard output that keeps nothing of what is written: its length and digest."""
-
-    def __init__(self) -> None:
-        self.size = self.lines = 0
-        self.digest = hashlib.sha256()
-
-    def write(self, text: str) -> int:
-        self.size += len(text)
-        self.lines += text.count("\n")
-        self.digest.update(text.encode())
-        return len(text)
-
-    def isatty(self) -> bool:
-        return False
 
 
 @pytest.mark.parametrize("as_json", [True, False], ids=["json", "table"])

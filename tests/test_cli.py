@@ -6,6 +6,7 @@ exactly as long as before (counted in the file, not through the code).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -14,6 +15,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import tracemalloc
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -25,6 +27,7 @@ import sqlalchemy as sa
 import yaml
 from click.testing import CliRunner, Result
 
+from catalog_es import commands
 from catalog_es.application import Models
 from catalog_es.cli import cli
 from catalog_es.cli.base import (
@@ -35,8 +38,9 @@ from catalog_es.cli.base import (
 )
 from catalog_es.errors import PIECE_LENGTH, json_in_pieces, json_line
 from catalog_es.inputs import DeclaredConfig
-from catalog_es.persistence import database_unusable
-from tests.helpers import config_yaml, count_events, definition, spec
+from catalog_es.persistence import PullingSubscription, database_unusable
+from catalog_es.spec import Adapter
+from tests.helpers import CountedOutput, config_yaml, count_events, definition, spec
 
 LOG_KEYS = {
     "revision",
@@ -962,6 +966,67 @@ def test_log_json_prints_one_object_per_event_with_the_documented_keys(
     )
     human = ok(run("log")).stdout
     assert "alice" in human and "Scaled" in human and "peak" in human
+
+
+def test_the_cli_writes_a_large_log_out_as_it_reads_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`log --json` read every event of the log before it wrote its first
+    line: of 900,000 events, 1.42 GB and 11 s before `log --json | head -1`
+    printed (tester, PostgreSQL). It reads them a page at a time as it
+    writes them, as a watch does: these 1,000 changes of a hundred adapters
+    each (5.9 MB of JSON lines) took 6 MB; now 0.8 MB."""
+    db = f"sqlite:///{tmp_path}/catalog.db"
+    # A snapshot at the head: starting, the CLI reads none of the log back.
+    models = Models(DeclaredConfig(), snapshot_interval=1_000, env={"CATALOG_ES_DB": db})
+    models.add(spec("wide"), by="ops")
+    sets = [
+        tuple(Adapter(name=f"ad{i}", source=f"s3://adapters/wide/{k}/ad{i}") for i in range(100))
+        for k in range(2)
+    ]
+    models.apply_changes([commands.adapters("wide", sets[i % 2]) for i in range(999)], by="ops")
+    expected = "".join(json_line(e) + "\n" for e in models.log_events())
+    size, digest = len(expected), hashlib.sha256(expected.encode()).hexdigest()
+    del expected
+    models.close()
+    out = CountedOutput()
+    monkeypatch.setattr(sys, "stdout", out)
+    tracemalloc.start()
+    try:
+        cli.main(["--db", db, "--json", "log"], standalone_mode=False)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert (out.size, out.lines, out.digest.hexdigest()) == (size, 1_000, digest)
+    assert size > 5_000_000
+    assert peak < size / 4, (peak, size)
+
+
+def test_log_read_a_page_at_a_time_is_the_log_as_it_stood_when_asked(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three events a page: after, limit and a model's events come out as
+    one read of them all (/log's) gives them, and an event written while
+    the log is read is left to the next read."""
+    monkeypatch.setattr(PullingSubscription, "page", 3)
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
+    models.add(spec("a"), by="ops")
+    models.add(spec("b"), by="ops")
+    scales = [commands.scale("b" if i % 3 == 0 else "a", 0, 2 + i % 7) for i in range(30)]
+    models.apply_changes(scales, by="ops")
+    head = len(list(models.log_events()))
+    assert head > 20
+    for after in (0, 1, 7, head - 1, head, head + 5):
+        for limit in (None, 1, 3, 4, 10):
+            for model in (None, "a", "b", "c"):
+                asked = {"after": after, "limit": limit, "model": model}
+                whole = list(models.log_events(**asked, max_bytes=1 << 30))
+                assert list(models.log_events(**asked)) == whole, asked
+    reading = models.log_events()
+    first = next(reading)
+    models.scale("a", 0, 99, by="ops")
+    assert [first["revision"], *(e["revision"] for e in reading)] == list(range(1, head + 1))
+    models.close()
 
 
 def test_a_run_without_the_declared_config_the_nodes_recorded_says_so(
