@@ -1438,9 +1438,7 @@ class Models(AuditTrail, Application[UUID]):
                 PullingSubscription.page if left is None else min(PullingSubscription.page, left)
             )
             chunk = None if among is None else among[start : start + count]
-            end = self.store.page_end(
-                after, count, LOG_PAGE_BYTES, upto=head, among=chunk
-            )
+            end = self.store.page_end(after, count, LOG_PAGE_BYTES, upto=head, among=chunk)
             if end is None:
                 return
             query = sa.select(t.revision, t.topic, t.state).where(
