@@ -1019,9 +1019,10 @@ def test_log_read_a_page_at_a_time_is_the_log_as_it_stood_when_asked(
     for after in (0, 1, 7, head - 1, head, head + 5):
         for limit in (None, 1, 3, 4, 10):
             for model in (None, "a", "b", "c"):
-                asked = {"after": after, "limit": limit, "model": model}
-                whole = list(models.log_events(**asked, max_bytes=1 << 30))
-                assert list(models.log_events(**asked)) == whole, asked
+                asked = (after, limit, model)
+                whole = models.log_events(after=after, limit=limit, model=model, max_bytes=1 << 30)
+                paged = models.log_events(after=after, limit=limit, model=model)
+                assert list(paged) == list(whole), asked
     reading = models.log_events()
     first = next(reading)
     models.scale("a", 0, 99, by="ops")
