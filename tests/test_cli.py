@@ -1304,9 +1304,13 @@ def test_a_reader_that_goes_away_ends_the_command_quietly(
         (["model", "scale", "m", "--max", "7"], ">/dev/full", EXIT_OUTPUT_FAILED),
         (["--json", "model", "scale", "m", "--max", "7"], ">/dev/full", EXIT_OUTPUT_FAILED),
         (["model", "list"], ">/dev/full", EXIT_OUTPUT_FAILED),
+        # Written in pieces as they are built (review: exit 1, "unexpected OSError").
+        (["--json", "apply", "CHANGES"], ">/dev/full", EXIT_OUTPUT_FAILED),
+        (["--json", "audit"], ">/dev/full", EXIT_OUTPUT_FAILED),
+        (["--json", "log"], ">/dev/full", EXIT_OUTPUT_FAILED),
         (["model", "scale", "m", "--max", "7"], ">&-", 0),
     ],
-    ids=["full-disk", "full-disk-json", "full-disk-table", "closed"],
+    ids=["full-disk", "full-disk-json", "full-disk-table", "apply", "audit", "log", "closed"],
 )
 def test_a_write_whose_answer_cannot_be_written_out_is_not_told_as_refused(
     tmp_path: Path, command: list[str], output: str, code: int
@@ -1318,6 +1322,9 @@ def test_a_write_whose_answer_cannot_be_written_out_is_not_told_as_refused(
     db = f"sqlite:///{tmp_path}/catalog.db"
     models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db})
     models.add(spec("m"), by="ops")
+    changes = tmp_path / "changes.yaml"
+    changes.write_text("- scale: {name: m, max: 7}\n")
+    command = [str(changes) if word == "CHANGES" else word for word in command]
     told = in_a_shell(db, " ".join(command), output)
     assert told.returncode == code, told.stderr
     if code:
@@ -1326,7 +1333,8 @@ def test_a_write_whose_answer_cannot_be_written_out_is_not_told_as_refused(
             == "error: the answer could not be written out: [Errno 28] No space left on device\n"
         )
     models.refresh()
-    assert models.get_model("m")["scaling"]["max"] == (7 if "scale" in command else 1)
+    wrote = "scale" in command or "apply" in command
+    assert models.get_model("m")["scaling"]["max"] == (7 if wrote else 1)
     models.close()
 
 

@@ -568,7 +568,7 @@ class CatalogGroup(click.Group):
 
 
 # Where every answer is written out: an error raised in one is the output's.
-_WRITERS = {click.echo.__code__, write_out.__code__}
+_WRITERS = {click.echo.__code__, write_out.__code__, write_text.__code__}
 
 
 def _raised_writing_out(error: BaseException) -> bool:
