@@ -90,11 +90,15 @@ class Catalog:
 
     def name_of(self, originator_id: UUID) -> str | None:
         """The model whose stream ``originator_id`` is, of those this catalog has
-        replayed an event of (one restored from a snapshot knows only those
-        since): for a record that cannot say so itself. Rare, so each is
-        looked for afresh (a few milliseconds at 100,000 models)."""
+        replayed an event of or holds the stream of (one restored from a
+        snapshot holds every stream the snapshot has, but has replayed only
+        the events since: looked for among those alone, a stream with none
+        since went unnamed; review): for a record that cannot say so itself.
+        Rare, so each is looked for afresh (a few milliseconds at 100,000 models)."""
         wanted = originator_id.int
-        return next((name for name, known in self._ids.items() if known == wanted), None)
+        replayed = (name for name, known in self._ids.items() if known == wanted)
+        held = (name for name, aggregate in self.aggregates.items() if aggregate.id.int == wanted)
+        return next(replayed, None) or next(held, None)
 
     def get(self, name: str) -> ModelSpec | None:
         spec = self.declared.get(name)
