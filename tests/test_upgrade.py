@@ -99,8 +99,9 @@ CREATE TABLE catalog_events_unlinked (
 """
 
 
-def unlink(url: str) -> None:
-    """Turn a log into the layout 0.1.0 wrote."""
+def unlink(url: str, *then: str) -> None:
+    """Turn a log into the layout 0.1.0 wrote, and run ``then`` on it (what an
+    operator made of it)."""
     engine = create_engine(url)
     with engine.begin() as conn:
         conn.exec_driver_sql("DROP TABLE catalog_streams")
@@ -117,6 +118,8 @@ def unlink(url: str) -> None:
                 "ALTER TABLE catalog_events DROP COLUMN stream_previous, ADD CONSTRAINT"
                 " catalog_events_stream UNIQUE (originator_id, originator_version)"
             )
+        for sql in then:
+            conn.exec_driver_sql(sql)
     engine.dispose()
 
 
@@ -187,18 +190,13 @@ def test_a_sqlite_log_brought_over_keeps_the_views_triggers_and_indexes_made_on_
     and a view reading it no longer stops every start."""
     url = f"sqlite:///{tmp_path}/ops.db"
     load_fixture(url, LOGS[-1])
-    unlink(url)
     made = [
         "CREATE VIEW recent_events AS SELECT revision, topic FROM catalog_events",
         "CREATE INDEX ops_topic ON catalog_events (topic)",
         "CREATE TRIGGER append_only BEFORE UPDATE ON catalog_events"
         " BEGIN SELECT RAISE(ABORT, 'append-only'); END",
     ]
-    engine = create_engine(url)
-    with engine.begin() as conn:
-        for sql in made:
-            conn.exec_driver_sql(sql)
-    engine.dispose()
+    unlink(url, *made)
     models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": url})
     models.close()
     engine = create_engine(url)
@@ -221,15 +219,14 @@ def test_a_postgresql_log_brought_over_keeps_an_append_only_trigger_working(
     """The one update the layout needs is let past an operator's trigger
     refusing updates, which refuses them again after."""
     load_fixture(pg_url, LOGS[-1])
-    unlink(pg_url)
+    unlink(
+        pg_url,
+        "CREATE FUNCTION append_only() RETURNS trigger LANGUAGE plpgsql AS"
+        " $$ BEGIN RAISE EXCEPTION 'catalog_events is append-only'; END $$;"
+        " CREATE TRIGGER append_only BEFORE UPDATE ON catalog_events"
+        " FOR EACH ROW EXECUTE FUNCTION append_only()",
+    )
     engine = create_engine(pg_url)
-    with engine.begin() as conn:
-        conn.exec_driver_sql(
-            "CREATE FUNCTION append_only() RETURNS trigger LANGUAGE plpgsql AS"
-            " $$ BEGIN RAISE EXCEPTION 'catalog_events is append-only'; END $$;"
-            " CREATE TRIGGER append_only BEFORE UPDATE ON catalog_events"
-            " FOR EACH ROW EXECUTE FUNCTION append_only()"
-        )
     models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": pg_url})
     models.close()
     assert links(pg_url)[2] == []
@@ -243,11 +240,7 @@ def test_a_log_that_cannot_be_brought_over_is_one_line_and_left_as_it_was(
 ) -> None:
     url = f"sqlite:///{tmp_path}/stuck.db"
     load_fixture(url, LOGS[-1])
-    unlink(url)
-    engine = create_engine(url)
-    with engine.begin() as conn:
-        conn.exec_driver_sql("CREATE TABLE catalog_events_relinked (left_by TEXT)")
-    engine.dispose()
+    unlink(url, "CREATE TABLE catalog_events_relinked (left_by TEXT)")
     result = CliRunner().invoke(cli, ["--db", url, "model", "list"])
     assert result.exit_code == 1
     assert result.stderr.splitlines()[-1].startswith(
@@ -270,10 +263,9 @@ def test_a_sqlite_log_with_a_column_an_operator_added_is_refused_and_left_as_it_
     made, every write then refused as a hand edit, for good)."""
     url = f"sqlite:///{tmp_path}/noted.db"
     load_fixture(url, LOGS[-1])
-    unlink(url)
+    unlink(url, "ALTER TABLE catalog_events ADD COLUMN note TEXT")
     engine = create_engine(url)
-    with engine.begin() as conn:
-        conn.exec_driver_sql("ALTER TABLE catalog_events ADD COLUMN note TEXT")
+    with engine.connect() as conn:
         before = conn.exec_driver_sql("SELECT * FROM catalog_events ORDER BY revision").all()
     for command in (["model", "list"], ["verify"]):
         result = CliRunner().invoke(cli, ["--db", url, *command])
@@ -301,11 +293,12 @@ def test_a_postgresql_log_with_a_column_an_operator_added_is_brought_over_with_i
 ) -> None:
     load_fixture(pg_url, LOGS[-1])
     linked = links(pg_url)
-    unlink(pg_url)
+    unlink(
+        pg_url,
+        "ALTER TABLE catalog_events ADD COLUMN note TEXT",
+        "UPDATE catalog_events SET note = 'seen' WHERE revision = 2",
+    )
     engine = create_engine(pg_url)
-    with engine.begin() as conn:
-        conn.exec_driver_sql("ALTER TABLE catalog_events ADD COLUMN note TEXT")
-        conn.exec_driver_sql("UPDATE catalog_events SET note = 'seen' WHERE revision = 2")
     models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": pg_url})
     assert links(pg_url) == linked
     assert models.verify()["ok"] is True
