@@ -311,9 +311,17 @@ def emit_rows(settings: Settings, rows: Iterable[Any], human: Callable[[], None]
     in pieces, never all of it (or all its rows) at once. ``rows`` is read
     once, by whichever of the two is written."""
     if settings.json:
-        write_text(chain(json_in_pieces(json_line, ", ", rows), ["\n"]))
+        write_json_list(rows)
     else:
         human()
+
+
+def write_json_list(
+    items: Iterable[Any], data: dict[str, Any] | None = None, key: str = ""
+) -> None:
+    """One line of JSON, ``items`` as the list it is (or as ``data[key]``,
+    its last key), written in pieces as the items come (:func:`json_in_pieces`)."""
+    write_text(chain(json_in_pieces(json_line, ", ", items, data, key), ["\n"]))
 
 
 def emit_result(settings: Settings, result: CommandResult, verb: str) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from datetime import datetime
-from itertools import chain
 from typing import Any
 
 import click
@@ -26,11 +25,11 @@ from catalog_es.cli.base import (
     shared_options,
     show_model,
     table,
+    write_json_list,
     write_out,
-    write_text,
 )
 from catalog_es.collector import collector_paused
-from catalog_es.errors import InputError, counted, json_in_pieces, json_line, shown
+from catalog_es.errors import InputError, counted, json_line, shown
 from catalog_es.inputs import read_changes, read_model
 from catalog_es.spec import Adapter, Origin
 
@@ -354,7 +353,7 @@ def apply_command(settings: Settings, file: str) -> None:
 
     if settings.json:
         head = {key: result[key] for key in ("revision", "changes")}
-        write_text(chain(json_in_pieces(json_line, ", ", result["models"], head, "models"), ["\n"]))
+        write_json_list(result["models"], head, "models")
         return
     applied = counted(result["changes"], "change")
     click.echo(f"applied {applied}, now at revision {result['revision']}")

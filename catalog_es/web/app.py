@@ -153,7 +153,7 @@ def _status(refusal: Refused) -> int:
 
 def error_response(status: int, message: str, headers: Mapping[str, str] | None = None) -> Response:
     return Response(
-        json_escaped_bytes(msgspec.json.encode({"error": message})),
+        escaped_json({"error": message}),
         status_code=status,
         media_type="application/json",
         headers=headers,
@@ -182,7 +182,8 @@ def revision_headers(revision: int | None) -> dict[str, str] | None:
     return {REVISION_HEADER: str(revision), "ETag": f'"{revision}"'}
 
 
-def _escaped_json(data: Any) -> bytes:
+def escaped_json(data: Any) -> bytes:
+    """``data`` as JSON through msgspec, what a terminal would act on escaped."""
     return json_escaped_bytes(msgspec.json.encode(data))
 
 
@@ -744,7 +745,7 @@ def apply_changes(
     # Sent as it is built, so that a client that does not read holds only
     # what the connection buffers, not the whole answer.
     return StreamingResponse(
-        json_in_pieces(_escaped_json, b",", result["models"], head, "models"),
+        json_in_pieces(escaped_json, b",", result["models"], head, "models"),
         media_type="application/json",
         headers=revision_headers(result["revision"]),
     )
