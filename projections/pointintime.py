@@ -65,17 +65,8 @@ def resolve_revision(conn: Connection, head: int, revision: int) -> int:
     if stamp is None or after is None or _stamp(after[1]) != stamp:
         return at[0]
     # Inside a transaction: the boundary is just before its first event.
-    before = at[0]
-    while True:
-        rows = conn.execute(
-            _rows.where(_t.revision < before).order_by(_t.revision.desc()).limit(1000)
-        ).all()
-        for r, state in rows:
-            if _stamp(state) != stamp:
-                return int(r)
-        if len(rows) < 1000:
-            return 0
-        before = rows[-1][0]
+    _, before = _along_the_write(conn, at[0], stamp, forward=False)
+    return 0 if before is None else before
 
 
 def write_end(conn: Connection, revision: int) -> int:
@@ -85,15 +76,28 @@ def write_end(conn: Connection, revision: int) -> int:
     stamp = _stamp(at[1]) if at is not None else None
     if stamp is None:
         return revision
-    end = revision
+    end, _ = _along_the_write(conn, revision, stamp, forward=True)
+    return end
+
+
+def _along_the_write(
+    conn: Connection, start: int, stamp: datetime, *, forward: bool
+) -> tuple[int, int | None]:
+    """From ``start`` on (not included), forward or back: the last revision
+    of the run stamped ``stamp`` (the write's, whose events share their
+    timestamp; ``start`` if none is), and the first past it (None: the log
+    ends first)."""
+    last = start
+    order = _t.revision if forward else _t.revision.desc()
     while True:
-        rows = conn.execute(_rows.where(_t.revision > end).order_by(_t.revision).limit(1000)).all()
+        step = _t.revision > last if forward else _t.revision < last
+        rows = conn.execute(_rows.where(step).order_by(order).limit(1000)).all()
         for r, state in rows:
             if _stamp(state) != stamp:
-                return end
-            end = int(r)
+                return last, int(r)
+            last = int(r)
         if len(rows) < 1000:
-            return end
+            return last, None
 
 
 def resolve_time(conn: Connection, head: int, moment: datetime) -> int:
