@@ -181,6 +181,10 @@ class _Scan(msgspec.Struct):
     unrecorded: list[tuple[ModelSpec, Origin]]
     unchecked: list[dict[str, str]]
 
+    def pass_over(self, spec: ModelSpec, reason: str) -> None:
+        """A model that could not be checked, and why."""
+        self.unchecked.append({"model": spec.name, "source": spec.source, "reason": reason})
+
 
 def _last_finding(conn: Connection, name: str) -> tuple[int, Model.UpstreamChanged] | None:
     """The newest upstream change recorded on a model since it was last
@@ -299,9 +303,7 @@ class Weights:
                     }
                 upstream = Origin(repository=running.repository, revision=head, files=files)
             except RegistryError as error:
-                scan.unchecked.append(
-                    {"model": spec.name, "source": spec.source, "reason": str(error)}
-                )
+                scan.pass_over(spec, str(error))
                 continue
             # A runtime origin given in part (no commit, say) is completed
             # as a missing one is: else the model follows main unreported.
@@ -312,14 +314,11 @@ class Weights:
                     # of every model's origins, it refused them all, each run.
                     check_origin(spec.name, running)
                 except InvalidModel as refusal:
-                    scan.unchecked.append(
-                        {
-                            "model": spec.name,
-                            "source": spec.source,
-                            "reason": f"its origin, stored before today's rules, cannot be "
-                            f"completed: {refusal.field}: {refusal.problem} (model update "
-                            "moves it to other weights)",
-                        }
+                    scan.pass_over(
+                        spec,
+                        f"its origin, stored before today's rules, cannot be completed: "
+                        f"{refusal.field}: {refusal.problem} (model update moves it to other "
+                        "weights)",
                     )
                     continue
                 scan.unrecorded.append((spec, running))
