@@ -429,6 +429,7 @@ def test_a_removal_stands_when_the_models_naming_it_come_back(
     assert _names(make_models(snapshot_interval=1)) == {"x"}
 
 
+@pytest.mark.alone
 def test_a_replay_split_in_two_lets_fall_what_a_whole_one_does(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

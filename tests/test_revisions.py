@@ -298,6 +298,7 @@ def split_replay(models: Models) -> tuple[Catalog, list[Skipped] | None]:
         return catalog, projections.catalog._split_replay(catalog, models.store, conn, None)
 
 
+@pytest.mark.alone
 @settings(max_examples=40, deadline=None)
 @given(steps=st.lists(written_event, min_size=1, max_size=14))
 # m1's streams are odd, m2's and m3's even: a fallback within one half is
@@ -328,6 +329,7 @@ def test_a_replay_split_in_two_is_the_whole_replay_or_leaves_it_to_it(steps: lis
             assert replay_state(split) == replay_state(whole)
 
 
+@pytest.mark.alone
 @pytest.mark.parametrize(
     ("steps", "splits"),
     [
@@ -349,6 +351,7 @@ def test_a_replay_is_split_unless_an_event_reaches_across_the_halves(
         assert (skipped is not None) == splits
 
 
+@pytest.mark.alone
 def test_a_split_replay_whose_second_process_fails_is_made_whole(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -370,6 +373,7 @@ def test_a_split_replay_whose_second_process_fails_is_made_whole(
         assert replay_state(catalog) == expected
 
 
+@pytest.mark.alone
 def test_a_split_replay_in_a_process_that_ignores_sigchld_is_made_whole(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -431,6 +435,7 @@ def _bare_thread(wait: Callable[[], object]) -> None:
     _thread.start_new_thread(wait, ())
 
 
+@pytest.mark.alone
 @pytest.mark.parametrize(
     "start",
     [
