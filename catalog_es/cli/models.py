@@ -18,6 +18,7 @@ from catalog_es.cli.base import (
     declared_then_option,
     emit,
     emit_result,
+    emit_rows,
     meta,
     pass_settings,
     read_at,
@@ -51,8 +52,8 @@ AT_HELP = "Read the catalog as it was at a revision or UTC time."
 def model_list(settings: Settings, at: int | datetime | None, declared_then: bool) -> None:
     """Every model in force, declared and runtime."""
     revision = read_at(settings, at, declared_then)
-    models = settings.models().list_models(revision, declared_then=declared_then)
-    emit(
+    models = settings.models().models_as_read(revision, declared_then=declared_then)
+    emit_rows(
         settings,
         models,
         lambda: table(
