@@ -139,12 +139,14 @@ def pg_admin() -> Iterator[sa.Engine]:
 
 @pytest.fixture
 def pg_url(pg_admin: sa.Engine) -> Iterator[str]:
-    """A URL on a schema of its own, dropped afterwards."""
+    """A URL on a schema of its own, dropped afterwards; its sessions are
+    named after it (``application_name``), so that a test looking at the
+    server's sessions can tell its own from another test worker's."""
     schema = f"catalog_es_test_{uuid.uuid4().hex[:12]}"
     with pg_admin.connect() as conn:
         conn.execute(sa.text(f"CREATE SCHEMA {schema}"))
     base = sa.make_url(_admin_url())
-    url = base.update_query_dict({"options": f"-csearch_path={schema}"})
+    url = base.update_query_dict({"options": f"-csearch_path={schema}", "application_name": schema})
     yield url.render_as_string(hide_password=False)
     with pg_admin.connect() as conn:
         conn.execute(sa.text(f"DROP SCHEMA {schema} CASCADE"))

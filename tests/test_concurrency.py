@@ -57,7 +57,7 @@ from catalog_es.ports import Applier, NoApplier
 from catalog_es.rollback import plan_rollback
 from catalog_es.spec import ModelSpec, Scaling
 from projections import snapshots
-from tests.helpers import config_yaml, count_events, event, model_data, model_spec
+from tests.helpers import config_yaml, count_events, event, model_data, model_spec, schema_of
 
 
 def forkserver() -> ForkServerContext:
@@ -358,7 +358,8 @@ def test_a_postgresql_node_stopped_while_it_is_sent_a_read_lets_go_of_the_lock(
                 for row in conn.exec_driver_sql(
                     "SELECT a.pid, a.wait_event FROM pg_stat_activity a JOIN pg_locks l"
                     " ON l.pid = a.pid AND l.mode = 'ExclusiveLock' AND l.relation IS NOT NULL"
-                    " WHERE a.query LIKE 'SELECT repeat%%'"
+                    " WHERE a.query LIKE 'SELECT repeat%%' AND a.application_name = %(own)s",
+                    {"own": schema_of(pg_url)},
                 )
             ]
 

@@ -1668,6 +1668,7 @@ def test_a_session_ended_by_the_server_mid_query_is_a_503(pg_url: str, tmp_path:
                 holder.exec_driver_sql(
                     "SELECT pid FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
                     " AND datname = current_database() AND pid <> pg_backend_pid()"
+                    " AND application_name = current_setting('application_name')"
                 ).scalars()
             )
 
@@ -1837,6 +1838,7 @@ def test_followers_in_one_process_share_one_listen_connection(pg_url: str) -> No
                 conn.exec_driver_sql(
                     "SELECT count(*) FROM pg_stat_activity"
                     " WHERE query = 'LISTEN catalog_events' AND datname = current_database()"
+                    " AND application_name = current_setting('application_name')"
                 ).scalar_one()
             )
 
@@ -1885,6 +1887,7 @@ def test_the_listen_connection_is_kept_alive_and_given_up_when_its_peer_goes(
             return conn.exec_driver_sql(
                 "SELECT client_port FROM pg_stat_activity"
                 " WHERE query = 'LISTEN catalog_events' AND datname = current_database()"
+                " AND application_name = current_setting('application_name')"
                 " ORDER BY backend_start DESC LIMIT 1"
             ).scalar()
 
