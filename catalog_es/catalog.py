@@ -41,10 +41,12 @@ class Skipped(msgspec.Struct, frozen=True):
     reason: str
 
     def what(self) -> str:
-        """What was skipped, as a warning names it."""
+        """What was skipped, as a load's warning and replay's summary name it:
+        the model's name quoted as ``repr`` quotes it, ``?`` where the record
+        gives none that can be read."""
         if self.event == CONFIG_DECLARED:
             return "the declared config's record"
-        return f"model {self.model!r}, {self.event}"
+        return f"model {repr(self.model) if self.model else '?'}, {self.event}"
 
 
 class Catalog:

@@ -356,9 +356,9 @@ def test_the_cli_reports_each_skip_with_its_revision_and_reason(
     reported = {int(line.split()[2]): line for line in lines[1:]}
     assert sorted(reported) == sorted(poisoned)
     for revision, poison in poisoned.items():
-        # A stored name is shown as repr shows it: "p-nul\\x00", not a raw NUL.
-        shown = poison.model.replace("\0", "\\x00") or "?"
-        what = f"{shown}, {poison.event}"
+        # Worded as the load's warning is. A stored name is shown as repr
+        # shows it: 'p-nul\\x00', not a raw NUL; one that cannot be read as "?".
+        what = f"model {repr(poison.model) if poison.model else '?'}, {poison.event}"
         if poison.event == "ConfigDeclared":
             what = "the declared config's record"
         prefix = f"skipped revision {revision} ({what}): "

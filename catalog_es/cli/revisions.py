@@ -8,12 +8,14 @@ from datetime import datetime
 from typing import Any
 
 import click
+import msgspec
 import sqlalchemy as sa
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from catalog_es import bootstrap
 from catalog_es.application import Watch
+from catalog_es.catalog import Skipped
 from catalog_es.cli.base import (
     REVISION,
     REVISION_OR_TIME,
@@ -30,7 +32,6 @@ from catalog_es.cli.base import (
     stopped_when_asked,
     table,
 )
-from catalog_es.configuration import CONFIG_DECLARED
 from catalog_es.errors import counted, json_line
 from catalog_es.persistence import database_unusable
 from catalog_es.rollback import DIMENSIONS
@@ -235,13 +236,6 @@ def _until_it_answers(probe: sa.Engine) -> None:
                 raise
 
 
-def _skipped_what(skip: dict[str, Any]) -> str:
-    """What a replay left out, as its summary line names it."""
-    if skip["event"] == CONFIG_DECLARED:
-        return "the declared config's record"
-    return f"{skip['model'] or '?'}, {skip['event']}"
-
-
 @cli.command("replay")
 @shared_options
 @pass_settings
@@ -271,6 +265,7 @@ def replay_command(settings: Settings) -> None:
             f"{summary['snapshots']} snapshots, {len(summary['skipped'])} events skipped"
         )
         for s in summary["skipped"]:
-            say(f"skipped revision {s['revision']} ({_skipped_what(s)}): {s['reason']}")
+            what = msgspec.convert(s, Skipped).what()  # as the load's warning names it
+            say(f"skipped revision {s['revision']} ({what}): {s['reason']}")
 
     emit(settings, summary, human)
