@@ -47,7 +47,13 @@ from catalog_es.errors import (
     counted,
 )
 from catalog_es.inputs import check_actor, zoned
-from catalog_es.mapper import EventMapper, UndecodableEvent, decode_event, model_of_state
+from catalog_es.mapper import (
+    EventMapper,
+    UndecodableEvent,
+    decode_event,
+    model_of_state,
+    readable_declaration,
+)
 from catalog_es.model import (
     APPLY,
     MAX_CLOCK_SKEW,
@@ -511,11 +517,8 @@ class Models(AuditTrail, Application[UUID]):
             return
         for page in self.store.scan(conn, after=recorded[1] - 1, upto=recorded[1]):
             for _, topic, state in page:
-                try:
-                    record = decode_event(topic, state)
-                except UndecodableEvent:
-                    return
-                if not isinstance(record, Configuration.Declared):
+                record = readable_declaration(topic, state)
+                if record is None:
                     return
                 for spec in record.models:
                     if not catalog.is_declared(spec.name) and catalog.get(spec.name) is not None:

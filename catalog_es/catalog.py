@@ -40,11 +40,16 @@ class Skipped(msgspec.Struct, frozen=True):
     event: str
     reason: str
 
+    @property
+    def config_record(self) -> bool:
+        """Whether the record skipped is the declared config's: no model's."""
+        return self.event == CONFIG_DECLARED
+
     def what(self) -> str:
         """What was skipped, as a load's warning and replay's summary name it:
         the model's name quoted as ``repr`` quotes it, ``?`` where the record
         gives none that can be read."""
-        if self.event == CONFIG_DECLARED:
+        if self.config_record:
             return "the declared config's record"
         return f"model {repr(self.model) if self.model else '?'}, {self.event}"
 
@@ -269,7 +274,7 @@ class Catalog:
         # Snapshots written before an unreadable config record counted as
         # the one in force name the readable record before it.
         skips = self.skipped
-        unreadable = max((s.revision for s in skips if s.event == CONFIG_DECLARED), default=0)
+        unreadable = max((s.revision for s in skips if s.config_record), default=0)
         if unreadable > (recorded_declaration[1] if recorded_declaration else 0):
             self.recorded_declaration = (UNREADABLE_DECLARATION, unreadable)
         # Snapshots written before unreadable names were left out may hold "".

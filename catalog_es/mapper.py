@@ -79,6 +79,18 @@ def decode_event(topic: str, state: bytes) -> DomainEvent:
     return _upcast(EVENT_CLASSES[topic], state)
 
 
+def readable_declaration(topic: str, state: bytes) -> Configuration.Declared | None:
+    """The declared-config record stored as ``state``; ``None`` for one that
+    cannot be read (a newer release's, say) or is no such record (filed in
+    the config's stream by hand): read for what it declares, such a record
+    is passed over."""
+    try:
+        record = decode_event(topic, state)
+    except UndecodableEvent:
+        return None
+    return record if isinstance(record, Configuration.Declared) else None
+
+
 class _About(msgspec.Struct):
     model: str | None = None
     class_version: int = 1

@@ -47,7 +47,13 @@ from catalog_es.configuration import (
 )
 from catalog_es.errors import StorageBusy, first_line
 from catalog_es.inputs import DeclaredConfig
-from catalog_es.mapper import UndecodableEvent, decode_event, model_of_state, topic_name
+from catalog_es.mapper import (
+    UndecodableEvent,
+    decode_event,
+    model_of_state,
+    readable_declaration,
+    topic_name,
+)
 from catalog_es.model import DomainEvent, Model, utc_text
 from catalog_es.persistence import (
     SQLRecorder,
@@ -731,11 +737,8 @@ def _declaration_at(conn: Connection, revision: int) -> Configuration.Declared |
         .order_by(stream.c.revision.desc())
     )
     for topic, state in found:
-        try:
-            record = decode_event(topic, state)
-        except UndecodableEvent:
-            continue
-        if isinstance(record, Configuration.Declared):
+        record = readable_declaration(topic, state)
+        if record is not None:
             return record
     return None
 

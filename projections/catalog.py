@@ -31,7 +31,6 @@ from sqlalchemy.engine import Connection
 from catalog_es import cpu
 from catalog_es.catalog import Catalog, Skipped
 from catalog_es.collector import collector_paused
-from catalog_es.configuration import CONFIG_DECLARED
 from catalog_es.mapper import (
     DECLARED_TOPIC,
     UndecodableEvent,
@@ -211,7 +210,7 @@ def _replay_half(
     if half.changed_the_other_half(start) or any(
         half.parity_of(skip.model) != half.parity
         for skip in skipped
-        if skip.event != CONFIG_DECLARED  # no model's: the merge takes the later record
+        if not skip.config_record  # no model's: the merge takes the later record
     ):
         # A record filed by hand in a stream of this half but about a model of
         # the other: the check is made once, after, not on every event.

@@ -24,8 +24,8 @@ from sqlalchemy.engine import Connection
 
 from catalog_es.catalog import Catalog, Skipped
 from catalog_es.chain import ChainHead
-from catalog_es.configuration import CONFIGS_KEPT, CONFIGURATION_ID, Configuration
-from catalog_es.mapper import UndecodableEvent, decode_event
+from catalog_es.configuration import CONFIGS_KEPT, CONFIGURATION_ID
+from catalog_es.mapper import readable_declaration
 from catalog_es.model import Model
 from catalog_es.persistence import BIGINT, events_table, metadata, stream_walk
 from catalog_es.spec import ModelSpec
@@ -294,12 +294,9 @@ def recorded_configs(conn: Connection, count: int, *, besides: str) -> list[str]
     )
     found: list[str] = []
     for topic, state in conn.execute(records):
-        try:
-            record = decode_event(topic, state)
-        except UndecodableEvent:
+        record = readable_declaration(topic, state)
+        if record is None:
             continue
-        if not isinstance(record, Configuration.Declared):
-            continue  # in the config's stream by hand
         if record.fingerprint != besides and record.fingerprint not in found:
             found.append(record.fingerprint)
             if len(found) == count:
