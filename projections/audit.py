@@ -42,7 +42,6 @@ from catalog_es.collector import collector_paused
 from catalog_es.configuration import (
     CONFIG_DECLARED,
     CONFIGS_KEPT,
-    CONFIGURATION_ID,
     Configuration,
 )
 from catalog_es.errors import StorageBusy, first_line
@@ -58,11 +57,9 @@ from catalog_es.model import DomainEvent, Model, utc_text
 from catalog_es.persistence import (
     SQLRecorder,
     acquire_within,
-    events_table,
     holds,
     milliseconds,
     release_to,
-    stream_walk,
     within_bytes,
 )
 from catalog_es.spec import ModelSpec
@@ -727,16 +724,9 @@ class AuditView(TrackingRecorder):
 
 def _declaration_at(conn: Connection, revision: int) -> Configuration.Declared | None:
     """The last config record at or before ``revision`` that can be read, as
-    a replay up to it leaves :attr:`AuditProjection.declared_then`."""
-    stream = stream_walk(CONFIGURATION_ID)
-    e = events_table.c
-    found = conn.execute(
-        sa.select(stream.c.topic, e.state)
-        .join_from(stream, events_table, e.revision == stream.c.revision)
-        .where(stream.c.revision <= revision)
-        .order_by(stream.c.revision.desc())
-    )
-    for topic, state in found:
+    a replay up to it leaves :attr:`AuditProjection.declared_then`: one that
+    cannot be read is passed over (a replay skips it), for the one before."""
+    for _, topic, state in conn.execute(snapshots.config_records(revision)):
         record = readable_declaration(topic, state)
         if record is not None:
             return record

@@ -18,11 +18,11 @@ from sqlalchemy.engine import Connection
 
 from catalog_es.catalog import Catalog
 from catalog_es.collector import collector_paused
-from catalog_es.configuration import CONFIGURATION_ID, Configuration, DeclaredConfig
+from catalog_es.configuration import Configuration, DeclaredConfig
 from catalog_es.errors import ConfigError, Refused
 from catalog_es.mapper import UNREADABLE, UndecodableEvent, decode_event
 from catalog_es.model import MAX_CLOCK_SKEW, UtcTime, utc_now, utc_text
-from catalog_es.persistence import SQLRecorder, events_table, stream_walk
+from catalog_es.persistence import SQLRecorder, events_table
 from catalog_es.spec import EVERY_FIELD, ModelSpec
 from projections import snapshots
 from projections.catalog import catch_up
@@ -174,10 +174,9 @@ def declared_at(conn: Connection, revision: int) -> DeclaredConfig:
     """The declared layer the log had recorded as in force at ``revision``: its
     last record at or before it, found walking back from the newest (a deploy
     records one, so they are few)."""
-    stream = stream_walk(CONFIGURATION_ID)
-    found = conn.execute(
-        sa.select(stream.c.revision, stream.c.topic).where(stream.c.revision <= revision).limit(1)
-    ).first()
+    # The walk yields the newest first: LIMIT 1 reads no further back than
+    # the record taken, where an ORDER BY would read them all (config_records).
+    found = conn.execute(snapshots.config_records(revision).limit(1)).first()
     if found is None and revision > 0:
         # A write records the layer in force unless it is the one a log that
         # recorded none has: nothing declared, the default engines. So after
@@ -188,8 +187,7 @@ def declared_at(conn: Connection, revision: int) -> DeclaredConfig:
             f"no declared config was recorded at or before revision {revision} "
             "(the first write records the one in force)"
         )
-    recorded, topic = found
-    state = conn.execute(sa.select(_t.state).where(_t.revision == recorded)).scalar_one()
+    recorded, topic, state = found
     try:
         record = decode_event(topic, state)
     except UndecodableEvent as error:

@@ -274,6 +274,25 @@ def clear(conn: Connection, fingerprint: str) -> None:
     conn.execute(sa.delete(snapshots_table).where(t.fingerprint.not_in(kept)))
 
 
+def config_records(upto: int | None = None) -> sa.Select[tuple[int, str, bytes]]:
+    """The declared config's records at or before ``upto`` (all of them,
+    without it), newest first: revision, topic and stored state, as read
+    for which config was in force at a revision, and what to do with one
+    that cannot be read left to the reader.
+
+    Newest first because the recursive walk yields them so (stream_walk),
+    and on purpose with no ORDER BY: one would read the whole walk, every
+    record back to the first, before the first row, where a LIMIT (1, to
+    take the last record at or before ``upto``) stops the walk there. The
+    state is read for each row the walk yields, not joined, so that no plan
+    can yield the rows in another order."""
+    stream = stream_walk(CONFIGURATION_ID)
+    e = events_table.c
+    state = sa.select(e.state).where(e.revision == stream.c.revision).scalar_subquery()
+    records = sa.select(stream.c.revision, stream.c.topic, state)
+    return records if upto is None else records.where(stream.c.revision <= upto)
+
+
 # How far back the log's records of declared configs are looked through for
 # those of other configs: nodes of two configs writing in turn record theirs
 # in turn, each write.
@@ -284,16 +303,8 @@ def recorded_configs(conn: Connection, count: int, *, besides: str) -> list[str]
     """The fingerprints of the last ``count`` configs, other than ``besides``,
     that the log recorded in force, newest first (a record that cannot be
     read is passed over)."""
-    stream = stream_walk(CONFIGURATION_ID)
-    e = events_table.c
-    records = (
-        sa.select(stream.c.topic, e.state)
-        .join_from(stream, events_table, e.revision == stream.c.revision)
-        .order_by(stream.c.revision.desc())
-        .limit(RECORDS_LOOKED_AT)
-    )
     found: list[str] = []
-    for topic, state in conn.execute(records):
+    for _, topic, state in conn.execute(config_records().limit(RECORDS_LOOKED_AT)):
         record = readable_declaration(topic, state)
         if record is None:
             continue

@@ -37,7 +37,8 @@ from catalog_es.mapper import EVENT_CLASSES, encode_event, topic_of
 from catalog_es.model import DomainEvent, Model, Upcaster, model_id, utc_now
 from catalog_es.persistence import SQLRecorder, create_engine, streams_table
 from catalog_es.spec import Scaling
-from projections import snapshots
+from projections import pointintime, snapshots
+from projections.audit import _declaration_at
 from tests.helpers import model_spec
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -656,3 +657,37 @@ def test_an_unreadable_config_record_is_shown_as_one(
     assert diff.stderr.splitlines()[-1] == (
         f"note: the declared config recorded at revision {newer} cannot be read: {why}"
     )
+
+
+def test_the_config_in_force_at_a_revision_reads_over_an_unreadable_record_or_refuses(
+    db_url: str, tmp_path: Path
+) -> None:
+    """The last declared-config record at or before a revision, newest first
+    along the config's stream: the audit passes over one it cannot read for
+    the readable one before (as its replay leaves it), ``--declared-then``
+    refuses it, and the configs kept snapshots of leave it out."""
+    first, second = tmp_path / "first.yaml", tmp_path / "second.yaml"
+    first.write_text(ROLLING)
+    second.write_text(ROLLING.replace("hf://org/base", "hf://org/base-2"))
+    env = {"CATALOG_ES_DB": db_url}
+    writer = Models(load_config(str(first)), env=env)
+    writer.add(model_spec("a"), by="x")  # 1 ConfigDeclared, 2 Added
+    newer, why = plant_newer_declaration(writer)
+    writer.close()
+    other = Models(load_config(str(second)), env=env)
+    other.add(model_spec("b"), by="x")  # records its own config, then Added
+    a, b = load_config(str(first)).fingerprint, load_config(str(second)).fingerprint
+    with other.store.read() as conn:
+        in_audit = [_declaration_at(conn, revision) for revision in range(newer + 3)]
+        assert [None if d is None else d.fingerprint for d in in_audit] == [None, a, a, a, b, b]
+        around = (newer - 2, newer - 1, newer + 1, newer + 2)
+        assert [pointintime.declared_at(conn, r).fingerprint for r in around] == [a, a, b, b]
+        with pytest.raises(Refused) as refused:
+            pointintime.declared_at(conn, newer)
+        assert str(refused.value) == (
+            f"the declared config recorded at revision {newer} cannot be read: {why}"
+        )
+        with pytest.raises(Refused, match="no declared config was recorded at or before"):
+            pointintime.declared_at(conn, 0)
+        assert snapshots.recorded_configs(conn, 3, besides="") == [b, a]
+    other.close()
