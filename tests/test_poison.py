@@ -345,6 +345,29 @@ def test_the_skips_survive_a_snapshot(
     assert from_snapshot.list_models() == full.list_models()
 
 
+def test_a_models_record_whose_topic_only_ends_like_the_configs_is_a_models_skip(
+    open_models: Callable[..., Models], configs: tuple[Path, Path]
+) -> None:
+    """Only the config's own topic makes a record the config's: one whose
+    topic merely ended in its name was a model's to a full replay, and the
+    config's to a snapshot, the audit and the replay's summary, so a load
+    from a snapshot and a full one disagreed on the config recorded (review)."""
+    models = open_models(configs[0])
+    models.add(model_spec("good-a"), by="x")
+    forged = "catalog_es.model:Model.ConfigDeclared"
+    planted = Planter(models).insert(forged, b'{"model": "good-a"}', model_id("good-a"))
+    full = open_models(configs[0])
+    (skip,) = full.skipped()
+    assert (skip.revision, skip.model) == (planted, "good-a")
+    assert skip.what() == f"model 'good-a', {forged!r}"
+    (row,) = [r for r in full.audit() if r["revision"] == planted]
+    assert (row["model"], row["event"]) == ("good-a", repr(forged))
+    open_models(configs[0], snapshot_interval=1)  # loads, and snapshots what it loaded
+    from_snapshot = open_models(configs[0], snapshot_interval=1)
+    assert from_snapshot.skipped() == full.skipped()
+    assert from_snapshot.catalog.recorded_declaration == full.catalog.recorded_declaration
+
+
 def test_the_cli_reports_each_skip_with_its_revision_and_reason(
     poisoned: dict[int, Poison], db_url: str, configs: tuple[Path, Path]
 ) -> None:
