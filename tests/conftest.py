@@ -3,14 +3,9 @@ service on this test's database, and test implementations of the ports."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-import tempfile
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +21,8 @@ from catalog_es.spec import ModelSpec
 from projections.snapshots import DEFAULT_INTERVAL
 from tests.helpers import count_events, schema_of
 
+pytest_plugins = ["tests.alone"]
+
 # eventsourcing lets the environment override an application's settings, and
 # the CLI reads CATALOG_ES_*: a developer's shell must not steer the tests.
 _LIBRARY_SETTINGS = ("PERSISTENCE_MODULE", "MAPPER_TOPIC", "COMPRESSOR_TOPIC", "CIPHER_TOPIC")
@@ -37,86 +34,6 @@ PG_HELP = (
     "(on these machines: pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start) "
     f"or point ${PG_ENV} at a server with trust auth"
 )
-
-
-def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--alone-reports", help="(internal) where a pytest of their own tells")
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line(
-        "markers",
-        "alone: the test forks, which a process may do only with no other thread running; "
-        "under pytest-xdist, whose workers take messages on a thread of their own, these "
-        "run together in one pytest of their own",
-    )
-    reports = config.getoption("alone_reports")
-    if reports:
-        config.pluginmanager.register(_Reporter(Path(reports)))
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's own marks each grouped id
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if "PYTEST_XDIST_WORKER" not in os.environ:
-        return
-    alone = [i for i in items if isinstance(i, pytest.Function) and i.get_closest_marker("alone")]
-    ids = [item.nodeid for item in alone]
-    for item in alone:
-        # All in one worker (--dist loadgroup), which runs them in one pytest.
-        item.add_marker(pytest.mark.xdist_group("alone"))
-        told = partial(_as_told_alone, item.nodeid, ids, config.rootpath)
-        item.runtest = told  # type: ignore[method-assign]
-
-
-_told_alone: dict[str, dict[str, str]] = {}
-
-
-def _as_told_alone(nodeid: str, ids: list[str], root: Path) -> None:
-    """This test's outcome in a pytest without workers: one thread, so a split
-    replay forks there (the code refuses to fork in a worker, rightly)."""
-    if not _told_alone:
-        _told_alone.update(_run_alone(ids, root))
-    told = _told_alone.get(nodeid, {"outcome": "failed", "text": _told_alone[""]["text"]})
-    if told["outcome"] == "skipped":
-        pytest.skip(told["text"])
-    if told["outcome"] == "failed":
-        pytest.fail(f"in a pytest of its own: {told['text']}", pytrace=False)
-
-
-def _run_alone(ids: list[str], root: Path) -> dict[str, dict[str, str]]:
-    with tempfile.TemporaryDirectory() as folder:
-        reports = Path(folder) / "reports.jsonl"
-        done = subprocess.run(
-            [sys.executable, "-m", "pytest", "-n", "0", f"--alone-reports={reports}", *ids],
-            cwd=root,
-            env={key: value for key, value in os.environ.items() if not key.startswith("PYTEST_")},
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        told: dict[str, dict[str, str]] = {"": {"text": f"{done.stdout}{done.stderr}"}}
-        lines = reports.read_text().splitlines() if reports.exists() else []
-    for line in lines:
-        report = json.loads(line)
-        kept = told.setdefault(report["nodeid"], {"outcome": "passed", "text": ""})
-        if report["outcome"] != "passed" and kept["outcome"] == "passed":
-            kept.update(outcome=report["outcome"], text=report["text"])
-    return told
-
-
-class _Reporter:
-    """In a pytest run by :func:`_run_alone`: each phase's outcome, for the worker to tell."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        text = report.longreprtext
-        if report.skipped and isinstance(report.longrepr, tuple):
-            text = report.longrepr[2].removeprefix("Skipped: ")
-        told = {"nodeid": report.nodeid, "outcome": report.outcome, "text": text}
-        with self.path.open("a") as out:
-            out.write(json.dumps(told) + "\n")
 
 
 def _admin_url() -> str:

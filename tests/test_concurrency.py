@@ -1430,6 +1430,7 @@ def test_a_busy_database_keeps_the_write_connection(
     models.close()
 
 
+@pytest.mark.alone
 def test_a_forked_child_uses_connections_of_its_own(db_url: str) -> None:
     """A process forked from one that wrote and read (multiprocessing's fork,
     a pre-forking server) writes and reads through connections it opened

@@ -16,6 +16,7 @@ import tempfile
 import threading
 import time
 import tracemalloc
+import uuid
 import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -1578,6 +1579,9 @@ def test_a_stop_just_as_a_watch_looks_for_more_is_not_lost(
     wake-up to read again, was wiped by that reset: finding nothing, the
     watch waited on (on PostgreSQL until another commit; forever once its
     LISTEN connection had failed). Forced here at that moment (review)."""
+    # A channel of its own: another test worker's commits would wake the
+    # watch, which would then see the stop whatever the reset did.
+    monkeypatch.setattr(persistence, "CHANNEL", f"catalog_events_{uuid.uuid4().hex[:12]}")
     writer = open_models()
     writer.add(spec("a"), by="x")
     watch = writer.watch(1, poll_interval=60)
