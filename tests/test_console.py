@@ -29,6 +29,10 @@ from catalog_es.web.app import create_app
 from tests.helpers import count_events, log_rows, put_back
 from tests.serving import serving, tokens_for_roles
 
+# Two test workers and a browser on two cores: a page of a thousand rows can
+# take longer than Playwright's default of 5 s to come.
+expect.set_options(timeout=15_000)
+
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_HELP = (
     f"the console test needs Chromium at {CHROMIUM}: install it with "
@@ -475,6 +479,10 @@ def test_console_keeps_up_with_a_busy_log_and_filters_a_large_catalog(
         models.apply_changes([commands.scale("exact", 0, 2 + i % 2) for i in range(999)], by="ops")
         assert len(models.history("exact")) == 1000
         page.goto(f"{url}/console/#/model/exact")
+        # Its own history, not the last page's still on screen (of as many rows).
+        expect(page.locator("#history li.entry").last).to_have_attribute(
+            "data-revision", str(models.revision)
+        )
         expect(page.locator("#history li.entry")).to_have_count(1000)
         expect(page.locator("#history")).not_to_contain_text("The most recent")
     models.close()
