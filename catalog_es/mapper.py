@@ -125,10 +125,14 @@ def topic_name(topic: str) -> str:
     if not isinstance(topic, str):
         return repr(topic)
     name = topic.rpartition(".")[2]
-    # Only the config's own topic is named so: another ending so is a model's
+    # Only the config's own topic is named so (or by its class's name, as
+    # snapshots of older releases name it): another ending so is a model's
     # record, which a snapshot or the audit took for the config's where a
     # full replay did not (review). It is named whole, as repr writes it.
-    return repr(topic) if name == CONFIG_DECLARED else name
+    return repr(topic) if name in _CONFIG_NAMES else name
+
+
+_CONFIG_NAMES = (CONFIG_DECLARED, DECLARED_TOPIC.rpartition(".")[2])
 
 
 def model_of_state(state: bytes) -> str:
