@@ -380,7 +380,7 @@ def sqlite_synchronous() -> str:
 
 def create_engine(url: str) -> Engine:
     """An engine with the settings the log relies on."""
-    parsed = _log_url(url)
+    parsed = log_url(url)
     try:
         engine = _settled_engine(parsed)
     except (ValueError, TypeError) as error:
@@ -402,7 +402,7 @@ _DRIVERS = {
 }
 
 
-def _log_url(url: str) -> sa.URL:
+def log_url(url: str) -> sa.URL:
     """``url`` as a URL the log can be kept at, or one line saying why not."""
     usage = "give sqlite:///FILE or postgresql+psycopg://USER@HOST/DATABASE"
     try:
@@ -445,7 +445,7 @@ def _forgotten_by_children(engine: Engine) -> None:
 
 def new_sqlite_file(url: str) -> str | None:
     """The file a SQLite URL names, when there is none there yet."""
-    parsed = _log_url(url)
+    parsed = log_url(url)
     if parsed.get_backend_name() != "sqlite":
         return None
     path = parsed.database or ""

@@ -1723,15 +1723,18 @@ def test_a_watch_whose_log_was_rewritten_while_it_was_away_ends_saying_so(pg_url
     proxy.cut()  # and its threads end: a later test forks, alone
 
 
-def test_a_watch_starting_while_the_database_is_away_waits_for_it(pg_url: str) -> None:
+@pytest.mark.parametrize("driver", ["postgresql+psycopg", "postgresql"])
+def test_a_watch_starting_while_the_database_is_away_waits_for_it(pg_url: str, driver: str) -> None:
     """A replica starting as its database failed over exited 1 (multi-node
     test), where one already following waits. It waits too now, told once,
-    and gives everything once the database is back."""
+    and gives everything once the database is back; given a bare
+    postgresql:// (psycopg, as everywhere), it exited 1 for want of psycopg2
+    (doc audit)."""
     direct = sa.make_url(pg_url)
     writer = Models(DeclaredConfig(), env={"CATALOG_ES_DB": pg_url})
     writer.add(spec("m"), by="setup")
     proxy = Proxy((direct.host or "127.0.0.1", direct.port or 5432))
-    through = direct.set(port=proxy.port).render_as_string(hide_password=False)
+    through = direct.set(port=proxy.port, drivername=driver).render_as_string(hide_password=False)
     proxy.cut()
     command = [sys.executable, "-m", "catalog_es", "--db", through, "watch", "--json"]
     watching = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -33,7 +33,7 @@ from catalog_es.cli.base import (
     table,
 )
 from catalog_es.errors import counted, json_line
-from catalog_es.persistence import database_unusable
+from catalog_es.persistence import database_unusable, log_url
 from catalog_es.rollback import DIMENSIONS
 
 
@@ -203,8 +203,10 @@ def _started(settings: Settings, after: int) -> Watch:
                 return settings.models().watch(after)
             except sa.exc.DBAPIError as error:
                 unusable = _passing(error)
-                url = bootstrap.database_url(settings.db)
-                if unusable is None or sa.make_url(url).get_backend_name() != "postgresql":
+                # As the log reads it: a bare postgresql:// is psycopg's (the
+                # probe took it for psycopg2's, not installed; doc audit).
+                url = log_url(bootstrap.database_url(settings.db))
+                if unusable is None or url.get_backend_name() != "postgresql":
                     raise
                 if probe is None:
                     say(
