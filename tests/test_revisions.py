@@ -40,6 +40,7 @@ from catalog_es.application import Models
 from catalog_es.batch import Batch
 from catalog_es.catalog import Catalog, Skipped
 from catalog_es.cli import cli
+from catalog_es.configuration import DeclaredConfig
 from catalog_es.errors import (
     DeclaredInConfig,
     InputError,
@@ -1246,6 +1247,35 @@ def test_a_refused_rollback_of_the_whole_catalog_is_kept_but_not_a_dry_runs(
         {"to": 1, "only": "scaling"},
     )
     assert count_events(db_url) == rows
+
+
+def test_the_cli_records_a_refused_rollback_as_asked_as_the_api_does(
+    db_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The CLI worked out the revision first: a refusal recorded the one a
+    time or a revision inside a write was read as, not what was asked, and
+    a revision past the head or a time to come was refused unrecorded; the
+    HTTP API recorded what it was sent (doc audit)."""
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
+    models.add(spec("a"), by="x")
+    models.apply_changes([commands.scale("a", 0, 2), commands.scale("a", 0, 3)], by="x")
+    stale = models.revision - 1
+    rows = count_events(db_url)
+    later = "2099-12-06T16:30:00Z"
+    runner = CliRunner()
+    base = ["--db", db_url, "--by", "ops", "rollback"]
+    for to in ("2", "99", later):
+        done = runner.invoke(cli, [*base, "--to", to, "--expected-revision", str(stale)])
+        assert done.exit_code == 1, done.stderr
+    asked = [r["fields"]["to"] for r in models.refusals()]
+    assert asked == [2, 99, later]
+    assert count_events(db_url) == rows
+    # A revision inside the write is still said to be read as the one before it.
+    done = runner.invoke(cli, [*base, "--to", "2", "--dry-run"])
+    assert done.exit_code == 0, done.stderr
+    assert "no write ends at revision 2 (" in caplog.text
+    assert "taken as revision 1," in caplog.text
+    models.close()
 
 
 def test_a_refused_name_is_kept_as_text_can_hold_it(

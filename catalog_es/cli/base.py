@@ -216,6 +216,12 @@ def resolved(settings: Settings, at: int | datetime) -> int:
     said, where the answer was another revision's without a word (operator
     walkthrough)."""
     revision = settings.models().resolve(at)
+    warn_if_taken_as_another(at, revision)
+    return revision
+
+
+def warn_if_taken_as_another(at: int | datetime, revision: int) -> None:
+    """Tell that revision ``at`` was read as ``revision`` (see :func:`resolved`)."""
     if isinstance(at, int) and revision != at:
         # A warning, as the load's are: told after the answer, left out of a refusal.
         log.warning(
@@ -224,7 +230,6 @@ def resolved(settings: Settings, at: int | datetime) -> int:
             at,
             revision,
         )
-    return revision
 
 
 class RevisionOrTime(click.ParamType):  # type: ignore[type-arg]

@@ -31,6 +31,7 @@ from catalog_es.cli.base import (
     shared_options,
     stopped_when_asked,
     table,
+    warn_if_taken_as_another,
 )
 from catalog_es.errors import counted, json_line
 from catalog_es.persistence import database_unusable, log_url
@@ -128,9 +129,12 @@ def rollback_command(
 ) -> None:
     """Make the runtime catalog what it was at a revision, by appending
     compensating events in one transaction (the log is never rewritten)."""
+    # Resolved by the service, so that a refusal records the revision or time
+    # as given, as the HTTP API's does (doc audit).
     result = settings.models().rollback(
-        resolved(settings, to), model=model_name, only=only, dry_run=dry_run, **meta(settings)
+        to, model=model_name, only=only, dry_run=dry_run, **meta(settings)
     )
+    warn_if_taken_as_another(to, result["to"])
 
     def human() -> None:
         notes = result["notes"]
