@@ -426,6 +426,16 @@ class Watch:
         if self._subscription is not None:
             self._subscription.stop()
 
+    def ready(self) -> bool:
+        """Whether the next change is read already: taking it waits for
+        nothing (neither the database nor a commit)."""
+        subscription = self._subscription
+        return (
+            isinstance(subscription, PullingSubscription)
+            and subscription.ready()
+            and not self._stopped.is_set()
+        )
+
 
 class Models(AuditTrail, Application[UUID]):
     """The catalog's application service: commands, and queries returning plain data

@@ -1698,6 +1698,9 @@ def _as_uuid(value: UUID | str) -> UUID:
     return UUID(value) if isinstance(value, str) else value
 
 
+_PULLING = threading.Lock()
+
+
 class PullingSubscription(Subscription[SQLRecorder]):
     """New notifications as they commit, pulled a page at a time on the thread
     that iterates, once it has used up the last page: an unread follower holds
@@ -1726,6 +1729,11 @@ class PullingSubscription(Subscription[SQLRecorder]):
         """A commit may have landed: pull before waiting again."""
         self._woken.set()
 
+    def ready(self) -> bool:
+        """Whether the next notification is pulled already: taking it waits
+        for nothing (an event stream sends such ones together)."""
+        return bool(self._buffer) and not self._has_been_stopped
+
     def fail(self, error: BaseException) -> None:
         """End, raising ``error`` to the iterating thread (a watch subscribes again)."""
         if self._error is None:
@@ -1748,17 +1756,21 @@ class PullingSubscription(Subscription[SQLRecorder]):
             if self._buffer:
                 break
             after = self._last_notification_id or 0
-            end = self._recorder.page_end(after, self.page, self.page_bytes, self._topics)
-            if end is not None:
-                self._buffer.extend(
-                    self._recorder.select_notifications(
-                        start=after,
-                        limit=self.page,
-                        stop=end,
-                        topics=self._topics,
-                        inclusive_of_start=False,
+            # One follower of the process pulls a page at a time: fifty
+            # catching up at once kept a server's other requests waiting
+            # seconds, each of their threads wanting the interpreter's lock.
+            with _PULLING:
+                end = self._recorder.page_end(after, self.page, self.page_bytes, self._topics)
+                if end is not None:
+                    self._buffer.extend(
+                        self._recorder.select_notifications(
+                            start=after,
+                            limit=self.page,
+                            stop=end,
+                            topics=self._topics,
+                            inclusive_of_start=False,
+                        )
                     )
-                )
             if not self._buffer:
                 self._woken.wait(self.interval)
         notification = self._buffer.popleft()

@@ -50,7 +50,7 @@ from catalog_es.model import model_id
 from catalog_es.persistence import database_unusable, refusals_table
 from catalog_es.web import app as web_app
 from catalog_es.web.app import create_app
-from catalog_es.web.events import UNSENT_BYTES, WAKE_UP_SECONDS, Unsent
+from catalog_es.web.events import BATCH_MESSAGES, WAKE_UP_SECONDS, _next_batch
 from catalog_es.web.tokens import TokenStore
 from tests.helpers import config_yaml, count_events, definition, log_rows, put_back, spec
 from tests.serving import Proxy, bearer, free_port, serving, tokens_for_roles
@@ -1828,27 +1828,32 @@ def test_a_watch_follows_on_after_the_database_came_back(
     proxy.cut()  # and its threads end: a later test forks, alone
 
 
-def test_a_stream_holds_a_bounded_part_of_a_catch_up_its_client_has_not_taken() -> None:
-    """The watch's thread makes the messages and the stream sends all it
-    made each time it wakes (a change at a time, a catch-up went at 2,400
-    changes a second); what is made and not yet sent is bounded, and the
-    thread waits for room, or lets go once the stream is gone."""
-    woken: list[None] = []
-    unsent = Unsent(lambda: woken.append(None))
-    message = "x" * 1000
-    put: list[bool] = []
-    thread = threading.Thread(target=lambda: put.extend(unsent.put(message) for _ in range(600)))
-    thread.start()
-    _until(lambda: len(put) == UNSENT_BYTES // len(message) + 1)
-    thread.join(0.2)
-    assert thread.is_alive(), "it made more than the bound while nothing was taken"
-    taken, end = unsent.take()
-    assert (len(taken), end) == (len(put), None)
-    _until(lambda: len(put) > len(taken))  # room again
-    unsent.close()
-    thread.join(10)
-    assert not thread.is_alive() and put[-1] is False
-    assert len(woken) == put.count(True)
+def test_a_stream_sends_the_changes_read_already_together_and_waits_for_no_more(
+    make_models: Callable[..., Models],
+) -> None:
+    """A change at a time, a catch-up went at 2,400 changes a second: a
+    batch is the next change and those after it the watch has read already
+    (a page of them), up to its bound, in order; caught up, the next change
+    is sent as it comes, not held for more."""
+    models = make_models()
+    models.add(spec("m"), by="ops")
+    models.apply_changes([commands.scale("m", 0, 1 + i % 3) for i in range(299)], by="ops")
+    watch = models.watch(0)
+    changes = iter(watch)
+    batches: list[str] = []
+    while sum(batch.count("id: ") for batch in batches) < models.revision:
+        batches.append(_next_batch(changes, watch) or "")
+    ids = [int(line[4:]) for batch in batches for line in batch.splitlines() if line[:4] == "id: "]
+    assert ids == list(range(1, models.revision + 1))
+    assert max(batch.count("id: ") for batch in batches) == BATCH_MESSAGES
+    assert len(batches) < models.revision / 10
+    came: list[str | None] = []
+    waiting = threading.Thread(target=lambda: came.append(_next_batch(changes, watch)))
+    waiting.start()
+    models.scale("m", 0, 3, by="ops")
+    waiting.join(10)
+    watch.stop()
+    assert [batch.count("id: ") for batch in came if batch] == [1]
 
 
 def test_followers_in_one_process_share_one_listen_connection(pg_url: str) -> None:

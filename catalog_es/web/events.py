@@ -1,19 +1,21 @@
 """``watch`` as server-sent events, stopped when the client goes away.
 
 A :class:`~catalog_es.application.Watch` blocks its thread while it waits for
-the next change, so it is followed on a thread of its own, which makes each
-message there and leaves it in a bounded buffer (:class:`Unsent`); the stream
-sends what the buffer holds each time it wakes, all at once. That is also
-the backpressure: once the buffer is full, the next change is read only once
-the client took what is there. Asked of the thread a change at a time, a
-catch-up went at 2,400 changes a second where the watch reads 48,000. When
-the client disconnects, the server cancels the stream; ``finally`` then stops
-the watch, which ends the blocked ``next``, and the thread closes the watch's
-generator itself, so the subscription's ``with`` block (a PostgreSQL LISTEN
-connection) is left on the thread where it was entered. A server shutting
-down sets ``closing``: the streams end within a wake-up, rather than holding
-the shutdown until they are cancelled; so does a stream whose token was
-revoked.
+the next change, so it is iterated on a thread of its own, a batch at a time:
+the next change, and those after it the watch has read already, up to
+:data:`BATCH_MESSAGES` (which is also the backpressure: the next batch is
+made only once the last one is sent). A change at a time, a catch-up went at
+2,400 changes a second where the watch reads 40,000 and more; made flat out
+by a thread of each stream's own, fifty catch-ups kept the server's other
+requests waiting seconds. So the threads make their batches one at a time.
+When the client disconnects, the server cancels the stream; ``finally`` then
+stops the watch, which ends the blocked ``next``, and closes the generator
+on that same thread, so the subscription's ``with`` block (a PostgreSQL
+LISTEN connection) is left where it was entered. A server shutting down sets
+``closing``: the streams end within a wake-up, rather than holding the
+shutdown until they are cancelled (but for one whose client stopped reading,
+waiting in its send until the server's grace period ends); so does a stream
+whose token was revoked.
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ import asyncio
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable, Generator
-from contextlib import suppress
+from collections.abc import AsyncIterator, Callable, Generator, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
 
 from fastapi.responses import Response, StreamingResponse
@@ -36,14 +38,37 @@ from catalog_es.errors import LogRewritten, json_line
 KEEP_ALIVE_SECONDS = 15.0
 # How often a waiting stream looks whether the server is closing.
 WAKE_UP_SECONDS = 0.5
-# The messages made and not yet sent, at most (one at least, whatever its size).
-UNSENT_BYTES = 1 << 18
+# A batch, at most: as many messages, or as many characters of them.
+BATCH_MESSAGES = 64
+BATCH_CHARACTERS = 1 << 16
+# Held by the thread making a batch from changes read already: one at a
+# time in the process, so that catch-ups leave the server's loop its turn.
+_making = threading.Lock()
 
 
 def sse_message(event: dict[str, Any]) -> str:
     """One event: ``id`` the revision (what a reconnecting EventSource sends
     back as Last-Event-ID), ``data`` the event as ``watch --json`` prints it."""
     return f"id: {event['revision']}\ndata: {json_line(event)}\n\n"
+
+
+def _next_batch(changes: Iterator[dict[str, Any]], watch: Watch) -> str | None:
+    """The next change's message (waited for if need be), and those of the
+    changes after it the watch has read already, up to a batch; ``None``
+    once the watch ended."""
+    first = next(changes, None)
+    if first is None:
+        return None
+    messages = [sse_message(first)]
+    size = len(messages[0])
+    with _making:
+        while len(messages) < BATCH_MESSAGES and size < BATCH_CHARACTERS and watch.ready():
+            change = next(changes, None)  # read already: no wait
+            if change is None:
+                break  # ended: the next batch says so
+            messages.append(sse_message(change))
+            size += len(messages[-1])
+    return "".join(messages)
 
 
 class StreamPlaces:
@@ -77,69 +102,6 @@ class StreamPlaces:
         return give_back
 
 
-class Unsent:
-    """Messages the watch's thread made that the stream has not sent: about
-    :data:`UNSENT_BYTES` at most, which the thread waits for room under; then
-    how the watch ended (``None`` while it goes on, else the error or
-    :data:`ENDED`). ``wake`` is called, on the thread, for each change."""
-
-    def __init__(self, wake: Callable[[], None]) -> None:
-        self._wake = wake
-        self._room = threading.Condition()
-        self._messages: list[str] = []
-        self._size = 0
-        self._end: BaseException | object | None = None
-        self._closed = False
-
-    def put(self, message: str) -> bool:
-        """Leave ``message`` to be sent; ``False``: the stream is gone."""
-        with self._room:
-            self._room.wait_for(lambda: self._closed or self._size < UNSENT_BYTES)
-            if self._closed:
-                return False
-            self._messages.append(message)
-            self._size += len(message)
-        self._wake()
-        return True
-
-    def end(self, how: BaseException | object) -> None:
-        with self._room:
-            self._end = how
-        self._wake()
-
-    def take(self) -> tuple[list[str], BaseException | object | None]:
-        """Everything made so far, and how the watch ended if it did."""
-        with self._room:
-            messages, self._messages, self._size = self._messages, [], 0
-            self._room.notify_all()
-            return messages, self._end
-
-    def close(self) -> None:
-        """The stream is gone: the thread's next :meth:`put` says so."""
-        with self._room:
-            self._closed = True
-            self._room.notify_all()
-
-
-ENDED = object()
-
-
-def _follow(watch: Watch, unsent: Unsent) -> None:
-    """The watch's changes, made into messages on this thread, until it ends
-    or the stream does; its generator closed here, where it ran."""
-    # ``Watch.__iter__`` is a generator function: it can be closed.
-    changes = cast(Generator[dict[str, Any], None, None], iter(watch))
-    try:
-        for change in changes:
-            if not unsent.put(sse_message(change)):
-                return
-        unsent.end(ENDED)
-    except BaseException as error:  # told by the stream, which ends with it
-        unsent.end(error)
-    finally:
-        changes.close()
-
-
 async def _messages(
     watch: Watch,
     closing: threading.Event,
@@ -147,13 +109,10 @@ async def _messages(
     give_back: Callable[[], None],
 ) -> AsyncIterator[str]:
     loop = asyncio.get_running_loop()
-    made = asyncio.Event()
-
-    def wake() -> None:
-        with suppress(RuntimeError):  # the server's loop closed: nothing to wake
-            loop.call_soon_threadsafe(made.set)
-
-    unsent = Unsent(wake)
+    worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="catalog-es-watch")
+    # ``Watch.__iter__`` is a generator function: it can be closed.
+    events = cast(Generator[dict[str, Any], None, None], iter(watch))
+    pending: asyncio.Future[str | None] | None = None
     asked = time.monotonic()
 
     def still_allowed() -> bool:
@@ -168,38 +127,36 @@ async def _messages(
     try:
         # Sent at once, so a client knows the stream is open before any change.
         yield ": watching\n\n"
-        threading.Thread(target=_follow, args=(watch, unsent), name="catalog-es-watch").start()
         quiet_since = time.monotonic()
         # The token is asked again every wake-up: one revoked while its stream
         # is open stops getting changes within one, as its requests do.
         while not closing.is_set() and still_allowed():
-            try:
-                await asyncio.wait_for(made.wait(), WAKE_UP_SECONDS)
-            except TimeoutError:
+            if pending is None:
+                pending = loop.run_in_executor(worker, _next_batch, events, watch)
+            done, _ = await asyncio.wait({pending}, timeout=WAKE_UP_SECONDS)
+            if not done:
                 if time.monotonic() - quiet_since >= KEEP_ALIVE_SECONDS:
                     quiet_since = time.monotonic()
                     yield ": keep-alive\n\n"
                 continue
-            made.clear()
-            messages, end = unsent.take()
             quiet_since = time.monotonic()
-            if messages:
-                if not still_allowed():
-                    return
-                yield "".join(messages)
-            if isinstance(end, LogRewritten):
+            try:
+                batch = pending.result()
+            except LogRewritten as error:
                 # Said as a comment, which followers pass over, and the stream
                 # ends: one resumed with Last-Event-ID follows the new log on.
-                yield f": error: {end}\n\n"
+                yield f": error: {error}\n\n"
                 return
-            if isinstance(end, BaseException):
-                raise end
-            if end is ENDED:
+            pending = None
+            if batch is None or not still_allowed():
                 return
+            yield batch
     finally:
         give_back()
-        unsent.close()
         watch.stop()
+        # Queued behind a pending ``next``, which the stop ends promptly.
+        worker.submit(events.close)
+        worker.shutdown(wait=False)
 
 
 _HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
