@@ -50,7 +50,6 @@ from catalog_es.mapper import (
     UndecodableEvent,
     decode_event,
     model_of_state,
-    readable_declaration,
     topic_name,
 )
 from catalog_es.model import DomainEvent, Model, utc_text
@@ -726,11 +725,7 @@ def _declaration_at(conn: Connection, revision: int) -> Configuration.Declared |
     """The last config record at or before ``revision`` that can be read, as
     a replay up to it leaves :attr:`AuditProjection.declared_then`: one that
     cannot be read is passed over (a replay skips it), for the one before."""
-    for _, topic, state in conn.execute(snapshots.config_records(revision)):
-        record = readable_declaration(topic, state)
-        if record is not None:
-            return record
-    return None
+    return next(snapshots.readable_configs(conn, revision), None)
 
 
 class Unreadable(msgspec.Struct, frozen=True):

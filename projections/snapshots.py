@@ -24,7 +24,7 @@ from sqlalchemy.engine import Connection
 
 from catalog_es.catalog import Catalog, Skipped
 from catalog_es.chain import ChainHead
-from catalog_es.configuration import CONFIGS_KEPT, CONFIGURATION_ID
+from catalog_es.configuration import CONFIGS_KEPT, CONFIGURATION_ID, Configuration
 from catalog_es.mapper import readable_declaration
 from catalog_es.model import Model
 from catalog_es.persistence import BIGINT, events_table, metadata, stream_walk
@@ -293,6 +293,20 @@ def config_records(upto: int | None = None) -> sa.Select[tuple[int, str, bytes]]
     return records if upto is None else records.where(stream.c.revision <= upto)
 
 
+def readable_configs(
+    conn: Connection, upto: int | None = None, *, looked_at: int | None = None
+) -> Iterator[Configuration.Declared]:
+    """The records of :func:`config_records` that can be read, newest first;
+    of the first ``looked_at`` records only, when given."""
+    records = config_records(upto)
+    if looked_at is not None:
+        records = records.limit(looked_at)
+    for _, topic, state in conn.execute(records):
+        record = readable_declaration(topic, state)
+        if record is not None:
+            yield record
+
+
 # How far back the log's records of declared configs are looked through for
 # those of other configs: nodes of two configs writing in turn record theirs
 # in turn, each write.
@@ -304,10 +318,7 @@ def recorded_configs(conn: Connection, count: int, *, besides: str) -> list[str]
     that the log recorded in force, newest first (a record that cannot be
     read is passed over)."""
     found: list[str] = []
-    for _, topic, state in conn.execute(config_records().limit(RECORDS_LOOKED_AT)):
-        record = readable_declaration(topic, state)
-        if record is None:
-            continue
+    for record in readable_configs(conn, looked_at=RECORDS_LOOKED_AT):
         if record.fingerprint != besides and record.fingerprint not in found:
             found.append(record.fingerprint)
             if len(found) == count:

@@ -30,6 +30,7 @@ import pytest
 CHILD_SECONDS = 900
 # Where the workers of one run share it: made by the controller, given to each.
 PLACE = "catalog_es_alone_place"
+_place_key = pytest.StashKey[Path]()
 
 _told: dict[str, dict[str, str]] = {}
 
@@ -50,9 +51,6 @@ def pytest_configure(config: pytest.Config) -> None:
         config.pluginmanager.register(_Reporter(Path(reports)))
     if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
         config.stash[_place_key] = Path(tempfile.mkdtemp(prefix="catalog-es-alone-"))
-
-
-_place_key = pytest.StashKey[Path]()
 
 
 @pytest.hookimpl(optionalhook=True)
