@@ -1267,6 +1267,7 @@ def test_the_cli_records_a_refused_rollback_as_asked_as_the_api_does(
     for to in ("2", "99", later):
         done = runner.invoke(cli, [*base, "--to", to, "--expected-revision", str(stale)])
         assert done.exit_code == 1, done.stderr
+        assert done.stderr.startswith("error: ") and done.stderr.count("\n") == 1, done.stderr
     asked = [r["fields"]["to"] for r in models.refusals()]
     assert asked == [2, 99, later]
     assert count_events(db_url) == rows
