@@ -149,7 +149,7 @@ def main() -> None:
         measure("by actor, --limit 100", lambda: service.audit(by=actor(), limit=100), runs)
         # Fewer runs of the largest answers, but enough that the p99 is not
         # simply the slowest run (the first, on a machine whose fresh memory
-        # is slow to touch; see docs/benchmarks.md).
+        # is slow to touch; see docs/benchmarks-history.md, eleventh run).
         large = max(runs // 2, 5)
         measure("by actor (all its rows)", lambda: service.audit(by=actor()), large)
         measure("by actor (all its rows), as JSON", lambda: service.audit_json(by=actor()), large)
