@@ -776,6 +776,9 @@ class SQLRecorder(ProcessRecorder):
             if self._writer is None:
                 self._writer = self.engine.connect()
                 self._writer.execution_options(catalog_write=True)
+                if self.dialect == "postgresql":
+                    # Its transactions are begun by hand (:meth:`_locked`).
+                    self._writer.execution_options(isolation_level="AUTOCOMMIT")
                 if self.dialect == "sqlite":
                     # A batch reads and rewrites catalog_streams at one random
                     # place per model it changes: a large catalog's (4 MB at
@@ -1046,17 +1049,23 @@ class SQLRecorder(ProcessRecorder):
                         f" SET LOCAL idle_in_transaction_session_timeout = {idle};"
                         f" SET LOCAL tcp_user_timeout = {idle}"
                     )
+                    # The held writer is in autocommit mode: its transaction
+                    # begins in the round trip that takes the lock, where
+                    # psycopg would send a BEGIN of its own before it (one
+                    # round trip of the five a command took); its commit()
+                    # and rollback() end the transaction begun here.
+                    begin = "BEGIN; " if shared else ""
                     if params is None:
-                        # One round trip for all five, on every command's path.
+                        # One round trip for all six, on every command's path.
                         # The write's statements are the same each time, and
                         # psycopg prepares them: planned once, not per command
                         # (planning the append took 0.3 ms of a command's 1.1).
                         conn.exec_driver_sql(
-                            f"{timeout}; SET LOCAL plan_cache_mode = force_generic_plan;"
+                            f"{begin}{timeout}; SET LOCAL plan_cache_mode = force_generic_plan;"
                             f" {postgresql_lock}"
                         )
                     else:
-                        conn.exec_driver_sql(timeout)
+                        conn.exec_driver_sql(begin + timeout)
                         conn.exec_driver_sql(postgresql_lock, params)
                 yield conn
         except sa.exc.OperationalError as error:
