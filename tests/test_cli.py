@@ -40,7 +40,7 @@ from catalog_es.errors import PIECE_LENGTH, json_in_pieces, json_line
 from catalog_es.inputs import DeclaredConfig
 from catalog_es.persistence import PullingSubscription, database_unusable
 from catalog_es.spec import Adapter
-from tests.helpers import CountedOutput, config_yaml, count_events, definition, spec
+from tests.helpers import CPU_NO_MEMORY, CountedOutput, config_yaml, count_events, definition, spec
 
 LOG_KEYS = {
     "revision",
@@ -237,6 +237,24 @@ def test_warnings_given_back_wrong_are_refused_quoting_the_first(
     assert f"warnings: are worked out, not set: this definition has {has} (got list)" in line
     assert len(line) < 300
     assert rows() == before
+
+
+def test_the_list_says_which_models_have_warnings_the_table_cannot_show(
+    run: Run, write: Any
+) -> None:
+    """KubeAI's catalog declares eight CPU-only models without host memory:
+    loaded with a warning each, which only ``model show`` and ``--json`` told
+    (operator's walk)."""
+    declared = [spec(f"cpu-{i}", profiles=(CPU_NO_MEMORY,)) for i in range(7)]
+    config = write("declared.yaml", config_yaml(spec("gpu"), *declared).encode())
+    listed = ok(run("--config", config, "model", "list"))
+    assert "cpu-6" in listed.stdout and "warning" not in listed.stdout
+    assert listed.stderr == (
+        "warning: 7 models with warnings (cpu-0, cpu-1, cpu-2, cpu-3, cpu-4, …);"
+        " model show NAME, or --json, says what\n"
+    )
+    assert ok(run("--config", config, "model", "list", "--json")).stderr == ""
+    assert ok(run("model", "list")).stderr == ""
 
 
 def test_a_command_option_wins_over_the_root_one(run: Run, write: Any) -> None:

@@ -22,6 +22,7 @@ from catalog_es.cli.base import (
     meta,
     pass_settings,
     read_at,
+    say,
     scaling_text,
     shared_options,
     show_model,
@@ -53,25 +54,41 @@ def model_list(settings: Settings, at: int | datetime | None, declared_then: boo
     """Every model in force, declared and runtime."""
     revision = read_at(settings, at, declared_then)
     models = settings.models().models_as_read(revision, declared_then=declared_then)
-    emit_rows(
-        settings,
-        models,
-        lambda: table(
+    warned: list[str] = []
+
+    def row(m: dict[str, Any]) -> list[str]:
+        if m.get("warnings"):
+            warned.append(m["name"])
+        return [
+            m["name"],
+            "declared" if m["declared"] else "runtime",
+            m["engine"],
+            m["effective_class"],
+            m["owner"] or "-",
+            scaling_text(m),
+            m["source"],
+        ]
+
+    def human() -> None:
+        table(
             ["NAME", "LAYER", "ENGINE", "CLASS", "OWNER", "SCALING", "SOURCE"],
-            (
-                [
-                    m["name"],
-                    "declared" if m["declared"] else "runtime",
-                    m["engine"],
-                    m["effective_class"],
-                    m["owner"] or "-",
-                    scaling_text(m),
-                    m["source"],
-                ]
-                for m in models
-            ),
-        ),
-    )
+            (row(m) for m in models),
+        )
+        # The table has no room for them, and a model loaded with a warning
+        # (a declared CPU-only model without memory) runs as it is: said once.
+        if warned:
+            named = ", ".join(warned[:WARNED_NAMED]) + (", …" if len(warned) > WARNED_NAMED else "")
+            say(
+                f"warning: {counted(len(warned), 'model')} with warnings ({named});"
+                " model show NAME, or --json, says what",
+                err=True,
+            )
+
+    emit_rows(settings, models, human)
+
+
+# Models named in the list's warning line; the rest are counted.
+WARNED_NAMED = 5
 
 
 @model.command("show")
