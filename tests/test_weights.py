@@ -1405,3 +1405,24 @@ def test_cli_updates_check_update_rollback_and_refusals(
         "SourceSet",
         "SourceSet",
     ]
+
+
+def test_cli_updates_says_how_many_models_went_unchecked_not_that_nothing_changed(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a broken refs file every model was left unchecked, and stdout
+    still said "no upstream changes" (operator's docs walk)."""
+    monkeypatch.delenv(MIRROR_ENV, raising=False)
+    base = ["--db", f"sqlite:///{world.db}", "--config", str(world.config)]
+    where = ["model", "updates", "--mirror", str(world.mirror.root)]
+    runner = CliRunner()
+    fine = runner.invoke(cli, [*base, *where])
+    assert (fine.exit_code, fine.stdout) == (0, "no upstream changes at revision 0\n")
+
+    (world.mirror.root / "org/base/refs").write_text(f"main {world.base1}\nmain {world.base1}\n")
+    broken = runner.invoke(cli, [*base, *where])
+    assert broken.exit_code == 0
+    assert broken.stdout == (
+        "2 models not checked (see the notes), no upstream changes in the others at revision 0\n"
+    )
+    assert broken.stderr.count("not checked: ") == 2 and "listed twice" in broken.stderr

@@ -59,7 +59,15 @@ def _show_updates(report: dict[str, Any]) -> None:
         say(f"note: model {unchecked['model']} not checked: {unchecked['reason']}", err=True)
     updates = report["updates"]
     if not updates:
-        click.echo(f"no upstream changes at revision {report['revision']}")
+        unchecked = len(report["unchecked"])
+        if unchecked:
+            # "No upstream changes" would vouch for models nobody compared.
+            click.echo(
+                f"{counted(unchecked, 'model')} not checked (see the notes), "
+                f"no upstream changes in the others at revision {report['revision']}"
+            )
+        else:
+            click.echo(f"no upstream changes at revision {report['revision']}")
         return
     table(
         ["MODEL", "LAYER", "REPOSITORY", "RUNNING", "UPSTREAM", "FILES", "FIRST SEEN"],
