@@ -27,7 +27,13 @@ from catalog_es.errors import (
     StorageBusy,
     cut_short,
 )
-from catalog_es.inputs import DeclaredConfig, zoned
+from catalog_es.inputs import (
+    AUDIT_TYPES,
+    HISTORY_TYPES,
+    REFUSAL_TYPES,
+    DeclaredConfig,
+    zoned,
+)
 from catalog_es.model import Model, utc_now, utc_text
 from catalog_es.persistence import AnswerTooLarge, SQLRecorder, refusals_table
 from projections.audit import (
@@ -93,7 +99,7 @@ class AuditTrail:
     ) -> list[str]:
         # No name filters nothing: every row would be this "history".
         if name:
-            views = self._views(filters, at_most_bytes)
+            views = self._views(filters, at_most_bytes, query=("a model's history", HISTORY_TYPES))
             declared = any(m.name == name for m in self.declared.models)
             if views or declared or self._audit.view.mentions(self.name, name):
                 return views
@@ -127,9 +133,15 @@ class AuditTrail:
         _within(len(views), filters, at_most)
         return _json(views)
 
-    def _views(self, filters: Filters, at_most_bytes: int | None = None) -> list[str]:
-        """Each matching row as the JSON it is stored as."""
-        _check_filters(filters)
+    def _views(
+        self,
+        filters: Filters,
+        at_most_bytes: int | None = None,
+        query: tuple[str, tuple[str, ...]] = ("the audit", AUDIT_TYPES),
+    ) -> list[str]:
+        """Each matching row as the JSON it is stored as; ``query``: its name
+        and the event types its rows carry."""
+        _check_filters(filters, *query)
         try:
             return self._audit.answer(self.store, self.name, filters, at_most_bytes)
         except AnswerTooLarge:
@@ -147,7 +159,7 @@ class AuditTrail:
     ) -> list[dict[str, Any]]:
         """Refused commands matching every filter given, as :meth:`audit` takes
         them (``at_most`` as :meth:`audit_json`'s)."""
-        _check_filters(filters)
+        _check_filters(filters, "the refusals", REFUSAL_TYPES)
         with self.store.read() as conn:
             rows = select_rows(
                 conn, refusals_table, (refusals_table.c.id,), _one_more(filters, at_most)
@@ -244,7 +256,12 @@ class AuditTrail:
             log.warning("could not record the refusal of %s for %r: %s", event, name, error)
 
 
-def _check_filters(filters: Filters) -> None:
+def _check_filters(filters: Filters, query: str, types: tuple[str, ...]) -> None:
+    # A type the query never carries matched nothing, said as nothing done
+    # (audit --type Rollback: a rollback refused is in the refusals alone).
+    wanted = filters.get("event_type")
+    if wanted is not None and wanted not in types:
+        raise InputError(f"type {wanted!r}: {query} has none; it takes {', '.join(types)}")
     # An empty name is no model's: it matched the declared-config records,
     # which have no model, as if they were one.
     if filters.get("model") == "":

@@ -923,13 +923,13 @@ def in_utc(moment: datetime, said: str) -> datetime:
         raise InputError(f"{said}: outside the times UTC can hold (years 1 to 9999)") from None
 
 
-# What the audit's and the refusals' rows carry: the model events' names, a
-# declared-config record's, and a refused rollback's or list of changes'
-# (which have no event of their own).
-_EVENT_NAMES = {
-    name.lower(): name
-    for name in (*(cls.__name__ for cls in EVENT_TYPES), CONFIG_DECLARED, ROLLBACK, APPLY)
-}
+# The event types each query's rows carry: a model's history, its events; the
+# audit, a declared-config record's besides (no model's); the refusals, a
+# refused rollback's or list of changes' besides (no event of their own).
+HISTORY_TYPES = tuple(cls.__name__ for cls in EVENT_TYPES)
+AUDIT_TYPES = (*HISTORY_TYPES, CONFIG_DECLARED)
+REFUSAL_TYPES = (*AUDIT_TYPES, ROLLBACK, APPLY)
+_EVENT_NAMES = {name.lower(): name for name in REFUSAL_TYPES}
 
 
 def event_type(text: str, option: str) -> str:

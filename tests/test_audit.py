@@ -2033,6 +2033,45 @@ def test_the_type_filter_takes_every_event_the_rows_carry(
     assert [(r["event"], r["by"]) for r in json.loads(refused.stdout)] == [("Rollback", "erin")]
 
 
+TAKEN_BY_A_HISTORY = (
+    "Added, Removed, Scaled, ResourcesSet, ClassSet, OwnerSet, AdaptersSet, SourceSet, "
+    "OriginSet, UpstreamChanged"
+)
+
+
+@pytest.mark.parametrize(
+    ("args", "refusal"),
+    [
+        (
+            ("audit", "--type", "Rollback"),
+            f"type 'Rollback': the audit has none; it takes {TAKEN_BY_A_HISTORY}, ConfigDeclared",
+        ),
+        (
+            ("audit", "--type", "apply"),
+            f"type 'Apply': the audit has none; it takes {TAKEN_BY_A_HISTORY}, ConfigDeclared",
+        ),
+        (
+            ("history", "embed", "--type", "Rollback"),
+            f"type 'Rollback': a model's history has none; it takes {TAKEN_BY_A_HISTORY}",
+        ),
+        (
+            ("history", "embed", "--type", "ConfigDeclared"),
+            f"type 'ConfigDeclared': a model's history has none; it takes {TAKEN_BY_A_HISTORY}",
+        ),
+    ],
+)
+def test_a_type_the_query_never_carries_is_refused_naming_the_ones_it_takes(
+    models: Models, db: str, config: Path, args: tuple[str, ...], refusal: str
+) -> None:
+    """Rollback and Apply are refusals' alone, a declared-config record is no
+    model's: asked of the audit or a history, they answered nothing, exit 0,
+    as if nothing had been done (operator's docs walk)."""
+    with pytest.raises(Refused):
+        models.rollback(10**6, by="erin")
+    result = invoke(db, config, *args)
+    assert (result.exit_code, result.stdout, result.stderr) == (1, "", f"error: {refusal}\n")
+
+
 def test_a_bound_between_two_microseconds_is_not_rounded_down(
     models: Models, db: str, config: Path
 ) -> None:

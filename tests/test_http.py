@@ -2019,6 +2019,13 @@ def test_history_audit_refusals_and_verify(api: Api) -> None:
     assert refused(api.get("/audit", params={"type": "Exploded"}), 422).startswith(
         "type 'Exploded': not an event type"
     )
+    # Refusals' alone: they answered nothing, as if nothing had been done.
+    assert refused(api.get("/audit", params={"type": "Rollback"}), 422).startswith(
+        "type 'Rollback': the audit has none; it takes Added, "
+    )
+    assert refused(api.get("/history/qwen", params={"type": "Apply"}), 422).startswith(
+        "type 'Apply': a model's history has none; it takes Added, "
+    )
     assert refused(api.get("/audit", params={"until": "noon"}), 422).startswith(
         "until 'noon': not a UTC time"
     )

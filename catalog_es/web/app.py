@@ -929,8 +929,8 @@ def change_filters(
         str | None,
         Query(
             alias="type",
-            description="Only this event type "
-            "(e.g. `Scaled`; `ConfigDeclared`, `Rollback`, `Apply`).",
+            description="Only this event type (e.g. `Scaled`; `ConfigDeclared` in the "
+            "audit; `Rollback`, `Apply` in the refusals).",
         ),
     ] = None,
     since: Annotated[
