@@ -196,11 +196,19 @@ class Catalog:
             if others:
                 # Removing a model another names as a fallback would leave it
                 # pointing at nothing, found out during the outage it covers.
+                # No command sets fallbacks: a model is added again with new
+                # ones (each is runtime: a declared one cannot name a runtime one).
+                which, its, example = (
+                    ("that model", "its", repr(others[0]))
+                    if len(others) == 1
+                    else ("those models", "their", "NAME")
+                )
                 raise InvalidModel(
                     name,
                     "fallbacks",
-                    f"is a fallback of {', '.join(map(repr, others))}; "
-                    "change their fallbacks first",
+                    f"is a fallback of {', '.join(map(repr, others))}; add {which} again "
+                    f"without {name!r} in {its} fallbacks first (model show {example} --json "
+                    "> FILE, edit it, model add FILE)",
                 )
             return
         check_spec(new, self.engines, touches)

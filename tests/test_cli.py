@@ -410,6 +410,26 @@ def test_an_empty_profile_is_refused_not_taken_for_every_profile(
     assert [p["min_memory_gb"] for p in shown["profiles"]] == [8, 8]
 
 
+def test_removing_a_fallback_says_how_to_change_the_models_that_name_it(
+    run: Run, write: Any, db_url: str
+) -> None:
+    """It said "change their fallbacks first", and no command does: a model
+    is added again with new ones (operator's docs walk). What it says works."""
+    ok(run("model", "add", write("small.yaml", as_yaml(definition("small")))))
+    ok(run("model", "add", write("big.yaml", as_yaml(definition("big", fallbacks=["small"])))))
+    before = count_events(db_url)
+    line = refused_in_one_line(run("model", "remove", "small"))
+    assert line == (
+        "error: model 'small': fallbacks: is a fallback of 'big'; add that model again "
+        "without 'small' in its fallbacks first "
+        "(model show 'big' --json > FILE, edit it, model add FILE)"
+    )
+    assert count_events(db_url) == before
+    shown = json.loads(ok(run("model", "show", "big", "--json")).stdout)
+    ok(run("model", "add", write("FILE", as_json({**shown, "fallbacks": []}))))
+    ok(run("model", "remove", "small"))
+
+
 # -- reading a definition -------------------------------------------------------------
 
 

@@ -273,7 +273,11 @@ def test_removing_a_fallback_target_is_refused_until_no_model_names_it() -> None
     with pytest.raises(InvalidModel) as refusal:
         when(catalog, removed("small"))
     assert refusal.value.field == "fallbacks"
-    assert "is a fallback of 'big', 'huge'; change their fallbacks first" in str(refusal.value)
+    assert str(refusal.value) == (
+        "model 'small': fallbacks: is a fallback of 'big', 'huge'; add those models again "
+        "without 'small' in their fallbacks first (model show NAME --json > FILE, edit it, "
+        "model add FILE)"
+    )
 
     for e, revision in ((added(spec("big")), 4), (removed("huge"), 5)):
         catalog.apply(candidate(catalog, e), revision)
