@@ -6,7 +6,10 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 # What a terminal acts on or draws other than as written: C0 and C1 controls
 # (an escape sequence can retitle or clear it), the bidi controls (an override
@@ -100,6 +103,14 @@ NAME_SHOWN_LENGTH = 130
 def counted(count: int, noun: str) -> str:
     """``1 change``, ``3 changes``."""
     return f"{count:,} {noun}" if count == 1 else f"{count:,} {noun}s"
+
+
+def missing_folder(folder: Path) -> str | None:
+    """Why a file cannot be made in ``folder``, when it is no directory: the
+    folder is not made for it, as a mistyped one would hold a file nothing reads."""
+    if folder.is_dir():
+        return None
+    return "not a directory" if folder.exists() else "no such directory; make it first"
 
 
 def shown(value: object, limit: int = SHOWN_LENGTH) -> str:

@@ -54,6 +54,7 @@ from catalog_es.errors import (
     StorageBusy,
     UpgradeFailed,
     first_line,
+    missing_folder,
     shown,
 )
 
@@ -425,7 +426,21 @@ def log_url(url: str) -> sa.URL:
             f"the database URL {told} names no file, and a database in memory "
             f"keeps nothing: {usage}"
         )
+    if driver == "sqlite":
+        # SQLite says "unable to open database file", naming neither.
+        path = Path(_sqlite_file(parsed))
+        missing = missing_folder(path.parent)
+        if missing is not None:
+            raise ConfigError(f"the database {path}: {path.parent}: {missing}")
     return parsed.set(drivername=driver)
+
+
+def _sqlite_file(url: sa.URL) -> str:
+    """The file a SQLite URL names."""
+    path = url.database or ""
+    if url.query.get("uri"):  # file:PATH, %-escaped, a host or not
+        path = unquote(urlsplit(path).path)
+    return path
 
 
 def _forgotten_by_children(engine: Engine) -> None:
@@ -448,9 +463,7 @@ def new_sqlite_file(url: str) -> str | None:
     parsed = log_url(url)
     if parsed.get_backend_name() != "sqlite":
         return None
-    path = parsed.database or ""
-    if parsed.query.get("uri"):  # file:PATH, %-escaped, a host or not
-        path = unquote(urlsplit(path).path)
+    path = _sqlite_file(parsed)
     return None if Path(path).exists() else path
 
 

@@ -1169,10 +1169,26 @@ def test_python_m_catalog_es_runs(tmp_path: Path) -> None:
     assert "model" in done.stdout and "log" in done.stdout
 
 
+def test_a_database_in_a_folder_that_is_not_there_is_named_and_nothing_is_made(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It said "unable to open database file", naming neither the file nor
+    its folder (operator's docs walk)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a-file").write_text("")
+    for url, line in [
+        (
+            "sqlite:///nodir/x.db",
+            "error: the database nodir/x.db: nodir: no such directory; make it first",
+        ),
+        ("sqlite:///a-file/x.db", "error: the database a-file/x.db: a-file: not a directory"),
+    ]:
+        for command in (["model", "list"], ["model", "scale", "m", "--max", "2"]):
+            assert refused_in_one_line(CliRunner().invoke(cli, ["--db", url, *command])) == line
+    assert [p.name for p in tmp_path.iterdir()] == ["a-file"]
+
+
 def test_a_database_that_cannot_be_used_is_one_line_saying_so(tmp_path: Path) -> None:
-    unopenable = f"sqlite:///{tmp_path}/no-such-directory/catalog.db"
-    line = refused_in_one_line(CliRunner().invoke(cli, ["--db", unopenable, "model", "list"]))
-    assert line == "error: the database could not be used: unable to open database file"
     not_sqlite = tmp_path / "notes.db"
     not_sqlite.write_text("not a database\n" * 100)
     for command in (["model", "list"], ["verify"], ["model", "scale", "m", "--max", "2"]):

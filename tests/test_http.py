@@ -1762,12 +1762,12 @@ def test_a_watch_on_a_database_set_up_wrong_is_an_error_at_once(
     pg_url: str, tmp_path: Path
 ) -> None:
     """Waiting is for outages: a name, a role that is not there, a SQLite
-    file that cannot be opened, waited for good (review)."""
+    file that cannot be opened (a folder), waited for good (review)."""
     direct = sa.make_url(pg_url)
     wrong = [
         direct.set(database="no_such_database_here").render_as_string(hide_password=False),
         direct.set(username="no_such_role_here").render_as_string(hide_password=False),
-        f"sqlite:///{tmp_path}/no/such/folder/catalog.db",
+        f"sqlite:///{tmp_path}",
     ]
     for url in wrong:
         command = [sys.executable, "-m", "catalog_es", "--db", url, "watch"]

@@ -31,7 +31,7 @@ from typing import Any
 
 import msgspec
 
-from catalog_es.errors import InputError
+from catalog_es.errors import InputError, missing_folder
 from catalog_es.inputs import check_actor
 from catalog_es.model import utc_now, utc_text
 
@@ -130,9 +130,8 @@ class TokenStore:
         reads it in between."""
         lock_path = self.path.with_name(f".{self.path.name}.lock")
         folder = self.path.parent
-        if not folder.is_dir():
-            # Made, a mistyped folder held a tokens file no server reads.
-            missing = "not a directory" if folder.exists() else "no such directory; make it first"
+        missing = missing_folder(folder)
+        if missing is not None:
             raise InputError(f"{folder}: {missing}")
         try:
             lock = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
