@@ -96,7 +96,9 @@ def snapshot_interval() -> int:
         return DEFAULT_INTERVAL
     interval = whole_number(text.strip())
     if interval is None or interval < 1:
-        raise ConfigError(f"{SNAPSHOT_ENV} must be a whole number of revisions, not {shown(text)}")
+        raise ConfigError(
+            f"{SNAPSHOT_ENV} must be a whole number of revisions, at least 1, not {shown(text)}"
+        )
     return interval
 
 

@@ -899,6 +899,11 @@ LOCK_WAIT_REFUSAL = "must be a number of seconds above 0 and at most 3600, not {
         *((WRITE_IDLE_ENV, v, LOCK_WAIT_REFUSAL) for v in ["a minute", "0", "nan", "3601"]),
         (SYNC_ENV, "OFF", "must be FULL or NORMAL, not {!r}"),
         (SYNC_ENV, "garbage", "must be FULL or NORMAL, not {!r}"),  # as given
+        # 0 was refused as "not a whole number of revisions", which it is.
+        *(
+            (SNAPSHOT_ENV, v, "must be a whole number of revisions, at least 1, not {!r}")
+            for v in ["0", "often", "-1"]
+        ),
     ],
 )
 def test_a_storage_setting_out_of_range_is_refused_in_one_line(

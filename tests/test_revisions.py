@@ -1756,7 +1756,8 @@ def test_the_snapshot_interval_comes_from_the_environment(
     refused = runner.invoke(cli, ["--db", db, "model", "list"])
     assert refused.exit_code == 1
     assert refused.stderr.strip().splitlines() == [
-        "error: CATALOG_ES_SNAPSHOT_EVERY must be a whole number of revisions, not 'often'"
+        "error: CATALOG_ES_SNAPSHOT_EVERY must be a whole number of revisions, at least 1, "
+        "not 'often'"
     ]
     monkeypatch.setenv("CATALOG_ES_SNAPSHOT_EVERY", "2")
     assert runner.invoke(cli, ["--db", db, "model", "add", str(definition)]).exit_code == 0
