@@ -169,14 +169,13 @@ class RevisionConflict(Refused):
     def __init__(self, expected: int, head: int) -> None:
         self.expected = expected
         self.head = head
+        # Past the head, no read gave it: retrying with it again cannot succeed.
         why = (
-            "someone changed the catalog since you read it"
+            "someone changed the catalog since you read it; read it again and retry"
             if expected < head
-            else "that revision has not been written yet"
+            else f"revision {expected} was never written"
         )
-        super().__init__(
-            f"the log is at revision {head}, not {expected}: {why}; read it again and retry"
-        )
+        super().__init__(f"the log is at revision {head}, not {expected}: {why}")
 
 
 class LogRewritten(Refused):

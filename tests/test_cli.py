@@ -326,6 +326,10 @@ def test_expected_revision_works_before_and_after_the_command(
         return run(*option, *args) if where == "root" else run(*args, *option)
 
     assert "the log is at revision 1, not 0" in refused_in_one_line(scale(0))
+    # Past the head, it said "read it again and retry": with it, no retry can succeed.
+    assert refused_in_one_line(scale(100)) == (
+        "error: the log is at revision 1, not 100: revision 100 was never written"
+    )
     assert rows() == 1
     assert ok(scale(1)).stdout.startswith("scaled m at revision 2")
 

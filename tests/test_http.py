@@ -749,6 +749,9 @@ def test_a_stale_if_match_is_409_and_writes_nothing(api: Api) -> None:
     before = count_events(api.db)
     message = refused(api.post("/models/qwen/scale", {"max": 3}, **{"If-Match": etag}), 409)
     assert message.startswith("the log is at revision 2, not 0")
+    # The CLI's words for a revision past the head: never written, no retry.
+    ahead = refused(api.post("/models/qwen/scale", {"max": 3}, **{"If-Match": "100"}), 409)
+    assert ahead == "the log is at revision 2, not 100: revision 100 was never written"
     assert count_events(api.db) == before
     assert ok(api.post("/models/qwen/scale", {"max": 3}, **{"If-Match": "2"}))["revision"] == 3
     assert ok(api.post("/models/qwen/scale", {"max": 4}, **{"If-Match": "*"}))["revision"] == 4
