@@ -263,7 +263,12 @@ def _problem(error: Any) -> str:
     if error["type"] == "missing":
         return "required field is missing"
     value = error.get("input")
-    got = repr(value) if not isinstance(value, dict | list) else type(value).__name__
+    if isinstance(value, dict | list):
+        got = type(value).__name__
+    elif value is None or isinstance(value, bool):
+        got = json.dumps(value)  # as a YAML or JSON file spells it, not Python's True
+    else:
+        got = repr(value)
     if error["type"] == "model_type":
         # pydantic's message names this module's class, which says nothing to an operator.
         return f"expected a mapping of fields (got {cut_short(got, 40)})"

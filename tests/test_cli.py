@@ -222,6 +222,19 @@ def test_a_model_shown_can_be_edited_and_added_again(
     assert rows() == before
 
 
+@pytest.mark.parametrize("encode", [as_json, as_yaml], ids=["json", "yaml"])
+def test_a_value_refused_is_quoted_as_the_file_spells_it(
+    run: Run, write: Any, rows: Callable[[], int], encode: Callable[[Any], bytes]
+) -> None:
+    """`declared: true` was quoted back as Python's `True` (operator's docs walk)."""
+    before = rows()
+    given = write("m.txt", encode(definition("m", declared=True)))
+    line = refused_in_one_line(run("model", "add", given))
+    assert line.startswith(f"error: {given}: declared: true is what model show says")
+    assert line.endswith("leave declared out (got true)")
+    assert rows() == before
+
+
 @pytest.mark.parametrize("cpu_profiles", [1, 2000])
 def test_warnings_given_back_wrong_are_refused_quoting_the_first(
     run: Run, write: Any, rows: Callable[[], int], cpu_profiles: int
@@ -955,7 +968,7 @@ def test_input_that_is_not_a_mapping_is_told_in_the_operators_words(
     line = refused_in_one_line(run("--config", listed, "model", "scale", "m", "--max", "3"))
     assert line == f"error: {listed}: (top level): expected a mapping of fields (got list)"
     line = refused_in_one_line(run("model", "add", "-", input=b""))
-    assert line == "error: standard input: (top level): expected a mapping of fields (got None)"
+    assert line == "error: standard input: (top level): expected a mapping of fields (got null)"
     profile = write("p.yaml", as_yaml(definition("p", profiles=[3])))
     line = refused_in_one_line(run("model", "add", profile))
     assert line == f"error: {profile}: profiles[0]: expected a mapping of fields (got 3)"
