@@ -227,6 +227,14 @@ def test_console_models_history_time_travel_and_rollback(
         expect(page.locator("#skipped")).to_contain_text("None")
         expect(page.locator("#live")).to_have_class("live on")
         screenshot(page, "models")
+        # A badge is one word on one line: at 1300 px "declared" wrapped as "declare / d".
+        page.set_viewport_size({"width": 1300, "height": 900})
+        lines = table.locator(".badge").evaluate_all(
+            "badges => badges.map(b => { const r = document.createRange();"
+            " r.selectNodeContents(b); return r.getClientRects().length })"
+        )
+        assert lines == [1, 1, 1]
+        page.set_viewport_size({"width": 1360, "height": 900})
 
         # A change made elsewhere shows up live.
         models.set_class("tinyllama-cpu", "opportunistic", by="dave")  # 6
