@@ -2109,13 +2109,6 @@ def test_cli_verify_lists_skipped_events_either_way(models: Models, db: str, con
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (("audit", "--since", "yesterday"), "error: --since 'yesterday': not a UTC time"),
-        (("refusals", "--until", "2026-11-30T12:00"), "error: --until '2026-11-30T12:00': not a"),
-        (("audit", "--type", "Renamed"), "error: --type 'Renamed': not an event type"),
-        (
-            ("audit", "--until", "9999-12-31T23:00:00-02:00"),
-            "error: --until '9999-12-31T23:00:00-02:00': outside the times UTC can hold",
-        ),
         (("history", "nope"), "error: model 'nope' has no history"),
         (("history", ""), "error: model '' has no history"),  # not every row's
         # Not the declared-config records, which have no model.
@@ -2133,6 +2126,29 @@ def test_cli_bad_input_is_one_error_line_and_exit_1(
     assert result.exit_code == 1
     assert result.stderr.startswith(message)
     assert result.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("audit", "--since", "yesterday"), "--since 'yesterday': not a UTC time"),
+        (("refusals", "--until", "2026-11-30T12:00"), "--until '2026-11-30T12:00': not a"),
+        (("history", "m", "--since", "noon"), "--since 'noon': not a UTC time"),
+        (("audit", "--type", "Renamed"), "--type 'Renamed': not an event type"),
+        (
+            ("audit", "--until", "9999-12-31T23:00:00-02:00"),
+            "--until '9999-12-31T23:00:00-02:00': outside the times UTC can hold",
+        ),
+    ],
+)
+def test_cli_a_filter_that_cannot_be_read_is_a_usage_error(
+    models: Models, db: str, config: Path, args: tuple[str, ...], message: str
+) -> None:
+    """DESIGN: exit 2 on usage errors, as for a --limit click's type refuses;
+    these exited 1 as refusals (hostile test)."""
+    result = invoke(db, config, *args)
+    assert result.exit_code == 2, result.stderr
+    assert result.stderr.splitlines()[-1].startswith(f"Error: {message}")
 
 
 def test_refusals_are_found_by_a_name_no_model_can_have(

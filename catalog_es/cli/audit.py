@@ -1,8 +1,9 @@
 """The audit commands: ``history``, ``audit``, ``refusals`` and ``verify``.
 
 On these queries ``--by`` names the actor to look for. A ``--since``,
-``--until`` or ``--type`` value that cannot be read is one error line and
-exit 1, like any other unreadable input.
+``--until`` or ``--type`` value that cannot be read is a usage error (exit 2),
+as a value click's own types refuse is; a ``--type`` the query never
+carries is refused by the query (exit 1).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from catalog_es.cli.base import (
     emit_rows,
     pass_settings,
     query_options,
+    read_as_usage,
     shared_options,
     table,
 )
@@ -30,12 +32,12 @@ from catalog_es.inputs import event_type, utc_time
 from projections.audit import ChangeFilters, Filters
 
 
-def _time_option(_ctx: click.Context, param: click.Parameter, value: str | None) -> datetime | None:
-    return utc_time(value, param.opts[0]) if value is not None else None
+def _time_option(ctx: click.Context, param: click.Parameter, value: str | None) -> datetime | None:
+    return None if value is None else read_as_usage(ctx, utc_time, value, param.opts[0])
 
 
-def _event_option(_ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
-    return None if value is None else event_type(value, "--type")
+def _event_option(ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
+    return None if value is None else read_as_usage(ctx, event_type, value, "--type")
 
 
 def change_filters(f: F) -> F:

@@ -250,6 +250,18 @@ class RevisionOrTime(click.ParamType):  # type: ignore[type-arg]
 
 REVISION_OR_TIME = RevisionOrTime()
 
+T = TypeVar("T")
+
+
+def read_as_usage(ctx: click.Context, read: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """``read(*args, **kwargs)``, for an option callback: a value it cannot
+    read (its :class:`InputError` names the option) is a usage error, exit 2,
+    as a value one of click's types refuses is (DESIGN: 2 on usage errors)."""
+    try:
+        return read(*args, **kwargs)
+    except InputError as error:
+        raise click.UsageError(str(error), ctx) from None
+
 
 def visible(text: str) -> str:
     """``text`` for a terminal, with what it would act on or hide written as

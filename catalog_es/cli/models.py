@@ -21,6 +21,7 @@ from catalog_es.cli.base import (
     emit_rows,
     meta,
     pass_settings,
+    read_as_usage,
     read_at,
     say,
     scaling_text,
@@ -206,6 +207,18 @@ def _pairs(values: Iterable[str], what: str, *, at_last: bool = False) -> list[t
     return list(pairs.items())
 
 
+def _adapter_pairs(
+    ctx: click.Context, _param: click.Parameter, values: tuple[str, ...]
+) -> list[tuple[str, str]]:
+    return read_as_usage(ctx, _pairs, values, "--adapter")
+
+
+def _file_pairs(
+    ctx: click.Context, _param: click.Parameter, values: tuple[str, ...]
+) -> list[tuple[str, str]]:
+    return read_as_usage(ctx, _pairs, values, "--file", at_last=True)
+
+
 @model.command("adapters")
 @click.argument("name")
 @click.option(
@@ -213,17 +226,20 @@ def _pairs(values: Iterable[str], what: str, *, at_last: bool = False) -> list[t
     "adapters",
     multiple=True,
     metavar="NAME=SOURCE",
+    callback=_adapter_pairs,
     help="A LoRA adapter; repeat for each. The set replaces the current one.",
 )
 @click.option("--none", "clear", is_flag=True, help="Serve no adapters.")
 @shared_options
 @pass_settings
-def model_adapters(settings: Settings, name: str, adapters: tuple[str, ...], clear: bool) -> None:
+def model_adapters(
+    settings: Settings, name: str, adapters: list[tuple[str, str]], clear: bool
+) -> None:
     """Replace the LoRA adapters a runtime model serves."""
     if bool(adapters) == clear:
         both = ", not both" if clear else ""
         raise click.UsageError(f"give --adapter NAME=SOURCE (one or more), or --none{both}")
-    parsed = tuple(Adapter(name=k, source=v) for k, v in _pairs(adapters, "--adapter"))
+    parsed = tuple(Adapter(name=k, source=v) for k, v in adapters)
     result = settings.models().set_adapters(name, parsed, **meta(settings))
     emit_result(settings, result, "adapters set on")
 
@@ -238,6 +254,7 @@ def model_adapters(settings: Settings, name: str, adapters: tuple[str, ...], cle
     "files",
     multiple=True,
     metavar="PATH=SHA256",
+    callback=_file_pairs,
     help="A weights file and its sha256 (split at the last '='); repeat for each.",
 )
 @shared_options
@@ -248,7 +265,7 @@ def model_source(
     source: str,
     repository: str | None,
     revision: str | None,
-    files: tuple[str, ...],
+    files: list[tuple[str, str]],
 ) -> None:
     """Move a runtime model to other weights, recording where they came from."""
     # Given empty (``--revision "$REV"``, the variable unset), it would write
@@ -260,7 +277,7 @@ def model_source(
         origin = Origin(
             repository=repository or "",
             revision=revision or "",
-            files=dict(_pairs(files, "--file", at_last=True)),
+            files=dict(files),
         )
     result = settings.models().set_source(name, source, origin, **meta(settings))
     emit_result(settings, result, "source set on")
