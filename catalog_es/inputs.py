@@ -228,17 +228,23 @@ class ConfigInput(_Input):
 def _checked_engines(engines: list[str] | None) -> tuple[str, ...]:
     """The config's engines (the defaults when it names none), or why not: at
     least one (with none, every runtime model would be skipped on load), each
-    a name a model can give (no space, nothing a terminal acts on)."""
+    a name a model can give (no space, nothing a terminal acts on), once (as
+    a model's profile and adapter names are: a name twice is a slip, a merge
+    gone wrong, that the reviewers should see)."""
     if engines is None:
         return DEFAULT_ENGINES
     if not engines:
         raise InputError("engines: at least one is needed (leave it out for the defaults)")
+    seen: set[str] = set()
     for i, engine in enumerate(engines):
         if not (0 < len(engine) <= 128 and engine.isprintable()) or " " in engine:
             raise InputError(
                 f"engines[{i}]: {shown(engine)} is not an engine name "
                 "(1-128 printable characters, no space)"
             )
+        if engine in seen:
+            raise InputError(f"engines[{i}]: {shown(engine)} appears more than once")
+        seen.add(engine)
     return tuple(engines)
 
 

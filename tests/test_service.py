@@ -685,6 +685,9 @@ def test_a_bad_declared_config_is_refused_naming_file_model_and_field(
         pytest.param("['', vllm]", "engines[0]: '' is not an engine name", id="empty"),
         pytest.param("[vllm, 'v llm']", "engines[1]: 'v llm' is not an engine name", id="space"),
         pytest.param('[vllm, "a\\tb"]', "engines[1]: 'a\\tb' is not an engine name", id="tab"),
+        pytest.param(
+            "[vllm, sglang, vllm]", "engines[2]: 'vllm' appears more than once", id="twice"
+        ),
     ],
 )
 def test_a_config_whose_engines_no_model_could_name_is_refused(
