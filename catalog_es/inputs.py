@@ -45,7 +45,7 @@ from catalog_es.errors import (
     cut_short,
     shown,
 )
-from catalog_es.model import APPLY, EVENT_TYPES, ROLLBACK
+from catalog_es.model import APPLY, CHECK_UPDATES, EVENT_TYPES, ROLLBACK
 from catalog_es.persistence import MAX_REVISION as MAX_REVISION  # re-exported
 from catalog_es.spec import (
     DEFAULT_ENGINES,
@@ -936,10 +936,11 @@ def in_utc(moment: datetime, said: str) -> datetime:
 
 # The event types each query's rows carry: a model's history, its events; the
 # audit, a declared-config record's besides (no model's); the refusals, a
-# refused rollback's or list of changes' besides (no event of their own).
+# refused rollback's, list of changes' or check for updates' besides (no
+# event of their own).
 HISTORY_TYPES = tuple(cls.__name__ for cls in EVENT_TYPES)
 AUDIT_TYPES = (*HISTORY_TYPES, CONFIG_DECLARED)
-REFUSAL_TYPES = (*AUDIT_TYPES, ROLLBACK, APPLY)
+REFUSAL_TYPES = (*AUDIT_TYPES, ROLLBACK, APPLY, CHECK_UPDATES)
 _EVENT_NAMES = {name.lower(): name for name in REFUSAL_TYPES}
 
 

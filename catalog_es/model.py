@@ -276,3 +276,6 @@ ROLLBACK = "Rollback"
 # revision): no one change of it was refused. One refused change is recorded
 # as itself.
 APPLY = "Apply"
+# What a ``model check-updates`` refused as a whole is recorded as (a stale
+# expected revision): it writes origins and findings, no one kind of event.
+CHECK_UPDATES = "CheckUpdates"

@@ -39,7 +39,7 @@ from catalog_es.errors import (
     Refused,
 )
 from catalog_es.mapper import UndecodableEvent, decode_event, topic_of
-from catalog_es.model import Model, model_id
+from catalog_es.model import CHECK_UPDATES, Model, model_id
 from catalog_es.persistence import events_table, stream_walk
 from catalog_es.registry import (
     DEFAULT_BRANCH,
@@ -244,14 +244,38 @@ class Weights:
         compared, with the reason. Reads only."""
         return self._report(self._scan())
 
-    def check_updates(self, *, by: str, reason: str = "") -> dict[str, Any]:
+    def check_updates(
+        self, *, by: str, reason: str = "", expected_revision: int | None = None
+    ) -> dict[str, Any]:
         """``updates``, recording what is new: the origin of each runtime model
         that had none, or part of one (``OriginSet`` by the system actor), then each finding
         not recorded before (``UpstreamChanged``), declared models' too: the
-        record changes no definition, and the audit shows when it was first seen."""
-        scan = self._scan()
-        origins = self._record_origins(scan.unrecorded)
-        recorded = self._record_findings(scan.findings, by=by, reason=reason)
+        record changes no definition, and the audit shows when it was first seen.
+        ``expected_revision``: refused, nothing written, if the log has moved
+        past it, as every write is; checked before the registry is read, and
+        by the run's first write."""
+        with self.models.refusals_recorded(CHECK_UPDATES, "", by, reason, {}):
+            if expected_revision is not None:
+                # Refused even with nothing new to record, as any command
+                # carrying it is, and before the registry is asked.
+                self.models.write_plan(
+                    lambda _batch: None,
+                    by=by,
+                    reason=reason,
+                    expected_revision=expected_revision,
+                    dry_run=True,
+                )
+            scan = self._scan()
+            origins = self._record_origins(scan.unrecorded, expected_revision)
+            if scan.unrecorded:
+                # The log was where expected when the run first wrote. The
+                # findings' write checks each model is still as read: one
+                # refused after the origins committed would be a refusal
+                # that wrote something.
+                expected_revision = None
+            recorded = self._record_findings(
+                scan.findings, by=by, reason=reason, expected_revision=expected_revision
+            )
         report = self._report(scan)
         report.update(revision=self.models.revision, origins=origins, recorded=recorded)
         return report
@@ -350,7 +374,9 @@ class Weights:
             "first_seen": first_seen,
         }
 
-    def _record_origins(self, unrecorded: list[tuple[ModelSpec, Origin]]) -> list[dict[str, str]]:
+    def _record_origins(
+        self, unrecorded: list[tuple[ModelSpec, Origin]], expected_revision: int | None
+    ) -> list[dict[str, str]]:
         recorded: list[dict[str, str]] = []
 
         def plan(batch: Batch) -> None:
@@ -362,11 +388,16 @@ class Weights:
 
         if unrecorded:
             self.models.write_plan(
-                plan, by=SYSTEM_ACTOR, reason="origin worked out from the registry"
+                plan,
+                by=SYSTEM_ACTOR,
+                reason="origin worked out from the registry",
+                expected_revision=expected_revision,
             )
         return recorded
 
-    def _record_findings(self, findings: list[_Finding], *, by: str, reason: str) -> list[str]:
+    def _record_findings(
+        self, findings: list[_Finding], *, by: str, reason: str, expected_revision: int | None
+    ) -> list[str]:
         recorded: list[str] = []
 
         def plan(batch: Batch) -> None:
@@ -384,7 +415,7 @@ class Weights:
                 recorded.append(name)
 
         if findings:
-            self.models.write_plan(plan, by=by, reason=reason)
+            self.models.write_plan(plan, by=by, reason=reason, expected_revision=expected_revision)
         return recorded
 
     # -- moving a model between commits ------------------------------------------

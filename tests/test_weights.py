@@ -1426,3 +1426,68 @@ def test_cli_updates_says_how_many_models_went_unchecked_not_that_nothing_change
         "2 models not checked (see the notes), no upstream changes in the others at revision 0\n"
     )
     assert broken.stderr.count("not checked: ") == 2 and "listed twice" in broken.stderr
+
+
+@pytest.mark.parametrize("where", ["root", "command"])
+def test_check_updates_given_an_expected_revision_is_refused_past_it(
+    world: World, where: str
+) -> None:
+    """It recorded what it found whatever the revision given (hostile test):
+    given one, it is a compare-and-set like every other write, refused past
+    it with nothing written, also when it has nothing new to record."""
+    base = ["--db", f"sqlite:///{world.db}", "--config", str(world.config)]
+    mirror = ["--mirror", str(world.mirror.root), "--weights", str(world.store)]
+    runner = CliRunner()
+
+    def check(expected: int) -> Any:
+        option = ["--expected-revision", str(expected)]
+        if where == "root":
+            return runner.invoke(cli, [*base, *option, "model", "check-updates", *mirror])
+        return runner.invoke(cli, [*base, "model", "check-updates", *mirror, *option])
+
+    world.open().models.add(spec("m"), by="alice")  # m has no origin yet: one to record
+    rows = world.rows()
+    refused = check(1)
+    assert (refused.exit_code, refused.stdout) == (1, "")
+    assert refused.stderr.splitlines() == [
+        f"error: the log is at revision {rows}, not 1: someone changed the catalog since "
+        "you read it; read it again and retry"
+    ]
+    assert world.rows() == rows
+    written = check(rows)
+    assert written.exit_code == 0, written.stderr
+    assert "recorded the origin of m" in written.stdout
+    assert world.rows() == rows + 1
+    # Nothing new to record: refused all the same.
+    assert check(rows).exit_code == 1
+    assert world.rows() == rows + 1
+    kept = runner.invoke(cli, [*base, "refusals", "--type", "checkupdates", "--json"])
+    assert [(r["event"], r["model"]) for r in json.loads(kept.stdout)] == [
+        ("CheckUpdates", None),
+        ("CheckUpdates", None),
+    ]
+    # Without it, what it finds is recorded whatever the log's revision, as before.
+    world.mirror.publish("org/m", V2)
+    assert runner.invoke(cli, [*base, "model", "check-updates", *mirror]).exit_code == 0
+    assert events(world.open(), "m")[-1]["event"] == "UpstreamChanged"
+
+
+def test_check_updates_refuses_a_log_moved_while_the_registry_was_read(world: World) -> None:
+    """The revision is checked again by the run's write, not only before the
+    registry is read, which can take a while."""
+    weights = world.open()
+    weights.models.add(spec("m"), by="alice")
+    expected = weights.models.revision
+    other = world.open().models
+
+    class MovedMeanwhile(MirrorRegistry):
+        def refs(self, repository: str) -> dict[str, str]:
+            if other.revision == expected:
+                other.scale("m", maximum=2, by="bob")
+            return super().refs(repository)
+
+    moved = Weights(weights.models, MovedMeanwhile(world.mirror.root), weights.store)
+    rows = world.rows()
+    with pytest.raises(Refused, match=f"the log is at revision {expected + 1}, not {expected}"):
+        moved.check_updates(by="cron", expected_revision=expected)
+    assert world.rows() == rows + 1  # bob's change, nothing of the run's

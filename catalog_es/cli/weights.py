@@ -105,9 +105,7 @@ def model_check_updates(settings: Settings, mirror: str | None, weights_dir: str
     """Like updates, and record what is new: the origin of each runtime model
     that has none, and each upstream change not recorded before (once, so the
     log shows when it was first seen)."""
-    report = _weights(settings, mirror, weights_dir).check_updates(
-        by=settings.actor, reason=settings.reason
-    )
+    report = _weights(settings, mirror, weights_dir).check_updates(**meta(settings))
 
     def human() -> None:
         for origin in report["origins"]:
