@@ -33,7 +33,7 @@ from catalog_es.catalog import UNREADABLE_DECLARATION, Catalog, Skipped
 from catalog_es.catalog_lock import CatalogLock
 from catalog_es.chain import ChainHead, stored_head
 from catalog_es.collector import collector_paused
-from catalog_es.configuration import Configuration, DeclaredConfig
+from catalog_es.configuration import CONFIG_DECLARED, Configuration, DeclaredConfig
 from catalog_es.errors import (
     UNSAFE_TEXT,
     ConfigError,
@@ -1050,18 +1050,29 @@ class Models(AuditTrail, Application[UUID]):
             "nothing was written, try again",
         )
 
-    def record_declaration(self, *, by: str, reason: str = "") -> int:
+    def record_declaration(
+        self, *, by: str, reason: str = "", expected_revision: int | None = None
+    ) -> int:
         """Record the declared config in the log if it differs from the one the
         log last recorded (what ``serve`` does at start, so the log says which
         layer a long-running server put in force). Answers the head. Looked
         at first without the write lock: a node restarting on the config the
-        log has must not wait for, or be refused by, another's long write."""
-        with self._reading() as catalog:
-            if not declaration_differs(catalog, self.declared):
-                return catalog.revision
-        revision, _ = self._write(
-            lambda _batch: None, by=by, reason=reason, expected_revision=None, records_only=True
-        )
+        log has must not wait for, or be refused by, another's long write.
+        ``expected_revision``: refused, nothing written, unless the log is
+        there, as every write is, whether or not there is a config to record."""
+        if expected_revision is None:
+            with self._reading() as catalog:
+                if not declaration_differs(catalog, self.declared):
+                    return catalog.revision
+        asked = {"fingerprint": self.declared.fingerprint}
+        with self.refusals_recorded(CONFIG_DECLARED, "", by, reason, asked):
+            revision, _ = self._write(
+                lambda _batch: None,
+                by=by,
+                reason=reason,
+                expected_revision=expected_revision,
+                records_only=True,
+            )
         return revision
 
     def _push(self) -> None:

@@ -45,7 +45,7 @@ from catalog_es.errors import (
     json_escaped,
     json_escaped_bytes,
 )
-from catalog_es.inputs import MAX_CHANGES, DeclaredConfig
+from catalog_es.inputs import MAX_CHANGES, DeclaredConfig, load_config
 from catalog_es.model import model_id
 from catalog_es.persistence import database_unusable, refusals_table
 from catalog_es.web import app as web_app
@@ -1552,6 +1552,46 @@ def test_serve_stopped_as_asked_says_stopped_and_exits_0(
         server.kill()
     assert (server.returncode, out) == (0, "")
     assert err.endswith("\nstopped\n") and "Aborted" not in err, err
+
+
+@pytest.mark.parametrize("config", ["changed", "recorded"])
+def test_serve_given_a_stale_expected_revision_is_refused_before_it_records_anything(
+    tmp_path: Path,
+    config_file: str,
+    write_config: Callable[..., str],
+    config: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """It recorded a changed config at start whatever the revision given
+    (hostile test): it is a compare-and-set like every write, and a start
+    with nothing to record is refused all the same."""
+    import uvicorn
+
+    # A start that is not refused returns at once rather than serving on.
+    monkeypatch.setattr(uvicorn.Server, "run", lambda *_args, **_kwargs: None)
+    db = f"sqlite:///{tmp_path}/serve.db"
+    tokens = tmp_path / "tokens.json"
+    TokenStore(tokens).add("ops", "read")
+    setup = Models(load_config(config_file), env={"CATALOG_ES_DB": db})
+    setup.add(spec("m"), by="setup")
+    setup.close()
+    path = write_config("models: []\n") if config == "changed" else config_file
+    rows = count_events(db)
+    command = ["--db", db, "--config", path, "serve", "--port", "0", "--tokens", str(tokens)]
+    served = CliRunner().invoke(cli, [*command, "--expected-revision", "1"])
+    assert (served.exit_code, served.stdout) == (1, "")
+    assert served.stderr.splitlines() == [
+        f"error: the log is at revision {rows}, not 1: someone changed the catalog since "
+        "you read it; read it again and retry"
+    ]
+    assert count_events(db) == rows
+    models = Models(load_config(path), env={"CATALOG_ES_DB": db})
+    assert [(r["event"], r["model"]) for r in models.refusals()] == [("ConfigDeclared", None)]
+    # At the log's revision, it starts (and records a changed config).
+    assert models.record_declaration(by="deployer", expected_revision=rows) == (
+        rows + 1 if config == "changed" else rows
+    )
+    models.close()
 
 
 @pytest.mark.parametrize("where", ["taken", "unknown host", "empty host"])

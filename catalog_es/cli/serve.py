@@ -19,6 +19,7 @@ from catalog_es.cli.base import (
     cli,
     emit,
     let_warnings_through,
+    meta,
     pass_settings,
     say,
     shared_options,
@@ -69,7 +70,8 @@ def serve(
     Every request needs a bearer token (catalog-es token add); changes are
     recorded as the token's actor. If the declared config differs from the
     one the log last recorded, it is recorded first, as --by (else
-    $CATALOG_ES_ACTOR, else the OS user).
+    $CATALOG_ES_ACTOR, else the OS user). With --expected-revision, it starts
+    only on a log at that revision (a request gives its own, If-Match).
     """
     import uvicorn  # loaded only to serve
     from uvicorn.config import LOGGING_CONFIG
@@ -102,8 +104,10 @@ def serve(
     sockets = _listening(host, port)
     with stopped_when_asked(), _closing(sockets):
         models = settings.models()
+        # Before the warnings are let through: a start refused (a stale
+        # --expected-revision) is one line, as any refusal.
+        revision = models.record_declaration(**meta(settings))
         let_warnings_through()  # a server's log tells them as they come
-        revision = models.record_declaration(by=settings.actor, reason=settings.reason)
         app = bootstrap.open_web_app(models, tokens, max_watches=max_watches)
         # What is loaded now (the code, the catalog in force) mostly lives as
         # long as the server: out of the collector's sight, a full collection
