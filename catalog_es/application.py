@@ -31,7 +31,7 @@ from catalog_es.audit import AuditTrail
 from catalog_es.batch import Batch, Change, KnownVersions, declaration_differs
 from catalog_es.catalog import UNREADABLE_DECLARATION, Catalog, Skipped
 from catalog_es.catalog_lock import CatalogLock
-from catalog_es.chain import ChainHead, stored_head
+from catalog_es.chain import ChainHead, DamagedHead, deleted_tail, stored_head
 from catalog_es.collector import collector_paused
 from catalog_es.configuration import CONFIG_DECLARED, Configuration, DeclaredConfig
 from catalog_es.errors import (
@@ -286,6 +286,25 @@ def _tell_standing_skips(catalog: Catalog) -> None:
         )
 
 
+def _tell_deleted_tail(head: ChainHead | DamagedHead | None, last: int) -> None:
+    """Warn, as every command loads, while the head record (``head``) is past
+    the log's last event (``last``): the last events were deleted, which
+    nothing else but verify would tell. A write goes on, numbered after the
+    head: refusing writes would leave the cluster's catalog unchangeable over
+    what is evidence, not a bad record, and the gap the write leaves keeps
+    that evidence for verify. A head missing or damaged is verify's to tell
+    (and a write refuses a damaged one)."""
+    if not isinstance(head, ChainHead):
+        return
+    deleted = deleted_tail(head, last)
+    if deleted is not None:
+        log.warning(
+            "%s (catalog-es verify); a write goes on after revision %d, leaving the gap",
+            deleted.problem,
+            head.revision,
+        )
+
+
 def _lost(catalog: Catalog, kept: Kept) -> str | None:
     """Why the log, as ``kept`` tells it, no longer holds the events
     ``catalog`` was built from (a failover to a standby that had not received
@@ -499,8 +518,10 @@ class Models(AuditTrail, Application[UUID]):
             catalog = self._restored(conn, upto=None)
             since = catalog.revision
             catch_up(catalog, self.store, conn, split=True)
-            catalog.chain = self._chain_at(conn, catalog.revision)
+            kept = self.store.kept(conn, catalog.revision)
+            catalog.chain = _chain(catalog.revision, kept.hash)
             self._tell_undeclared(conn, catalog)
+            _tell_deleted_tail(self.store.chain_head(conn), kept.last)
         if catalog.revision - since >= self.snapshot_interval:
             self._save_snapshot(catalog.revision, snapshots.encode(catalog))
         _tell_standing_skips(catalog)

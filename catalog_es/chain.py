@@ -262,6 +262,18 @@ def _broken_link(last: ChainHead, row: ChainRow) -> ChainBreak:
     )
 
 
+def deleted_tail(head: ChainHead, last: int) -> ChainBreak | None:
+    """The break of a head past the log's last revision, ``last``: the events
+    after it were deleted."""
+    if head.revision <= last:
+        return None
+    return ChainBreak(
+        revision=last + 1,
+        problem=f"{_span(last + 1, head.revision)} missing: the head is at revision "
+        f"{head.revision} but the log ends at {last}, so the last events were deleted",
+    )
+
+
 def _broken_tail(last: ChainHead, head: ChainHead | DamagedHead | None) -> ChainBreak | None:
     if head is None:
         if last.revision == 0:
@@ -277,13 +289,9 @@ def _broken_tail(last: ChainHead, head: ChainHead | DamagedHead | None) -> Chain
             problem=f"the head record (catalog_head) is damaged ({head.problem}): events "
             f"after revision {last.revision} may have been deleted",
         )
-    if head.revision > last.revision:
-        return ChainBreak(
-            revision=last.revision + 1,
-            problem=f"{_span(last.revision + 1, head.revision)} missing: the head is at "
-            f"revision {head.revision} but the log ends at {last.revision}, so the last "
-            "events were deleted",
-        )
+    deleted = deleted_tail(head, last.revision)
+    if deleted is not None:
+        return deleted
     if head.revision < last.revision:
         return ChainBreak(
             revision=head.revision + 1,

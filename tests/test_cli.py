@@ -1140,6 +1140,50 @@ def test_a_run_without_the_declared_config_the_nodes_recorded_says_so(
     assert listed(folder=deploy) == (["a", "base"], "")
 
 
+def test_a_deleted_last_event_is_told_by_every_command_until_a_write_goes_on(
+    db_url: str, tmp_path: Path
+) -> None:
+    """The head is kept apart so that a deleted last event is noticed, but
+    only verify and serve said so: `revision` answered the one before it, a
+    read and a write said nothing (hostile test). Each command warns once;
+    a write goes on after the head, and verify names the gap it leaves."""
+    for name in ("a", "b"):
+        (tmp_path / f"{name}.yaml").write_bytes(as_yaml(definition(name)))
+        assert (
+            CliRunner().invoke(cli, ["--db", db_url, "model", "add", f"{name}.yaml"]).exit_code == 0
+        )
+    engine = sa.create_engine(db_url)
+    with engine.begin() as conn:
+        conn.execute(sa.text("DELETE FROM catalog_events WHERE revision = 2"))
+    engine.dispose()
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "catalog_es", "--db", db_url, *args]
+        return subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=tmp_path)
+
+    told = (
+        "warning: revision 2 is missing: the head is at revision 2 but the log ends at 1, so "
+        "the last events were deleted (catalog-es verify); a write goes on after revision 2, "
+        "leaving the gap\n"
+    )
+    assert [
+        (done.stdout, done.stderr) for done in (run("revision"), run("--json", "revision"))
+    ] == [
+        ("1\n", told),
+        ('{"revision": 1}\n', told),
+    ]
+    assert run("model", "list", "--json").stderr == told
+    refused = run("model", "scale", "b", "--max", "2")  # b's Added was the event deleted
+    assert (refused.returncode, refused.stderr) == (1, "error: model 'b' is not in the catalog\n")
+    scaled = run("model", "scale", "a", "--max", "2")
+    assert (scaled.returncode, scaled.stderr) == (0, told)
+    assert scaled.stdout.startswith("scaled a at revision 3\n")
+    assert run("revision").stderr == ""
+    verified = run("verify")
+    assert verified.returncode == 1
+    assert verified.stderr.startswith("error: chain broken at revision 2: revision 2 is missing")
+
+
 def test_a_write_told_in_characters_the_terminal_lacks_still_exits_0(tmp_path: Path) -> None:
     """A committed write whose answer the terminal's encoding cannot write
     exited 1, which says nothing was written (hostile test): it is written
