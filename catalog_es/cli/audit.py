@@ -50,8 +50,8 @@ def change_filters(f: F) -> F:
             metavar="EVENT",
             callback=_event_option,
             help="Only this event type (e.g. Scaled; ConfigDeclared: a declared-config "
-            "record, in audit; Rollback, Apply: a refused rollback or list of changes, in "
-            "refusals).",
+            "record, in audit; Rollback, Apply, CheckUpdates: a refused rollback, list of "
+            "changes or check for updates, in refusals).",
         ),
         click.option(
             "--since",

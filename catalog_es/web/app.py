@@ -931,7 +931,7 @@ def change_filters(
         Query(
             alias="type",
             description="Only this event type (e.g. `Scaled`; `ConfigDeclared` in the "
-            "audit; `Rollback`, `Apply` in the refusals).",
+            "audit; `Rollback`, `Apply`, `CheckUpdates` in the refusals).",
         ),
     ] = None,
     since: Annotated[
