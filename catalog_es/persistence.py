@@ -1377,9 +1377,14 @@ class SQLRecorder(ProcessRecorder):
             cursor.close()
 
     def chain_head(self, conn: Connection) -> ChainHead | DamagedHead | None:
-        """The head of the hash chain as stored, ``None`` before the first event."""
-        revision, hash_, _ = self._read_standing(conn, ())
-        return stored_head(revision, hash_)
+        """The head of the hash chain as stored, ``None`` before the first
+        event. The head record alone: a node that only reads may lack the
+        privileges a write's read of where the log stands needs (on
+        PostgreSQL, the revisions' sequence)."""
+        row = conn.execute(
+            sa.select(head_table.c.revision, head_table.c.hash).where(head_table.c.id == 1)
+        ).first()
+        return None if row is None else stored_head(row.revision, row.hash)
 
     def standing(self, conn: Connection, streams: Sequence[UUID] = ()) -> Standing:
         """Where the log stands, in one read: for a write, at its start, to
