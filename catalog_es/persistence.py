@@ -775,6 +775,11 @@ class SQLRecorder(ProcessRecorder):
         with self._writer_lock:
             if self._writer_pid != os.getpid():
                 self._writer = None  # inherited through a fork: not ours to touch
+            if self._writer is not None and self._writer.invalidated:
+                # SQLAlchemy invalidates it when an interrupt lands in a driver
+                # call; its next use would connect afresh without a writer's
+                # settings (below): autocommit on PostgreSQL, the cache on SQLite.
+                self._discard_writer()
             if (
                 self._writer is not None
                 and self.dialect != "sqlite"

@@ -886,6 +886,33 @@ def test_the_writers_page_cache_never_reaches_a_reader(tmp_path: Path) -> None:
         engine.dispose()
 
 
+def test_a_writer_sqlalchemy_invalidated_is_made_anew_with_its_settings(db_url: str) -> None:
+    """An interrupt landing in a driver call has SQLAlchemy invalidate the
+    held writer, which its next use connected afresh without the writer's
+    settings: on PostgreSQL out of autocommit, so psycopg sent a BEGIN of its
+    own before each write's (a round trip more, a server warning each write;
+    hostile test); on SQLite without its page cache."""
+    engine = create_engine(db_url)
+    recorder = SQLRecorder(engine)
+
+    def set_as_a_writer(conn: sa.Connection) -> bool:
+        if engine.dialect.name == "postgresql":
+            driver = conn.connection.driver_connection
+            return driver is not None and bool(driver.autocommit)
+        return conn.exec_driver_sql("PRAGMA cache_size").scalar() == -WRITER_CACHE_KIB
+
+    try:
+        with recorder.write() as conn:
+            assert set_as_a_writer(conn)
+        assert recorder._writer is not None
+        recorder._writer.invalidate()  # as SQLAlchemy does on a KeyboardInterrupt
+        with recorder.write() as conn:
+            assert set_as_a_writer(conn)
+        recorder.close()
+    finally:
+        engine.dispose()
+
+
 LOCK_WAIT_REFUSAL = "must be a number of seconds above 0 and at most 3600, not {!r}"
 
 
