@@ -954,7 +954,7 @@ class Models(AuditTrail, Application[UUID]):
                         # would build a Recording per event only for us to read its
                         # revision.
                         stored = [self.mapper.to_stored_event(e) for e in batch.records]
-                        appended = self.store.append(conn, stored, standing)
+                        appended = self.store.append(conn, stored, standing, known.revisions)
                         revisions = appended.revisions
                         self._committing = (revisions[-1], (stored[-1].topic, stored[-1].state))
                 except BaseException:
@@ -979,7 +979,7 @@ class Models(AuditTrail, Application[UUID]):
                             revisions[0],
                         )
                     self._declaration_held = True
-                known.learn(batch.versions, revision)
+                known.learn(batch.versions, revision, appended.streams)
                 if self.catalog.revision == head:
                     self._put_in_force(batch, appended, several)
                 # Else a read caught up with the log between the commit and the

@@ -45,17 +45,23 @@ class KnownVersions:
     def __init__(self) -> None:
         self.at: int | None = None
         self.versions: dict[int, int] = {}
+        # The revision of the last event of each stream this service wrote:
+        # its next event's link to it (``stream_previous``), which the write
+        # would otherwise look up, a seek a model (5% of a batch of 1,000).
+        self.revisions: dict[int, int] = {}
 
     def unknown(self, streams: Iterable[UUID]) -> list[UUID]:
         return [s for s in streams if s.int not in self.versions]
 
-    def learn(self, versions: Mapping[int, int], at: int) -> None:
+    def learn(self, versions: Mapping[int, int], at: int, revisions: Mapping[int, int]) -> None:
         self.versions.update(versions)
+        self.revisions.update(revisions)
         self.at = at
 
     def forget(self) -> None:
         self.at = None
         self.versions.clear()
+        self.revisions.clear()
 
 
 class Batch:

@@ -25,7 +25,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -241,10 +241,12 @@ class Standing(NamedTuple):
 
 
 class Appended(NamedTuple):
-    """What a write appended: its revisions, and the chain's head after them."""
+    """What a write appended: its revisions, the chain's head after them, and
+    the revision of each stream's last event, by its id's ``int``."""
 
     revisions: list[int]
     head: ChainHead
+    streams: dict[int, int]
 
 
 class Kept(NamedTuple):
@@ -1464,13 +1466,20 @@ class SQLRecorder(ProcessRecorder):
         return "(SELECT max(revision) FROM catalog_events)"
 
     def append(
-        self, conn: Connection, stored_events: Sequence[StoredEvent], standing: Standing | None
+        self,
+        conn: Connection,
+        stored_events: Sequence[StoredEvent],
+        standing: Standing | None,
+        last_revisions: Mapping[int, int] | None = None,
     ) -> Appended:
         """Insert events, each chained onto the one before and onto its
         stream's last, move each stream's last version and the head: one read
         and one write of the head per transaction, not per event. Straight
         through the driver: this is every command's write. ``conn`` must come
-        from :meth:`write`, and ``standing`` be read in it (or ``None``)."""
+        from :meth:`write`, and ``standing`` be read in it (or ``None``).
+        ``last_revisions``: the revision of streams' last events, by their
+        ids' ``int``, where known (written by this service since the log
+        last moved); each is checked against the stream's row as it moves."""
         head, last, _ = standing or self.standing(conn)
         if (
             any(e.originator_version > MAX_REVISION for e in stored_events)
@@ -1494,17 +1503,22 @@ class SQLRecorder(ProcessRecorder):
             chained = head.hash if head is not None else GENESIS
             rows = []
             # Each stream this write appends to, by its stored id: the version
-            # it followed, and its last version and revision after the write.
+            # it followed, its last version and revision after the write, and
+            # the revision of its last event before it, where given.
             streams: dict[Any, list[Any]] = {}
+            ends: dict[int, int] = {}
+            known = last_revisions or {}
             for revision, e in zip(revisions, stored_events, strict=True):
                 originator_id = _as_uuid(e.originator_id)
                 chained = link(chained, originator_id, e.originator_version, e.topic, e.state)
                 stored_id = self._uuid(originator_id)
+                ends[originator_id.int] = revision
                 stream = streams.get(stored_id)
                 if stream is None:
-                    stream = streams[stored_id] = [e.originator_version - 1, 0, 0]
-                    # The stream's last revision before this write: the database's.
-                    previous = None
+                    # The stream's last revision before this write: as given,
+                    # else the database's.
+                    previous = known.get(originator_id.int)
+                    stream = streams[stored_id] = [e.originator_version - 1, 0, 0, previous]
                 elif e.originator_version == stream[1] + 1:
                     previous = stream[2]
                 else:
@@ -1514,7 +1528,7 @@ class SQLRecorder(ProcessRecorder):
                         None,
                         ValueError(e.originator_version),
                     )
-                stream[1:] = e.originator_version, revision
+                stream[1:3] = e.originator_version, revision
                 rows.append(
                     (
                         revision,
@@ -1538,18 +1552,20 @@ class SQLRecorder(ProcessRecorder):
                     cursor.execute(insert, rows[0])
                 else:
                     cursor.executemany(insert, rows)
-                # Each stream moves only where it is still at the version the
-                # write followed; a new one only where it is still missing.
+                # Each stream moves only where it is still at the version (and
+                # the revision, where given) the write followed; a new one
+                # only where it is still missing.
                 moved = 0
-                followed = [(v, r, key, f) for key, (f, v, r) in streams.items() if f > 0]
+                followed = [(v, r, key, f, p) for key, (f, v, r, p) in streams.items() if f > 0]
                 if followed:
                     cursor.executemany(
-                        "UPDATE catalog_streams SET version = ?, revision = ?"
-                        f" WHERE originator_id = ? AND version = ? AND {_STREAM_ENDS_THERE}",
+                        "UPDATE catalog_streams SET version = ?1, revision = ?2"
+                        " WHERE originator_id = ?3 AND version = ?4"
+                        f" AND revision = coalesce(?5, revision) AND {_STREAM_ENDS_THERE}",
                         followed,
                     )
                     moved += cursor.rowcount
-                new = [(key, v, r) for key, (f, v, r) in streams.items() if f == 0]
+                new = [(key, v, r) for key, (f, v, r, _) in streams.items() if f == 0]
                 if new:
                     cursor.executemany(
                         "INSERT INTO catalog_streams (originator_id, version, revision)"
@@ -1574,7 +1590,7 @@ class SQLRecorder(ProcessRecorder):
             raise self._as_sqlalchemys(error) from None
         finally:
             cursor.close()
-        return Appended(revisions, ChainHead(revision=revisions[-1], hash=chained))
+        return Appended(revisions, ChainHead(revision=revisions[-1], hash=chained), ends)
 
     def _append_postgresql(
         self, cursor: Any, rows: list[tuple[Any, ...]], streams: dict[Any, list[Any]], chained: str
@@ -1604,12 +1620,13 @@ class SQLRecorder(ProcessRecorder):
             if start + 1000 < len(rows):
                 cursor.execute(insert.format(events=events), params)
                 continue
-            # Each stream moves only where it is still at the version the write
-            # followed; a new one only where it is still missing.
+            # Each stream moves only where it is still at the version (and the
+            # revision, where given) the write followed; a new one only where
+            # it is still missing.
             wanted, more = _postgresql_rows(
-                ("uuid", "bigint", "bigint", "bigint"),
+                ("uuid", "bigint", "bigint", "bigint", "bigint"),
                 [(stored_id, *stream) for stored_id, stream in streams.items()],
-                "w (originator_id, followed, version, revision)",
+                "w (originator_id, followed, version, revision, previous)",
             )
             # An upsert: the lock is the events table's, and a head deleted
             # meanwhile by hand is put back rather than left missing. Never
@@ -1623,6 +1640,7 @@ class SQLRecorder(ProcessRecorder):
                 " revision = w.revision FROM wanted w"
                 " WHERE catalog_streams.originator_id = w.originator_id"
                 " AND catalog_streams.version = w.followed AND w.followed > 0"
+                " AND catalog_streams.revision = coalesce(w.previous, catalog_streams.revision)"
                 f" AND {_STREAM_ENDS_THERE} RETURNING 1),"
                 " created AS (INSERT INTO catalog_streams (originator_id, version, revision)"
                 " SELECT originator_id, version, revision FROM wanted WHERE followed = 0"

@@ -1003,6 +1003,22 @@ def _versions(models: Models, name: str) -> list[int]:
         return list(conn.execute(query).scalars())
 
 
+def _links(models: Models, name: str) -> list[tuple[int, int]]:
+    """Each stored event of ``name``'s stream, in revision order: its revision
+    and its link to the stream's event before it (``stream_previous``)."""
+    t = events_table.c
+    query = (
+        sa.select(t.revision, t.stream_previous)
+        .where(t.originator_id == model_id(name))
+        .order_by(t.revision)
+    )
+    with models.store.engine.connect() as conn:
+        rows = [(revision, previous) for revision, previous in conn.execute(query)]
+    # Each links to the one before it, the first to none.
+    assert [previous for _, previous in rows] == [0, *(r for r, _ in rows[:-1])], rows
+    return rows
+
+
 def test_a_service_reads_no_version_it_wrote_while_nobody_else_wrote(tmp_path: Path) -> None:
     """The versions a service wrote still hold while the log's last revision
     is its own: its next batch on the same models reads none of them."""
@@ -1017,6 +1033,8 @@ def test_a_service_reads_no_version_it_wrote_while_nobody_else_wrote(tmp_path: P
     models.scale("b", 1, 3, by="ops")
     assert not [s for s in statements if s.startswith("SELECT") and "catalog_streams" in s]
     assert [_versions(models, n) for n in "abc"] == [[1, 2], [1, 2, 3], [1, 2]]
+    # Linked from what the service wrote, not read (stream_previous).
+    assert len(_links(models, "b")) == 3
     models.close()
 
 
@@ -1031,6 +1049,9 @@ def test_versions_another_writer_moved_are_read_again(db_url: str) -> None:
         mine.scale("a", 1, 4, by="me")
         mine.apply_changes([commands.scale("a", 0, 5)], by="me")
         assert _versions(mine, "a") == [1, 2, 3, 4, 5, 6]
+        # Each links to the event before it, theirs included, not to the last
+        # this service wrote (stream_previous).
+        assert len(_links(mine, "a")) == 6
         assert mine.get_model("a")["scaling"] == theirs.get_model("a")["scaling"]
     finally:
         mine.close()
