@@ -107,10 +107,15 @@ def counted(count: int, noun: str) -> str:
 
 def missing_folder(folder: Path) -> str | None:
     """Why a file cannot be made in ``folder``, when it is no directory: the
-    folder is not made for it, as a mistyped one would hold a file nothing reads."""
-    if folder.is_dir():
-        return None
-    return "not a directory" if folder.exists() else "no such directory; make it first"
+    folder is not made for it, as a mistyped one would hold a file nothing reads.
+    A folder that cannot be looked at says why (a name too long; for another
+    user than root, one it may not enter)."""
+    try:
+        if folder.is_dir():
+            return None
+        return "not a directory" if folder.exists() else "no such directory; make it first"
+    except OSError as error:
+        return (error.strerror or type(error).__name__).lower()
 
 
 def shown(value: object, limit: int = SHOWN_LENGTH) -> str:

@@ -610,9 +610,13 @@ def _on_the_driver(conn: Connection) -> Iterator[None]:
         conn.info[_OPEN_WRITE] = False
         _end(conn, driver, commit=True)
     except BaseException:
-        with suppress(sa.exc.SQLAlchemyError):  # the first error is the one to tell
-            conn.info[_OPEN_WRITE] = False
-            _end(conn, driver, commit=False)
+        # Invalidated (an interrupt in a driver call), its transaction went
+        # with its connection; touched, it would connect afresh, and the held
+        # writer be kept without a writer's settings.
+        if not conn.invalidated:
+            with suppress(sa.exc.SQLAlchemyError):  # the first error is the one to tell
+                conn.info[_OPEN_WRITE] = False
+                _end(conn, driver, commit=False)
         raise
 
 
@@ -843,6 +847,10 @@ class SQLRecorder(ProcessRecorder):
         writer = self._writer
         if writer is None:
             return True
+        if writer.invalidated:
+            # Asked for its driver connection, it would connect afresh (and
+            # look idle) without a writer's settings: let go of it instead.
+            return False
         try:
             if writer.in_transaction():
                 return False

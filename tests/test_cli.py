@@ -1265,6 +1265,11 @@ def test_a_database_in_a_folder_that_is_not_there_is_named_and_nothing_is_made(
             "error: the database nodir/x.db: nodir: no such directory; make it first",
         ),
         ("sqlite:///a-file/x.db", "error: the database a-file/x.db: a-file: not a directory"),
+        # Not looked into (for root, only a name too long): unexpected OSError (review).
+        (
+            f"sqlite:///{'d' * 300}/x.db",
+            f"error: the database {'d' * 300}/x.db: {'d' * 300}: file name too long",
+        ),
     ]:
         for command in (["model", "list"], ["model", "scale", "m", "--max", "2"]):
             assert refused_in_one_line(CliRunner().invoke(cli, ["--db", url, *command])) == line
