@@ -286,25 +286,6 @@ def _tell_standing_skips(catalog: Catalog) -> None:
         )
 
 
-def _tell_deleted_tail(head: ChainHead | DamagedHead | None, last: int) -> None:
-    """Warn, as every command loads, while the head record (``head``) is past
-    the log's last event (``last``): the last events were deleted, which
-    nothing else but verify would tell. A write goes on, numbered after the
-    head: refusing writes would leave the cluster's catalog unchangeable over
-    what is evidence, not a bad record, and the gap the write leaves keeps
-    that evidence for verify. A head missing or damaged is verify's to tell
-    (and a write refuses a damaged one)."""
-    if not isinstance(head, ChainHead):
-        return
-    deleted = deleted_tail(head, last)
-    if deleted is not None:
-        log.warning(
-            "%s (catalog-es verify); a write goes on after revision %d, leaving the gap",
-            deleted.problem,
-            head.revision,
-        )
-
-
 def _lost(catalog: Catalog, kept: Kept) -> str | None:
     """Why the log, as ``kept`` tells it, no longer holds the events
     ``catalog`` was built from (a failover to a standby that had not received
@@ -490,6 +471,8 @@ class Models(AuditTrail, Application[UUID]):
         # then before the reads that come after it, as it holds up every node.
         self._state = CatalogLock()
         self._known = KnownVersions()
+        # The head whose deleted events this node last told of.
+        self._deleted_tail_told: int | None = None
         # The revision of this service's last committed write: what an
         # interrupt after it, as the answer is made or told, cannot undo.
         self.last_written: int | None = None
@@ -521,7 +504,7 @@ class Models(AuditTrail, Application[UUID]):
             kept = self.store.kept(conn, catalog.revision)
             catalog.chain = _chain(catalog.revision, kept.hash)
             self._tell_undeclared(conn, catalog)
-            _tell_deleted_tail(self.store.chain_head(conn), kept.last)
+            self._tell_deleted_tail(self.store.chain_head(conn), kept.last, "the next write")
         if catalog.revision - since >= self.snapshot_interval:
             self._save_snapshot(catalog.revision, snapshots.encode(catalog))
         _tell_standing_skips(catalog)
@@ -537,6 +520,30 @@ class Models(AuditTrail, Application[UUID]):
     def _chain_at(self, conn: Connection, revision: int) -> ChainHead | None:
         """The log's chain at ``revision``, as ``conn``'s transaction reads it."""
         return _chain(revision, self.store.kept(conn, revision).hash)
+
+    def _tell_deleted_tail(
+        self, head: ChainHead | DamagedHead | None, last: int, which: str
+    ) -> None:
+        """Warn while the head record (``head``) is past the log's last event
+        (``last``): the last events were deleted, which nothing else but
+        verify would tell. Said as a command loads, and by the write that
+        goes on after the head (``which``), unless this node said so of that
+        head already: a server loaded before the deletion tells it there.
+        The write is not refused: that would leave the cluster's catalog
+        unchangeable over what is evidence, not a bad record, and the gap it
+        leaves keeps that evidence for verify. A head missing or damaged is
+        verify's to tell (and a write refuses a damaged one)."""
+        if not isinstance(head, ChainHead) or head.revision == self._deleted_tail_told:
+            return
+        deleted = deleted_tail(head, last)
+        if deleted is not None:
+            self._deleted_tail_told = head.revision
+            log.warning(
+                "%s (catalog-es verify); %s is numbered after revision %d, leaving the gap",
+                deleted.problem,
+                which,
+                head.revision,
+            )
 
     def _tell_undeclared(self, conn: Connection, catalog: Catalog) -> None:
         """Warn of each model the config last recorded declared, no longer
@@ -919,6 +926,8 @@ class Models(AuditTrail, Application[UUID]):
                             or (chain is not None and chain.revision != at)
                         ):
                             self._catch_up(conn, held=locked and lock_left is None)
+                        if not dry_run:
+                            self._tell_deleted_tail(standing.head, standing.ends, "this write")
                         head = self.catalog.revision
                         if expected_revision is not None and expected_revision != head:
                             raise RevisionConflict(expected_revision, head)

@@ -238,6 +238,9 @@ class Standing(NamedTuple):
     head: ChainHead | None
     last: int
     versions: dict[int, int]
+    # The revision of the log's last event (0 when it has none): below the
+    # head's, the events after it were deleted.
+    ends: int
 
 
 class Appended(NamedTuple):
@@ -1405,25 +1408,27 @@ class SQLRecorder(ProcessRecorder):
         """Where the log stands, in one read: for a write, at its start, to
         know whether to catch up, what to chain onto, and the versions of the
         streams it names (a command's is on the way anyway)."""
-        revision, hash_, (taken, *found) = self._read_standing(conn, streams)
+        revision, hash_, (taken, ends, *found) = self._read_standing(conn, streams)
         head = stored_head(revision, hash_)
         if isinstance(head, DamagedHead):
             raise DamagedLog(
                 f"the log's head record (catalog_head) is damaged: {head.problem}; "
                 "nothing was written (catalog-es verify tells what else was edited)"
             )
-        _check_whole((taken, *found))
+        _check_whole((taken, ends, *found))
         return Standing(
             head=head,
             last=max(head.revision if head is not None else 0, taken or 0),
             versions={s.int: v or 0 for s, v in zip(streams, found, strict=True)},
+            ends=ends or 0,
         )
 
     def _read_standing(
         self, conn: Connection, streams: Sequence[UUID]
     ) -> tuple[Any, Any, list[Any]]:
-        """The head's columns as stored, then the last revision taken and the
-        last version of each of ``streams``, in one statement."""
+        """The head's columns as stored, then the last revision taken, the
+        last event's and the last version of each of ``streams``, in one
+        statement."""
         versions = ", (SELECT version FROM catalog_streams WHERE originator_id = ?)"
         cursor = conn.connection.cursor()
         try:
@@ -1432,6 +1437,7 @@ class SQLRecorder(ProcessRecorder):
                     "SELECT (SELECT revision FROM catalog_head WHERE id = 1),"
                     " (SELECT hash FROM catalog_head WHERE id = 1), "
                     + self._last_taken(cursor)
+                    + ", (SELECT max(revision) FROM catalog_events)"
                     + versions * len(streams)
                 ),
                 [self._uuid(s) for s in streams],
@@ -1488,7 +1494,8 @@ class SQLRecorder(ProcessRecorder):
         ``last_revisions``: the revision of streams' last events, by their
         ids' ``int``, where known (written by this service since the log
         last moved); each is checked against the stream's row as it moves."""
-        head, last, _ = standing or self.standing(conn)
+        standing = standing or self.standing(conn)
+        head, last = standing.head, standing.last
         if (
             any(e.originator_version > MAX_REVISION for e in stored_events)
             or last + len(stored_events) > MAX_REVISION

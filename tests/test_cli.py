@@ -1163,8 +1163,8 @@ def test_a_deleted_last_event_is_told_by_every_command_until_a_write_goes_on(
 
     told = (
         "warning: revision 2 is missing: the head is at revision 2 but the log ends at 1, so "
-        "the last events were deleted (catalog-es verify); a write goes on after revision 2, "
-        "leaving the gap\n"
+        "the last events were deleted (catalog-es verify); the next write is numbered after "
+        "revision 2, leaving the gap\n"
     )
     assert [
         (done.stdout, done.stderr) for done in (run("revision"), run("--json", "revision"))

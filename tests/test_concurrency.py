@@ -1097,6 +1097,33 @@ def test_a_stream_row_edited_by_hand_refuses_writes_to_that_model(db_url: str, e
     fresh.close()
 
 
+def test_a_running_node_whose_write_goes_on_after_deleted_events_says_so(
+    db_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A node loaded before the last events were deleted (a server) wrote
+    after the head, leaving the gap, and said nothing: only a command
+    loading the log told it (review). Said once, by the write."""
+    running = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
+    other = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
+    try:
+        running.apply_changes([commands.add(model_spec(n)) for n in "ab"], by="setup")
+        other.scale("b", 0, 2, by="ops")
+        with running.store.engine.begin() as conn:
+            conn.exec_driver_sql("DELETE FROM catalog_events WHERE revision = 3")
+        with caplog.at_level(logging.WARNING, logger="catalog_es"):
+            assert running.scale("a", 0, 3, by="ops").revision == 4
+            running.scale("a", 0, 4, by="ops")
+        told = [r.getMessage() for r in caplog.records if "deleted" in r.getMessage()]
+        assert told == [
+            "revision 3 is missing: the head is at revision 3 but the log ends at 2, so the"
+            " last events were deleted (catalog-es verify); this write is numbered after"
+            " revision 3, leaving the gap"
+        ]
+    finally:
+        running.close()
+        other.close()
+
+
 def test_verify_names_the_earliest_of_two_stream_rows_edited_by_hand(db_url: str) -> None:
     """A row for a stream with no events was told first, however late its
     revision, before an earlier break (review)."""
