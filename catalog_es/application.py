@@ -1090,12 +1090,15 @@ class Models(AuditTrail, Application[UUID]):
         log has must not wait for, or be refused by, another's long write.
         ``expected_revision``: refused, nothing written, unless the log is
         there, as every write is, whether or not there is a config to record."""
-        if expected_revision is None:
-            with self._reading() as catalog:
-                if not declaration_differs(catalog, self.declared):
-                    return catalog.revision
         asked = {"fingerprint": self.declared.fingerprint}
         with self.refusals_recorded(CONFIG_DECLARED, "", by, reason, asked):
+            with self._reading() as catalog:
+                at, differs = catalog.revision, declaration_differs(catalog, self.declared)
+            if expected_revision is not None and expected_revision != at:
+                # Refused without waiting for the write lock: the log only moves on.
+                raise RevisionConflict(expected_revision, at)
+            if not differs:
+                return at
             revision, _ = self._write(
                 lambda _batch: None,
                 by=by,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -254,8 +255,13 @@ class Weights:
         ``expected_revision``: refused, nothing written, if the log has moved
         past it, as every write is; checked before the registry is read, and
         by the run's first write."""
-        with self.models.refusals_recorded(CHECK_UPDATES, "", by, reason, {}):
-            if expected_revision is not None:
+        checked = expected_revision is not None
+        with (
+            self.models.refusals_recorded(CHECK_UPDATES, "", by, reason, {})
+            if checked
+            else nullcontext()
+        ):
+            if checked:
                 # Refused even with nothing new to record, as any command
                 # carrying it is, and before the registry is asked.
                 self.models.write_plan(
@@ -267,14 +273,16 @@ class Weights:
                 )
             scan = self._scan()
             origins = self._record_origins(scan.unrecorded, expected_revision)
-            if scan.unrecorded:
-                # The log was where expected when the run first wrote. The
-                # findings' write checks each model is still as read: one
-                # refused after the origins committed would be a refusal
-                # that wrote something.
-                expected_revision = None
+            if not scan.unrecorded:  # the findings' write is the run's first
+                recorded = self._record_findings(
+                    scan.findings, by=by, reason=reason, expected_revision=expected_revision
+                )
+        if scan.unrecorded:
+            # The origins are written: a refusal from here on would be one of
+            # a run that wrote something, and not kept as the run's. The
+            # findings' write checks each model is still as it was read.
             recorded = self._record_findings(
-                scan.findings, by=by, reason=reason, expected_revision=expected_revision
+                scan.findings, by=by, reason=reason, expected_revision=None
             )
         report = self._report(scan)
         report.update(revision=self.models.revision, origins=origins, recorded=recorded)

@@ -1496,6 +1496,27 @@ def test_an_interrupt_on_any_line_of_a_write_leaves_the_catalog_a_fresh_node_rea
     assert len(landed) > len(lines) // 2  # each path passes some lines by
 
 
+def test_a_start_on_the_expected_revision_waits_for_no_writer(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``serve --expected-revision`` on the log it expects, its config
+    recorded already, starts without waiting for another node's long write
+    (it took the write lock to find there was nothing to record; review);
+    on a log moved past it, it is refused without writing."""
+    monkeypatch.setenv(LOCK_WAIT_ENV, "5")
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
+    models.add(model_spec("m"), by="setup")
+    head = models.revision
+    with write_lock_held(db_url):
+        started = time.monotonic()
+        assert models.record_declaration(by="ops", expected_revision=head) == head
+        assert time.monotonic() - started < 2
+    with pytest.raises(RevisionConflict):
+        models.record_declaration(by="ops", expected_revision=head - 1)
+    assert models.revision == head
+    models.close()
+
+
 def test_a_busy_database_keeps_the_write_connection(
     db_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
