@@ -139,7 +139,7 @@ def test_usage_errors_exit_2(run: Run, rows: Callable[[], int], args: list[str])
     [
         pytest.param(
             ["model", "adapters", "m", "--adapter", "x"],
-            "--adapter 'x': expected NAME=VALUE",
+            "--adapter 'x': expected NAME=SOURCE",
             id="pair",
         ),
         pytest.param(
@@ -149,7 +149,7 @@ def test_usage_errors_exit_2(run: Run, rows: Callable[[], int], args: list[str])
         ),
         pytest.param(
             ["model", "source", "m", "s3://w", "--file", "w.bin"],
-            "--file 'w.bin': expected NAME=VALUE",
+            "--file 'w.bin': expected PATH=SHA256",
             id="file-no-digest",
         ),
     ],

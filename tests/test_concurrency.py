@@ -38,7 +38,7 @@ from catalog_es.application import Models
 from catalog_es.bootstrap import SNAPSHOT_ENV
 from catalog_es.catalog_lock import CatalogLock
 from catalog_es.cli import cli
-from catalog_es.errors import DamagedLog, RevisionConflict, StorageBusy
+from catalog_es.errors import DamagedLog, InvalidModel, RevisionConflict, StorageBusy
 from catalog_es.inputs import DeclaredConfig, load_config
 from catalog_es.model import Model, model_id, utc_now
 from catalog_es.persistence import (
@@ -1514,6 +1514,41 @@ def test_a_start_on_the_expected_revision_waits_for_no_writer(
     with pytest.raises(RevisionConflict):
         models.record_declaration(by="ops", expected_revision=head - 1)
     assert models.revision == head
+    models.close()
+
+
+def test_no_postgresql_session_of_a_node_stays_in_a_transaction_after_a_refusal(
+    pg_url: str, pg_admin: sa.Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The held writer begins its transactions by hand, in autocommit mode
+    (the BEGIN in the lock's round trip): psycopg must still end each one,
+    refused or waited out, or the node would hold the log's lock between
+    commands (review)."""
+    monkeypatch.setenv(LOCK_WAIT_ENV, "0.2")
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": pg_url})
+    models.add(model_spec("m"), by="setup")
+
+    def in_a_transaction() -> list[str]:
+        with pg_admin.connect() as conn:
+            return list(
+                conn.exec_driver_sql(
+                    "SELECT state FROM pg_stat_activity WHERE application_name = %(own)s"
+                    " AND state <> 'idle'",
+                    {"own": schema_of(pg_url)},
+                ).scalars()
+            )
+
+    with pytest.raises(RevisionConflict):
+        models.scale("m", 0, 2, by="ops", expected_revision=models.revision - 1)
+    assert in_a_transaction() == []
+    with pytest.raises(InvalidModel):
+        models.scale("m", 3, 2, by="ops")
+    assert in_a_transaction() == []
+    with write_lock_held(pg_url), pytest.raises(StorageBusy):
+        models.scale("m", 0, 2, by="ops")
+    assert in_a_transaction() == []
+    models.scale("m", 0, 2, by="ops")  # the lock is taken again, and let go
+    assert in_a_transaction() == []
     models.close()
 
 

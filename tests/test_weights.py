@@ -1423,7 +1423,7 @@ def test_cli_updates_says_how_many_models_went_unchecked_not_that_nothing_change
     broken = runner.invoke(cli, [*base, *where])
     assert broken.exit_code == 0
     assert broken.stdout == (
-        "2 models not checked (see the notes), no upstream changes in the others at revision 0\n"
+        "no upstream changes found at revision 0; 2 models not checked (see the notes)\n"
     )
     assert broken.stderr.count("not checked: ") == 2 and "listed twice" in broken.stderr
 

@@ -47,6 +47,7 @@ REVISION = click.IntRange(0, MAX_REVISION)
 COUNT = click.IntRange(1, MAX_REVISION)
 
 F = TypeVar("F", bound=Callable[..., Any])
+T = TypeVar("T")
 
 log = logging.getLogger("catalog_es")
 
@@ -249,8 +250,6 @@ class RevisionOrTime(click.ParamType):  # type: ignore[type-arg]
 
 
 REVISION_OR_TIME = RevisionOrTime()
-
-T = TypeVar("T")
 
 
 def read_as_usage(ctx: click.Context, read: Callable[..., T], *args: Any, **kwargs: Any) -> T:

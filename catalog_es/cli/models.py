@@ -45,6 +45,9 @@ def model() -> None:
 
 AT_HELP = "Read the catalog as it was at a revision or UTC time."
 
+# Models named in the list's warning line; the rest are counted.
+WARNED_NAMED = 5
+
 
 @model.command("list")
 @click.option("--at", type=REVISION_OR_TIME, help=AT_HELP)
@@ -86,10 +89,6 @@ def model_list(settings: Settings, at: int | datetime | None, declared_then: boo
             )
 
     emit_rows(settings, models, human)
-
-
-# Models named in the list's warning line; the rest are counted.
-WARNED_NAMED = 5
 
 
 @model.command("show")
@@ -191,7 +190,9 @@ def model_owner(settings: Settings, name: str, owner: str) -> None:
     emit_result(settings, result, "owner set on")
 
 
-def _pairs(values: Iterable[str], what: str, *, at_last: bool = False) -> list[tuple[str, str]]:
+def _pairs(
+    values: Iterable[str], what: str, form: str, *, at_last: bool = False
+) -> list[tuple[str, str]]:
     """``NAME=VALUE`` options, each name once: a second value for one name is
     refused rather than left to win. ``at_last``: split at the last ``=``,
     for names that may hold one and values that never do (a file path and
@@ -200,7 +201,7 @@ def _pairs(values: Iterable[str], what: str, *, at_last: bool = False) -> list[t
     for value in values:
         key, sep, rest = value.rpartition("=") if at_last else value.partition("=")
         if not sep or not key or not rest:
-            raise InputError(f"{what} {shown(value)}: expected NAME=VALUE")
+            raise InputError(f"{what} {shown(value)}: expected {form}")
         if key in pairs:
             raise InputError(f"{what} {shown(key)} is given more than once")
         pairs[key] = rest
@@ -210,13 +211,13 @@ def _pairs(values: Iterable[str], what: str, *, at_last: bool = False) -> list[t
 def _adapter_pairs(
     ctx: click.Context, _param: click.Parameter, values: tuple[str, ...]
 ) -> list[tuple[str, str]]:
-    return read_as_usage(ctx, _pairs, values, "--adapter")
+    return read_as_usage(ctx, _pairs, values, "--adapter", "NAME=SOURCE")
 
 
 def _file_pairs(
     ctx: click.Context, _param: click.Parameter, values: tuple[str, ...]
 ) -> list[tuple[str, str]]:
-    return read_as_usage(ctx, _pairs, values, "--file", at_last=True)
+    return read_as_usage(ctx, _pairs, values, "--file", "PATH=SHA256", at_last=True)
 
 
 @model.command("adapters")

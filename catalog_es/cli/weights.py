@@ -61,10 +61,11 @@ def _show_updates(report: dict[str, Any]) -> None:
     if not updates:
         unchecked = len(report["unchecked"])
         if unchecked:
-            # "No upstream changes" would vouch for models nobody compared.
+            # "No upstream changes" alone would vouch for models nobody
+            # compared (every model, where the mirror's refs is broken).
             click.echo(
-                f"{counted(unchecked, 'model')} not checked (see the notes), "
-                f"no upstream changes in the others at revision {report['revision']}"
+                f"no upstream changes found at revision {report['revision']}; "
+                f"{counted(unchecked, 'model')} not checked (see the notes)"
             )
         else:
             click.echo(f"no upstream changes at revision {report['revision']}")
