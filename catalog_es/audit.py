@@ -27,13 +27,7 @@ from catalog_es.errors import (
     StorageBusy,
     cut_short,
 )
-from catalog_es.inputs import (
-    AUDIT_TYPES,
-    HISTORY_TYPES,
-    REFUSAL_TYPES,
-    DeclaredConfig,
-    zoned,
-)
+from catalog_es.inputs import DeclaredConfig, carried, zoned
 from catalog_es.model import Model, utc_now, utc_text
 from catalog_es.persistence import AnswerTooLarge, SQLRecorder, refusals_table
 from projections.audit import (
@@ -99,7 +93,7 @@ class AuditTrail:
     ) -> list[str]:
         # No name filters nothing: every row would be this "history".
         if name:
-            views = self._views(filters, at_most_bytes, query=("a model's history", HISTORY_TYPES))
+            views = self._views(filters, at_most_bytes, query="history")
             declared = any(m.name == name for m in self.declared.models)
             if views or declared or self._audit.view.mentions(self.name, name):
                 return views
@@ -137,11 +131,11 @@ class AuditTrail:
         self,
         filters: Filters,
         at_most_bytes: int | None = None,
-        query: tuple[str, tuple[str, ...]] = ("the audit", AUDIT_TYPES),
+        query: str = "audit",
     ) -> list[str]:
-        """Each matching row as the JSON it is stored as; ``query``: its name
-        and the event types its rows carry."""
-        _check_filters(filters, *query)
+        """Each matching row as the JSON it is stored as; ``query``: which
+        (:data:`QUERY_TYPES`), for the event types its rows carry."""
+        _check_filters(filters, query)
         try:
             return self._audit.answer(self.store, self.name, filters, at_most_bytes)
         except AnswerTooLarge:
@@ -159,7 +153,7 @@ class AuditTrail:
     ) -> list[dict[str, Any]]:
         """Refused commands matching every filter given, as :meth:`audit` takes
         them (``at_most`` as :meth:`audit_json`'s)."""
-        _check_filters(filters, "the refusals", REFUSAL_TYPES)
+        _check_filters(filters, "refusals")
         with self.store.read() as conn:
             rows = select_rows(
                 conn, refusals_table, (refusals_table.c.id,), _one_more(filters, at_most)
@@ -256,12 +250,10 @@ class AuditTrail:
             log.warning("could not record the refusal of %s for %r: %s", event, name, error)
 
 
-def _check_filters(filters: Filters, query: str, types: tuple[str, ...]) -> None:
-    # A type the query never carries matched nothing, said as nothing done
-    # (audit --type Rollback: a rollback refused is in the refusals alone).
+def _check_filters(filters: Filters, query: str) -> None:
     wanted = filters.get("event_type")
-    if wanted is not None and wanted not in types:
-        raise InputError(f"type {wanted!r}: {query} has none; it takes {', '.join(types)}")
+    if wanted is not None:
+        carried(wanted, query, "type")
     # An empty name is no model's: it matched the declared-config records,
     # which have no model, as if they were one.
     if filters.get("model") == "":

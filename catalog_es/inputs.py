@@ -942,6 +942,23 @@ HISTORY_TYPES = tuple(cls.__name__ for cls in EVENT_TYPES)
 AUDIT_TYPES = (*HISTORY_TYPES, CONFIG_DECLARED)
 REFUSAL_TYPES = (*AUDIT_TYPES, ROLLBACK, APPLY, CHECK_UPDATES)
 _EVENT_NAMES = {name.lower(): name for name in REFUSAL_TYPES}
+# Each query, as its command is named: what an answer calls it, and its types.
+QUERY_TYPES = {
+    "history": ("a model's history", HISTORY_TYPES),
+    "audit": ("the audit", AUDIT_TYPES),
+    "refusals": ("the refusals", REFUSAL_TYPES),
+}
+
+
+def carried(name: str, query: str, said: str) -> str:
+    """``name``, an event type, where the rows of ``query`` (a key of
+    :data:`QUERY_TYPES`) can carry it. One they never do matched nothing,
+    said as nothing done (``audit --type Rollback``: a refused rollback is
+    in the refusals alone)."""
+    what, types = QUERY_TYPES[query]
+    if name not in types:
+        raise InputError(f"{said} {name!r}: {what} has none; it takes {', '.join(types)}")
+    return name
 
 
 def event_type(text: str, option: str) -> str:

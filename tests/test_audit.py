@@ -2069,7 +2069,9 @@ def test_a_type_the_query_never_carries_is_refused_naming_the_ones_it_takes(
     with pytest.raises(Refused):
         models.rollback(10**6, by="erin")
     result = invoke(db, config, *args)
-    assert (result.exit_code, result.stdout, result.stderr) == (1, "", f"error: {refusal}\n")
+    # A usage error, as a type no query takes is (review).
+    assert (result.exit_code, result.stdout) == (2, "")
+    assert result.stderr.splitlines()[-1] == f"Error: --{refusal}"
 
 
 def test_a_bound_between_two_microseconds_is_not_rounded_down(

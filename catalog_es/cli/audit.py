@@ -1,9 +1,9 @@
 """The audit commands: ``history``, ``audit``, ``refusals`` and ``verify``.
 
 On these queries ``--by`` names the actor to look for. A ``--since``,
-``--until`` or ``--type`` value that cannot be read is a usage error (exit 2),
-as a value click's own types refuse is; a ``--type`` the query never
-carries is refused by the query (exit 1).
+``--until`` or ``--type`` value that cannot be read, or a type the query
+never carries, is a usage error (exit 2), as a value click's own types
+refuse is.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from catalog_es.cli.base import (
     table,
 )
 from catalog_es.errors import json_line
-from catalog_es.inputs import event_type, utc_time
+from catalog_es.inputs import carried, event_type, utc_time
 from projections.audit import ChangeFilters, Filters
 
 
@@ -37,7 +37,11 @@ def _time_option(ctx: click.Context, param: click.Parameter, value: str | None) 
 
 
 def _event_option(ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
-    return None if value is None else read_as_usage(ctx, event_type, value, "--type")
+    return None if value is None else read_as_usage(ctx, _query_type, value, ctx.command.name)
+
+
+def _query_type(value: str, query: str) -> str:
+    return carried(event_type(value, "--type"), query, "--type")
 
 
 def change_filters(f: F) -> F:
