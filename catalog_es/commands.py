@@ -32,9 +32,6 @@ class Step:
     # (a refused one may never get that far): what it was asked for.
     asked: dict[str, Any] | None = None
 
-    def __post_init__(self) -> None:
-        check_name(self.name)
-
     @property
     def refused_fields(self) -> dict[str, Any]:
         """What the refusals keep of this step: its fields, or what was asked."""
@@ -48,6 +45,9 @@ class Step:
     def decide(self, batch: Batch) -> tuple[Model.Event, ModelSpec | None, bool]:
         """Decide into ``batch``: the event, the definition it puts in force, and
         whether it replaced a runtime definition."""
+        # Checked here, in the write, not as the step is made: refused, a name
+        # no model can have is kept in the refusals, as every refusal is.
+        check_name(self.name)
         current = batch.catalog.get(self.name)
         extra = self.derive(current) if self.derive is not None else {}
         event = batch.event(self.event_class, self.name, **self.fields, **extra)

@@ -53,6 +53,7 @@ from catalog_es.spec import (
     ModelSpec,
     Origin,
     Profile,
+    check_name,
     effective_class,
     memory_warnings,
     profiles_missing_memory,
@@ -822,7 +823,11 @@ def changes_from_data(data: Any, where: str) -> list[commands.Step]:
             )
         ((kind, value),) = item.items()
         try:
-            steps.append(_step(kind, value))
+            step = _step(kind, value)
+            # A list of changes is read whole before any is decided: a name no
+            # model can have makes it unreadable, not a change refused.
+            check_name(step.name)
+            steps.append(step)
         except ValidationError as error:
             raise InputError(f"{where}: change {number} ({kind}): {describe(error)}") from None
         except Refused as error:

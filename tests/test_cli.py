@@ -303,6 +303,29 @@ def test_the_list_says_which_models_have_warnings_the_table_cannot_show(
     assert ok(run("model", "list")).stderr == ""
 
 
+def test_a_name_no_model_can_have_is_kept_in_the_refusals_by_every_command(
+    run: Run, write: Any, rows: Callable[[], int]
+) -> None:
+    """Refused as a model add of it was, and written nothing, but kept in the
+    refusals only by the add: the others checked the name before the write
+    that keeps refusals (model-based test)."""
+    _seeded(run, write)
+    before = rows()
+    for args in (
+        ["model", "scale", "sp ace", "--max", "2"],
+        ["model", "owner", "sp ace", "team:x"],
+        ["model", "remove", "sp ace"],
+    ):
+        assert "'sp ace' is not a valid name" in refused_in_one_line(run(*args))
+    assert rows() == before
+    kept = json.loads(ok(run("refusals", "--json")).stdout)
+    assert [(r["model"], r["event"]) for r in kept] == [
+        ("sp ace", "Scaled"),
+        ("sp ace", "OwnerSet"),
+        ("sp ace", "Removed"),
+    ]
+
+
 def test_a_command_option_wins_over_the_root_one(run: Run, write: Any) -> None:
     _seeded(run, write)
     ok(run("--by", "root-actor", "model", "scale", "m", "--max", "3", "--by", "command-actor"))
