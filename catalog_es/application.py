@@ -45,6 +45,7 @@ from catalog_es.errors import (
     RevisionConflict,
     StorageBusy,
     counted,
+    cut_short,
 )
 from catalog_es.inputs import check_actor, zoned
 from catalog_es.mapper import (
@@ -284,6 +285,15 @@ def _tell_standing_skips(catalog: Catalog) -> None:
             "re-added or removed since (catalog-es verify lists them)",
             counted(others, "event"),
         )
+
+
+def _refused_change(number: int, step: commands.Step, refusal: Refused) -> Refused:
+    """The refusal of a list of changes, for its change ``number``, ``step``
+    (a name longer than any model's cut short: its own refusal quotes it)."""
+    return Refused(
+        f"change {number} ({step.verb} {cut_short(step.name, 128)}) refused, nothing applied:"
+        f" {refusal}"
+    )
 
 
 def _lost(catalog: Catalog, kept: Kept) -> str | None:
@@ -741,13 +751,16 @@ class Models(AuditTrail, Application[UUID]):
                 except DamagedLog:
                     raise
                 except Refused as refusal:
-                    raise Refused(
-                        f"change {number} ({step.verb} {step.name}) refused, nothing applied: "
-                        f"{refusal}"
-                    ) from None
+                    raise _refused_change(number, step, refusal) from None
             current = None
 
         try:
+            for number, step in enumerate(steps, start=1):
+                current = step
+                try:
+                    check_name(step.name)  # as a single command's is
+                except Refused as refusal:
+                    raise _refused_change(number, step, refusal) from None
             added = [step for step in steps if step.event_class is Model.Added]
             if added:
                 self._before_probing(
@@ -877,6 +890,10 @@ class Models(AuditTrail, Application[UUID]):
         ``lock_left``: this is the write again, after catching up outside
         the lock (:class:`_FarBehind`), with that much of the lock wait left."""
         _check_meta(by, reason)
+        for name in streams:
+            # A name no model can have, refused (and kept in the refusals by
+            # the command) before it takes the lock, a model id or a query.
+            check_name(name)
         # A dry run reads one view of the log and writes nothing: it neither
         # waits for writers nor holds them up (a reader's dry-run rollback of
         # a large catalog held every node's writes for seconds).
@@ -926,8 +943,6 @@ class Models(AuditTrail, Application[UUID]):
                             or (chain is not None and chain.revision != at)
                         ):
                             self._catch_up(conn, held=locked and lock_left is None)
-                        if not dry_run:
-                            self._tell_deleted_tail(standing.head, standing.ends, "this write")
                         head = self.catalog.revision
                         if expected_revision is not None and expected_revision != head:
                             raise RevisionConflict(expected_revision, head)
@@ -964,6 +979,9 @@ class Models(AuditTrail, Application[UUID]):
                         # revision.
                         stored = [self.mapper.to_stored_event(e) for e in batch.records]
                         appended = self.store.append(conn, stored, standing, known.revisions)
+                        # Told by the write that goes on, not one refused or with
+                        # nothing to write, which would use the telling up.
+                        self._tell_deleted_tail(standing.head, standing.ends, "this write")
                         revisions = appended.revisions
                         self._committing = (revisions[-1], (stored[-1].topic, stored[-1].state))
                 except BaseException:

@@ -15,7 +15,7 @@ from typing import Any
 from catalog_es.batch import Batch
 from catalog_es.errors import InputError
 from catalog_es.model import Model
-from catalog_es.spec import Adapter, ModelSpec, Origin, Scaling, check_name
+from catalog_es.spec import Adapter, ModelSpec, Origin, Scaling
 
 Derive = Callable[[ModelSpec | None], dict[str, Any]]
 
@@ -44,10 +44,8 @@ class Step:
 
     def decide(self, batch: Batch) -> tuple[Model.Event, ModelSpec | None, bool]:
         """Decide into ``batch``: the event, the definition it puts in force, and
-        whether it replaced a runtime definition."""
-        # Checked here, in the write, not as the step is made: refused, a name
-        # no model can have is kept in the refusals, as every refusal is.
-        check_name(self.name)
+        whether it replaced a runtime definition. Its name is checked before
+        (:func:`check_name`), as the command that carries it is recorded."""
         current = batch.catalog.get(self.name)
         extra = self.derive(current) if self.derive is not None else {}
         event = batch.event(self.event_class, self.name, **self.fields, **extra)

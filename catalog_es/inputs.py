@@ -908,7 +908,7 @@ def utc_time(text: str, option: str) -> datetime:
         moment = None
     if moment is None or moment.tzinfo is None:
         raise InputError(
-            f"{option} {text!r}: not a UTC time; write it like 2026-11-30T12:00:00Z "
+            f"{option} {shown(text)}: not a UTC time; write it like 2026-11-30T12:00:00Z "
             "(or give a date, or another offset)"
         )
     moment = in_utc(moment, f"{option} {text!r}")
@@ -972,5 +972,5 @@ def event_type(text: str, option: str) -> str:
     name = _EVENT_NAMES.get(text.lower())
     if name is None:
         known = ", ".join(_EVENT_NAMES.values())
-        raise InputError(f"{option} {text!r}: not an event type (known: {known})")
+        raise InputError(f"{option} {shown(text)}: not an event type (known: {known})")
     return name

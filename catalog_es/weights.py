@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -255,13 +254,8 @@ class Weights:
         ``expected_revision``: refused, nothing written, if the log has moved
         past it, as every write is; checked before the registry is read, and
         by the run's first write."""
-        checked = expected_revision is not None
-        with (
-            self.models.refusals_recorded(CHECK_UPDATES, "", by, reason, {})
-            if checked
-            else nullcontext()
-        ):
-            if checked:
+        with self.models.refusals_recorded(CHECK_UPDATES, "", by, reason, {}):
+            if expected_revision is not None:
                 # Refused even with nothing new to record, as any command
                 # carrying it is, and before the registry is asked.
                 self.models.write_plan(

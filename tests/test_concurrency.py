@@ -38,7 +38,14 @@ from catalog_es.application import Models
 from catalog_es.bootstrap import SNAPSHOT_ENV
 from catalog_es.catalog_lock import CatalogLock
 from catalog_es.cli import cli
-from catalog_es.errors import DamagedLog, InvalidModel, RevisionConflict, StorageBusy
+from catalog_es.errors import (
+    DamagedLog,
+    InvalidModel,
+    ModelNotFound,
+    Refused,
+    RevisionConflict,
+    StorageBusy,
+)
 from catalog_es.inputs import DeclaredConfig, load_config
 from catalog_es.model import Model, model_id, utc_now
 from catalog_es.persistence import (
@@ -1007,9 +1014,10 @@ def _versions(models: Models, name: str) -> list[int]:
         return list(conn.execute(query).scalars())
 
 
-def _links(models: Models, name: str) -> list[tuple[int, int]]:
+def _linked_in_order(models: Models, name: str) -> list[tuple[int, int]]:
     """Each stored event of ``name``'s stream, in revision order: its revision
-    and its link to the stream's event before it (``stream_previous``)."""
+    and its link to the stream's event before it (``stream_previous``),
+    asserted to be that event's revision, the first's none."""
     t = events_table.c
     query = (
         sa.select(t.revision, t.stream_previous)
@@ -1038,7 +1046,7 @@ def test_a_service_reads_no_version_it_wrote_while_nobody_else_wrote(tmp_path: P
     assert not [s for s in statements if s.startswith("SELECT") and "catalog_streams" in s]
     assert [_versions(models, n) for n in "abc"] == [[1, 2], [1, 2, 3], [1, 2]]
     # Linked from what the service wrote, not read (stream_previous).
-    assert len(_links(models, "b")) == 3
+    assert len(_linked_in_order(models, "b")) == 3
     models.close()
 
 
@@ -1055,7 +1063,7 @@ def test_versions_another_writer_moved_are_read_again(db_url: str) -> None:
         assert _versions(mine, "a") == [1, 2, 3, 4, 5, 6]
         # Each links to the event before it, theirs included, not to the last
         # this service wrote (stream_previous).
-        assert len(_links(mine, "a")) == 6
+        assert len(_linked_in_order(mine, "a")) == 6
         assert mine.get_model("a")["scaling"] == theirs.get_model("a")["scaling"]
     finally:
         mine.close()
@@ -1111,6 +1119,11 @@ def test_a_running_node_whose_write_goes_on_after_deleted_events_says_so(
         with running.store.engine.begin() as conn:
             conn.exec_driver_sql("DELETE FROM catalog_events WHERE revision = 3")
         with caplog.at_level(logging.WARNING, logger="catalog_es"):
+            # Refused, a write goes on after nothing: it neither tells nor
+            # uses up the telling (review).
+            with pytest.raises(ModelNotFound):
+                running.scale("nosuch", 0, 3, by="ops")
+            assert not [r for r in caplog.records if "deleted" in r.getMessage()]
             assert running.scale("a", 0, 3, by="ops").revision == 4
             running.scale("a", 0, 4, by="ops")
         told = [r.getMessage() for r in caplog.records if "deleted" in r.getMessage()]
@@ -1549,6 +1562,37 @@ def test_no_postgresql_session_of_a_node_stays_in_a_transaction_after_a_refusal(
     assert in_a_transaction() == []
     models.scale("m", 0, 2, by="ops")  # the lock is taken again, and let go
     assert in_a_transaction() == []
+    models.close()
+
+
+def test_a_name_no_model_can_have_is_refused_before_the_write(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Checked before the write, as a command is made: it took the write lock
+    (and, behind another writer, was told as busy, and not kept), a model id
+    of its text, a query, and in a list its whole text in the refusal
+    (review). On SQLite the refusal waits for the lock to be kept."""
+    monkeypatch.setenv(LOCK_WAIT_ENV, "5")
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
+    models.add(model_spec("m"), by="setup")
+    if db_url.startswith("postgresql"):
+        with write_lock_held(db_url):
+            started = time.monotonic()
+            with pytest.raises(InvalidModel, match="is not a valid name"):
+                models.set_owner("bad name!", "team:x", by="ops")
+            assert time.monotonic() - started < 2
+    else:
+        with pytest.raises(InvalidModel, match="is not a valid name"):
+            models.set_owner("bad name!", "team:x", by="ops")
+    huge = "x" * 10_000 + "!"
+    with pytest.raises(Refused, match=r"^change 2 \(scale x{128}…\) refused") as refused:
+        models.apply_changes([commands.scale("m", 0, 2), commands.scale(huge, 0, 2)], by="ops")
+    assert len(str(refused.value)) < 400
+    kept = models.refusals(by="ops")
+    assert [(r["model"][:9], r["event"]) for r in kept] == [
+        ("bad name!", "OwnerSet"),
+        ("x" * 9, "Scaled"),
+    ]
     models.close()
 
 

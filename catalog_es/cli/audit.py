@@ -36,23 +36,24 @@ def _time_option(ctx: click.Context, param: click.Parameter, value: str | None) 
     return None if value is None else read_as_usage(ctx, utc_time, value, param.opts[0])
 
 
-def _event_option(ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
-    return None if value is None else read_as_usage(ctx, _query_type, value, ctx.command.name)
-
-
 def _query_type(value: str, query: str) -> str:
     return carried(event_type(value, "--type"), query, "--type")
 
 
-def change_filters(f: F) -> F:
+def change_filters(query: str) -> Callable[[F], F]:
     """The filters ``history``, ``audit`` and ``refusals`` share (``--by`` is a
-    shared option)."""
+    shared option), for ``query`` (a key of :data:`QUERY_TYPES`, the event
+    types its rows carry)."""
+
+    def event_option(ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
+        return None if value is None else read_as_usage(ctx, _query_type, value, query)
+
     options = [
         click.option(
             "--type",
             "event_type",
             metavar="EVENT",
-            callback=_event_option,
+            callback=event_option,
             help="Only this event type (e.g. Scaled; ConfigDeclared: a declared-config "
             "record, in audit; Rollback, Apply, CheckUpdates: a refused rollback, list of "
             "changes or check for updates, in refusals).",
@@ -68,15 +69,25 @@ def change_filters(f: F) -> F:
         ),
         click.option("--limit", type=COUNT, metavar="N", help="Only the N most recent."),
     ]
-    for option in reversed(options):
-        f = option(f)
-    return f
+
+    def decorate(f: F) -> F:
+        for option in reversed(options):
+            f = option(f)
+        return f
+
+    return decorate
 
 
-def audit_filters(f: F) -> F:
+def audit_filters(query: str) -> Callable[[F], F]:
     """The filters of ``audit`` and ``refusals``: those of a model's changes,
     and which model."""
-    return click.option("--model", metavar="NAME", help="Only this model.")(change_filters(f))
+
+    def decorate(f: F) -> F:
+        return click.option("--model", metavar="NAME", help="Only this model.")(
+            change_filters(query)(f)
+        )
+
+    return decorate
 
 
 def _changes_text(row: dict[str, Any]) -> list[str]:
@@ -122,7 +133,7 @@ def _show_changes(rows: Iterable[dict[str, Any]], *, with_model: bool) -> Callab
 
 @cli.command("history")
 @click.argument("name")
-@change_filters
+@change_filters("history")
 @query_options
 @pass_settings
 def history(settings: Settings, name: str, **filters: Unpack[ChangeFilters]) -> None:
@@ -134,7 +145,7 @@ def history(settings: Settings, name: str, **filters: Unpack[ChangeFilters]) -> 
 
 
 @cli.command("audit")
-@audit_filters
+@audit_filters("audit")
 @query_options
 @pass_settings
 def audit(settings: Settings, **filters: Unpack[Filters]) -> None:
@@ -145,7 +156,7 @@ def audit(settings: Settings, **filters: Unpack[Filters]) -> None:
 
 
 @cli.command("refusals")
-@audit_filters
+@audit_filters("refusals")
 @query_options
 @pass_settings
 def refusals(settings: Settings, **filters: Unpack[Filters]) -> None:
