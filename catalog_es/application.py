@@ -979,9 +979,6 @@ class Models(AuditTrail, Application[UUID]):
                         # revision.
                         stored = [self.mapper.to_stored_event(e) for e in batch.records]
                         appended = self.store.append(conn, stored, standing, known.revisions)
-                        # Told by the write that goes on, not one refused or with
-                        # nothing to write, which would use the telling up.
-                        self._tell_deleted_tail(standing.head, standing.ends, "this write")
                         revisions = appended.revisions
                         self._committing = (revisions[-1], (stored[-1].topic, stored[-1].state))
                 except BaseException:
@@ -991,6 +988,9 @@ class Models(AuditTrail, Application[UUID]):
                     raise
                 # Committed: only now are the changes in force.
                 self.last_written, self._committing = revisions[-1], None
+                # Told by the write that went on, not one refused or with
+                # nothing to write, which would use the telling up.
+                self._tell_deleted_tail(standing.head, standing.ends, "this write")
                 if state.depth() == entered:
                     state.acquire(write=True)
                 revision = revisions[-1]
@@ -1113,7 +1113,8 @@ class Models(AuditTrail, Application[UUID]):
             with self._reading() as catalog:
                 at, differs = catalog.revision, declaration_differs(catalog, self.declared)
             if expected_revision is not None and expected_revision != at:
-                # Refused without waiting for the write lock: the log only moves on.
+                # Refused on what the read saw, not behind another node's
+                # write: the log only moves on.
                 raise RevisionConflict(expected_revision, at)
             if not differs:
                 return at
