@@ -1006,7 +1006,7 @@ class Models(AuditTrail, Application[UUID]):
                             revisions[0],
                         )
                     self._declaration_held = True
-                known.learn(batch.versions, revision, appended.streams)
+                known.learn(batch.versions, revision, appended.last_revisions)
                 if self.catalog.revision == head:
                     self._put_in_force(batch, appended, several)
                 # Else a read caught up with the log between the commit and the

@@ -249,7 +249,7 @@ class Appended(NamedTuple):
 
     revisions: list[int]
     head: ChainHead
-    streams: dict[int, int]
+    last_revisions: dict[int, int]
 
 
 class Kept(NamedTuple):
@@ -1521,13 +1521,13 @@ class SQLRecorder(ProcessRecorder):
             # it followed, its last version and revision after the write, and
             # the revision of its last event before it, where given.
             streams: dict[Any, list[Any]] = {}
-            ends: dict[int, int] = {}
+            written: dict[int, int] = {}
             known = last_revisions or {}
             for revision, e in zip(revisions, stored_events, strict=True):
                 originator_id = _as_uuid(e.originator_id)
                 chained = link(chained, originator_id, e.originator_version, e.topic, e.state)
                 stored_id = self._uuid(originator_id)
-                ends[originator_id.int] = revision
+                written[originator_id.int] = revision
                 stream = streams.get(stored_id)
                 if stream is None:
                     # The stream's last revision before this write: as given,
@@ -1605,7 +1605,7 @@ class SQLRecorder(ProcessRecorder):
             raise self._as_sqlalchemys(error) from None
         finally:
             cursor.close()
-        return Appended(revisions, ChainHead(revision=revisions[-1], hash=chained), ends)
+        return Appended(revisions, ChainHead(revision=revisions[-1], hash=chained), written)
 
     def _append_postgresql(
         self, cursor: Any, rows: list[tuple[Any, ...]], streams: dict[Any, list[Any]], chained: str
