@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from datetime import datetime
+from functools import partial
 from typing import Any
 
 import click
@@ -208,16 +209,11 @@ def _pairs(
     return list(pairs.items())
 
 
-def _adapter_pairs(
-    ctx: click.Context, _param: click.Parameter, values: tuple[str, ...]
+def _pairs_option(
+    ctx: click.Context, param: click.Parameter, values: tuple[str, ...], *, at_last: bool = False
 ) -> list[tuple[str, str]]:
-    return read_as_usage(ctx, _pairs, values, "--adapter", "NAME=SOURCE")
-
-
-def _file_pairs(
-    ctx: click.Context, _param: click.Parameter, values: tuple[str, ...]
-) -> list[tuple[str, str]]:
-    return read_as_usage(ctx, _pairs, values, "--file", "PATH=SHA256", at_last=True)
+    """The option's pairs (:func:`_pairs`), refused in the form its metavar shows."""
+    return read_as_usage(ctx, _pairs, values, param.opts[0], str(param.metavar), at_last=at_last)
 
 
 @model.command("adapters")
@@ -227,7 +223,7 @@ def _file_pairs(
     "adapters",
     multiple=True,
     metavar="NAME=SOURCE",
-    callback=_adapter_pairs,
+    callback=_pairs_option,
     help="A LoRA adapter; repeat for each. The set replaces the current one.",
 )
 @click.option("--none", "clear", is_flag=True, help="Serve no adapters.")
@@ -255,7 +251,7 @@ def model_adapters(
     "files",
     multiple=True,
     metavar="PATH=SHA256",
-    callback=_file_pairs,
+    callback=partial(_pairs_option, at_last=True),
     help="A weights file and its sha256 (split at the last '='); repeat for each.",
 )
 @shared_options
