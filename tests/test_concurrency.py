@@ -1575,6 +1575,7 @@ def test_a_name_no_model_can_have_is_refused_before_the_write(
     monkeypatch.setenv(LOCK_WAIT_ENV, "5")
     models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
     models.add(model_spec("m"), by="setup")
+    before = count_events(db_url)
     if db_url.startswith("postgresql"):
         with write_lock_held(db_url):
             started = time.monotonic()
@@ -1588,6 +1589,7 @@ def test_a_name_no_model_can_have_is_refused_before_the_write(
     with pytest.raises(Refused, match=r"^change 2 \(scale x{128}…\) refused") as refused:
         models.apply_changes([commands.scale("m", 0, 2), commands.scale(huge, 0, 2)], by="ops")
     assert len(str(refused.value)) < 400
+    assert count_events(db_url) == before
     kept = models.refusals(by="ops")
     assert [(r["model"][:9], r["event"]) for r in kept] == [
         ("bad name!", "OwnerSet"),
