@@ -3,7 +3,9 @@ free port, in a thread of the test process."""
 
 from __future__ import annotations
 
+import re
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -111,12 +113,18 @@ def _pipe(source: socket.socket, sink: socket.socket) -> None:
         sink.shutdown(socket.SHUT_WR)
 
 
-def free_port() -> int:
-    """A port free on 127.0.0.1 now, for a server process to take."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+def started(server: subprocess.Popen[str]) -> tuple[str, str]:
+    """The base URL a ``catalog-es serve --port 0`` process says it serves at
+    (the port the system gave it: one picked free beforehand could be taken
+    by another test before the server bound it), and what it said on stderr
+    up to then, that line included."""
+    assert server.stderr is not None
+    said = ""
+    while line := server.stderr.readline():
+        said += line
+        if serving := re.search(r"serving the catalog at revision \d+ on (http://\S+?)/", line):
+            return serving[1], said
+    raise AssertionError(f"the server stopped before it served: {said!r}")
 
 
 def tokens_for_roles(path: Path) -> tuple[TokenStore, dict[str, str]]:

@@ -53,7 +53,7 @@ from catalog_es.web.app import create_app
 from catalog_es.web.events import BATCH_MESSAGES, WAKE_UP_SECONDS, _next_batch
 from catalog_es.web.tokens import TokenStore
 from tests.helpers import config_yaml, count_events, definition, log_rows, put_back, spec
-from tests.serving import Proxy, bearer, free_port, serving, tokens_for_roles
+from tests.serving import Proxy, bearer, serving, started, tokens_for_roles
 from tests.test_concurrency import write_lock_held
 
 DECLARED_YAML = config_yaml(spec("base"))  # one declared model
@@ -1487,17 +1487,17 @@ def test_serve_records_the_declared_config_at_start(tmp_path: Path, config_file:
     assert no_tokens.exit_code == 1 and "catalog-es token add" in no_tokens.stderr
     secret = TokenStore(tokens).add("ops", "read")[1]
     tokens.chmod(0o666)  # told, not refused: it is the operator's file
-    port = free_port()
     command = [sys.executable, "-m", "catalog_es", "--db", db, "--config", config_file]
-    command += ["--by", "deployer", "--reason", "deploy 42", "serve", "--port", str(port)]
+    command += ["--by", "deployer", "--reason", "deploy 42", "serve", "--port", "0"]
     command += ["--tokens", str(tokens)]
     server = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
     try:
-        assert server.stderr is not None
-        assert f"warning: {tokens} can be written by others (mode 666)" in server.stderr.readline()
-        assert "warning: no log at " in server.stderr.readline()  # a new database
-        assert "serving the catalog at revision 1" in server.stderr.readline()
-        response = _wait_for(f"http://127.0.0.1:{port}/log", bearer(secret))
+        url, said = started(server)
+        warned, new, serving = said.splitlines()
+        assert f"warning: {tokens} can be written by others (mode 666)" in warned
+        assert "warning: no log at " in new  # a new database
+        assert "serving the catalog at revision 1" in serving
+        response = httpx.get(f"{url}/log", headers=bearer(secret))
         (record,) = response.json()
         assert (record["event"], record["by"], record["reason"]) == (
             "ConfigDeclared",
@@ -1516,13 +1516,13 @@ def test_serve_logs_each_request_on_stderr_when_asked(tmp_path: Path, config_fil
     db = f"sqlite:///{tmp_path}/serve.db"
     tokens = tmp_path / "tokens.json"
     secret = TokenStore(tokens).add("ops", "read")[1]
-    port = free_port()
     command = [sys.executable, "-m", "catalog_es", "--db", db, "--config", config_file]
-    command += ["serve", "--port", str(port), "--tokens", str(tokens), "--access-log"]
+    command += ["serve", "--port", "0", "--tokens", str(tokens), "--access-log"]
     server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        models = f"http://127.0.0.1:{port}/models"
-        assert _wait_for(models, bearer(secret)).status_code == 200
+        url, _ = started(server)
+        models = f"{url}/models"
+        assert httpx.get(models, headers=bearer(secret)).status_code == 200
         assert httpx.get(models, headers=bearer("nope")).status_code == 401
     finally:
         server.terminate()
@@ -1540,18 +1540,18 @@ def test_serve_stopped_as_asked_says_stopped_and_exits_0(
     db = f"sqlite:///{tmp_path}/serve.db"
     tokens = tmp_path / "tokens.json"
     secret = TokenStore(tokens).add("ops", "read")[1]
-    port = free_port()
     command = [sys.executable, "-m", "catalog_es", "--db", db, "--config", config_file]
-    command += ["serve", "--port", str(port), "--tokens", str(tokens)]
+    command += ["serve", "--port", "0", "--tokens", str(tokens)]
     server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        assert _wait_for(f"http://127.0.0.1:{port}/revision", bearer(secret)).status_code == 200
+        url, said = started(server)
+        assert httpx.get(f"{url}/revision", headers=bearer(secret)).status_code == 200
         server.send_signal(stop)
         out, err = server.communicate(timeout=20)
     finally:
         server.kill()
     assert (server.returncode, out) == (0, "")
-    assert err.endswith("\nstopped\n") and "Aborted" not in err, err
+    assert (said + err).endswith("\nstopped\n") and "Aborted" not in said + err, said + err
 
 
 @pytest.mark.parametrize("config", ["changed", "recorded"])
@@ -2020,17 +2020,6 @@ def test_serve_listens_on_one_port_for_every_address_and_before_another_can() ->
     finally:
         for sock in first:
             sock.close()
-
-
-def _wait_for(url: str, headers: dict[str, str]) -> httpx.Response:
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            return httpx.get(url, headers=headers)
-        except httpx.TransportError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
 
 
 # -- the audit trail -------------------------------------------------------------------
