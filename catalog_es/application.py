@@ -922,58 +922,67 @@ class Models(AuditTrail, Application[UUID]):
                         # Its turn before reads that come after it: it holds
                         # the log's lock (:class:`CatalogLock`).
                         state.acquire(write=locked)
-                        # One read says whether another writer moved the log since
-                        # this service last looked, what to chain onto, and the
-                        # versions of the streams the plan names that it does not know.
-                        ids = [model_id(name) for name in streams]
-                        wanted = known.unknown(ids)
-                        standing = self.store.standing(conn, wanted)
-                        if standing.last != known.at:
-                            # Moved by another writer: what this service knew may not hold.
-                            known.forget()
-                            if len(wanted) < len(ids):
-                                standing = self.store.standing(conn, ids)
-                        # The log moved since this node wrote or read it, or is
-                        # no longer the one it read: its head is not where this
-                        # node's catalog and chain are.
-                        chain, at = self.catalog.chain, self.catalog.revision
-                        if (
-                            standing.head != chain
-                            or standing.last != at
-                            or (chain is not None and chain.revision != at)
-                        ):
-                            self._catch_up(conn, held=locked and lock_left is None)
-                        head = self.catalog.revision
-                        if expected_revision is not None and expected_revision != head:
-                            raise RevisionConflict(expected_revision, head)
-                        batch = Batch(
-                            self.store,
-                            conn,
-                            self.catalog.copy() if several else self.catalog,
-                            by=by,
-                            reason=reason,
-                            timestamp=self._next_timestamp(),
-                            rollback_to=rollback_to,
-                            tentative=several,
-                            versions=standing.versions,
-                            known=known.versions,
-                        )
-                        replaced = batch.catalog.recorded_declaration
-                        if not declaration_differs(batch.catalog, self.declared):
-                            self._declaration_held = True
-                        batch.record_declaration(self.declared)
-                        if several:
-                            # The plan works on its own copy, and no other writer
-                            # can move the log while this one holds it: reads go
-                            # on meanwhile (a large apply takes seconds), and the
-                            # lock is taken again to put the result in force.
-                            state.release()
-                        plan(batch)
-                        if dry_run:
-                            return head, batch.changes
-                        if not (batch.changes or (records_only and batch.records)):
-                            self.store.abandon(conn)
-                            return head, batch.changes
+                        try:
+                            # One read says whether another writer moved the log since
+                            # this service last looked, what to chain onto, and the
+                            # versions of the streams the plan names that it does not know.
+                            ids = [model_id(name) for name in streams]
+                            wanted = known.unknown(ids)
+                            standing = self.store.standing(conn, wanted)
+                            if standing.last != known.at:
+                                # Moved by another writer: what this service knew may not hold.
+                                known.forget()
+                                if len(wanted) < len(ids):
+                                    standing = self.store.standing(conn, ids)
+                            # The log moved since this node wrote or read it, or is
+                            # no longer the one it read: its head is not where this
+                            # node's catalog and chain are.
+                            chain, at = self.catalog.chain, self.catalog.revision
+                            if (
+                                standing.head != chain
+                                or standing.last != at
+                                or (chain is not None and chain.revision != at)
+                            ):
+                                self._catch_up(conn, held=locked and lock_left is None)
+                            head = self.catalog.revision
+                            if expected_revision is not None and expected_revision != head:
+                                raise RevisionConflict(expected_revision, head)
+                            batch = Batch(
+                                self.store,
+                                conn,
+                                self.catalog.copy() if several else self.catalog,
+                                by=by,
+                                reason=reason,
+                                timestamp=self._next_timestamp(),
+                                rollback_to=rollback_to,
+                                tentative=several,
+                                versions=standing.versions,
+                                known=known.versions,
+                            )
+                            replaced = batch.catalog.recorded_declaration
+                            if not declaration_differs(batch.catalog, self.declared):
+                                self._declaration_held = True
+                            batch.record_declaration(self.declared)
+                            if several:
+                                # The plan works on its own copy, and no other writer
+                                # can move the log while this one holds it: reads go
+                                # on meanwhile (a large apply takes seconds), and the
+                                # lock is taken again to put the result in force.
+                                state.release()
+                            plan(batch)
+                            if dry_run:
+                                return head, batch.changes
+                            if not (batch.changes or (records_only and batch.records)):
+                                self.store.end_unwritten(conn)
+                                return head, batch.changes
+                        except Refused:
+                            # Refused before it wrote anything: ended as such,
+                            # which on PostgreSQL keeps what psycopg prepared (a
+                            # rollback cost the next five writes their plans:
+                            # with one command in ten refused, a quarter of the rate).
+                            if locked:
+                                self.store.end_unwritten(conn)
+                            raise
                         # Straight to the recorder: eventsourcing's EventStore.put
                         # would build a Recording per event only for us to read its
                         # revision.

@@ -1044,6 +1044,18 @@ class SQLRecorder(ProcessRecorder):
         else:
             conn.rollback()
 
+    def end_unwritten(self, conn: Connection) -> None:
+        """End the transaction of ``conn`` (from :meth:`write`), in which the
+        caller wrote nothing: :meth:`abandon` it on SQLite; on PostgreSQL
+        commit it, as a rollback makes psycopg forget every statement it
+        prepared (a ``DEALLOCATE ALL`` after it), and the next writes' are
+        planned afresh until prepared again. (One a failed statement aborted
+        is rolled back by the server all the same.)"""
+        if self.dialect == "sqlite":
+            self.abandon(conn)
+        else:
+            conn.commit()
+
     @contextmanager
     def _locked(
         self,

@@ -1565,6 +1565,40 @@ def test_no_postgresql_session_of_a_node_stays_in_a_transaction_after_a_refusal(
     models.close()
 
 
+def test_a_refused_or_empty_postgresql_write_keeps_the_statements_the_writer_prepared(
+    pg_url: str,
+) -> None:
+    """psycopg prepares a statement run five times, and forgets them all at
+    every rollback (``DEALLOCATE ALL``): with one command in ten refused, the
+    writes after each were planned afresh, and the rate fell by a quarter.
+    A write that wrote nothing (refused, or nothing to write) is committed;
+    one refused after it wrote is rolled back, as ever."""
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": pg_url})
+    models.apply_changes([commands.add(model_spec(n)) for n in "ab"], by="setup")
+    for replicas in range(6):
+        models.scale("a", 0, replicas + 1, by="ops")
+
+    def prepared() -> list[str]:
+        # On the writer's own session, by its driver: SQLAlchemy would leave
+        # a transaction begun, as a command's statements do not.
+        assert models.store._writer is not None
+        driver = models.store._writer.connection.driver_connection
+        assert driver is not None
+        return sorted(n for (n,) in driver.execute("SELECT name FROM pg_prepared_statements"))
+
+    kept = prepared()
+    assert kept  # the standing read and the append, at least
+    head, log = models.revision, list(models.log_events())
+    with pytest.raises(RevisionConflict):
+        models.scale("a", 0, 2, by="ops", expected_revision=head - 1)
+    with pytest.raises(InvalidModel):
+        models.scale("a", 3, 2, by="ops")
+    assert models.rollback(head, by="ops")["revision"] == head  # nothing to write
+    assert prepared() == kept
+    assert (models.revision, list(models.log_events())) == (head, log)
+    models.close()
+
+
 def test_a_name_no_model_can_have_is_refused_before_the_write(
     db_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
