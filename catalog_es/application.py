@@ -14,7 +14,7 @@ import threading
 import time
 from bisect import bisect_right
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext, suppress
 from datetime import datetime, timedelta
 from typing import Any, ClassVar, TypeVar, overload
 from uuid import UUID
@@ -978,10 +978,12 @@ class Models(AuditTrail, Application[UUID]):
                         except Refused:
                             # Refused before it wrote anything: ended as such,
                             # which on PostgreSQL keeps what psycopg prepared (a
-                            # rollback cost the next five writes their plans:
-                            # with one command in ten refused, a quarter of the rate).
+                            # rollback cost the next writes their plans: with one
+                            # command in ten refused, nearly a third of the rate).
+                            # The refusal is what is told, the end's error aside.
                             if locked:
-                                self.store.end_unwritten(conn)
+                                with suppress(sa.exc.SQLAlchemyError):
+                                    self.store.end_unwritten(conn)
                             raise
                         # Straight to the recorder: eventsourcing's EventStore.put
                         # would build a Recording per event only for us to read its

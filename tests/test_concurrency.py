@@ -1570,7 +1570,7 @@ def test_a_refused_or_empty_postgresql_write_keeps_the_statements_the_writer_pre
 ) -> None:
     """psycopg prepares a statement run five times, and forgets them all at
     every rollback (``DEALLOCATE ALL``): with one command in ten refused, the
-    writes after each were planned afresh, and the rate fell by a quarter.
+    writes after each were planned afresh, and the rate fell by nearly a third.
     A write that wrote nothing (refused, or nothing to write) is committed;
     one refused after it wrote is rolled back, as ever."""
     models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": pg_url})
