@@ -1554,6 +1554,40 @@ def test_serve_stopped_as_asked_says_stopped_and_exits_0(
     assert (said + err).endswith("\nstopped\n") and "Aborted" not in said + err, said + err
 
 
+def test_serve_started_with_ctrl_c_ignored_keeps_ignoring_it(
+    tmp_path: Path, config_file: str
+) -> None:
+    """A script's background job, or one under nohup, starts with SIGINT
+    ignored, and a program keeps it so: uvicorn stopped on it anyway, with
+    no ``stopped`` said (hostile test). SIGTERM still stops it."""
+    db = f"sqlite:///{tmp_path}/serve.db"
+    tokens = tmp_path / "tokens.json"
+    secret = TokenStore(tokens).add("ops", "read")[1]
+    command = [sys.executable, "-m", "catalog_es", "--db", db, "--config", config_file]
+    command += ["serve", "--port", "0", "--tokens", str(tokens)]
+    server = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )
+    try:
+        url, said = started(server)
+        revision = f"{url}/revision"
+        # Answering: uvicorn has its signal handlers by now.
+        assert httpx.get(revision, headers=bearer(secret)).status_code == 200
+        server.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        assert httpx.get(revision, headers=bearer(secret)).status_code == 200
+        server.send_signal(signal.SIGTERM)
+        out, err = server.communicate(timeout=20)
+    finally:
+        server.kill()
+    assert (server.returncode, out) == (0, "")
+    assert (said + err).endswith("\nstopped\n"), said + err
+
+
 @pytest.mark.parametrize("config", ["changed", "recorded"])
 def test_serve_given_a_stale_expected_revision_is_refused_before_it_records_anything(
     tmp_path: Path,

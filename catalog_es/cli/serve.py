@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import gc
 import logging
+import signal
 import socket
 import sys
 from collections.abc import Iterator
@@ -99,6 +100,9 @@ def serve(
         raise InputError(
             "--host '': give the address to listen on (0.0.0.0 for every IPv4 interface)"
         )
+    # Started with Ctrl-C ignored (a script's background job, nohup), a process
+    # keeps ignoring it, as Python does; uvicorn would stop on it, without a word.
+    interrupt_ignored = signal.getsignal(signal.SIGINT) is signal.SIG_IGN
     # Listening first: a server that cannot (the port taken, a host that does
     # not resolve) is refused before it opens the database or records anything.
     sockets = _listening(host, port)
@@ -138,6 +142,8 @@ def serve(
 
         class Server(uvicorn.Server):
             def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+                if sig == signal.SIGINT and interrupt_ignored:
+                    return
                 # Watch streams never end by themselves: end them, or the
                 # shutdown waits for its grace period and then cancels them.
                 end_streams(app)
