@@ -619,6 +619,28 @@ def test_a_tokens_file_spoiled_while_serving_refuses_every_token_and_says_nothin
     assert ok(api.get("/me"))["actor"] == "read-user"
 
 
+@pytest.mark.parametrize("how", ["moved away", "emptied"])
+def test_a_tokens_file_gone_or_emptied_while_serving_is_told_once_on_the_servers_side(
+    api: Api, how: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every token is then refused, rightly, and a spoiled file was logged, but
+    these two were not: the operator had no clue why (hostile test)."""
+    kept = api.tokens.path.read_bytes()
+    if how == "moved away":
+        api.tokens.path.unlink()
+    else:
+        api.tokens.path.write_bytes(b"{}")
+        os.utime(api.tokens.path, (1, 1))  # changed, even within the file system's clock tick
+    for role in ("read", "admin", "read"):
+        message = refused(api.get("/me", role=role), 401)
+        assert message == "the token is not valid (unknown or revoked)"
+    why = "is gone" if how == "moved away" else "holds no tokens"
+    told = [r.getMessage() for r in caplog.records if "every token is refused" in r.getMessage()]
+    assert told == [f"{api.tokens.path} {why}; every token is refused (catalog-es token add)"]
+    api.tokens.path.write_bytes(kept)
+    assert ok(api.get("/me"))["actor"] == "read-user"
+
+
 def test_a_tokens_file_that_could_not_be_read_once_is_read_again_on_the_next_request(
     api: Api, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

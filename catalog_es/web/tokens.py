@@ -85,15 +85,19 @@ def parse_role(text: str) -> Role:
         raise InputError(f"role {text!r}: not a role (known: {known})") from None
 
 
+_NEVER_READ = (-1, -1, -1)
+
+
 class TokenStore:
     """The tokens file: create, list, revoke, and verify a presented token."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self._lock = threading.Lock()
-        # The file last read, as its inode, mtime and size: every write replaces
-        # it, so a new inode tells a change a coarse clock's mtime may not.
-        self._loaded: tuple[int, int, int] | None = None
+        # The file last read, as its inode, mtime and size (``None``: it was not
+        # there; none before it is first read): every write replaces it, so a
+        # new inode tells a change a coarse clock's mtime may not.
+        self._loaded: tuple[int, int, int] | None = _NEVER_READ
         self._by_id: dict[str, TokenEntry] = {}
         # Whether the last try to read the file failed (told once a streak).
         self._unread = False
@@ -199,6 +203,13 @@ class TokenStore:
                 try:
                     self._by_id = {e.id: e for e in self._read().tokens}
                     self._unread = False
+                    if not self._by_id and seen != self._loaded:
+                        # Moved away or emptied while serving: every request is
+                        # refused, and the operator told why, once each time.
+                        why = "is gone" if seen is None else "holds no tokens"
+                        log.warning(
+                            "%s %s; every token is refused (catalog-es token add)", self.path, why
+                        )
                 except _Unread as error:
                     # Not read this time (out of descriptors, say): no token is
                     # let in on this request, and the file is read again on the
