@@ -56,6 +56,7 @@ from catalog_es.spec import (
     check_name,
     effective_class,
     memory_warnings,
+    name_warnings,
     profiles_missing_memory,
 )
 
@@ -185,14 +186,14 @@ class ModelInput(_Input):
     @field_validator("warnings")
     @classmethod
     def _warned_of(cls, value: list[str] | None, info: ValidationInfo) -> list[str] | None:
-        profiles = info.data.get("profiles")
-        if value is None or profiles is None:
+        name, profiles = info.data.get("name"), info.data.get("profiles")
+        if value is None or name is None or profiles is None:
             return value  # not given, or what it is checked against was refused
         worked_out = memory_warnings(
             profiles_missing_memory(
                 msgspec.convert([p.model_dump() for p in profiles], list[Profile])
             )
-        )
+        ) + name_warnings(name)
         if value != worked_out:
             # One warning a CPU-only profile: quoted the first of them, not
             # each of a definition's thousands; whole, but for a long name.

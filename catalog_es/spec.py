@@ -95,6 +95,22 @@ def profiles_missing_memory(profiles: Iterable[Profile]) -> list[str]:
     return [p.name for p in profiles if p.cpu_only and p.min_memory_gb <= 0]
 
 
+def name_warnings(name: str) -> list[str]:
+    """What ``model show`` warns of a name with a ``.`` or ``..`` segment
+    (``x/../m1``): HTTP clients resolve such segments away before they send
+    a path (RFC 3986; curl does), so a request for that model reaches another
+    (``m1``), or none, unless each dot is sent as ``%2E``. Allowed names all
+    the same (DESIGN's rule), and told."""
+    if "/." not in name:  # a name starts with a letter or a digit
+        return []
+    segments = dict.fromkeys(s for s in name.split("/") if s in {".", ".."})
+    return [
+        f"its name has a {s!r} segment, which HTTP clients resolve away before they send"
+        f" a path (RFC 3986; curl does): over HTTP, send it as {s.replace('.', '%2E')}"
+        for s in segments
+    ]
+
+
 def memory_warnings(missing: Iterable[str]) -> list[str]:
     """What ``model show`` warns of a definition whose CPU-only profiles
     ``missing`` declare no host memory."""

@@ -15,7 +15,7 @@ from catalog_es.collector import collector_paused
 from catalog_es.configuration import CONFIG_DECLARED, Configuration
 from catalog_es.mapper import topic_name
 from catalog_es.model import DomainEvent, Model, utc_text
-from catalog_es.spec import ModelSpec, memory_warnings
+from catalog_es.spec import ModelSpec, memory_warnings, name_warnings
 
 
 def model_view(spec: ModelSpec, *, declared: bool) -> dict[str, Any]:
@@ -44,9 +44,9 @@ def _complete(view: dict[str, Any], spec: ModelSpec, declared: bool) -> dict[str
         view[key] = list(view[key])
     view["effective_class"] = spec.effective_class
     view["declared"] = declared
-    missing = spec.missing_memory()
-    if missing:
-        view["warnings"] = memory_warnings(missing)
+    warnings = memory_warnings(spec.missing_memory()) + name_warnings(spec.name)
+    if warnings:
+        view["warnings"] = warnings
     return view
 
 
