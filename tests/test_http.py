@@ -981,6 +981,44 @@ def test_watch_streams_changes_after_a_revision_then_live(api: Api) -> None:
     assert refused(api.client.get("/events"), 401)
 
 
+def test_a_resume_point_that_is_no_revision_or_sent_twice_is_refused(api: Api) -> None:
+    """Text that named no revision was ignored: the stream replayed from the
+    start, or from ``from``, and a bad header hid a good ``lastEventId``
+    (hostile test)."""
+    api.post("/models", definition("qwen"))
+    api.post("/models/qwen/scale", {"max": 4})
+    api.post("/models/qwen/owner", {"owner": "team:x"})
+    headers = api.as_("read")
+    for sent in ("abc", "-5", "+5", "5x", "1_0", ""):
+        resume = {**headers, "Last-Event-ID": sent}
+        # With a good lastEventId too: it would have been read instead.
+        answer = api.client.get("/events?from=1&lastEventId=3", headers=resume)
+        assert refused(answer, 422) == (
+            f"Last-Event-ID {sent!r}: not a revision (e.g. Last-Event-ID: 12)"
+        )
+    # Any script's digits, sent as UTF-8 and read as Latin-1 (as headers are).
+    arabic_three = [(k.encode(), v.encode()) for k, v in {**headers, "Last-Event-ID": "٣"}.items()]
+    assert refused(api.client.get("/events", headers=arabic_three), 422).endswith(
+        ": not a revision (e.g. Last-Event-ID: 12)"
+    )
+    for sent in ("x", "٣", "+3", " 3", "3\n", ""):
+        answer = api.client.get("/events", params={"lastEventId": sent}, headers=headers)
+        assert refused(answer, 422) == (
+            f"lastEventId {sent!r}: not a revision (e.g. lastEventId=12)"
+        )
+    too_far = api.client.get("/events", params={"lastEventId": "9" * 25}, headers=headers)
+    assert refused(too_far, 422) == f"lastEventId {'9' * 25!r}: past any revision a log can hold"
+    two = [*headers.items(), ("Last-Event-ID", "3"), ("Last-Event-ID", "1")]
+    assert refused(api.client.get("/events", headers=two), 422) == (
+        "more than one Last-Event-ID header: send one"
+    )
+    # Both good: the header, which an EventSource sends on reconnecting, wins.
+    resume = {**headers, "Last-Event-ID": "3"}
+    with api.client.stream("GET", "/events?from=1&lastEventId=2", headers=resume) as stream:
+        (resumed,) = _sse_events(stream.iter_lines(), 1)
+        assert resumed["revision"] == 4
+
+
 def test_watches_past_the_servers_limit_are_refused_until_one_ends(
     db_url: str, tmp_path: Path, make_models: Callable[..., Models]
 ) -> None:

@@ -858,6 +858,21 @@ def skipped(caller: Reader, models: Service) -> Response:
     return respond([msgspec.to_builtins(s) for s in models.skipped()])
 
 
+def resume_point(said: str, given: str | None, example: str) -> int | None:
+    """The revision a reconnecting watch resumes after, as ``said`` (a header
+    or a query parameter) gives it: digits alone, as If-Match takes them. Other
+    text is refused, not ignored: the stream would replay from the start, or
+    from ``from``, and the client take changes it has seen for new ones."""
+    if given is None:
+        return None
+    revision = whole_number(given)
+    if revision is not None:
+        return revision
+    if given.isascii() and given.isdigit():
+        raise InputError(f"{said} {shown(given)}: past any revision a log can hold")
+    raise InputError(f"{said} {shown(given, 40)}: not a revision (e.g. {example})")
+
+
 @route.get(
     "/events",
     tags=["revisions"],
@@ -882,13 +897,18 @@ def watch(
     """Every change after a revision, in order, then live, as server-sent
     events: `id` is the revision, `data` the event as `watch --json` prints it.
     A reconnecting EventSource resumes after its Last-Event-ID."""
-    given = last_event_id if last_event_id is not None else last_event_id_query
-    resume = given.strip() if given is not None else ""
-    # Digits are a position, if one a log can have; other text names none.
-    if resume.isascii() and resume.isdigit():
-        after = whole_number(resume)
-        if after is None:
-            raise InputError(f"Last-Event-ID {shown(resume)}: past any revision a log can hold")
+    if len(request.headers.getlist("last-event-id")) > 1:
+        # Which one counts would be a guess a proxy and this server may make apart.
+        raise InputError("more than one Last-Event-ID header: send one")
+    # Both read, so that a bad one is told rather than hidden by the other; the
+    # header wins, as an EventSource sends it on reconnecting.
+    in_query = resume_point("lastEventId", last_event_id_query, "lastEventId=12")
+    # White space around a header's value is not part of it (nor is it of If-Match's).
+    header = None if last_event_id is None else last_event_id.strip()
+    in_header = resume_point("Last-Event-ID", header, "Last-Event-ID: 12")
+    resumed = in_header if in_header is not None else in_query
+    if resumed is not None:
+        after = resumed
     tokens: TokenStore = request.app.state.tokens
     assert credentials is not None  # the caller was verified by it
     token = credentials.credentials
