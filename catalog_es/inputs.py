@@ -857,13 +857,20 @@ def whole_number(text: str) -> int | None:
 
 def revision_or_time(text: str) -> int | datetime:
     """A log revision (``1234``) or a UTC time (``2026-11-30T12:00:00Z``). A
-    time without a zone is refused rather than guessed."""
-    text = text.strip()
+    time without a zone is refused rather than guessed. A revision is ASCII
+    digits alone, as If-Match takes it: ``?at=+1`` (a space once read) or
+    ``1%0A`` is a slip, not revision 1. A time may have white space around it."""
     revision = whole_number(text)
     if revision is not None:
         return revision
     if text.isascii() and text.isdigit():
         raise InputError(f"{shown(text)} is past any revision a log can hold (2^63 - 1)")
+    text, given = text.strip(), text
+    if text.isascii() and text.isdigit():
+        raise InputError(
+            f"{shown(given, 40)} is not a revision: write it in digits alone, "
+            "with no white space around it"
+        )
     try:
         moment = datetime.fromisoformat(text)
     except ValueError:

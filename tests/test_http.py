@@ -776,6 +776,31 @@ def test_a_revision_written_with_thousands_of_leading_zeros_is_that_revision(api
     assert scaled["revision"] == head + 1
 
 
+def test_a_revision_with_white_space_around_it_is_refused(api: Api, config_file: str) -> None:
+    """``?at=+1`` (a space once read), ``1%0A`` and ``1%20`` read as revision 1,
+    where ``If-Match: +3`` is refused (hostile test)."""
+    ok(api.post("/models", definition("qwen")))
+    before = count_events(api.db)
+    not_a_revision = "is not a revision: write it in digits alone, with no white space around it"
+    for query, read in [("+1", " 1"), ("1%0A", "1\n"), ("1%20", "1 "), ("%091", "\t1")]:
+        message = f"{read!r} {not_a_revision}"
+        assert refused(api.get(f"/models?at={query}"), 422) == message
+        assert refused(api.get(f"/diff?since={query}"), 422) == message
+        assert refused(api.get(f"/diff?since=1&until={query}"), 422) == message
+        rollback = api.post("/rollback", {"to": read}, role="admin")
+        assert refused(rollback, 422) == message
+    assert refused(api.get("/models?at=%2B1"), 422) == (
+        "'+1' is neither a revision nor an ISO 8601 time"
+    )
+    assert count_events(api.db) == before
+    assert ok(api.get("/models?at=1")) == ok(api.get("/models?at=0001"))
+    # The CLI reads --at as the server reads ?at=: a usage error.
+    command = ["--db", api.db, "--config", config_file, "model", "list", "--at", "1 "]
+    run = CliRunner().invoke(cli, command)
+    assert run.exit_code == 2
+    assert f"'1 ' {not_a_revision}" in run.stderr
+
+
 def test_not_found_is_404(api: Api) -> None:
     assert refused(api.get("/models/nope"), 404) == "model 'nope' is not in the catalog"
     assert refused(api.post("/models/nope/scale", {"max": 2}), 404).startswith("model 'nope'")
