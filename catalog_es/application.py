@@ -1338,6 +1338,9 @@ class Models(AuditTrail, Application[UUID]):
             else self.refusals_recorded(ROLLBACK, model or "", by, reason, asked)
         )
         with recorded:
+            if model is not None:
+                # A name no model can have is a typo, not a model with no history.
+                check_name(model)
             target_revision = self.resolve(to)
             with self.store.read() as conn:
                 # The log is append-only: the catalog at a past revision cannot change.

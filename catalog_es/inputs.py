@@ -28,6 +28,8 @@ from pydantic import (
     Field,
     ValidationError,
     ValidationInfo,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
     field_validator,
 )
 from pydantic_core import PydanticCustomError
@@ -281,6 +283,20 @@ def _problem(error: Any) -> str:
         # pydantic's message names this module's class, which says nothing to an operator.
         return f"expected a mapping of fields (got {cut_short(got, 40)})"
     return f"{error['msg']} (got {cut_short(got, 40)})"
+
+
+def one_of(what: str) -> WrapValidator:
+    """For a field of several types (``int | str``): a value of none is one
+    problem, saying ``what`` the field takes. pydantic has one for each type,
+    placed under the type's name (``to.int``), and a line tells the first."""
+
+    def checked(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        try:
+            return handler(value)
+        except ValidationError:
+            raise PydanticCustomError("one_of", "expected {what}", {"what": what}) from None
+
+    return WrapValidator(checked)
 
 
 def describe(error: ValidationError, prefix: tuple[int | str, ...] = ()) -> str:

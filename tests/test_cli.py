@@ -902,7 +902,7 @@ def test_a_bad_definition_on_standard_input_is_refused(
         pytest.param(["model", "show", TEN_KB_NAME[:200]], "is not in the catalog", id="show"),
         pytest.param(
             ["rollback", "--to", "1", "--model", TEN_KB_NAME],
-            f"error: model '{TEN_KB_NAME[:129]}… has no runtime history to roll back",
+            f"error: model '{TEN_KB_NAME[:40]}…': name: '{TEN_KB_NAME[:39]}… is not a valid name",
             id="rollback-long-name",
         ),
         pytest.param(

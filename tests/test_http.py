@@ -950,6 +950,27 @@ def test_rollback_dry_run_then_for_real(api: Api) -> None:
     assert {(e["by"], e["rollback_to"], e["reason"]) for e in last} == {("admin-user", 2, "bad")}
 
 
+def test_a_rollback_to_no_revision_or_time_or_of_no_model_name_says_so(api: Api) -> None:
+    """``"to": true`` told pydantic's first try, ``to.int``, and hid the
+    other; a name no model can have was "no runtime history" (hostile test)."""
+    api.post("/models", definition("qwen"))
+    api.post("/models/qwen/scale", {"max": 4})
+    before = count_events(api.db)
+    takes = "request body: to: expected a revision (a whole number ≥ 0) or a UTC time"
+    shapes: list[tuple[Any, str]] = [(True, "true"), (2.0, "2.0"), (None, "null"), ([2], "list")]
+    for to, got in shapes:
+        for dry_run in (True, False):
+            body = {"to": to, "dry_run": dry_run}
+            assert refused(api.post("/rollback", body, role="admin"), 422) == f"{takes} (got {got})"
+    for dry_run in (True, False):
+        body = {"to": 2, "model": "<x>", "dry_run": dry_run}
+        assert refused(api.post("/rollback", body, role="admin"), 422) == (
+            "model '<x>': name: '<x>' is not a valid name: 1-128 characters of "
+            "A-Z a-z 0-9 . _ : / -, starting with a letter or digit"
+        )
+    assert count_events(api.db) == before
+
+
 # -- watch -------------------------------------------------------------------------------
 
 

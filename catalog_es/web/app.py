@@ -83,6 +83,7 @@ from catalog_es.inputs import (
     describe_problems,
     event_type,
     model_from_data,
+    one_of,
     parse_changes,
     parse_document,
     revision_or_time,
@@ -462,7 +463,7 @@ class RollbackBody(BaseModel):
     """What ``catalog-es rollback`` takes as options."""
 
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
-    to: int | str
+    to: Annotated[int | str, one_of("a revision (a whole number ≥ 0) or a UTC time")]
     model: str | None = None
     only: str | None = None
     dry_run: bool = False
