@@ -801,6 +801,22 @@ def test_a_revision_with_white_space_around_it_is_refused(api: Api, config_file:
     assert f"'1 ' {not_a_revision}" in run.stderr
 
 
+def test_a_whole_number_in_a_query_is_digits_alone(api: Api) -> None:
+    """pydantic read ``limit=5_0`` as 50, and ``after= 5``, ``+5`` (a space, in
+    a query) and ``5%0A`` as 5, where ``?at=`` and If-Match refuse them (hostile
+    test)."""
+    ok(api.post("/models", definition("qwen")))
+    sent = {"5_0": "5_0", "%205": " 5", "+5": " 5", "5%0A": "5\n", "%EF%BC%95": "５"}
+    in_digits = "expected a whole number in digits alone"
+    for query, read in sent.items():
+        for name, path in [("limit", "/log"), ("after", "/log"), ("limit", "/audit")]:
+            message = refused(api.get(f"{path}?{name}={query}"), 422)
+            assert message == f"query.{name}: {in_digits} (got {read!r})"
+        with api.client.stream("GET", f"/events?from={query}", headers=api.as_("read")) as events:
+            assert events.status_code == 422
+    assert len(ok(api.get("/log?limit=01"))) == 1  # leading zeros are the number's, as for ?at=
+
+
 def test_not_found_is_404(api: Api) -> None:
     assert refused(api.get("/models/nope"), 404) == "model 'nope' is not in the catalog"
     assert refused(api.post("/models/nope/scale", {"max": 2}), 404).startswith("model 'nope'")

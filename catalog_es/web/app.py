@@ -40,7 +40,8 @@ from fastapi.responses import (
 from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from fastapi.staticfiles import StaticFiles
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError
+from pydantic_core import PydanticCustomError
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException
@@ -816,16 +817,30 @@ def sources(caller: Reader, models: Service, at: At, declared_then: DeclaredThen
     return respond(models.sources(past, declared_then=declared_then), revision)
 
 
+def _in_digits(value: object) -> object:
+    """A whole number in a query, as text: ASCII digits alone, as If-Match and
+    ``?at=`` take one. pydantic would read ``5_0`` as 50, and `` 5``, ``+5``
+    (a space, in a query) and ``5\n`` as 5."""
+    if isinstance(value, str) and not (value.isascii() and value.isdigit()):
+        raise PydanticCustomError("digits", "expected a whole number in digits alone")
+    return value
+
+
+# A whole-number query parameter (with Query's bounds beside it).
+InDigits = BeforeValidator(_in_digits)
+
+
 @route.get("/log", tags=["queries"])
 def log_events(
     caller: Reader,
     models: Service,
     after: Annotated[
-        int, Query(ge=0, le=MAX_REVISION, description="Only events after this revision.")
+        int, Query(ge=0, le=MAX_REVISION, description="Only events after this revision."), InDigits
     ] = 0,
     limit: Annotated[
         int | None,
         Query(ge=1, le=MAX_ANSWER_ROWS, description=f"At most this many (≤ {MAX_ANSWER_ROWS})."),
+        InDigits,
     ] = None,
     model: Annotated[str | None, Query(description="Only this model's events.")] = None,
 ) -> Response:
@@ -888,6 +903,7 @@ def watch(
     after: Annotated[
         int | None,
         Query(alias="from", ge=0, le=MAX_REVISION, description="Every change after this revision."),
+        InDigits,
     ] = None,
     last_event_id: Annotated[str | None, Header(include_in_schema=False)] = None,
     # Where EventSource polyfills that send a token put it, reconnecting.
@@ -964,6 +980,7 @@ def change_filters(
         Query(
             ge=1, le=MAX_ANSWER_ROWS, description=f"Only the most recent N (≤ {MAX_ANSWER_ROWS})."
         ),
+        InDigits,
     ] = None,
 ) -> ChangeFilters:
     """The filters of ``catalog-es history``, read as it reads them."""
