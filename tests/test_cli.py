@@ -334,6 +334,33 @@ def test_a_command_option_wins_over_the_root_one(run: Run, write: Any) -> None:
 
 
 @pytest.mark.parametrize(
+    ("option", "value", "command"),
+    [
+        ("--max", "1_0", ["model", "scale", "m"]),  # ten replicas, to Python
+        ("--min", " 0", ["model", "scale", "m", "--max", "3"]),
+        ("--memory-gb", "+8", ["model", "resources", "m"]),
+        ("--expected-revision", "0_2", ["model", "scale", "m", "--max", "3"]),
+        ("--limit", "5\n", ["log"]),
+        ("--after", "１", ["log"]),  # a full-width 1
+    ],
+)
+def test_a_whole_number_option_is_written_in_digits(
+    run: Run, write: Any, rows: Callable[[], int], option: str, value: str, command: list[str]
+) -> None:
+    """Python's int() reads ``1_0`` as 10 and `` 0``, ``+8`` as 0 and 8: a slip
+    in --max or --expected-revision changed what was asked (hostile test)."""
+    _seeded(run, write)
+    ok(run("model", "scale", "m", "--max", "2"))  # the log is at revision 2
+    before = rows()
+    refused = run(*command, option, value)
+    assert refused.exit_code == 2, refused.stderr
+    assert refused.stderr.splitlines()[-1] == (
+        f"Error: Invalid value for '{option}': {value!r} is not a whole number in digits"
+    )
+    assert rows() == before
+
+
+@pytest.mark.parametrize(
     "options",
     [
         (["--expected-revision", "1"], ["--expected-revision", "2"]),

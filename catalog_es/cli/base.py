@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import logging
 import os
+import re
 import shutil
 import signal
 import sys
@@ -41,10 +42,28 @@ from catalog_es.errors import (
 from catalog_es.inputs import MAX_REVISION, revision_or_time
 from catalog_es.persistence import database_unusable, new_sqlite_file
 
+
+class WholeNumber(click.IntRange):
+    """A whole-number option, written in ASCII digits (a minus sign first, where
+    the range allows one): Python reads ``1_0`` as 10 and `` 5`` as 5, so a slip
+    in ``--max`` or ``--expected-revision`` changed what was asked, silently."""
+
+    name = "integer"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, str) and not _DIGITS.fullmatch(value):
+            self.fail(f"{value!r} is not a whole number in digits", param, ctx)
+        return super().convert(value, param, ctx)
+
+
+_DIGITS = re.compile(r"-?[0-9]+")
+
 # Revisions and counts, as the options that take them read them: no more than
 # the 64-bit columns they are compared with hold.
-REVISION = click.IntRange(0, MAX_REVISION)
-COUNT = click.IntRange(1, MAX_REVISION)
+REVISION = WholeNumber(0, MAX_REVISION)
+COUNT = WholeNumber(1, MAX_REVISION)
+# Any other whole number: what it must be is the domain's to say.
+INTEGER = WholeNumber()
 
 F = TypeVar("F", bound=Callable[..., Any])
 T = TypeVar("T")

@@ -12,6 +12,7 @@ import click
 from catalog_es import bootstrap
 from catalog_es.cli.base import (
     COUNT,
+    INTEGER,
     REVISION,
     REVISION_OR_TIME,
     Settings,
@@ -130,8 +131,8 @@ def model_remove(settings: Settings, name: str) -> None:
 
 @model.command("scale")
 @click.argument("name")
-@click.option("--min", "minimum", type=int, help="Fewest replicas (0 lets it scale to zero).")
-@click.option("--max", "maximum", type=int, help="Most replicas.")
+@click.option("--min", "minimum", type=INTEGER, help="Fewest replicas (0 lets it scale to zero).")
+@click.option("--max", "maximum", type=INTEGER, help="Most replicas.")
 @shared_options
 @pass_settings
 def model_scale(settings: Settings, name: str, minimum: int | None, maximum: int | None) -> None:
@@ -145,8 +146,8 @@ def model_scale(settings: Settings, name: str, minimum: int | None, maximum: int
 @model.command("resources")
 @click.argument("name")
 @click.option("--profile", help="The profile to change (default: every profile).")
-@click.option("--memory-gb", type=int, help="Host memory a replica reserves (min_memory_gb).")
-@click.option("--cpu-cores", type=int, help="CPU cores a replica reserves.")
+@click.option("--memory-gb", type=INTEGER, help="Host memory a replica reserves (min_memory_gb).")
+@click.option("--cpu-cores", type=INTEGER, help="CPU cores a replica reserves.")
 @shared_options
 @pass_settings
 def model_resources(

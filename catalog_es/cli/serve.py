@@ -17,6 +17,7 @@ import click
 from catalog_es import bootstrap
 from catalog_es.cli.base import (
     Settings,
+    WholeNumber,
     cli,
     emit,
     let_warnings_through,
@@ -41,7 +42,7 @@ tokens_option = click.option(
 
 @cli.command("serve")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
-@click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True)
+@click.option("--port", type=WholeNumber(0, 65535), default=8080, show_default=True)
 @click.option(
     "--access-log",
     is_flag=True,
@@ -49,7 +50,7 @@ tokens_option = click.option(
 )
 @click.option(
     "--max-watches",
-    type=click.IntRange(1, 100_000),
+    type=WholeNumber(1, 100_000),
     default=MAX_WATCHES,
     show_default=True,
     help="Event streams (GET /events) open at once, at most; each holds a thread. "
