@@ -366,12 +366,14 @@ def _mapping(loader: _StrictLoader, node: yaml.MappingNode) -> dict[Any, Any]:
     return result
 
 
-# YAML 1.1, which PyYAML reads, takes 010 for eight (octal) and 1:30 for
-# ninety (base 60), where YAML 1.2 and a reviewer take 010 for ten and 1:30 for
-# text: eight GPUs read from a file that says ten look right to everyone.
+# YAML 1.1, which PyYAML reads, takes 010 for eight (octal), 1:30 for ninety
+# (base 60), 1_0 for ten and 0b11 for three, where YAML 1.2 and a reviewer take
+# 010 for ten and the others for text: eight GPUs read from a file that says
+# ten look right to everyone.
 # Neither reading is guessed; such a number is refused, saying how to write it.
 _LEADING_ZERO = re.compile(r"[-+]?0[0-9_]+")
 _BASE_60 = re.compile(r"[-+]?[1-9][0-9_]*(:[0-5]?[0-9])+")
+_BINARY = re.compile(r"[-+]?0b[01_]+")
 _WRITE_IT = "write a number in decimal, or quote text"
 
 
@@ -405,6 +407,11 @@ def _ambiguity(text: str) -> str | None:
     """How YAML 1.1 reads ``text`` otherwise than YAML 1.2 and a reviewer, if it does."""
     if _BASE_60.fullmatch(text):
         return "is a base-60 number in YAML 1.1 (1:30 is 90)"
+    if "_" in text:
+        # A slip (max: 1_0) as often as a separator, and text to YAML 1.2.
+        return "has an underscore, which YAML 1.1 reads past (1_0 is 10)"
+    if _BINARY.fullmatch(text):
+        return "is a binary number in YAML 1.1 (0b11 is 3)"
     if not _LEADING_ZERO.fullmatch(text):
         return None
     digits = text.replace("_", "").lstrip("+-")

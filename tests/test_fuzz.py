@@ -687,6 +687,15 @@ NASTY = {
         b"name: m\nscaling: {max: 1:30}\n",
         "'1:30' is a base-60 number in YAML 1.1 (1:30 is 90)",
     ),
+    # Read as 10 and 3 by YAML 1.1, as the CLI's int() read --max 1_0 (review).
+    "a YAML count with an underscore": (
+        b"name: m\nscaling: {max: 1_0}\n",
+        "'1_0' has an underscore, which YAML 1.1 reads past (1_0 is 10): write a number",
+    ),
+    "a YAML binary count": (
+        b"name: m\nscaling: {max: 0b11}\n",
+        "'0b11' is a binary number in YAML 1.1 (0b11 is 3): write a number in decimal",
+    ),
     "a megabyte engine name": (good(engine="e" * 1_000_000), "is not a known engine"),
     "a python tag": (
         b"!!python/object/apply:os.system [echo]\n",
