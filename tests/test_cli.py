@@ -360,6 +360,13 @@ def test_a_whole_number_option_is_written_in_digits(
     assert rows() == before
 
 
+def test_a_whole_number_option_with_no_bounds_says_none_in_its_help(run: Run) -> None:
+    """Made a range with no bounds, --min and --max showed ``[x<=None]`` (review)."""
+    for command in (["model", "scale"], ["model", "resources"]):
+        shown = run(*command, "--help")
+        assert shown.exit_code == 0 and "None" not in shown.output, shown.output
+
+
 @pytest.mark.parametrize(
     "options",
     [

@@ -38,21 +38,39 @@ from catalog_es.errors import (
     first_line,
     json_in_pieces,
     json_line,
+    shown,
 )
 from catalog_es.inputs import MAX_REVISION, revision_or_time
 from catalog_es.persistence import database_unusable, new_sqlite_file
 
 
-class WholeNumber(click.IntRange):
-    """A whole-number option, written in ASCII digits (a minus sign first, where
-    the range allows one): Python reads ``1_0`` as 10 and `` 5`` as 5, so a slip
-    in ``--max`` or ``--expected-revision`` changed what was asked, silently."""
+def _check_digits(
+    kind: WholeNumber | WholeNumberRange,
+    value: Any,
+    param: click.Parameter | None,
+    ctx: click.Context | None,
+) -> None:
+    """A whole number written in ASCII digits, a minus sign allowed first (what
+    it may be is then the range's, or the domain's, to say): Python reads
+    ``1_0`` as 10 and `` 5`` as 5, so a slip in ``--max`` or
+    ``--expected-revision`` changed what was asked, silently."""
+    if isinstance(value, str) and not _DIGITS.fullmatch(value):
+        kind.fail(f"{shown(value)} is not a whole number in digits", param, ctx)
 
-    name = "integer"
+
+class WholeNumber(click.types.IntParamType):
+    """A whole number, in digits (:func:`_check_digits`)."""
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
-        if isinstance(value, str) and not _DIGITS.fullmatch(value):
-            self.fail(f"{value!r} is not a whole number in digits", param, ctx)
+        _check_digits(self, value, param, ctx)
+        return super().convert(value, param, ctx)
+
+
+class WholeNumberRange(click.IntRange):
+    """A whole number, in digits (:func:`_check_digits`), within bounds."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        _check_digits(self, value, param, ctx)
         return super().convert(value, param, ctx)
 
 
@@ -60,8 +78,8 @@ _DIGITS = re.compile(r"-?[0-9]+")
 
 # Revisions and counts, as the options that take them read them: no more than
 # the 64-bit columns they are compared with hold.
-REVISION = WholeNumber(0, MAX_REVISION)
-COUNT = WholeNumber(1, MAX_REVISION)
+REVISION = WholeNumberRange(0, MAX_REVISION)
+COUNT = WholeNumberRange(1, MAX_REVISION)
 # Any other whole number: what it must be is the domain's to say.
 INTEGER = WholeNumber()
 

@@ -17,7 +17,7 @@ import click
 from catalog_es import bootstrap
 from catalog_es.cli.base import (
     Settings,
-    WholeNumber,
+    WholeNumberRange,
     cli,
     emit,
     let_warnings_through,
@@ -42,7 +42,7 @@ tokens_option = click.option(
 
 @cli.command("serve")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
-@click.option("--port", type=WholeNumber(0, 65535), default=8080, show_default=True)
+@click.option("--port", type=WholeNumberRange(0, 65535), default=8080, show_default=True)
 @click.option(
     "--access-log",
     is_flag=True,
@@ -50,7 +50,7 @@ tokens_option = click.option(
 )
 @click.option(
     "--max-watches",
-    type=WholeNumber(1, 100_000),
+    type=WholeNumberRange(1, 100_000),
     default=MAX_WATCHES,
     show_default=True,
     help="Event streams (GET /events) open at once, at most; each holds a thread. "
@@ -101,8 +101,8 @@ def serve(
         raise InputError(
             "--host '': give the address to listen on (0.0.0.0 for every IPv4 interface)"
         )
-    # Started with Ctrl-C ignored (a script's background job, nohup), a process
-    # keeps ignoring it, as Python does; uvicorn would stop on it, without a word.
+    # Started with Ctrl-C ignored (a script's background job), a process keeps
+    # ignoring it, as Python does; uvicorn would stop on it, without a word.
     interrupt_ignored = signal.getsignal(signal.SIGINT) is signal.SIG_IGN
     # Listening first: a server that cannot (the port taken, a host that does
     # not resolve) is refused before it opens the database or records anything.
