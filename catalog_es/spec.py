@@ -98,15 +98,16 @@ def profiles_missing_memory(profiles: Iterable[Profile]) -> list[str]:
 def name_warnings(name: str) -> list[str]:
     """What ``model show`` warns of a name with a ``.`` or ``..`` segment
     (``x/../m1``): HTTP clients resolve such segments away before they send
-    a path (RFC 3986; curl does), so a request for that model reaches another
-    (``m1``), or none, unless each dot is sent as ``%2E``. Allowed names all
-    the same (DESIGN's rule), and told."""
+    a path (RFC 3986: curl, browsers), so a request for that model reaches
+    another (``m1``), or none, unless the name's slashes are sent as ``%2F``
+    (browsers resolve ``%2E%2E`` too). Allowed names all the same (DESIGN's
+    rule), and told."""
     if "/." not in name:  # a name starts with a letter or a digit
         return []
     segments = dict.fromkeys(s for s in name.split("/") if s in {".", ".."})
     return [
         f"its name has a {s!r} segment, which HTTP clients resolve away before they send"
-        f" a path (RFC 3986; curl does): over HTTP, send it as {s.replace('.', '%2E')}"
+        " a path (RFC 3986): over HTTP, send the name with its slashes as %2F"
         for s in segments
     ]
 

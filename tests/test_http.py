@@ -591,16 +591,16 @@ def test_a_name_with_a_dot_segment_is_warned_of_and_reached_with_its_dots_encode
     api: Api,
 ) -> None:
     """DESIGN allows ``x/../qwen``, but HTTP clients resolve ``..`` away (httpx
-    here, curl too): a DELETE meant for it removed ``qwen`` (hostile test).
-    Its answers warn how to reach it; sent as ``%2E%2E``, the request does."""
+    here, curl and browsers too): a DELETE meant for it removed ``qwen``
+    (hostile test). Its answers warn how to reach it: its slashes as ``%2F``."""
     ok(api.post("/models", definition("qwen")))
     added = ok(api.post("/models", definition("x/../qwen")))["model"]
     assert added["warnings"] == [
         "its name has a '..' segment, which HTTP clients resolve away before they send"
-        " a path (RFC 3986; curl does): over HTTP, send it as %2E%2E"
+        " a path (RFC 3986): over HTTP, send the name with its slashes as %2F"
     ]
     assert api.client.get("/models/x/../qwen").url.path == "/models/qwen"  # the client's doing
-    assert ok(api.get("/models/x/%2E%2E/qwen")) == added
+    assert ok(api.get("/models/x%2F..%2Fqwen")) == added
     # Shown, given back: the warning is worked out, and accepted as such.
     assert ok(api.post("/models", added))["replaced"] is True
     assert ok(api.get("/models/qwen")).get("warnings") is None
@@ -1698,9 +1698,9 @@ def test_serve_stopped_as_asked_says_stopped_and_exits_0(
 def test_serve_started_with_ctrl_c_ignored_keeps_ignoring_it(
     tmp_path: Path, config_file: str
 ) -> None:
-    """A script's background job, or one under nohup, starts with SIGINT
-    ignored, and a program keeps it so: uvicorn stopped on it anyway, with
-    no ``stopped`` said (hostile test). SIGTERM still stops it."""
+    """A script's background job (``serve &``) starts with SIGINT ignored, and
+    a program keeps it so: uvicorn stopped on it anyway, with no ``stopped``
+    said (hostile test). SIGTERM still stops it."""
     db = f"sqlite:///{tmp_path}/serve.db"
     tokens = tmp_path / "tokens.json"
     secret = TokenStore(tokens).add("ops", "read")[1]
