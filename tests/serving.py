@@ -120,10 +120,16 @@ def started(server: subprocess.Popen[str]) -> tuple[str, str]:
     up to then, that line included."""
     assert server.stderr is not None
     said = ""
-    while line := server.stderr.readline():
-        said += line
-        if serving := re.search(r"serving the catalog at revision \d+ on (http://\S+?)/", line):
-            return serving[1], said
+    # One that hangs before it says so is stopped, rather than hang the test.
+    deadline = threading.Timer(30, server.kill)
+    deadline.start()
+    try:
+        while line := server.stderr.readline():
+            said += line
+            if serving := re.search(r"serving the catalog at revision \d+ on (http://\S+?)/", line):
+                return serving[1], said
+    finally:
+        deadline.cancel()
     raise AssertionError(f"the server stopped before it served: {said!r}")
 
 

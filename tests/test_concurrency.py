@@ -1572,7 +1572,10 @@ def test_a_refused_or_empty_postgresql_write_keeps_the_statements_the_writer_pre
     every rollback (``DEALLOCATE ALL``): with one command in ten refused, the
     writes after each were planned afresh, and the rate fell by nearly a third.
     A write that wrote nothing (refused, or nothing to write) is committed;
-    one refused after it wrote is rolled back, as ever."""
+    one refused after it wrote is rolled back, as ever (as
+    ``test_a_stream_row_edited_by_hand_refuses_writes_to_that_model`` and
+    ``test_a_stream_row_deleted_by_hand_under_a_running_service_is_damage``
+    check on PostgreSQL)."""
     models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": pg_url})
     models.apply_changes([commands.add(model_spec(n)) for n in "ab"], by="setup")
     for replicas in range(6):

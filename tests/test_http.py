@@ -815,6 +815,8 @@ def test_a_whole_number_in_a_query_is_digits_alone(api: Api) -> None:
         with api.client.stream("GET", f"/events?from={query}", headers=api.as_("read")) as events:
             assert events.status_code == 422
     assert len(ok(api.get("/log?limit=01"))) == 1  # leading zeros are the number's, as for ?at=
+    # A minus sign is read, for the bounds to say what the number must be.
+    assert refused(api.get("/log?after=-1"), 422).startswith("query.after: Input should be greater")
 
 
 def test_not_found_is_404(api: Api) -> None:

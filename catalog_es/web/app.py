@@ -15,6 +15,7 @@ the service blocks on the database.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
@@ -819,11 +820,15 @@ def sources(caller: Reader, models: Service, at: At, declared_then: DeclaredThen
 
 def _in_digits(value: object) -> object:
     """A whole number in a query, as text: ASCII digits alone, as If-Match and
-    ``?at=`` take one. pydantic would read ``5_0`` as 50, and `` 5``, ``+5``
-    (a space, in a query) and ``5\n`` as 5."""
-    if isinstance(value, str) and not (value.isascii() and value.isdigit()):
+    ``?at=`` take one (a minus sign first, which the bounds then refuse, as
+    they say). pydantic would read ``5_0`` as 50, and `` 5``, ``+5`` (a space,
+    in a query) and ``5\n`` as 5."""
+    if isinstance(value, str) and not _DIGITS.fullmatch(value):
         raise PydanticCustomError("digits", "expected a whole number in digits alone")
     return value
+
+
+_DIGITS = re.compile(r"-?[0-9]+")
 
 
 # A whole-number query parameter (with Query's bounds beside it).
