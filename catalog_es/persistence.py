@@ -1428,6 +1428,15 @@ class SQLRecorder(ProcessRecorder):
                 "nothing was written (catalog-es verify tells what else was edited)"
             )
         _check_whole((taken, ends, *found))
+        if head is None and ends:
+            # What the log's last revision was went with it: written on, the
+            # chain would start afresh and, on SQLite, a deleted last revision
+            # be handed out again, which a reader that saw it skips.
+            raise DamagedLog(
+                "the log's head record (catalog_head) is missing, but the log holds events"
+                f" up to revision {ends}, and maybe held more; nothing was written"
+                " (catalog-es verify; docs/audit.md says how to put the head back)"
+            )
         return Standing(
             head=head,
             last=max(head.revision if head is not None else 0, taken or 0),

@@ -201,3 +201,10 @@ class CountedOutput(io.TextIOBase):
 
     def isatty(self) -> bool:
         return False
+
+
+# docs/audit.md's way to put a deleted head back: the last event's revision and hash.
+PUT_THE_HEAD_BACK = (
+    "INSERT INTO catalog_head (id, revision, hash)"
+    " SELECT 1, revision, hash FROM catalog_events ORDER BY revision DESC LIMIT 1"
+)
