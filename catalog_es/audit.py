@@ -39,6 +39,7 @@ from projections.audit import (
     select_rows,
     stored_time,
 )
+from projections.snapshots import taken_since
 
 if TYPE_CHECKING:
     from catalog_es.catalog import Skipped
@@ -183,12 +184,17 @@ class AuditTrail:
                 self.store.scan_streams(conn),
                 gapless=self.store.dialect == "sqlite",
             )
+            # A snapshot vouches for the log up to it by the hash at its own
+            # revision, which an edit before it leaves as it was: one made
+            # before the edit goes on giving loads the catalog as it was.
+            stale = [] if report.broken is None else taken_since(conn, report.broken.revision)
         return {
             "ok": report.broken is None,
             "events": report.events,
             "head": msgspec.to_builtins(report.head),
             "broken": msgspec.to_builtins(report.broken),
             "skipped": msgspec.to_builtins(self.skipped()),
+            "stale_snapshots": stale,
         }
 
     def _record_refusal(

@@ -263,6 +263,14 @@ def latest(conn: Connection, fingerprint: str) -> int:
     return int(value.scalar() or 0)
 
 
+def taken_since(conn: Connection, revision: int) -> list[int]:
+    """The revisions of the snapshots, over any config, taken at ``revision``
+    or after it."""
+    t = snapshots_table.c
+    query = sa.select(t.revision).distinct().where(t.revision >= revision).order_by(t.revision)
+    return list(conn.execute(query).scalars())
+
+
 def clear(conn: Connection, fingerprint: str) -> None:
     """Delete this config's snapshots (a rebuild makes them again), and those of
     the configs the log did not record among the last others (with this one,

@@ -2115,6 +2115,34 @@ def test_cli_verify_lists_skipped_events_either_way(models: Models, db: str, con
     assert "unknown event type 'x:Gone'" in result.stdout
 
 
+def test_verify_names_the_snapshots_taken_over_an_edit(
+    db: str, config: Path, clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A snapshot vouches for the log by the hash at its own revision, which an
+    edit of an event before it leaves as it was: loads from it went on giving
+    the owner the edited event set, a replay none, and verify said nothing of
+    it (hostile test). It names them, and how to make them again."""
+    writer = Models(
+        load_config(str(config)),
+        pre_add_check=RefuseBrokenWeights(),
+        env={"CATALOG_ES_DB": db},
+        snapshot_interval=3,
+    )
+    script(writer, clock)  # revisions 1-8: snapshots at 3 and 6
+    assert writer.verify()["stale_snapshots"] == []
+    run_sql(writer, "UPDATE catalog_events SET state = X'7B7B' WHERE revision = 2")
+    report = writer.verify()
+    assert (report["broken"]["revision"], report["stale_snapshots"]) == (2, [3, 6])
+    result = invoke(db, config, "verify")
+    assert result.exit_code == 1
+    assert (
+        "2 snapshots taken at or after revision 2: any made before the edit hold the catalog"
+        " as it was, and loads start from them (what they skip and read is not a replay's);"
+        " catalog-es replay makes them again from the log as it is"
+    ) in result.stdout
+    writer.close()
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

@@ -27,7 +27,7 @@ from catalog_es.cli.base import (
     shared_options,
     table,
 )
-from catalog_es.errors import json_line
+from catalog_es.errors import counted, json_line
 from catalog_es.inputs import carried, event_type, utc_time
 from projections.audit import ChangeFilters, Filters
 
@@ -198,6 +198,13 @@ def verify(settings: Settings) -> None:
             table(["REV", "MODEL", "EVENT", "REASON"], _skipped_rows(report["skipped"]))
         else:
             click.echo("no event is skipped on load")
+        if report["stale_snapshots"]:
+            click.echo(
+                f"{counted(len(report['stale_snapshots']), 'snapshot')} taken at or after revision"
+                f" {report['broken']['revision']}: any made before the edit hold the catalog as"
+                " it was, and loads start from them (what they skip and read is not a replay's);"
+                " catalog-es replay makes them again from the log as it is"
+            )
 
     emit(settings, report, human)
     broken = report["broken"]
