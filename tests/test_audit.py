@@ -1470,12 +1470,20 @@ def test_an_untouched_log_verifies(models: Models) -> None:
         "head": {"revision": 8, "hash": last_hash},
         "broken": None,
         "skipped": [],
+        "stale_snapshots": [],
     }
 
 
 def test_an_empty_log_verifies(db: str, config: Path) -> None:
     empty = open_service(db, config)
-    assert empty.verify() == {"ok": True, "events": 0, "head": None, "broken": None, "skipped": []}
+    assert empty.verify() == {
+        "ok": True,
+        "events": 0,
+        "head": None,
+        "broken": None,
+        "skipped": [],
+        "stale_snapshots": [],
+    }
     empty.close()
 
 
