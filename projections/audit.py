@@ -54,6 +54,7 @@ from catalog_es.mapper import (
 )
 from catalog_es.model import DomainEvent, Model, utc_text
 from catalog_es.persistence import (
+    Kept,
     SQLRecorder,
     acquire_within,
     holds,
@@ -94,8 +95,9 @@ RETRIES = 3
 # them. 4: a table of rows per declared config; 5: a record that cannot say
 # its model is its stream's (it was no model's, so no model's history); 6: a
 # config record's changes, to the declared layer (it had none); 7: a row of
-# its own for each model a removal takes out of force (a revision had one row).
-LAYOUT = 7
+# its own for each model a removal takes out of force (a revision had one row);
+# 8: the log's hash at the position, to tell a log restored under the rows.
+LAYOUT = 8
 CHANGES_PREFIX = f"audit_changes_v{LAYOUT}_"
 # What this code names a table of rows: another of the prefix (an operator's
 # copy, say) is not this code's to drop.
@@ -121,6 +123,9 @@ tracking_table = sa.Table(
     sa.Column("config", sa.String(64), primary_key=True),
     # Written with the table, at 0: a config without a row has no table.
     sa.Column("notification_id", sa.BigInteger(), nullable=False),
+    # The log's hash at that revision as the rows were built (NULL at 0): a
+    # log restored from a backup, or rewritten, holds another there, or none.
+    sa.Column("log_hash", sa.String(64)),
     # Whether the rows' times never go back as the revisions go up (rows
     # without a time aside), and the latest so far. While they do not, a time
     # bound is a revision bound, which every index can seek.
@@ -344,6 +349,31 @@ class Tracked(msgspec.Struct, frozen=True):
     # Drawn when the table is made: a position read before a rebuild, and met
     # again as the same number after it, is not the same.
     generation: str
+    # The log's hash at the position when the rows were built.
+    log_hash: str | None = None
+
+
+def stored_hash(value: object) -> str | None:
+    """A hash of the log as the tracking row keeps it: text, whatever type a
+    hand edit left in the log (SQLite would store a number it was given as
+    text, and it would never compare equal again)."""
+    return None if value is None else str(value)
+
+
+def unvouched(tracked: Tracked, kept: Kept) -> str | None:
+    """Why the log, as ``kept`` tells it at ``tracked``'s position, no longer
+    holds the events the rows were built from; ``None`` while it does."""
+    if kept.last < tracked.position:
+        return (
+            f"the log ends at revision {kept.last}, before their position "
+            f"({tracked.position}): it lost events (a failover, or a restored backup?)"
+        )
+    if stored_hash(kept.hash) != tracked.log_hash:
+        return (
+            f"the log holds other events at revision {tracked.position} than they were "
+            "built from (a failover, or a restored backup?)"
+        )
+    return None
 
 
 class AuditView(TrackingRecorder):
@@ -368,10 +398,10 @@ class AuditView(TrackingRecorder):
             )
         return table
 
-    def reset(self, application_name: str) -> None:
+    def reset(self, application_name: str) -> Tracked:
         """Make this config's table anew, empty, at position 0."""
         with self.store.locked("catalog_es.audit") as conn:
-            self._make(conn, application_name)
+            return self._make(conn, application_name)
 
     def resume_from(self, application_name: str) -> Tracked:
         """Where the rows are up to, and the order of their times. A config
@@ -508,9 +538,11 @@ class AuditView(TrackingRecorder):
         tracking: Tracking,
         times: TimeOrder,
         generation: str,
+        log_hash: str | None,
         wait: float | None = None,
     ) -> None:
-        """Rows and the position they bring the view up to, in the table of
+        """Rows and the position they bring the view up to, with the log's
+        hash there as they were built (``log_hash``), in the table of
         ``generation``, in one transaction, one process at a time. Another
         process may have written some of them since: the same rows, as the
         replay is the same, so only those past its position are written. If it
@@ -533,10 +565,11 @@ class AuditView(TrackingRecorder):
                 sa.insert(self.table(application_name)),
                 [row for row in rows if row["revision"] > tracked.position],
             )
-            self._track(conn, tracking, times)
+            self._track(conn, tracking, times, log_hash)
 
     def insert_tracking(self, tracking: Tracking) -> None:
-        """The position alone; one at or past it already is refused (IntegrityError)."""
+        """The position alone, which vouches for no log: the next catch-up
+        makes the rows again. One at or past it already is refused (IntegrityError)."""
         with self.store.locked("catalog_es.audit") as conn:
             tracked = self._tracked(conn, tracking.application_name)
             if tracked is None:
@@ -547,7 +580,7 @@ class AuditView(TrackingRecorder):
                     (tracking.application_name, tracking.notification_id),
                     ValueError(f"position {tracked.position} is recorded already"),
                 )
-            self._track(conn, tracking, None)
+            self._track(conn, tracking, None, None)
 
     def max_tracking_id(self, application_name: str) -> int | None:
         with self.engine.connect() as conn:
@@ -582,11 +615,15 @@ class AuditView(TrackingRecorder):
         self, filters: Filters, application_name: str, max_bytes: int | None = None
     ) -> list[str] | None:
         """:meth:`changes`, when the table is at the head of the log in the
-        read; ``None`` otherwise: a catch-up is due."""
+        read, and the log still holds there what the rows were built from;
+        ``None`` otherwise: a catch-up is due (it tells which)."""
         try:
             with self._reading(application_name) as conn, collector_paused():  # as in changes()
                 tracked = self._tracked(conn, application_name)
-                if tracked is None or tracked.position != self.store.head(conn):
+                if tracked is None:
+                    return None
+                kept = self.store.kept(conn, tracked.position)
+                if kept.last != tracked.position or stored_hash(kept.hash) != tracked.log_hash:
                     return None
                 views = self._matching(conn, filters, application_name, tracked, max_bytes)
         except ViewMoved:
@@ -693,23 +730,30 @@ class AuditView(TrackingRecorder):
     def _tracked(self, conn: Connection, application_name: str) -> Tracked | None:
         t = tracking_table.c
         row = conn.execute(
-            sa.select(t.notification_id, t.times_in_order, t.latest_time, t.generation).where(
-                t.application_name == application_name, t.config == self.config
-            )
+            sa.select(
+                t.notification_id, t.times_in_order, t.latest_time, t.generation, t.log_hash
+            ).where(t.application_name == application_name, t.config == self.config)
         ).first()
         if row is None:
             return None
-        return Tracked(row[0], TimeOrder(row[1], row[2]), row[3])
+        return Tracked(row[0], TimeOrder(row[1], row[2]), row[3], row[4])
 
-    def _track(self, conn: Connection, tracking: Tracking, times: TimeOrder | None) -> None:
-        """Write the position, and the time order with it when known (a
-        position written without it claims no order)."""
+    def _track(
+        self,
+        conn: Connection,
+        tracking: Tracking,
+        times: TimeOrder | None,
+        log_hash: str | None,
+    ) -> None:
+        """Write the position and the log's hash there, and the time order
+        with them when known (a position written without it claims no order)."""
         t = tracking_table.c
         conn.execute(
             sa.update(tracking_table)
             .where(t.application_name == tracking.application_name, t.config == self.config)
             .values(
                 notification_id=tracking.notification_id,
+                log_hash=log_hash,
                 times_in_order=times is not None and times.in_order,
                 latest_time=times.latest if times is not None else None,
                 used_at=self._now(),
@@ -768,6 +812,9 @@ class AuditProjection(Projection[AuditView]):
         self._staged: list[dict[str, Any]] = []
         self._staged_bytes = 0  # the size of their views
         self._tracking: Tracking | None = None
+        # The log's hash at the staged position, read in the transaction the
+        # rows were replayed in: set as they are written, kept with them if not.
+        self._log_hash: str | None = None
         self.times = TimeOrder()  # of the rows written and staged
         self.generation = ""  # of the tables the rows follow
         # The last config record: what the next one changes.
@@ -878,35 +925,44 @@ class AuditProjection(Projection[AuditView]):
 
     def _catch_up(self, recorder: SQLRecorder, application_name: str) -> None:
         tracked = self.view.resume_from(application_name)
-        if tracked.position < self.recorded or (
-            self.generation and tracked.generation != self.generation
-        ):
-            self._restart()  # the table was made anew behind this process's back
-        if not self._staged:
-            # Nothing of this process's waits to be written: go on from the
-            # view's position (the catalog is not past it).
-            self.recorded, self.times, self.generation = (
-                tracked.position,
-                tracked.times,
-                tracked.generation,
-            )
-        start = self.recorded
-        with collector_paused():
-            with recorder.read() as conn:
-                self._from_snapshot(conn)
-                for page in recorder.scan(conn, after=self.catalog.revision):
-                    for revision, topic, state in page:
-                        record = read_record(topic, state)
-                        if (
-                            type(record) is Unreadable
-                            and not record.model
-                            and revision > self.recorded  # else its row is written
-                        ):
-                            record = self._filed_under(record, recorder, conn, revision)
-                        self.process_event(record, Tracking(application_name, revision))
-                        if len(self._staged) >= BATCH_SIZE or self._staged_bytes >= BATCH_BYTES:
-                            self.flush()
-            self.flush()
+        with collector_paused(), recorder.read() as conn:
+            # Checked in the transaction the rows are replayed in, so that
+            # what they follow on from is what they were built from.
+            stale = unvouched(tracked, recorder.kept(conn, tracked.position))
+            if stale is not None:
+                log.warning("audit rows made again from the log: %s", stale)
+                tracked = self.view.reset(application_name)
+            if tracked.position < self.recorded or (
+                self.generation and tracked.generation != self.generation
+            ):
+                self._restart()  # the table was made anew behind this process's back
+            elif self._tracking is not None and self._log_hash != stored_hash(
+                recorder.kept(conn, self._tracking.notification_id).hash
+            ):
+                self._restart()  # the rows left staged follow events the log no longer holds
+            if not self._staged:
+                # Nothing of this process's waits to be written: go on from the
+                # view's position (the catalog is not past it).
+                self.recorded, self.times, self.generation = (
+                    tracked.position,
+                    tracked.times,
+                    tracked.generation,
+                )
+            start = self.recorded
+            self._from_snapshot(conn)
+            for page in recorder.scan(conn, after=self.catalog.revision):
+                for revision, topic, state in page:
+                    record = read_record(topic, state)
+                    if (
+                        type(record) is Unreadable
+                        and not record.model
+                        and revision > self.recorded  # else its row is written
+                    ):
+                        record = self._filed_under(record, recorder, conn, revision)
+                    self.process_event(record, Tracking(application_name, revision))
+                    if len(self._staged) >= BATCH_SIZE or self._staged_bytes >= BATCH_BYTES:
+                        self.flush(recorder, conn)
+            self.flush(recorder, conn)
         if self.recorded - start >= ANALYZE_AFTER:
             self.view.analyze(application_name)
 
@@ -919,11 +975,16 @@ class AuditProjection(Projection[AuditView]):
         name = self.catalog.name_of(stream) if stream is not None else None
         return record if name is None else msgspec.structs.replace(record, model=name)
 
-    def flush(self) -> None:
-        """Write the staged rows and the position they reach, together."""
+    def flush(self, recorder: SQLRecorder, conn: Connection) -> None:
+        """Write the staged rows and the position they reach, together, with
+        the log's hash there read in ``conn``, the transaction they were
+        replayed in."""
         if self._tracking is None:
             return
-        self.view.record(self._staged, self._tracking, self.times, self.generation, self._wait)
+        self._log_hash = stored_hash(recorder.kept(conn, self._tracking.notification_id).hash)
+        self.view.record(
+            self._staged, self._tracking, self.times, self.generation, self._log_hash, self._wait
+        )
         self._wait = None  # what is left of the wait was for the first rows, queued
         self.recorded = self._tracking.notification_id
         self._staged = []

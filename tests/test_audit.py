@@ -1311,6 +1311,73 @@ def test_an_audit_table_dropped_by_hand_is_made_again(scripted: Models, db_url: 
     assert scripted.history("chat") == [r for r in expected if r["model"] == "chat"]
 
 
+def log_rows(models: Models) -> dict[sa.Table, list[dict[str, Any]]]:
+    """The rows of the log's tables, as a backup keeps them."""
+    with models.store.read() as conn:
+        return {
+            table: [dict(row._mapping) for row in conn.execute(sa.select(table))]
+            for table in (events_table, head_table, streams_table)
+        }
+
+
+def restore_log(models: Models, backup: dict[sa.Table, list[dict[str, Any]]]) -> None:
+    """The log's tables as ``backup`` kept them, the audit's left as they are."""
+    with models.store.engine.begin() as conn:
+        for table, rows in backup.items():
+            conn.execute(sa.delete(table))
+            conn.execute(sa.insert(table), rows)
+
+
+def audit_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "catalog_es.audit"]
+
+
+def test_audit_rows_of_events_a_restored_log_no_longer_holds_are_made_again(
+    scripted: Models, db_url: str, config: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The log's tables restored from a backup, then written to: the audit
+    answered the changes the log had lost, and none of those it took in their
+    place (at the same revisions on SQLite, whose head came back to the
+    position). The log's hash there tells: the rows are made again, once,
+    with a warning."""
+    backup = log_rows(scripted)
+    scripted.scale("chat", 1, 2, by="bob")
+    scripted.scale("chat", 1, 3, by="bob")
+    assert [r["revision"] for r in scripted.audit(by="bob")] == [3, 6, 9, 10]
+    restore_log(scripted, backup)
+    other = open_service(db_url, config)
+    other.scale("chat", 1, 4, by="erin")
+    other.scale("chat", 1, 5, by="erin")
+    rows = scripted.audit()
+    assert rows == other.audit() == rebuilt_audit(db_url, config)
+    assert [r["by"] for r in rows[8:]] == ["erin", "erin"]
+    assert scripted.audit(by="bob") == [r for r in rows if r["by"] == "bob"]
+    assert [r["revision"] for r in rows if r["by"] == "bob"] == [3, 6]
+    [warning] = audit_warnings(caplog)
+    assert warning == (
+        "audit rows made again from the log: the log holds other events at revision 10 "
+        "than they were built from (a failover, or a restored backup?)"
+    )
+    other.close()
+
+
+def test_an_audit_position_past_the_head_of_the_log_is_made_again(
+    scripted: Models, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A position past the head (a log that lost its last events, or an edit
+    by hand): the changes written after it were never answered."""
+    scripted.audit()
+    with scripted.store.engine.begin() as conn:
+        conn.execute(sa.update(tracking_table).values(notification_id=99))
+    scripted.scale("chat", 1, 2, by="bob")
+    assert scripted.history("chat")[-1]["revision"] == scripted.revision == 9
+    [warning] = audit_warnings(caplog)
+    assert warning == (
+        "audit rows made again from the log: the log ends at revision 9, before their "
+        "position (99): it lost events (a failover, or a restored backup?)"
+    )
+
+
 def test_a_postgresql_read_never_answers_from_a_table_made_anew_under_it(
     pg_url: str, config: Path, clock: Clock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
