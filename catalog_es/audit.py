@@ -21,6 +21,7 @@ from catalog_es.chain import check_chain
 from catalog_es.collector import collector_paused
 from catalog_es.errors import (
     DamagedLog,
+    DamagedReadModel,
     InputError,
     ModelNotFound,
     Refused,
@@ -290,7 +291,14 @@ def _decoded(views: list[str]) -> Iterator[dict[str, Any]]:
     decode = _row_decoder.decode
     views.reverse()
     while views:
-        yield decode(views.pop())
+        try:
+            row = decode(views.pop())
+        except msgspec.DecodeError as error:
+            raise DamagedReadModel(
+                f"an audit row cannot be read ({error}): the audit's rows were damaged; "
+                "run catalog-es replay to make them again from the log"
+            ) from None
+        yield row
 
 
 def _json(views: list[str]) -> bytes:

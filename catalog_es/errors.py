@@ -205,6 +205,11 @@ class DamagedLog(Refused):
     can be appended to it as it is; ``catalog-es verify`` says what else."""
 
 
+class DamagedReadModel(Refused):
+    """A read model holds what its build never writes (a hand edit, a damaged
+    disk): it is disposable, and ``catalog-es replay`` makes it again from the log."""
+
+
 class UpgradeFailed(Refused):
     """The log's tables could not be brought to this version's layout: the
     database refused a step; nothing was changed."""

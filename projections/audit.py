@@ -406,21 +406,38 @@ class AuditView(TrackingRecorder):
     def resume_from(self, application_name: str) -> Tracked:
         """Where the rows are up to, and the order of their times. A config
         without its table (new here, dropped for others, or by hand) has it
-        made, empty: the catch-up starts from 0."""
+        made, empty: the catch-up starts from 0. So does one whose position is
+        behind its rows (set back by hand, the usual way to have a read model
+        made again), from which a catch-up would write rows twice."""
         try:
             with self._reading(application_name) as conn:
                 tracked = self._tracked(conn, application_name)
+                if tracked is not None and self._rows_end(conn, application_name) <= (
+                    tracked.position
+                ):
+                    return tracked
         except ViewMoved:  # the table is missing
-            tracked = None
-        if tracked is not None:
-            return tracked
+            pass
         with self.store.locked("catalog_es.audit") as conn:
             # Another process may have made it since the read.
             if sa.inspect(conn).has_table(self.table(application_name).name):
                 tracked = self._tracked(conn, application_name)
-            if tracked is None:
-                tracked = self._make(conn, application_name)
-        return tracked
+                if tracked is not None:
+                    end = self._rows_end(conn, application_name)
+                    if end <= tracked.position:
+                        return tracked
+                    log.warning(
+                        "audit rows made again from the log: their position (revision %d) "
+                        "is behind them (up to %d)",
+                        tracked.position,
+                        end,
+                    )
+            return self._make(conn, application_name)
+
+    def _rows_end(self, conn: Connection, application_name: str) -> int:
+        """The revision of the last row, 0 for none: one seek of the key."""
+        revision = self.table(application_name).c.revision
+        return int(conn.execute(sa.select(sa.func.max(revision))).scalar() or 0)
 
     def _make(self, conn: Connection, application_name: str) -> Tracked:
         """This config's table, made anew with its position at 0; those of

@@ -1378,6 +1378,53 @@ def test_an_audit_position_past_the_head_of_the_log_is_made_again(
     )
 
 
+@pytest.mark.parametrize(
+    "position",
+    [
+        {"notification_id": 0},
+        {"notification_id": -1},
+        # As a table just made has it: nothing the log could contradict.
+        {"notification_id": 0, "log_hash": None},
+    ],
+)
+def test_an_audit_position_set_behind_its_rows_has_them_made_again(
+    scripted: Models, position: dict[str, Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The usual way to have a read model made again: every query failed on
+    the rows it would write twice (``UNIQUE constraint failed``) until
+    ``catalog-es replay``."""
+    expected = scripted.audit()
+    with scripted.store.engine.begin() as conn:
+        conn.execute(sa.update(tracking_table).values(**position))
+    assert scripted.audit() == expected
+    scripted.scale("chat", 1, 2, by="bob")
+    assert scripted.history("chat", by="bob")[-1]["revision"] == 9
+    [warning] = audit_warnings(caplog)
+    assert warning == (
+        f"audit rows made again from the log: their position (revision "
+        f"{position['notification_id']}) is behind them (up to 8)"
+    )
+
+
+def test_an_audit_row_damaged_by_hand_is_one_error_naming_replay(
+    scripted: Models, db_url: str, config: Path
+) -> None:
+    """Its view no longer JSON: an unexpected DecodeError. The rows are a
+    read model, which replay makes again."""
+    expected = scripted.history("chat")
+    table = sa.table(table_of(scripted), sa.column("revision"), sa.column("view"))
+    with scripted.store.engine.begin() as conn:
+        conn.execute(sa.update(table).where(table.c.revision == 2).values(view='{"revision": 2,'))
+    result = invoke(db_url, config, "history", "chat")
+    assert result.exit_code == 1
+    assert result.stderr == (
+        "error: an audit row cannot be read (Input data was truncated): the audit's rows "
+        "were damaged; run catalog-es replay to make them again from the log\n"
+    )
+    assert invoke(db_url, config, "replay").exit_code == 0
+    assert scripted.history("chat") == expected
+
+
 def test_a_postgresql_read_never_answers_from_a_table_made_anew_under_it(
     pg_url: str, config: Path, clock: Clock, monkeypatch: pytest.MonkeyPatch
 ) -> None:

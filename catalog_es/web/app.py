@@ -53,6 +53,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from catalog_es.application import CommandResult, Models
 from catalog_es.errors import (
     DamagedLog,
+    DamagedReadModel,
     InputError,
     ModelNotFound,
     Refused,
@@ -144,6 +145,7 @@ _STATUS_OF_REFUSAL: tuple[tuple[type[Refused], int], ...] = (
     (TooBusy, 503),
     (TooSlow, 408),
     (DamagedLog, 500),
+    (DamagedReadModel, 500),
 )
 
 
