@@ -46,6 +46,7 @@ from catalog_es.errors import (
     StorageBusy,
     counted,
     cut_short,
+    shown,
 )
 from catalog_es.inputs import check_actor, zoned
 from catalog_es.mapper import (
@@ -70,6 +71,8 @@ from catalog_es.persistence import (
     PullingSubscription,
     SQLRecorder,
     acquire_within,
+    check_walk,
+    check_walk_end,
     database_unusable,
     events_table,
     holds,
@@ -1513,6 +1516,8 @@ class Models(AuditTrail, Application[UUID]):
         if limit is not None:
             query = query.limit(limit)
         with self.store.read() as conn:
+            if model is not None:
+                check_walk(conn, model_id(model), f"model {shown(model)}", after)
             sizes = conn.execute(query.with_only_columns(sa.func.length(t.state))).scalars()
             within_bytes(sizes.all(), max_bytes)
             rows = conn.execute(query).all()
@@ -1529,8 +1534,16 @@ class Models(AuditTrail, Application[UUID]):
             among: list[int] | None = None
             if model is not None:
                 stream = stream_walk(model_id(model), after)
-                walked = sa.select(stream.c.revision).where(stream.c.revision <= head)
-                among = sorted(conn.execute(walked).scalars())[:limit]
+                walked = sorted(
+                    conn.execute(
+                        sa.select(
+                            stream.c.revision, stream.c.originator_version, stream.c.stream_previous
+                        )
+                    )
+                )
+                oldest = walked[0] if walked else None
+                check_walk_end(conn, model_id(model), oldest, f"model {shown(model)}", after)
+                among = [r.revision for r in walked if r.revision <= head][:limit]
         return self._log_pages(after, head, limit, among)
 
     def _log_pages(

@@ -194,15 +194,17 @@ def _postgresql_rows(
 
 def stream_walk(originator_id: UUID, after: int = 0) -> sa.CTE:
     """A stream's events after revision ``after``, newest first, as a CTE of
-    ``revision`` and ``topic``: from its last (catalog_streams), along each
-    event's ``stream_previous``. Each step goes back, to an event of the same
-    stream: a link edited by hand ends the walk rather than loop or stray
-    into another model's events (``verify`` names it). Both databases walk
-    it a row a step, so a query that stops at its first match (``LIMIT 1``)
-    reads no further back than that."""
+    ``revision``, ``topic``, ``originator_version`` and ``stream_previous``:
+    from its last (catalog_streams), along each event's ``stream_previous``.
+    Each step goes back, to the event of the same stream a version before: a
+    link edited by hand ends the walk rather than loop, skip or stray into
+    another model's events, and a read that needs the whole walk tells so
+    (:func:`check_walk_end`). Both databases walk it a row a step, so a
+    query that stops at its first match (``LIMIT 1``) reads no further back
+    than that."""
     e, s = events_table.c, streams_table.c
     walk = (
-        sa.select(e.revision, e.topic, e.stream_previous)
+        sa.select(e.revision, e.topic, e.originator_version, e.stream_previous)
         .join_from(events_table, streams_table, e.revision == s.revision)
         .where(s.originator_id == originator_id, e.originator_id == originator_id)
         .where(e.revision > after)
@@ -210,12 +212,57 @@ def stream_walk(originator_id: UUID, after: int = 0) -> sa.CTE:
     )
     step = events_table.alias("step").c
     return walk.union_all(
-        sa.select(step.revision, step.topic, step.stream_previous).where(
+        sa.select(step.revision, step.topic, step.originator_version, step.stream_previous).where(
             step.revision == walk.c.stream_previous,
             walk.c.stream_previous > after,
             walk.c.stream_previous < walk.c.revision,
             step.originator_id == originator_id,
+            step.originator_version == walk.c.originator_version - 1,
         )
+    )
+
+
+def check_walk(conn: Connection, originator_id: UUID, whose: str, after: int = 0) -> None:
+    """:func:`check_walk_end` of the walk of ``originator_id``'s stream after
+    ``after``: for a read that found nothing along it (a walk cut short
+    finds nothing too), at the cost of walking it once more."""
+    stream = stream_walk(originator_id, after)
+    oldest = conn.execute(
+        sa.select(stream.c.revision, stream.c.originator_version, stream.c.stream_previous)
+        .order_by(stream.c.revision)
+        .limit(1)
+    ).first()
+    check_walk_end(conn, originator_id, oldest, whose, after)
+
+
+def check_walk_end(
+    conn: Connection,
+    originator_id: UUID,
+    oldest: Sequence[Any] | None,
+    whose: str,
+    after: int = 0,
+) -> None:
+    """Refuse a read of a stream whose walk (:func:`stream_walk`) after
+    ``after`` ended short: its ``oldest`` row (revision, version, link) is
+    not the stream's first event, nor linked to its event before at or
+    before ``after``. A link edited by hand would otherwise answer part of
+    the history as all of it; ``verify`` names the edit."""
+    if oldest is None:
+        return
+    revision, version, previous = oldest
+    if previous == 0 and version == 1:
+        return
+    if 0 < previous <= after and version > 1:
+        e = events_table.c
+        before = conn.execute(
+            sa.select(e.originator_id, e.originator_version).where(e.revision == previous)
+        ).first()
+        if before is not None and tuple(before) == (originator_id, version - 1):
+            return
+    raise DamagedLog(
+        f"{whose}: its event at revision {revision} links to revision {previous} as the one"
+        " before it (stream_previous): edited by hand, so its history would be read cut"
+        " short (catalog-es verify tells what else was edited)"
     )
 
 

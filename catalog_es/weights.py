@@ -37,10 +37,11 @@ from catalog_es.errors import (
     InvalidModel,
     ModelNotFound,
     Refused,
+    shown,
 )
 from catalog_es.mapper import UndecodableEvent, decode_event, topic_of
 from catalog_es.model import CHECK_UPDATES, Model, model_id
-from catalog_es.persistence import events_table, stream_walk
+from catalog_es.persistence import check_walk, events_table, stream_walk
 from catalog_es.registry import (
     DEFAULT_BRANCH,
     Registry,
@@ -200,6 +201,9 @@ def _last_finding(conn: Connection, name: str) -> tuple[int, Model.UpstreamChang
         .where(stream.c.topic.in_((_UPSTREAM_TOPIC, _ADDED_TOPIC)))
         .limit(1)
     ).first()
+    if found is None:
+        # Nothing met may be a walk cut short by a hand edit, not no finding.
+        check_walk(conn, model_id(name), f"model {shown(name)}")
     if found is None or found.topic != _UPSTREAM_TOPIC:
         return None
     row = conn.execute(sa.select(t.revision, t.state).where(t.revision == found.revision)).one()

@@ -18,11 +18,11 @@ from sqlalchemy.engine import Connection
 
 from catalog_es.catalog import Catalog
 from catalog_es.collector import collector_paused
-from catalog_es.configuration import Configuration, DeclaredConfig
+from catalog_es.configuration import CONFIGURATION_ID, Configuration, DeclaredConfig
 from catalog_es.errors import ConfigError, Refused
 from catalog_es.mapper import UNREADABLE, UndecodableEvent, decode_event
 from catalog_es.model import MAX_CLOCK_SKEW, UtcTime, utc_now, utc_text
-from catalog_es.persistence import SQLRecorder, events_table
+from catalog_es.persistence import SQLRecorder, check_walk, events_table
 from catalog_es.spec import EVERY_FIELD, ModelSpec
 from projections import snapshots
 from projections.catalog import catch_up
@@ -177,6 +177,8 @@ def declared_at(conn: Connection, revision: int) -> DeclaredConfig:
     # The walk yields the newest first: LIMIT 1 reads no further back than
     # the record taken, where an ORDER BY would read them all (config_records).
     found = conn.execute(snapshots.config_records(revision).limit(1)).first()
+    if found is None:
+        check_walk(conn, CONFIGURATION_ID, snapshots.CONFIG_RECORDS)
     if found is None and revision > 0:
         # A write records the layer in force unless it is the one a log that
         # recorded none has: nothing declared, the default engines. So after

@@ -27,7 +27,7 @@ from catalog_es.chain import ChainHead
 from catalog_es.configuration import CONFIGS_KEPT, CONFIGURATION_ID, Configuration
 from catalog_es.mapper import readable_declaration
 from catalog_es.model import Model
-from catalog_es.persistence import BIGINT, events_table, metadata, stream_walk
+from catalog_es.persistence import BIGINT, check_walk, events_table, metadata, stream_walk
 from catalog_es.spec import ModelSpec
 
 log = logging.getLogger("catalog_es.snapshots")
@@ -282,6 +282,10 @@ def clear(conn: Connection, fingerprint: str) -> None:
     conn.execute(sa.delete(snapshots_table).where(t.fingerprint.not_in(kept)))
 
 
+# Who a walk of the declared config's records cut short names (check_walk).
+CONFIG_RECORDS = "the declared config's records"
+
+
 def config_records(upto: int | None = None) -> sa.Select[tuple[int, str, bytes]]:
     """The declared config's records at or before ``upto`` (all of them,
     without it), newest first: revision, topic and stored state, as read
@@ -313,6 +317,9 @@ def readable_configs(
         record = readable_declaration(topic, state)
         if record is not None:
             yield record
+    if looked_at is None:
+        # Read to its end: an end short of the first record is a hand edit.
+        check_walk(conn, CONFIGURATION_ID, CONFIG_RECORDS)
 
 
 # How far back the log's records of declared configs are looked through for

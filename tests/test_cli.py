@@ -36,7 +36,7 @@ from catalog_es.cli.base import (
     VisibleWarnings,
     stopped_when_asked,
 )
-from catalog_es.errors import PIECE_LENGTH, json_in_pieces, json_line
+from catalog_es.errors import PIECE_LENGTH, DamagedLog, json_in_pieces, json_line
 from catalog_es.inputs import DeclaredConfig
 from catalog_es.persistence import PullingSubscription, database_unusable
 from catalog_es.spec import Adapter
@@ -1739,3 +1739,73 @@ def test_json_with_a_byte_order_mark_is_read_as_json(run: Run, write: Any) -> No
     ok(run("model", "add", write("m.json", b"\xef\xbb\xbf" + document)))
     shown = json.loads(ok(run("model", "show", "m", "--json")).stdout)
     assert shown["source"] == "hf://o/\U0001f600"
+
+
+@pytest.mark.parametrize(
+    ("link", "cut"),
+    [("0", "0"), ("the other model's event", "3"), ("an earlier event of its own", "2")],
+)
+def test_a_walk_of_a_stream_cut_by_a_hand_edited_link_is_refused(
+    db_url: str, tmp_path: Path, link: str, cut: str
+) -> None:
+    """`log --model` walks a model's events back along their links: a link
+    edited by hand (to 0, to another model's event, past its own event
+    before) ended the walk there and the read answered part of the history,
+    exit 0 (hostile tester). Each read along a walk refuses, naming the
+    event and verify: the log, bounded or not, and the declared config then."""
+    for name in ("a", "b"):
+        (tmp_path / f"{name}.yaml").write_bytes(as_yaml(definition(name)))
+    given = ["--db", db_url, "--config", str(tmp_path / "catalog.yaml")]
+    (tmp_path / "catalog.yaml").write_text(config_yaml(spec("d1")))
+    runner = CliRunner()
+    assert runner.invoke(cli, [*given, "model", "add", "a.yaml"]).exit_code == 0  # 1, 2
+    assert runner.invoke(cli, [*given, "model", "add", "b.yaml"]).exit_code == 0  # 3
+    for most in (2, 3, 4):  # 4, 5, 6
+        assert (
+            runner.invoke(cli, [*given, "model", "scale", "a", "--max", str(most)]).exit_code == 0
+        )
+    (tmp_path / "catalog.yaml").write_text(config_yaml(spec("d2")))
+    assert runner.invoke(cli, [*given, "model", "scale", "b", "--max", "2"]).exit_code == 0  # 7, 8
+    engine = sa.create_engine(db_url)
+    with engine.begin() as conn:
+        stored = sa.text(
+            "SELECT revision, originator_version FROM catalog_events ORDER BY revision"
+        )
+        assert [tuple(row) for row in conn.execute(stored)] == [
+            (1, 1),
+            (2, 1),
+            (3, 1),
+            (4, 2),
+            (5, 3),
+            (6, 4),
+            (7, 2),
+            (8, 2),
+        ]
+        for revision in (6, 7):  # a's last, the config's second record
+            conn.execute(
+                sa.text(f"UPDATE catalog_events SET stream_previous = {cut} WHERE revision = :r"),
+                {"r": revision},
+            )
+    engine.dispose()
+    told = (
+        f"error: model 'a': its event at revision 6 links to revision {cut} as the one before it"
+        " (stream_previous): edited by hand, so its history would be read cut short"
+        " (catalog-es verify tells what else was edited)\n"
+    )
+    for args in (["log", "--model", "a"], ["--json", "log", "--model", "a", "--after", "3"]):
+        logged = runner.invoke(cli, [*given, *args])
+        assert (logged.exit_code, logged.stdout, logged.stderr) == (1, "", told), args
+    # After the cut, nothing is left out.
+    assert runner.invoke(cli, [*given, "log", "--model", "a", "--after", "6"]).exit_code == 0
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
+    with pytest.raises(DamagedLog, match="at revision 6 links to"):
+        models.log_events(model="a", max_bytes=1 << 20)
+    models.close()
+    then = runner.invoke(cli, [*given, "model", "list", "--at", "6", "--declared-then"])
+    assert (then.exit_code, then.stdout, then.stderr) == (
+        1,
+        "",
+        f"error: the declared config's records: its event at revision 7 links to revision {cut}"
+        " as the one before it (stream_previous): edited by hand, so its history would be read"
+        " cut short (catalog-es verify tells what else was edited)\n",
+    )
