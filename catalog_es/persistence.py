@@ -1451,7 +1451,11 @@ class SQLRecorder(ProcessRecorder):
                     return
                 after = rows[-1][0]
         finally:
-            cursor.close()
+            # An interrupt (Ctrl-C) may close the connection before this
+            # generator is collected: its cursor went with it, and the
+            # driver's complaint would be printed past the one line told.
+            with suppress(self._dbapi_error):
+                cursor.close()
 
     def chain_head(self, conn: Connection) -> ChainHead | DamagedHead | None:
         """The head of the hash chain as stored, ``None`` before the first

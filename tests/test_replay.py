@@ -9,8 +9,10 @@ models always; and the poisoned name stays usable.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -464,3 +466,24 @@ def test_a_replay_split_in_two_lets_fall_what_a_whole_one_does(
     assert [(s.revision, s.model) for s in halves.skipped()] == [(removed, "b"), (removed, "e")]
     assert halves.skipped() == whole.skipped()
     assert halves.list_models() == whole.list_models() == []
+
+
+def test_a_replay_page_reader_closed_after_its_connection_says_nothing(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C during a long replay closed the connection while its page
+    reader was suspended; collected later, the reader's cursor close printed
+    "Exception ignored in: <generator object SQLRecorder._pages>" and a
+    traceback before "Aborted!" (hostile tester). It closes quietly."""
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
+    models.add(spec("a"), by=ACTOR)
+    unraised: list[sys.UnraisableHookArgs] = []
+    monkeypatch.setattr(sys, "unraisablehook", unraised.append)
+    with models.store.engine.connect() as conn:
+        pages = models.store.scan(conn)
+        assert [revision for revision, _, _ in next(pages)] == [1]
+        conn.invalidate()  # closes the driver's connection under the reader
+        del pages
+        gc.collect()
+    models.close()
+    assert [str(u.exc_value) for u in unraised] == []
