@@ -895,7 +895,7 @@ def revision_or_time(text: str) -> int | datetime:
             "with no white space around it"
         )
     try:
-        moment = datetime.fromisoformat(text)
+        moment = _iso_time(text)
     except ValueError:
         raise InputError(f"{text[:40]!r} is neither a revision nor an ISO 8601 time") from None
     if moment.tzinfo is None:
@@ -903,6 +903,13 @@ def revision_or_time(text: str) -> int | datetime:
         example = f"{text[:40]}T00:00:00" if _is_date(text) else text[:40]
         raise InputError(f"{text[:40]!r} has no time zone: give UTC, e.g. {example}Z")
     return in_utc(moment, repr(text[:40]))
+
+
+def _iso_time(text: str) -> datetime:
+    """``text`` as an ISO 8601 time. RFC 3339 lets UTC be written ``z`` as
+    well as ``Z`` (and Python reads a ``t`` separator), but Python reads the
+    capital alone: ``2026-12-06T10:00:00z`` was refused, ``…t…Z`` taken."""
+    return datetime.fromisoformat(f"{text[:-1]}Z" if text.endswith("z") else text)
 
 
 def _is_date(text: str) -> bool:
@@ -934,7 +941,7 @@ def utc_time(text: str, option: str) -> datetime:
     else:
         return datetime(day.year, day.month, day.day, tzinfo=UTC)
     try:
-        moment = datetime.fromisoformat(text)
+        moment = _iso_time(text)
     except ValueError:
         moment = None
     if moment is None or moment.tzinfo is None:

@@ -50,7 +50,7 @@ from catalog_es.errors import (
     RevisionConflict,
     StorageBusy,
 )
-from catalog_es.inputs import load_config, revision_or_time
+from catalog_es.inputs import load_config, revision_or_time, utc_time
 from catalog_es.mapper import EventMapper
 from catalog_es.model import Model, model_id, utc_now
 from catalog_es.persistence import events_table
@@ -1900,6 +1900,19 @@ def test_a_time_without_a_zone_is_refused_with_an_example_that_reads(
         revision_or_time(written)
     assert str(refusal.value) == f"{written!r} has no time zone: give UTC, e.g. {example}"
     assert revision_or_time(example) == datetime.fromisoformat(example).astimezone(UTC)
+
+
+@pytest.mark.parametrize(
+    "written", ["2026-12-06T10:00:00z", "2026-12-06t10:00:00z", "2026-12-06 10:00:00.25z"]
+)
+def test_a_utc_time_written_with_a_lowercase_z_reads_as_with_a_capital(written: str) -> None:
+    """RFC 3339 lets both letters of a time be lowercase: a ``t`` was read,
+    a ``z`` refused (hostile tester). ``--at``, ``?at=`` and the audit's
+    bounds read it as UTC, as they read ``Z``."""
+    capital = datetime.fromisoformat(f"{written[:-1]}Z")
+    assert revision_or_time(written) == capital
+    assert revision_or_time(f" {written} ") == capital
+    assert utc_time(written, "--since") == capital
 
 
 @pytest.mark.parametrize("written", [str(2**63), "9" * 19, "9" * 20, "9" * 5000])
