@@ -3,6 +3,8 @@
 import signal
 import sys
 
+from catalog_es import early_stop
+
 
 def main() -> None:
     """Run the command line. Its imports take most of a second on a slow
@@ -12,6 +14,7 @@ def main() -> None:
     interpreter's shutdown, which puts the default handler back, it killed
     the process (status 130 after a write was told: a script would make it
     again; hostile test)."""
+    early_stop.note_stops(sys.argv[1:])
     try:
         from catalog_es.cli import main as run_command_line
 

@@ -27,7 +27,7 @@ import sqlalchemy as sa
 import yaml
 from click.testing import CliRunner, Result
 
-from catalog_es import commands
+from catalog_es import commands, early_stop
 from catalog_es.application import Models
 from catalog_es.cli import cli
 from catalog_es.cli.base import (
@@ -714,6 +714,54 @@ def test_watch_stopped_as_asked_says_stopped_and_exits_0(
     finally:
         watch.kill()
     assert (watch.returncode, err) == (0, "stopped\n")
+
+
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_watch_stopped_while_the_command_line_loads_says_stopped_and_exits_0(
+    db_url: str, stop: signal.Signals
+) -> None:
+    """Stopped in its first half second, a watch said `Aborted!` and 1, or
+    was killed by SIGTERM (hostile tester): its imports came before it took
+    the signals over. Sent once an import is under way (``-X importtime``)."""
+    watch = python("-X", "importtime", "-m", "catalog_es", "--db", db_url, "watch")
+    try:
+        assert watch.stderr is not None
+        for line in watch.stderr:
+            if "catalog_es.errors" in line:
+                break
+        else:
+            pytest.fail("the command line ended before it imported catalog_es.errors")
+        watch.send_signal(stop)
+        out, err = watch.communicate(timeout=30)
+    finally:
+        watch.kill()
+    assert (watch.returncode, out) == (0, "")
+    assert err.endswith("\nstopped\n") and "Aborted" not in err, err[-2000:]
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["watch"], "watch"),
+        (["--db", "watch", "log"], "log"),
+        (["--json", "--by=ops", "--reason", "r", "serve", "--port", "1"], "serve"),
+        (["--", "watch"], "watch"),
+        (["--help"], None),
+    ],
+)
+def test_the_command_an_early_stop_is_noted_for_is_the_one_the_root_runs(
+    argv: list[str], named: str | None
+) -> None:
+    """Read before click is imported: the root's options that take a value
+    are those early_stop passes over."""
+    assert early_stop.command_named(argv) == named
+    valued = {
+        name
+        for param in cli.params
+        if isinstance(param, click.Option) and not param.is_flag
+        for name in param.opts
+    }
+    assert valued == early_stop.ROOT_VALUED_OPTIONS
 
 
 def test_what_a_stop_brings_about_as_it_unwinds_is_the_stop(

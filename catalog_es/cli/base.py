@@ -26,7 +26,7 @@ from typing import Any, NoReturn, TypeVar
 import click
 import msgspec
 
-from catalog_es import bootstrap
+from catalog_es import bootstrap, early_stop
 from catalog_es.application import CommandResult, Models
 from catalog_es.cli import tables
 from catalog_es.errors import (
@@ -504,6 +504,10 @@ def stopped_when_asked() -> Iterator[None]:
     def stop(_signal: int, _frame: FrameType | None) -> None:
         raise StopAsked
 
+    if early_stop.take_over():
+        # Asked as the command started (its imports): it ends before it starts.
+        say("stopped", err=True)
+        raise click.exceptions.Exit(0)
     previous = signal.signal(signal.SIGTERM, stop)
     try:
         yield

@@ -1,0 +1,63 @@
+"""Stops asked of ``watch`` and ``serve`` before they can take them.
+
+Their imports take most of a second: a Ctrl-C in them was ``Aborted!`` and
+1, a SIGTERM killed the process, where a command that runs until stopped
+says ``stopped`` and exits 0 whenever it comes. So, for them alone, both are
+noted from the first line until the command takes them over
+(:func:`catalog_es.cli.base.stopped_when_asked`), which then stops at once.
+Imports nothing heavy: it runs before the rest is imported.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Sequence
+from types import FrameType
+from typing import Any
+
+UNTIL_STOPPED = frozenset({"watch", "serve"})
+
+# The root's options that take a value (a test holds this to the group's):
+# the command is the first word that is none of theirs.
+ROOT_VALUED_OPTIONS = frozenset({"--db", "--config", "--by", "--reason", "--expected-revision"})
+
+_asked: list[int] = []
+# The handlers noting replaced, to be put back when the command takes over.
+_replaced: dict[int, Any] = {}
+
+
+def command_named(argv: Sequence[str]) -> str | None:
+    """The command ``argv`` names, as the root group reads it."""
+    args = iter(argv)
+    for arg in args:
+        if arg == "--":
+            return next(args, None)
+        if arg in ROOT_VALUED_OPTIONS:
+            next(args, None)
+        elif not arg.startswith("-"):
+            return arg
+    return None
+
+
+def note_stops(argv: Sequence[str]) -> None:
+    """Note SIGINT and SIGTERM, rather than act on them, if ``argv`` runs
+    until stopped: a refusal (a usage error) still ends it as one. One
+    ignored (a script's background job) stays so."""
+    if command_named(argv) not in UNTIL_STOPPED:
+        return
+
+    def note(signum: int, _frame: FrameType | None) -> None:
+        _asked.append(signum)
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        if signal.getsignal(signum) is not signal.SIG_IGN:
+            _replaced[signum] = signal.signal(signum, note)
+
+
+def take_over() -> bool:
+    """Put back the handlers :func:`note_stops` replaced; whether a stop was
+    noted meanwhile."""
+    for signum, handler in _replaced.items():
+        signal.signal(signum, handler)
+    _replaced.clear()
+    return bool(_asked)
