@@ -188,14 +188,18 @@ class AuditTrail:
             # A snapshot vouches for the log up to it by the hash at its own
             # revision, which an edit before it leaves as it was: one made
             # before the edit goes on giving loads the catalog as it was.
-            stale = [] if report.broken is None else taken_since(conn, report.broken.revision)
+            since = (
+                []
+                if report.broken is None
+                else taken_since(conn, self.declared.fingerprint, report.broken.revision)
+            )
         return {
             "ok": report.broken is None,
             "events": report.events,
             "head": msgspec.to_builtins(report.head),
             "broken": msgspec.to_builtins(report.broken),
             "skipped": msgspec.to_builtins(self.skipped()),
-            "stale_snapshots": stale,
+            "snapshots_since_break": since,
         }
 
     def _record_refusal(

@@ -263,11 +263,14 @@ def latest(conn: Connection, fingerprint: str) -> int:
     return int(value.scalar() or 0)
 
 
-def taken_since(conn: Connection, revision: int) -> list[int]:
-    """The revisions of the snapshots, over any config, taken at ``revision``
-    or after it."""
+def taken_since(conn: Connection, fingerprint: str, revision: int) -> list[int]:
+    """The revisions of this config's snapshots taken at ``revision`` or after it."""
     t = snapshots_table.c
-    query = sa.select(t.revision).distinct().where(t.revision >= revision).order_by(t.revision)
+    query = (
+        sa.select(t.revision)
+        .where(t.fingerprint == fingerprint, t.revision >= revision)
+        .order_by(t.revision)
+    )
     return list(conn.execute(query).scalars())
 
 

@@ -1584,7 +1584,7 @@ def test_an_untouched_log_verifies(models: Models) -> None:
         "head": {"revision": 8, "hash": last_hash},
         "broken": None,
         "skipped": [],
-        "stale_snapshots": [],
+        "snapshots_since_break": [],
     }
 
 
@@ -1596,7 +1596,7 @@ def test_an_empty_log_verifies(db: str, config: Path) -> None:
         "head": None,
         "broken": None,
         "skipped": [],
-        "stale_snapshots": [],
+        "snapshots_since_break": [],
     }
     empty.close()
 
@@ -2251,16 +2251,16 @@ def test_verify_names_the_snapshots_taken_over_an_edit(
         snapshot_interval=3,
     )
     script(writer, clock)  # revisions 1-8: snapshots at 3 and 6
-    assert writer.verify()["stale_snapshots"] == []
+    assert writer.verify()["snapshots_since_break"] == []
     run_sql(writer, "UPDATE catalog_events SET state = X'7B7B' WHERE revision = 2")
     report = writer.verify()
-    assert (report["broken"]["revision"], report["stale_snapshots"]) == (2, [3, 6])
+    assert (report["broken"]["revision"], report["snapshots_since_break"]) == (2, [3, 6])
     result = invoke(db, config, "verify")
     assert result.exit_code == 1
     assert (
-        "2 snapshots taken at or after revision 2: any made before the edit hold the catalog"
-        " as it was, and loads start from them (what they skip and read is not a replay's);"
-        " catalog-es replay makes them again from the log as it is"
+        "2 snapshots taken at or after revision 2: one made before the edit holds the catalog"
+        " as it was, and loads start from it (what they skip and read is not a replay's);"
+        " unless one ran since the edit, catalog-es replay makes them again from the log as it is"
     ) in result.stdout
     writer.close()
 

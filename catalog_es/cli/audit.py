@@ -198,12 +198,16 @@ def verify(settings: Settings) -> None:
             table(["REV", "MODEL", "EVENT", "REASON"], _skipped_rows(report["skipped"]))
         else:
             click.echo("no event is skipped on load")
-        if report["stale_snapshots"]:
+        since = report["snapshots_since_break"]
+        if since:
+            # Which were made before the edit, and which by a replay since, a
+            # snapshot cannot tell.
             click.echo(
-                f"{counted(len(report['stale_snapshots']), 'snapshot')} taken at or after revision"
-                f" {report['broken']['revision']}: any made before the edit hold the catalog as"
-                " it was, and loads start from them (what they skip and read is not a replay's);"
-                " catalog-es replay makes them again from the log as it is"
+                f"{counted(len(since), 'snapshot')} taken at or after revision"
+                f" {report['broken']['revision']}: one made before the edit holds the catalog as"
+                " it was, and loads start from it (what they skip and read is not a replay's);"
+                " unless one ran since the edit, catalog-es replay makes them again from the log"
+                " as it is"
             )
 
     emit(settings, report, human)
