@@ -47,6 +47,13 @@ def note_stops(argv: Sequence[str]) -> None:
         return
 
     def note(signum: int, _frame: FrameType | None) -> None:
+        if _asked:
+            # Asked twice: the loading may hang (a slow file system), so the
+            # second is acted on at once, as it would have been.
+            handler = _replaced.pop(signum, signal.SIG_DFL)
+            signal.signal(signum, handler)
+            signal.raise_signal(signum)
+            return
         _asked.append(signum)
 
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -60,4 +67,6 @@ def take_over() -> bool:
     for signum, handler in _replaced.items():
         signal.signal(signum, handler)
     _replaced.clear()
-    return bool(_asked)
+    asked = bool(_asked)
+    _asked.clear()
+    return asked

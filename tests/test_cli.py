@@ -739,6 +739,23 @@ def test_watch_stopped_while_the_command_line_loads_says_stopped_and_exits_0(
     assert err.endswith("\nstopped\n") and "Aborted" not in err, err[-2000:]
 
 
+def test_a_second_stop_while_the_command_line_loads_is_acted_on_at_once() -> None:
+    """The first is noted, for the command to say ``stopped``; loading may hang
+    (a slow file system), and then only SIGKILL ended it (review)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        early_stop.note_stops(["watch"])
+        signal.raise_signal(signal.SIGINT)  # noted
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert early_stop.take_over()  # the first is still told
+        assert not early_stop.take_over()
+    finally:
+        early_stop.take_over()
+        signal.signal(signal.SIGINT, previous)
+
+
 @pytest.mark.parametrize(
     ("argv", "named"),
     [
