@@ -364,16 +364,19 @@ def unvouched(tracked: Tracked, kept: Kept) -> str | None:
     """Why the log, as ``kept`` tells it at ``tracked``'s position, no longer
     holds the events the rows were built from; ``None`` while it does."""
     if kept.last < tracked.position:
-        return (
+        why = (
             f"the log ends at revision {kept.last}, before their position "
-            f"({tracked.position}): it lost events (a failover, or a restored backup?)"
+            f"({tracked.position}): it lost events"
         )
-    if stored_hash(kept.hash) != tracked.log_hash:
-        return (
-            f"the log holds other events at revision {tracked.position} than they were "
-            "built from (a failover, or a restored backup?)"
-        )
-    return None
+    elif stored_hash(kept.hash) != tracked.log_hash:
+        why = f"the log holds other events at revision {tracked.position} than they were built from"
+    else:
+        return None
+    # A hand edit of the log reads the same as the benign causes.
+    return (
+        f"{why} (a failover, or a restored backup?); "
+        "catalog-es verify says whether the log was edited"
+    )
 
 
 class AuditView(TrackingRecorder):

@@ -1356,7 +1356,8 @@ def test_audit_rows_of_events_a_restored_log_no_longer_holds_are_made_again(
     [warning] = audit_warnings(caplog)
     assert warning == (
         "audit rows made again from the log: the log holds other events at revision 10 "
-        "than they were built from (a failover, or a restored backup?)"
+        "than they were built from (a failover, or a restored backup?); catalog-es verify "
+        "says whether the log was edited"
     )
     other.close()
 
@@ -1374,7 +1375,8 @@ def test_an_audit_position_past_the_head_of_the_log_is_made_again(
     [warning] = audit_warnings(caplog)
     assert warning == (
         "audit rows made again from the log: the log ends at revision 9, before their "
-        "position (99): it lost events (a failover, or a restored backup?)"
+        "position (99): it lost events (a failover, or a restored backup?); catalog-es "
+        "verify says whether the log was edited"
     )
 
 
