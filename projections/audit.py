@@ -406,6 +406,25 @@ class AuditView(TrackingRecorder):
         with self.store.locked("catalog_es.audit") as conn:
             return self._make(conn, application_name)
 
+    def remake(self, application_name: str, stale: Tracked, why: str) -> Tracked:
+        """:meth:`reset`, with a warning saying ``why``, for rows the log no
+        longer vouches for at ``stale``, their position as read before the
+        lock. Unless another process has moved them since (made them again,
+        caught up) to where the log vouches for them: that work is kept, and
+        its position returned."""
+        with self.store.locked("catalog_es.audit") as conn:
+            now = self._tracked(conn, application_name)
+            if now is not None and (now.generation, now.position) != (
+                stale.generation,
+                stale.position,
+            ):
+                again = unvouched(now, self.store.kept(conn, now.position))
+                if again is None:
+                    return now
+                why = again
+            log.warning("audit rows made again from the log: %s", why)
+            return self._make(conn, application_name)
+
     def resume_from(self, application_name: str) -> Tracked:
         """Where the rows are up to, and the order of their times. A config
         without its table (new here, dropped for others, or by hand) has it
@@ -950,8 +969,7 @@ class AuditProjection(Projection[AuditView]):
             # what they follow on from is what they were built from.
             stale = unvouched(tracked, recorder.kept(conn, tracked.position))
             if stale is not None:
-                log.warning("audit rows made again from the log: %s", stale)
-                tracked = self.view.reset(application_name)
+                tracked = self.view.remake(application_name, tracked, stale)
             if tracked.position < self.recorded or (
                 self.generation and tracked.generation != self.generation
             ):
