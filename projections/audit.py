@@ -379,6 +379,11 @@ def unvouched(tracked: Tracked, kept: Kept) -> str | None:
     )
 
 
+def _as_tracked(row: sa.Row[Any]) -> Tracked:
+    """A :class:`Tracked` of a row selected by :meth:`AuditView._tracking_select`."""
+    return Tracked(row[0], TimeOrder(row[1], row[2]), row[3], row[4])
+
+
 class AuditView(TrackingRecorder):
     """The audit rows of one declared config, in a table of their own, and
     their tracking position."""
@@ -433,19 +438,17 @@ class AuditView(TrackingRecorder):
         made again), from which a catch-up would write rows twice."""
         try:
             with self._reading(application_name) as conn:
-                tracked = self._tracked(conn, application_name)
-                if tracked is not None and self._rows_end(conn, application_name) <= (
-                    tracked.position
-                ):
-                    return tracked
+                found = self._tracked_to(conn, application_name)
+                if found is not None and found[1] <= found[0].position:
+                    return found[0]
         except ViewMoved:  # the table is missing
             pass
         with self.store.locked("catalog_es.audit") as conn:
             # Another process may have made it since the read.
             if sa.inspect(conn).has_table(self.table(application_name).name):
-                tracked = self._tracked(conn, application_name)
-                if tracked is not None:
-                    end = self._rows_end(conn, application_name)
+                found = self._tracked_to(conn, application_name)
+                if found is not None:
+                    tracked, end = found
                     if end <= tracked.position:
                         return tracked
                     log.warning(
@@ -455,11 +458,6 @@ class AuditView(TrackingRecorder):
                         end,
                     )
             return self._make(conn, application_name)
-
-    def _rows_end(self, conn: Connection, application_name: str) -> int:
-        """The revision of the last row, 0 for none: one seek of the key."""
-        revision = self.table(application_name).c.revision
-        return int(conn.execute(sa.select(sa.func.max(revision))).scalar() or 0)
 
     def _make(self, conn: Connection, application_name: str) -> Tracked:
         """This config's table, made anew with its position at 0; those of
@@ -767,15 +765,22 @@ class AuditView(TrackingRecorder):
             return conn.execute(query).first() is not None
 
     def _tracked(self, conn: Connection, application_name: str) -> Tracked | None:
+        row = conn.execute(self._tracking_select(application_name)).first()
+        return None if row is None else _as_tracked(row)
+
+    def _tracked_to(self, conn: Connection, application_name: str) -> tuple[Tracked, int] | None:
+        """:meth:`_tracked`, and the revision of the last row (0 for none), in
+        the same statement: one seek of the key more. The table must be there."""
+        revision = self.table(application_name).c.revision
+        end = sa.select(sa.func.max(revision)).scalar_subquery()
+        row = conn.execute(self._tracking_select(application_name).add_columns(end)).first()
+        return None if row is None else (_as_tracked(row), int(row[5] or 0))
+
+    def _tracking_select(self, application_name: str) -> sa.Select[Any]:
         t = tracking_table.c
-        row = conn.execute(
-            sa.select(
-                t.notification_id, t.times_in_order, t.latest_time, t.generation, t.log_hash
-            ).where(t.application_name == application_name, t.config == self.config)
-        ).first()
-        if row is None:
-            return None
-        return Tracked(row[0], TimeOrder(row[1], row[2]), row[3], row[4])
+        return sa.select(
+            t.notification_id, t.times_in_order, t.latest_time, t.generation, t.log_hash
+        ).where(t.application_name == application_name, t.config == self.config)
 
     def _track(
         self,
@@ -988,8 +993,11 @@ class AuditProjection(Projection[AuditView]):
                 )
             start = self.recorded
             self._from_snapshot(conn)
-            for page in recorder.scan(conn, after=self.catalog.revision):
-                for revision, topic, state in page:
+            # Every event past the position stages a row, so the last one read
+            # is the staged position; none read, the staged rows' hash holds.
+            log_hash = self._log_hash
+            for page in recorder.scan_hashed(conn, after=self.catalog.revision):
+                for revision, topic, state, log_hash in page:
                     record = read_record(topic, state)
                     if (
                         type(record) is Unreadable
@@ -999,8 +1007,8 @@ class AuditProjection(Projection[AuditView]):
                         record = self._filed_under(record, recorder, conn, revision)
                     self.process_event(record, Tracking(application_name, revision))
                     if len(self._staged) >= BATCH_SIZE or self._staged_bytes >= BATCH_BYTES:
-                        self.flush(recorder, conn)
-            self.flush(recorder, conn)
+                        self.flush(stored_hash(log_hash))
+            self.flush(stored_hash(log_hash))
         if self.recorded - start >= ANALYZE_AFTER:
             self.view.analyze(application_name)
 
@@ -1013,13 +1021,12 @@ class AuditProjection(Projection[AuditView]):
         name = self.catalog.name_of(stream) if stream is not None else None
         return record if name is None else msgspec.structs.replace(record, model=name)
 
-    def flush(self, recorder: SQLRecorder, conn: Connection) -> None:
+    def flush(self, log_hash: str | None) -> None:
         """Write the staged rows and the position they reach, together, with
-        the log's hash there read in ``conn``, the transaction they were
-        replayed in."""
+        ``log_hash``, the log's hash there as the replay read it."""
         if self._tracking is None:
             return
-        self._log_hash = stored_hash(recorder.kept(conn, self._tracking.notification_id).hash)
+        self._log_hash = log_hash
         self.view.record(
             self._staged, self._tracking, self.times, self.generation, self._log_hash, self._wait
         )

@@ -1056,13 +1056,13 @@ def test_a_catch_up_kept_waiting_keeps_its_rows_for_the_next_query(
     monkeypatch.setattr(view, "record", busy)
     refuse(models.audit, StorageBusy)
     monkeypatch.undo()
-    real_scan, scans = models.store.scan, []
+    real_scan, scans = models.store.scan_hashed, []
 
     def scan(conn: Any, after: int) -> Any:
         scans.append(after)
         return real_scan(conn, after=after)
 
-    monkeypatch.setattr(models.store, "scan", scan)
+    monkeypatch.setattr(models.store, "scan_hashed", scan)
     assert [r["revision"] for r in models.audit()] == list(range(1, 10))
     assert scans == [9]
 
@@ -1398,6 +1398,42 @@ def test_audit_rows_another_process_made_again_meanwhile_are_kept(
     assert [r["by"] for r in rows[8:]] == ["erin"]
     a.close()
     b.close()
+
+
+def test_an_audit_catch_up_reads_the_log_in_one_statement_more_than_its_replay(
+    db: str,
+) -> None:
+    """Checked against the log, the rows cost one statement in the replay's
+    transaction (the hash at the position, and the head): the rows' end is
+    read with the position, and the hash the new position is written with is
+    the replay's (each was a statement more, a round trip on PostgreSQL). A
+    query with nothing to catch up reads the log once."""
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db})
+    models.add(model_spec("a"), by="setup")
+    models.audit()
+    statements: list[str] = []
+
+    def traced(driver: Any, *_: Any) -> None:
+        driver.set_trace_callback(statements.append)
+
+    sa.event.listen(models.store.engine, "checkout", traced)
+    with models.store._writer_connection() as writer:
+        traced(writer.connection.driver_connection)
+    models.scale("a", 0, 2, by="ops")
+    del statements[:]
+    assert [r["revision"] for r in models.audit()] == [1, 2]
+    table = table_of(models)
+    log_reads = [s.split(" WHERE ")[0] for s in statements if "FROM catalog_events" in s]
+    assert log_reads == [
+        "SELECT revision, hash FROM catalog_events",  # whether to catch up
+        "SELECT revision, hash FROM catalog_events",  # in the replay's transaction
+        "SELECT revision, topic, state, hash FROM catalog_events",
+    ], statements
+    assert not [s for s in statements if s.startswith(f"SELECT max({table}")], statements
+    del statements[:]
+    models.audit()
+    assert len([s for s in statements if "FROM catalog_events" in s]) == 1, statements
+    models.close()
 
 
 def test_an_audit_position_past_the_head_of_the_log_is_made_again(
