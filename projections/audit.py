@@ -98,6 +98,8 @@ RETRIES = 3
 # its own for each model a removal takes out of force (a revision had one row);
 # 8: the log's hash at the position, to tell a log restored under the rows.
 LAYOUT = 8
+# Events to replay from which a catch-up says what it is doing.
+TOLD_FROM = 100_000
 CHANGES_PREFIX = f"audit_changes_v{LAYOUT}_"
 # What this code names a table of rows: another of the prefix (an operator's
 # copy, say) is not this code's to drop.
@@ -972,7 +974,8 @@ class AuditProjection(Projection[AuditView]):
         with collector_paused(), recorder.read() as conn:
             # Checked in the transaction the rows are replayed in, so that
             # what they follow on from is what they were built from.
-            stale = unvouched(tracked, recorder.kept(conn, tracked.position))
+            kept = recorder.kept(conn, tracked.position)
+            stale = unvouched(tracked, kept)
             if stale is not None:
                 tracked = self.view.remake(application_name, tracked, stale)
             if tracked.position < self.recorded or (
@@ -993,6 +996,14 @@ class AuditProjection(Projection[AuditView]):
                 )
             start = self.recorded
             self._from_snapshot(conn)
+            if kept.last - self.catalog.revision >= TOLD_FROM:
+                # Once after an upgrade (a new layout) or a rebuild: a query
+                # that takes a minute should not look hung.
+                log.warning(
+                    "making the audit's rows from %s events of the log, once (about a minute"
+                    " a million)",
+                    f"{kept.last - self.catalog.revision:,}",
+                )
             # Every event past the position stages a row, so the last one read
             # is the staged position; none read, the staged rows' hash holds.
             log_hash = self._log_hash

@@ -1332,6 +1332,19 @@ def audit_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == "catalog_es.audit"]
 
 
+def test_a_long_catch_up_says_what_it_is_doing_once(
+    models: Models, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first audit query after an upgrade (a new layout) replays the whole
+    log, about a minute a million events, and said nothing (hostile test)."""
+    monkeypatch.setattr(projections.audit, "TOLD_FROM", 8)
+    models.audit()
+    models.audit()
+    assert audit_warnings(caplog) == [
+        "making the audit's rows from 8 events of the log, once (about a minute a million)"
+    ]
+
+
 def test_audit_rows_of_events_a_restored_log_no_longer_holds_are_made_again(
     scripted: Models, db_url: str, config: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
