@@ -1205,9 +1205,16 @@ class Models(AuditTrail, Application[UUID]):
         self.catalog = catalog
 
     def refresh(self) -> None:
-        """Apply what other writers appended since this service last looked."""
-        with self._state, self.store.read() as conn:
-            self._catch_up(conn)
+        """Apply what other writers appended since this service last looked.
+        Most reads find the log where this node left it, which one statement
+        tells (:meth:`SQLRecorder.glance`)."""
+        with self._state:
+            with self.store.glance() as conn:
+                kept = self.store.kept(conn, self.catalog.revision)
+            if kept.last == self.catalog.revision and _lost(self.catalog, kept) is None:
+                return
+            with self.store.read() as conn:
+                self._catch_up(conn)
 
     @property
     def revision(self) -> int:

@@ -1190,6 +1190,19 @@ class SQLRecorder(ProcessRecorder):
                 _busy_timeout(conn, self.lock_wait)
 
     @contextmanager
+    def glance(self) -> Iterator[Connection]:
+        """A connection for one statement, consistent by itself: on PostgreSQL
+        in no transaction, which would cost a round trip to begin and one to
+        end besides the statement's (a read of an idle log took four); on
+        SQLite a read transaction, whose BEGIN and COMMIT cost no trip."""
+        if self.dialect != "postgresql":
+            with self.read() as conn:
+                yield conn
+            return
+        with self.engine.connect() as conn:
+            yield conn.execution_options(isolation_level="AUTOCOMMIT")
+
+    @contextmanager
     def read(self) -> Iterator[Connection]:
         """A read transaction: one consistent view of the log. On PostgreSQL that
         takes REPEATABLE READ (its default, READ COMMITTED, lets each statement
