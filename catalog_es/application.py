@@ -1207,11 +1207,14 @@ class Models(AuditTrail, Application[UUID]):
     def refresh(self) -> None:
         """Apply what other writers appended since this service last looked.
         Most reads find the log where this node left it, which one statement
-        tells (:meth:`SQLRecorder.glance`)."""
+        tells (:meth:`SQLRecorder.kept_alone`)."""
         with self._state:
-            with self.store.glance() as conn:
-                kept = self.store.kept(conn, self.catalog.revision)
-            if kept.last == self.catalog.revision and _lost(self.catalog, kept) is None:
+            kept = self.store.kept_alone(self.catalog.revision)
+            if (
+                kept is not None
+                and kept.last == self.catalog.revision
+                and _lost(self.catalog, kept) is None
+            ):
                 return
             with self.store.read() as conn:
                 self._catch_up(conn)

@@ -1190,19 +1190,6 @@ class SQLRecorder(ProcessRecorder):
                 _busy_timeout(conn, self.lock_wait)
 
     @contextmanager
-    def glance(self) -> Iterator[Connection]:
-        """A connection for one statement, consistent by itself: on PostgreSQL
-        in no transaction, which would cost a round trip to begin and one to
-        end besides the statement's (a read of an idle log took four); on
-        SQLite a read transaction, whose BEGIN and COMMIT cost no trip."""
-        if self.dialect != "postgresql":
-            with self.read() as conn:
-                yield conn
-            return
-        with self.engine.connect() as conn:
-            yield conn.execution_options(isolation_level="AUTOCOMMIT")
-
-    @contextmanager
     def read(self) -> Iterator[Connection]:
         """A read transaction: one consistent view of the log. On PostgreSQL that
         takes REPEATABLE READ (its default, READ COMMITTED, lets each statement
@@ -1350,6 +1337,18 @@ class SQLRecorder(ProcessRecorder):
         )
         last = max(hashes, default=0)
         return Kept(last=int(last), last_hash=hashes.get(last), hash=hashes.get(revision))
+
+    def kept_alone(self, revision: int) -> Kept | None:
+        """:meth:`kept`, one statement consistent by itself, in no transaction
+        where one costs round trips: on PostgreSQL, to begin it and to end it
+        (a read of an idle log took four, now two). ``None`` on SQLite, where
+        a transaction costs none: the read that follows asks in its own (a
+        connection more to check out is one more for an interrupt to strand)."""
+        if self.dialect != "postgresql":
+            return None
+        with self.engine.connect() as conn:
+            conn.execution_options(isolation_level="AUTOCOMMIT")
+            return self.kept(conn, revision)
 
     def _fetch(self, conn: Connection, sql: str, *params: Any) -> list[Any]:
         """The rows of one statement written with ``?`` marks, through the
