@@ -71,7 +71,6 @@ from catalog_es.persistence import (
     PullingSubscription,
     SQLRecorder,
     acquire_within,
-    check_walk,
     check_walk_end,
     database_unusable,
     events_table,
@@ -1526,10 +1525,17 @@ class Models(AuditTrail, Application[UUID]):
         if limit is not None:
             query = query.limit(limit)
         with self.store.read() as conn:
+            measured = conn.execute(
+                query.with_only_columns(
+                    t.revision, t.originator_version, t.stream_previous, sa.func.length(t.state)
+                )
+            ).all()
             if model is not None:
-                check_walk(conn, model_id(model), f"model {shown(model)}", after)
-            sizes = conn.execute(query.with_only_columns(sa.func.length(t.state))).scalars()
-            within_bytes(sizes.all(), max_bytes)
+                # The first row is the oldest the walk reached: one cut short
+                # is told from it, not from a walk of its own.
+                oldest = measured[0][:3] if measured else None
+                check_walk_end(conn, model_id(model), oldest, f"model {shown(model)}", after)
+            within_bytes([size for *_, size in measured], max_bytes)
             rows = conn.execute(query).all()
         return _event_views(rows, model)
 
