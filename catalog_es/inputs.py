@@ -864,6 +864,18 @@ def changes_from_data(data: Any, where: str) -> list[commands.Step]:
 _MAX_DIGITS = len(str(MAX_REVISION))
 
 
+def in_digits(text: str) -> bool:
+    """Whether ``text`` is an integer written in ASCII digits, a minus sign
+    allowed first (what it may be is then its bounds' to say): Python and
+    pydantic read ``1_0`` as 10 and `` 5``, ``+5``, ``5\n`` or a full-width
+    digit as numbers, so a slip in ``--max`` or ``limit=`` changed what was
+    asked, silently."""
+    return _IN_DIGITS.fullmatch(text) is not None
+
+
+_IN_DIGITS = re.compile(r"-?[0-9]+")
+
+
 def whole_number(text: str) -> int | None:
     """``text`` as a revision or a count, or ``None`` if it is not one: ASCII
     digits only (``str.isdigit`` also takes superscripts and circled digits),

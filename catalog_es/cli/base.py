@@ -10,7 +10,6 @@ from __future__ import annotations
 import io
 import logging
 import os
-import re
 import shutil
 import signal
 import sys
@@ -40,7 +39,7 @@ from catalog_es.errors import (
     json_line,
     shown,
 )
-from catalog_es.inputs import MAX_REVISION, revision_or_time
+from catalog_es.inputs import MAX_REVISION, in_digits, revision_or_time
 from catalog_es.persistence import database_unusable, new_sqlite_file
 
 
@@ -50,11 +49,8 @@ def _check_digits(
     param: click.Parameter | None,
     ctx: click.Context | None,
 ) -> None:
-    """A whole number written in ASCII digits, a minus sign allowed first (what
-    it may be is then the range's, or the domain's, to say): Python reads
-    ``1_0`` as 10 and `` 5`` as 5, so a slip in ``--max`` or
-    ``--expected-revision`` changed what was asked, silently."""
-    if isinstance(value, str) and not _DIGITS.fullmatch(value):
+    """An option's value given as text, refused unless :func:`in_digits`."""
+    if isinstance(value, str) and not in_digits(value):
         kind.fail(f"{shown(value)} is not a whole number in digits", param, ctx)
 
 
@@ -73,8 +69,6 @@ class WholeNumberRange(click.IntRange):
         _check_digits(self, value, param, ctx)
         return super().convert(value, param, ctx)
 
-
-_DIGITS = re.compile(r"-?[0-9]+")
 
 # Revisions and counts, as the options that take them read them: no more than
 # the 64-bit columns they are compared with hold.

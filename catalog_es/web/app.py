@@ -15,7 +15,6 @@ the service blocks on the database.
 from __future__ import annotations
 
 import logging
-import re
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
@@ -85,6 +84,7 @@ from catalog_es.inputs import (
     describe,
     describe_problems,
     event_type,
+    in_digits,
     model_from_data,
     one_of,
     parse_changes,
@@ -821,16 +821,11 @@ def sources(caller: Reader, models: Service, at: At, declared_then: DeclaredThen
 
 
 def _in_digits(value: object) -> object:
-    """A whole number in a query, as text: ASCII digits alone, as If-Match and
-    ``?at=`` take one (a minus sign first, which the bounds then refuse, as
-    they say). pydantic would read ``5_0`` as 50, and `` 5``, ``+5`` (a space,
-    in a query) and ``5\n`` as 5."""
-    if isinstance(value, str) and not _DIGITS.fullmatch(value):
+    """A whole number in a query, as text, refused unless :func:`in_digits`
+    (``+5`` is `` 5`` in a query)."""
+    if isinstance(value, str) and not in_digits(value):
         raise PydanticCustomError("digits", "expected a whole number in digits alone")
     return value
-
-
-_DIGITS = re.compile(r"-?[0-9]+")
 
 
 # A whole-number query parameter (with Query's bounds beside it).
