@@ -429,8 +429,7 @@ class AuditView(TrackingRecorder):
                 if again is None:
                     return now
                 why = again
-            log.warning("audit rows made again from the log: %s", why)
-            return self._make(conn, application_name)
+            return self._made_again(conn, application_name, why)
 
     def resume_from(self, application_name: str) -> Tracked:
         """Where the rows are up to, and the order of their times. A config
@@ -453,13 +452,14 @@ class AuditView(TrackingRecorder):
                     tracked, end = found
                     if end <= tracked.position:
                         return tracked
-                    log.warning(
-                        "audit rows made again from the log: their position (revision %d) "
-                        "is behind them (up to %d)",
-                        tracked.position,
-                        end,
-                    )
+                    behind = f"their position (revision {tracked.position}) is behind them"
+                    return self._made_again(conn, application_name, f"{behind} (up to {end})")
             return self._make(conn, application_name)
+
+    def _made_again(self, conn: Connection, application_name: str, why: str) -> Tracked:
+        """:meth:`_make`, for rows that were there, told ``why`` they went."""
+        log.warning("audit rows made again from the log: %s", why)
+        return self._make(conn, application_name)
 
     def _make(self, conn: Connection, application_name: str) -> Tracked:
         """This config's table, made anew with its position at 0; those of
