@@ -20,7 +20,7 @@ import msgspec
 from catalog_es.chain import ChainHead
 from catalog_es.configuration import CONFIG_DECLARED, Configuration
 from catalog_es.errors import ConfigError, InvalidModel, ModelNotFound, Refused
-from catalog_es.model import DomainEvent, Model
+from catalog_es.model import DomainEvent, Model, model_key
 from catalog_es.spec import DEFAULT_ENGINES, EVERY_FIELD, ModelSpec, check_spec
 
 _DECLARED = Configuration.Declared
@@ -331,7 +331,7 @@ class Catalog:
         name = aggregate.name
         expected_id = self._ids.get(name)
         if expected_id is None:
-            expected_id = self._ids[name] = aggregate.id.int
+            expected_id = self._ids[name] = model_key(name)
         # By value of the 128-bit ints: UUID.__eq__ is slow in a hot loop.
         if change.originator_id.int != expected_id:
             # Filed in another model's stream: it moves neither model. Taken as

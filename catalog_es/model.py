@@ -12,6 +12,7 @@ import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from functools import lru_cache
+from hashlib import sha1
 from typing import Annotated, Any, ClassVar
 
 import msgspec
@@ -20,7 +21,10 @@ from msgspec.structs import replace
 from catalog_es.errors import InvalidModel, ModelNotFound, shown
 from catalog_es.spec import EVERY_FIELD, Adapter, ModelSpec, Origin, Scaling
 
-_MODEL_NAMESPACE = uuid.uuid5(uuid.NAMESPACE_URL, "catalog-es:model")
+_MODEL_NAMESPACE = uuid.uuid5(uuid.NAMESPACE_URL, "catalog-es:model").bytes
+# A name-based (version 5) UUID's version and variant bits, set over the hash.
+_UUID5_CLEARED = ~((0xF000 << 64) | (0xC000 << 48))
+_UUID5_SET = (0x5000 << 64) | (0x8000 << 48)
 
 Upcaster = Callable[[dict[str, Any]], dict[str, Any]]
 
@@ -35,7 +39,15 @@ UtcTime = Annotated[datetime, msgspec.Meta(tz=True)]
 def model_id(name: str) -> uuid.UUID:
     """The aggregate id of a model name: stable, so a name re-added after it
     was removed continues its own history."""
-    return uuid.uuid5(_MODEL_NAMESPACE, name)
+    return uuid.UUID(int=model_key(name))
+
+
+def model_key(name: str) -> int:
+    """:func:`model_id` as its 128-bit int: ``uuid.uuid5``'s value, worked out
+    in a quarter of its time (a load does it once a model, and ``UUID``'s
+    checks were most of it)."""
+    digest = sha1(_MODEL_NAMESPACE + name.encode()).digest()
+    return (int.from_bytes(digest[:16]) & _UUID5_CLEARED) | _UUID5_SET
 
 
 def utc_now() -> datetime:

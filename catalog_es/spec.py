@@ -197,10 +197,20 @@ def _profiles(spec: ModelSpec, engines: frozenset[str]) -> None:
     if not spec.profiles:
         raise InvalidModel(name, "profiles", "at least one profile is required")
     for i, p in enumerate(spec.profiles):
-        check_name(p.name, model=name, field=f"profiles[{i}].name")
-        for field in ("gpus", "gpu_memory_gb", "min_memory_gb", "cpu_cores"):
-            _check_count(name, f"profiles[{i}].{field}", getattr(p, field))
-    _check_unique(name, "profiles", (p.name for p in spec.profiles))
+        # Tried first, and the field named only when it fails: every load runs
+        # this once a model, and naming the fields was most of its time.
+        if not (isinstance(p.name, str) and NAME_PATTERN.fullmatch(p.name)):
+            check_name(p.name, model=name, field=f"profiles[{i}].name")
+        if not (
+            0 <= p.gpus <= MAX_COUNT
+            and 0 <= p.gpu_memory_gb <= MAX_COUNT
+            and 0 <= p.min_memory_gb <= MAX_COUNT
+            and 0 <= p.cpu_cores <= MAX_COUNT
+        ):
+            for field in ("gpus", "gpu_memory_gb", "min_memory_gb", "cpu_cores"):
+                _check_count(name, f"profiles[{i}].{field}", getattr(p, field))
+    if len(spec.profiles) > 1:
+        _check_unique(name, "profiles", (p.name for p in spec.profiles))
 
 
 def _resources(spec: ModelSpec, engines: frozenset[str]) -> None:

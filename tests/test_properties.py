@@ -5,6 +5,7 @@ and the log's revisions are gapless."""
 from __future__ import annotations
 
 import tempfile
+import uuid
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -14,6 +15,7 @@ from hypothesis import strategies as st
 from catalog_es.application import CommandResult, Models
 from catalog_es.bootstrap import open_models
 from catalog_es.errors import Refused
+from catalog_es.model import model_id, model_key
 from catalog_es.spec import Adapter, Origin, Scaling
 from tests.helpers import ACTOR, CPU, CPU_NO_MEMORY, GPU, SHA, config_yaml, spec
 
@@ -183,3 +185,18 @@ def test_every_event_load_skips_has_its_audit_row_saying_why(
         finally:
             for node in nodes:
                 node.close()
+
+
+# A model's stream is found by its name alone, in every log written so far:
+# the id must stay the name-based UUID it has always been.
+_MODEL_NAMESPACE = uuid.uuid5(uuid.NAMESPACE_URL, "catalog-es:model")
+
+
+@given(st.text(max_size=200))
+def test_a_model_s_stream_id_is_the_uuid5_of_its_name(name: str) -> None:
+    assert model_id(name) == uuid.uuid5(_MODEL_NAMESPACE, name)
+    assert model_key(name) == model_id(name).int
+
+
+def test_a_model_s_stream_id_is_the_one_earlier_versions_wrote() -> None:
+    assert model_id("qwen2.5-7b-instruct") == uuid.UUID("d7f4b730-17d0-5aaf-8022-207f04c79796")
