@@ -292,27 +292,45 @@ def _decoded(views: list[str]) -> Iterator[dict[str, Any]]:
     it holds one decoded row at a time, not the whole answer as dicts, its
     before and after definitions several times the size of its JSON (the CLI's
     200,000 rows took 1.4 GB)."""
-    decode = _row_decoder.decode
     views.reverse()
     while views:
-        try:
-            row = decode(views.pop())
-        except msgspec.DecodeError as error:
-            raise DamagedReadModel(
-                f"an audit row cannot be read ({error}): the audit's rows were damaged; "
-                "run catalog-es replay to make them again from the log"
-            ) from None
-        yield row
+        yield _read(_row_decoder, views.pop())
+
+
+def _checked(views: list[str]) -> list[str]:
+    """``views``, once each is found to be one JSON object: a damaged row
+    refuses the whole answer, rather than go out inside it as JSON no client
+    can read (the rows joined). Checked, not decoded: the values are
+    skipped, not built, about a tenth of a decode's time."""
+    for view in views:
+        _read(_object_checker, view)
+    return views
+
+
+def _read(decoder: msgspec.json.Decoder[Any], view: str) -> Any:
+    try:
+        return decoder.decode(view)
+    except msgspec.DecodeError as error:
+        raise DamagedReadModel(
+            f"an audit row cannot be read ({error}): the audit's rows were damaged; "
+            "run catalog-es replay to make them again from the log"
+        ) from None
 
 
 def _json(views: list[str]) -> bytes:
-    """Rows from their stored views as one JSON array."""
+    """Rows from their stored views as one JSON array, once each is found
+    sound (:func:`_checked`)."""
     # One join of the parts: adding the brackets to the joined rows copied
     # them twice more, into buffers large enough to be mapped afresh each time.
-    return "".join(["[", ",".join(views), "]"]).encode()
+    return "".join(["[", ",".join(_checked(views)), "]"]).encode()
+
+
+class _AnyObject(msgspec.Struct):
+    """Any JSON object, its members skipped: what :func:`_checked` reads a row as."""
 
 
 _row_decoder = msgspec.json.Decoder(dict[str, Any])
+_object_checker = msgspec.json.Decoder(_AnyObject)
 
 
 # A refused name can be anything the caller sent (a valid one is at most 128

@@ -52,6 +52,7 @@ from catalog_es.web import app as web_app
 from catalog_es.web.app import create_app
 from catalog_es.web.events import BATCH_MESSAGES, WAKE_UP_SECONDS, _next_batch
 from catalog_es.web.tokens import TokenStore
+from projections.audit import changes_table_for
 from tests.helpers import config_yaml, count_events, definition, log_rows, put_back, spec
 from tests.serving import Proxy, bearer, serving, started, tokens_for_roles
 from tests.test_concurrency import write_lock_held
@@ -2252,6 +2253,40 @@ def test_history_audit_refusals_and_verify(api: Api) -> None:
 
     report = ok(api.get("/verify"))
     assert report["ok"] is True and report["events"] == 3 and report["skipped"] == []
+
+
+@pytest.mark.parametrize(
+    ("view", "problem"),
+    [
+        ('{"revision": 3,', "Input data was truncated"),
+        ('"gone"', "Expected `object`, got `str`"),
+        # Two rows' worth: joined into the answer, an array of one row too many.
+        ("{},{}", "JSON is malformed: trailing characters (byte 3)"),
+    ],
+    ids=["cut short", "not an object", "two objects"],
+)
+def test_a_damaged_audit_row_is_a_500_naming_replay_not_a_broken_answer(
+    api: Api, view: str, problem: str
+) -> None:
+    """The rows' views are sent as they are stored, undecoded: one edited by
+    hand went out inside a 200, and the client could read none of it."""
+    ok(api.post("/models", definition("qwen")))
+    ok(api.post("/models/qwen/scale", {"max": 3}))
+    ok(api.post("/models/qwen/scale", {"max": 4}))
+    assert len(ok(api.get("/audit"))) == 4  # the rows are made
+    table = changes_table_for(api.models.name, api.models.declared.fingerprint)
+    with api.models.store.engine.begin() as conn:
+        conn.execute(sa.update(table).where(table.c.revision == 3).values(view=view))
+    for path in ("/audit", "/history/qwen"):
+        response = api.get(path)
+        assert response.status_code == 500, path
+        assert response.headers["content-type"] == "application/json"
+        assert response.json() == {
+            "error": f"an audit row cannot be read ({problem}): the audit's rows were damaged; "
+            "run catalog-es replay to make them again from the log"
+        }
+    # The rows of another model's history are answered.
+    assert ok(api.get("/history/base")) == []
 
 
 @pytest.mark.parametrize(
