@@ -72,8 +72,9 @@ class AuditTrail:
         return _rows(self._history_views(name, {**filters, "model": name}))
 
     def history_rows(self, name: str, **filters: Unpack[ChangeFilters]) -> Iterator[dict[str, Any]]:
-        """:meth:`history`, each row decoded as it is asked for (:func:`_decoded`)."""
-        return _decoded(self._history_views(name, {**filters, "model": name}))
+        """:meth:`history`, each row decoded as it is asked for (:func:`_decoded`),
+        once every row is found sound (:func:`_checked`)."""
+        return _decoded(_checked(self._history_views(name, {**filters, "model": name})))
 
     def history_json(
         self,
@@ -108,9 +109,10 @@ class AuditTrail:
         return _rows(self._views(filters))
 
     def audit_rows(self, **filters: Unpack[Filters]) -> Iterator[dict[str, Any]]:
-        """:meth:`audit`, each row decoded as it is asked for (:func:`_decoded`):
-        what the CLI writes out a row at a time."""
-        return _decoded(self._views(filters))
+        """:meth:`audit`, each row decoded as it is asked for (:func:`_decoded`),
+        once every row is found sound (:func:`_checked`): what the CLI writes
+        out a row at a time."""
+        return _decoded(_checked(self._views(filters)))
 
     def audit_json(
         self,
@@ -299,9 +301,13 @@ def _decoded(views: list[str]) -> Iterator[dict[str, Any]]:
 
 def _checked(views: list[str]) -> list[str]:
     """``views``, once each is found to be one JSON object: a damaged row
-    refuses the whole answer, rather than go out inside it as JSON no client
-    can read (the rows joined). Checked, not decoded: the values are
-    skipped, not built, about a tenth of a decode's time."""
+    refuses the whole answer before any of it is sent or written, rather
+    than cutting it short (an answer streamed out, ``[`` written and the
+    rows before it) or sending it as JSON no client can read (the rows
+    joined). Checked, not decoded: the values are skipped, not built, about
+    a tenth of a decode's time, and nothing is held. A number past a float's
+    range is the one thing a decode refuses that this lets through (valid
+    JSON, which the HTTP API sends as it is; the CLI stops at it)."""
     for view in views:
         _read(_object_checker, view)
     return views

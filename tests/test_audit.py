@@ -1495,17 +1495,25 @@ def test_an_audit_position_set_behind_its_rows_has_them_made_again(
     )
 
 
+@pytest.mark.parametrize(
+    "query",
+    [["history", "chat"], ["history", "chat", "--json"], ["audit"], ["audit", "--json"]],
+    ids=" ".join,
+)
 def test_an_audit_row_damaged_by_hand_is_one_error_naming_replay(
-    scripted: Models, db_url: str, config: Path
+    scripted: Models, db_url: str, config: Path, query: list[str]
 ) -> None:
     """Its view no longer JSON: an unexpected DecodeError. The rows are a
-    read model, which replay makes again."""
+    read model, which replay makes again. The row is well into the answer,
+    the rows before it sound: ``--json``, written as it is decoded, had
+    written ``[`` (and the rows before it, past a piece) by then."""
     expected = scripted.history("chat")
     table = sa.table(table_of(scripted), sa.column("revision"), sa.column("view"))
     with scripted.store.engine.begin() as conn:
-        conn.execute(sa.update(table).where(table.c.revision == 2).values(view='{"revision": 2,'))
-    result = invoke(db_url, config, "history", "chat")
+        conn.execute(sa.update(table).where(table.c.revision == 6).values(view='{"revision": 6,'))
+    result = invoke(db_url, config, *query)
     assert result.exit_code == 1
+    assert result.stdout == ""
     assert result.stderr == (
         "error: an audit row cannot be read (Input data was truncated): the audit's rows "
         "were damaged; run catalog-es replay to make them again from the log\n"
