@@ -309,7 +309,11 @@ def _checked(views: list[str]) -> list[str]:
     range is the one thing a decode refuses that this lets through (valid
     JSON, which the HTTP API sends as it is; the CLI stops at it)."""
     for view in views:
-        _read(_object_checker, view)
+        if not isinstance(view, str):
+            # SQLite keeps whatever a hand edit put there: a decode took a
+            # blob, and the HTTP API's join of the rows then failed as a bug.
+            raise _damaged(f"a {type(view).__name__}, not text")
+        _read(_row_checker, view)
     return views
 
 
@@ -317,10 +321,16 @@ def _read(decoder: msgspec.json.Decoder[Any], view: str) -> Any:
     try:
         return decoder.decode(view)
     except msgspec.DecodeError as error:
-        raise DamagedReadModel(
-            f"an audit row cannot be read ({error}): the audit's rows were damaged; "
-            "run catalog-es replay to make them again from the log"
-        ) from None
+        raise _damaged(str(error)) from None
+    except RecursionError:  # nested past what a decoder follows: no row of ours is
+        raise _damaged("nested too deep") from None
+
+
+def _damaged(problem: str) -> DamagedReadModel:
+    return DamagedReadModel(
+        f"an audit row cannot be read ({problem}): the audit's rows were damaged; "
+        "run catalog-es replay to make them again from the log"
+    )
 
 
 def _json(views: list[str]) -> bytes:
@@ -331,12 +341,28 @@ def _json(views: list[str]) -> bytes:
     return "".join(["[", ",".join(_checked(views)), "]"]).encode()
 
 
-class _AnyObject(msgspec.Struct):
-    """Any JSON object, its members skipped: what :func:`_checked` reads a row as."""
+class _RowShape(msgspec.Struct):
+    """A row's view with the keys every row has, their values skipped, not
+    built: what :func:`_checked` reads a row as. An object without them (``{}``)
+    went out as a row, and the CLI's table failed on it as a bug."""
+
+    revision: msgspec.Raw
+    time: msgspec.Raw
+    by: msgspec.Raw
+    reason: msgspec.Raw
+    model: msgspec.Raw
+    event: msgspec.Raw
+    class_version: msgspec.Raw
+    fields: msgspec.Raw
+    rollback_to: msgspec.Raw
+    skipped: msgspec.Raw
+    changes: msgspec.Raw
+    before: msgspec.Raw
+    after: msgspec.Raw
 
 
 _row_decoder = msgspec.json.Decoder(dict[str, Any])
-_object_checker = msgspec.json.Decoder(_AnyObject)
+_row_checker = msgspec.json.Decoder(_RowShape)
 
 
 # A refused name can be anything the caller sent (a valid one is at most 128

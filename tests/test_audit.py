@@ -1522,6 +1522,23 @@ def test_an_audit_row_damaged_by_hand_is_one_error_naming_replay(
     assert scripted.history("chat") == expected
 
 
+def test_an_audit_row_made_a_blob_by_hand_is_the_same_error(
+    models: Models, db: str, config: Path
+) -> None:
+    """SQLite keeps a blob in a text column: a decode read it as if it were
+    text, and the HTTP API's join of the rows failed on it as a bug."""
+    assert models.audit()  # the rows are made
+    table = sa.table(table_of(models), sa.column("revision"), sa.column("view"))
+    with models.store.engine.begin() as conn:
+        conn.execute(sa.update(table).where(table.c.revision == 6).values(view=b"{}"))
+    result = invoke(db, config, "audit", "--json")
+    assert (result.exit_code, result.stdout) == (1, "")
+    assert result.stderr == (
+        "error: an audit row cannot be read (a bytes, not text): the audit's rows "
+        "were damaged; run catalog-es replay to make them again from the log\n"
+    )
+
+
 def test_a_postgresql_read_never_answers_from_a_table_made_anew_under_it(
     pg_url: str, config: Path, clock: Clock, monkeypatch: pytest.MonkeyPatch
 ) -> None:

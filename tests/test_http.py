@@ -2261,9 +2261,12 @@ def test_history_audit_refusals_and_verify(api: Api) -> None:
         ('{"revision": 3,', "Input data was truncated"),
         ('"gone"', "Expected `object`, got `str`"),
         # Two rows' worth: joined into the answer, an array of one row too many.
-        ("{},{}", "JSON is malformed: trailing characters (byte 3)"),
+        ("{row},{row}", "JSON is malformed: trailing characters (byte {length})"),
+        # Sound JSON, but no row: the console and the CLI's table read its keys.
+        ("{}", "Object missing required field `revision`"),
+        ('{"revision": ' + "[" * 100_000 + "]" * 100_000 + "}", "nested too deep"),
     ],
-    ids=["cut short", "not an object", "two objects"],
+    ids=["cut short", "not an object", "two objects", "no row's keys", "nested deep"],
 )
 def test_a_damaged_audit_row_is_a_500_naming_replay_not_a_broken_answer(
     api: Api, view: str, problem: str
@@ -2276,6 +2279,9 @@ def test_a_damaged_audit_row_is_a_500_naming_replay_not_a_broken_answer(
     assert len(ok(api.get("/audit"))) == 4  # the rows are made
     table = changes_table_for(api.models.name, api.models.declared.fingerprint)
     with api.models.store.engine.begin() as conn:
+        row = conn.execute(sa.select(table.c.view).where(table.c.revision == 3)).scalar_one()
+        view = view.replace("{row}", row)
+        problem = problem.replace("{length}", str(len(row.encode()) + 1))
         conn.execute(sa.update(table).where(table.c.revision == 3).values(view=view))
     for path in ("/audit", "/history/qwen"):
         response = api.get(path)
