@@ -140,6 +140,12 @@ class Catalog:
         since (so a removal can heal it, once)."""
         return name in self._unhealed
 
+    def holds(self, name: str) -> bool:
+        """Whether the log holds a definition of ``name`` that commands act on:
+        one in force, or one load skipped, which a removal or a re-add (that
+        replaces it) heals."""
+        return self.get(name) is not None or name in self._unhealed
+
     def taken_out_by(self, name: str) -> Skipped:
         """The skip that took a model :meth:`was_skipped` out of force: the
         last of its skips that is not a mere follow-on (an event on a model

@@ -44,13 +44,16 @@ class Step:
 
     def decide(self, batch: Batch) -> tuple[Model.Event, ModelSpec | None, bool]:
         """Decide into ``batch``: the event, the definition it puts in force, and
-        whether it replaced a runtime definition. Its name is checked before
-        (:func:`check_name`), as the command that carries it is recorded."""
+        whether it replaced a runtime definition (one load skipped included:
+        the add heals it). Its name is checked before (:func:`check_name`), as
+        the command that carries it is recorded."""
         current = batch.catalog.get(self.name)
+        # Asked before deciding: a batch's catalog forgets the skip once decided.
+        replaces = self.event_class is Model.Added and batch.catalog.holds(self.name)
         extra = self.derive(current) if self.derive is not None else {}
         event = batch.event(self.event_class, self.name, **self.fields, **extra)
         new = batch.decide(event)
-        return event, new, self.event_class is Model.Added and current is not None
+        return event, new, replaces
 
 
 _VERBS: dict[type[Model.Event], str] = {

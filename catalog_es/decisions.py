@@ -50,7 +50,7 @@ def decide(catalog: Catalog, event: Model.Event) -> ModelSpec | None:
     if catalog.is_declared(name):
         raise DeclaredInConfig(declared_refusal(event))
     current = catalog.aggregate(name).spec
-    if isinstance(event, Model.Removed) and current is None and not catalog.was_skipped(name):
+    if isinstance(event, Model.Removed) and not catalog.holds(name):
         raise ModelNotFound(name)
     new = event.evolve(current)
     catalog.check(name, new, event.touches)

@@ -817,6 +817,22 @@ def test_re_adding_says_it_replaced(run: Run, write: Any) -> None:
     assert json.loads(ok(run("--json", "model", "add", path)).stdout)["replaced"] is True
 
 
+def test_re_adding_a_model_load_skipped_says_it_replaced(run: Run, write: Any) -> None:
+    """Its stored definition is replaced (which heals it), in either output."""
+    for name in ("m", "n"):
+        ok(run("model", "add", write(f"{name}.yaml", as_yaml(definition(name, engine="tgi")))))
+    config = write("c.yaml", config_yaml(engines=["vllm"]).encode())
+    added = ok(run("--config", config, "model", "add", write("m2.yaml", as_yaml(definition("m")))))
+    # Revision 3 records the new declared config.
+    assert added.stdout.startswith("replaced m at revision 4")
+    again = ok(
+        run(
+            "--config", config, "--json", "model", "add", write("n2.yaml", as_yaml(definition("n")))
+        )
+    )
+    assert json.loads(again.stdout)["replaced"] is True
+
+
 # -- bad input: one line, exit 1, nothing written --------------------------------------
 
 TEN_KB_NAME = "n" * 10_240

@@ -208,6 +208,23 @@ def test_re_adding_says_it_replaced_and_adding_after_removal_does_not(
     assert models.add(spec("a"), by=ACTOR).replaced is False
 
 
+def test_re_adding_a_model_load_skipped_says_it_replaced_the_stored_one(
+    make_models: MakeModels,
+) -> None:
+    """Given a runtime model whose engine left the config (skipped on load),
+    when its name is added again, then the add heals it and says it replaced
+    the stored definition, alone and in an ``apply`` alike."""
+    make_models().add(spec("a", engine="tgi"), by=ACTOR)
+    make_models().add(spec("b", engine="tgi"), by=ACTOR)
+    models = make_models(config_yaml(engines=["vllm"]))
+    assert models.catalog.unhealed() == ["a", "b"]
+    assert models.add(spec("a"), by=ACTOR).replaced is True
+    applied = models.apply_changes([commands.add(spec("b"))], by=ACTOR)
+    assert applied["replaced"] == ["b"]
+    assert [item["replaced"] for item in applied["models"]] == [True]
+    assert models.catalog.unhealed() == []
+
+
 def test_the_catalog_handed_out_is_the_callers_own(make_models: MakeModels) -> None:
     """The one in force was handed out: a command in another thread (a
     server's) changed it under the weights scan iterating it (review)."""
