@@ -101,19 +101,46 @@ def check_origin(model: str, origin: Origin) -> None:
     # An origin says where in a registry the weights came from, and `update`
     # and `rollback` later build paths from it: held to the rules they read
     # it by, so what is written now can be moved back to.
-    if origin.repository:
-        _held_to(model, "origin.repository", check_repository, origin.repository)
-    if origin.revision:
-        _held_to(model, "origin.revision", check_commit, origin.revision)
+    problem = _origin_problem(origin)
+    if problem is not None:
+        raise InvalidModel(model, *problem)
+
+
+def origin_warnings(origin: Origin | None) -> list[str]:
+    """What ``model show`` warns of an origin :func:`check_origin` refuses,
+    which a declared model gives all the same: it loads (declared models
+    always do), and says what is wrong with it, as one short of memory does."""
+    problem = _origin_problem(origin) if origin is not None else None
+    if problem is None:
+        return []
+    field, why = problem
+    return [f"{field}: {why}, which a runtime change must give and the weights commands need"]
+
+
+def _origin_problem(origin: Origin) -> tuple[str, str] | None:
+    """The first field of ``origin`` that breaks the rules a registry reads
+    it by, and why; ``None`` when none does."""
+    named: tuple[tuple[str, Callable[[str], object], str], ...] = (
+        ("origin.repository", check_repository, origin.repository),
+        ("origin.revision", check_commit, origin.revision),
+    )
+    for field, check, value in named:
+        why = _refusal(check, value) if value else None
+        if why is not None:
+            return field, why
     for path in origin.files:
-        _held_to(model, f"origin.files[{shown(path)}]", relative_file, path)
+        why = _refusal(relative_file, path)
+        if why is not None:
+            return f"origin.files[{shown(path)}]", why
+    return None
 
 
-def _held_to(model: str, field: str, check: Callable[[str], object], value: str) -> None:
+def _refusal(check: Callable[[str], object], value: str) -> str | None:
     try:
         check(value)
     except Refused as refusal:
-        raise InvalidModel(model, field, str(refusal)) from None
+        return str(refusal)
+    return None
 
 
 def _check_printable(model: str, field: str, value: str) -> None:

@@ -57,10 +57,9 @@ from catalog_es.spec import (
     Profile,
     check_name,
     effective_class,
-    memory_warnings,
-    name_warnings,
     profiles_missing_memory,
 )
+from catalog_es.views import definition_warnings
 
 # A model definition is a few hundred bytes; a megabyte is a mistake or an attack.
 MAX_INPUT_BYTES = 1 << 20
@@ -191,11 +190,10 @@ class ModelInput(_Input):
         name, profiles = info.data.get("name"), info.data.get("profiles")
         if value is None or name is None or profiles is None:
             return value  # not given, or what it is checked against was refused
-        worked_out = memory_warnings(
-            profiles_missing_memory(
-                msgspec.convert([p.model_dump() for p in profiles], list[Profile])
-            )
-        ) + name_warnings(name)
+        missing = profiles_missing_memory(
+            msgspec.convert([p.model_dump() for p in profiles], list[Profile])
+        )
+        worked_out = definition_warnings(missing, name, _origin(info.data.get("origin")))
         if value != worked_out:
             # One warning a CPU-only profile: quoted the first of them, not
             # each of a definition's thousands; whole, but for a long name.

@@ -39,7 +39,7 @@ from catalog_es.cli.base import (
 from catalog_es.errors import PIECE_LENGTH, DamagedLog, json_in_pieces, json_line
 from catalog_es.inputs import DeclaredConfig
 from catalog_es.persistence import PullingSubscription, database_unusable
-from catalog_es.spec import Adapter
+from catalog_es.spec import Adapter, Origin
 from tests.helpers import CPU_NO_MEMORY, CountedOutput, config_yaml, count_events, definition, spec
 
 LOG_KEYS = {
@@ -301,6 +301,37 @@ def test_the_list_says_which_models_have_warnings_the_table_cannot_show(
     )
     assert ok(run("--config", config, "model", "list", "--json")).stderr == ""
     assert ok(run("model", "list")).stderr == ""
+
+
+def test_a_declared_origin_on_a_branch_loads_and_says_it_is_no_commit(
+    run: Run, write: Any, rows: Callable[[], int]
+) -> None:
+    """A branch as a declared origin's revision loads (declared models always
+    load), and says what is wrong, as one short of memory does: a runtime
+    change is refused one, and the weights commands cannot read it."""
+    on_branch = {"repository": "org/d", "revision": "main"}
+    declared = spec("d", origin=Origin(repository="org/d", revision="main"))
+    config = write("declared.yaml", config_yaml(declared).encode())
+    listed = ok(run("--config", config, "model", "list"))
+    assert listed.stderr == (
+        "warning: 1 model with warnings (d); model show NAME, or --json, says what\n"
+    )
+    told = (
+        "origin.revision: revision 'main' is not a commit id (7-64 hex digits), which a"
+        " runtime change must give and the weights commands need"
+    )
+    assert ok(run("--config", config, "model", "show", "d")).stderr == f"warning: {told}\n"
+    # What show prints can be put back in the config: the warning is worked out.
+    shown = json.loads(ok(run("--config", config, "model", "show", "d", "--json")).stdout)
+    assert shown.pop("declared") and shown["warnings"] == [told]
+    pasted = write("pasted.yaml", as_yaml({"models": [shown]}))
+    assert ok(run("--config", pasted, "model", "show", "d", "--json")).stdout.startswith("{")
+    before = rows()
+    added = write("r.json", as_json(definition("r", origin=on_branch)))
+    assert "origin.revision: revision 'main' is not a commit id" in refused_in_one_line(
+        run("--config", config, "model", "add", added)
+    )
+    assert rows() == before
 
 
 def test_a_name_no_model_can_have_is_kept_in_the_refusals_by_every_command(
