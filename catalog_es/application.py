@@ -948,7 +948,8 @@ class Models(AuditTrail, Application[UUID]):
                                 self._catch_up(conn, held=locked and lock_left is None)
                             head = self.catalog.revision
                             if expected_revision is not None and expected_revision != head:
-                                raise RevisionConflict(expected_revision, head)
+                                written = standing.head.revision if standing.head else None
+                                raise RevisionConflict(expected_revision, head, written)
                             batch = Batch(
                                 self.store,
                                 conn,

@@ -171,15 +171,22 @@ class DeclaredInConfig(Refused):
 class RevisionConflict(Refused):
     """The log has moved past the revision the command was based on."""
 
-    def __init__(self, expected: int, head: int) -> None:
+    def __init__(self, expected: int, head: int, written: int | None = None) -> None:
+        """``written``: the last revision the log's head record says was
+        written, past ``head`` when the last events were deleted by hand."""
         self.expected = expected
         self.head = head
-        # Past the head, no read gave it: retrying with it again cannot succeed.
-        why = (
-            "someone changed the catalog since you read it; read it again and retry"
-            if expected < head
-            else f"revision {expected} was never written"
-        )
+        if expected < head:
+            why = "someone changed the catalog since you read it; read it again and retry"
+        elif written is not None and expected <= written:
+            # A read gave it, and the log was cut back under it since.
+            why = (
+                f"revision {expected} was written, but the log no longer holds it: the events"
+                f" after revision {head} were deleted (catalog-es verify); read it again and retry"
+            )
+        else:
+            # Past the head, no read gave it: retrying with it again cannot succeed.
+            why = f"revision {expected} was never written"
         super().__init__(f"the log is at revision {head}, not {expected}: {why}")
 
 

@@ -820,6 +820,31 @@ def test_a_whole_number_in_a_query_is_digits_alone(api: Api) -> None:
     assert refused(api.get("/log?after=-1"), 422).startswith("query.after: Input should be greater")
 
 
+def test_an_if_match_on_a_revision_deleted_since_is_409_saying_so(
+    api: Api, make_models: Callable[..., Models]
+) -> None:
+    """The last events deleted by hand (docs/audit.md): an If-Match a read
+    gave before was told "never written" by a server loaded since."""
+    for name in ("qwen", "llama"):
+        ok(api.post("/models", definition(name)))
+    with api.models.store.engine.begin() as conn:
+        conn.execute(sa.text("DELETE FROM catalog_events WHERE revision = 3"))
+    before = count_events(api.db)
+    with (
+        serving(create_app(make_models(DECLARED_YAML), api.tokens)) as url,
+        httpx.Client(base_url=url) as client,
+    ):
+        stale = client.post(
+            "/models/qwen/scale", json={"max": 3}, headers={**api.as_("write"), "If-Match": "3"}
+        )
+        assert refused(stale, 409) == (
+            "the log is at revision 2, not 3: revision 3 was written, but the log no longer"
+            " holds it: the events after revision 2 were deleted (catalog-es verify); read it"
+            " again and retry"
+        )
+    assert count_events(api.db) == before
+
+
 def test_not_found_is_404(api: Api) -> None:
     assert refused(api.get("/models/nope"), 404) == "model 'nope' is not in the catalog"
     assert refused(api.post("/models/nope/scale", {"max": 2}), 404).startswith("model 'nope'")

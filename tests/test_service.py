@@ -14,6 +14,7 @@ from typing import Any
 
 import msgspec
 import pytest
+import sqlalchemy as sa
 import yaml
 
 from catalog_es import collector, commands
@@ -406,6 +407,33 @@ def test_expected_revision_is_compare_and_set(make_models: MakeModels, rows: Row
             models.scale("a", 1, 4, by=ACTOR, expected_revision=stale)
     assert rows() == 2
     assert models.get_model("a")["scaling"] == {"min": 1, "max": 2}
+
+
+def test_an_expected_revision_deleted_since_is_said_to_be_gone_not_never_written(
+    make_models: MakeModels, rows: Rows
+) -> None:
+    """Given the log's last events deleted by hand (the head, stored apart,
+    still names the last revision written), when a command expects one of
+    them, then it is refused saying the log no longer holds it, and nothing
+    is written."""
+    models = make_models()
+    for name in ("a", "b", "c"):
+        models.add(spec(name), by=ACTOR)
+    with models.store.engine.begin() as conn:
+        conn.execute(sa.text("DELETE FROM catalog_events WHERE revision >= 2"))
+    loaded_after = make_models()
+    before = rows()
+    for deleted in (2, 3):
+        with pytest.raises(RevisionConflict) as refusal:
+            loaded_after.scale("a", 1, 2, by=ACTOR, expected_revision=deleted)
+        assert str(refusal.value) == (
+            f"the log is at revision 1, not {deleted}: revision {deleted} was written, but the"
+            " log no longer holds it: the events after revision 1 were deleted"
+            " (catalog-es verify); read it again and retry"
+        )
+    with pytest.raises(RevisionConflict, match=r"revision 4 was never written$"):
+        loaded_after.scale("a", 1, 2, by=ACTOR, expected_revision=4)
+    assert rows() == before
 
 
 @pytest.mark.parametrize(

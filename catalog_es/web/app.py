@@ -542,8 +542,8 @@ _ERROR_MEANINGS = {
     403: "The token's role does not allow this.",
     404: "No such model (now, or at the revision or time asked).",
     408: "A body over a megabyte did not all come within a minute.",
-    409: "If-Match: the log is not at that revision (it has moved past it, or never "
-    "reached it); read again and retry.",
+    409: "If-Match: the log is not at that revision (it has moved past it, never "
+    "reached it, or its last events were deleted by hand since); read again and retry.",
     422: "Refused: the request, or the change it asks for. Nothing was written.",
     500: "The server's fault, or a log edited by hand; the server's log says more.",
     503: "Busy, or the database out of reach: try again (Retry-After).",
