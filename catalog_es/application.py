@@ -46,6 +46,7 @@ from catalog_es.errors import (
     StorageBusy,
     counted,
     cut_short,
+    lost_events,
     shown,
 )
 from catalog_es.inputs import check_actor, zoned
@@ -305,9 +306,9 @@ def _lost(catalog: Catalog, kept: Kept) -> str | None:
     while it does, as far as can be told."""
     chain = catalog.chain
     if kept.last < catalog.revision:
-        return (
+        return lost_events(
             f"the log ends at revision {kept.last}, before this node's catalog (at "
-            f"{catalog.revision}): it lost events (a failover, or a restored backup?)"
+            f"{catalog.revision}): it lost events"
         )
     if chain is None:
         return None  # nothing to check against: revision 0, or a hash left unreadable
@@ -324,10 +325,9 @@ def _lost(catalog: Catalog, kept: Kept) -> str | None:
     unreadable = kept.hash is not None and _chain(chain.revision, kept.hash) is None
     if kept.hash == chain.hash or unreadable:
         return None
-    return (
+    return lost_events(
         f"the log holds other events at revision {catalog.revision} than this node's "
-        "catalog was built from: it lost events and took others since (a failover, or a "
-        "restored backup?)"
+        "catalog was built from: it lost events and took others since"
     )
 
 
@@ -1417,11 +1417,11 @@ class Models(AuditTrail, Application[UUID]):
             # what comes after it.
             with self.store.read() as conn:
                 if self.store.event_at(conn, last) != given:
-                    raise LogRewritten(
+                    lost = lost_events(
                         f"the log no longer holds revision {last} as this watch gave it: it "
-                        "lost events and took others (a failover, or a restored backup?); "
-                        "watch again from a revision before the loss"
+                        "lost events and took others"
                     )
+                    raise LogRewritten(f"{lost}; watch again from a revision before the loss")
             subscription = self.store.subscribe(gt=last)
             if poll_interval is not None and isinstance(subscription, PullingSubscription):
                 subscription.interval = poll_interval

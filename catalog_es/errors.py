@@ -190,6 +190,15 @@ class RevisionConflict(Refused):
         super().__init__(f"the log is at revision {head}, not {expected}: {why}")
 
 
+def lost_events(why: str) -> str:
+    """``why`` the log no longer holds events it held, and what most often
+    makes it so; a hand edit of the log reads the same, which verify tells."""
+    return (
+        f"{why} (a failover, or a restored backup?); "
+        "catalog-es verify says whether the log was edited"
+    )
+
+
 class LogRewritten(Refused):
     """The log no longer holds an event as a follower was given it: it lost
     events and took others in their place (a failover, a restored backup)."""

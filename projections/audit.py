@@ -44,7 +44,7 @@ from catalog_es.configuration import (
     CONFIGS_KEPT,
     Configuration,
 )
-from catalog_es.errors import StorageBusy, first_line
+from catalog_es.errors import StorageBusy, first_line, lost_events
 from catalog_es.inputs import DeclaredConfig
 from catalog_es.mapper import (
     UndecodableEvent,
@@ -374,11 +374,7 @@ def unvouched(tracked: Tracked, kept: Kept) -> str | None:
         why = f"the log holds other events at revision {tracked.position} than they were built from"
     else:
         return None
-    # A hand edit of the log reads the same as the benign causes.
-    return (
-        f"{why} (a failover, or a restored backup?); "
-        "catalog-es verify says whether the log was edited"
-    )
+    return lost_events(why)
 
 
 def _as_tracked(row: sa.Row[Any]) -> Tracked:

@@ -25,6 +25,7 @@ from sqlalchemy.engine import Connection
 from catalog_es.catalog import Catalog, Skipped
 from catalog_es.chain import ChainHead
 from catalog_es.configuration import CONFIGS_KEPT, CONFIGURATION_ID, Configuration
+from catalog_es.errors import lost_events
 from catalog_es.mapper import readable_declaration
 from catalog_es.model import Model
 from catalog_es.persistence import BIGINT, check_walk, events_table, metadata, stream_walk
@@ -224,9 +225,9 @@ def _newest(
             continue
         if state.chain_hash is not None and state.chain_hash != _hash_at(conn, revision):
             log.warning(
-                "snapshot at %d passed over: the log holds other events there now"
-                " (a failover, or a restored backup?)",
+                "snapshot at %d passed over: %s",
                 revision,
+                lost_events("the log holds other events there now"),
             )
             continue
         yield state

@@ -421,7 +421,11 @@ def test_a_node_whose_log_lost_its_last_events_loads_it_afresh(
         assert log_rows(db_url) == saved
     assert [m["name"] for m in node.list_models()] == ["a"]
     assert node.revision == head
-    assert "the log ends at revision" in caplog.text
+    assert (
+        f"the log ends at revision {head}, before this node's catalog (at {head + 1}): it lost"
+        " events (a failover, or a restored backup?); catalog-es verify says whether the log"
+        " was edited; loading the catalog from the log"
+    ) in caplog.text
     assert node.add(_definition("c", ["a"]), by="ops").revision > head
     fresh = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
     assert fresh.list_models() == node.list_models()
@@ -441,7 +445,7 @@ def test_a_node_whose_log_lost_events_and_took_others_since_loads_it_afresh(
     node = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
     node.add(_definition("a", []), by="ops")
     saved = log_rows(db_url)
-    node.add(_definition("b", []), by="ops")
+    head = node.add(_definition("b", []), by="ops").revision
     put_back(db_url, saved)
     other = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
     for name in ("x", "y", "z")[:regrown]:
@@ -454,7 +458,11 @@ def test_a_node_whose_log_lost_events_and_took_others_since_loads_it_afresh(
         assert log_rows(db_url) == now
     assert [m["name"] for m in node.list_models()] == ["a", "x", "y", "z"][: 1 + regrown]
     assert node.revision == other.revision
-    assert "the log holds other events at revision" in caplog.text
+    assert (
+        f"the log holds other events at revision {head} than this node's catalog was built"
+        " from: it lost events and took others since (a failover, or a restored backup?);"
+        " catalog-es verify says whether the log was edited; loading the catalog from the log"
+    ) in caplog.text
     node.add(_definition("c", ["x"]), by="ops")
     for models in (other, Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})):
         assert models.list_models() == node.list_models()
@@ -522,6 +530,9 @@ def test_a_snapshot_of_events_the_log_no_longer_holds_is_passed_over(
         other.add(_definition(name, []), by="elsewhere")
     fresh = Models(DeclaredConfig(), snapshot_interval=2, env=env)
     assert [m["name"] for m in fresh.list_models()] == ["a", "x", "y", "z"]
-    assert "snapshot at 2 passed over: the log holds other events there now" in caplog.text
+    assert (
+        "snapshot at 2 passed over: the log holds other events there now (a failover, or a"
+        " restored backup?); catalog-es verify says whether the log was edited"
+    ) in caplog.text
     for models in (node, other, fresh):
         models.close()
