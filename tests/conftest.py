@@ -55,18 +55,37 @@ def pg_admin() -> Iterator[sa.Engine]:
 
 
 @pytest.fixture
-def pg_url(pg_admin: sa.Engine) -> Iterator[str]:
-    """A URL on a schema of its own, dropped afterwards; its sessions are
-    named after it (``application_name``), so that a test looking at the
-    server's sessions can tell its own from another test worker's."""
-    schema = f"catalog_es_test_{uuid.uuid4().hex[:12]}"
+def pg_schema_url(pg_admin: sa.Engine) -> Iterator[Callable[..., str]]:
+    """``pg_schema_url(schema=None)``: a URL on a schema of its own (a new
+    name unless given: any identifier, quoted), dropped afterwards; its
+    sessions are named after it (``application_name``), so that a test
+    looking at the server's sessions can tell its own from another test
+    worker's."""
+    made: list[str] = []
+
+    def make(schema: str | None = None) -> str:
+        # A name made here is written bare, as tests use it in their SQL.
+        quoted = f"catalog_es_test_{uuid.uuid4().hex[:12]}"
+        if schema is not None:
+            quoted = '"' + schema.replace('"', '""') + '"'
+        with pg_admin.connect() as conn:
+            conn.execute(sa.text(f"CREATE SCHEMA {quoted}"))
+        made.append(quoted)
+        url = sa.make_url(_admin_url()).update_query_dict(
+            {"options": f"-csearch_path={quoted}", "application_name": schema or quoted}
+        )
+        return url.render_as_string(hide_password=False)
+
+    yield make
     with pg_admin.connect() as conn:
-        conn.execute(sa.text(f"CREATE SCHEMA {schema}"))
-    base = sa.make_url(_admin_url())
-    url = base.update_query_dict({"options": f"-csearch_path={schema}", "application_name": schema})
-    yield url.render_as_string(hide_password=False)
-    with pg_admin.connect() as conn:
-        conn.execute(sa.text(f"DROP SCHEMA {schema} CASCADE"))
+        for quoted in made:
+            conn.execute(sa.text(f"DROP SCHEMA {quoted} CASCADE"))
+
+
+@pytest.fixture
+def pg_url(pg_schema_url: Callable[..., str]) -> str:
+    """A URL on a schema of its own (:func:`pg_schema_url`)."""
+    return pg_schema_url()
 
 
 @pytest.fixture
