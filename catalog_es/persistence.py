@@ -173,6 +173,15 @@ def _unlinked(inspector: sa.Inspector) -> bool:
 # kept past every revision written, so none is handed out twice.
 _REVISION_SEQUENCE = "pg_get_serial_sequence('catalog_events', 'revision')::regclass"
 
+
+# The schema the log's table is found in along the search path, or else the
+# one tables are made in (empty when the path names no schema there is).
+_LOG_SCHEMA = (
+    "SELECT coalesce((SELECT n.nspname FROM pg_class c JOIN pg_namespace n"
+    " ON n.oid = c.relnamespace WHERE c.oid = to_regclass('catalog_events')),"
+    " current_schema(), '')"
+)
+
 # The events' columns on PostgreSQL, as append lays each row out.
 _EVENT_TYPES = ("bigint", "uuid", "bigint", "text", "bytea", "text", "bigint")
 
@@ -813,6 +822,8 @@ class SQLRecorder(ProcessRecorder):
         self._writer_lock = threading.Lock()
         # Whether SQLite keeps a sequence the log's revisions must stay past.
         self._sequence_kept: bool | None = None
+        # The schema of the log's tables on PostgreSQL, once found (log_schema).
+        self._log_schema: str | None = None
         # PostgreSQL's LISTEN connection, shared by this process's followers.
         self._listener: Listener | None = None
         self._listener_pid = 0
@@ -1059,16 +1070,41 @@ class SQLRecorder(ProcessRecorder):
     def locked(self, name: str, wait: float | None = None) -> Iterator[Connection]:
         """A write transaction holding the lock called ``name`` (a constant of
         ours), one process at a time across nodes: SQLite's one write lock, or
-        on PostgreSQL an advisory lock, which leaves the log's writers alone.
-        On a connection of its own: never the one this process's commands
-        write through, which would wait behind it. ``wait`` as :meth:`write`'s."""
+        on PostgreSQL an advisory lock of the log's schema (:meth:`log_schema`:
+        a catalog kept in another schema of the database has its own), which
+        leaves the log's writers alone. On a connection of its own: never the
+        one this process's commands write through, which would wait behind
+        it. ``wait`` as :meth:`write`'s."""
+        schema = self.log_schema() if self.dialect == "postgresql" else None
+        # 0.2.0's nodes take the lock by name alone, the database over: taken
+        # shared by name too, it still keeps them out during a rolling upgrade
+        # while this release's nodes of other schemas share it. Shared first:
+        # the other way round, a 0.2.0 node queued between two of this
+        # release's of one schema would close a deadlock.
         with self._locked(
-            "SELECT pg_advisory_xact_lock(hashtext(%(name)s))",
-            {"name": name},
+            "SELECT pg_advisory_xact_lock_shared(hashtext(%(name)s))",
+            "SELECT pg_advisory_xact_lock(hashtext(%(schema)s), hashtext(%(name)s))",
+            params={"name": name, "schema": schema},
             shared=False,
             wait=wait,
         ) as conn:
             yield conn
+
+    def log_schema(self) -> str:
+        """The PostgreSQL schema of the log's tables as this node's queries
+        find them along its search path (past schemas named before it that
+        are missing, ``$user`` among them, or hold no log), or, before they
+        are made, the schema they will be made in: the same for every node of
+        one catalog, however its search path reads. Empty when the path names
+        no schema there is (then the tables can be neither made nor used,
+        which says so); looked up again until there is one."""
+        if self._log_schema is None:
+            with self.engine.connect() as conn:
+                schema: str = conn.exec_driver_sql(_LOG_SCHEMA).scalar_one()
+            if not schema:
+                return schema
+            self._log_schema = schema
+        return self._log_schema
 
     # -- transactions ------------------------------------------------------------
 
@@ -1106,16 +1142,15 @@ class SQLRecorder(ProcessRecorder):
     @contextmanager
     def _locked(
         self,
-        postgresql_lock: str,
+        *postgresql_locks: str,
         params: dict[str, Any] | None = None,
-        *,
         shared: bool = True,
         wait: float | None = None,
     ) -> Iterator[Connection]:
         """A transaction that first waits, at most ``lock_wait`` seconds (or
         ``wait``), for a lock: the SQLite database's (``BEGIN IMMEDIATE``) or,
-        on PostgreSQL, the one ``postgresql_lock`` takes. ``shared``: on the
-        held connection commands write through, else on one from the pool."""
+        on PostgreSQL, those ``postgresql_locks`` take, in turn. ``shared``: on
+        the held connection commands write through, else on one from the pool."""
         try:
             if shared and self.dialect == "sqlite":
                 # Every command's transaction.
@@ -1152,11 +1187,12 @@ class SQLRecorder(ProcessRecorder):
                         # (planning the append took 0.3 ms of a command's 1.1).
                         conn.exec_driver_sql(
                             f"{begin}{timeout}; SET LOCAL plan_cache_mode = force_generic_plan;"
-                            f" {postgresql_lock}"
+                            f" {'; '.join(postgresql_locks)}"
                         )
                     else:
                         conn.exec_driver_sql(begin + timeout)
-                        conn.exec_driver_sql(postgresql_lock, params)
+                        for postgresql_lock in postgresql_locks:
+                            conn.exec_driver_sql(postgresql_lock, params)
                 yield conn
         except sa.exc.OperationalError as error:
             if _is_busy(error):

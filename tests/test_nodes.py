@@ -13,6 +13,7 @@ import multiprocessing
 import random
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +22,10 @@ import sqlalchemy as sa
 
 from catalog_es import application, commands
 from catalog_es.application import Models
-from catalog_es.errors import Refused
+from catalog_es.errors import Refused, StorageBusy
 from catalog_es.inputs import DeclaredConfig, load_config, model_from_data
 from catalog_es.mapper import decode_event
+from catalog_es.persistence import LOCK_WAIT_ENV
 from tests.helpers import count_events, log_rows, put_back
 
 CONFIG = """
@@ -536,3 +538,59 @@ def test_a_snapshot_of_events_the_log_no_longer_holds_is_passed_over(
     ) in caplog.text
     for models in (node, other, fresh):
         models.close()
+
+
+# -- catalogs kept in schemas of one PostgreSQL database ----------------------------
+
+# A schema name as odd as an identifier may be, and as long (63 bytes): what
+# the locks and the channel of its catalog are named after must still serve.
+ODD_SCHEMA = 'Team-B."ü"$' + "x" * 51
+# What 0.2.0 nodes lock by, the database over.
+LOCKED_BY_0_2 = "SELECT pg_advisory_xact_lock(hashtext(:name))"
+
+
+@pytest.mark.parametrize("lock", ["catalog_es.tables", "catalog_es.audit"])
+def test_work_under_a_lock_does_not_wait_behind_another_schemas(
+    pg_schema_url: Callable[..., str], monkeypatch: pytest.MonkeyPatch, lock: str
+) -> None:
+    """What a lock of ours guards (making the tables, writing the audit's
+    rows) was one process at a time across the database: a catalog's waited
+    for another schema's catalog to let go of it, and was refused as busy
+    after its wait."""
+    monkeypatch.setenv(LOCK_WAIT_ENV, "1")
+    a_url, b_url = pg_schema_url(), pg_schema_url(ODD_SCHEMA)
+    team_a, team_b = (Models(DeclaredConfig(), env={"CATALOG_ES_DB": u}) for u in (a_url, b_url))
+    team_a.add(_definition("a", []), by="setup")
+    fresh = pg_schema_url()  # where a catalog's tables are yet to be made
+
+    def make_tables() -> None:
+        Models(DeclaredConfig(), env={"CATALOG_ES_DB": fresh}).close()
+
+    work: dict[str, Callable[[], object]] = {
+        "catalog_es.tables": make_tables,
+        "catalog_es.audit": team_a.audit,
+    }
+    with team_b.store.locked(lock):
+        work[lock]()
+    for models in (team_a, team_b):
+        models.close()
+
+
+@pytest.mark.parametrize("lock", ["catalog_es.tables", "catalog_es.audit"])
+def test_a_lock_still_keeps_out_a_previous_release_node_and_is_kept_out_by_one(
+    pg_url: str, lock: str
+) -> None:
+    """During a rolling upgrade from 0.2.0, its nodes lock by name alone:
+    they and this release's must still take turns at the same work."""
+    node = Models(DeclaredConfig(), env={"CATALOG_ES_DB": pg_url})
+    old_node = sa.create_engine(pg_url)
+    with old_node.begin() as conn:
+        conn.execute(sa.text(LOCKED_BY_0_2), {"name": lock})
+        with pytest.raises(StorageBusy), node.store.locked(lock, wait=0.3):
+            pass
+    with node.store.locked(lock), old_node.begin() as conn:
+        conn.execute(sa.text("SET LOCAL lock_timeout = '300ms'"))
+        with pytest.raises(sa.exc.OperationalError, match="lock timeout"):
+            conn.execute(sa.text(LOCKED_BY_0_2), {"name": lock})
+    old_node.dispose()
+    node.close()
