@@ -16,6 +16,7 @@ computed in the same transaction from the head kept in ``catalog_head``.
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import logging
 import os
@@ -59,8 +60,11 @@ from catalog_es.errors import (
 )
 
 DEFAULT_URL = "sqlite:///catalog.db"
-# PostgreSQL's NOTIFY channel for new events.
-CHANNEL = "catalog_events"
+# 0.2.0's NOTIFY channel for new events, one for the whole database. Its
+# followers wait for it and nothing else (they never look by themselves), so
+# every write notifies it too, until no 0.2.0 node or watch is left: a
+# release after 0.3.0 drops it.
+CHANNEL_OF_0_2 = "catalog_events"
 # How long a writer waits for another to let go of the database before the
 # command is refused with a clear error rather than "database is locked".
 LOCK_WAIT_SECONDS = 10.0
@@ -172,6 +176,13 @@ def _unlinked(inspector: sa.Inspector) -> bool:
 # functions given it answer NULL): older releases numbered from it, and it is
 # kept past every revision written, so none is handed out twice.
 _REVISION_SEQUENCE = "pg_get_serial_sequence('catalog_events', 'revision')::regclass"
+
+
+def channel_of(schema: str) -> str:
+    """The NOTIFY channel of the log in ``schema``: a catalog kept in another
+    schema of the database wakes none of its followers. A channel is an
+    identifier of at most 63 bytes, a schema's name any of them: a digest."""
+    return f"catalog_events_{hashlib.sha256(schema.encode()).hexdigest()[:32]}"
 
 
 # The schema the log's table is found in along the search path, or else the
@@ -1115,6 +1126,9 @@ class SQLRecorder(ProcessRecorder):
         back if it raises; :meth:`abandon` rolls it back early. ``wait``: the
         seconds left to wait for the lock, when less than ``lock_wait`` is
         (a command that queued behind another in this process)."""
+        if self.dialect == "postgresql":
+            # Found once, and not with the lock held: appends notify its channel.
+            self.log_schema()
         with self._locked("LOCK TABLE catalog_events IN EXCLUSIVE MODE", wait=wait) as conn:
             yield conn
 
@@ -1792,7 +1806,8 @@ class SQLRecorder(ProcessRecorder):
                 " ON CONFLICT (id) DO UPDATE SET revision = excluded.revision,"
                 " hash = excluded.hash WHERE catalog_head.revision < excluded.revision"
                 " RETURNING (SELECT count(*) FROM updated) + (SELECT count(*) FROM created),"
-                f" pg_notify('{CHANNEL}', ''), setval({_REVISION_SEQUENCE}, %s)",
+                f" pg_notify('{channel_of(self.log_schema())}', ''),"
+                f" pg_notify('{CHANNEL_OF_0_2}', ''), setval({_REVISION_SEQUENCE}, %s)",
                 params,
             )
             row = cursor.fetchone()
@@ -1826,7 +1841,12 @@ class SQLRecorder(ProcessRecorder):
         with self._listener_lock:
             if self._listener is None or self._listener_pid != os.getpid():
                 url = self.engine.url.set(drivername="postgresql")
-                self._listener = Listener(url.render_as_string(hide_password=False))
+                # The channel as the writers name it, from the log's schema as
+                # this node's engine finds it: the LISTEN connection's settings
+                # of its own have no say.
+                self._listener = Listener(
+                    url.render_as_string(hide_password=False), channel_of(self.log_schema())
+                )
                 self._listener_pid = os.getpid()
             return self._listener
 
@@ -2022,8 +2042,9 @@ class Listener:
     watchers (the console's tabs, gateway replicas over HTTP) took every
     connection the server allows, from every node."""
 
-    def __init__(self, conninfo: str) -> None:
+    def __init__(self, conninfo: str, channel: str) -> None:
         self._conninfo = conninfo
+        self._channel = channel
         self._lock = threading.Lock()
         self._subscriptions: set[ListenSubscription] = set()
         self._listening = False
@@ -2065,7 +2086,7 @@ class Listener:
             settings = {k: v for k, v in LISTEN_SETTINGS.items() if k not in given}
             conninfo = make_conninfo(self._conninfo, **settings)
             with psycopg.connect(conninfo, autocommit=True) as conn:
-                conn.execute(f"LISTEN {CHANNEL}")
+                conn.execute(f"LISTEN {self._channel}")
                 with self._lock:
                     # Commits between a subscription's first pull and LISTEN
                     # would go unheard: each pulls again now.

@@ -47,7 +47,7 @@ from catalog_es.errors import (
 )
 from catalog_es.inputs import MAX_CHANGES, DeclaredConfig, load_config
 from catalog_es.model import model_id
-from catalog_es.persistence import database_unusable, refusals_table
+from catalog_es.persistence import channel_of, database_unusable, refusals_table
 from catalog_es.web import app as web_app
 from catalog_es.web.app import create_app
 from catalog_es.web.events import BATCH_MESSAGES, WAKE_UP_SECONDS, _next_batch
@@ -2106,6 +2106,11 @@ def test_a_stream_sends_the_changes_read_already_together_and_waits_for_no_more(
     assert [batch.count("id: ") for batch in came if batch] == [1]
 
 
+def _listen_statement(models: Models) -> str:
+    """What the LISTEN connection of ``models`` runs, as the server's sessions show it."""
+    return f"LISTEN {channel_of(models.store.log_schema())}"
+
+
 def test_followers_in_one_process_share_one_listen_connection(pg_url: str) -> None:
     """A LISTEN connection each, twenty open streams took twenty-five of the
     server's connections, which every node shares (hostile test)."""
@@ -2118,8 +2123,9 @@ def test_followers_in_one_process_share_one_listen_connection(pg_url: str) -> No
             return int(
                 conn.exec_driver_sql(
                     "SELECT count(*) FROM pg_stat_activity"
-                    " WHERE query = 'LISTEN catalog_events' AND datname = current_database()"
-                    " AND application_name = current_setting('application_name')"
+                    " WHERE query = %(listen)s AND datname = current_database()"
+                    " AND application_name = current_setting('application_name')",
+                    {"listen": _listen_statement(writer)},
                 ).scalar_one()
             )
 
@@ -2167,9 +2173,10 @@ def test_the_listen_connection_is_kept_alive_and_given_up_when_its_peer_goes(
             # The newest: an earlier test's may not have closed yet (seen once).
             return conn.exec_driver_sql(
                 "SELECT client_port FROM pg_stat_activity"
-                " WHERE query = 'LISTEN catalog_events' AND datname = current_database()"
+                " WHERE query = %(listen)s AND datname = current_database()"
                 " AND application_name = current_setting('application_name')"
-                " ORDER BY backend_start DESC LIMIT 1"
+                " ORDER BY backend_start DESC LIMIT 1",
+                {"listen": _listen_statement(writer)},
             ).scalar()
 
     _until(lambda: listen_port() is not None)

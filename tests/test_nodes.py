@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 import sqlalchemy as sa
 
@@ -26,7 +27,7 @@ from catalog_es.errors import Refused, StorageBusy
 from catalog_es.inputs import DeclaredConfig, load_config, model_from_data
 from catalog_es.mapper import decode_event
 from catalog_es.persistence import LOCK_WAIT_ENV
-from tests.helpers import count_events, log_rows, put_back
+from tests.helpers import count_events, log_rows, put_back, schema_of
 
 CONFIG = """
 models:
@@ -593,4 +594,106 @@ def test_a_lock_still_keeps_out_a_previous_release_node_and_is_kept_out_by_one(
         with pytest.raises(sa.exc.OperationalError, match="lock timeout"):
             conn.execute(sa.text(LOCKED_BY_0_2), {"name": lock})
     old_node.dispose()
+    node.close()
+
+
+# What 0.2.0 nodes listen on, the database over.
+CHANNEL_OF_0_2 = "catalog_events"
+
+
+def _followed(models: Models, after: int) -> tuple[application.Watch, list[int], threading.Thread]:
+    """A watch of ``models`` after ``after``, which only a notification wakes
+    (it would look by itself only after a minute), followed in a thread into
+    the list of revisions it gives; returned once it listens."""
+    watch = models.watch(after, poll_interval=60)
+    seen: list[int] = []
+    thread = threading.Thread(
+        target=lambda: seen.extend(event["revision"] for event in watch), daemon=True
+    )
+    thread.start()
+    listener = models.store.listener()
+    deadline = time.monotonic() + 10
+    while not listener._listening and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)  # the pull that listening starts with is done
+    return watch, seen, thread
+
+
+def _arrives(seen: list[int], revision: int, within: float = 3.0) -> bool:
+    deadline = time.monotonic() + within
+    while revision not in seen and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return revision in seen
+
+
+def test_a_follower_is_not_woken_by_another_schemas_writes_and_hears_its_own_at_once(
+    pg_schema_url: Callable[..., str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Catalogs kept in two schemas of one database (as the README tells) had
+    one NOTIFY channel: each write to one woke every follower of the other,
+    which read the log for nothing."""
+    a_url, b_url = pg_schema_url(ODD_SCHEMA), pg_schema_url()
+    team_a, team_b = (Models(DeclaredConfig(), env={"CATALOG_ES_DB": u}) for u in (a_url, b_url))
+    team_a.add(_definition("a", []), by="setup")
+    follower = Models(DeclaredConfig(), env={"CATALOG_ES_DB": a_url})
+    reads: list[int] = []
+    page_end = follower.store.page_end
+
+    def counted(*args: Any, **kwargs: Any) -> int | None:
+        reads.append(1)
+        return page_end(*args, **kwargs)
+
+    monkeypatch.setattr(follower.store, "page_end", counted)
+    watch, seen, thread = _followed(follower, team_a.revision)
+    read_before = len(reads)
+    team_b.add(_definition("b", []), by="other team")
+    team_b.scale("b", 0, 2, by="other team")
+    time.sleep(0.5)  # long enough for a wake-up to have read
+    assert len(reads) == read_before
+    written = team_a.scale("a", 0, 2, by="ops").revision
+    assert _arrives(seen, written)
+    watch.stop()
+    thread.join(5)
+    for models in (team_a, team_b, follower):
+        models.close()
+
+
+@pytest.mark.parametrize("search_path", ["nowhere,{a}", '"$user",{a}', "{other},{a}"])
+def test_a_follower_hears_writes_however_its_search_path_finds_the_log(
+    pg_schema_url: Callable[..., str], search_path: str
+) -> None:
+    """The writer's notifications name its log's schema, and so must what the
+    follower listens to, whatever schemas its search path names before the
+    log's: one missing, the role's own (``$user``, missing too), or another
+    that exists but holds no log (where new tables would go)."""
+    a_url, other_url = pg_schema_url(), pg_schema_url()
+    writer = Models(DeclaredConfig(), env={"CATALOG_ES_DB": a_url})
+    writer.add(_definition("a", []), by="setup")
+    schemas = {"a": schema_of(a_url), "other": schema_of(other_url)}
+    options = f"-csearch_path={search_path.format(**schemas)}"
+    follower_url = sa.make_url(a_url).update_query_dict({"options": options})
+    follower = Models(
+        DeclaredConfig(),
+        env={"CATALOG_ES_DB": follower_url.render_as_string(hide_password=False)},
+    )
+    watch, seen, thread = _followed(follower, writer.revision)
+    written = writer.scale("a", 0, 2, by="ops").revision
+    assert _arrives(seen, written)
+    watch.stop()
+    thread.join(5)
+    for models in (writer, follower):
+        models.close()
+
+
+def test_a_previous_release_follower_still_hears_this_releases_writes(pg_url: str) -> None:
+    """A 0.2.0 follower waits for a notification on the channel of the whole
+    database, and has no other way to learn of a write (it does not look by
+    itself): this release's writes still notify it."""
+    node = Models(DeclaredConfig(), env={"CATALOG_ES_DB": pg_url})
+    conninfo = sa.make_url(pg_url).set(drivername="postgresql").render_as_string(False)
+    with psycopg.connect(conninfo, autocommit=True) as old_follower:
+        old_follower.execute(f"LISTEN {CHANNEL_OF_0_2}")
+        node.add(_definition("a", []), by="ops")
+        heard = list(old_follower.notifies(timeout=3, stop_after=1))
+    assert [n.channel for n in heard] == [CHANNEL_OF_0_2]
     node.close()

@@ -16,7 +16,6 @@ import tempfile
 import threading
 import time
 import tracemalloc
-import uuid
 import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -1610,9 +1609,6 @@ def test_a_stop_just_as_a_watch_looks_for_more_is_not_lost(
     wake-up to read again, was wiped by that reset: finding nothing, the
     watch waited on (on PostgreSQL until another commit; forever once its
     LISTEN connection had failed). Forced here at that moment (review)."""
-    # A channel of its own: another test worker's commits would wake the
-    # watch, which would then see the stop whatever the reset did.
-    monkeypatch.setattr(persistence, "CHANNEL", f"catalog_events_{uuid.uuid4().hex[:12]}")
     writer = open_models()
     writer.add(spec("a"), by="x")
     watch = writer.watch(1, poll_interval=60)
@@ -1934,8 +1930,8 @@ def test_a_postgresql_watch_that_hears_no_notification_still_follows(
     writer = Models(load_config(None), env={"CATALOG_ES_DB": pg_url})
     writer.add(spec("a"), by="x")
     follower = Models(load_config(None), env={"CATALOG_ES_DB": pg_url})
-    channel = persistence.CHANNEL
-    monkeypatch.setattr(persistence, "CHANNEL", "nobody_notifies_this")
+    channel_of = persistence.channel_of
+    monkeypatch.setattr(persistence, "channel_of", lambda schema: "nobody_notifies_this")
     seen: list[int] = []
 
     def follow() -> None:
@@ -1949,7 +1945,7 @@ def test_a_postgresql_watch_that_hears_no_notification_still_follows(
     deadline = time.monotonic() + 10
     while not listener._listening and time.monotonic() < deadline:
         time.sleep(0.01)
-    monkeypatch.setattr(persistence, "CHANNEL", channel)
+    monkeypatch.setattr(persistence, "channel_of", channel_of)
     time.sleep(0.5)  # the watch has looked, once listening, and waits
     written = writer.scale("a", 0, 2, by="x").revision
     thread.join(timeout=5)
