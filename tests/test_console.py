@@ -768,7 +768,8 @@ def test_console_says_when_it_cannot_follow_the_log_or_the_log_went_back(
         app.state.closing.clear()
         expect(page.locator("#went-back")).to_contain_text(
             "The log went back: its last revision is now 2, where this page had seen 4; "
-            "revisions 3–4 were lost"
+            "revisions 3–4 were lost (a backup restored, or a failover to a copy that had not "
+            "received them; catalog-es verify says whether the log was edited)"
         )
         expect(heading).to_have_text("now, revision 2")
         expect(dot).to_have_class("live on")

@@ -753,7 +753,8 @@ function wentBack() {
     "p",
     { class: "error", id: "went-back", role: "alert" },
     `The log went back: its last revision is now ${to}, where this page had seen ${from}; ${gone} lost ` +
-      "(a backup restored, or a failover to a copy that had not received them). What is shown is the log as it is now. ",
+      "(a backup restored, or a failover to a copy that had not received them; catalog-es verify says " +
+      "whether the log was edited). What is shown is the log as it is now. ",
     h("button", { type: "button", id: "went-back-dismiss", onclick: () => ((state.lost = null), note.remove()) }, "Dismiss")
   );
   return note;
