@@ -186,11 +186,12 @@ def channel_of(schema: str) -> str:
 
 
 # The schema the log's table is found in along the search path, or else the
-# one tables are made in (empty when the path names no schema there is).
+# one tables are made in (empty when the path names no schema there is), and
+# whether the table was found.
 _LOG_SCHEMA = (
-    "SELECT coalesce((SELECT n.nspname FROM pg_class c JOIN pg_namespace n"
-    " ON n.oid = c.relnamespace WHERE c.oid = to_regclass('catalog_events')),"
-    " current_schema(), '')"
+    "SELECT coalesce(n.nspname, current_schema(), ''), n.nspname IS NOT NULL"
+    " FROM (SELECT 1) AS one LEFT JOIN pg_class c ON c.oid = to_regclass('catalog_events')"
+    " LEFT JOIN pg_namespace n ON n.oid = c.relnamespace"
 )
 
 # The events' columns on PostgreSQL, as append lays each row out.
@@ -1089,9 +1090,8 @@ class SQLRecorder(ProcessRecorder):
         schema = self.log_schema() if self.dialect == "postgresql" else None
         # 0.2.0's nodes take the lock by name alone, the database over: taken
         # shared by name too, it still keeps them out during a rolling upgrade
-        # while this release's nodes of other schemas share it. Shared first:
-        # the other way round, a 0.2.0 node queued between two of this
-        # release's of one schema would close a deadlock.
+        # while this release's nodes of other schemas share it. Taken first,
+        # so that a node waiting for it holds nothing another node waits for.
         with self._locked(
             "SELECT pg_advisory_xact_lock_shared(hashtext(%(name)s))",
             "SELECT pg_advisory_xact_lock(hashtext(%(schema)s), hashtext(%(name)s))",
@@ -1108,13 +1108,14 @@ class SQLRecorder(ProcessRecorder):
         are made, the schema they will be made in: the same for every node of
         one catalog, however its search path reads. Empty when the path names
         no schema there is (then the tables can be neither made nor used,
-        which says so); looked up again until there is one."""
+        which says so). Kept once the tables are found: until then, another
+        node may make them in another schema of the path."""
         if self._log_schema is None:
             with self.engine.connect() as conn:
-                schema: str = conn.exec_driver_sql(_LOG_SCHEMA).scalar_one()
-            if not schema:
-                return schema
-            self._log_schema = schema
+                schema, found = conn.exec_driver_sql(_LOG_SCHEMA).one()
+            if not found:
+                return str(schema)
+            self._log_schema = str(schema)
         return self._log_schema
 
     # -- transactions ------------------------------------------------------------
@@ -1205,7 +1206,13 @@ class SQLRecorder(ProcessRecorder):
                         )
                     else:
                         conn.exec_driver_sql(begin + timeout)
-                        for postgresql_lock in postgresql_locks:
+                        deadline = time.monotonic() + waiting
+                        for i, postgresql_lock in enumerate(postgresql_locks):
+                            if i:
+                                # lock_timeout bounds each wait, not all of them: the
+                                # next lock gets what is left of the one wait.
+                                left = milliseconds(deadline - time.monotonic())
+                                conn.exec_driver_sql(f"SET LOCAL lock_timeout = '{left}ms'")
                             conn.exec_driver_sql(postgresql_lock, params)
                 yield conn
         except sa.exc.OperationalError as error:

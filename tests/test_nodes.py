@@ -27,7 +27,7 @@ from catalog_es.application import Models
 from catalog_es.errors import Refused, StorageBusy
 from catalog_es.inputs import DeclaredConfig, load_config, model_from_data
 from catalog_es.mapper import decode_event
-from catalog_es.persistence import LOCK_WAIT_ENV
+from catalog_es.persistence import LOCK_WAIT_ENV, SQLRecorder, create_engine
 from tests.helpers import count_events, log_rows, put_back, schema_of
 
 CONFIG = """
@@ -689,6 +689,48 @@ def test_a_follower_hears_writes_however_its_search_path_finds_the_log(
     thread.join(5)
     for models in (writer, follower):
         models.close()
+
+
+def test_a_node_that_looked_before_the_tables_were_made_finds_them_where_they_were_made(
+    pg_schema_url: Callable[..., str],
+) -> None:
+    """Before the tables are made, a node takes the first schema of its path
+    for theirs; another node may then make them in another schema of that
+    path. Kept, the guess had the first lock and notify in a schema no other
+    node of the catalog used."""
+    first_url, log_url = pg_schema_url(), pg_schema_url()
+    schemas = f"{schema_of(first_url)},{schema_of(log_url)}"
+    url = sa.make_url(log_url).update_query_dict({"options": f"-csearch_path={schemas}"})
+    early = SQLRecorder(create_engine(url.render_as_string(False)), create_tables=False)
+    assert early.log_schema() == schema_of(first_url)
+    maker = Models(DeclaredConfig(), env={"CATALOG_ES_DB": log_url})
+    assert early.log_schema() == maker.store.log_schema() == schema_of(log_url)
+    early.engine.dispose()
+    maker.close()
+
+
+def test_a_lock_taken_in_two_steps_waits_one_wait_in_all(pg_url: str) -> None:
+    """PostgreSQL's lock_timeout bounds each wait for a lock: behind a 0.2.0
+    node for the first lock and another node for the second, a node waited
+    its wait twice over before it was told it was busy."""
+    node = Models(DeclaredConfig(), env={"CATALOG_ES_DB": pg_url})
+    others = sa.create_engine(pg_url)
+    name = "catalog_es.audit"
+    with others.begin() as new_node, others.begin() as old_node:
+        new_node.execute(
+            sa.text("SELECT pg_advisory_xact_lock(hashtext(:schema), hashtext(:name))"),
+            {"schema": node.store.log_schema(), "name": name},
+        )
+        old_node.execute(sa.text(LOCKED_BY_0_2), {"name": name})
+        # The old node lets go half way through the wait; the other holds on.
+        threading.Timer(0.5, old_node.rollback).start()
+        start = time.monotonic()
+        with pytest.raises(StorageBusy), node.store.locked(name, wait=1.0):
+            pass
+        waited = time.monotonic() - start
+    assert 0.9 <= waited < 1.3
+    others.dispose()
+    node.close()
 
 
 def test_a_previous_release_follower_still_hears_this_releases_writes(pg_url: str) -> None:
