@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from datetime import UTC, date, datetime, timedelta
 from functools import lru_cache
 from pathlib import Path
-from typing import Annotated, Any, BinaryIO, NoReturn, TypeVar
+from typing import Annotated, Any, BinaryIO, ClassVar, NoReturn, TypeVar
 
 import msgspec
 import yaml
@@ -157,6 +157,8 @@ class ModelInput(_Input):
     effective_class: str | None = None
     declared: bool = False
     warnings: list[str] | None = None
+    # Whether given warnings must be those this release works out.
+    warnings_checked: ClassVar[bool] = True
 
     @field_validator("effective_class")
     @classmethod
@@ -188,7 +190,7 @@ class ModelInput(_Input):
     @classmethod
     def _warned_of(cls, value: list[str] | None, info: ValidationInfo) -> list[str] | None:
         name, profiles = info.data.get("name"), info.data.get("profiles")
-        if value is None or name is None or profiles is None:
+        if value is None or name is None or profiles is None or not cls.warnings_checked:
             return value  # not given, or what it is checked against was refused
         missing = profiles_missing_memory(
             msgspec.convert([p.model_dump() for p in profiles], list[Profile])
@@ -220,11 +222,21 @@ class RuntimeModelInput(ModelInput):
     origin: MaybeOrigin = None
 
 
+class DeclaredModelInput(ModelInput):
+    """A model of the config file, whose ``warnings``, pasted from ``model
+    show``, are not held to this release's: another release words them
+    otherwise, or warns of more (a branch as a declared origin's revision,
+    since 0.3.0), and a config that loaded must not stop every node after an
+    upgrade. A model added at runtime is refused with what they should be."""
+
+    warnings_checked = False
+
+
 class ConfigInput(_Input):
     engines: list[str] | None = None
     # Said even when empty: a file cut short after its engines declared
     # nothing, and every declared model went out of force.
-    models: Items[ModelInput]
+    models: Items[DeclaredModelInput]
 
 
 def _checked_engines(engines: list[str] | None) -> tuple[str, ...]:

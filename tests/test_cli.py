@@ -334,6 +334,22 @@ def test_a_declared_origin_on_a_branch_loads_and_says_it_is_no_commit(
     assert rows() == before
 
 
+def test_a_config_pasted_from_another_release_s_show_loads_whatever_its_warnings_say(
+    run: Run, write: Any
+) -> None:
+    """Warnings are worked out, and each release works out its own: one more
+    (the declared origin's, since 0.3.0) had every command refuse a config
+    that 0.2.0 loaded. A model added at runtime is still held to them."""
+    shown = definition("d", warnings=["a warning another release gave"])
+    config = write("pasted.yaml", as_yaml({"models": [shown]}))
+    listed = json.loads(ok(run("--config", config, "model", "list", "--json")).stdout)
+    assert [m["name"] for m in listed] == ["d"]
+    added = write("r.json", as_json({**shown, "name": "r"}))
+    assert "warnings: are worked out, not set" in refused_in_one_line(
+        run("--config", config, "model", "add", added)
+    )
+
+
 def test_a_name_no_model_can_have_is_kept_in_the_refusals_by_every_command(
     run: Run, write: Any, rows: Callable[[], int]
 ) -> None:
