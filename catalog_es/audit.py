@@ -341,22 +341,30 @@ def _json(views: list[str]) -> bytes:
     return "".join(["[", ",".join(_checked(views)), "]"]).encode()
 
 
-class _RowShape(msgspec.Struct):
-    """A row's view with the keys every row has, their values skipped, not
-    built: what :func:`_checked` reads a row as. An object without them (``{}``)
-    went out as a row, and the CLI's table failed on it as a bug."""
+class _ChangeShape(msgspec.Struct):
+    field: str
+    before: msgspec.Raw
+    after: msgspec.Raw
 
-    revision: msgspec.Raw
-    time: msgspec.Raw
-    by: msgspec.Raw
-    reason: msgspec.Raw
-    model: msgspec.Raw
-    event: msgspec.Raw
-    class_version: msgspec.Raw
+
+class _RowShape(msgspec.Struct):
+    """A row's view with the keys every row has, of the types the CLI's table
+    and the console read, the definitions in it skipped, not built: what
+    :func:`_checked` reads a row as. A row without them (``{}``), or with a
+    number for its changes, went out as a row, and the CLI's table failed on
+    it as a bug."""
+
+    revision: int
+    time: str | None
+    by: str | None
+    reason: str | None
+    model: str | None
+    event: str
+    class_version: int | None
     fields: msgspec.Raw
-    rollback_to: msgspec.Raw
-    skipped: msgspec.Raw
-    changes: msgspec.Raw
+    rollback_to: int | None
+    skipped: str | None
+    changes: list[_ChangeShape]
     before: msgspec.Raw
     after: msgspec.Raw
 

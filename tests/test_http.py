@@ -2300,9 +2300,16 @@ def test_history_audit_refusals_and_verify(api: Api) -> None:
         ("{row},{row}", "JSON is malformed: trailing characters (byte {length})"),
         # Sound JSON, but no row: the console and the CLI's table read its keys.
         ("{}", "Object missing required field `revision`"),
-        ('{"revision": ' + "[" * 100_000 + "]" * 100_000 + "}", "nested too deep"),
+        ('{"fields": ' + "[" * 100_000 + "]" * 100_000 + "}", "nested too deep"),
+        # What the CLI's table and the console read of a row, of another type.
+        (
+            '{"revision": 3, "time": null, "by": null, "reason": null, "model": "qwen",'
+            ' "event": "Scaled", "class_version": 1, "fields": {}, "rollback_to": null,'
+            ' "skipped": null, "changes": 5, "before": null, "after": null}',
+            "Expected `array`, got `int` - at `$.changes`",
+        ),
     ],
-    ids=["cut short", "not an object", "two objects", "no row's keys", "nested deep"],
+    ids=["cut short", "not an object", "two objects", "no row's keys", "nested deep", "a number"],
 )
 def test_a_damaged_audit_row_is_a_500_naming_replay_not_a_broken_answer(
     api: Api, view: str, problem: str
