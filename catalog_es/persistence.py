@@ -743,6 +743,15 @@ def _busy_timeout(conn: Connection, seconds: float) -> None:
 # operator.
 _SQLITE_UNUSABLE = {"OperationalError", "DatabaseError"}
 _SQLITE_OUTAGES = {"BUSY", "LOCKED", "FULL", "IOERR", "NOMEM", "CANTOPEN"}
+# What SQLite's words leave out. A database read while it could not be
+# written leaves its -shm file so for every later writer (a hostile test:
+# chmod 444, a read, chmod 644, and every write refused); a disk with no
+# room for the -shm file says "disk I/O error" to reads and writes alike.
+_SQLITE_HINTS = {
+    "READONLY": " (the file, its folder, and its -wal and -shm files beside it must all be"
+    " writable)",
+    "IOERR": " (a full disk, or a failing one?)",
+}
 # PostgreSQL's, by SQLSTATE. Outages, which pass: no connection (class 08),
 # out of resources (53), shut down, shutting down or not yet up
 # (57P01-57P03: a restart or a failover ends sessions with these), a server
@@ -796,7 +805,8 @@ def database_unusable(error: BaseException) -> Unusable | None:
         if kind.__name__ not in _SQLITE_UNUSABLE:
             return None
         code = (getattr(driver, "sqlite_errorname", None) or "").removeprefix("SQLITE_")
-        return Unusable(said, lasting=code.split("_")[0] not in _SQLITE_OUTAGES)
+        hint = _SQLITE_HINTS.get(code.split("_")[0], "")
+        return Unusable(said + hint, lasting=code.split("_")[0] not in _SQLITE_OUTAGES)
     if package != "psycopg":
         return None
     state: str | None = getattr(driver, "sqlstate", None)

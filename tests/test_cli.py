@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import select
+import shutil
 import signal
 import sqlite3
 import subprocess
@@ -1489,6 +1490,44 @@ def test_sqlite_errors_that_pass_are_told_from_those_an_operator_must_mend(
             sqlite3.connect(path).execute("SELECT * FROM catalog_events")
         unusable = database_unusable(raised.value)
         assert unusable is not None and unusable.lasting is lasting, path
+
+
+def test_a_database_that_cannot_be_written_says_which_files_must_be(tmp_path: Path) -> None:
+    """SQLite's "attempt to write a readonly database" named no file: a read
+    while the database could not be written leaves a -shm file no later
+    writer may write (hostile test), and nothing said to look there."""
+    url = f"sqlite:///{tmp_path}/catalog.db"
+    assert CliRunner().invoke(cli, ["--db", url, "revision"]).exit_code == 0
+    with pytest.raises(sqlite3.Error) as raised:
+        uri = f"file:{tmp_path}/catalog.db?mode=ro"
+        sqlite3.connect(uri, uri=True).execute("DELETE FROM catalog_events")
+    unusable = database_unusable(raised.value)
+    assert unusable is not None and unusable.said == (
+        "attempt to write a readonly database (the file, its folder, and its -wal and -shm"
+        " files beside it must all be writable)"
+    )
+
+
+def test_a_disk_with_no_room_for_the_shared_memory_file_is_said_to_be_full_or_failing(
+    tmp_path: Path,
+) -> None:
+    """SQLite says "disk I/O error" when it cannot size its -shm file, which a
+    full disk refuses to reads and writes alike (hostile test)."""
+    if shutil.which("strace") is None:
+        pytest.fail("this test makes the disk fail with strace: `apt-get install -y strace`")
+    url = f"sqlite:///{tmp_path}/catalog.db"
+    assert CliRunner().invoke(cli, ["--db", url, "revision"]).exit_code == 0
+    (tmp_path / "catalog.db-shm").unlink(missing_ok=True)
+    no_room = ["strace", "-f", "-q", "-o", "/dev/null", "-e", "inject=ftruncate:error=ENOSPC"]
+    failed = subprocess.run(
+        [*no_room, sys.executable, "-m", "catalog_es", "--db", url, "revision"],
+        capture_output=True,
+        text=True,
+    )
+    assert (failed.returncode, failed.stdout) == (1, "")
+    assert failed.stderr == (
+        "error: the database could not be used: disk I/O error (a full disk, or a failing one?)\n"
+    )
 
 
 @pytest.mark.parametrize(
