@@ -52,6 +52,7 @@ from catalog_es.persistence import (
     LOCK_WAIT_ENV,
     SYNC_ENV,
     WAL_CHECKPOINT_PAGES,
+    WAL_SIZE_LIMIT_BYTES,
     WRITE_IDLE_ENV,
     WRITER_CACHE_KIB,
     SQLRecorder,
@@ -899,6 +900,30 @@ def test_the_writers_page_cache_never_reaches_a_reader(tmp_path: Path) -> None:
                 assert reader.exec_driver_sql("PRAGMA cache_size").scalar() != -WRITER_CACHE_KIB
     finally:
         engine.dispose()
+
+
+def test_the_wal_a_long_reader_made_grow_is_cut_back_once_it_lets_go(tmp_path: Path) -> None:
+    """A reader holding a transaction open keeps every write since in the
+    -wal file, which SQLite then kept at its largest until the last
+    connection closed: for as long as a server ran (hostile test)."""
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": f"sqlite:///{tmp_path}/c.db"})
+    names = [f"m{i}" for i in range(1000)]
+    models.apply_changes([commands.add(model_spec(name)) for name in names], by="ops")
+    wal = tmp_path / "c.db-wal"
+    reader = sqlite3.connect(tmp_path / "c.db", isolation_level=None)
+    reader.execute("BEGIN")
+    reader.execute("SELECT count(*) FROM catalog_events").fetchall()
+    round_ = 0
+    while wal.stat().st_size <= WAL_SIZE_LIMIT_BYTES * 1.25:
+        round_ += 1
+        steps = [commands.scale(name, 0, 2 + round_ % 3) for name in names]
+        models.apply_changes(steps, by="ops")
+    reader.execute("ROLLBACK")
+    reader.close()
+    for maximum in (7, 8):  # the first commit's checkpoint empties it, the next starts it over
+        models.scale("m0", 0, maximum, by="ops")
+    assert wal.stat().st_size <= WAL_SIZE_LIMIT_BYTES
+    models.close()
 
 
 def test_a_writer_sqlalchemy_invalidated_is_made_anew_with_its_settings(db_url: str) -> None:
