@@ -12,6 +12,8 @@ import json
 import logging
 import os
 import queue
+import re
+import resource
 import signal
 import socket
 import subprocess
@@ -1755,6 +1757,74 @@ def test_serve_started_with_ctrl_c_ignored_keeps_ignoring_it(
         server.kill()
     assert (server.returncode, out) == (0, "")
     assert (said + err).endswith("\nstopped\n"), said + err
+
+
+# Descriptors the server below may hold: enough to start and answer, far
+# fewer than the clients that then connect and wait.
+SMALL_DESCRIPTOR_LIMIT = 20
+
+
+def test_serve_out_of_descriptors_says_so_in_a_line_and_answers_once_clients_leave(
+    tmp_path: Path, config_file: str
+) -> None:
+    """Under ``ulimit -n 20``, 30 idle clients made asyncio tell each failed
+    accept(), each a traceback, up to 2048 a tick: 5.8 MB of stderr a second
+    at 97% CPU, enough to fill the database's disk (hostile test). Told once
+    in a line now, with how many since every few seconds."""
+    db = f"sqlite:///{tmp_path}/serve.db"
+    tokens = tmp_path / "tokens.json"
+    secret = TokenStore(tokens).add("ops", "read")[1]
+    command = [sys.executable, "-m", "catalog_es", "--db", db, "--config", config_file]
+    command += ["serve", "--port", "0", "--tokens", str(tokens)]
+    stderr = tmp_path / "stderr.txt"
+
+    def limited() -> None:
+        limit = SMALL_DESCRIPTOR_LIMIT
+        resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+
+    with stderr.open("w") as stderr_file:
+        server = subprocess.Popen(
+            command, stdout=subprocess.DEVNULL, stderr=stderr_file, preexec_fn=limited
+        )
+    clients: list[socket.socket] = []
+    try:
+        deadline = time.monotonic() + 30
+        while not (
+            serving := re.search(r"serving the catalog .* on (http://\S+?)/", stderr.read_text())
+        ):
+            assert server.poll() is None and time.monotonic() < deadline, stderr.read_text()
+            time.sleep(0.05)
+        url = serving[1]
+        port = int(url.rsplit(":", 1)[1])
+        started_size = stderr.stat().st_size
+        # Connected, never a request: the kernel queues them, asyncio cannot accept them.
+        clients = [socket.create_connection(("127.0.0.1", port)) for _ in range(40)]
+        time.sleep(3)
+        said = stderr.read_text()[started_size:]
+        assert len(said) < 2_000, said[:3_000]
+        told = [line for line in said.splitlines() if "accept" in line]
+        assert len(told) == 1, said
+        assert told[0].startswith("warning: ") and "limit 20" in told[0] and "ulimit -n" in told[0]
+        for client in clients:
+            client.close()
+        # The failed accepts are tried again once a second.
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                answer = httpx.get(f"{url}/revision", headers=bearer(secret), timeout=2)
+                if answer.status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "no answer once the clients left"
+            time.sleep(0.2)
+    finally:
+        for client in clients:
+            client.close()
+        server.terminate()
+        server.wait(timeout=10)
+    said = stderr.read_text()
+    assert "Logging error" not in said and "Traceback" not in said, said[:3_000]
 
 
 @pytest.mark.parametrize("config", ["changed", "recorded"])

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import copy
+import errno
 import gc
 import logging
+import resource
 import signal
 import socket
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import FrameType
+from typing import Any
 
 import click
 
@@ -142,6 +146,10 @@ def serve(
             logging.getLogger("uvicorn.access").setLevel(logging.INFO)
 
         class Server(uvicorn.Server):
+            async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+                asyncio.get_running_loop().set_exception_handler(AcceptErrorsTold())
+                await super().serve(sockets)
+
             def handle_exit(self, sig: int, frame: FrameType | None) -> None:
                 if sig == signal.SIGINT and interrupt_ignored:
                     return
@@ -151,6 +159,87 @@ def serve(
                 super().handle_exit(sig, frame)
 
         Server(config).run(sockets=sockets)
+
+
+log = logging.getLogger(__name__)
+
+# How often, at most, a server tells that it cannot accept connections.
+ACCEPT_ERRORS_TOLD_EVERY = 10.0
+
+
+class AcceptErrorsTold:
+    """A server's event loop's exception handler: a connection it cannot
+    accept (out of descriptors, say) told in one line, and then, every
+    ``every`` seconds while they go on, how many accepts failed since; any
+    other exception to the loop's default handler.
+
+    asyncio tells each failed accept() with its traceback and tries again a
+    second later, as many times a tick as the listening backlog (uvicorn's
+    2048): under ``ulimit -n 20``, 30 idle clients made 5.8 MB of stderr a
+    second, at 97% CPU, enough to fill the database's disk (hostile test)."""
+
+    def __init__(self, every: float = ACCEPT_ERRORS_TOLD_EVERY) -> None:
+        self.every = every
+        self.failed_since_told = 0
+        self._next_count: asyncio.TimerHandle | None = None
+
+    def __call__(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        error = context.get("exception")
+        if not (isinstance(error, OSError) and _accepting(context)):
+            loop.default_exception_handler(context)
+        elif self._next_count is None:
+            # The first in a while: told at once.
+            log.warning(
+                "%s: a connection could not be accepted (it waits, tried again each "
+                "second); %s; how many more fail is told every %g s",
+                _why_not_accepted(error),
+                _remedy(error),
+                self.every,
+            )
+            self._next_count = loop.call_later(self.every, self._tell_count, error)
+        else:
+            self.failed_since_told += 1
+
+    def _tell_count(self, error: OSError) -> None:
+        if not self.failed_since_told:
+            self._next_count = None  # over: the next is told at once
+            return
+        log.warning(
+            "%s: accept() failed %s times in the last %g s (clients wait, or give up); %s",
+            _why_not_accepted(error),
+            f"{self.failed_since_told:,}",
+            self.every,
+            _remedy(error),
+        )
+        self.failed_since_told = 0
+        self._next_count = asyncio.get_running_loop().call_later(
+            self.every, self._tell_count, error
+        )
+
+
+def _accepting(context: dict[str, Any]) -> bool:
+    """Whether the loop's ``context`` tells an accept() that failed: out of a
+    resource (asyncio's own message), or with any other error, which asyncio
+    raises out of its accept callback, to be told again each tick."""
+    message = str(context.get("message", ""))
+    return message.startswith("socket.accept()") or "_accept_connection" in message
+
+
+def _why_not_accepted(error: OSError) -> str:
+    if error.errno == errno.EMFILE:
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        return f"out of file descriptors (limit {soft})"
+    if error.errno == errno.ENFILE:
+        return "the system is out of file descriptors"
+    return f"cannot accept connections: {error.strerror or error}"
+
+
+def _remedy(error: OSError) -> str:
+    if error.errno == errno.EMFILE:
+        return "raise the limit (ulimit -n) or serve fewer clients at once"
+    if error.errno == errno.ENFILE:
+        return "raise the system's (sysctl fs.file-max) or close what holds them"
+    return "it is tried again each second"
 
 
 @contextmanager
