@@ -1627,6 +1627,30 @@ def test_a_warning_escapes_its_line_and_leaves_a_traceback_readable() -> None:
     assert lines[-1] == "ValueError: inner"
 
 
+def test_a_warning_is_escaped_with_no_descriptor_to_spare() -> None:
+    """Escaping needs the ``unicode_escape`` codec, which Python imports on
+    first use, from a file: out of descriptors, each warning with a line
+    break (asyncio's) was ``--- Logging error ---`` and a stack (hostile test)."""
+    script = """
+import logging, os, sys
+from catalog_es.cli.base import VisibleWarnings
+handler = logging.StreamHandler(sys.stderr)
+handler.setFormatter(VisibleWarnings("warning: %(message)s"))
+logging.basicConfig(handlers=[handler])
+held = []
+try:
+    while True:
+        held.append(os.open(os.devnull, os.O_RDONLY))
+except OSError:
+    pass
+logging.getLogger("catalog_es").warning("two\\nlines \\x1b[2J")
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.stderr == "warning: two\\nlines \\x1b[2J\n", done.stderr
+
+
 def test_a_bare_postgresql_url_means_psycopg(pg_url: str) -> None:
     bare = pg_url.replace("postgresql+psycopg://", "postgresql://", 1)
     assert bare != pg_url

@@ -7,6 +7,7 @@ or JSON with ``--json``), warnings and errors to stderr. Exit 0 on success,
 
 from __future__ import annotations
 
+import codecs
 import io
 import logging
 import os
@@ -291,6 +292,12 @@ def read_as_usage(ctx: click.Context, read: Callable[..., T], *args: Any, **kwar
         return read(*args, **kwargs)
     except InputError as error:
         raise click.UsageError(str(error), ctx) from None
+
+
+# Looked up now, not as a warning is first escaped: Python imports a codec on
+# first use, from a file, and a server out of descriptors then told each of
+# its warnings as "--- Logging error ---" and a stack (hostile test).
+codecs.lookup("unicode_escape")
 
 
 def visible(text: str) -> str:
