@@ -38,7 +38,7 @@ from hypothesis import strategies as st
 from catalog_es import commands
 from catalog_es.application import Models
 from catalog_es.cli import cli
-from catalog_es.cli.serve import _listening
+from catalog_es.cli.serve import AcceptErrorsTold, _listening
 from catalog_es.errors import (
     UNSAFE_TEXT,
     InputError,
@@ -1825,6 +1825,36 @@ def test_serve_out_of_descriptors_says_so_in_a_line_and_answers_once_clients_lea
         server.wait(timeout=10)
     said = stderr.read_text()
     assert "Logging error" not in said and "Traceback" not in said, said[:3_000]
+    (low,) = [line for line in said.splitlines() if "file descriptor limit" in line]
+    assert low.startswith("warning: the file descriptor limit is 20 (ulimit -n), below the 384 ")
+
+
+def test_failed_accepts_are_told_at_once_then_counted_and_other_errors_as_asyncio_tells_them(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    told = AcceptErrorsTold(every=0.05)
+    out_of_descriptors = {
+        "message": "socket.accept() out of system resource",
+        "exception": OSError(errno.EMFILE, "Too many open files"),
+    }
+
+    async def fail_accepts() -> None:
+        loop = asyncio.get_running_loop()
+        for _ in range(5):
+            told(loop, out_of_descriptors)
+        await asyncio.sleep(0.08)  # after the count is told (the timers run in order)
+        await asyncio.sleep(0.08)  # after a count of none, which ends it
+        told(loop, out_of_descriptors)
+        told(loop, {"message": "something else", "exception": ValueError("other")})
+
+    with caplog.at_level(logging.WARNING):
+        asyncio.run(fail_accepts())
+    first, count, again, other = caplog.records
+    assert first.getMessage().startswith("out of file descriptors (limit ")
+    assert "a connection could not be accepted" in first.getMessage()
+    assert ": accept() failed 4 times in the last 0.05 s " in count.getMessage()
+    assert again.getMessage() == first.getMessage()
+    assert (other.name, other.getMessage()) == ("asyncio", "something else")
 
 
 @pytest.mark.parametrize("config", ["changed", "recorded"])

@@ -99,6 +99,7 @@ def serve(
             f"who can write it can add a token; chmod 600 {tokens.path}",
             err=True,
         )
+    _warn_if_few_descriptors(max_watches)
     if not host:
         # The system's "no host" is every interface: an unset variable
         # (--host "$HOST") must not open the API to the network.
@@ -240,6 +241,29 @@ def _remedy(error: OSError) -> str:
     if error.errno == errno.ENFILE:
         return "raise the system's (sysctl fs.file-max) or close what holds them"
     return "it is tried again each second"
+
+
+# Descriptors a server may hold besides its event streams' sockets: SQLite's
+# pool at its peak (15 connections, each the database, its WAL and its shared
+# memory: 45), the requests under way (40 threads), the listener, the loop's
+# own, standard streams, the tokens file as it is read, and a margin.
+DESCRIPTORS_BESIDES_STREAMS = 128
+
+
+def _warn_if_few_descriptors(max_watches: int) -> None:
+    """A line at start when the descriptor limit is lower than a server at
+    its --max-watches can need: beyond it, clients are left waiting, unseen
+    until they are (hostile test). Linux's usual 1024 is enough for 256."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    needed = max_watches + DESCRIPTORS_BESIDES_STREAMS
+    if soft != resource.RLIM_INFINITY and soft < needed:
+        say(
+            f"warning: the file descriptor limit is {soft} (ulimit -n), below the "
+            f"{needed} a server can need (one for each client, up to {max_watches} "
+            f"event streams, and 3 for each SQLite connection): clients beyond it "
+            f"are left waiting; raise it (ulimit -n 4096)",
+            err=True,
+        )
 
 
 @contextmanager
