@@ -146,6 +146,29 @@ class Refused(Exception):
         return self.message
 
 
+class OutcomeUnknown(Exception):
+    """A write failed at its commit, once the commit had begun: the disk
+    failed the sync of its frames (SQLite's commit is in the -wal file all
+    the same, and a recovery of the file puts it back), or the session
+    ended while the server committed. It may stand or not: not a refusal,
+    which says nothing was written. ``message`` is for any client;
+    ``str()`` adds what the database said, for the operator."""
+
+    def __init__(self, first: int, last: int, said: str) -> None:
+        self.first = first
+        self.last = last
+        self.said = said
+        where = f"revision {last}" if first == last else f"revisions {first} to {last}"
+        self.message = (
+            "the write's outcome is unknown: its commit failed;"
+            f" if it was written, the log holds it as {where}"
+        )
+        super().__init__(self.message)
+
+    def __str__(self) -> str:
+        return self.message.replace("failed;", f"failed ({self.said});", 1)
+
+
 class InvalidModel(Refused):
     """A model, or the catalog it would be part of, does not validate."""
 

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import signal
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -27,17 +29,21 @@ from pathlib import Path
 from typing import IO, Any
 
 import pytest
+import sqlalchemy as sa
+import yaml
 
 from catalog_es import application
 from catalog_es.application import Models
 from catalog_es.catalog import Catalog, Skipped
-from catalog_es.inputs import load_config
+from catalog_es.errors import OutcomeUnknown
+from catalog_es.inputs import DeclaredConfig, load_config
 from catalog_es.mapper import decode_event
 from catalog_es.model import DomainEvent, Model
 from catalog_es.persistence import SQLRecorder, create_engine
 from projections import snapshots
 from projections.catalog import catch_up
 from tests.crash_writer import APPLY_REASON, APPLY_SIZE, EVENT_OF_KIND, catalog_digest
+from tests.helpers import model_data, model_spec, schema_of
 
 ROOT = Path(__file__).resolve().parents[1]
 KILLS = 100
@@ -321,3 +327,154 @@ def test_sigkill_at_random_moments_loses_nothing(
         f"{in_flight_commits} commits caught unreported, "
         f"{resumed_from_snapshot} loads from a snapshot"
     )
+
+
+# A connection that keeps the SQLite file open, as a server or a sqlite3
+# shell does, until its process is killed.
+HOLD_OPEN = """
+import sqlite3, sys
+held = sqlite3.connect(sys.argv[1])
+held.execute("SELECT count(*) FROM catalog_events").fetchall()
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_commit_whose_sync_fails_is_told_as_of_unknown_outcome(tmp_path: Path) -> None:
+    """The disk fails the sync of a command's commit (EIO; NFS and thin
+    volumes say ENOSPC): the commit frame is in the -wal file, and the write
+    comes back when the file is recovered. The command must not say it was
+    refused (exit 1: nothing written)."""
+    strace = shutil.which("strace")
+    if strace is None:
+        pytest.skip("strace is not installed: it makes the disk's sync fail")
+    config = tmp_path / "catalog.yaml"
+    config.write_text(CONFIG)
+    database = tmp_path / "catalog.db"
+    command = [sys.executable, "-m", "catalog_es", "--db", f"sqlite:///{database}"]
+    command += ["--config", str(config)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "CATALOG_ES_ACTOR": "tester"}
+
+    def run(*args: str, fail_sync: bool = False) -> subprocess.CompletedProcess[str]:
+        # Every sync of the file in the process happens at or after the commit
+        # (nothing is written before it): the first is the commit's own.
+        failing = [strace, "-f", "-qq", "-o", os.devnull, "-e", "trace=fdatasync"]
+        failing += ["-e", "inject=fdatasync:error=EIO:when=1"]
+        line = [*(failing if fail_sync else []), *command, *args]
+        return subprocess.run(line, env=env, capture_output=True, text=True, timeout=60)
+
+    definition = tmp_path / "m1.yaml"
+    definition.write_text(yaml.safe_dump(model_data("m1")))
+    assert run("model", "add", str(definition)).returncode == 0  # revisions 1 and 2
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_OPEN, str(database)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        # A write the other connection keeps in the -wal file: the next one's
+        # frames follow it, rather than begin the file (whose header's sync
+        # would fail first, and the frames never be written).
+        assert run("model", "scale", "m1", "--max", "2").returncode == 0  # revision 3
+        failed = run("model", "scale", "m1", "--max", "3", fail_sync=True)
+        assert (failed.returncode, failed.stdout) == (3, "")
+        assert failed.stderr == (
+            "error: the write's outcome is unknown: its commit failed (disk I/O error);"
+            " if it was written, the log holds it as revision 4\n"
+        )
+        # Not in the log as readers see it now...
+        assert run("revision").stdout == "3\n"
+    finally:
+        holder.kill()
+        holder.wait()
+    # ...and in it once the file is recovered, the other connection gone.
+    assert run("revision").stdout == "4\n"
+    shown = run("model", "show", "m1", "--json")
+    assert '"max": 3' in shown.stdout, shown
+    refusals = run("refusals", "--json")
+    assert (refusals.returncode, refusals.stdout.strip()) == (0, "[]"), refusals
+
+
+def test_a_session_ended_during_its_commit_is_told_as_of_unknown_outcome(
+    pg_url: str, pg_admin: sa.Engine
+) -> None:
+    """PostgreSQL ends a writer's session while the server commits its
+    transaction (a restart, a failover, an operator's pg_terminate_backend):
+    the server may have committed. Made to happen at the commit, every time,
+    by a deferred trigger that waits there for a lock the test holds."""
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": pg_url})
+    try:
+        models.add(model_spec("m1"), by="tester")  # revision 1
+        schema = schema_of(pg_url)
+        key = f"hashtext('{schema}')"
+        waiting = pg_admin.connect()
+        waiting.execute(sa.text(f"SELECT pg_advisory_lock({key})"))
+        with pg_admin.connect() as conn:
+            conn.execute(
+                sa.text(
+                    f"CREATE FUNCTION {schema}.wait_at_commit() RETURNS trigger"
+                    f" LANGUAGE plpgsql AS $$ BEGIN PERFORM pg_advisory_lock({key});"
+                    " RETURN NULL; END $$"
+                )
+            )
+            conn.execute(
+                sa.text(
+                    f"CREATE CONSTRAINT TRIGGER wait_at_commit AFTER INSERT ON"
+                    f" {schema}.catalog_events DEFERRABLE INITIALLY DEFERRED FOR EACH ROW"
+                    f" EXECUTE FUNCTION {schema}.wait_at_commit()"
+                )
+            )
+        outcome: list[BaseException] = []
+
+        def scale() -> None:
+            try:
+                models.scale("m1", maximum=3, by="tester")
+            except BaseException as error:  # told to the test's thread
+                outcome.append(error)
+
+        writer = threading.Thread(target=scale)
+        writer.start()
+        try:
+            pid = _waiting_at_commit(pg_admin, schema)
+            with pg_admin.connect() as conn:
+                conn.execute(sa.text(f"SELECT pg_terminate_backend({pid})"))
+        finally:
+            writer.join(timeout=30)
+            waiting.close()
+            with pg_admin.connect() as conn:
+                conn.execute(sa.text(f"DROP TRIGGER wait_at_commit ON {schema}.catalog_events"))
+        assert len(outcome) == 1 and isinstance(outcome[0], OutcomeUnknown), outcome
+        assert outcome[0].message == (
+            "the write's outcome is unknown: its commit failed;"
+            " if it was written, the log holds it as revision 2"
+        )
+        # The server rolled it back as the session ended: the service reads
+        # the log as it is, writes on a new session, and kept no refusal.
+        assert models.get_model("m1")["scaling"]["max"] == 1
+        assert models.revision == 1
+        # Revision 2 was taken from the sequence by the transaction ended.
+        assert models.scale("m1", maximum=4, by="tester").revision == 3
+        assert models.refusals() == []
+    finally:
+        models.close()
+
+
+def _waiting_at_commit(admin: sa.Engine, schema: str) -> int:
+    """The server process of the session of ``schema``'s log that waits for an
+    advisory lock: a commit held by the trigger."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        with admin.connect() as conn:
+            pid = conn.execute(
+                sa.text(
+                    "SELECT pid FROM pg_stat_activity WHERE application_name = :name"
+                    " AND wait_event_type = 'Lock' AND wait_event = 'advisory'"
+                ),
+                {"name": schema},
+            ).scalar()
+        if pid is not None:
+            return int(pid)
+        time.sleep(0.01)
+    pytest.fail("no write came to wait at its commit")
