@@ -41,11 +41,13 @@ from catalog_es.errors import (
     InputError,
     LogRewritten,
     ModelNotFound,
+    OutcomeUnknown,
     Refused,
     RevisionConflict,
     StorageBusy,
     counted,
     cut_short,
+    first_line,
     lost_events,
     shown,
 )
@@ -918,6 +920,9 @@ class Models(AuditTrail, Application[UUID]):
                 # while holding it (5.2 s behind 300,000 events).
                 state.acquire(write=True)
                 state.release()
+            # Set once the events are appended: from there on, an error is
+            # the commit's (the block's end), and the write may stand.
+            revisions: list[int] = []
             with collector_paused():
                 try:
                     with self.store.write(wait) if locked else self.store.read() as conn:
@@ -995,10 +1000,18 @@ class Models(AuditTrail, Application[UUID]):
                         appended = self.store.append(conn, stored, standing, known.revisions)
                         revisions = appended.revisions
                         self._committing = (revisions[-1], (stored[-1].topic, stored[-1].state))
-                except BaseException:
+                except BaseException as error:
                     # A database error may come of a version this service thought it
                     # knew (rows edited by hand): all are read again next time.
                     known.forget()
+                    if revisions and isinstance(error, sa.exc.SQLAlchemyError):
+                        # The commit failed once begun. The catalog in force is
+                        # left as before it, the writer's connection is dropped,
+                        # and the next read or write asks the log where it is.
+                        said = error.orig if isinstance(error, sa.exc.DBAPIError) else error
+                        raise OutcomeUnknown(
+                            revisions[0], revisions[-1], first_line(str(said))
+                        ) from error
                     raise
                 # Committed: only now are the changes in force.
                 self.last_written, self._committing = revisions[-1], None

@@ -33,6 +33,7 @@ from catalog_es.errors import (
     UNSAFE_TEXT,
     ConfigError,
     InputError,
+    OutcomeUnknown,
     Refused,
     counted,
     first_line,
@@ -546,6 +547,10 @@ EXIT_PIPE_CLOSED = 141
 EXIT_INTERRUPTED = 130
 # An answer standard output could not take, after the command did its work.
 EXIT_OUTPUT_FAILED = 74
+# A write whose commit failed once begun: it may stand. Not 1, which says
+# nothing was written: a script would take it for refused and move on, or
+# make the change again, on a log that may hold it.
+EXIT_OUTCOME_UNKNOWN = 3
 
 
 class CatalogGroup(click.Group):
@@ -575,6 +580,9 @@ class CatalogGroup(click.Group):
             else:
                 say(f"error: {refusal}", err=True)
             self._exit(ctx, 1)
+        except OutcomeUnknown as unknown:
+            say(f"error: {unknown}", err=True)
+            self._exit(ctx, EXIT_OUTCOME_UNKNOWN)
         except click.exceptions.Exit as done:
             told = done.exit_code == 0
             raise
