@@ -9,7 +9,8 @@ from __future__ import annotations
 import gc
 import hashlib
 import io
-from collections.abc import Iterable, Iterator, Sequence
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -208,3 +209,59 @@ PUT_THE_HEAD_BACK = (
     "INSERT INTO catalog_head (id, revision, hash)"
     " SELECT 1, revision, hash FROM catalog_events ORDER BY revision DESC LIMIT 1"
 )
+
+
+@contextmanager
+def commits_held(admin: sa.Engine, pg_url: str) -> Iterator[Callable[[], None]]:
+    """Every write to the log of ``pg_url``'s schema waits at its commit, for
+    as long as the block lasts: a deferred trigger waits there for an advisory
+    lock held here. Yields ``end_the_waiting_session()``, which waits for a
+    write to be held and ends its session, as a restart, a failover or
+    ``pg_terminate_backend`` does: at the commit, every time."""
+    schema = schema_of(pg_url)
+    key = f"hashtext('{schema}')"
+    with admin.connect() as conn:
+        conn.execute(
+            sa.text(
+                f"CREATE FUNCTION {schema}.wait_at_commit() RETURNS trigger LANGUAGE plpgsql"
+                f" AS $$ BEGIN PERFORM pg_advisory_lock({key}); RETURN NULL; END $$"
+            )
+        )
+        conn.execute(
+            sa.text(
+                f"CREATE CONSTRAINT TRIGGER wait_at_commit AFTER INSERT ON {schema}.catalog_events"
+                " DEFERRABLE INITIALLY DEFERRED FOR EACH ROW"
+                f" EXECUTE FUNCTION {schema}.wait_at_commit()"
+            )
+        )
+
+    def end_the_waiting_session() -> None:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            with admin.connect() as conn:
+                # The sessions of the schema's URL are named after it.
+                ended = conn.execute(
+                    sa.text(
+                        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                        " WHERE application_name = :name AND wait_event_type = 'Lock'"
+                        " AND wait_event = 'advisory'"
+                    ),
+                    {"name": schema},
+                ).scalar()
+            if ended:
+                return
+            time.sleep(0.01)
+        raise AssertionError("no write came to wait at its commit")
+
+    try:
+        with admin.connect() as holding:
+            holding.execute(sa.text(f"SELECT pg_advisory_lock({key})"))
+            try:
+                yield end_the_waiting_session
+            finally:
+                # A session's lock outlives the connection's return to the pool.
+                holding.execute(sa.text(f"SELECT pg_advisory_unlock({key})"))
+    finally:
+        with admin.connect() as conn:
+            conn.execute(sa.text(f"DROP TRIGGER wait_at_commit ON {schema}.catalog_events"))
+            conn.execute(sa.text(f"DROP FUNCTION {schema}.wait_at_commit()"))

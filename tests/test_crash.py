@@ -43,7 +43,7 @@ from catalog_es.persistence import SQLRecorder, create_engine
 from projections import snapshots
 from projections.catalog import catch_up
 from tests.crash_writer import APPLY_REASON, APPLY_SIZE, EVENT_OF_KIND, catalog_digest
-from tests.helpers import model_data, model_spec, schema_of
+from tests.helpers import commits_held, model_data, model_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 KILLS = 100
@@ -402,30 +402,10 @@ def test_a_session_ended_during_its_commit_is_told_as_of_unknown_outcome(
 ) -> None:
     """PostgreSQL ends a writer's session while the server commits its
     transaction (a restart, a failover, an operator's pg_terminate_backend):
-    the server may have committed. Made to happen at the commit, every time,
-    by a deferred trigger that waits there for a lock the test holds."""
+    the server may have committed."""
     models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": pg_url})
     try:
         models.add(model_spec("m1"), by="tester")  # revision 1
-        schema = schema_of(pg_url)
-        key = f"hashtext('{schema}')"
-        waiting = pg_admin.connect()
-        waiting.execute(sa.text(f"SELECT pg_advisory_lock({key})"))
-        with pg_admin.connect() as conn:
-            conn.execute(
-                sa.text(
-                    f"CREATE FUNCTION {schema}.wait_at_commit() RETURNS trigger"
-                    f" LANGUAGE plpgsql AS $$ BEGIN PERFORM pg_advisory_lock({key});"
-                    " RETURN NULL; END $$"
-                )
-            )
-            conn.execute(
-                sa.text(
-                    f"CREATE CONSTRAINT TRIGGER wait_at_commit AFTER INSERT ON"
-                    f" {schema}.catalog_events DEFERRABLE INITIALLY DEFERRED FOR EACH ROW"
-                    f" EXECUTE FUNCTION {schema}.wait_at_commit()"
-                )
-            )
         outcome: list[BaseException] = []
 
         def scale() -> None:
@@ -434,17 +414,13 @@ def test_a_session_ended_during_its_commit_is_told_as_of_unknown_outcome(
             except BaseException as error:  # told to the test's thread
                 outcome.append(error)
 
-        writer = threading.Thread(target=scale)
-        writer.start()
-        try:
-            pid = _waiting_at_commit(pg_admin, schema)
-            with pg_admin.connect() as conn:
-                conn.execute(sa.text(f"SELECT pg_terminate_backend({pid})"))
-        finally:
-            writer.join(timeout=30)
-            waiting.close()
-            with pg_admin.connect() as conn:
-                conn.execute(sa.text(f"DROP TRIGGER wait_at_commit ON {schema}.catalog_events"))
+        with commits_held(pg_admin, pg_url) as end_the_waiting_session:
+            writer = threading.Thread(target=scale)
+            writer.start()
+            try:
+                end_the_waiting_session()
+            finally:
+                writer.join(timeout=30)
         assert len(outcome) == 1 and isinstance(outcome[0], OutcomeUnknown), outcome
         assert outcome[0].message == (
             "the write's outcome is unknown: its commit failed;"
@@ -459,22 +435,3 @@ def test_a_session_ended_during_its_commit_is_told_as_of_unknown_outcome(
         assert models.refusals() == []
     finally:
         models.close()
-
-
-def _waiting_at_commit(admin: sa.Engine, schema: str) -> int:
-    """The server process of the session of ``schema``'s log that waits for an
-    advisory lock: a commit held by the trigger."""
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        with admin.connect() as conn:
-            pid = conn.execute(
-                sa.text(
-                    "SELECT pid FROM pg_stat_activity WHERE application_name = :name"
-                    " AND wait_event_type = 'Lock' AND wait_event = 'advisory'"
-                ),
-                {"name": schema},
-            ).scalar()
-        if pid is not None:
-            return int(pid)
-        time.sleep(0.01)
-    pytest.fail("no write came to wait at its commit")

@@ -55,7 +55,15 @@ from catalog_es.web.app import create_app
 from catalog_es.web.events import BATCH_MESSAGES, WAKE_UP_SECONDS, _next_batch
 from catalog_es.web.tokens import TokenStore
 from projections.audit import changes_table_for
-from tests.helpers import config_yaml, count_events, definition, log_rows, put_back, spec
+from tests.helpers import (
+    commits_held,
+    config_yaml,
+    count_events,
+    definition,
+    log_rows,
+    put_back,
+    spec,
+)
 from tests.serving import Proxy, bearer, serving, started, tokens_for_roles
 from tests.test_concurrency import write_lock_held
 
@@ -2459,3 +2467,51 @@ def test_a_connection_refused_as_it_is_made_is_setup_or_an_outage_by_what_it_say
     error = psycopg.OperationalError(f"connection failed: connection to server failed: {said}")
     unusable = database_unusable(error)
     assert unusable is not None and unusable.lasting is lasting
+
+
+def test_a_write_whose_session_ends_at_its_commit_answers_500_without_retry_after(
+    pg_url: str, pg_admin: sa.Engine, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Its outcome is unknown (the server may have committed): not 503 and
+    Retry-After, which a client's retry takes as leave to send it again, and
+    which a write without If-Match would make twice."""
+    models = Models(load_config(None), env={"CATALOG_ES_DB": pg_url})
+    models.add(spec("qwen"), by="setup")  # revision 1
+    tokens, token = tokens_for_roles(tmp_path / "tokens.json")
+    answers: list[httpx.Response] = []
+    try:
+        with (
+            serving(create_app(models, tokens)) as url,
+            commits_held(pg_admin, pg_url) as end_the_waiting_session,
+        ):
+
+            def scale() -> None:
+                answers.append(
+                    httpx.post(
+                        f"{url}/models/qwen/scale",
+                        json={"max": 3},
+                        headers=bearer(token["write"]),
+                        timeout=30,
+                    )
+                )
+
+            writer = threading.Thread(target=scale)
+            writer.start()
+            try:
+                end_the_waiting_session()
+            finally:
+                writer.join(timeout=30)
+            [answer] = answers
+            assert answer.status_code == 500
+            assert "retry-after" not in answer.headers
+            assert answer.json() == {
+                "error": "the write's outcome is unknown: its commit failed;"
+                " if it was written, the log holds it as revision 2"
+            }
+            # What the database said is the server log's.
+            assert "terminating connection due to administrator command" in caplog.text
+        # The session's end rolled it back: the log, and the service, say so.
+        assert models.get_model("qwen")["scaling"]["max"] == 1
+        assert models.refusals() == []
+    finally:
+        models.close()
