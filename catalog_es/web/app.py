@@ -55,6 +55,7 @@ from catalog_es.errors import (
     DamagedReadModel,
     InputError,
     ModelNotFound,
+    OutcomeUnknown,
     Refused,
     RevisionConflict,
     StorageBusy,
@@ -545,7 +546,9 @@ _ERROR_MEANINGS = {
     409: "If-Match: the log is not at that revision (it has moved past it, never "
     "reached it, or its last events were deleted by hand since); read again and retry.",
     422: "Refused: the request, or the change it asks for. Nothing was written.",
-    500: "The server's fault, or a log edited by hand; the server's log says more.",
+    500: "The server's fault, or a log edited by hand; the server's log says more. Or a "
+    "write's outcome is unknown (its commit failed once begun): read the log before "
+    "sending it again, or send it with If-Match.",
     503: "Busy, or the database out of reach: try again (Retry-After).",
 }
 
@@ -1116,6 +1119,14 @@ def _errors(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid_request(_request: Request, error: RequestValidationError) -> Response:
         return error_response(422, describe_problems(list(error.errors())))
+
+    @app.exception_handler(OutcomeUnknown)
+    async def outcome_unknown(request: Request, error: OutcomeUnknown) -> Response:
+        # Not 503 and Retry-After: the write may stand, and sent again
+        # without If-Match it would be made twice. The client reads the log
+        # (or sends it again with If-Match, which a write that stood refuses).
+        log.warning("%s %s: %s", request.method, request.url.path, error)
+        return error_response(500, error.message)
 
     @app.exception_handler(sa.exc.DBAPIError)
     async def database_error(request: Request, error: sa.exc.DBAPIError) -> Response:
