@@ -16,7 +16,7 @@ from bisect import bisect_right
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext, suppress
 from datetime import datetime, timedelta
-from typing import Any, ClassVar, TypeVar, overload
+from typing import Any, ClassVar, TypeVar, cast, overload
 from uuid import UUID
 
 import msgspec
@@ -70,6 +70,7 @@ from catalog_es.model import (
 )
 from catalog_es.persistence import (
     Appended,
+    ChainedNotification,
     Kept,
     PullingSubscription,
     SQLRecorder,
@@ -380,19 +381,22 @@ class Watch:
     it follows on with no gap and no repeat once the database is back. Should
     the log no longer hold that revision as it was given (a failover to a
     standby that missed it, then other writes numbered the same), it ends
-    with :class:`LogRewritten`: following on would miss those."""
+    with :class:`LogRewritten`: following on would miss those. So it does
+    when a page it reads does not follow on from the last event it gave (a
+    backup restored in place under it)."""
 
     # Seconds between tries while the database cannot be used.
     retry_seconds = 1.0
 
     def __init__(
         self,
-        subscribe: Callable[[int, tuple[Any, Any] | None], Subscription[Any]],
+        subscribe: Callable[[int, Any], Subscription[Any]],
         after: int,
-        given: tuple[Any, Any] | None,
+        given: Any,
     ) -> None:
-        # Makes a subscription after a revision, the event given there; it
-        # asks the database as it does, so one made means the database answers.
+        # Makes a subscription after a revision, the hash of the event given
+        # there; it asks the database as it does, so one made means the
+        # database answers.
         self._subscribe = subscribe
         self._after = after
         self._given = given
@@ -412,7 +416,8 @@ class Watch:
                         subscription.stop()  # stopped while it was made: it ends at once
                     with subscription as notifications:
                         for n in notifications:
-                            last, given = n.id, (n.topic, n.state)
+                            # What the log's subscriptions give (SQLRecorder.subscribe).
+                            last, given = n.id, cast(ChainedNotification, n).hash
                             try:
                                 yield event_view(n.id, decode_event(n.topic, n.state))
                             except UndecodableEvent as error:
@@ -1419,23 +1424,20 @@ class Models(AuditTrail, Application[UUID]):
         look; on PostgreSQL, those in case a notification never comes)."""
         with self.store.read() as conn:
             head = self.store.head(conn)
-            given = self.store.event_at(conn, after)
+            given = self.store.hash_at(conn, after)
         if after < 0 or after > head:
             raise Refused(f"revision {after} is beyond the head of the log ({head})")
 
-        def subscribe(last: int, given: tuple[Any, Any] | None) -> Subscription[Any]:
+        def subscribe(last: int, given: Any) -> Subscription[Any]:
             # Asked first, so that a watch knows the database answers (the
             # subscription reads only once it is iterated); and whether the
-            # log still holds what it gave last, so that what follows on is
-            # what comes after it.
+            # log still holds what it gave last (its hash, that of the log up
+            # to it), so that what follows on is what comes after it. The
+            # subscription checks that of each page it reads.
             with self.store.read() as conn:
-                if self.store.event_at(conn, last) != given:
-                    lost = lost_events(
-                        f"the log no longer holds revision {last} as this watch gave it: it "
-                        "lost events and took others"
-                    )
-                    raise LogRewritten(f"{lost}; watch again from a revision before the loss")
-            subscription = self.store.subscribe(gt=last)
+                if self.store.hash_at(conn, last) != given:
+                    raise LogRewritten.at(last)
+            subscription = self.store.subscribe(gt=last, gt_hash=given)
             if poll_interval is not None and isinstance(subscription, PullingSubscription):
                 subscription.interval = poll_interval
             return subscription

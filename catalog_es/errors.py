@@ -226,6 +226,16 @@ class LogRewritten(Refused):
     """The log no longer holds an event as a follower was given it: it lost
     events and took others in their place (a failover, a restored backup)."""
 
+    @classmethod
+    def at(cls, revision: int) -> LogRewritten:
+        """Told to a watch whose last given event, at ``revision``, the log no
+        longer holds as it gave it."""
+        lost = lost_events(
+            f"the log no longer holds revision {revision} as this watch gave it: it "
+            "lost events and took others"
+        )
+        return cls(f"{lost}; watch again from a revision before the loss")
+
 
 class InputError(Refused):
     """Input that could not be parsed (file, YAML, JSON, arguments)."""

@@ -28,6 +28,7 @@ import weakref
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 from urllib.parse import unquote, urlsplit
@@ -48,10 +49,19 @@ from eventsourcing.persistence import (
 from eventsourcing.utils import Environment
 from sqlalchemy.engine import Connection, Engine
 
-from catalog_es.chain import GENESIS, ChainHead, ChainRow, DamagedHead, link, stored_head
+from catalog_es.chain import (
+    GENESIS,
+    ChainHead,
+    ChainRow,
+    DamagedHead,
+    chains_onto,
+    link,
+    stored_head,
+)
 from catalog_es.errors import (
     ConfigError,
     DamagedLog,
+    LogRewritten,
     StorageBusy,
     UpgradeFailed,
     first_line,
@@ -1367,6 +1377,20 @@ class SQLRecorder(ProcessRecorder):
         event at least, however large); ``None`` when there is none. Told by
         the sizes alone, which neither database reads the bytes for. Only
         events up to ``upto``, and only those of the revisions ``among``."""
+        with self.read() as conn:
+            return self._page_end(conn, after, limit, max_bytes, topics, upto=upto, among=among)
+
+    def _page_end(
+        self,
+        conn: Connection,
+        after: int,
+        limit: int,
+        max_bytes: int,
+        topics: Sequence[str] = (),
+        *,
+        upto: int | None = None,
+        among: Sequence[int] | None = None,
+    ) -> int | None:
         t = events_table.c
         query = sa.select(t.revision, sa.func.length(t.state)).where(t.revision > after)
         if topics:
@@ -1375,10 +1399,56 @@ class SQLRecorder(ProcessRecorder):
             query = query.where(t.revision <= upto)
         if among is not None:
             query = query.where(t.revision.in_(among))
-        with self.read() as conn:
-            rows = conn.execute(query.order_by(t.revision).limit(limit)).all()
+        rows = conn.execute(query.order_by(t.revision).limit(limit)).all()
         count = fitting((size for _, size in rows), max_bytes)
         return rows[count - 1][0] if count else None
+
+    def pull_page(
+        self, after: int, after_hash: str | None, limit: int, max_bytes: int, topics: Sequence[str]
+    ) -> list[ChainedNotification]:
+        """A follower's next page: the events after ``after`` of
+        :meth:`page_end`'s page, with their hashes, in one read. Given
+        ``after_hash``, the hash of the event at ``after`` as the follower
+        gave it, the first must chain onto it, or the log is no longer the
+        one the follower gave (:class:`LogRewritten`): the page's own events
+        are one snapshot of one log, and each page's first is checked so."""
+        t = events_table.c
+        query = sa.select(
+            t.revision, t.originator_id, t.originator_version, t.topic, t.state, t.hash
+        ).where(t.revision > after)
+        if topics:
+            query = query.where(t.topic.in_(topics))
+        with self.read() as conn:
+            end = self._page_end(conn, after, limit, max_bytes, topics)
+            if end is None:
+                return []
+            page = conn.execute(query.where(t.revision <= end).order_by(t.revision))
+            pulled = [
+                ChainedNotification(
+                    id=r[0],
+                    originator_id=r[1],
+                    originator_version=r[2],
+                    topic=r[3],
+                    state=r[4],
+                    hash=r[5],
+                )
+                for r in page
+            ]
+        first = pulled[0]
+        if after_hash is not None and not chains_onto(
+            after_hash,
+            ChainRow(
+                revision=first.id,
+                originator_id=first.originator_id,
+                originator_version=first.originator_version,
+                topic=first.topic,
+                state=first.state,
+                hash=first.hash,
+                stream_previous=None,
+            ),
+        ):
+            raise LogRewritten.at(after)
+        return pulled
 
     def max_notification_id(self) -> int | None:
         with self.read() as conn:
@@ -1388,6 +1458,14 @@ class SQLRecorder(ProcessRecorder):
         """The last revision in the log, 0 when it is empty."""
         value = conn.execute(sa.select(sa.func.max(events_table.c.revision))).scalar()
         return int(value or 0)
+
+    def hash_at(self, conn: Connection, revision: int) -> Any:
+        """The hash stored at ``revision``: that of the log up to it (``None``
+        past the head, GENESIS at 0)."""
+        if revision == 0:
+            return GENESIS
+        rows = self._fetch(conn, "SELECT hash FROM catalog_events WHERE revision = ?", revision)
+        return rows[0][0] if rows else None
 
     def event_at(self, conn: Connection, revision: int) -> tuple[Any, Any] | None:
         """The ``(topic, state)`` stored at ``revision``, as a follower was given them."""
@@ -1875,11 +1953,13 @@ class SQLRecorder(ProcessRecorder):
             return self._listener
 
     def subscribe(
-        self, gt: int | None = None, topics: Sequence[str] = ()
+        self, gt: int | None = None, topics: Sequence[str] = (), *, gt_hash: str | None = None
     ) -> Subscription[ApplicationRecorder]:
+        """``gt_hash``: the hash of the event at ``gt`` as the follower knows
+        it; given, each page read must follow on from the last event given."""
         if self.dialect == "postgresql":
-            return ListenSubscription(self, gt=gt, topics=topics)
-        return PollingSubscription(self, gt=gt, topics=topics)
+            return ListenSubscription(self, gt=gt, topics=topics, gt_hash=gt_hash)
+        return PollingSubscription(self, gt=gt, topics=topics, gt_hash=gt_hash)
 
     # -- tracking ----------------------------------------------------------------
 
@@ -1938,6 +2018,13 @@ def _as_uuid(value: UUID | str) -> UUID:
 _PULLING = threading.Lock()
 
 
+@dataclass(frozen=True)
+class ChainedNotification(Notification):
+    """A notification with its event's hash as stored (:mod:`catalog_es.chain`)."""
+
+    hash: Any
+
+
 class PullingSubscription(Subscription[SQLRecorder]):
     """New notifications as they commit, pulled a page at a time on the thread
     that iterates, once it has used up the last page: an unread follower holds
@@ -1948,17 +2035,28 @@ class PullingSubscription(Subscription[SQLRecorder]):
     events of a definition with thousands of profiles, 32 unread streams held
     5 GB (hostile test). With nothing new it waits to be woken (:meth:`wake`),
     or ``interval`` seconds if that is set. Stops promptly when ``stop()`` is
-    called from any thread."""
+    called from any thread.
+
+    Given ``gt_hash``, the hash of the event at ``gt``, it checks each page
+    follows on from the last event it gave (:meth:`SQLRecorder.pull_page`):
+    a log replaced under it (a restored backup) ends it, rather than its
+    events after the last given being given as if they followed it."""
 
     page = 500
     page_bytes = 1 << 20
     interval: float | None = None
 
     def __init__(
-        self, recorder: SQLRecorder, gt: int | None = None, topics: Sequence[str] = ()
+        self,
+        recorder: SQLRecorder,
+        gt: int | None = None,
+        topics: Sequence[str] = (),
+        *,
+        gt_hash: str | None = None,
     ) -> None:
         super().__init__(recorder=recorder, gt=gt, topics=topics)
-        self._buffer: deque[Notification] = deque()
+        self._buffer: deque[ChainedNotification] = deque()
+        self._last_hash = gt_hash
         self._woken = threading.Event()
         self._error: BaseException | None = None
 
@@ -1997,21 +2095,17 @@ class PullingSubscription(Subscription[SQLRecorder]):
             # catching up at once kept a server's other requests waiting
             # seconds, each of their threads wanting the interpreter's lock.
             with _PULLING:
-                end = self._recorder.page_end(after, self.page, self.page_bytes, self._topics)
-                if end is not None:
-                    self._buffer.extend(
-                        self._recorder.select_notifications(
-                            start=after,
-                            limit=self.page,
-                            stop=end,
-                            topics=self._topics,
-                            inclusive_of_start=False,
-                        )
+                self._buffer.extend(
+                    self._recorder.pull_page(
+                        after, self._last_hash, self.page, self.page_bytes, self._topics
                     )
+                )
             if not self._buffer:
                 self._woken.wait(self.interval)
         notification = self._buffer.popleft()
         self._last_notification_id = notification.id
+        if self._last_hash is not None:
+            self._last_hash = notification.hash
         return notification
 
 
@@ -2033,9 +2127,14 @@ class ListenSubscription(PullingSubscription):
     interval: float | None = 10.0
 
     def __init__(
-        self, recorder: SQLRecorder, gt: int | None = None, topics: Sequence[str] = ()
+        self,
+        recorder: SQLRecorder,
+        gt: int | None = None,
+        topics: Sequence[str] = (),
+        *,
+        gt_hash: str | None = None,
     ) -> None:
-        super().__init__(recorder=recorder, gt=gt, topics=topics)
+        super().__init__(recorder=recorder, gt=gt, topics=topics, gt_hash=gt_hash)
         self._listener = recorder.listener()
         self._listener.add(self)
 

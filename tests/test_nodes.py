@@ -27,7 +27,7 @@ from catalog_es.application import Models
 from catalog_es.errors import Refused, StorageBusy
 from catalog_es.inputs import DeclaredConfig, load_config, model_from_data
 from catalog_es.mapper import decode_event
-from catalog_es.persistence import LOCK_WAIT_ENV, SQLRecorder, create_engine
+from catalog_es.persistence import LOCK_WAIT_ENV, ChainedNotification, SQLRecorder, create_engine
 from tests.helpers import count_events, log_rows, put_back, schema_of
 
 CONFIG = """
@@ -643,13 +643,13 @@ def test_a_follower_is_not_woken_by_another_schemas_writes_and_hears_its_own_at_
     team_a.add(_definition("a", []), by="setup")
     follower = Models(DeclaredConfig(), env={"CATALOG_ES_DB": a_url})
     reads: list[int] = []
-    page_end = follower.store.page_end
+    pull_page = follower.store.pull_page
 
-    def counted(*args: Any, **kwargs: Any) -> int | None:
+    def counted(*args: Any, **kwargs: Any) -> list[ChainedNotification]:
         reads.append(1)
-        return page_end(*args, **kwargs)
+        return pull_page(*args, **kwargs)
 
-    monkeypatch.setattr(follower.store, "page_end", counted)
+    monkeypatch.setattr(follower.store, "pull_page", counted)
     watch, seen, thread = _followed(follower, team_a.revision)
     read_before = len(reads)
     team_b.add(_definition("b", []), by="other team")

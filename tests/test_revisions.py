@@ -35,7 +35,7 @@ from hypothesis import strategies as st
 
 import projections.catalog
 from catalog_es import commands, cpu, persistence
-from catalog_es.application import Models
+from catalog_es.application import Models, Watch
 from catalog_es.batch import Batch
 from catalog_es.catalog import Catalog, Skipped
 from catalog_es.cli import cli
@@ -44,6 +44,7 @@ from catalog_es.errors import (
     DeclaredInConfig,
     InputError,
     InvalidModel,
+    LogRewritten,
     ModelNotFound,
     Refused,
     RevisionConflict,
@@ -57,7 +58,7 @@ from catalog_es.spec import ModelSpec, Scaling
 from catalog_es.views import model_view
 from projections.catalog import catch_up
 from projections.snapshots import snapshots_table
-from tests.helpers import config_yaml, count_events
+from tests.helpers import config_yaml, count_events, log_rows, put_back
 from tests.helpers import parsed as spec
 
 DECLARED_YAML = """
@@ -1630,6 +1631,101 @@ def test_a_stop_just_as_a_watch_looks_for_more_is_not_lost(
     follower.start()
     follower.join(timeout=10)
     assert not follower.is_alive() and seen == []
+
+
+REWRITTEN_AT_3 = (
+    "the log no longer holds revision 3 as this watch gave it: it lost events and took"
+    " others (a failover, or a restored backup?); catalog-es verify says whether the log"
+    " was edited; watch again from a revision before the loss"
+)
+
+
+def _following(watch: Watch) -> tuple[threading.Thread, list[int], list[BaseException]]:
+    """``watch`` iterated on a thread of its own: the revisions it gives, and
+    what it ended with."""
+    seen: list[int] = []
+    ended: list[BaseException] = []
+
+    def follow() -> None:
+        try:
+            seen.extend(e["revision"] for e in watch)
+        except Exception as error:
+            ended.append(error)
+
+    thread = threading.Thread(target=follow, daemon=True)
+    thread.start()
+    return thread, seen, ended
+
+
+def _until(condition: Callable[[], bool], seconds: float = 10.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "not within the time"
+        time.sleep(0.02)
+
+
+def _sqlite_log(path: Path, names: list[str]) -> None:
+    """A SQLite log at ``path`` holding the adds of ``names``, closed (so all
+    of it is in the file, as a backup taken of it would be)."""
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": f"sqlite:///{path}"})
+    for name in names:
+        models.add(spec(name), by="setup")
+    models.close()
+
+
+def test_a_sqlite_watch_whose_file_is_replaced_by_another_log_ends_saying_so(
+    tmp_path: Path,
+) -> None:
+    """A catalog restored from a backup in place of the one a watch follows
+    (``cat other.db > catalog.db``): the watch went on giving the other log's
+    revisions after its head as if they followed those it gave, without a
+    word (hostile test). It ends, told why."""
+    followed, other = tmp_path / "catalog.db", tmp_path / "other.db"
+    _sqlite_log(followed, ["a", "b", "c"])
+    _sqlite_log(other, [f"y{i}" for i in range(6)])
+    follower = Models(DeclaredConfig(), env={"CATALOG_ES_DB": f"sqlite:///{followed}"})
+    watch = follower.watch(0, poll_interval=0.02)
+    thread, seen, ended = _following(watch)
+    _until(lambda: seen == [1, 2, 3])
+    followed.write_bytes(other.read_bytes())
+    # A write there, which the watch's connection reads (till then it may
+    # read the pages it has cached of the old log).
+    writer = Models(DeclaredConfig(), env={"CATALOG_ES_DB": f"sqlite:///{followed}"})
+    writer.add(spec("z"), by="after")  # revision 7 of the other log
+    writer.close()
+    thread.join(10)
+    watch.stop()
+    follower.close()
+    assert not thread.is_alive()
+    assert seen == [1, 2, 3]
+    assert [type(e) for e in ended] == [LogRewritten]
+    assert str(ended[0]) == REWRITTEN_AT_3
+
+
+def test_a_postgresql_watch_whose_log_is_replaced_under_it_ends_saying_so(pg_url: str) -> None:
+    """The log's tables emptied and filled with another log's events (a
+    restored backup) under a watch that follows them: it took the new log's
+    revisions after the last it gave for those that follow it."""
+    writer = Models(DeclaredConfig(), env={"CATALOG_ES_DB": pg_url})
+    empty = log_rows(pg_url)
+    for name in ("a", "b", "c"):
+        writer.add(spec(name), by="setup")
+    follower = Models(DeclaredConfig(), env={"CATALOG_ES_DB": pg_url})
+    watch = follower.watch(0, poll_interval=0.1)
+    thread, seen, ended = _following(watch)
+    _until(lambda: seen == [1, 2, 3])
+    put_back(pg_url, empty)
+    other = Models(DeclaredConfig(), env={"CATALOG_ES_DB": pg_url})
+    for i in range(6):
+        other.add(spec(f"y{i}"), by="elsewhere")
+    thread.join(10)
+    watch.stop()
+    for models in (writer, follower, other):
+        models.close()
+    assert not thread.is_alive()
+    assert seen == [1, 2, 3]
+    assert [type(e) for e in ended] == [LogRewritten]
+    assert str(ended[0]) == REWRITTEN_AT_3
 
 
 def test_an_unread_follower_holds_a_page_of_a_bounded_size(
