@@ -383,7 +383,8 @@ class Watch:
     standby that missed it, then other writes numbered the same), it ends
     with :class:`LogRewritten`: following on would miss those. So it does
     when a page it reads does not follow on from the last event it gave (a
-    backup restored in place under it)."""
+    backup restored in place under it), or, on SQLite, when its file was
+    renamed over (:class:`~catalog_es.errors.LogFileReplaced`)."""
 
     # Seconds between tries while the database cannot be used.
     retry_seconds = 1.0

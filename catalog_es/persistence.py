@@ -61,6 +61,7 @@ from catalog_es.chain import (
 from catalog_es.errors import (
     ConfigError,
     DamagedLog,
+    LogFileReplaced,
     LogRewritten,
     StorageBusy,
     UpgradeFailed,
@@ -566,14 +567,32 @@ def in_memory(url: sa.URL) -> bool:
     )
 
 
+# Where a SQLite connection's record keeps the file it opened: its path, and
+# its device and inode then (:func:`file_identity`).
+_OPENED_FILE = "catalog_es_opened_file"
+
+
+def file_identity(path: str) -> tuple[int, int] | None:
+    """The device and inode of the file at ``path``; ``None`` when there is none."""
+    try:
+        found = Path(path).stat()
+    except OSError:
+        return None
+    return found.st_dev, found.st_ino
+
+
 def _settled_engine(url: sa.URL) -> Engine:
     if url.drivername == "sqlite":
         synchronous = sqlite_synchronous()
         wait = lock_wait_seconds()
         engine = sa.create_engine(url, connect_args={"timeout": wait})
+        path = _sqlite_file(url)
 
         @sa.event.listens_for(engine, "connect")
-        def _connect(dbapi_connection: Any, _record: Any) -> None:
+        def _connect(dbapi_connection: Any, record: Any) -> None:
+            # A connection reads the file it opened, whatever is at the path
+            # later: a follower compares the two (SQLRecorder.replaced_file).
+            record.info[_OPENED_FILE] = (path, file_identity(path))
             # Let us issue BEGIN ourselves (pysqlite's own is deferred and late).
             dbapi_connection.isolation_level = None
             cursor = dbapi_connection.cursor()
@@ -1411,7 +1430,9 @@ class SQLRecorder(ProcessRecorder):
         ``after_hash``, the hash of the event at ``after`` as the follower
         gave it, the first must chain onto it, or the log is no longer the
         one the follower gave (:class:`LogRewritten`): the page's own events
-        are one snapshot of one log, and each page's first is checked so."""
+        are one snapshot of one log, and each page's first is checked so. On
+        SQLite, a file renamed over or removed while the connection read it
+        is :class:`LogFileReplaced`."""
         t = events_table.c
         query = sa.select(
             t.revision, t.originator_id, t.originator_version, t.topic, t.state, t.hash
@@ -1419,6 +1440,9 @@ class SQLRecorder(ProcessRecorder):
         if topics:
             query = query.where(t.topic.in_(topics))
         with self.read() as conn:
+            replaced = self.replaced_file(conn)
+            if replaced is not None:
+                raise LogFileReplaced(replaced, after)
             end = self._page_end(conn, after, limit, max_bytes, topics)
             if end is None:
                 return []
@@ -1449,6 +1473,16 @@ class SQLRecorder(ProcessRecorder):
         ):
             raise LogRewritten.at(after)
         return pulled
+
+    def replaced_file(self, conn: Connection) -> str | None:
+        """On SQLite, the path of the file ``conn`` opened when another file
+        is there now (renamed over it), or none: what it reads, nothing
+        writes to any more. A stat of the path; on PostgreSQL, nothing."""
+        opened = conn.connection.info.get(_OPENED_FILE)
+        if opened is None:
+            return None
+        path, identity = opened
+        return path if identity is not None and file_identity(path) != identity else None
 
     def max_notification_id(self) -> int | None:
         with self.read() as conn:

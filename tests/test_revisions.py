@@ -44,6 +44,7 @@ from catalog_es.errors import (
     DeclaredInConfig,
     InputError,
     InvalidModel,
+    LogFileReplaced,
     LogRewritten,
     ModelNotFound,
     Refused,
@@ -1673,13 +1674,15 @@ def _sqlite_log(path: Path, names: list[str]) -> None:
     models.close()
 
 
+@pytest.mark.parametrize("replaced_by", ["copied over", "renamed over"])
 def test_a_sqlite_watch_whose_file_is_replaced_by_another_log_ends_saying_so(
-    tmp_path: Path,
+    tmp_path: Path, replaced_by: str
 ) -> None:
     """A catalog restored from a backup in place of the one a watch follows
     (``cat other.db > catalog.db``): the watch went on giving the other log's
     revisions after its head as if they followed those it gave, without a
-    word (hostile test). It ends, told why."""
+    word (hostile test). Renamed over, it read the deleted file for good and
+    saw no write again. It ends, told why."""
     followed, other = tmp_path / "catalog.db", tmp_path / "other.db"
     _sqlite_log(followed, ["a", "b", "c"])
     _sqlite_log(other, [f"y{i}" for i in range(6)])
@@ -1687,19 +1690,32 @@ def test_a_sqlite_watch_whose_file_is_replaced_by_another_log_ends_saying_so(
     watch = follower.watch(0, poll_interval=0.02)
     thread, seen, ended = _following(watch)
     _until(lambda: seen == [1, 2, 3])
-    followed.write_bytes(other.read_bytes())
-    # A write there, which the watch's connection reads (till then it may
-    # read the pages it has cached of the old log).
-    writer = Models(DeclaredConfig(), env={"CATALOG_ES_DB": f"sqlite:///{followed}"})
-    writer.add(spec("z"), by="after")  # revision 7 of the other log
-    writer.close()
+    if replaced_by == "copied over":
+        followed.write_bytes(other.read_bytes())
+        # A write there, which the watch's connection reads (till then it
+        # may read the pages it has cached of the old log).
+        writer = Models(DeclaredConfig(), env={"CATALOG_ES_DB": f"sqlite:///{followed}"})
+        writer.add(spec("z"), by="after")  # revision 7 of the other log
+        writer.close()
+    else:  # with nothing written after it: the watch sees no write
+        renamed = tmp_path / "renamed.db"
+        renamed.write_bytes(other.read_bytes())
+        renamed.replace(followed)
     thread.join(10)
     watch.stop()
     follower.close()
     assert not thread.is_alive()
     assert seen == [1, 2, 3]
-    assert [type(e) for e in ended] == [LogRewritten]
-    assert str(ended[0]) == REWRITTEN_AT_3
+    if replaced_by == "copied over":
+        assert [type(e) for e in ended] == [LogRewritten]
+        assert str(ended[0]) == REWRITTEN_AT_3
+    else:
+        assert [type(e) for e in ended] == [LogFileReplaced]
+        assert str(ended[0]) == (
+            f"the database file {followed} was replaced (renamed over, or removed) while this "
+            "watch read it: it reads the old file, which no write reaches; watch again from "
+            "revision 3, the last it gave, once the log there is known to hold it (catalog-es log)"
+        )
 
 
 def test_a_postgresql_watch_whose_log_is_replaced_under_it_ends_saying_so(pg_url: str) -> None:
