@@ -69,6 +69,7 @@ from catalog_es.model import (
     utc_text,
 )
 from catalog_es.persistence import (
+    IDLE_IN_TRANSACTION_ENDED,
     Appended,
     ChainedNotification,
     Kept,
@@ -1010,11 +1011,17 @@ class Models(AuditTrail, Application[UUID]):
                     # A database error may come of a version this service thought it
                     # knew (rows edited by hand): all are read again next time.
                     known.forget()
-                    if revisions and isinstance(error, sa.exc.SQLAlchemyError):
+                    said = error.orig if isinstance(error, sa.exc.DBAPIError) else error
+                    if (
+                        revisions
+                        and isinstance(error, sa.exc.SQLAlchemyError)
+                        # Ended by the server for sitting idle in its transaction
+                        # (a node stopped mid-write): the commit never reached it.
+                        and getattr(said, "sqlstate", None) != IDLE_IN_TRANSACTION_ENDED
+                    ):
                         # The commit failed once begun. The catalog in force is
                         # left as before it, the writer's connection is dropped,
                         # and the next read or write asks the log where it is.
-                        said = error.orig if isinstance(error, sa.exc.DBAPIError) else error
                         raise OutcomeUnknown(
                             revisions[0], revisions[-1], first_line(str(said))
                         ) from error

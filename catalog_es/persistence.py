@@ -801,6 +801,9 @@ _SQLITE_HINTS = {
 # busy, not unusable. An error with no state failed in the client: no
 # server reached, or the connection lost.
 _POSTGRESQL_OUTAGES = ("08", "53", "57P01", "57P02", "57P03", "57P05", "25006", "25P03")
+# The session PostgreSQL ended for sitting idle in a transaction: whatever it
+# held was rolled back, as no COMMIT had reached it.
+IDLE_IN_TRANSACTION_ENDED = "25P03"
 _POSTGRESQL_SETUP = ("28", "3D", "3F", "42501", "42P01", "42703")
 _CLIENT_FAILURES = {"OperationalError", "InterfaceError", "DatabaseError"}
 # A server that refuses a connection as it is made says why with FATAL and,
