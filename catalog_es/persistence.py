@@ -1561,6 +1561,8 @@ class SQLRecorder(ProcessRecorder):
                 (self._uuid(originator_id),),
             )
             (value,) = cursor.fetchone() or (None,)
+        except self._dbapi_error as error:
+            raise self._as_sqlalchemys(error) from None
         finally:
             cursor.close()
         _check_whole([value])
@@ -1595,6 +1597,8 @@ class SQLRecorder(ProcessRecorder):
                     wanted,
                 )
                 found.update(cursor.fetchall())
+        except self._dbapi_error as error:
+            raise self._as_sqlalchemys(error) from None
         finally:
             cursor.close()
         _check_whole(found.values())
@@ -1652,8 +1656,13 @@ class SQLRecorder(ProcessRecorder):
         cursor = conn.connection.cursor()
         try:
             while True:
-                cursor.execute(sql, (after,))
-                rows = list(cursor.fetchall())
+                try:
+                    cursor.execute(sql, (after,))
+                    rows = list(cursor.fetchall())
+                except self._dbapi_error as error:
+                    # A damaged file (verify's walk reads every page): told
+                    # as SQLAlchemy's errors are, in one line, not as a bug.
+                    raise self._as_sqlalchemys(error) from None
                 if rows:
                     yield rows
                 if len(rows) < PAGE_SIZE:

@@ -16,6 +16,7 @@ import re
 import resource
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -1992,6 +1993,69 @@ def test_a_role_without_the_logs_privileges_is_a_500_not_a_retry(
         "POST /models/m/scale: the database could not be used: permission denied for table "
         "catalog_events"
     ]
+
+
+# -- the SQLite file replaced under a running server -----------------------------------
+
+
+def _sqlite_catalog(path: Path, *names: str) -> None:
+    """A log at ``path`` holding ``names``, closed: no -wal or -shm left beside it."""
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": f"sqlite:///{path}"})
+    for name in names:
+        models.add(spec(name), by="setup")
+    models.close()
+
+
+@pytest.fixture
+def file_api(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> Iterator[Api]:
+    """A server on a SQLite file holding m1, its held writer and a pooled
+    reader already open on that file, and the server's log in ``caplog``."""
+    db = f"sqlite:///{tmp_path}/catalog.db"
+    _sqlite_catalog(tmp_path / "catalog.db", "m1")
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db})
+    tokens, token = tokens_for_roles(tmp_path / "tokens.json")
+    server_log = logging.getLogger("uvicorn.error")  # it does not propagate
+    server_log.addHandler(caplog.handler)
+    try:
+        with serving(create_app(models, tokens)) as url, httpx.Client(base_url=url) as client:
+            api = Api(url, db, models, tokens, token, client)
+            ok(api.post("/models/m1/scale", {"max": 2}))
+            ok(api.get("/models"))
+            yield api
+    finally:
+        server_log.removeHandler(caplog.handler)
+        models.close()
+
+
+def _beside(path: Path) -> list[Path]:
+    return [path, path.with_name(f"{path.name}-wal"), path.with_name(f"{path.name}-shm")]
+
+
+def test_verify_of_a_malformed_log_is_one_line_as_the_logs_read_is(
+    file_api: Api, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A page of the log's table damaged: /log said so in one line, /verify
+    answered "internal error" with a traceback (hostile test)."""
+    path = tmp_path / "catalog.db"
+    with contextlib.closing(sqlite3.connect(path)) as side:
+        side.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        (page_size,) = side.execute("PRAGMA page_size").fetchone()
+        (root,) = side.execute(
+            "SELECT rootpage FROM sqlite_master WHERE name = 'catalog_events'"
+        ).fetchone()
+        with path.open("r+b") as file:
+            file.seek((root - 1) * page_size)
+            file.write(b"\xff" * page_size)
+        # A commit the server's connections see: they drop the pages they hold.
+        side.execute("PRAGMA user_version = 1")
+    for response in (file_api.get("/verify"), file_api.get("/log")):
+        assert refused(response, 500) == "the database could not be used; the server's log says why"
+    told = [r.getMessage() for r in caplog.records if "could not be used" in r.getMessage()]
+    assert told == [
+        "GET /verify: the database could not be used: database disk image is malformed",
+        "GET /log: the database could not be used: database disk image is malformed",
+    ]
+    assert "Exception in ASGI application" not in caplog.text
 
 
 def test_a_session_ended_by_the_server_mid_query_is_a_503(pg_url: str, tmp_path: Path) -> None:
