@@ -72,6 +72,7 @@ from catalog_es.persistence import (
     IDLE_IN_TRANSACTION_ENDED,
     Appended,
     ChainedNotification,
+    FileNotTheLog,
     Kept,
     PullingSubscription,
     SQLRecorder,
@@ -384,8 +385,7 @@ class Watch:
     standby that missed it, then other writes numbered the same), it ends
     with :class:`LogRewritten`: following on would miss those. So it does
     when a page it reads does not follow on from the last event it gave (a
-    backup restored in place under it), or, on SQLite, when its file was
-    renamed over (:class:`~catalog_es.errors.LogFileReplaced`)."""
+    backup restored in place under it, or, on SQLite, renamed over it)."""
 
     # Seconds between tries while the database cannot be used.
     retry_seconds = 1.0
@@ -1018,6 +1018,8 @@ class Models(AuditTrail, Application[UUID]):
                         # Ended by the server for sitting idle in its transaction
                         # (a node stopped mid-write): the commit never reached it.
                         and getattr(said, "sqlstate", None) != IDLE_IN_TRANSACTION_ENDED
+                        # Committed into a file renamed away: known not to be in the log.
+                        and not isinstance(said, FileNotTheLog)
                     ):
                         # The commit failed once begun. The catalog in force is
                         # left as before it, the writer's connection is dropped,

@@ -237,20 +237,6 @@ class LogRewritten(Refused):
         return cls(f"{lost}; watch again from a revision before the loss")
 
 
-class LogFileReplaced(LogRewritten):
-    """The SQLite file a follower reads was renamed over or removed: it still
-    reads the file it opened, which nothing writes to any more. Which log the
-    path holds now, and whether it follows on, only a new reader can tell."""
-
-    def __init__(self, path: str, revision: int) -> None:
-        super().__init__(
-            f"the database file {path} was replaced (renamed over, or removed) while this "
-            f"watch read it: it reads the old file, which no write reaches; watch again "
-            f"from revision {revision}, the last it gave, once the log there is known to "
-            "hold it (catalog-es log)"
-        )
-
-
 class InputError(Refused):
     """Input that could not be parsed (file, YAML, JSON, arguments)."""
 

@@ -31,7 +31,7 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
-from urllib.parse import unquote, urlsplit
+from urllib.parse import quote, unquote, urlsplit
 from uuid import UUID
 
 import sqlalchemy as sa
@@ -61,7 +61,6 @@ from catalog_es.chain import (
 from catalog_es.errors import (
     ConfigError,
     DamagedLog,
-    LogFileReplaced,
     LogRewritten,
     StorageBusy,
     UpgradeFailed,
@@ -567,18 +566,82 @@ def in_memory(url: sa.URL) -> bool:
     )
 
 
-# Where a SQLite connection's record keeps the file it opened: its path, and
-# its device and inode then (:func:`file_identity`).
-_OPENED_FILE = "catalog_es_opened_file"
+class FileNotTheLog(sqlite3.OperationalError):
+    """The SQLite file at the log's path is not the one this process opened:
+    gone, emptied, or replaced during a write. Raised as the driver's error,
+    so every caller tells it as a database that cannot be used (one line);
+    ``lasting`` while an operator must put the file back."""
+
+    def __init__(self, message: str, *, lasting: bool) -> None:
+        super().__init__(message)
+        self.lasting = lasting
 
 
-def file_identity(path: str) -> tuple[int, int] | None:
-    """The device and inode of the file at ``path``; ``None`` when there is none."""
-    try:
-        found = Path(path).stat()
-    except OSError:
-        return None
-    return found.st_dev, found.st_ino
+# In a SQLite connection's pool record: the file (device, inode) it opened.
+_OPENED_FILE = "catalog_es.opened_file"
+
+
+class SQLiteFile:
+    """The file a SQLite log is kept in. A connection keeps the file it
+    opened whatever then happens at the path: renamed over or removed, its
+    writes went on being acknowledged into a file no one reads again, and
+    truncated, into a file SQLite no longer makes sense of (hostile test).
+    So each connection records the file it opened, and is used only while
+    the path still names that file: one stat, 1-2 µs, per checkout and per
+    write. Once the file is made, connections open it only if it is there
+    (``mode=rw``): a new empty log at the path would be served as the log."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.made = False
+
+    def now(self) -> tuple[int, int]:
+        """The file at the path (device, inode); refused in one line when it
+        is gone, or when it is empty after this process made it: no database
+        in WAL mode, which the log is, is ever 0 bytes."""
+        try:
+            found = self.path.stat()
+        except FileNotFoundError:
+            raise FileNotTheLog(
+                f"the database file {self.path} is gone (removed, or renamed away, while this "
+                "process ran): nothing was read or written; put it back",
+                lasting=True,
+            ) from None
+        except OSError as error:
+            raise FileNotTheLog(
+                f"the database file {self.path}: {error.strerror}", lasting=False
+            ) from None
+        if found.st_size == 0 and self.made:
+            raise FileNotTheLog(
+                f"the database file {self.path} is empty (truncated while this process ran?): "
+                "it holds no log, nothing was read or written; restore it",
+                lasting=True,
+            )
+        return found.st_dev, found.st_ino
+
+    def replaced(self, opened: object) -> bool:
+        """Whether the path no longer names the file ``opened`` (a
+        connection's :data:`_OPENED_FILE`); refused as :meth:`now` is."""
+        return opened != self.now()
+
+    def existing_only(self, cargs: list[Any], cparams: dict[str, Any]) -> None:
+        """The driver's arguments to connect, made to open the file only if it
+        is there (SQLite's ``mode=rw``), unless the URL names a mode itself."""
+        target = str(cargs[0])
+        if not cparams.get("uri"):
+            cargs[0] = f"file:{quote(target)}?mode=rw"
+            cparams["uri"] = True
+        elif "mode=" not in urlsplit(target).query:
+            cargs[0] = f"{target}{'&' if '?' in target else '?'}mode=rw"
+
+
+# Each SQLite engine's file, for its recorder's held writer to check.
+_SQLITE_FILES: weakref.WeakKeyDictionary[Engine, SQLiteFile] = weakref.WeakKeyDictionary()
+
+
+def sqlite_file_of(engine: Engine) -> SQLiteFile | None:
+    """The file a SQLite engine made here keeps its log in; ``None`` otherwise."""
+    return _SQLITE_FILES.get(engine)
 
 
 def _settled_engine(url: sa.URL) -> Engine:
@@ -586,13 +649,25 @@ def _settled_engine(url: sa.URL) -> Engine:
         synchronous = sqlite_synchronous()
         wait = lock_wait_seconds()
         engine = sa.create_engine(url, connect_args={"timeout": wait})
-        path = _sqlite_file(url)
+        file = _SQLITE_FILES[engine] = SQLiteFile(Path(_sqlite_file(url)).absolute())
+
+        @sa.event.listens_for(engine, "do_connect")
+        def _opening(
+            _dialect: Any, _record: Any, cargs: list[Any], cparams: dict[str, Any]
+        ) -> None:
+            if file.made:
+                file.now()  # gone or emptied: said as such, not as SQLite's "unable to open"
+                file.existing_only(cargs, cparams)
+
+        @sa.event.listens_for(engine, "checkout")
+        def _checkout(_dbapi_connection: Any, record: Any, _proxy: Any) -> None:
+            if file.replaced(record.info.get(_OPENED_FILE)):
+                # Every connection opened before now may be on the old file:
+                # the pool lets go of them all, and this one connects afresh.
+                raise sa.exc.InvalidatePoolError(f"{file.path} is another file than this one's")
 
         @sa.event.listens_for(engine, "connect")
         def _connect(dbapi_connection: Any, record: Any) -> None:
-            # A connection reads the file it opened, whatever is at the path
-            # later: a follower compares the two (SQLRecorder.replaced_file).
-            record.info[_OPENED_FILE] = (path, file_identity(path))
             # Let us issue BEGIN ourselves (pysqlite's own is deferred and late).
             dbapi_connection.isolation_level = None
             cursor = dbapi_connection.cursor()
@@ -607,6 +682,10 @@ def _settled_engine(url: sa.URL) -> Engine:
             cursor.execute(f"PRAGMA wal_autocheckpoint={WAL_CHECKPOINT_PAGES}")
             cursor.execute(f"PRAGMA journal_size_limit={WAL_SIZE_LIMIT_BYTES}")
             cursor.close()
+            # Stat after the open: a rename between the two leaves this
+            # connection taken for the new file (a window of microseconds).
+            record.info[_OPENED_FILE] = file.now()
+            file.made = True
 
         @sa.event.listens_for(engine, "begin")
         def _begin(connection: Connection) -> None:
@@ -837,6 +916,8 @@ def database_unusable(error: BaseException) -> Unusable | None:
     500, when it lasts) and a watch's waiting for the database all decide by
     this."""
     driver = error.orig if isinstance(error, sa.exc.DBAPIError) else error
+    if isinstance(driver, FileNotTheLog):
+        return Unusable(first_line(str(driver)), lasting=driver.lasting)
     kind = type(driver)
     package = kind.__module__.split(".")[0]
     said = first_line(str(driver))
@@ -881,6 +962,8 @@ class SQLRecorder(ProcessRecorder):
         self._writer_pid = 0
         self._writer_used = 0.0
         self._writer_lock = threading.Lock()
+        # The SQLite file, which the held writer must still have open (see SQLiteFile).
+        self._file = sqlite_file_of(engine)
         # Whether SQLite keeps a sequence the log's revisions must stay past.
         self._sequence_kept: bool | None = None
         # The schema of the log's tables on PostgreSQL, once found (log_schema).
@@ -908,6 +991,8 @@ class SQLRecorder(ProcessRecorder):
                 # call; its next use would connect afresh without a writer's
                 # settings (below): autocommit on PostgreSQL, the cache on SQLite.
                 self._discard_writer()
+            if self._file is not None:
+                self._writer_on_the_file(self._file)
             if (
                 self._writer is not None
                 and self.dialect != "sqlite"
@@ -957,6 +1042,32 @@ class SQLRecorder(ProcessRecorder):
                 if not self._writer_is_idle():
                     self._discard_writer()
                 raise
+            if self._file is not None and self._writer is not None:
+                opened = self._writer.info.get(_OPENED_FILE)
+                if self._file.replaced(opened):
+                    # Between the check above and the commit: the write went
+                    # into the file that was there, not the log at the path.
+                    self._discard_writer()
+                    raise self._as_sqlalchemys(
+                        FileNotTheLog(
+                            f"the database file {self._file.path} was replaced during this write, "
+                            "which went into the file there before: the log at the path does "
+                            "not have it; try again",
+                            lasting=False,
+                        )
+                    )
+
+    def _writer_on_the_file(self, file: SQLiteFile) -> None:
+        """Let go of the held writer when the path no longer names the file it
+        opened; refused, and let go of, when the file is gone or emptied."""
+        writer = self._writer
+        try:
+            replaced = file.replaced(None if writer is None else writer.info.get(_OPENED_FILE))
+        except FileNotTheLog as error:
+            self._discard_writer()
+            raise self._as_sqlalchemys(error) from None
+        if replaced:
+            self._discard_writer()
 
     def _as_sqlalchemys(self, error: Exception) -> sa.exc.StatementError:
         """A driver error from a statement made straight on the driver, wrapped
@@ -1433,9 +1544,8 @@ class SQLRecorder(ProcessRecorder):
         ``after_hash``, the hash of the event at ``after`` as the follower
         gave it, the first must chain onto it, or the log is no longer the
         one the follower gave (:class:`LogRewritten`): the page's own events
-        are one snapshot of one log, and each page's first is checked so. On
-        SQLite, a file renamed over or removed while the connection read it
-        is :class:`LogFileReplaced`."""
+        are one snapshot of one log, and each page's first is checked so. (On
+        SQLite, a file renamed over is read afresh: see :class:`SQLiteFile`.)"""
         t = events_table.c
         query = sa.select(
             t.revision, t.originator_id, t.originator_version, t.topic, t.state, t.hash
@@ -1443,9 +1553,6 @@ class SQLRecorder(ProcessRecorder):
         if topics:
             query = query.where(t.topic.in_(topics))
         with self.read() as conn:
-            replaced = self.replaced_file(conn)
-            if replaced is not None:
-                raise LogFileReplaced(replaced, after)
             end = self._page_end(conn, after, limit, max_bytes, topics)
             if end is None:
                 return []
@@ -1476,16 +1583,6 @@ class SQLRecorder(ProcessRecorder):
         ):
             raise LogRewritten.at(after)
         return pulled
-
-    def replaced_file(self, conn: Connection) -> str | None:
-        """On SQLite, the path of the file ``conn`` opened when another file
-        is there now (renamed over it), or none: what it reads, nothing
-        writes to any more. A stat of the path; on PostgreSQL, nothing."""
-        opened = conn.connection.info.get(_OPENED_FILE)
-        if opened is None:
-            return None
-        path, identity = opened
-        return path if identity is not None and file_identity(path) != identity else None
 
     def max_notification_id(self) -> int | None:
         with self.read() as conn:

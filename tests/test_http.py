@@ -2031,6 +2031,67 @@ def _beside(path: Path) -> list[Path]:
     return [path, path.with_name(f"{path.name}-wal"), path.with_name(f"{path.name}-shm")]
 
 
+def test_a_catalog_renamed_over_the_file_is_the_one_a_server_writes_to(
+    file_api: Api, tmp_path: Path
+) -> None:
+    """Its open connections kept the file renamed away: a write answered 200
+    and a revision, went into that file, and was lost (hostile test)."""
+    path = tmp_path / "catalog.db"
+    _sqlite_catalog(tmp_path / "other.db", "x1")
+    for old in _beside(path)[1:]:
+        old.unlink()
+    (tmp_path / "other.db").replace(path)
+    assert refused(file_api.post("/models/m1/scale", {"max": 3}), 404) == (
+        "model 'm1' is not in the catalog"
+    )
+    written = ok(file_api.post("/models/x1/scale", {"max": 3}))["revision"]
+    assert ok(file_api.get("/revision"))["revision"] == written
+    assert count_events(file_api.db) == written  # in the file at the path
+
+
+def test_a_database_file_removed_under_a_server_is_refused_in_one_line_and_not_made_again(
+    file_api: Api, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Writes went on answering 200 into the removed file, and a read made a
+    new empty catalog at the path (hostile test)."""
+    path = tmp_path / "catalog.db"
+    for old in _beside(path):
+        old.unlink()
+    scaled = file_api.post("/models/m1/scale", {"max": 3})
+    read = file_api.get("/models")
+    for response in (scaled, read):
+        assert refused(response, 500) == "the database could not be used; the server's log says why"
+    told = [r.getMessage() for r in caplog.records if "could not be used" in r.getMessage()]
+    assert told[0] == (
+        f"POST /models/m1/scale: the database could not be used: the database file {path} "
+        "is gone (removed, or renamed away, while this process ran): nothing was read or "
+        "written; put it back"
+    )
+    assert "Exception in ASGI application" not in caplog.text
+    file_api.models.close()
+    assert not path.exists()
+
+
+def test_a_database_file_emptied_under_a_server_is_refused_in_one_line(
+    file_api: Api, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Truncated to 0 bytes: reads said the database stayed locked (nothing
+    held it), a write answered 200 (hostile test)."""
+    path = tmp_path / "catalog.db"
+    os.truncate(path, 0)
+    read = file_api.get("/revision")
+    scaled = file_api.post("/models/m1/scale", {"max": 3})
+    for response in (read, scaled):
+        assert refused(response, 500) == "the database could not be used; the server's log says why"
+    told = [r.getMessage() for r in caplog.records if "could not be used" in r.getMessage()]
+    assert told[0] == (
+        f"GET /revision: the database could not be used: the database file {path} is empty "
+        "(truncated while this process ran?): it holds no log, nothing was read or written; "
+        "restore it"
+    )
+    assert "Exception in ASGI application" not in caplog.text
+
+
 def test_verify_of_a_malformed_log_is_one_line_as_the_logs_read_is(
     file_api: Api, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -2056,6 +2117,38 @@ def test_verify_of_a_malformed_log_is_one_line_as_the_logs_read_is(
         "GET /log: the database could not be used: database disk image is malformed",
     ]
     assert "Exception in ASGI application" not in caplog.text
+
+
+def test_a_write_the_file_was_replaced_under_is_not_acknowledged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Renamed over between the writer's check and its commit, the write goes
+    into the file renamed away: refused (503, try again), not answered with
+    a revision the log at the path does not have."""
+    path = tmp_path / "catalog.db"
+    _sqlite_catalog(path, "m1")
+    _sqlite_catalog(tmp_path / "other.db", "x1")
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": f"sqlite:///{path}"})
+    append = models.store.append
+
+    def renamed_over_first(*args: Any, **kwargs: Any) -> Any:
+        for old in _beside(path)[1:]:
+            old.unlink()
+        (tmp_path / "other.db").replace(path)
+        return append(*args, **kwargs)
+
+    monkeypatch.setattr(models.store, "append", renamed_over_first)
+    with pytest.raises(sa.exc.OperationalError) as raised:
+        models.scale("m1", 1, 3, by="ops")
+    unusable = database_unusable(raised.value)
+    assert unusable == (
+        f"the database file {path} was replaced during this write, which went into the file "
+        "there before: the log at the path does not have it; try again",
+        False,
+    )
+    monkeypatch.undo()
+    assert [m["name"] for m in models.list_models()] == ["x1"]
+    models.close()
 
 
 def test_a_session_ended_by_the_server_mid_query_is_a_503(pg_url: str, tmp_path: Path) -> None:

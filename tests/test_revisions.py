@@ -44,7 +44,6 @@ from catalog_es.errors import (
     DeclaredInConfig,
     InputError,
     InvalidModel,
-    LogFileReplaced,
     LogRewritten,
     ModelNotFound,
     Refused,
@@ -1706,16 +1705,9 @@ def test_a_sqlite_watch_whose_file_is_replaced_by_another_log_ends_saying_so(
     follower.close()
     assert not thread.is_alive()
     assert seen == [1, 2, 3]
-    if replaced_by == "copied over":
-        assert [type(e) for e in ended] == [LogRewritten]
-        assert str(ended[0]) == REWRITTEN_AT_3
-    else:
-        assert [type(e) for e in ended] == [LogFileReplaced]
-        assert str(ended[0]) == (
-            f"the database file {followed} was replaced (renamed over, or removed) while this "
-            "watch read it: it reads the old file, which no write reaches; watch again from "
-            "revision 3, the last it gave, once the log there is known to hold it (catalog-es log)"
-        )
+    # Renamed over, its connection is let go of and the new file read.
+    assert [type(e) for e in ended] == [LogRewritten]
+    assert str(ended[0]) == REWRITTEN_AT_3
 
 
 def test_a_postgresql_watch_whose_log_is_replaced_under_it_ends_saying_so(pg_url: str) -> None:
