@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import io
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -18,6 +19,7 @@ import msgspec
 import sqlalchemy as sa
 import yaml
 
+from catalog_es.application import Watch
 from catalog_es.catalog import Catalog
 from catalog_es.inputs import model_from_data
 from catalog_es.model import Model, model_id, utc_now
@@ -265,3 +267,20 @@ def commits_held(admin: sa.Engine, pg_url: str) -> Iterator[Callable[[], None]]:
         with admin.connect() as conn:
             conn.execute(sa.text(f"DROP TRIGGER wait_at_commit ON {schema}.catalog_events"))
             conn.execute(sa.text(f"DROP FUNCTION {schema}.wait_at_commit()"))
+
+
+def following(watch: Watch) -> tuple[threading.Thread, list[int], list[BaseException]]:
+    """``watch`` iterated on a thread of its own: the revisions it gives, and
+    what it ended with."""
+    seen: list[int] = []
+    ended: list[BaseException] = []
+
+    def follow() -> None:
+        try:
+            seen.extend(e["revision"] for e in watch)
+        except Exception as error:
+            ended.append(error)
+
+    thread = threading.Thread(target=follow, daemon=True)
+    thread.start()
+    return thread, seen, ended

@@ -61,6 +61,7 @@ from tests.helpers import (
     config_yaml,
     count_events,
     definition,
+    following,
     log_rows,
     put_back,
     spec,
@@ -2206,17 +2207,7 @@ def test_a_watch_whose_log_was_rewritten_while_it_was_away_ends_saying_so(pg_url
     follower = Models(DeclaredConfig(), env={"CATALOG_ES_DB": through})
     watch = follower.watch(0)
     watch.retry_seconds = 0.1
-    seen: list[int] = []
-    ended: list[BaseException] = []
-
-    def follow() -> None:
-        try:
-            seen.extend(e["revision"] for e in watch)
-        except Exception as error:
-            ended.append(error)
-
-    thread = threading.Thread(target=follow, daemon=True)
-    thread.start()
+    thread, seen, ended = following(watch)
     writer.scale("m", 0, 2, by="ops")
     _until(lambda: seen == [1, 2])
     proxy.cut()

@@ -35,7 +35,7 @@ from hypothesis import strategies as st
 
 import projections.catalog
 from catalog_es import commands, cpu, persistence
-from catalog_es.application import Models, Watch
+from catalog_es.application import Models
 from catalog_es.batch import Batch
 from catalog_es.catalog import Catalog, Skipped
 from catalog_es.cli import cli
@@ -58,7 +58,7 @@ from catalog_es.spec import ModelSpec, Scaling
 from catalog_es.views import model_view
 from projections.catalog import catch_up
 from projections.snapshots import snapshots_table
-from tests.helpers import config_yaml, count_events, log_rows, put_back
+from tests.helpers import config_yaml, count_events, following, log_rows, put_back
 from tests.helpers import parsed as spec
 
 DECLARED_YAML = """
@@ -1640,23 +1640,6 @@ REWRITTEN_AT_3 = (
 )
 
 
-def _following(watch: Watch) -> tuple[threading.Thread, list[int], list[BaseException]]:
-    """``watch`` iterated on a thread of its own: the revisions it gives, and
-    what it ended with."""
-    seen: list[int] = []
-    ended: list[BaseException] = []
-
-    def follow() -> None:
-        try:
-            seen.extend(e["revision"] for e in watch)
-        except Exception as error:
-            ended.append(error)
-
-    thread = threading.Thread(target=follow, daemon=True)
-    thread.start()
-    return thread, seen, ended
-
-
 def _until(condition: Callable[[], bool], seconds: float = 10.0) -> None:
     deadline = time.monotonic() + seconds
     while not condition():
@@ -1687,7 +1670,7 @@ def test_a_sqlite_watch_whose_file_is_replaced_by_another_log_ends_saying_so(
     _sqlite_log(other, [f"y{i}" for i in range(6)])
     follower = Models(DeclaredConfig(), env={"CATALOG_ES_DB": f"sqlite:///{followed}"})
     watch = follower.watch(0, poll_interval=0.02)
-    thread, seen, ended = _following(watch)
+    thread, seen, ended = following(watch)
     _until(lambda: seen == [1, 2, 3])
     if replaced_by == "copied over":
         followed.write_bytes(other.read_bytes())
@@ -1720,7 +1703,7 @@ def test_a_postgresql_watch_whose_log_is_replaced_under_it_ends_saying_so(pg_url
         writer.add(spec(name), by="setup")
     follower = Models(DeclaredConfig(), env={"CATALOG_ES_DB": pg_url})
     watch = follower.watch(0, poll_interval=0.1)
-    thread, seen, ended = _following(watch)
+    thread, seen, ended = following(watch)
     _until(lambda: seen == [1, 2, 3])
     put_back(pg_url, empty)
     other = Models(DeclaredConfig(), env={"CATALOG_ES_DB": pg_url})
