@@ -304,6 +304,26 @@ def _refused_change(number: int, step: commands.Step, refusal: Refused) -> Refus
     )
 
 
+def _outcome_unknown(error: BaseException, revisions: list[int]) -> OutcomeUnknown | None:
+    """What to tell of ``error``, raised by a write once it appended
+    ``revisions`` (none: before it), when it failed the commit once begun,
+    which may have stood. Worked out here, not in the writer's frame: a name
+    there holding the error (and so its traceback, and so that frame) would
+    keep the write's generators alive, their transaction and its lock
+    unended, until a collection (an interrupt test: every run)."""
+    if not revisions or not isinstance(error, sa.exc.SQLAlchemyError):
+        return None
+    said = error.orig if isinstance(error, sa.exc.DBAPIError) else error
+    # Ended by the server for sitting idle in its transaction (a node stopped
+    # mid-write): the commit never reached it. Committed into a file renamed
+    # away: known not to be in the log.
+    if getattr(said, "sqlstate", None) == IDLE_IN_TRANSACTION_ENDED or isinstance(
+        said, FileNotTheLog
+    ):
+        return None
+    return OutcomeUnknown(revisions[0], revisions[-1], first_line(str(said)))
+
+
 def _lost(catalog: Catalog, kept: Kept) -> str | None:
     """Why the log, as ``kept`` tells it, no longer holds the events
     ``catalog`` was built from (a failover to a standby that had not received
@@ -1011,22 +1031,12 @@ class Models(AuditTrail, Application[UUID]):
                     # A database error may come of a version this service thought it
                     # knew (rows edited by hand): all are read again next time.
                     known.forget()
-                    said = error.orig if isinstance(error, sa.exc.DBAPIError) else error
-                    if (
-                        revisions
-                        and isinstance(error, sa.exc.SQLAlchemyError)
-                        # Ended by the server for sitting idle in its transaction
-                        # (a node stopped mid-write): the commit never reached it.
-                        and getattr(said, "sqlstate", None) != IDLE_IN_TRANSACTION_ENDED
-                        # Committed into a file renamed away: known not to be in the log.
-                        and not isinstance(said, FileNotTheLog)
-                    ):
-                        # The commit failed once begun. The catalog in force is
-                        # left as before it, the writer's connection is dropped,
-                        # and the next read or write asks the log where it is.
-                        raise OutcomeUnknown(
-                            revisions[0], revisions[-1], first_line(str(said))
-                        ) from error
+                    unknown = _outcome_unknown(error, revisions)
+                    if unknown is not None:
+                        # The catalog in force is left as before the write, the
+                        # writer's connection is dropped, and the next read or
+                        # write asks the log where it is.
+                        raise unknown from error
                     raise
                 # Committed: only now are the changes in force.
                 self.last_written, self._committing = revisions[-1], None

@@ -1061,8 +1061,10 @@ class SQLRecorder(ProcessRecorder):
         """Let go of the held writer when the path no longer names the file it
         opened; refused, and let go of, when the file is gone or emptied."""
         writer = self._writer
+        if writer is None:
+            return  # the one opened next checks the file as it opens (a new log: makes it)
         try:
-            replaced = file.replaced(None if writer is None else writer.info.get(_OPENED_FILE))
+            replaced = file.replaced(writer.info.get(_OPENED_FILE))
         except FileNotTheLog as error:
             self._discard_writer()
             raise self._as_sqlalchemys(error) from None
