@@ -363,6 +363,15 @@ def _chain(revision: int, hash_: object) -> ChainHead | None:
     return head if isinstance(head, ChainHead) and revision > 0 else None
 
 
+def _end_if_replaced(error: Exception, last: int) -> None:
+    """Ends a watch whose SQLite file was renamed over: reading on would mix
+    the two files, and which log the path now holds, and whether it follows
+    on from the last event given, is for a new watch to find out."""
+    said = error.orig if isinstance(error, sa.exc.DBAPIError) else error
+    if isinstance(said, FileNotTheLog) and said.replaced:
+        raise LogRewritten(f"{said}; watch again from revision {last}, the last it gave")
+
+
 class _Outage:
     """Whether this process's watches wait for the database: told when the
     first finds it gone and when the last finds it back, not once a watch (a
@@ -454,6 +463,7 @@ class Watch:
                     unusable = database_unusable(error)
                     if unusable is None:
                         raise
+                    _end_if_replaced(error, last)
                     if not away:
                         away = True
                         _outage.began(unusable.said)

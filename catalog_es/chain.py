@@ -198,12 +198,6 @@ def _shown_end(end: tuple[Any, Any] | None) -> str:
     return "none" if end is None else f"version {end[1]!r} at revision {end[0]!r}"
 
 
-def chains_onto(previous: str, row: ChainRow) -> bool:
-    """Whether ``row``'s stored hash follows from ``previous``, the hash of
-    the event before it: that it comes after that event in the same log."""
-    return bool(row.hash == _rehash(previous, row))
-
-
 def _rehash(previous: str, row: ChainRow) -> str | None:
     """The row's hash recomputed from what is stored; ``None`` when what is
     stored cannot be what was written (not a UUID, a number, text, bytes)."""

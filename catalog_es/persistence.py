@@ -54,7 +54,6 @@ from catalog_es.chain import (
     ChainHead,
     ChainRow,
     DamagedHead,
-    chains_onto,
     link,
     stored_head,
 )
@@ -572,13 +571,11 @@ class FileNotTheLog(sqlite3.OperationalError):
     so every caller tells it as a database that cannot be used (one line);
     ``lasting`` while an operator must put the file back."""
 
-    def __init__(self, message: str, *, lasting: bool) -> None:
+    def __init__(self, message: str, *, lasting: bool, replaced: bool = False) -> None:
         super().__init__(message)
         self.lasting = lasting
-
-
-# In a SQLite connection's pool record: the file (device, inode) it opened.
-_OPENED_FILE = "catalog_es.opened_file"
+        # Another file at the path than the one opened: a follower ends.
+        self.replaced = replaced
 
 
 class SQLiteFile:
@@ -586,14 +583,15 @@ class SQLiteFile:
     opened whatever then happens at the path: renamed over or removed, its
     writes went on being acknowledged into a file no one reads again, and
     truncated, into a file SQLite no longer makes sense of (hostile test).
-    So each connection records the file it opened, and is used only while
-    the path still names that file: one stat, 1-2 µs, per checkout and per
-    write. Once the file is made, connections open it only if it is there
+    So this process uses the first file it opened there alone, and each
+    checkout and each write checks that the path still names it: one stat,
+    1-2 µs. Once the file is made, connections open it only if it is there
     (``mode=rw``): a new empty log at the path would be served as the log."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.made = False
+        # The file (device, inode) this process first opened at the path.
+        self.opened: tuple[int, int] | None = None
 
     def now(self) -> tuple[int, int]:
         """The file at the path (device, inode); refused in one line when it
@@ -609,9 +607,10 @@ class SQLiteFile:
             ) from None
         except OSError as error:
             raise FileNotTheLog(
-                f"the database file {self.path}: {error.strerror}", lasting=False
+                f"the database file {self.path}: {error.strerror}",
+                lasting=isinstance(error, PermissionError),
             ) from None
-        if found.st_size == 0 and self.made:
+        if found.st_size == 0 and self.opened is not None:
             raise FileNotTheLog(
                 f"the database file {self.path} is empty (truncated while this process ran?): "
                 "it holds no log, nothing was read or written; restore it",
@@ -619,10 +618,21 @@ class SQLiteFile:
             )
         return found.st_dev, found.st_ino
 
-    def replaced(self, opened: object) -> bool:
-        """Whether the path no longer names the file ``opened`` (a
-        connection's :data:`_OPENED_FILE`); refused as :meth:`now` is."""
-        return opened != self.now()
+    def check(self) -> None:
+        """Refused in one line unless the path still names the file this
+        process opened, as :meth:`now` refuses. A file renamed over is not
+        read, nor opened: the -wal and -shm files beside it, named by the
+        path, are the old file's, and a connection opened on the new one read
+        and wrote the two as one, corrupting it (review)."""
+        if self.now() != self.opened:
+            raise FileNotTheLog(
+                f"the database file {self.path} was replaced while this process ran (renamed"
+                " over): the -wal and -shm files beside it are the old file's, and reading on"
+                " would mix the two; stop every process using it, and remove those two before"
+                " starting them again",
+                lasting=True,
+                replaced=True,
+            )
 
     def existing_only(self, cargs: list[Any], cparams: dict[str, Any]) -> None:
         """The driver's arguments to connect, made to open the file only if it
@@ -631,7 +641,9 @@ class SQLiteFile:
         if not cparams.get("uri"):
             cargs[0] = f"file:{quote(target)}?mode=rw"
             cparams["uri"] = True
-        elif "mode=" not in urlsplit(target).query:
+        elif target.startswith("file:") and "mode=" not in urlsplit(target).query:
+            # A URI names its options; a plain name given as one (``?uri=true``
+            # on a path) would take them as part of the file's name.
             cargs[0] = f"{target}{'&' if '?' in target else '?'}mode=rw"
 
 
@@ -655,19 +667,16 @@ def _settled_engine(url: sa.URL) -> Engine:
         def _opening(
             _dialect: Any, _record: Any, cargs: list[Any], cparams: dict[str, Any]
         ) -> None:
-            if file.made:
-                file.now()  # gone or emptied: said as such, not as SQLite's "unable to open"
+            if file.opened is not None:
+                file.check()  # gone, emptied or replaced: said as such, and not opened
                 file.existing_only(cargs, cparams)
 
         @sa.event.listens_for(engine, "checkout")
-        def _checkout(_dbapi_connection: Any, record: Any, _proxy: Any) -> None:
-            if file.replaced(record.info.get(_OPENED_FILE)):
-                # Every connection opened before now may be on the old file:
-                # the pool lets go of them all, and this one connects afresh.
-                raise sa.exc.InvalidatePoolError(f"{file.path} is another file than this one's")
+        def _checkout(_dbapi_connection: Any, _record: Any, _proxy: Any) -> None:
+            file.check()
 
         @sa.event.listens_for(engine, "connect")
-        def _connect(dbapi_connection: Any, record: Any) -> None:
+        def _connect(dbapi_connection: Any, _record: Any) -> None:
             # Let us issue BEGIN ourselves (pysqlite's own is deferred and late).
             dbapi_connection.isolation_level = None
             cursor = dbapi_connection.cursor()
@@ -682,10 +691,10 @@ def _settled_engine(url: sa.URL) -> Engine:
             cursor.execute(f"PRAGMA wal_autocheckpoint={WAL_CHECKPOINT_PAGES}")
             cursor.execute(f"PRAGMA journal_size_limit={WAL_SIZE_LIMIT_BYTES}")
             cursor.close()
-            # Stat after the open: a rename between the two leaves this
-            # connection taken for the new file (a window of microseconds).
-            record.info[_OPENED_FILE] = file.now()
-            file.made = True
+            if file.opened is None:
+                # Stat after the open: a rename between the two has the new
+                # file taken for this process's (a window of microseconds).
+                file.opened = file.now()
 
         @sa.event.listens_for(engine, "begin")
         def _begin(connection: Connection) -> None:
@@ -1043,19 +1052,22 @@ class SQLRecorder(ProcessRecorder):
                     self._discard_writer()
                 raise
             if self._file is not None and self._writer is not None:
-                opened = self._writer.info.get(_OPENED_FILE)
-                if self._file.replaced(opened):
+                try:
+                    self._file.check()
+                except FileNotTheLog:
                     # Between the check above and the commit: the write went
                     # into the file that was there, not the log at the path.
                     self._discard_writer()
                     raise self._as_sqlalchemys(
                         FileNotTheLog(
-                            f"the database file {self._file.path} was replaced during this write, "
-                            "which went into the file there before: the log at the path does "
-                            "not have it; try again",
-                            lasting=False,
+                            f"the database file {self._file.path} was replaced, removed or"
+                            " emptied during this write, which went into the file that was"
+                            " there: the log at the path does not hold it; stop every process"
+                            " using it, then start them again",
+                            lasting=True,
+                            replaced=True,
                         )
-                    )
+                    ) from None
 
     def _writer_on_the_file(self, file: SQLiteFile) -> None:
         """Let go of the held writer when the path no longer names the file it
@@ -1064,12 +1076,10 @@ class SQLRecorder(ProcessRecorder):
         if writer is None:
             return  # the one opened next checks the file as it opens (a new log: makes it)
         try:
-            replaced = file.replaced(writer.info.get(_OPENED_FILE))
+            file.check()
         except FileNotTheLog as error:
             self._discard_writer()
             raise self._as_sqlalchemys(error) from None
-        if replaced:
-            self._discard_writer()
 
     def _as_sqlalchemys(self, error: Exception) -> sa.exc.StatementError:
         """A driver error from a statement made straight on the driver, wrapped
@@ -1544,10 +1554,9 @@ class SQLRecorder(ProcessRecorder):
         """A follower's next page: the events after ``after`` of
         :meth:`page_end`'s page, with their hashes, in one read. Given
         ``after_hash``, the hash of the event at ``after`` as the follower
-        gave it, the first must chain onto it, or the log is no longer the
-        one the follower gave (:class:`LogRewritten`): the page's own events
-        are one snapshot of one log, and each page's first is checked so. (On
-        SQLite, a file renamed over is read afresh: see :class:`SQLiteFile`.)"""
+        gave it, the log must still hold that hash there, or it is no longer
+        the one the follower gave (:class:`LogRewritten`): the chain vouches
+        for every event before, and the page is one snapshot of one log."""
         t = events_table.c
         query = sa.select(
             t.revision, t.originator_id, t.originator_version, t.topic, t.state, t.hash
@@ -1558,8 +1567,13 @@ class SQLRecorder(ProcessRecorder):
             end = self._page_end(conn, after, limit, max_bytes, topics)
             if end is None:
                 return []
+            # The hash stored at the follower's last event, not that recomputed
+            # from the next one's content: an event edited by hand (skipped,
+            # reported) there ended a watch as if the log had been replaced.
+            if after_hash is not None and self.hash_at(conn, after) != after_hash:
+                raise LogRewritten.at(after)
             page = conn.execute(query.where(t.revision <= end).order_by(t.revision))
-            pulled = [
+            return [
                 ChainedNotification(
                     id=r[0],
                     originator_id=r[1],
@@ -1570,21 +1584,6 @@ class SQLRecorder(ProcessRecorder):
                 )
                 for r in page
             ]
-        first = pulled[0]
-        if after_hash is not None and not chains_onto(
-            after_hash,
-            ChainRow(
-                revision=first.id,
-                originator_id=first.originator_id,
-                originator_version=first.originator_version,
-                topic=first.topic,
-                state=first.state,
-                hash=first.hash,
-                stream_previous=None,
-            ),
-        ):
-            raise LogRewritten.at(after)
-        return pulled
 
     def max_notification_id(self) -> int | None:
         with self.read() as conn:

@@ -2032,22 +2032,33 @@ def _beside(path: Path) -> list[Path]:
     return [path, path.with_name(f"{path.name}-wal"), path.with_name(f"{path.name}-shm")]
 
 
-def test_a_catalog_renamed_over_the_file_is_the_one_a_server_writes_to(
-    file_api: Api, tmp_path: Path
+def test_a_catalog_renamed_over_the_file_under_a_server_is_refused_not_written(
+    file_api: Api, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Its open connections kept the file renamed away: a write answered 200
-    and a revision, went into that file, and was lost (hostile test)."""
+    and a revision, went into that file, and was lost (hostile test). Read
+    afresh, the new file was read with the old one's -wal and -shm, which
+    the rename leaves beside it, and corrupted (review). Refused instead,
+    until the server is started again."""
     path = tmp_path / "catalog.db"
+    ok(file_api.post("/models/m1/scale", {"max": 3}))  # the old file's -wal holds it
     _sqlite_catalog(tmp_path / "other.db", "x1")
-    for old in _beside(path)[1:]:
-        old.unlink()
     (tmp_path / "other.db").replace(path)
-    assert refused(file_api.post("/models/m1/scale", {"max": 3}), 404) == (
-        "model 'm1' is not in the catalog"
+    for response in (file_api.post("/models/x1/scale", {"max": 3}), file_api.get("/models")):
+        assert refused(response, 500) == "the database could not be used; the server's log says why"
+    told = [r.getMessage() for r in caplog.records if "could not be used" in r.getMessage()]
+    assert told[0] == (
+        f"POST /models/x1/scale: the database could not be used: the database file {path} "
+        "was replaced while this process ran (renamed over): the -wal and -shm files beside "
+        "it are the old file's, and reading on would mix the two; stop every process using "
+        "it, and remove those two before starting them again"
     )
-    written = ok(file_api.post("/models/x1/scale", {"max": 3}))["revision"]
-    assert ok(file_api.get("/revision"))["revision"] == written
-    assert count_events(file_api.db) == written  # in the file at the path
+    file_api.models.close()
+    for old in _beside(path)[1:]:
+        old.unlink(missing_ok=True)
+    with sqlite3.connect(path) as conn:
+        assert conn.execute("PRAGMA integrity_check").fetchall() == [("ok",)]
+        assert conn.execute("SELECT count(*) FROM catalog_events").fetchone() == (1,)
 
 
 def test_a_database_file_removed_under_a_server_is_refused_in_one_line_and_not_made_again(
@@ -2071,6 +2082,22 @@ def test_a_database_file_removed_under_a_server_is_refused_in_one_line_and_not_m
     assert "Exception in ASGI application" not in caplog.text
     file_api.models.close()
     assert not path.exists()
+
+
+@pytest.mark.parametrize("query", ["?uri=true", "?uri=true&timeout=5"])
+def test_a_plain_path_given_as_a_uri_is_the_same_file_to_every_connection(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, query: str
+) -> None:
+    """Opened only if there once made, a path with ``?uri=true`` had
+    ``?mode=rw`` taken as part of its name: every connection after the
+    first opened a new empty database beside it (review)."""
+    monkeypatch.chdir(tmp_path)
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": f"sqlite:///plain.db{query}"})
+    models.add(spec("m1"), by="ops")
+    with models.store.read() as first, models.store.read() as second:
+        assert models.store.head(first) == models.store.head(second) == 1
+    models.close()
+    assert sorted(p.name for p in tmp_path.iterdir() if "plain" in p.name) == ["plain.db"]
 
 
 def test_a_database_file_emptied_under_a_server_is_refused_in_one_line(
@@ -2120,12 +2147,15 @@ def test_verify_of_a_malformed_log_is_one_line_as_the_logs_read_is(
     assert "Exception in ASGI application" not in caplog.text
 
 
+@pytest.mark.parametrize("moved", ["renamed over", "renamed away"])
 def test_a_write_the_file_was_replaced_under_is_not_acknowledged(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, moved: str
 ) -> None:
-    """Renamed over between the writer's check and its commit, the write goes
-    into the file renamed away: refused (503, try again), not answered with
-    a revision the log at the path does not have."""
+    """Renamed over, or away, between the writer's check and its commit, the
+    write goes into the file no longer at the path: refused in one line, not
+    answered with a revision the log at the path does not have. Renamed
+    away, the check's own error escaped unwrapped, an internal error saying
+    nothing was written (review)."""
     path = tmp_path / "catalog.db"
     _sqlite_catalog(path, "m1")
     _sqlite_catalog(tmp_path / "other.db", "x1")
@@ -2133,9 +2163,10 @@ def test_a_write_the_file_was_replaced_under_is_not_acknowledged(
     append = models.store.append
 
     def renamed_over_first(*args: Any, **kwargs: Any) -> Any:
-        for old in _beside(path)[1:]:
-            old.unlink()
-        (tmp_path / "other.db").replace(path)
+        if moved == "renamed away":
+            path.rename(tmp_path / "moved.db")
+        else:
+            (tmp_path / "other.db").replace(path)
         return append(*args, **kwargs)
 
     monkeypatch.setattr(models.store, "append", renamed_over_first)
@@ -2143,12 +2174,12 @@ def test_a_write_the_file_was_replaced_under_is_not_acknowledged(
         models.scale("m1", 1, 3, by="ops")
     unusable = database_unusable(raised.value)
     assert unusable == (
-        f"the database file {path} was replaced during this write, which went into the file "
-        "there before: the log at the path does not have it; try again",
-        False,
+        f"the database file {path} was replaced, removed or emptied during this write, which "
+        "went into the file that was there: the log at the path does not hold it; stop every "
+        "process using it, then start them again",
+        True,
     )
     monkeypatch.undo()
-    assert [m["name"] for m in models.list_models()] == ["x1"]
     models.close()
 
 
