@@ -69,7 +69,6 @@ from catalog_es.model import (
     utc_text,
 )
 from catalog_es.persistence import (
-    IDLE_IN_TRANSACTION_ENDED,
     Appended,
     ChainedNotification,
     FileNotTheLog,
@@ -78,6 +77,7 @@ from catalog_es.persistence import (
     SQLRecorder,
     acquire_within,
     check_walk_end,
+    commit_may_have_stood,
     database_unusable,
     events_table,
     holds,
@@ -311,16 +311,9 @@ def _outcome_unknown(error: BaseException, revisions: list[int]) -> OutcomeUnkno
     there holding the error (and so its traceback, and so that frame) would
     keep the write's generators alive, their transaction and its lock
     unended, until a collection (an interrupt test: every run)."""
-    if not revisions or not isinstance(error, sa.exc.SQLAlchemyError):
+    if not revisions or not commit_may_have_stood(error):
         return None
     said = error.orig if isinstance(error, sa.exc.DBAPIError) else error
-    # Ended by the server for sitting idle in its transaction (a node stopped
-    # mid-write): the commit never reached it. Committed into a file renamed
-    # away: known not to be in the log.
-    if getattr(said, "sqlstate", None) == IDLE_IN_TRANSACTION_ENDED or isinstance(
-        said, FileNotTheLog
-    ):
-        return None
     return OutcomeUnknown(revisions[0], revisions[-1], first_line(str(said)))
 
 

@@ -889,9 +889,29 @@ _SQLITE_HINTS = {
 # busy, not unusable. An error with no state failed in the client: no
 # server reached, or the connection lost.
 _POSTGRESQL_OUTAGES = ("08", "53", "57P01", "57P02", "57P03", "57P05", "25006", "25P03")
-# The session PostgreSQL ended for sitting idle in a transaction: whatever it
-# held was rolled back, as no COMMIT had reached it.
-IDLE_IN_TRANSACTION_ENDED = "25P03"
+# A commit's failures that leave its outcome unknown. SQLite: the sync of
+# the -wal file, whose frames, the commit's included, are written by then (a
+# recovery puts them back); a write of them that failed (a full disk) left no
+# commit frame. PostgreSQL: the session lost (no SQLSTATE, or class 08), or
+# ended by a shutdown or an administrator (57P01-57P03), while the server may
+# have committed; any other SQLSTATE is the server's refusal, rolled back
+# (25P03, the session ended idle in its transaction: no COMMIT reached it).
+_SQLITE_SYNCS = {"SQLITE_IOERR_FSYNC", "SQLITE_IOERR_DIR_FSYNC"}
+_POSTGRESQL_SESSION_LOST = ("08", "57P01", "57P02", "57P03")
+
+
+def commit_may_have_stood(error: BaseException) -> bool:
+    """Whether ``error``, raised by a write's commit once begun, leaves it
+    unknown whether the write stands (rather than known rolled back)."""
+    driver = error.orig if isinstance(error, sa.exc.DBAPIError) else error
+    if isinstance(driver, sqlite3.Error):
+        return getattr(driver, "sqlite_errorname", None) in _SQLITE_SYNCS
+    if type(driver).__module__.split(".")[0] != "psycopg":
+        return False
+    state: str | None = getattr(driver, "sqlstate", None)
+    return state is None or state.startswith(_POSTGRESQL_SESSION_LOST)
+
+
 _POSTGRESQL_SETUP = ("28", "3D", "3F", "42501", "42P01", "42703")
 _CLIENT_FAILURES = {"OperationalError", "InterfaceError", "DatabaseError"}
 # A server that refuses a connection as it is made says why with FATAL and,
@@ -1070,15 +1090,15 @@ class SQLRecorder(ProcessRecorder):
                     ) from None
 
     def _writer_on_the_file(self, file: SQLiteFile) -> None:
-        """Let go of the held writer when the path no longer names the file it
-        opened; refused, and let go of, when the file is gone or emptied."""
-        writer = self._writer
-        if writer is None:
+        """Refused when the path no longer names the file this process
+        opened. The held writer is kept, idle: let go of, it could be the
+        file's last connection, whose close copies the WAL into the file it
+        opened, and an emptied one grew again, unreadable (retest)."""
+        if self._writer is None:
             return  # the one opened next checks the file as it opens (a new log: makes it)
         try:
             file.check()
         except FileNotTheLog as error:
-            self._discard_writer()
             raise self._as_sqlalchemys(error) from None
 
     def _as_sqlalchemys(self, error: Exception) -> sa.exc.StatementError:
@@ -1564,14 +1584,17 @@ class SQLRecorder(ProcessRecorder):
         if topics:
             query = query.where(t.topic.in_(topics))
         with self.read() as conn:
-            end = self._page_end(conn, after, limit, max_bytes, topics)
-            if end is None:
-                return []
             # The hash stored at the follower's last event, not that recomputed
             # from the next one's content: an event edited by hand (skipped,
             # reported) there ended a watch as if the log had been replaced.
+            # Asked of an empty page too: a log put back to before that event
+            # went on being followed, and the events written at its revisions
+            # since were given to none (retest).
             if after_hash is not None and self.hash_at(conn, after) != after_hash:
                 raise LogRewritten.at(after)
+            end = self._page_end(conn, after, limit, max_bytes, topics)
+            if end is None:
+                return []
             page = conn.execute(query.where(t.revision <= end).order_by(t.revision))
             return [
                 ChainedNotification(

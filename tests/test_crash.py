@@ -39,7 +39,7 @@ from catalog_es.errors import OutcomeUnknown
 from catalog_es.inputs import DeclaredConfig, load_config
 from catalog_es.mapper import decode_event
 from catalog_es.model import DomainEvent, Model
-from catalog_es.persistence import SQLRecorder, create_engine
+from catalog_es.persistence import SQLRecorder, commit_may_have_stood, create_engine
 from projections import snapshots
 from projections.catalog import catch_up
 from tests.crash_writer import APPLY_REASON, APPLY_SIZE, EVENT_OF_KIND, catalog_digest
@@ -338,6 +338,20 @@ held.execute("SELECT count(*) FROM catalog_events").fetchall()
 print("held", flush=True)
 sys.stdin.read()
 """
+
+
+def test_a_commit_refused_for_a_full_disk_is_known_not_written() -> None:
+    """A full disk refuses the write of the -wal file's frames, so no commit
+    frame is written: known not written (exit 1), where it was told as of
+    unknown outcome (exit 3: a retest on a full tmpfs). Only the sync of
+    frames written leaves it unknown."""
+    conn = sqlite3.connect(":memory:")
+    conn.execute("CREATE TABLE t (x)")
+    conn.execute("PRAGMA max_page_count = 2")
+    with pytest.raises(sqlite3.Error) as full:
+        conn.execute("INSERT INTO t VALUES (zeroblob(100000))")
+    assert full.value.sqlite_errorname == "SQLITE_FULL"
+    assert not commit_may_have_stood(full.value)
 
 
 def test_a_commit_whose_sync_fails_is_told_as_of_unknown_outcome(tmp_path: Path) -> None:

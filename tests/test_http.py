@@ -2104,13 +2104,17 @@ def test_a_database_file_emptied_under_a_server_is_refused_in_one_line(
     file_api: Api, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Truncated to 0 bytes: reads said the database stayed locked (nothing
-    held it), a write answered 200 (hostile test)."""
+    held it), a write answered 200 (hostile test). Refused, the write let go
+    of its connection, whose close wrote the WAL into the emptied file: it
+    grew again, unreadable (retest)."""
     path = tmp_path / "catalog.db"
+    ok(file_api.post("/models/m1/scale", {"max": 2}))  # the WAL holds it
     os.truncate(path, 0)
     read = file_api.get("/revision")
     scaled = file_api.post("/models/m1/scale", {"max": 3})
     for response in (read, scaled):
         assert refused(response, 500) == "the database could not be used; the server's log says why"
+    assert path.stat().st_size == 0
     told = [r.getMessage() for r in caplog.records if "could not be used" in r.getMessage()]
     assert told[0] == (
         f"GET /revision: the database could not be used: the database file {path} is empty "

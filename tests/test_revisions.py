@@ -1682,6 +1682,25 @@ def test_a_watch_resumed_just_before_an_event_edited_by_hand_reports_it_and_goes
     models.close()
 
 
+def test_a_watch_of_a_log_put_back_to_before_its_last_event_ends_at_once(db_url: str) -> None:
+    """A backup of the same log, older than the last event a watch gave, put
+    back: the watch went on, silent, until the log grew past that revision,
+    and gave none of the events written at its revisions meanwhile (retest)."""
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
+    for name in ("a", "b", "c"):
+        models.add(spec(name), by="ops")
+    saved = log_rows(db_url)
+    models.scale("a", 0, 2, by="ops")
+    watch = models.watch(0, poll_interval=0.02)
+    thread, seen, ended = following(watch)
+    _until(lambda: seen == [1, 2, 3, 4])
+    put_back(db_url, saved)
+    thread.join(10)
+    assert [type(e) for e in ended] == [LogRewritten]
+    assert str(ended[0]).startswith("the log no longer holds revision 4 as this watch gave it")
+    models.close()
+
+
 @pytest.mark.parametrize("replaced_by", ["copied over", "renamed over"])
 def test_a_sqlite_watch_whose_file_is_replaced_by_another_log_ends_saying_so(
     tmp_path: Path, replaced_by: str
