@@ -248,11 +248,11 @@ class AuditTrail:
             return
         row = {
             "time": stored_time(utc_now()),
-            "actor": by,
+            "actor": _encodable(by),
             "model": _kept(name, MAX_KEPT_NAME),
             "event": event,
             "refusal": _kept(str(refusal), MAX_KEPT_REFUSAL),
-            "reason": reason,
+            "reason": _encodable(reason),
             "fields": _kept_fields(fields),
         }
         try:
@@ -384,8 +384,10 @@ MAX_KEPT_FIELDS = 64 * 1024
 
 def _kept(text: str, limit: int) -> str:
     """``text`` as a refusal's column can keep it: no NUL (PostgreSQL's text
-    cannot hold one; filters match it the same way), cut at ``limit``."""
-    return cut_short(filter_text(text) or "", limit)
+    cannot hold one; filters match it the same way), cut at ``limit``, and
+    UTF-8 (a name given as a lone surrogate made the refusal's own record
+    fail, "unexpected UnicodeEncodeError": a fuzz test)."""
+    return str(_encodable(cut_short(filter_text(text) or "", limit)))
 
 
 def _kept_fields(fields: dict[str, Any]) -> Any:

@@ -351,6 +351,16 @@ def test_a_config_pasted_from_another_release_s_show_loads_whatever_its_warnings
     )
 
 
+def test_a_name_that_is_no_utf_8_is_refused_in_one_line_and_its_refusal_kept(run: Run) -> None:
+    """A lone surrogate (what Python makes of bytes that are not UTF-8 in an
+    argument) as a model's name: the refusal's own record failed to encode
+    it, and the command said "unexpected UnicodeEncodeError" (fuzz test)."""
+    line = refused_in_one_line(run("model", "scale", "--max", "0", "--", "\ud800"))
+    assert line.startswith("error: model '\\ud800': name: '\\ud800' is not a valid name")
+    kept = json.loads(ok(run("refusals", "--json")).stdout)
+    assert [(r["model"], r["event"]) for r in kept] == [("\\ud800", "Scaled")]
+
+
 def test_a_name_no_model_can_have_is_kept_in_the_refusals_by_every_command(
     run: Run, write: Any, rows: Callable[[], int]
 ) -> None:
