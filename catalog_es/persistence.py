@@ -584,7 +584,7 @@ class SQLiteFile:
     writes went on being acknowledged into a file no one reads again, and
     truncated, into a file SQLite no longer makes sense of (hostile test).
     So this process uses the first file it opened there alone, and each
-    checkout and each write checks that the path still names it: one stat,
+    read and each write checks that the path still names it: one stat,
     1-2 µs. Once the file is made, connections open it only if it is there
     (``mode=rw``): a new empty log at the path would be served as the log."""
 
@@ -670,10 +670,6 @@ def _settled_engine(url: sa.URL) -> Engine:
             if file.opened is not None:
                 file.check()  # gone, emptied or replaced: said as such, and not opened
                 file.existing_only(cargs, cparams)
-
-        @sa.event.listens_for(engine, "checkout")
-        def _checkout(_dbapi_connection: Any, _record: Any, _proxy: Any) -> None:
-            file.check()
 
         @sa.event.listens_for(engine, "connect")
         def _connect(dbapi_connection: Any, _record: Any) -> None:
@@ -1020,8 +1016,11 @@ class SQLRecorder(ProcessRecorder):
                 # call; its next use would connect afresh without a writer's
                 # settings (below): autocommit on PostgreSQL, the cache on SQLite.
                 self._discard_writer()
-            if self._file is not None:
-                self._writer_on_the_file(self._file)
+            if self._writer is not None:
+                # Kept if refused, idle: let go of, it could be the file's last
+                # connection, whose close copies the WAL into the file it
+                # opened, and an emptied one grew again, unreadable (retest).
+                self._on_the_file()
             if (
                 self._writer is not None
                 and self.dialect != "sqlite"
@@ -1089,15 +1088,17 @@ class SQLRecorder(ProcessRecorder):
                         )
                     ) from None
 
-    def _writer_on_the_file(self, file: SQLiteFile) -> None:
-        """Refused when the path no longer names the file this process
-        opened. The held writer is kept, idle: let go of, it could be the
-        file's last connection, whose close copies the WAL into the file it
-        opened, and an emptied one grew again, unreadable (retest)."""
-        if self._writer is None:
-            return  # the one opened next checks the file as it opens (a new log: makes it)
+    def _on_the_file(self) -> None:
+        """On SQLite, refused when the path no longer names the file this
+        process opened (:class:`SQLiteFile`). Asked once a connection is in
+        hand, inside the block that gives it back: asked as the pool hands
+        it out, an interrupt there stranded connections until the pool ran
+        dry (the interrupt test, once in a clean-clone CI run). A connection
+        opened afresh is checked as it opens."""
+        if self._file is None:
+            return
         try:
-            file.check()
+            self._file.check()
         except FileNotTheLog as error:
             raise self._as_sqlalchemys(error) from None
 
@@ -1420,6 +1421,7 @@ class SQLRecorder(ProcessRecorder):
         """A pooled connection whose transactions take the write lock as the
         held one's do, waiting for it as :meth:`_waiting` says."""
         with self.engine.connect() as conn, self._waiting(conn, wait):
+            self._on_the_file()
             conn.execution_options(catalog_write=True)
             yield conn
 
@@ -1445,6 +1447,7 @@ class SQLRecorder(ProcessRecorder):
         see new commits, so a head read first and events read after would not
         agree); SQLite's deferred BEGIN already reads one snapshot."""
         with self.engine.connect() as conn:
+            self._on_the_file()
             if self.dialect == "postgresql":
                 conn.execution_options(isolation_level="REPEATABLE READ")
             with conn.begin():
