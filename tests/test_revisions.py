@@ -25,6 +25,7 @@ from typing import Any
 from unittest.mock import patch
 
 import msgspec
+import psycopg
 import pytest
 import sqlalchemy as sa
 import zstandard
@@ -35,7 +36,7 @@ from hypothesis import strategies as st
 
 import projections.catalog
 from catalog_es import commands, cpu, persistence
-from catalog_es.application import Models
+from catalog_es.application import Models, Watch
 from catalog_es.batch import Batch
 from catalog_es.catalog import Catalog, Skipped
 from catalog_es.cli import cli
@@ -2091,3 +2092,27 @@ def test_a_postgresql_watch_that_hears_no_notification_still_follows(
     assert seen == [written]
     writer.close()
     follower.close()
+
+
+def test_a_stop_the_driver_told_as_a_lost_connection_still_stops_a_watch() -> None:
+    """Ctrl-C in a query comes back from psycopg as its own error, the
+    connection lost, which a watch took for an outage: it waited on, the
+    stop forgotten (a watch in a clean-clone CI run outlived its SIGINT)."""
+    tries: list[int] = []
+
+    def subscribe(after: int, given: Any) -> Any:
+        tries.append(after)
+        if len(tries) > 1:  # waited on, and tried again: stopped here, not for good
+            watch.stop()
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            raise sa.exc.OperationalError(
+                "SELECT 1", None, psycopg.OperationalError("consuming input failed")
+            ) from None
+
+    watch = Watch(subscribe, 0, None)
+    watch.retry_seconds = 0.01
+    with pytest.raises(sa.exc.OperationalError):
+        list(watch)
+    assert tries == [0]
