@@ -45,6 +45,7 @@ from catalog_es.errors import (
     Refused,
     RevisionConflict,
     StorageBusy,
+    came_of_a_stop,
     counted,
     cut_short,
     first_line,
@@ -356,18 +357,6 @@ def _chain(revision: int, hash_: object) -> ChainHead | None:
     return head if isinstance(head, ChainHead) and revision > 0 else None
 
 
-def _came_of_an_interrupt(error: BaseException) -> bool:
-    """Whether a KeyboardInterrupt is among what ``error`` came of."""
-    seen: BaseException | None = error
-    for _ in range(10):  # a chain of contexts, never a loop, but bounded all the same
-        if seen is None:
-            return False
-        if isinstance(seen, KeyboardInterrupt):
-            return True
-        seen = seen.__context__ or seen.__cause__
-    return False
-
-
 def _end_if_replaced(error: Exception, last: int) -> None:
     """Ends a watch whose SQLite file was renamed over: reading on would mix
     the two files, and which log the path now holds, and whether it follows
@@ -466,7 +455,7 @@ class Watch:
                     if self._stopped.is_set():
                         return  # stopped: what ended the subscription is no longer news
                     unusable = database_unusable(error)
-                    if unusable is None or _came_of_an_interrupt(error):
+                    if unusable is None or came_of_a_stop(error):
                         # A Ctrl-C that cut a query short comes back as the
                         # driver's error, the connection's lost: taken for an
                         # outage, the watch waited on, the stop forgotten.

@@ -262,3 +262,18 @@ class DamagedReadModel(Refused):
 class UpgradeFailed(Refused):
     """The log's tables could not be brought to this version's layout: the
     database refused a step; nothing was changed."""
+
+
+def came_of_a_stop(error: BaseException) -> bool:
+    """Whether ``error`` is a Ctrl-C, or came of one: psycopg cancels the
+    query a stop cuts off and tells it as its own error (the connection
+    lost), and handing that connection back may then fail in turn ("can't
+    change 'autocommit' now"), either taking the stop's place."""
+    seen: BaseException | None = error
+    for _ in range(10):  # a chain of contexts, never a loop, but bounded all the same
+        if seen is None:
+            return False
+        if isinstance(seen, KeyboardInterrupt):
+            return True
+        seen = seen.__context__
+    return False

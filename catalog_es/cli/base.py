@@ -35,6 +35,7 @@ from catalog_es.errors import (
     InputError,
     OutcomeUnknown,
     Refused,
+    came_of_a_stop,
     counted,
     first_line,
     json_in_pieces,
@@ -514,26 +515,11 @@ def stopped_when_asked() -> Iterator[None]:
     try:
         yield
     except BaseException as error:
-        if not _stopping(error):
+        if not came_of_a_stop(error):
             raise
         say("stopped", err=True)
     finally:
         signal.signal(signal.SIGTERM, previous)
-
-
-def _stopping(error: BaseException) -> bool:
-    """Whether ``error`` is a stop, or came of one: psycopg cancels the query
-    a stop cuts off, and handing its connection back may then fail in turn
-    ("can't change 'autocommit' now"), which took the stop's place (a
-    `watch` on PostgreSQL, once in forty Ctrl-Cs)."""
-    seen: BaseException | None = error
-    for _ in range(10):  # a chain of contexts, never a loop, but bounded all the same
-        if seen is None:
-            return False
-        if isinstance(seen, KeyboardInterrupt):
-            return True
-        seen = seen.__context__
-    return False
 
 
 def let_warnings_through() -> None:
