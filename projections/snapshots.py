@@ -26,7 +26,7 @@ from catalog_es.catalog import Catalog, Skipped
 from catalog_es.chain import ChainHead
 from catalog_es.configuration import CONFIGS_KEPT, CONFIGURATION_ID, Configuration
 from catalog_es.errors import lost_events
-from catalog_es.mapper import readable_declaration
+from catalog_es.mapper import UNREADABLE, readable_declaration
 from catalog_es.model import Model
 from catalog_es.persistence import BIGINT, check_walk, events_table, metadata, stream_walk
 from catalog_es.spec import ModelSpec
@@ -217,7 +217,9 @@ def _newest(
     for revision, blob in candidates():
         try:
             state = decode(_decompressed(blob))
-        except (zlib.error, zstandard.ZstdError, msgspec.MsgspecError) as error:
+        except (zlib.error, zstandard.ZstdError, *UNREADABLE) as error:
+            # TypeError among them: SQLite keeps whatever a hand edit puts in
+            # the column (text, a number), which no decompressor takes.
             _passed_over(revision, error)
             continue
         if state.rules < RULES:

@@ -908,6 +908,28 @@ def test_a_corrupt_snapshot_is_passed_over(
     assert open_models(interval=2).list_models(at=2) == models.list_models(at=2)
 
 
+@pytest.mark.parametrize("value", ["'not a snapshot'", "12345", "1.5"])
+def test_a_snapshot_edited_into_no_bytes_is_passed_over(tmp_path: Path, value: str) -> None:
+    """SQLite keeps any type in the state column: text or a number there
+    failed every command over that config, a start included, with an
+    unexpected TypeError, where a corrupt snapshot is passed over."""
+    env = {"CATALOG_ES_DB": f"sqlite:///{tmp_path}/catalog.db"}
+    models = Models(DeclaredConfig(), snapshot_interval=2, env=env)
+    models.add(spec("a"), by="x")
+    models.scale("a", 0, 2, by="x")
+    models.scale("a", 0, 3, by="x")
+    expected = [models.list_models(at=r) for r in (2, 3)], models.get_model("a", 3)
+    models.close()
+    with sa.create_engine(env["CATALOG_ES_DB"]).begin() as conn:
+        conn.exec_driver_sql(f"UPDATE catalog_snapshots SET state = {value}")
+    again = Models(DeclaredConfig(), snapshot_interval=2, env=env)
+    try:
+        assert again.list_models() == models.list_models()
+        assert ([again.list_models(at=r) for r in (2, 3)], again.get_model("a", 3)) == expected
+    finally:
+        again.close()
+
+
 def test_a_snapshot_with_a_definition_of_the_wrong_shape_is_passed_over_by_one_models_read(
     open_models: Callable[..., Models],
 ) -> None:
