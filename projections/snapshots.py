@@ -52,8 +52,11 @@ DEFAULT_INTERVAL = 5_000
 # hold another catalog than the log now replays to, and is passed over (the
 # first start after an upgrade replays the log; `catalog-es replay` makes them
 # all again): 1, every snapshot written before the rules were recorded; 2,
-# the unhealed models kept, and a removal always standing on replay.
-RULES = 2
+# the unhealed models kept, and a removal always standing on replay; 3, what
+# upstream did to a model out of force keeps it out (under 2 it healed the
+# skip: the model could then neither be removed nor its absence explained),
+# and a record filed in another model's stream moves neither (0.2.0 wrote 2).
+RULES = 3
 
 snapshots_table = sa.Table(
     "catalog_snapshots",
@@ -246,8 +249,8 @@ def _hash_at(conn: Connection, revision: int) -> object:
 
 
 def _decompressed(blob: bytes) -> bytes:
-    """A snapshot's msgpack: zstd, or zlib as 0.2.0 wrote them (still read,
-    so an upgrade replays nothing more)."""
+    """A snapshot's msgpack: zstd, or zlib as 0.2.0 wrote them (read, to be
+    passed over as built under older replay rules, not as corrupt)."""
     if blob[:4] == _ZSTD_FRAME:
         # The frame says how large it decompresses, and that much is taken
         # at once: a size edited by hand asked for terabytes (review).

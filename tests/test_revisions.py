@@ -55,7 +55,7 @@ from catalog_es.inputs import load_config, revision_or_time, utc_time
 from catalog_es.mapper import EventMapper
 from catalog_es.model import Model, model_id, utc_now
 from catalog_es.persistence import events_table
-from catalog_es.spec import ModelSpec, Scaling
+from catalog_es.spec import ModelSpec, Origin, Scaling
 from catalog_es.views import model_view
 from projections.catalog import catch_up
 from projections.snapshots import snapshots_table
@@ -956,28 +956,51 @@ def test_a_snapshot_with_a_definition_of_the_wrong_shape_is_passed_over_by_one_m
     assert again.list_models(at=2) == models.list_models(at=2)
 
 
-def test_a_snapshot_0_2_0_wrote_serves_starts_and_reads_of_the_past(
-    open_models: Callable[..., Models],
+def test_a_snapshot_0_2_0_wrote_is_passed_over_as_built_under_older_rules(
+    open_models: Callable[..., Models], tmp_path: Path
 ) -> None:
-    """0.2.0 compressed snapshots with zlib: an upgrade still starts from
-    them rather than replaying the whole log. Seen by a model only the
-    snapshot holds, which only a start from it can show."""
-    models = open_models(interval=2)
-    models.add(spec("a"), by="x")
-    models.scale("a", 0, 2, by="x")
+    """0.2.0 compressed snapshots with zlib and built them under rules 2,
+    where what upstream did to a model out of force healed its skip: from
+    one, a start took that model for removed (its absence unexplained, its
+    removal refused), where a replay of the log keeps it out and removable.
+    The snapshots here hold what a 0.2.0 replay wrote (checked with its code)."""
+    open_models().add(spec("x", engine="sglang"), by="x")
+    upstream = Origin(repository="org/x", revision="b" * 40)
+
+    def seen_upstream(batch: Batch) -> None:
+        batch.decide(
+            batch.event(
+                Model.UpstreamChanged, "x", ref="main", revision="a" * 40, upstream=upstream
+            )
+        )
+
+    open_models().write_plan(seen_upstream, by="cron")
+    narrower = tmp_path / "narrower.yaml"
+    narrower.write_text("engines: [vllm]\n" + DECLARED_YAML)
+    models = open_models(config=narrower, interval=1)
+    models.rebuild(audit=False)
+    head = models.revision
+    expected = {revision: models.list_models(revision) for revision in range(1, head + 1)}
     with models.store.write() as conn:
         t = snapshots_table.c
         for revision, blob in conn.execute(sa.select(t.revision, t.state)).all():
             state = msgspec.msgpack.decode(zstandard.ZstdDecompressor().decompress(blob))
-            state["aggregates"].append(msgspec.to_builtins(Model("ghost", 1, spec("ghost"))))
+            del state["chain_hash"]
+            state["rules"] = 2
+            if revision == head:
+                state["unhealed"] = []  # healed by the observation, under rules 2
             conn.execute(
                 sa.update(snapshots_table)
                 .where(t.revision == revision)
                 .values(state=zlib.compress(msgspec.msgpack.encode(state), 1))
             )
-    again = open_models(interval=2)
-    assert "ghost" in {m["name"] for m in again.list_models()}
-    assert again.get_model("ghost", models.revision)["name"] == "ghost"
+    again = open_models(config=narrower, interval=1)
+    assert again.catalog.was_skipped("x")
+    with pytest.raises(ModelNotFound, match="load skips 1 event of it"):
+        again.get_model("x")
+    for revision, listed in expected.items():
+        assert again.list_models(revision) == listed
+    assert again.remove("x", by="x").removed == "x"
 
 
 def _skipped_then_removed(
