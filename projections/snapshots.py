@@ -217,6 +217,9 @@ def _newest(
         yield from conn.execute(newest_first.limit(1)).all()
         yield from conn.execute(newest_first.offset(1).limit(2)).all()
 
+    # Each row's revision is told with %s: the column is no rowid, and SQLite
+    # keeps whatever a hand edit puts there (text too), which %d told as a
+    # logging traceback.
     for revision, blob in candidates():
         try:
             state = decode(_decompressed(blob))
@@ -226,11 +229,11 @@ def _newest(
             _passed_over(revision, error)
             continue
         if state.rules < RULES:
-            log.info("snapshot at %d passed over: built under older replay rules", revision)
+            log.info("snapshot at %s passed over: built under older replay rules", revision)
             continue
         if state.chain_hash is not None and state.chain_hash != _hash_at(conn, revision):
             log.warning(
-                "snapshot at %d passed over: %s",
+                "snapshot at %s passed over: %s",
                 revision,
                 lost_events("the log holds other events there now"),
             )
@@ -238,8 +241,8 @@ def _newest(
         yield state
 
 
-def _passed_over(revision: int, error: Exception) -> None:
-    log.warning("snapshot at revision %d passed over: %s", revision, error)
+def _passed_over(revision: object, error: Exception) -> None:
+    log.warning("snapshot at revision %s passed over: %s", revision, error)
 
 
 def _hash_at(conn: Connection, revision: int) -> object:

@@ -930,6 +930,28 @@ def test_a_snapshot_edited_into_no_bytes_is_passed_over(tmp_path: Path, value: s
         again.close()
 
 
+def test_a_snapshot_whose_revision_is_edited_into_text_is_passed_over_in_one_line(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """The snapshots' revision is no rowid: SQLite keeps text there. Passed
+    over, it was told with %d, which printed a logging traceback of thirty
+    lines on every start."""
+    env = {"CATALOG_ES_DB": f"sqlite:///{tmp_path}/catalog.db"}
+    models = Models(DeclaredConfig(), snapshot_interval=2, env=env)
+    models.add(spec("a"), by="x")
+    models.scale("a", 0, 2, by="x")
+    models.close()
+    with sa.create_engine(env["CATALOG_ES_DB"]).begin() as conn:
+        conn.exec_driver_sql("UPDATE catalog_snapshots SET revision = 'two'")
+    again = Models(DeclaredConfig(), snapshot_interval=2, env=env)
+    try:
+        assert again.list_models() == models.list_models()
+    finally:
+        again.close()
+    told = capfd.readouterr().err
+    assert "Traceback" not in told and "Logging error" not in told
+
+
 def test_a_snapshot_with_a_definition_of_the_wrong_shape_is_passed_over_by_one_models_read(
     open_models: Callable[..., Models],
 ) -> None:
