@@ -26,7 +26,7 @@ from catalog_es.catalog import Catalog, Skipped
 from catalog_es.chain import ChainHead
 from catalog_es.configuration import CONFIGS_KEPT, CONFIGURATION_ID, Configuration
 from catalog_es.errors import lost_events
-from catalog_es.mapper import readable_declaration
+from catalog_es.mapper import UNREADABLE, readable_declaration
 from catalog_es.model import Model
 from catalog_es.persistence import BIGINT, check_walk, events_table, metadata, stream_walk
 from catalog_es.spec import ModelSpec
@@ -52,8 +52,11 @@ DEFAULT_INTERVAL = 5_000
 # hold another catalog than the log now replays to, and is passed over (the
 # first start after an upgrade replays the log; `catalog-es replay` makes them
 # all again): 1, every snapshot written before the rules were recorded; 2,
-# the unhealed models kept, and a removal always standing on replay.
-RULES = 2
+# the unhealed models kept, and a removal always standing on replay; 3, what
+# upstream did to a model out of force keeps it out (under 2 it healed the
+# skip: the model could then neither be removed nor its absence explained),
+# and a record filed in another model's stream moves neither (0.2.0 wrote 2).
+RULES = 3
 
 snapshots_table = sa.Table(
     "catalog_snapshots",
@@ -214,18 +217,23 @@ def _newest(
         yield from conn.execute(newest_first.limit(1)).all()
         yield from conn.execute(newest_first.offset(1).limit(2)).all()
 
+    # Each row's revision is told with %s: the column is no rowid, and SQLite
+    # keeps whatever a hand edit puts there (text too), which %d told as a
+    # logging traceback.
     for revision, blob in candidates():
         try:
             state = decode(_decompressed(blob))
-        except (zlib.error, zstandard.ZstdError, msgspec.MsgspecError) as error:
+        except (zlib.error, zstandard.ZstdError, *UNREADABLE) as error:
+            # TypeError among them: SQLite keeps whatever a hand edit puts in
+            # the column (text, a number), which no decompressor takes.
             _passed_over(revision, error)
             continue
         if state.rules < RULES:
-            log.info("snapshot at %d passed over: built under older replay rules", revision)
+            log.info("snapshot at %s passed over: built under older replay rules", revision)
             continue
         if state.chain_hash is not None and state.chain_hash != _hash_at(conn, revision):
             log.warning(
-                "snapshot at %d passed over: %s",
+                "snapshot at %s passed over: %s",
                 revision,
                 lost_events("the log holds other events there now"),
             )
@@ -233,8 +241,8 @@ def _newest(
         yield state
 
 
-def _passed_over(revision: int, error: Exception) -> None:
-    log.warning("snapshot at revision %d passed over: %s", revision, error)
+def _passed_over(revision: object, error: Exception) -> None:
+    log.warning("snapshot at revision %s passed over: %s", revision, error)
 
 
 def _hash_at(conn: Connection, revision: int) -> object:
@@ -244,8 +252,8 @@ def _hash_at(conn: Connection, revision: int) -> object:
 
 
 def _decompressed(blob: bytes) -> bytes:
-    """A snapshot's msgpack: zstd, or zlib as 0.2.0 wrote them (still read,
-    so an upgrade replays nothing more)."""
+    """A snapshot's msgpack: zstd, or zlib as 0.2.0 wrote them (read, to be
+    passed over as built under older replay rules, not as corrupt)."""
     if blob[:4] == _ZSTD_FRAME:
         # The frame says how large it decompresses, and that much is taken
         # at once: a size edited by hand asked for terabytes (review).

@@ -55,7 +55,7 @@ from catalog_es.inputs import load_config, revision_or_time, utc_time
 from catalog_es.mapper import EventMapper
 from catalog_es.model import Model, model_id, utc_now
 from catalog_es.persistence import events_table
-from catalog_es.spec import ModelSpec, Scaling
+from catalog_es.spec import ModelSpec, Origin, Scaling
 from catalog_es.views import model_view
 from projections.catalog import catch_up
 from projections.snapshots import snapshots_table
@@ -908,6 +908,50 @@ def test_a_corrupt_snapshot_is_passed_over(
     assert open_models(interval=2).list_models(at=2) == models.list_models(at=2)
 
 
+@pytest.mark.parametrize("value", ["'not a snapshot'", "12345", "1.5"])
+def test_a_snapshot_edited_into_no_bytes_is_passed_over(tmp_path: Path, value: str) -> None:
+    """SQLite keeps any type in the state column: text or a number there
+    failed every command over that config, a start included, with an
+    unexpected TypeError, where a corrupt snapshot is passed over."""
+    env = {"CATALOG_ES_DB": f"sqlite:///{tmp_path}/catalog.db"}
+    models = Models(DeclaredConfig(), snapshot_interval=2, env=env)
+    models.add(spec("a"), by="x")
+    models.scale("a", 0, 2, by="x")
+    models.scale("a", 0, 3, by="x")
+    expected = [models.list_models(at=r) for r in (2, 3)], models.get_model("a", 3)
+    models.close()
+    with sa.create_engine(env["CATALOG_ES_DB"]).begin() as conn:
+        conn.exec_driver_sql(f"UPDATE catalog_snapshots SET state = {value}")
+    again = Models(DeclaredConfig(), snapshot_interval=2, env=env)
+    try:
+        assert again.list_models() == models.list_models()
+        assert ([again.list_models(at=r) for r in (2, 3)], again.get_model("a", 3)) == expected
+    finally:
+        again.close()
+
+
+def test_a_snapshot_whose_revision_is_edited_into_text_is_passed_over_in_one_line(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """The snapshots' revision is no rowid: SQLite keeps text there. Passed
+    over, it was told with %d, which printed a logging traceback of thirty
+    lines on every start."""
+    env = {"CATALOG_ES_DB": f"sqlite:///{tmp_path}/catalog.db"}
+    models = Models(DeclaredConfig(), snapshot_interval=2, env=env)
+    models.add(spec("a"), by="x")
+    models.scale("a", 0, 2, by="x")
+    models.close()
+    with sa.create_engine(env["CATALOG_ES_DB"]).begin() as conn:
+        conn.exec_driver_sql("UPDATE catalog_snapshots SET revision = 'two'")
+    again = Models(DeclaredConfig(), snapshot_interval=2, env=env)
+    try:
+        assert again.list_models() == models.list_models()
+    finally:
+        again.close()
+    told = capfd.readouterr().err
+    assert "Traceback" not in told and "Logging error" not in told
+
+
 def test_a_snapshot_with_a_definition_of_the_wrong_shape_is_passed_over_by_one_models_read(
     open_models: Callable[..., Models],
 ) -> None:
@@ -934,28 +978,51 @@ def test_a_snapshot_with_a_definition_of_the_wrong_shape_is_passed_over_by_one_m
     assert again.list_models(at=2) == models.list_models(at=2)
 
 
-def test_a_snapshot_0_2_0_wrote_serves_starts_and_reads_of_the_past(
-    open_models: Callable[..., Models],
+def test_a_snapshot_0_2_0_wrote_is_passed_over_as_built_under_older_rules(
+    open_models: Callable[..., Models], tmp_path: Path
 ) -> None:
-    """0.2.0 compressed snapshots with zlib: an upgrade still starts from
-    them rather than replaying the whole log. Seen by a model only the
-    snapshot holds, which only a start from it can show."""
-    models = open_models(interval=2)
-    models.add(spec("a"), by="x")
-    models.scale("a", 0, 2, by="x")
+    """0.2.0 compressed snapshots with zlib and built them under rules 2,
+    where what upstream did to a model out of force healed its skip: from
+    one, a start took that model for removed (its absence unexplained, its
+    removal refused), where a replay of the log keeps it out and removable.
+    The snapshots here hold what a 0.2.0 replay wrote (checked with its code)."""
+    open_models().add(spec("x", engine="sglang"), by="x")
+    upstream = Origin(repository="org/x", revision="b" * 40)
+
+    def seen_upstream(batch: Batch) -> None:
+        batch.decide(
+            batch.event(
+                Model.UpstreamChanged, "x", ref="main", revision="a" * 40, upstream=upstream
+            )
+        )
+
+    open_models().write_plan(seen_upstream, by="cron")
+    narrower = tmp_path / "narrower.yaml"
+    narrower.write_text("engines: [vllm]\n" + DECLARED_YAML)
+    models = open_models(config=narrower, interval=1)
+    models.rebuild(audit=False)
+    head = models.revision
+    expected = {revision: models.list_models(revision) for revision in range(1, head + 1)}
     with models.store.write() as conn:
         t = snapshots_table.c
         for revision, blob in conn.execute(sa.select(t.revision, t.state)).all():
             state = msgspec.msgpack.decode(zstandard.ZstdDecompressor().decompress(blob))
-            state["aggregates"].append(msgspec.to_builtins(Model("ghost", 1, spec("ghost"))))
+            del state["chain_hash"]
+            state["rules"] = 2
+            if revision == head:
+                state["unhealed"] = []  # healed by the observation, under rules 2
             conn.execute(
                 sa.update(snapshots_table)
                 .where(t.revision == revision)
                 .values(state=zlib.compress(msgspec.msgpack.encode(state), 1))
             )
-    again = open_models(interval=2)
-    assert "ghost" in {m["name"] for m in again.list_models()}
-    assert again.get_model("ghost", models.revision)["name"] == "ghost"
+    again = open_models(config=narrower, interval=1)
+    assert again.catalog.was_skipped("x")
+    with pytest.raises(ModelNotFound, match="load skips 1 event of it"):
+        again.get_model("x")
+    for revision, listed in expected.items():
+        assert again.list_models(revision) == listed
+    assert again.remove("x", by="x").removed == "x"
 
 
 def _skipped_then_removed(
