@@ -838,8 +838,21 @@ def acquire_within(lock: threading.Lock | threading.RLock, bound: float, busy: s
 def holds(lock: threading.RLock) -> int:
     """How many times this thread holds ``lock``. Python's RLock keeps the
     count, and has no public way to ask it."""
-    count: int = lock._recursion_count()  # type: ignore[attr-defined]
-    return count
+    recursion_count = getattr(lock, "_recursion_count", None)
+    if recursion_count is not None:
+        count: int = recursion_count()
+        return count
+    # Python before 3.11.7 (Debian 12's is 3.11.2) has no _recursion_count:
+    # every write failed there with an AttributeError. Its RLock tells its
+    # owner and count in its repr alone (`<locked _thread.RLock object
+    # owner=140… count=2 at 0x…>`).
+    told = _RLOCK_REPR.search(repr(lock))
+    if told is None or int(told["owner"]) != threading.get_ident():
+        return 0
+    return int(told["count"])
+
+
+_RLOCK_REPR = re.compile(r"owner=(?P<owner>\d+) count=(?P<count>\d+)")
 
 
 def release_to(lock: threading.RLock, held: int) -> None:

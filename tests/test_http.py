@@ -814,6 +814,26 @@ def test_a_revision_with_white_space_around_it_is_refused(api: Api, config_file:
     assert f"'1 ' {not_a_revision}" in run.stderr
 
 
+def test_a_time_s_offset_whose_plus_the_query_read_as_a_space_is_told_so(api: Api) -> None:
+    """``?at=2026-12-07T12:00:00+01:00``, as the docs write a time, reaches the
+    server as ``… 01:00``: refused quoting a space no one typed (hostile test)."""
+    ok(api.post("/models", definition("qwen")))
+    before = count_events(api.db)
+    hint = " (a + in a query is read as a space: send it as %2B)"
+    sent = "2026-12-07T12:00:00+01:00"
+    for path in ("/models?at=", "/sources?at=", "/diff?since=", "/diff?since=0&until="):
+        assert refused(api.get(f"{path}{sent}"), 422) == (
+            f"'2026-12-07T12:00:00 01:00' is neither a revision nor an ISO 8601 time{hint}"
+        )
+    for bound in ("since", "until"):
+        assert refused(api.get(f"/audit?{bound}={sent}"), 422).endswith(hint)
+        assert refused(api.get(f"/history/qwen?{bound}={sent}"), 422).endswith(hint)
+    # Sent as %2B it is the time, and a refusal with no offset has no hint.
+    assert isinstance(ok(api.get(f"/audit?since={sent.replace('+', '%2B')}")), list)
+    assert not refused(api.get("/models?at=yesterday"), 422).endswith(hint)
+    assert count_events(api.db) == before
+
+
 def test_a_whole_number_in_a_query_is_digits_alone(api: Api) -> None:
     """pydantic read ``limit=5_0`` as 50, and ``after= 5``, ``+5`` (a space, in
     a query) and ``5%0A`` as 5, where ``?at=`` and If-Match refuse them (hostile
