@@ -186,6 +186,11 @@ class AcceptErrorsTold:
 
     def __call__(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
         error = context.get("exception")
+        if isinstance(error, ValueError) and _retrying_accepts(context):
+            # asyncio's retry of a failed accept, due a second after it, which
+            # closing the server does not cancel: it found the listening
+            # socket closed, and a stop within that second printed a traceback.
+            return
         if not (isinstance(error, OSError) and _accepting(context)):
             loop.default_exception_handler(context)
         elif self._next_count is None:
@@ -224,6 +229,11 @@ def _accepting(context: dict[str, Any]) -> bool:
     raises out of its accept callback, to be told again each tick."""
     message = str(context.get("message", ""))
     return message.startswith("socket.accept()") or "_accept_connection" in message
+
+
+def _retrying_accepts(context: dict[str, Any]) -> bool:
+    """Whether the loop's ``context`` tells its retry of accepts failing."""
+    return "_start_serving" in str(context.get("message", ""))
 
 
 def _why_not_accepted(error: OSError) -> str:
