@@ -338,6 +338,32 @@ def test_a_node_whose_pooler_dropped_the_urls_search_path_is_refused(pg_url: str
     engine.dispose()
 
 
+def test_a_refusal_whose_record_fails_is_told_in_the_drivers_line(
+    pg_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A refused command's record goes in a transaction of its own; when it
+    fails (a node's sessions ended under it), the warning gave SQLAlchemy's
+    whole message, the statement and the command's fields and reason, one
+    long line of the server's log a refusal (hostile test, sessions swept
+    every 0.7 s). Now the driver's first line."""
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": pg_url})
+    models.add(_definition("a", []), by="setup")
+    with models.store.engine.begin() as conn:
+        conn.exec_driver_sql(
+            "CREATE FUNCTION refuse() RETURNS trigger AS"
+            " $$ BEGIN RAISE EXCEPTION 'refused by a trigger'; END $$ LANGUAGE plpgsql"
+        )
+        conn.exec_driver_sql(
+            "CREATE TRIGGER refuse BEFORE INSERT ON catalog_refusals"
+            " FOR EACH ROW EXECUTE FUNCTION refuse()"
+        )
+    with pytest.raises(Refused, match="'nope'"):
+        models.scale("nope", 0, 2, by="ops", reason="a reason of its own")
+    told = [r.getMessage() for r in caplog.records if "could not record" in r.getMessage()]
+    assert told == ["could not record the refusal of Scaled for 'nope': refused by a trigger"]
+    models.close()
+
+
 def test_a_node_writing_with_another_config_says_so(
     db_url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
