@@ -27,6 +27,7 @@ from catalog_es.errors import (
     Refused,
     StorageBusy,
     cut_short,
+    first_line,
 )
 from catalog_es.inputs import DeclaredConfig, carried, zoned
 from catalog_es.model import Model, utc_now, utc_text
@@ -259,8 +260,13 @@ class AuditTrail:
             with self.store.engine.begin() as conn:
                 conn.execute(sa.insert(refusals_table).values(row))
         except sa.exc.SQLAlchemyError as error:
-            # The refusal itself must reach the operator even if its record cannot.
-            log.warning("could not record the refusal of %s for %r: %s", event, name, error)
+            # The refusal itself must reach the operator even if its record
+            # cannot: in the driver's first line, not SQLAlchemy's whole
+            # message, whose statement and parameters (the command's fields
+            # and reason) filled a line of the server's log each time its
+            # sessions were ended (hostile test).
+            said = first_line(str(getattr(error, "orig", None) or error))
+            log.warning("could not record the refusal of %s for %r: %s", event, name, said)
 
 
 def _check_filters(filters: Filters, query: str) -> None:

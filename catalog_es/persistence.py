@@ -21,6 +21,7 @@ import inspect
 import logging
 import os
 import re
+import select
 import sqlite3
 import threading
 import time
@@ -720,7 +721,65 @@ def _settled_engine(url: sa.URL) -> Engine:
         return engine
     engine = sa.create_engine(url, pool_pre_ping=True)
     _check_connection_settings(engine, url)
+    _unprepared_behind_a_pooler(engine)
     return engine
+
+
+# SQLSTATEs of a prepared statement that is another session's, or that this
+# one's was dropped from: a pooler in transaction mode (PgBouncer before
+# 1.21, or with max_prepared_statements = 0) hands each transaction whichever
+# server session is free, while psycopg prepares a statement run five times
+# on a connection, by a name of its own on the session it ran on then. This
+# code prepares nothing by name itself, so either means such a pooler.
+_PREPARED_ELSEWHERE = ("26000", "42P05")
+# The engines (processes) that met one: their connections prepare nothing.
+_UNPREPARED: weakref.WeakKeyDictionary[Engine, bool] = weakref.WeakKeyDictionary()
+# Each engine's driver connections, open or in the pool, for when it does.
+_CONNECTIONS: weakref.WeakKeyDictionary[Engine, weakref.WeakSet[Any]] = weakref.WeakKeyDictionary()
+
+
+def _unprepared_behind_a_pooler(engine: Engine) -> None:
+    """Once a statement of this engine meets a prepared statement of another
+    session (:func:`prepared_elsewhere`), its connections, those in use, in
+    the pool and made later, prepare none and use none they prepared.
+    Noticed on a connection's check before use (``pool_pre_ping``), that
+    connection is made again and no one is told; otherwise the statement's
+    error is an outage, retried."""
+    connections: weakref.WeakSet[Any] = weakref.WeakSet()
+    _CONNECTIONS[engine] = connections
+
+    @sa.event.listens_for(engine, "connect")
+    def _made(dbapi_connection: Any, _record: Any) -> None:
+        connections.add(dbapi_connection)
+        if engine in _UNPREPARED:
+            dbapi_connection.prepare_threshold = None
+
+    @sa.event.listens_for(engine, "handle_error")
+    def _met(context: sa.engine.ExceptionContext) -> None:
+        if prepared_elsewhere(engine, context.original_exception) and context.is_pre_ping:
+            # Its check before use: made again, unprepared, with no error.
+            context.is_disconnect = True
+
+
+def prepared_elsewhere(engine: Engine, error: BaseException) -> bool:
+    """Whether ``error`` (the driver's) is a statement psycopg prepared meeting
+    another session's, behind a pooler in transaction mode. The first one
+    turns preparing off for ``engine``'s connections (said once)."""
+    state: str | None = getattr(error, "sqlstate", None)
+    if state not in _PREPARED_ELSEWHERE:
+        return False
+    if engine not in _UNPREPARED:
+        _UNPREPARED[engine] = True
+        # Those in use too: a statement they prepared is not used again (a
+        # plain attribute, which psycopg reads as it runs each statement).
+        for connection in list(_CONNECTIONS.get(engine, ())):
+            connection.prepare_threshold = None
+        log.warning(
+            "the database's sessions are shared through a pooler in transaction mode"
+            " (%s): statements are no longer prepared",
+            first_line(str(error)),
+        )
+    return True
 
 
 def _check_connection_settings(engine: Engine, url: sa.URL) -> None:
@@ -753,12 +812,63 @@ def _check_connection_settings(engine: Engine, url: sa.URL) -> None:
             raise ValueError(str(error)) from None
         # Not the URL's: libpq's variable, read when the URL gives none.
         raise ConfigError(f"PGCONNECT_TIMEOUT: {error}") from None
+    given = "the database URL" if settings.get("options") else "$PGOPTIONS"
+    options = str(settings.get("options") or os.environ.get("PGOPTIONS") or "")
+    if re.search(r"(?:^|\s)(?:-c\s*|--)search[_-]path=", options, re.IGNORECASE):
+        _search_path_kept(engine, given)
+
+
+def _search_path_kept(engine: Engine, given: str) -> None:
+    """Each new connection of ``engine``, whose URL (or ``$PGOPTIONS``) sets
+    the search path that finds the log's schema, refused when its session's
+    was not set so: a connection pooler (PgBouncer) passes no ``options``
+    on, and told to ignore them (``ignore_startup_parameters = options``, as
+    is done to get past its refusal of them) it drops them without a word.
+    The node then used the log of another schema, the public one, as its
+    own: it answered that catalog's revision and wrote into it (hostile
+    test)."""
+    import psycopg
+
+    @sa.event.listens_for(engine, "connect")
+    def _kept(dbapi_connection: Any, _record: Any) -> None:
+        cursor = dbapi_connection.cursor()
+        try:
+            cursor.execute("SELECT setting, source FROM pg_settings WHERE name = 'search_path'")
+            setting, source = cursor.fetchone() or ("", "")
+        finally:
+            cursor.close()
+            dbapi_connection.rollback()  # no transaction left open: autocommit may be set
+        if source != "client":
+            raise psycopg.errors.InvalidSchemaName(
+                f"{given} sets the search path (options), but this session's is"
+                f" {setting!r}, from its {source or 'default'}: a connection pooler dropped"
+                " them; give each catalog's role its own (ALTER ROLE … SET"
+                " search_path) or connect without the pooler"
+            )
 
 
 # Seconds a held PostgreSQL writer may sit idle before it is asked whether it
 # is still connected (one round trip): a restart or a failover ends sessions
-# at any moment, and the first write after it failed with a 503.
+# at any moment, and the first write after it failed with a 503. Sooner, it
+# is asked when the server sent it something while it was idle
+# (:func:`_heard_from`).
 WRITER_IDLE_ASKED = 1.0
+
+
+def _heard_from(conn: Connection) -> bool:
+    """Whether the server sent the PostgreSQL connection ``conn``, idle in
+    no transaction, anything since its last statement: a server ending the
+    session (a restart, a failover, ``pg_terminate_backend``) says so and
+    closes it, which leaves its socket readable (one poll, no round trip). A
+    node writing more often than once a second was not asked, and its next
+    write failed with a 503 where the others' went through (hostile test)."""
+    try:
+        poll = select.poll()  # not select(): a server's sockets pass 1,024
+        driver: Any = conn.connection.driver_connection
+        poll.register(driver.fileno(), select.POLLIN)
+        return bool(poll.poll(0))
+    except Exception:
+        return True  # closed, or no socket to poll: asked, and let go if broken
 
 
 def _driver(driver: Any, statement: str) -> None:
@@ -898,6 +1008,9 @@ _SQLITE_HINTS = {
 # busy, not unusable. An error with no state failed in the client: no
 # server reached, or the connection lost.
 _POSTGRESQL_OUTAGES = ("08", "53", "57P01", "57P02", "57P03", "57P05", "25006", "25P03")
+# A statement psycopg prepared meeting another session's behind a pooler in
+# transaction mode passes too: the process prepares none from then on
+# (:func:`prepared_elsewhere`), and the statement, run again, is not refused.
 # A commit's failures that leave its outcome unknown. SQLite: the sync of
 # the -wal file, whose frames, the commit's included, are written by then (a
 # recovery puts them back); a write of them that failed (a full disk) left no
@@ -973,7 +1086,7 @@ def database_unusable(error: BaseException) -> Unusable | None:
             return None
         refused = "FATAL:" in said and not any(words in said for words in _CONNECT_OUTAGES)
         return Unusable(said, lasting=refused)
-    if state.startswith(_POSTGRESQL_OUTAGES):
+    if state.startswith(_POSTGRESQL_OUTAGES) or state in _PREPARED_ELSEWHERE:
         return Unusable(said, lasting=False)
     if state.startswith(_POSTGRESQL_SETUP):
         return Unusable(said, lasting=True)
@@ -1037,9 +1150,13 @@ class SQLRecorder(ProcessRecorder):
             if (
                 self._writer is not None
                 and self.dialect != "sqlite"
-                and time.monotonic() - self._writer_used > WRITER_IDLE_ASKED
+                and (
+                    time.monotonic() - self._writer_used > WRITER_IDLE_ASKED
+                    or _heard_from(self._writer)
+                )
             ):
-                # Idle: the server may have closed it. Ask before relying on it.
+                # Idle, or told something: the server may have closed it. Ask
+                # before relying on it.
                 try:
                     self._writer.exec_driver_sql("SELECT 1")
                     self._writer.rollback()
@@ -1119,6 +1236,7 @@ class SQLRecorder(ProcessRecorder):
         """A driver error from a statement made straight on the driver, wrapped
         as SQLAlchemy wraps its own: callers handle one kind, and the held
         writer lets go of a connection the error may have broken."""
+        prepared_elsewhere(self.engine, error)
         return sa.exc.DBAPIError.instance(None, None, error, self._dbapi_error)
 
     def _writer_is_idle(self) -> bool:

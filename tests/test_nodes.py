@@ -10,14 +10,22 @@ in the log, and replay would skip it.
 from __future__ import annotations
 
 import multiprocessing
+import os
 import random
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import httpx
 import psycopg
 import pytest
 import sqlalchemy as sa
@@ -27,8 +35,16 @@ from catalog_es.application import Models
 from catalog_es.errors import Refused, StorageBusy
 from catalog_es.inputs import DeclaredConfig, load_config, model_from_data
 from catalog_es.mapper import decode_event
-from catalog_es.persistence import LOCK_WAIT_ENV, ChainedNotification, SQLRecorder, create_engine
-from tests.helpers import count_events, log_rows, put_back, schema_of
+from catalog_es.persistence import (
+    LOCK_WAIT_ENV,
+    ChainedNotification,
+    SQLRecorder,
+    create_engine,
+    database_unusable,
+)
+from catalog_es.web.tokens import TokenStore
+from tests.helpers import count_events, log_rows, model_data, put_back, schema_of
+from tests.serving import bearer, started
 
 CONFIG = """
 models:
@@ -224,6 +240,127 @@ def test_a_write_after_the_server_dropped_the_idle_connection_still_lands(
     models.store._writer_used -= 1.5  # as if it had been idle a second and a half
     assert models.scale("a", 0, 2, by="ops").revision == models.revision
     assert models.get_model("a")["scaling"] == {"min": 0, "max": 2}
+    models.close()
+
+
+def test_a_write_just_after_the_server_ended_its_session_still_lands(
+    pg_url: str, pg_admin: sa.Engine
+) -> None:
+    """A session ended within a second of the node's last write (a restart,
+    a failover, pg_terminate_backend) left its next write failing with a
+    503, while a node that had been idle longer asked first and went
+    through: the server's word that it ends the session is read off the
+    socket before the write relies on it (hostile test)."""
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": pg_url})
+    models.add(_definition("a", []), by="setup")
+    writer = models.store._writer
+    assert writer is not None
+    pid = writer.exec_driver_sql("SELECT pg_backend_pid()").scalar_one()
+    writer.rollback()
+    with pg_admin.connect() as conn:
+        conn.execute(sa.text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+        deadline = time.monotonic() + 5
+        while conn.execute(
+            sa.text("SELECT count(*) FROM pg_stat_activity WHERE pid = :pid"), {"pid": pid}
+        ).scalar_one():
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    models.store._writer_used = time.monotonic()  # as if it had just written
+    assert models.scale("a", 0, 2, by="ops").revision == models.revision
+    assert models.get_model("a")["scaling"] == {"min": 0, "max": 2}
+    models.close()
+
+
+def test_a_node_behind_a_pooler_in_transaction_mode_stops_preparing_statements(
+    pg_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """psycopg prepares a statement run five times on a connection, by a name
+    of its own, on the server session it ran on then. A pooler in
+    transaction mode (PgBouncer before 1.21) gives each transaction any
+    session: the name was another's ("already exists") or not there ("does
+    not exist"), and every few commands and reads failed as internal errors
+    (hostile test, two nodes behind PgBouncer 1.18). The first such error
+    is an outage, retried; from then on the node prepares nothing. Here each
+    transaction is handed a session that forgot what was prepared on it."""
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": pg_url})
+
+    def another_session(conn: Any, *_: Any) -> None:
+        driver = getattr(conn, "connection", conn)
+        driver = getattr(driver, "driver_connection", driver)
+        driver.pgconn.exec_(b"DEALLOCATE ALL")  # behind psycopg's back
+
+    sa.event.listen(models.store.engine, "checkout", another_session)
+    sa.event.listen(
+        models.store.engine,
+        "before_cursor_execute",
+        lambda conn, _cursor, statement, *_: (
+            another_session(conn) if statement.startswith("BEGIN") else None
+        ),
+    )
+    models.add(_definition("a", []), by="setup")
+    failed = []
+    for n in range(30):
+        try:
+            models.scale("a", 0, 1 + n % 3, by="ops")
+            assert models.get_model("a")["scaling"]["max"] == 1 + n % 3
+        except sa.exc.DBAPIError as error:
+            unusable = database_unusable(error)
+            assert unusable is not None and not unusable.lasting, error
+            failed.append(n)
+    assert len(failed) <= 1
+    told = [r.getMessage() for r in caplog.records if "pooler" in r.getMessage()]
+    assert len(told) == 1 and "statements are no longer prepared" in told[0]
+    assert models.revision == count_events(pg_url) == 1 + 30 - len(failed)
+    models.close()
+
+
+def test_a_node_whose_pooler_dropped_the_urls_search_path_is_refused(pg_url: str) -> None:
+    """A pooler passes no ``options`` on, and told to ignore them (as is done
+    to get past its refusal of them) drops them: the node used the log of
+    the public schema as its own, wrote into it and answered its revision
+    (hostile test, PgBouncer). Here the session's search path is set back
+    as it connects, as a pooler's session has its own."""
+    engine = create_engine(pg_url)
+
+    @sa.event.listens_for(engine, "connect", insert=True)
+    def dropped(dbapi_connection: Any, _record: Any) -> None:
+        dbapi_connection.execute("SET search_path = public")
+        dbapi_connection.commit()
+
+    with pytest.raises(sa.exc.DBAPIError) as raised, engine.connect():
+        pass
+    unusable = database_unusable(raised.value)
+    assert unusable is not None and unusable.lasting
+    assert unusable.said.startswith(
+        "the database URL sets the search path (options), but this session's is"
+        " 'public', from its session: a connection pooler dropped them"
+    )
+    engine.dispose()
+
+
+def test_a_refusal_whose_record_fails_is_told_in_the_drivers_line(
+    pg_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A refused command's record goes in a transaction of its own; when it
+    fails (a node's sessions ended under it), the warning gave SQLAlchemy's
+    whole message, the statement and the command's fields and reason, one
+    long line of the server's log a refusal (hostile test, sessions swept
+    every 0.7 s). Now the driver's first line."""
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": pg_url})
+    models.add(_definition("a", []), by="setup")
+    with models.store.engine.begin() as conn:
+        conn.exec_driver_sql(
+            "CREATE FUNCTION refuse() RETURNS trigger AS"
+            " $$ BEGIN RAISE EXCEPTION 'refused by a trigger'; END $$ LANGUAGE plpgsql"
+        )
+        conn.exec_driver_sql(
+            "CREATE TRIGGER refuse BEFORE INSERT ON catalog_refusals"
+            " FOR EACH ROW EXECUTE FUNCTION refuse()"
+        )
+    with pytest.raises(Refused, match="'nope'"):
+        models.scale("nope", 0, 2, by="ops", reason="a reason of its own")
+    told = [r.getMessage() for r in caplog.records if "could not record" in r.getMessage()]
+    assert told == ["could not record the refusal of Scaled for 'nope': refused by a trigger"]
     models.close()
 
 
@@ -749,3 +886,203 @@ def test_a_previous_release_follower_still_hears_this_releases_writes(pg_url: st
         heard = {n.pid for n in old_follower.notifies(timeout=1)}
     assert writer in heard
     node.close()
+
+
+# -- nodes as processes: `catalog-es serve`, as an operator runs them -------------
+
+_CLI = [sys.executable, "-m", "catalog_es"]
+
+
+@contextmanager
+def _serving_nodes(url: str, tokens: Path, count: int) -> Iterator[list[str]]:
+    """``count`` ``catalog-es serve`` processes on ``url``, started together;
+    yields their base URLs, and stops them (SIGTERM) afterwards."""
+    command = [*_CLI, "--db", url, "serve", "--port", "0"]
+    servers = [
+        subprocess.Popen([*command, "--tokens", str(tokens)], stderr=subprocess.PIPE, text=True)
+        for _ in range(count)
+    ]
+    try:
+        yield [started(server)[0] for server in servers]
+    finally:
+        for server in servers:
+            server.terminate()
+        for server in servers:
+            try:
+                server.communicate(timeout=10)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.communicate()
+
+
+def test_nodes_writing_as_their_sessions_are_ended_write_on(
+    pg_url: str, pg_admin: sa.Engine, tmp_path: Path
+) -> None:
+    """Two ``serve`` nodes, each writing; every session of theirs ended at
+    once (pg_terminate_backend, as a restart or a failover ends them), and
+    each node's next write, within the second, answered 503 (hostile test,
+    each of six rounds). Now each goes through."""
+    tokens = tmp_path / "tokens.json"
+    secret = TokenStore(tokens).add("ops", "write")[1]
+    application = sa.make_url(pg_url).query["application_name"]
+    setup = Models(DeclaredConfig(), env={"CATALOG_ES_DB": pg_url})
+    setup.add(_definition("a", []), by="setup")
+    setup.close()
+    with _serving_nodes(pg_url, tokens, 2) as nodes, httpx.Client(headers=bearer(secret)) as http:
+        for n in range(2):
+            for node in nodes:
+                assert http.post(f"{node}/models/a/scale", json={"max": 1 + n}).status_code == 200
+            with pg_admin.connect() as conn:
+                ended = sa.text(
+                    "SELECT pid FROM pg_stat_activity"
+                    " WHERE application_name = :name AND pid <> pg_backend_pid()"
+                )
+                for (pid,) in conn.execute(ended, {"name": application}).all():
+                    conn.execute(sa.text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+                deadline = time.monotonic() + 5
+                while conn.execute(ended, {"name": application}).all():
+                    assert time.monotonic() < deadline
+                    time.sleep(0.01)
+            for node in nodes:
+                answer = http.post(f"{node}/models/a/scale", json={"max": 2 + n})
+                assert answer.status_code == 200, answer.text
+    assert count_events(pg_url) == 1 + 2 * 4
+
+
+@pytest.fixture
+def pgbouncer(pg_admin: sa.Engine) -> Iterator[Callable[[str], str]]:
+    """``pgbouncer(role)``: a URL of the test database as ``role`` through a
+    PgBouncer of its own in transaction mode, told to pass over the
+    ``options`` it does not take (as is done to get past its refusal of
+    them). Fails, saying how to get it, where PgBouncer is not installed."""
+    binary = shutil.which("pgbouncer") or shutil.which("pgbouncer", path="/usr/sbin")
+    if binary is None:
+        pytest.fail("PgBouncer is needed for this test: apt-get install pgbouncer", pytrace=False)
+    admin = pg_admin.url
+    # Its own folder, which the user it runs as (never root) can read.
+    folder = Path(tempfile.mkdtemp(prefix="catalog-es-pgbouncer-"))
+    folder.chmod(0o755)
+    started_bouncers: list[subprocess.Popen[str]] = []
+
+    def start(role: str) -> str:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        (folder / "users.txt").write_text(f'"{role}" ""\n')
+        (folder / "pgbouncer.ini").write_text(
+            "[databases]\n"
+            f"{admin.database} = host={admin.host or '127.0.0.1'} port={admin.port or 5432}"
+            f" dbname={admin.database}\n"
+            "[pgbouncer]\n"
+            f"listen_addr = 127.0.0.1\nlisten_port = {port}\n"
+            f"auth_type = trust\nauth_file = {folder / 'users.txt'}\n"
+            "pool_mode = transaction\ndefault_pool_size = 4\n"
+            "ignore_startup_parameters = options,extra_float_digits\n"
+        )
+        for name in ("users.txt", "pgbouncer.ini"):
+            (folder / name).chmod(0o644)
+        user = ["-u", "nobody"] if os.geteuid() == 0 else []
+        bouncer = subprocess.Popen(
+            [binary, *user, str(folder / "pgbouncer.ini")],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        started_bouncers.append(bouncer)
+        deadline = time.monotonic() + 5
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert bouncer.poll() is None, bouncer.communicate()[1]
+                assert time.monotonic() < deadline, "PgBouncer did not start"
+                time.sleep(0.02)
+        return f"postgresql+psycopg://{role}@127.0.0.1:{port}/{admin.database}"
+
+    yield start
+    for bouncer in started_bouncers:
+        bouncer.terminate()
+        bouncer.communicate(timeout=10)
+    shutil.rmtree(folder)
+
+
+def test_two_nodes_behind_pgbouncer_in_transaction_mode_answer_every_request(
+    pg_url: str, pg_admin: sa.Engine, pgbouncer: Callable[[str], str], tmp_path: Path
+) -> None:
+    """The README's pooler in transaction mode, with two ``serve`` nodes
+    behind it: one catalog's schema is its role's search path, as a pooler
+    passes no URL ``options`` on. psycopg prepares a statement run five times
+    on a connection, on the server session it ran on then, and the pooler
+    hands the next transaction another: one request in ten failed as an
+    internal error, writes and reads alike (hostile test, PgBouncer 1.18).
+    Now each node's first such statement, and any under way beside it, is
+    an outage (503, retried), and it prepares none from then on. A URL
+    setting the search path through the pooler, which dropped it, used the
+    public schema's log: refused."""
+    schema = schema_of(pg_url)
+    role = schema  # a name of the test's own
+    with pg_admin.connect() as conn:
+        conn.execute(sa.text(f"CREATE ROLE {role} LOGIN"))
+        conn.execute(sa.text(f"ALTER ROLE {role} SET search_path = {schema}"))
+        conn.execute(sa.text(f"GRANT ALL ON SCHEMA {schema} TO {role}"))
+    try:
+        url = pgbouncer(role)
+        with_options = sa.make_url(url).update_query_dict({"options": f"-csearch_path={schema}"})
+        # Asked while the nodes start.
+        dropped = subprocess.Popen(
+            [*_CLI, "--db", with_options.render_as_string(False), "revision"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        tokens = tmp_path / "tokens.json"
+        secret = TokenStore(tokens).add("ops", "write")[1]
+        answered: list[list[int]] = [[], [], []]
+        with _serving_nodes(url, tokens, 2) as nodes:
+
+            def client(k: int) -> None:
+                statuses = answered[k]
+                with httpx.Client(headers=bearer(secret), timeout=30) as http:
+                    for n in range(10):
+                        node = nodes[(n + k) % 2]
+                        for answer in (
+                            http.post(f"{node}/models/m{k}/scale", json={"max": 1 + n % 3}),
+                            http.get(f"{node}/models/m{k}"),
+                            http.get(f"{node}/history/m{k}?limit=2"),
+                        ):
+                            assert answer.status_code in (200, 503), answer.text
+                            statuses.append(answer.status_code)
+
+            with httpx.Client(headers=bearer(secret)) as http:
+                added = http.post(
+                    f"{nodes[0]}/apply",
+                    json=[{"add": model_data(f"m{k}")} for k in range(3)],
+                )
+                assert added.status_code == 200, added.text
+            threads = [threading.Thread(target=client, args=(k,)) for k in range(3)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(timeout=60)
+            with httpx.Client(headers=bearer(secret)) as http:
+                verified = http.get(f"{nodes[1]}/verify").json()
+        _, said = dropped.communicate(timeout=30)
+        assert dropped.returncode == 1
+        assert "a connection pooler dropped them" in said, said
+        assert [len(statuses) for statuses in answered] == [3 * 10] * 3
+        # Only as each node first met another session's statement: the
+        # statements then under way on it (a few), and none from then on.
+        assert all(statuses[15:] == [200] * 15 for statuses in answered), answered
+        writes = [status for statuses in answered for status in statuses[::3]]
+        assert verified["ok"] and verified["events"] == 3 + writes.count(200)
+    finally:
+        with pg_admin.connect() as conn:
+            conn.execute(
+                sa.text(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = :role"
+                ),
+                {"role": role},
+            )
+            conn.execute(sa.text(f"DROP OWNED BY {role}"))
+            conn.execute(sa.text(f"DROP ROLE {role}"))
