@@ -117,7 +117,7 @@ def open_weights(
     if not Path(root).is_dir():
         raise InputError(f"mirror {root}: not a directory")
     store = Path(weights or os.environ.get(WEIGHTS_ENV) or DEFAULT_WEIGHTS)
-    return Weights(models(), MirrorRegistry(Path(root)), WeightsStore(store))
+    return Weights(models(), MirrorRegistry(Path(root)), WeightsStore(store, apart_from=Path(root)))
 
 
 def tokens_path(given: str | None = None) -> Path:

@@ -30,7 +30,7 @@ from io import BufferedReader
 from pathlib import Path, PurePosixPath
 from typing import BinaryIO
 
-from catalog_es.errors import UNSAFE_TEXT, Refused
+from catalog_es.errors import UNSAFE_TEXT, Refused, shown
 
 SCHEME = "hf://"
 DEFAULT_BRANCH = "main"
@@ -55,7 +55,9 @@ def check_repository(repository: str) -> tuple[str, str]:
 
 def check_commit(revision: str) -> str:
     if not COMMIT_PATTERN.fullmatch(revision):
-        raise RegistryError(f"revision {revision[:80]!r} is not a commit id (7-64 hex digits)")
+        raise RegistryError(
+            f"revision {revision[:80]!r} is not a commit id (7-64 lower-case hex digits)"
+        )
     return revision
 
 
@@ -105,18 +107,34 @@ def open_inside(path: Path, within: Path) -> BufferedReader:
     waiting: opening a pipe to read waits for a writer, and every weights
     command hung on a ``refs`` that was one."""
     _real_inside(path, within)
-    opened = os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb")
     try:
-        status = os.fstat(opened.fileno())
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as error:  # not there, not readable (a mode, a lock)
+        raise unreadable(path, error) from None
+    try:
+        # Asked of the descriptor, before it is made a file object: one of a
+        # folder was refused as "[Errno 21] Is a directory: 6" (hostile test).
+        status = os.fstat(descriptor)
         if not stat.S_ISREG(status.st_mode):
             raise RegistryError(f"{path} is not a file (a folder, a pipe?): refused")
-        os.set_blocking(opened.fileno(), True)
+        os.set_blocking(descriptor, True)
         if not os.path.samestat(status, _real_inside(path, within).stat()):
             raise RegistryError(f"{path} changed while it was read: refused")
+        return os.fdopen(descriptor, "rb")
+    except OSError as error:
+        os.close(descriptor)
+        raise unreadable(path, error) from None
     except BaseException:
-        opened.close()
+        os.close(descriptor)
         raise
-    return opened
+
+
+def unreadable(path: Path | str, error: OSError) -> RegistryError:
+    """The refusal of a file or folder that could not be read: in one line,
+    naming it once. A file of the mirror this process may not read (its
+    mode) was an unexpected PermissionError that ended every check of
+    every model, not the one model's (hostile test)."""
+    return RegistryError(f"{path}: cannot be read: {error.strerror or error}; refused")
 
 
 def checksums(folder: Path, within: Path) -> dict[str, str]:
@@ -131,11 +149,11 @@ def checksums(folder: Path, within: Path) -> dict[str, str]:
     found: dict[str, str] = {}
     walked: set[Path] = set()
 
-    def unreadable(error: OSError) -> None:
-        raise RegistryError(f"{error.filename}: cannot be read: {error.strerror}; refused")
+    def not_listed(error: OSError) -> None:
+        raise unreadable(error.filename, error)
 
     # Top-down: a folder is seen before anything under it is walked.
-    for directory, _dirs, names in os.walk(folder, followlinks=True, onerror=unreadable):
+    for directory, _dirs, names in os.walk(folder, followlinks=True, onerror=not_listed):
         real = _real_inside(Path(directory), within)
         if real in walked:
             raise RegistryError(f"{directory} links to a folder already read: refused")
@@ -145,13 +163,18 @@ def checksums(folder: Path, within: Path) -> dict[str, str]:
         walked.add(real)
         for name in names:
             path = Path(directory, name)
-            if not path.is_file():
-                raise RegistryError(f"{path} is not a file (a link to nothing, a pipe?): refused")
-            # A name the log could not record is refused here, where a scan
-            # lists its model as unchecked, not when its finding is written.
-            listed = relative_file(path.relative_to(folder).as_posix()).as_posix()
-            with open_inside(path, within) as f:
-                digest = hashlib.file_digest(f, "sha256").hexdigest()
+            try:
+                if not path.is_file():
+                    raise RegistryError(
+                        f"{path} is not a file (a link to nothing, a pipe?): refused"
+                    )
+                # A name the log could not record is refused here, where a scan
+                # lists its model as unchecked, not when its finding is written.
+                listed = relative_file(path.relative_to(folder).as_posix()).as_posix()
+                with open_inside(path, within) as f:
+                    digest = hashlib.file_digest(f, "sha256").hexdigest()
+            except OSError as error:  # in a folder not searchable; a disk's read error
+                raise unreadable(path, error) from None
             found[listed] = digest
     return dict(sorted(found.items()))
 
@@ -165,13 +188,39 @@ def inside(path: Path, within: Path) -> Path:
 
 def _real_inside(path: Path, within: Path) -> Path:
     """What ``path`` names, resolved once, if it is in ``within``."""
-    try:
-        real = path.resolve()
-    except RuntimeError:  # a loop of links (Python 3.11; 3.13 raises OSError)
-        raise RegistryError(f"{path} is a loop of links: refused") from None
-    if not real.is_relative_to(within.resolve()):
+    real, root = resolved(path), resolved(within)
+    if not real.is_relative_to(root):
         raise RegistryError(f"{path} leads to {real}, outside {within}: refused")
     return real
+
+
+def _is_file(path: Path) -> bool:
+    """Whether ``path`` is a file (links followed); refused, not raised,
+    when that cannot be told."""
+    try:
+        return path.is_file()
+    except OSError as error:
+        raise unreadable(path, error) from None
+
+
+def _is_dir(path: Path) -> bool:
+    """Whether ``path`` is a folder (links followed); refused, not raised,
+    when that cannot be told (a folder above it not searchable)."""
+    try:
+        return path.is_dir()
+    except OSError as error:
+        raise unreadable(path, error) from None
+
+
+def resolved(path: Path) -> Path:
+    """``path`` with its links and ``..`` resolved, as far as it exists;
+    refused when its links loop."""
+    try:
+        return path.resolve()
+    except RuntimeError:  # a loop of links (Python 3.11; 3.13 resolves as far as it can)
+        raise RegistryError(f"{path} is a loop of links: refused") from None
+    except OSError as error:
+        raise unreadable(path, error) from None
 
 
 def verify(folder: Path, expected: Mapping[str, str], within: Path) -> list[str]:
@@ -179,7 +228,7 @@ def verify(folder: Path, expected: Mapping[str, str], within: Path) -> list[str]
     ``expected`` ({path: sha256}): files missing, files whose checksum
     differs, and files that should not be there (an engine loading the folder
     would see them). Empty when it is an exact copy."""
-    present = checksums(folder, within) if folder.is_dir() else {}
+    present = checksums(folder, within) if _is_dir(folder) else {}
     problems = []
     for path, digest in sorted(expected.items()):
         relative_file(path)
@@ -201,7 +250,8 @@ class Registry(ABC):
 
     @abstractmethod
     def resolve(self, repository: str, ref: str) -> str:
-        """The commit a branch points to; a commit id names itself. Raises
+        """The commit a branch points to; a commit id names itself (the
+        mirror's: or the one commit it begins, at least 7 digits). Raises
         :class:`RegistryError` when the repository or the ref is unknown."""
 
     @abstractmethod
@@ -226,13 +276,13 @@ class MirrorRegistry(Registry):
     def _repository_folder(self, repository: str) -> Path:
         org, name = check_repository(repository)
         folder = self.root / org / name
-        if not folder.is_dir():
+        if not _is_dir(folder):
             raise RegistryError(f"repository {repository} is not in the mirror {self.root}")
         return folder
 
     def _revision_folder(self, repository: str, revision: str) -> Path:
         folder = self._repository_folder(repository) / check_commit(revision)
-        if not folder.is_dir():
+        if not _is_dir(folder):
             raise RegistryError(f"{repository} has no commit {revision} in the mirror")
         return inside(folder, self.root)
 
@@ -244,19 +294,26 @@ class MirrorRegistry(Registry):
                 # A byte-order mark, as some editors on Windows save UTF-8,
                 # is no part of the first line (its branch was refused).
                 text = file.read().decode("utf-8-sig")
-        except (OSError, UnicodeDecodeError) as error:
-            raise RegistryError(f"{path}: cannot read the refs: {error}") from None
+        except OSError as error:
+            raise unreadable(path, error) from None
+        except UnicodeDecodeError as error:
+            raise RegistryError(
+                f"{path}: cannot read the refs: not UTF-8 text (byte {error.start})"
+            ) from None
         refs: dict[str, str] = {}
         for number, line in enumerate(text.splitlines(), start=1):
             words = line.split("#", 1)[0].split()
             if not words:
                 continue
-            if (
-                len(words) != 2
-                or not _BRANCH.fullmatch(words[0])
-                or not COMMIT_PATTERN.fullmatch(words[1])
-            ):
-                raise RegistryError(f"{path} line {number}: expected '<branch> <commit>'")
+            # Why, where it can be told: a commit id in capitals, or one
+            # character short, was told as a line of the wrong shape.
+            why = ""
+            if len(words) == 2 and not _BRANCH.fullmatch(words[0]):
+                why = f": {shown(words[0])} is no branch name"
+            elif len(words) == 2 and not COMMIT_PATTERN.fullmatch(words[1]):
+                why = f": {shown(words[1])} is no commit id (7-64 lower-case hex digits)"
+            if len(words) != 2 or why:
+                raise RegistryError(f"{path} line {number}: expected '<branch> <commit>'{why}")
             if words[0] in refs:
                 raise RegistryError(f"{path} line {number}: branch {words[0]} is listed twice")
             refs[words[0]] = words[1]
@@ -274,7 +331,7 @@ class MirrorRegistry(Registry):
             if (
                 commit != ref
                 and COMMIT_PATTERN.fullmatch(ref)
-                and (self._repository_folder(repository) / ref).is_dir()
+                and _is_dir(self._repository_folder(repository) / ref)
             ):
                 # A branch may be named in hex: which one was meant cannot be told.
                 raise RegistryError(
@@ -282,12 +339,43 @@ class MirrorRegistry(Registry):
                     " rename the branch in the mirror's refs"
                 )
         elif COMMIT_PATTERN.fullmatch(ref):
-            commit = ref
+            commit = self._commit_named(repository, ref)
         else:
-            known = ", ".join(sorted(refs)) or "none"
-            raise RegistryError(f"{repository} has no branch {ref!r} (branches: {known})")
+            # Quoted cut short, and the branches too: a --revision of 100,000
+            # characters was said back whole (hostile test).
+            named = sorted(refs)
+            known = ", ".join(named[:10]) + (
+                f", … ({len(named)} in all)" if len(named) > 10 else ""
+            )
+            raise RegistryError(
+                f"{repository} has no branch {shown(ref)} (branches: {known or 'none'})"
+            )
         self._revision_folder(repository, commit)
         return commit
+
+    def _commit_named(self, repository: str, ref: str) -> str:
+        """The commit ``ref`` names: itself, or the one commit of the mirror
+        it begins. The commits ``updates`` and ``update`` show are cut to 12
+        digits, and ``--revision`` given one was refused as a commit the
+        mirror has not (hostile test)."""
+        folder = self._repository_folder(repository)
+        if _is_dir(folder / ref):
+            return ref
+        try:
+            names = [entry.name for entry in folder.iterdir()]
+        except OSError as error:
+            raise unreadable(folder, error) from None
+        begun = sorted(
+            name
+            for name in names
+            if name.startswith(ref) and COMMIT_PATTERN.fullmatch(name) and _is_dir(folder / name)
+        )
+        if len(begun) > 1:
+            raise RegistryError(
+                f"{repository}: commit {ref} is ambiguous in the mirror ({', '.join(begun[:3])}"
+                f"{', …' if len(begun) > 3 else ''}): give more of it"
+            )
+        return begun[0] if begun else ref  # none: told as a commit the mirror has not
 
     def files(self, repository: str, revision: str) -> dict[str, str]:
         return checksums(self._revision_folder(repository, revision), self.root)
@@ -304,22 +392,30 @@ class MirrorRegistry(Registry):
         try:
             for path, expected in files.items():
                 source = folder / relative_file(path)
-                if not source.is_file():
+                if not _is_file(source):
                     continue
                 # A folder of the copy linked elsewhere would be written through.
                 target = inside(into / relative_file(path), into)
-                try:
-                    target.parent.mkdir(parents=True, exist_ok=True)
-                    partial = partials / "copy"
-                    with partial.open("wb") as out, open_inside(source, self.root) as src:
-                        copied = _Hashing(out)
-                        shutil.copyfileobj(src, copied, 1 << 20)
-                        out.flush()
-                        os.fsync(out.fileno())
-                except OSError as error:  # the disk full, a name too long for it…
-                    raise RegistryError(
-                        f"{path}: cannot be copied into {into}: {error.strerror or error}"
-                    ) from None
+                # What cannot be read of the mirror is told as the mirror's:
+                # it was told as a copy the weights store could not take.
+                partial = partials / "copy"
+                with open_inside(source, self.root) as src:
+                    try:
+                        target.parent.mkdir(parents=True, exist_ok=True)
+                        with partial.open("wb") as out:
+                            copied = _Hashing(out)
+                            shutil.copyfileobj(_Reading(src, source), copied, 1 << 20)
+                            out.flush()
+                            os.fsync(out.fileno())
+                    except OSError as error:  # the disk full, a name too long for it…
+                        # Which path, when not the copy's: "File exists" alone
+                        # did not say the commit's folder was a file.
+                        made = error.filename and Path(error.filename) != partial
+                        where = f"{error.filename}: " if made else ""
+                        raise RegistryError(
+                            f"{path}: cannot be copied into {into}: "
+                            f"{where}{error.strerror or error}"
+                        ) from None
                 digest = copied.sha256.hexdigest()
                 if digest != expected:
                     # Kept, the copy would be found there by every later fetch
@@ -333,6 +429,21 @@ class MirrorRegistry(Registry):
         finally:
             shutil.rmtree(partials, ignore_errors=True)
             os.close(held)
+
+
+class _Reading:
+    """A file of the mirror being read, whose read errors (a disk's) are
+    refusals naming it."""
+
+    def __init__(self, file: BinaryIO, path: Path) -> None:
+        self.file = file
+        self.path = path
+
+    def read(self, size: int = -1) -> bytes:
+        try:
+            return self.file.read(size)
+        except OSError as error:
+            raise unreadable(self.path, error) from None
 
 
 class _Hashing:
@@ -364,7 +475,10 @@ def _partial_folder(parent: Path, name: str) -> tuple[Path, int]:
     """A new folder for one fetch's partial copies, in ``parent``, and the
     descriptor of its lock file. Made under another name and renamed once
     locked, so that no fetch ever sees it unlocked."""
-    starting = Path(tempfile.mkdtemp(dir=parent, prefix=f".{name}.starting."))
+    try:
+        starting = Path(tempfile.mkdtemp(dir=parent, prefix=f".{name}.starting."))
+    except OSError as error:  # told of the folder it was to be made in, not of a random name
+        raise OSError(error.errno, error.strerror, str(parent)) from None
     held = os.open(starting / _LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         with suppress(OSError):  # no lock here: the folder is never taken for abandoned

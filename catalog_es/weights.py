@@ -50,6 +50,7 @@ from catalog_es.registry import (
     check_repository,
     inside,
     relative_file,
+    resolved,
     verify,
 )
 from catalog_es.spec import ModelSpec, Origin
@@ -79,8 +80,10 @@ class WeightsStore:
     """Where fetched commits are kept, each in a folder of its own beside the
     others (``<root>/<org>/<repo>/<commit>/``), and where replicas load them from."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, *, apart_from: Path | None = None) -> None:
         self.root = root
+        # The registry's own folder, where no commit is fetched to.
+        self.apart_from = apart_from
 
     def folder(self, repository: str, revision: str) -> Path:
         org, name = check_repository(repository)
@@ -90,17 +93,29 @@ class WeightsStore:
         """The model source of a commit kept here: a ``file://`` URL, of the
         folder itself (links and ``..`` resolved): another spelling of the
         store, or a link to it pointed elsewhere later, names the same files."""
-        return self.folder(origin.repository, origin.revision).resolve().as_uri()
+        return resolved(self.folder(origin.repository, origin.revision)).as_uri()
 
-    def stage(self, registry: Registry, origin: Origin) -> None:
+    def stage(self, registry: Registry, origin: Origin) -> list[str]:
         """Make the folder of ``origin`` an exact copy of its files: fetch those
         not there yet, then hash every one. A file already there that differs
-        is reported, never replaced, so tampering stays visible."""
+        is reported, never replaced, so tampering stays visible. Answers the
+        files fetched."""
         where = f"{origin.repository}@{origin.revision}"
         if not origin.files:
             raise VerificationFailed(f"{where} lists no files: there is nothing to verify")
         # A folder linked elsewhere would be written there, and hashed there.
         folder = inside(self.folder(origin.repository, origin.revision), self.root)
+        if self.apart_from is not None and resolved(folder).is_relative_to(
+            resolved(self.apart_from)
+        ):
+            # The store given as the mirror itself: models ran from the
+            # mirror's folders, and a file changed there in place changed
+            # what they load, under the checksums the log recorded (hostile
+            # test). Or written into it.
+            raise RegistryError(
+                f"the weights store {self.root} is inside the mirror {self.apart_from}: "
+                "give --weights a folder apart from it; nothing was written"
+            )
         try:
             missing = {
                 path: digest
@@ -110,8 +125,11 @@ class WeightsStore:
             if missing:
                 registry.fetch(origin.repository, origin.revision, missing, folder)
         except OSError as error:  # the store a file, or a name too long for it
+            # Which of its paths: "File exists" alone did not tell which file was.
+            where = f"{error.filename}: " if error.filename else ""
             raise RegistryError(
-                f"the weights store {self.root}: {error.strerror or error}; nothing was written"
+                f"the weights store {self.root}: {where}{error.strerror or error}; "
+                "nothing was written"
             ) from None
         problems = verify(folder, origin.files, self.root)
         if problems:
@@ -121,6 +139,7 @@ class WeightsStore:
                 "nothing was written (once no model runs from that folder, delete it to "
                 "fetch it again)"
             )
+        return sorted(missing)
 
 
 class _Lookups:
@@ -145,10 +164,10 @@ class _Lookups:
 
     def holds(self, repository: str, revision: str) -> bool:
         try:
-            self.registry.resolve(repository, revision)
+            # That very commit: not another that its id begins.
+            return self.registry.resolve(repository, revision) == revision
         except RegistryError:
             return False
-        return True
 
 
 class _Finding(msgspec.Struct, frozen=True):
@@ -564,8 +583,18 @@ class Weights:
             **file_changes(spec.origin.files if spec.origin else {}, target.files),
         }
         if (source, target) == (spec.source, spec.origin):
+            # Its folder is checked all the same, and what is missing fetched
+            # again: "already runs" was told, exit 0, of a store wiped or
+            # tampered with since, which no replica could load (hostile test).
+            fetched = self.store.stage(self.registry, target)
             view = model_view(spec, declared=False)
-            return {"revision": self.models.revision, "written": False, "model": view, **result}
+            return {
+                "revision": self.models.revision,
+                "written": False,
+                "model": view,
+                **result,
+                "fetched": fetched,
+            }
         write = partial(
             self._write_source,
             spec,
@@ -579,8 +608,20 @@ class Weights:
         # What the write would refuse of the new source (a store path too
         # long for one), refused before gigabytes are fetched for it.
         write(dry_run=True)
-        self.store.stage(self.registry, target)
+        fetched = self.store.stage(self.registry, target)
         revision, changes = write()
+        if not changes:
+            # Moved there meanwhile (the same update run twice at once): what
+            # was asked holds. It was refused, to be run again for that, when
+            # it would then say "already runs" (hostile test).
+            view = model_view(self.models.catalog_at().get(spec.name) or spec, declared=False)
+            return {
+                "revision": revision,
+                "written": False,
+                "model": view,
+                **result,
+                "fetched": fetched,
+            }
         new = changes[-1][1]
         assert new is not None
         try:
@@ -595,7 +636,7 @@ class Weights:
                 revision,
             )
         view = model_view(new, declared=False)
-        return {"revision": revision, "written": True, "model": view, **result}
+        return {"revision": revision, "written": True, "model": view, **result, "fetched": fetched}
 
     def _write_source(
         self,
@@ -610,10 +651,13 @@ class Weights:
         dry_run: bool = False,
     ) -> tuple[int, list[Change]]:
         """``SourceSet`` on ``spec``'s model, refused if its weights are no
-        longer those of ``spec`` by the time the write transaction holds."""
+        longer those of ``spec`` by the time the write transaction holds;
+        nothing written (no changes answered) if they are already those."""
 
         def plan(batch: Batch) -> None:
             now = batch.catalog.get(spec.name)
+            if now is not None and (now.source, now.origin) == (source, origin):
+                return  # moved there meanwhile: nothing to write
             if now is None or (now.source, now.origin) != (spec.source, spec.origin):
                 raise Refused(
                     f"model {spec.name!r} changed while its weights were being fetched; "

@@ -318,8 +318,8 @@ def test_a_declared_origin_on_a_branch_loads_and_says_it_is_no_commit(
         "warning: 1 model with warnings (d); model show NAME, or --json, says what\n"
     )
     told = (
-        "origin.revision: revision 'main' is not a commit id (7-64 hex digits), which a"
-        " runtime change must give and the weights commands need"
+        "origin.revision: revision 'main' is not a commit id (7-64 lower-case hex digits), "
+        "which a runtime change must give and the weights commands need"
     )
     assert ok(run("--config", config, "model", "show", "d")).stderr == f"warning: {told}\n"
     # What show prints can be put back in the config: the warning is worked out.

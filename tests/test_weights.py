@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator, Mapping, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from click.testing import CliRunner
 from eventsourcing.persistence import StoredEvent
 
 from catalog_es import commands
+from catalog_es import registry as registry_module
 from catalog_es.application import SYSTEM_ACTOR, Models
 from catalog_es.bootstrap import MIRROR_ENV
 from catalog_es.cli import cli
@@ -923,7 +925,10 @@ def test_a_fetch_under_way_elsewhere_is_not_taken_for_part_of_the_revision(
 ) -> None:
     """Two updates of one commit at once (two processes, or one killed
     mid-copy and run again): the copy one has under way is never in the
-    revision's folder, so the other's check of that folder passes."""
+    revision's folder, so the other's check of that folder passes. The one
+    that finds the model moved there meanwhile writes nothing and says it
+    runs those weights already (it was refused, to be run again for that;
+    hostile test)."""
     c2 = world.mirror.publish("org/m", V2)
     other = world.open()
     copy = shutil.copyfileobj
@@ -936,8 +941,9 @@ def test_a_fetch_under_way_elsewhere_is_not_taken_for_part_of_the_revision(
         copy(source, target, length)
 
     monkeypatch.setattr(shutil, "copyfileobj", copy_while_another_updates)
-    with pytest.raises(Refused, match="changed while its weights were being fetched"):
-        tracked.update("m", by="bob")
+    second = tracked.update("m", by="bob")
+    assert not second["written"] and second["to"]["revision"] == c2
+    assert second["model"]["source"] == (world.store / "org/m" / c2).resolve().as_uri()
     assert tracked.models.get_model("m")["origin"]["revision"] == c2
     assert events(tracked, "m")[-1]["by"] == "carol"
     folder = world.store / "org/m" / c2
@@ -1491,3 +1497,239 @@ def test_check_updates_refuses_a_log_moved_while_the_registry_was_read(world: Wo
     with pytest.raises(Refused, match=f"the log is at revision {expected + 1}, not {expected}"):
         moved.check_updates(by="cron", expected_revision=expected)
     assert world.rows() == rows + 1  # bob's change, nothing of the run's
+
+
+# -- what cannot be read, a store in the wrong place, a store changed since (hostile test) ---
+
+
+def _denied(monkeypatch: pytest.MonkeyPatch, denied: Path) -> None:
+    """Opening ``denied`` fails as a file this process may not read does (its
+    mode): tests run as root, whom a mode does not stop."""
+    real_open = os.open
+
+    def open_unless_denied(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        if Path(os.fsdecode(path)) == denied:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), os.fsdecode(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", open_unless_denied)
+
+
+def test_a_mirror_file_that_cannot_be_read_leaves_its_model_unchecked_not_every_model(
+    world: World, tracked: Weights, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One file of one repository this process could not read ended every
+    check of every model with `error: unexpected PermissionError`, and an
+    update with it (hostile test): its model is listed as unchecked, the
+    others are checked, and the update is refused in one line naming it."""
+    tracked.models.add(spec("other", source="hf://org/other"), by="alice")
+    world.mirror.publish("org/other", V1)
+    c2 = world.mirror.publish("org/m", V2)
+    denied = world.mirror.folder("org/m", c2) / "model.safetensors"
+    _denied(monkeypatch, denied)
+    report = tracked.check_updates(by="cron")
+    [unchecked] = report["unchecked"]
+    assert unchecked["model"] == "m"
+    assert unchecked["reason"] == f"{denied}: cannot be read: Permission denied; refused"
+    assert [o["model"] for o in report["origins"]] == ["other"]
+    rows = world.rows()
+    with pytest.raises(RegistryError, match=f"^{re.escape(str(denied))}: cannot be read"):
+        tracked.update("m", by="bob")
+    assert world.rows() == rows
+    assert not (world.store / "org/m" / c2).exists()
+
+
+def test_a_mirror_file_unreadable_once_listed_is_told_as_the_mirrors_not_the_stores(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It was told as a copy the weights store could not take."""
+    registry = MirrorRegistry(world.mirror.root)
+    files = registry.files("org/m", world.c1)
+    denied = world.mirror.folder("org/m", world.c1) / "model.safetensors"
+    _denied(monkeypatch, denied)
+    with pytest.raises(RegistryError) as refused:
+        registry.fetch("org/m", world.c1, files, world.root / "out")
+    assert str(refused.value) == f"{denied}: cannot be read: Permission denied; refused"
+    assert not (world.root / "out" / "model.safetensors").exists()
+    assert [p.name for p in world.root.iterdir() if ".partial." in p.name] == []
+
+
+def test_refs_that_are_a_folder_or_missing_are_told_in_words(world: World) -> None:
+    """A folder was told as `[Errno 21] Is a directory: 6`; a missing file
+    named its path twice (hostile test)."""
+    refs = world.mirror.root / "org/m/refs"
+    refs.unlink()
+    registry = MirrorRegistry(world.mirror.root)
+    with pytest.raises(RegistryError) as missing:
+        registry.resolve("org/m", "main")
+    assert str(missing.value) == f"{refs}: cannot be read: No such file or directory; refused"
+    refs.mkdir()
+    with pytest.raises(RegistryError) as folder:
+        registry.resolve("org/m", "main")
+    assert str(folder.value) == f"{refs} is not a file (a folder, a pipe?): refused"
+
+
+@pytest.mark.parametrize(
+    ("line", "why"),
+    [
+        ("main {upper}", "'{upper}' is no commit id (7-64 lower-case hex digits)"),
+        ("main {short}", "'{short}' is no commit id (7-64 lower-case hex digits)"),
+        ("ma!n {commit}", "'ma!n' is no branch name"),
+    ],
+    ids=["capitals", "too short", "branch"],
+)
+def test_a_malformed_refs_line_says_what_is_wrong_with_it(
+    world: World, line: str, why: str
+) -> None:
+    """It said `expected '<branch> <commit>'` of a line of that shape, whose
+    commit id was in capitals or a digit short (hostile test)."""
+    values = {"upper": world.c1.upper(), "short": world.c1[:6], "commit": world.c1}
+    (world.mirror.root / "org/m/refs").write_text("\r\n".join(["# a", line.format(**values)]))
+    with pytest.raises(RegistryError) as refused:
+        MirrorRegistry(world.mirror.root).resolve("org/m", "main")
+    assert str(refused.value).endswith(
+        f"refs line 2: expected '<branch> <commit>': {why.format(**values)}"
+    )
+
+
+def test_a_weights_store_that_is_a_loop_of_links_is_refused_in_one_line(
+    world: World, tracked: Weights
+) -> None:
+    """It was `error: unexpected RuntimeError: Symlink loop from …` (hostile test)."""
+    world.mirror.publish("org/m", V2)
+    world.store.symlink_to(world.store)
+    rows = world.rows()
+    with pytest.raises(RegistryError, match="is a loop of links: refused"):
+        tracked.update("m", by="bob")
+    assert world.rows() == rows
+
+
+@pytest.mark.parametrize("store", ["", "org/m", "elsewhere"], ids=["mirror", "a repo", "under"])
+def test_a_weights_store_inside_the_mirror_is_refused_before_anything_is_fetched(
+    world: World, store: str
+) -> None:
+    """Given the mirror's folder, the store was the mirror: the model ran from
+    the mirror's commit folder, and a file changed there in place changed
+    what it loads under the checksums the log recorded (hostile test)."""
+    weights = world.open()
+    weights.models.add(spec("m"), by="alice")
+    c2 = world.mirror.publish("org/m", V2)
+    root = world.mirror.root / store
+    inside = Weights(
+        weights.models,
+        MirrorRegistry(world.mirror.root),
+        WeightsStore(root, apart_from=world.mirror.root),
+    )
+    before = sorted(p for p in world.mirror.root.rglob("*"))
+    rows = world.rows()
+    with pytest.raises(RegistryError, match=r"is inside the mirror .*: give --weights a folder"):
+        inside.update("m", by="bob")
+    assert world.rows() == rows
+    assert sorted(p for p in world.mirror.root.rglob("*")) == before
+    assert weights.models.get_model("m")["source"] == "hf://org/m"
+    assert c2
+
+
+def test_already_running_weights_whose_folder_was_emptied_or_changed_are_checked_again(
+    world: World, tracked: Weights
+) -> None:
+    """A model run from its folder was told it `already runs` those weights,
+    exit 0, once the store was wiped (a node rebuilt) or a file in it
+    changed: no replica could load them, and the command that fetches and
+    checks them said all was well (hostile test). What is missing is fetched
+    again, what differs is refused; the log is left as it is either way."""
+    c2 = world.mirror.publish("org/m", V2)
+    tracked.update("m", by="bob")
+    rows = world.rows()
+    shutil.rmtree(world.store)
+    again = tracked.update("m", by="bob")
+    assert not again["written"] and again["fetched"] == sorted(V2)
+    folder = world.store / "org/m" / c2
+    assert verify(folder, origin_of("org/m", c2, V2).files, world.store) == []
+    assert tracked.rollback("m", c2, by="bob")["fetched"] == []
+    (folder / "model.safetensors").write_bytes(b"changed in the store")
+    for move in (partial(tracked.update, "m"), partial(tracked.rollback, "m", c2)):
+        with pytest.raises(VerificationFailed, match=r"model\.safetensors: sha256"):
+            move(by="bob")
+    assert world.rows() == rows
+
+
+def test_the_cli_says_what_an_already_running_model_had_fetched(
+    world: World, tracked: Weights, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(MIRROR_ENV, raising=False)
+    c2 = world.mirror.publish("org/m", V2)
+    tracked.update("m", by="bob")
+    shutil.rmtree(world.store / "org/m" / c2)
+    base = ["--db", f"sqlite:///{world.db}", "--config", str(world.config)]
+    where = ["--mirror", str(world.mirror.root), "--weights", str(world.store)]
+    told = CliRunner().invoke(cli, [*base, "model", "update", "m", *where])
+    assert (told.exit_code, told.stdout) == (
+        0,
+        f"m already runs org/m@{c2}: nothing written (3 files fetched into its folder)\n",
+    )
+    told = CliRunner().invoke(cli, [*base, "model", "update", "m", *where])
+    assert told.stdout == f"m already runs org/m@{c2}: nothing written\n"
+
+
+def test_update_takes_the_first_digits_of_a_commit_as_updates_shows_them(
+    world: World, tracked: Weights
+) -> None:
+    """`updates` and `update` show 12 digits of a commit: given them,
+    `--revision` was refused as a commit the mirror has not (hostile test)."""
+    c2 = world.mirror.publish("org/m", V2)
+    moved = tracked.update("m", c2[:12], by="bob")
+    assert moved["written"] and moved["to"]["revision"] == c2
+    # Digits that begin two commits name neither.
+    (world.mirror.root / "org/m" / (world.c1[:8] + "0000")).mkdir()
+    with pytest.raises(RegistryError, match=f"commit {world.c1[:7]} is ambiguous"):
+        tracked.update("m", world.c1[:7], by="bob")
+    assert tracked.update("m", world.c1[:9], by="bob")["to"]["revision"] == world.c1
+    # The commit a model runs is in the mirror when that one is, not one its id begins.
+    tracked.update("m", c2, by="bob")
+    shutil.move(world.mirror.folder("org/m", c2), world.mirror.root / "org/m" / f"{c2}00")
+    world.mirror.publish("org/m", {"model.safetensors": b"third"})
+    [finding] = tracked.updates()["updates"]
+    assert (finding["running"], finding["running_in_registry"]) == (c2, False)
+
+
+def test_a_full_disk_is_refused_in_one_line_and_leaves_no_copy_under_way(
+    world: World, tracked: Weights, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The disk fills on a file's copy: one line naming the file and the
+    folder, nothing written to the log, no partial copy left anywhere a
+    later run looks; the run after it, with room again, completes."""
+    c2 = world.mirror.publish("org/m", V2)
+    write = registry_module._Hashing.write
+
+    def full(self: Any, data: bytes) -> int:
+        if data == V2["model.safetensors"]:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return write(self, data)
+
+    monkeypatch.setattr(registry_module._Hashing, "write", full)
+    rows = world.rows()
+    folder = world.store / "org/m" / c2
+    with pytest.raises(RegistryError) as refused:
+        tracked.update("m", by="bob")
+    assert str(refused.value) == (
+        f"model.safetensors: cannot be copied into {folder}: No space left on device"
+    )
+    assert world.rows() == rows
+    assert [p.name for p in folder.parent.iterdir()] == [c2]  # no partial folder
+    assert "model.safetensors" not in [p.name for p in folder.iterdir()]
+    monkeypatch.setattr(registry_module._Hashing, "write", write)
+    assert tracked.update("m", by="bob")["written"]
+
+
+def test_a_branch_the_mirror_has_not_is_quoted_cut_short_with_the_branches_it_has(
+    world: World,
+) -> None:
+    """A --revision of 100,000 characters was said back whole, and every
+    branch of the refs listed (hostile test)."""
+    refs = world.mirror.root / "org/m/refs"
+    refs.write_text("".join(f"b{i} {world.c1}\n" for i in range(30)))
+    with pytest.raises(RegistryError) as refused:
+        MirrorRegistry(world.mirror.root).resolve("org/m", "x" * 100_000)
+    told = str(refused.value)
+    assert len(told) < 300 and told.endswith("b16, b17, … (30 in all))")

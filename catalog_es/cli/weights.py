@@ -126,7 +126,10 @@ def _show_move(result: dict[str, Any], verb: str) -> None:
     before, after = result["from"], result["to"]
     if not result["written"]:
         where = f"{after['repository']}@{after['revision']}"
-        say(f"{name} already runs {where}: nothing written")
+        # Its folder was checked, and what was missing from it fetched.
+        fetched = result["fetched"]
+        again = f" ({counted(len(fetched), 'file')} fetched into its folder)" if fetched else ""
+        say(f"{name} already runs {where}: nothing written{again}")
         return
     back = f" (the weights of revision {result['rollback_to']})" if result["rollback_to"] else ""
     say(
