@@ -627,6 +627,11 @@ def good(**fields: Any) -> bytes:
 NASTY = {
     "billion laughs": (billion_laughs(10, 10).encode(), "aliases (*name) are not accepted"),
     "an alias to itself": (b"name: &a [*a]\n", "aliases (*name) are not accepted"),
+    # Of a mapping written in place: with no aliases, there is nothing to share.
+    "a merge key": (
+        b"<<: {name: ok, engine: vllm}\nsource: hf://o/ok\n",
+        "merge keys (<<) are not accepted",
+    ),
     "JSON nested 300,000 deep": (deep(300_000, "json").encode(), "nested too deeply"),
     "YAML nested 1,400 deep": (deep(1_400, "yaml").encode(), "nested too deeply"),
     "over the size limit": (good(source="s" * MAX_INPUT_BYTES), "larger than 1024 KiB"),
@@ -754,6 +759,27 @@ def test_a_bad_argument_is_refused_in_one_short_line(
     outcome = harness.run(args)
     assert outcome.code == 1
     assert message in outcome.stderr, outcome.stderr
+
+
+def test_an_apply_of_many_short_lists_is_refused_in_memory_near_its_size(
+    harness: Harness,
+) -> None:
+    """Within every bound a list has, 1 MB of ``- [0,0,0,…]`` lines took
+    175 MB to refuse: PyYAML read the whole document into nodes (two marks
+    a value) before any of it was made (hostile test). Each list is made
+    as it is read now, its nodes let go."""
+    document = ("- [" + ",".join(["0"] * 10_000) + "]\n").encode() * 10
+    before = harness.head()
+    tracemalloc.start()
+    try:
+        outcome = harness.run(["apply", "-"], document, timed=False)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert outcome.code == 1 and len(outcome.stderr.splitlines()) == 1, outcome.stderr
+    assert harness.head() == before
+    # 200 KB: the values made (800 KB of list) and one list's nodes at a time.
+    assert peak < 10 * len(document) + 5_000_000, f"peak {peak / 1e6:.0f} MB"
 
 
 def test_a_long_apply_is_all_or_nothing_and_too_long_a_one_is_refused(harness: Harness) -> None:
