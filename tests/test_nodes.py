@@ -231,12 +231,7 @@ def test_a_write_after_the_server_dropped_the_idle_connection_still_lands(
     failed; operator walkthrough)."""
     models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": pg_url})
     models.add(_definition("a", []), by="setup")
-    writer = models.store._writer
-    assert writer is not None
-    pid = writer.exec_driver_sql("SELECT pg_backend_pid()").scalar_one()
-    writer.rollback()
-    with pg_admin.connect() as conn:
-        conn.execute(sa.text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+    _end_the_writers_session(models, pg_admin)
     models.store._writer_used -= 1.5  # as if it had been idle a second and a half
     assert models.scale("a", 0, 2, by="ops").revision == models.revision
     assert models.get_model("a")["scaling"] == {"min": 0, "max": 2}
@@ -253,6 +248,16 @@ def test_a_write_just_after_the_server_ended_its_session_still_lands(
     socket before the write relies on it (hostile test)."""
     models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": pg_url})
     models.add(_definition("a", []), by="setup")
+    _end_the_writers_session(models, pg_admin)
+    models.store._writer_used = time.monotonic()  # as if it had just written
+    assert models.scale("a", 0, 2, by="ops").revision == models.revision
+    assert models.get_model("a")["scaling"] == {"min": 0, "max": 2}
+    models.close()
+
+
+def _end_the_writers_session(models: Models, pg_admin: sa.Engine) -> None:
+    """The server ends the session of ``models``' held write connection, as a
+    restart or a failover does; back once it is gone."""
     writer = models.store._writer
     assert writer is not None
     pid = writer.exec_driver_sql("SELECT pg_backend_pid()").scalar_one()
@@ -265,10 +270,6 @@ def test_a_write_just_after_the_server_ended_its_session_still_lands(
         ).scalar_one():
             assert time.monotonic() < deadline
             time.sleep(0.01)
-    models.store._writer_used = time.monotonic()  # as if it had just written
-    assert models.scale("a", 0, 2, by="ops").revision == models.revision
-    assert models.get_model("a")["scaling"] == {"min": 0, "max": 2}
-    models.close()
 
 
 def test_a_node_behind_a_pooler_in_transaction_mode_stops_preparing_statements(
