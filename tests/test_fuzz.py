@@ -768,7 +768,7 @@ def test_an_apply_of_many_short_lists_is_refused_in_memory_near_its_size(
     175 MB to refuse: PyYAML read the whole document into nodes (two marks
     a value) before any of it was made (hostile test). Each list is made
     as it is read now, its nodes let go."""
-    document = ("- [" + ",".join(["0"] * 10_000) + "]\n").encode() * 10
+    document = ("- [" + ",".join(["0"] * 10_000) + "]\n").encode() * 5
     before = harness.head()
     tracemalloc.start()
     try:
@@ -778,7 +778,7 @@ def test_an_apply_of_many_short_lists_is_refused_in_memory_near_its_size(
         tracemalloc.stop()
     assert outcome.code == 1 and len(outcome.stderr.splitlines()) == 1, outcome.stderr
     assert harness.head() == before
-    # 200 KB: the values made (800 KB of list) and one list's nodes at a time.
+    # 100 KB: the values made (400 KB of lists) and one list's nodes at a time.
     assert peak < 10 * len(document) + 5_000_000, f"peak {peak / 1e6:.0f} MB"
 
 
