@@ -7,6 +7,7 @@ exactly as long as before (counted in the file, not through the code).
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
 import os
@@ -36,6 +37,7 @@ from catalog_es.cli.base import (
     EXIT_PIPE_CLOSED,
     VisibleWarnings,
     stopped_when_asked,
+    warnings_to,
 )
 from catalog_es.errors import PIECE_LENGTH, DamagedLog, json_in_pieces, json_line
 from catalog_es.inputs import DeclaredConfig
@@ -1688,16 +1690,36 @@ def test_a_warning_escapes_its_line_and_leaves_a_traceback_readable() -> None:
     assert lines[-1] == "ValueError: inner"
 
 
+def test_a_ctrl_c_a_library_logged_on_its_way_out_adds_no_traceback() -> None:
+    """SQLAlchemy's pool, interrupted as it took a connection back, logs the
+    KeyboardInterrupt with its traceback, which followed a watch's
+    ``stopped`` (a CI run); the command tells the stop itself. Other errors
+    it logs are told as they were."""
+    said = io.StringIO()
+    pool = logging.getLogger("sqlalchemy.pool.impl.QueuePool")
+    pool.addHandler(warnings_to(said))
+    try:
+        for error in (KeyboardInterrupt(), ValueError("the server closed it")):
+            try:
+                raise error
+            except BaseException:
+                pool.error("Exception during reset or similar", exc_info=True)
+    finally:
+        pool.handlers.clear()
+    lines = said.getvalue().splitlines()
+    assert lines[0] == "warning: Exception during reset or similar"
+    assert lines[-1] == "ValueError: the server closed it"
+    assert not any("KeyboardInterrupt" in line for line in lines)
+
+
 def test_a_warning_is_escaped_with_no_descriptor_to_spare() -> None:
     """Escaping needs the ``unicode_escape`` codec, which Python imports on
     first use, from a file: out of descriptors, each warning with a line
     break (asyncio's) was ``--- Logging error ---`` and a stack (hostile test)."""
     script = """
 import logging, os, sys
-from catalog_es.cli.base import VisibleWarnings
-handler = logging.StreamHandler(sys.stderr)
-handler.setFormatter(VisibleWarnings("warning: %(message)s"))
-logging.basicConfig(handlers=[handler])
+from catalog_es.cli.base import warnings_to
+logging.basicConfig(handlers=[warnings_to(sys.stderr)])
 held = []
 try:
     while True:

@@ -17,7 +17,7 @@ from catalog_es.cli import models as _models  # noqa: F401  (registers the comma
 from catalog_es.cli import revisions as _revisions  # noqa: F401
 from catalog_es.cli import serve as _serve  # noqa: F401
 from catalog_es.cli import weights as _weights  # noqa: F401
-from catalog_es.cli.base import VisibleWarnings, cli
+from catalog_es.cli.base import cli, warnings_to
 
 __all__ = ["cli", "main"]
 
@@ -37,8 +37,6 @@ def main() -> None:
     for stream in (sys.stdout, sys.stderr):
         if isinstance(stream, io.TextIOWrapper):
             stream.reconfigure(errors="backslashreplace")
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(VisibleWarnings("warning: %(message)s"))
-    logging.basicConfig(level=logging.WARNING, handlers=[handler])
+    logging.basicConfig(level=logging.WARNING, handlers=[warnings_to(sys.stderr)])
     cli.ignores_interrupts_when_done = True
     cli(prog_name="catalog-es")

@@ -21,7 +21,7 @@ from contextlib import contextmanager, suppress
 from datetime import datetime
 from itertools import chain
 from types import FrameType
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NoReturn, TextIO, TypeVar
 
 import click
 import msgspec
@@ -321,6 +321,22 @@ class VisibleWarnings(logging.Formatter):
 
     def formatMessage(self, record: logging.LogRecord) -> str:
         return visible(super().formatMessage(record))
+
+
+def warnings_to(stream: TextIO) -> logging.Handler:
+    """What the command line's log lines go through: :class:`VisibleWarnings`
+    on ``stream``, less a Ctrl-C a library caught and logged on its way out.
+    The command tells the stop itself (``Aborted!``, ``stopped``); SQLAlchemy's
+    pool, interrupted as it took a connection back, added its traceback to a
+    watch's ``stopped`` (a CI run)."""
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(VisibleWarnings("warning: %(message)s"))
+    handler.addFilter(_not_an_interrupt)
+    return handler
+
+
+def _not_an_interrupt(record: logging.LogRecord) -> bool:
+    return not (record.exc_info and isinstance(record.exc_info[1], KeyboardInterrupt))
 
 
 # The most written to standard output at once (see ``write_out``).
