@@ -493,7 +493,7 @@ class _InputLoader(_StrictLoader):
             node = super().compose_node(parent, index)
         finally:
             self._depth -= 1
-        if not isinstance(node, yaml.CollectionNode):
+        if not isinstance(node, yaml.CollectionNode) or _made_by_its_parent(parent):
             return node
         return yaml.ScalarNode(
             _BUILT_TAG, self.construct_document(node), node.start_mark, node.end_mark
@@ -502,6 +502,16 @@ class _InputLoader(_StrictLoader):
     def _refuse(self, problem: str) -> NoReturn:
         mark = getattr(self.peek_event(), "start_mark", None)
         raise _NotAccepted(None, None, problem, mark)
+
+
+# An ordered map's or a list of pairs' items, each a mapping of one key, are
+# made by their list from their nodes: made already, they would be refused
+# as "expected a mapping of length 1, but found scalar".
+_MADE_FROM_NODES = ("tag:yaml.org,2002:omap", "tag:yaml.org,2002:pairs")
+
+
+def _made_by_its_parent(parent: Any) -> bool:
+    return isinstance(parent, yaml.SequenceNode) and parent.tag in _MADE_FROM_NODES
 
 
 def _built(_loader: _InputLoader, node: yaml.ScalarNode) -> Any:

@@ -736,6 +736,11 @@ _PREPARED_ELSEWHERE = ("26000", "42P05")
 _UNPREPARED: weakref.WeakKeyDictionary[Engine, bool] = weakref.WeakKeyDictionary()
 # Each engine's driver connections, open or in the pool, for when it does.
 _CONNECTIONS: weakref.WeakKeyDictionary[Engine, weakref.WeakSet[Any]] = weakref.WeakKeyDictionary()
+# Held to add a connection and to turn preparing off: a WeakSet added to by
+# another thread's new connection while it is gone through raised "Set
+# changed size during iteration" (review), and that connection's statement
+# failed as an internal error.
+_PREPARING = threading.Lock()
 
 
 def _unprepared_behind_a_pooler(engine: Engine) -> None:
@@ -750,9 +755,10 @@ def _unprepared_behind_a_pooler(engine: Engine) -> None:
 
     @sa.event.listens_for(engine, "connect")
     def _made(dbapi_connection: Any, _record: Any) -> None:
-        connections.add(dbapi_connection)
-        if engine in _UNPREPARED:
-            dbapi_connection.prepare_threshold = None
+        with _PREPARING:
+            connections.add(dbapi_connection)
+            if engine in _UNPREPARED:
+                dbapi_connection.prepare_threshold = None
 
     @sa.event.listens_for(engine, "handle_error")
     def _met(context: sa.engine.ExceptionContext) -> None:
@@ -768,12 +774,14 @@ def prepared_elsewhere(engine: Engine, error: BaseException) -> bool:
     state: str | None = getattr(error, "sqlstate", None)
     if state not in _PREPARED_ELSEWHERE:
         return False
-    if engine not in _UNPREPARED:
+    with _PREPARING:
+        first = engine not in _UNPREPARED
         _UNPREPARED[engine] = True
         # Those in use too: a statement they prepared is not used again (a
         # plain attribute, which psycopg reads as it runs each statement).
-        for connection in list(_CONNECTIONS.get(engine, ())):
+        for connection in _CONNECTIONS.get(engine, ()) if first else ():
             connection.prepare_threshold = None
+    if first:
         log.warning(
             "the database's sessions are shared through a pooler in transaction mode"
             " (%s): statements are no longer prepared",

@@ -632,6 +632,14 @@ NASTY = {
         b"<<: {name: ok, engine: vllm}\nsource: hf://o/ok\n",
         "merge keys (<<) are not accepted",
     ),
+    # Lists of one-key mappings, told as the lists they make, not as YAML
+    # that "expected a mapping of length 1, but found scalar" (review).
+    "a YAML ordered map": (
+        b"name: m\nengine: vllm\nsource: hf://o/m\nprofiles: [{name: g, gpus: 1}]\n"
+        b"scaling: !!omap [min: 0, max: 2]\n",
+        "scaling: expected a mapping of fields (got list)",
+    ),
+    "YAML pairs": (b"!!pairs [name: m, engine: vllm]\n", "expected a mapping of fields (got list)"),
     "JSON nested 300,000 deep": (deep(300_000, "json").encode(), "nested too deeply"),
     "YAML nested 1,400 deep": (deep(1_400, "yaml").encode(), "nested too deeply"),
     "over the size limit": (good(source="s" * MAX_INPUT_BYTES), "larger than 1024 KiB"),

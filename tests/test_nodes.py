@@ -41,6 +41,7 @@ from catalog_es.persistence import (
     SQLRecorder,
     create_engine,
     database_unusable,
+    prepared_elsewhere,
 )
 from catalog_es.web.tokens import TokenStore
 from tests.helpers import count_events, log_rows, model_data, put_back, schema_of
@@ -313,6 +314,51 @@ def test_a_node_behind_a_pooler_in_transaction_mode_stops_preparing_statements(
     assert len(told) == 1 and "statements are no longer prepared" in told[0]
     assert models.revision == count_events(pg_url) == 1 + 30 - len(failed)
     models.close()
+
+
+def test_preparing_is_turned_off_while_connections_are_being_made(pg_url: str) -> None:
+    """The first statement to meet another session's prepared one turns
+    preparing off on each of the engine's connections, gone through as
+    other threads make new ones: a connection added meanwhile raised "Set
+    changed size during iteration" (review), an internal error, and left
+    the connections not yet gone through preparing. Here the connections
+    are told to the engine's own listener of new connections, as fast as a thread
+    can, while the switch between threads is as frequent as it can be."""
+
+    class Driver:  # what the connect event is given: psycopg's connection
+        prepare_threshold: int | None = 5
+
+    class PreparedElsewhere(Exception):
+        sqlstate = "42P05"
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for _ in range(200):
+            engine = create_engine(pg_url)
+            # Its own listener alone: the dialect's would talk to the server.
+            (tracked,) = (fn for fn in engine.pool.dispatch.connect if fn.__name__ == "_made")
+            made = [Driver() for _ in range(50)]
+            for driver in made:
+                tracked(driver, None)
+            stop = threading.Event()
+
+            def connect(tracked: Any, made: list[Driver], stop: threading.Event) -> None:
+                while not stop.is_set():
+                    made.append(Driver())
+                    tracked(made[-1], None)
+
+            connecting = threading.Thread(target=connect, args=(tracked, made, stop))
+            connecting.start()
+            try:
+                assert prepared_elsewhere(engine, PreparedElsewhere("already exists"))
+            finally:
+                stop.set()
+                connecting.join()
+            assert all(driver.prepare_threshold is None for driver in made)
+            engine.dispose()
+    finally:
+        sys.setswitchinterval(interval)
 
 
 def test_a_node_whose_pooler_dropped_the_urls_search_path_is_refused(pg_url: str) -> None:
