@@ -214,12 +214,14 @@ PUT_THE_HEAD_BACK = (
 
 
 @contextmanager
-def commits_held(admin: sa.Engine, pg_url: str) -> Iterator[Callable[[], None]]:
+def commits_held(admin: sa.Engine, pg_url: str) -> Iterator[Callable[[Callable[[], object]], None]]:
     """Every write to the log of ``pg_url``'s schema waits at its commit, for
     as long as the block lasts: a deferred trigger waits there for an advisory
     lock held here. Yields ``end_the_waiting_session()``, which waits for a
     write to be held and ends its session, as a restart, a failover or
-    ``pg_terminate_backend`` does: at the commit, every time."""
+    ``pg_terminate_backend`` does: at the commit, every time. Yields
+    ``ended_at_its_commit(write)``: ``write`` run on a thread of its own, its
+    session ended once it waits at its commit, and waited for."""
     schema = schema_of(pg_url)
     key = f"hashtext('{schema}')"
     with admin.connect() as conn:
@@ -255,11 +257,19 @@ def commits_held(admin: sa.Engine, pg_url: str) -> Iterator[Callable[[], None]]:
             time.sleep(0.01)
         raise AssertionError("no write came to wait at its commit")
 
+    def ended_at_its_commit(write: Callable[[], object]) -> None:
+        writer = threading.Thread(target=write)
+        writer.start()
+        try:
+            end_the_waiting_session()
+        finally:
+            writer.join(timeout=30)
+
     try:
         with admin.connect() as holding:
             holding.execute(sa.text(f"SELECT pg_advisory_lock({key})"))
             try:
-                yield end_the_waiting_session
+                yield ended_at_its_commit
             finally:
                 # A session's lock outlives the connection's return to the pool.
                 holding.execute(sa.text(f"SELECT pg_advisory_unlock({key})"))

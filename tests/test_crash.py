@@ -20,7 +20,6 @@ import signal
 import sqlite3
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -428,13 +427,8 @@ def test_a_session_ended_during_its_commit_is_told_as_of_unknown_outcome(
             except BaseException as error:  # told to the test's thread
                 outcome.append(error)
 
-        with commits_held(pg_admin, pg_url) as end_the_waiting_session:
-            writer = threading.Thread(target=scale)
-            writer.start()
-            try:
-                end_the_waiting_session()
-            finally:
-                writer.join(timeout=30)
+        with commits_held(pg_admin, pg_url) as ended_at_its_commit:
+            ended_at_its_commit(scale)
         assert len(outcome) == 1 and isinstance(outcome[0], OutcomeUnknown), outcome
         assert outcome[0].message == (
             "the write's outcome is unknown: its commit failed;"
