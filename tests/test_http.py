@@ -2071,6 +2071,17 @@ def file_api(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> Iterator[Api]:
         models.close()
 
 
+def _told_unusable(
+    responses: tuple[httpx.Response, ...], caplog: pytest.LogCaptureFixture
+) -> list[str]:
+    """What the server's log told of ``responses``, each refused with a 500
+    that points there, in one line each, with no traceback."""
+    for response in responses:
+        assert refused(response, 500) == "the database could not be used; the server's log says why"
+    assert "Exception in ASGI application" not in caplog.text
+    return [r.getMessage() for r in caplog.records if "could not be used" in r.getMessage()]
+
+
 def _beside(path: Path) -> list[Path]:
     return [path, path.with_name(f"{path.name}-wal"), path.with_name(f"{path.name}-shm")]
 
@@ -2087,9 +2098,9 @@ def test_a_catalog_renamed_over_the_file_under_a_server_is_refused_not_written(
     ok(file_api.post("/models/m1/scale", {"max": 3}))  # the old file's -wal holds it
     _sqlite_catalog(tmp_path / "other.db", "x1")
     (tmp_path / "other.db").replace(path)
-    for response in (file_api.post("/models/x1/scale", {"max": 3}), file_api.get("/models")):
-        assert refused(response, 500) == "the database could not be used; the server's log says why"
-    told = [r.getMessage() for r in caplog.records if "could not be used" in r.getMessage()]
+    told = _told_unusable(
+        (file_api.post("/models/x1/scale", {"max": 3}), file_api.get("/models")), caplog
+    )
     assert told[0] == (
         f"POST /models/x1/scale: the database could not be used: the database file {path} "
         "was replaced while this process ran (renamed over): the -wal and -shm files beside "
@@ -2114,15 +2125,12 @@ def test_a_database_file_removed_under_a_server_is_refused_in_one_line_and_not_m
         old.unlink()
     scaled = file_api.post("/models/m1/scale", {"max": 3})
     read = file_api.get("/models")
-    for response in (scaled, read):
-        assert refused(response, 500) == "the database could not be used; the server's log says why"
-    told = [r.getMessage() for r in caplog.records if "could not be used" in r.getMessage()]
+    told = _told_unusable((scaled, read), caplog)
     assert told[0] == (
         f"POST /models/m1/scale: the database could not be used: the database file {path} "
         "is gone (removed, or renamed away, while this process ran): nothing was read or "
         "written; put it back"
     )
-    assert "Exception in ASGI application" not in caplog.text
     file_api.models.close()
     assert not path.exists()
 
@@ -2155,16 +2163,13 @@ def test_a_database_file_emptied_under_a_server_is_refused_in_one_line(
     os.truncate(path, 0)
     read = file_api.get("/revision")
     scaled = file_api.post("/models/m1/scale", {"max": 3})
-    for response in (read, scaled):
-        assert refused(response, 500) == "the database could not be used; the server's log says why"
     assert path.stat().st_size == 0
-    told = [r.getMessage() for r in caplog.records if "could not be used" in r.getMessage()]
+    told = _told_unusable((read, scaled), caplog)
     assert told[0] == (
         f"GET /revision: the database could not be used: the database file {path} is empty "
         "(truncated while this process ran?): it holds no log, nothing was read or written; "
         "restore it"
     )
-    assert "Exception in ASGI application" not in caplog.text
 
 
 def test_verify_of_a_malformed_log_is_one_line_as_the_logs_read_is(
@@ -2184,14 +2189,11 @@ def test_verify_of_a_malformed_log_is_one_line_as_the_logs_read_is(
             file.write(b"\xff" * page_size)
         # A commit the server's connections see: they drop the pages they hold.
         side.execute("PRAGMA user_version = 1")
-    for response in (file_api.get("/verify"), file_api.get("/log")):
-        assert refused(response, 500) == "the database could not be used; the server's log says why"
-    told = [r.getMessage() for r in caplog.records if "could not be used" in r.getMessage()]
+    told = _told_unusable((file_api.get("/verify"), file_api.get("/log")), caplog)
     assert told == [
         "GET /verify: the database could not be used: database disk image is malformed",
         "GET /log: the database could not be used: database disk image is malformed",
     ]
-    assert "Exception in ASGI application" not in caplog.text
 
 
 @pytest.mark.parametrize("moved", ["renamed over", "renamed away"])
@@ -2708,7 +2710,7 @@ def test_a_write_whose_session_ends_at_its_commit_answers_500_without_retry_afte
     try:
         with (
             serving(create_app(models, tokens)) as url,
-            commits_held(pg_admin, pg_url) as end_the_waiting_session,
+            commits_held(pg_admin, pg_url) as ended_at_its_commit,
         ):
 
             def scale() -> None:
@@ -2721,12 +2723,7 @@ def test_a_write_whose_session_ends_at_its_commit_answers_500_without_retry_afte
                     )
                 )
 
-            writer = threading.Thread(target=scale)
-            writer.start()
-            try:
-                end_the_waiting_session()
-            finally:
-                writer.join(timeout=30)
+            ended_at_its_commit(scale)
             [answer] = answers
             assert answer.status_code == 500
             assert "retry-after" not in answer.headers
