@@ -1120,7 +1120,9 @@ def test_two_nodes_behind_pgbouncer_in_transaction_mode_answer_every_request(
         assert [len(statuses) for statuses in answered] == [3 * 10] * 3
         # Only as each node first met another session's statement: the
         # statements then under way on it (a few), and none from then on.
-        assert all(statuses[15:] == [200] * 15 for statuses in answered), answered
+        # Said whole (a list is cut short in pytest's message): once in a CI
+        # run a 503 came past the first 15, not seen again in 30 runs.
+        assert all(statuses[15:] == [200] * 15 for statuses in answered), f"{answered}"
         writes = [status for statuses in answered for status in statuses[::3]]
         assert verified["ok"] and verified["events"] == 3 + writes.count(200)
     finally:
