@@ -30,6 +30,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
 from typing import Any, NamedTuple
 from urllib.parse import quote, unquote, urlsplit
@@ -821,32 +822,67 @@ def _check_connection_settings(engine: Engine, url: sa.URL) -> None:
         # Not the URL's: libpq's variable, read when the URL gives none.
         raise ConfigError(f"PGCONNECT_TIMEOUT: {error}") from None
     given = "the database URL" if settings.get("options") else "$PGOPTIONS"
-    options = str(settings.get("options") or os.environ.get("PGOPTIONS") or "")
-    if re.search(r"(?:^|\s)(?:-c\s*|--)search[_-]path=", options, re.IGNORECASE):
-        _search_path_kept(engine, given)
+    path = _options_search_path(str(settings.get("options") or os.environ.get("PGOPTIONS") or ""))
+    if path is not None:
+        _search_path_kept(engine, given, path)
 
 
-def _search_path_kept(engine: Engine, given: str) -> None:
+def _options_search_path(options: str) -> str | None:
+    """The search path libpq's ``options`` set, the last one given, read as
+    the server reads them: words split at white space a backslash does not
+    escape, a setting as ``-c name=value``, ``-cname=value`` or
+    ``--name=value``, its name in any case and with ``-`` for ``_``."""
+    words = [re.sub(r"\\(.)", r"\1", word) for word in re.findall(r"(?:\\.|\S)+", options)]
+    path = None
+    for word, following in pairwise([*words, ""]):
+        if word == "-c":
+            setting = following
+        elif word.startswith(("-c", "--")):
+            setting = word[2:]
+        else:
+            continue
+        name, _, value = setting.partition("=")
+        if name.replace("-", "_").lower() == "search_path":
+            path = value
+    return path
+
+
+# The schemas a search path finds tables in, in its order: the ones that
+# exist, past pg_catalog, which holds none of the log's, wherever it is named.
+_SCHEMAS_FOUND = "array_remove(current_schemas(false), 'pg_catalog')"
+
+
+def _search_path_kept(engine: Engine, given: str, path: str) -> None:
     """Each new connection of ``engine``, whose URL (or ``$PGOPTIONS``) sets
-    the search path that finds the log's schema, refused when its session's
-    was not set so: a connection pooler (PgBouncer) passes no ``options``
-    on, and told to ignore them (``ignore_startup_parameters = options``, as
-    is done to get past its refusal of them) it drops them without a word.
-    The node then used the log of another schema, the public one, as its
-    own: it answered that catalog's revision and wrote into it (hostile
-    test)."""
+    the search path ``path`` that finds the log's schema, refused when its
+    session's was not set so and finds other schemas: a connection pooler
+    (PgBouncer) passes no ``options`` on, and told to ignore them
+    (``ignore_startup_parameters = options``, as is done to get past its
+    refusal of them) it drops them without a word. The node then used the
+    log of another schema, the public one, as its own: it answered that
+    catalog's revision and wrote into it (hostile test). A role whose own
+    search path finds the same schemas is what the refusal asks for, and
+    was refused too when the URL also gave it."""
     import psycopg
 
     @sa.event.listens_for(engine, "connect")
     def _kept(dbapi_connection: Any, _record: Any) -> None:
-        cursor = dbapi_connection.cursor()
-        try:
-            cursor.execute("SELECT setting, source FROM pg_settings WHERE name = 'search_path'")
-            setting, source = cursor.fetchone() or ("", "")
-        finally:
-            cursor.close()
-            dbapi_connection.rollback()  # no transaction left open: autocommit may be set
-        if source != "client":
+        # Rolled back: the path is set only for the time it takes to ask
+        # which schemas it finds, and no transaction is left open.
+        with (
+            dbapi_connection.transaction(force_rollback=True),
+            dbapi_connection.cursor() as cursor,
+        ):
+            cursor.execute(
+                f"SELECT setting, source, {_SCHEMAS_FOUND} FROM pg_settings"
+                " WHERE name = 'search_path'"
+            )
+            setting, source, found = cursor.fetchone()
+            if source != "client":
+                cursor.execute("SELECT set_config('search_path', %s, true)", (path,))
+                cursor.execute(f"SELECT {_SCHEMAS_FOUND}")
+                (asked,) = cursor.fetchone()
+        if source != "client" and asked != found:
             raise psycopg.errors.InvalidSchemaName(
                 f"{given} sets the search path (options), but this session's is"
                 f" {setting!r}, from its {source or 'default'}: a connection pooler dropped"

@@ -385,6 +385,39 @@ def test_a_node_whose_pooler_dropped_the_urls_search_path_is_refused(pg_url: str
     engine.dispose()
 
 
+@pytest.mark.parametrize("kept", ["{schema}", '"$user", {schema}, pg_catalog'])
+def test_a_node_whose_pooler_dropped_a_search_path_its_role_also_has_uses_its_log(
+    pg_url: str, kept: str
+) -> None:
+    """A role given the catalog's schema as its search path, as the refusal
+    above asks, and a URL that also gives it (say, the URL of a node that
+    connected to the server straight until a pooler came between): the
+    node was refused though its sessions found the same log. Now a session
+    whose own path finds the same schemas is the node's, written however
+    it likes (here ``$user`` names no schema)."""
+    added = Models(DeclaredConfig(), env={"CATALOG_ES_DB": pg_url})
+    added.add(_definition("a", []), by="setup")
+    added.close()
+    url = sa.make_url(pg_url)
+    assert url.query["options"] == f"-csearch_path={schema_of(pg_url)}"
+    # The same path, said in the other ways libpq's options may say it.
+    ways = (f"--search-path={schema_of(pg_url)}", f"-c  Search_Path={schema_of(pg_url)}")
+    for k, options in enumerate(ways):
+        given = url.update_query_dict({"options": options}).render_as_string(False)
+        models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": given})
+
+        @sa.event.listens_for(models.store.engine, "connect", insert=True)
+        def dropped(dbapi_connection: Any, _record: Any) -> None:
+            dbapi_connection.execute(f"SET search_path = {kept.format(schema=schema_of(pg_url))}")
+            dbapi_connection.commit()
+
+        models.store.engine.dispose()
+        assert [model["name"] for model in models.list_models()] == ["a"]
+        models.scale("a", maximum=2 + k, by="ops")
+        assert models.revision == 2 + k
+        models.close()
+
+
 def test_a_refusal_whose_record_fails_is_told_in_the_drivers_line(
     pg_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -1075,7 +1108,8 @@ def test_two_nodes_behind_pgbouncer_in_transaction_mode_answer_every_request(
         conn.execute(sa.text(f"GRANT ALL ON SCHEMA {schema} TO {role}"))
     try:
         url = pgbouncer(role)
-        with_options = sa.make_url(url).update_query_dict({"options": f"-csearch_path={schema}"})
+        # A path other than the role's: the pooler dropped it.
+        with_options = sa.make_url(url).update_query_dict({"options": "-csearch_path=public"})
         # Asked while the nodes start.
         dropped = subprocess.Popen(
             [*_CLI, "--db", with_options.render_as_string(False), "revision"],
