@@ -2344,18 +2344,66 @@ def test_a_watch_starting_while_the_database_is_away_waits_for_it(pg_url: str, d
     assert lines["err"].get(timeout=10).strip() == "stopped"
 
 
+def test_a_server_starting_while_the_database_is_away_waits_for_it(
+    pg_url: str, tmp_path: Path
+) -> None:
+    """``serve`` starting as its database failed over exited 1, where a
+    running server answers 503 until it is back and a watch starting then
+    waits for it: a supervisor restarting a unit that fails fast gives up on
+    it. It waits too now, told once, and serves the catalog as the database
+    has it once back."""
+    direct = sa.make_url(pg_url)
+    writer = Models(DeclaredConfig(), env={"CATALOG_ES_DB": pg_url})
+    writer.add(spec("m"), by="setup")
+    proxy = Proxy((direct.host or "127.0.0.1", direct.port or 5432))
+    through = direct.set(port=proxy.port).render_as_string(hide_password=False)
+    proxy.cut()
+    tokens = tmp_path / "tokens.json"
+    secret = TokenStore(tokens).add("ops", "read")[1]
+    command = [sys.executable, "-m", "catalog_es", "--db", through]
+    command += ["serve", "--port", "0", "--tokens", str(tokens)]
+    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert server.stderr is not None
+        told = server.stderr.readline()
+        assert told.startswith("warning: serve: the database could not be used ("), told
+        assert told.rstrip().endswith("trying again every 1 s")
+        writer.scale("m", 0, 2, by="ops")  # while it cannot reach the database
+        proxy.resume()
+        url, said = started(server)
+        assert said.startswith("serving the catalog at revision 2 on "), said
+        answer = httpx.get(f"{url}/models/m", headers=bearer(secret))
+        assert answer.json()["scaling"]["max"] == 2
+        server.send_signal(signal.SIGTERM)
+        out, err = server.communicate(timeout=20)
+    finally:
+        server.kill()
+        writer.close()
+        proxy.cut()
+    assert (server.returncode, out, err) == (0, "", "stopped\n")
+
+
 def test_a_watch_on_a_database_set_up_wrong_is_an_error_at_once(
     pg_url: str, tmp_path: Path
 ) -> None:
     """Waiting is for outages: a name, a role that is not there, a SQLite
-    file that cannot be opened (a folder), waited for good (review)."""
+    file that cannot be opened (a folder), waited for good (review); by a
+    server starting too."""
     direct = sa.make_url(pg_url)
     wrong = [
         direct.set(database="no_such_database_here").render_as_string(hide_password=False),
         direct.set(username="no_such_role_here").render_as_string(hide_password=False),
         f"sqlite:///{tmp_path}",
     ]
+    tokens = tmp_path / "tokens.json"
+    TokenStore(tokens).add("ops", "read")
     for url in wrong:
+        serving = CliRunner().invoke(
+            cli, ["--db", url, "serve", "--port", "0", "--tokens", str(tokens)]
+        )
+        assert serving.exit_code == 1, (url, serving.output)
+        assert serving.output.startswith("error: the database could not be used: "), url
+        assert "trying again" not in serving.output
         command = [sys.executable, "-m", "catalog_es", "--db", url, "watch"]
         done = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
         assert done.returncode == 1, (url, done.stderr)

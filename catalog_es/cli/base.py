@@ -15,6 +15,7 @@ import shutil
 import signal
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
@@ -25,6 +26,7 @@ from typing import Any, NoReturn, TextIO, TypeVar
 
 import click
 import msgspec
+import sqlalchemy as sa
 
 from catalog_es import bootstrap, early_stop
 from catalog_es.application import CommandResult, Models
@@ -43,7 +45,7 @@ from catalog_es.errors import (
     shown,
 )
 from catalog_es.inputs import MAX_REVISION, in_digits, revision_or_time
-from catalog_es.persistence import database_unusable, new_sqlite_file
+from catalog_es.persistence import database_unusable, log_url, new_sqlite_file
 
 
 def _check_digits(
@@ -84,6 +86,62 @@ F = TypeVar("F", bound=Callable[..., Any])
 T = TypeVar("T")
 
 log = logging.getLogger("catalog_es")
+
+
+# Seconds between tries of a command that runs until stopped (watch, serve),
+# starting while the database cannot be used.
+START_RETRY_SECONDS = 1.0
+
+
+def once_it_answers(settings: Settings, command: str, start: Callable[[], T]) -> T:
+    """``start()`` of a command that runs until stopped, once the database
+    answers: a replica or a server starting as its PostgreSQL fails over
+    waits for it, as one already running does, where it exited 1
+    (multi-node test; a supervisor gives up on a unit failing fast). A
+    database set up wrong (a role, a password, a name), and a SQLite file
+    that cannot be opened, are told at once, as any command tells them.
+    While it waits, one engine without a pool looks every second: a service
+    made each time kept some memory."""
+    probe: sa.Engine | None = None
+    try:
+        while True:
+            try:
+                return start()
+            except sa.exc.DBAPIError as error:
+                unusable = _passing(error)
+                # As the log reads it: a bare postgresql:// is psycopg's (the
+                # probe took it for psycopg2's, not installed; doc audit).
+                url = log_url(bootstrap.database_url(settings.db))
+                if unusable is None or url.get_backend_name() != "postgresql":
+                    raise
+                if probe is None:
+                    say(
+                        f"warning: {command}: the database could not be used ({unusable}); "
+                        f"trying again every {START_RETRY_SECONDS:g} s",
+                        err=True,
+                    )
+                    probe = sa.create_engine(url, poolclass=sa.pool.NullPool)
+                _until_it_answers(probe)
+    finally:
+        if probe is not None:
+            probe.dispose()
+
+
+def _passing(error: sa.exc.DBAPIError) -> str | None:
+    """What the driver said, when ``error`` is an outage to wait out."""
+    unusable = database_unusable(error)
+    return None if unusable is None or unusable.lasting else unusable.said
+
+
+def _until_it_answers(probe: sa.Engine) -> None:
+    while True:
+        time.sleep(START_RETRY_SECONDS)
+        try:
+            with probe.connect():
+                return
+        except sa.exc.DBAPIError as error:
+            if _passing(error) is None:
+                raise
 
 
 class Settings:

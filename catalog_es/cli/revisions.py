@@ -3,18 +3,14 @@
 from __future__ import annotations
 
 import sys
-import time
 from datetime import datetime
 from typing import Any
 
 import click
 import msgspec
-import sqlalchemy as sa
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from catalog_es import bootstrap
-from catalog_es.application import Watch
 from catalog_es.catalog import Skipped
 from catalog_es.cli.base import (
     REVISION,
@@ -25,6 +21,7 @@ from catalog_es.cli.base import (
     emit,
     let_warnings_through,
     meta,
+    once_it_answers,
     pass_settings,
     resolved,
     say,
@@ -34,7 +31,6 @@ from catalog_es.cli.base import (
     warn_if_taken_as_another,
 )
 from catalog_es.errors import counted, json_line
-from catalog_es.persistence import database_unusable, log_url
 from catalog_es.rollback import DIMENSIONS
 
 
@@ -175,7 +171,7 @@ def watch_command(settings: Settings, after: int) -> None:
     """Every change after a revision, in order, then follow live. Ctrl-C (or
     SIGTERM) stops."""
     with stopped_when_asked():
-        changes = _started(settings, after)
+        changes = once_it_answers(settings, "watch", lambda: settings.models().watch(after))
         let_warnings_through()  # it runs until stopped
         for event in changes:
             if settings.json:
@@ -187,59 +183,6 @@ def watch_command(settings: Settings, after: int) -> None:
                     f"{event['revision']} {event['time'] or '?'} {event['by'] or '?'} "
                     f"{event['model'] or '-'} {event['event']} {what}"
                 )
-
-
-# Seconds between tries of a watch starting while the database cannot be used.
-START_RETRY_SECONDS = 1.0
-
-
-def _started(settings: Settings, after: int) -> Watch:
-    """The watch, once the database answers: a replica starting as its
-    PostgreSQL fails over waits for it, as a watch already following does,
-    where it exited 1 (multi-node test). A database set up wrong (a role, a
-    password, a name), and a SQLite file that cannot be opened, are told at
-    once, as any command tells them. While it waits, one engine without a
-    pool looks every second: a service made each time kept some memory."""
-    probe: sa.Engine | None = None
-    try:
-        while True:
-            try:
-                return settings.models().watch(after)
-            except sa.exc.DBAPIError as error:
-                unusable = _passing(error)
-                # As the log reads it: a bare postgresql:// is psycopg's (the
-                # probe took it for psycopg2's, not installed; doc audit).
-                url = log_url(bootstrap.database_url(settings.db))
-                if unusable is None or url.get_backend_name() != "postgresql":
-                    raise
-                if probe is None:
-                    say(
-                        f"warning: watch: the database could not be used ({unusable}); "
-                        f"trying again every {START_RETRY_SECONDS:g} s",
-                        err=True,
-                    )
-                    probe = sa.create_engine(url, poolclass=sa.pool.NullPool)
-                _until_it_answers(probe)
-    finally:
-        if probe is not None:
-            probe.dispose()
-
-
-def _passing(error: sa.exc.DBAPIError) -> str | None:
-    """What the driver said, when ``error`` is an outage to wait out."""
-    unusable = database_unusable(error)
-    return None if unusable is None or unusable.lasting else unusable.said
-
-
-def _until_it_answers(probe: sa.Engine) -> None:
-    while True:
-        time.sleep(START_RETRY_SECONDS)
-        try:
-            with probe.connect():
-                return
-        except sa.exc.DBAPIError as error:
-            if _passing(error) is None:
-                raise
 
 
 @cli.command("replay")

@@ -19,6 +19,7 @@ from typing import Any
 import click
 
 from catalog_es import bootstrap
+from catalog_es.application import Models
 from catalog_es.cli.base import (
     Settings,
     WholeNumberRange,
@@ -26,6 +27,7 @@ from catalog_es.cli.base import (
     emit,
     let_warnings_through,
     meta,
+    once_it_answers,
     pass_settings,
     say,
     shared_options,
@@ -113,10 +115,13 @@ def serve(
     # not resolve) is refused before it opens the database or records anything.
     sockets = _listening(host, port)
     with stopped_when_asked(), _closing(sockets):
-        models = settings.models()
-        # Before the warnings are let through: a start refused (a stale
-        # --expected-revision) is one line, as any refusal.
-        revision = models.record_declaration(**meta(settings))
+
+        def started() -> tuple[Models, int]:
+            # Before the warnings are let through: a start refused (a stale
+            # --expected-revision) is one line, as any refusal.
+            return settings.models(), settings.models().record_declaration(**meta(settings))
+
+        models, revision = once_it_answers(settings, "serve", started)
         let_warnings_through()  # a server's log tells them as they come
         app = bootstrap.open_web_app(models, tokens, max_watches=max_watches)
         # What is loaded now (the code, the catalog in force) mostly lives as
