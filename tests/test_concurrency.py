@@ -50,6 +50,7 @@ from catalog_es.inputs import DeclaredConfig, load_config
 from catalog_es.model import Model, model_id, utc_now
 from catalog_es.persistence import (
     LOCK_WAIT_ENV,
+    LOCK_WAIT_SECONDS,
     SYNC_ENV,
     WAL_CHECKPOINT_PAGES,
     WAL_SIZE_LIMIT_BYTES,
@@ -255,10 +256,12 @@ def catalog_es(url: str, *args: str, wait: str = "0.5") -> tuple[int, str, str, 
 
 def refused_as_busy(outcome: tuple[int, str, str, float], message: str) -> None:
     """Exit 1 with ``message`` as the one line, nothing on stdout, and after
-    the half second asked for (and a second of start-up), not the default ten."""
+    the half second asked for, not the default ten: the whole run took less
+    than those ten (its start-up, seconds on a loaded machine, took 7.7 s
+    against a bound of 5 once, with four test runs beside it)."""
     code, stdout, stderr, took = outcome
     assert (code, stderr.splitlines(), stdout) == (1, [message], "")
-    assert took < 5
+    assert took < LOCK_WAIT_SECONDS
 
 
 def test_a_held_write_lock_refuses_a_command_after_the_bounded_wait(db_url: str) -> None:
