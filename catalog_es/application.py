@@ -554,7 +554,7 @@ class Models(AuditTrail, Application[UUID]):
             self._tell_undeclared(conn, catalog)
             self._tell_deleted_tail(self.store.chain_head(conn), kept.last, "the next write")
         if catalog.revision - since >= self.snapshot_interval:
-            self._save_snapshot(catalog.revision, snapshots.encode(catalog))
+            self._save_snapshot(catalog.revision, snapshots.encode(snapshots.state_of(catalog)))
         _tell_standing_skips(catalog)
         return catalog
 
@@ -942,7 +942,7 @@ class Models(AuditTrail, Application[UUID]):
         # on coming in: all it takes beyond that is let go on the way out,
         # however it leaves (an interrupt as the write lock's wait ends).
         entered, held = state.depth(), holds(self._lock)
-        snapshot: bytes | None = None
+        snapshot: snapshots.SnapshotState | None = None
         try:
             wait = self._take_write_lock(lock_left) if locked else None
             if wait is None:
@@ -1077,12 +1077,12 @@ class Models(AuditTrail, Application[UUID]):
                     revision // self.snapshot_interval > head // self.snapshot_interval
                     and self.catalog.revision == revision
                 ):
-                    snapshot = snapshots.encode(self.catalog)
-                # Written with the catalog let go: another process may hold the
-                # database by then, and reads must not wait for it.
+                    snapshot = snapshots.state_of(self.catalog)
+                # Encoded and written with the catalog let go: another process
+                # may hold the database by then, and reads must not wait for it.
                 state.release()
                 if snapshot is not None:
-                    self._save_snapshot(revision, snapshot)
+                    self._save_snapshot(revision, snapshots.encode(snapshot))
             return revision, batch.changes
         except _FarBehind:
             pass  # nothing was planned or written: caught up with below, then again
@@ -1490,7 +1490,7 @@ class Models(AuditTrail, Application[UUID]):
                     nonlocal written
                     if revision % self.snapshot_interval == 0:
                         catalog.chain = self._chain_at(conn, revision)
-                        state = snapshots.encode(catalog)
+                        state = snapshots.encode(snapshots.state_of(catalog))
                         with self.store.write() as wconn:
                             snapshots.save(wconn, self.declared.fingerprint, revision, state)
                         written += 1

@@ -89,17 +89,25 @@ _ZSTD_FRAME = bytes.fromhex("28b52ffd")
 _decoder = msgspec.msgpack.Decoder(SnapshotState)
 
 
-def encode(catalog: Catalog) -> bytes:
-    state = SnapshotState(
+def state_of(catalog: Catalog) -> SnapshotState:
+    """What a snapshot of ``catalog`` keeps, as it stands now, in lists of
+    its own (the aggregates and skips in them are immutable): encoded once
+    the catalog is let go, as it moves on. Encoding 10,000 models takes
+    about 5 ms, which every read waited for under the catalog's lock, where
+    this takes a tenth of a millisecond."""
+    return SnapshotState(
         revision=catalog.revision,
         last_timestamp=catalog.last_timestamp,
         recorded_declaration=catalog.recorded_declaration,
         aggregates=list(catalog.aggregates.values()),
-        skipped=catalog.skipped,
+        skipped=list(catalog.skipped),
         unhealed=catalog.unhealed(),
         rules=RULES,
         chain_hash=catalog.chain_hash,
     )
+
+
+def encode(state: SnapshotState) -> bytes:
     # zstd: a 10,000-model catalog's 2.2 MB in 0.7 ms and to 31 KB, where
     # zlib took 3.4 ms to 91 KB and a batch writing a snapshot paid for it
     # (and a read of the past 4 ms to decompress, against 0.3). A compressor
