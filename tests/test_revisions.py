@@ -585,12 +585,21 @@ def test_a_revision_inside_a_transaction_reads_the_boundary_before_it(
             )
             assert (done.returncode, done.stderr.endswith(warned)) == (0, True), command
             assert done.stderr.count("warning:") == (1 if warned else 0), command
-    # A refusal is its one line.
+    # A refusal is its one line, and says it too: it named only the revision
+    # read, which the operator never gave (operator walkthrough).
     shown = CliRunner().invoke(
         cli, ["--db", db, "model", "show", "a", "--at", str(first_of_rollback)]
     )
-    refusal = f"error: model 'a' is not in the catalog at revision {boundary}\n"
+    refusal = (
+        f"error: model 'a' is not in the catalog at revision {boundary}; {told[len('warning: ') :]}"
+    )
     assert (shown.exit_code, shown.stderr) == (1, refusal)
+    at_the_boundary = CliRunner().invoke(
+        cli, ["--db", db, "model", "show", "a", "--at", str(boundary)]
+    )
+    assert (
+        at_the_boundary.stderr == f"error: model 'a' is not in the catalog at revision {boundary}\n"
+    )
 
 
 # -- reads of the past over the declared config recorded then --------------------------

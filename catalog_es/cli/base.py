@@ -159,6 +159,8 @@ class Settings:
         # makes a new, empty log, so the run says so (after its answer, or
         # on its refusal's line).
         self.new_log: str | None = None
+        # A revision given that was read as another (:func:`warn_if_taken_as_another`).
+        self.taken_as: str | None = None
 
     def last_written(self) -> int | None:
         """The revision this run's last committed write answers, if it wrote
@@ -309,20 +311,22 @@ def resolved(settings: Settings, at: int | datetime) -> int:
     said, where the answer was another revision's without a word (operator
     walkthrough)."""
     revision = settings.models().resolve(at)
-    warn_if_taken_as_another(at, revision)
+    warn_if_taken_as_another(settings, at, revision)
     return revision
 
 
-def warn_if_taken_as_another(at: int | datetime, revision: int) -> None:
+def warn_if_taken_as_another(settings: Settings, at: int | datetime, revision: int) -> None:
     """Tell that revision ``at`` was read as ``revision`` (see :func:`resolved`)."""
     if isinstance(at, int) and revision != at:
-        # A warning, as the load's are: told after the answer, left out of a refusal.
-        log.warning(
-            "no write ends at revision %d (a write of several changes lands whole): "
-            "taken as revision %d, the last one that does before it",
-            at,
-            revision,
+        said = (
+            f"no write ends at revision {at} (a write of several changes lands whole): "
+            f"taken as revision {revision}, the last one that does before it"
         )
+        # A warning, as the load's are: told after the answer. A refusal,
+        # one line, says it too: it names the revision read, which the
+        # operator never gave (operator walkthrough).
+        settings.taken_as = said
+        log.warning("%s", said)
 
 
 class RevisionOrTime(click.ParamType):  # type: ignore[type-arg]
@@ -631,14 +635,12 @@ class CatalogGroup(click.Group):
             return result
         except (Refused, ConfigError) as refusal:
             settings = ctx.find_object(Settings)
-            new_log = settings.new_log if settings is not None else None
-            if new_log:
-                say(
-                    f"error: {refusal} (no log was at {new_log}: a new, empty one is made there)",
-                    err=True,
-                )
-            else:
-                say(f"error: {refusal}", err=True)
+            said = f"error: {refusal}"
+            if settings is not None and settings.taken_as:
+                said += f"; {settings.taken_as}"
+            if settings is not None and settings.new_log:
+                said += f" (no log was at {settings.new_log}: a new, empty one is made there)"
+            say(said, err=True)
             self._exit(ctx, 1)
         except OutcomeUnknown as unknown:
             say(f"error: {unknown}", err=True)

@@ -130,7 +130,7 @@ def rollback_command(
     result = settings.models().rollback(
         to, model=model_name, only=only, dry_run=dry_run, **meta(settings)
     )
-    warn_if_taken_as_another(to, result["to"])
+    warn_if_taken_as_another(settings, to, result["to"])
 
     def human() -> None:
         notes = result["notes"]
