@@ -39,7 +39,7 @@ from catalog_es.cli.base import (
     stopped_when_asked,
     warnings_to,
 )
-from catalog_es.errors import PIECE_LENGTH, DamagedLog, json_in_pieces, json_line
+from catalog_es.errors import PIECE_LENGTH, DamagedLog, Refused, json_in_pieces, json_line
 from catalog_es.inputs import DeclaredConfig
 from catalog_es.persistence import PullingSubscription, database_unusable
 from catalog_es.spec import Adapter, Origin
@@ -1270,6 +1270,28 @@ def test_revision_is_the_head_of_the_log(run: Run, write: Any) -> None:
     assert json.loads(ok(run("--json", "revision")).stdout) == {"revision": 2}
 
 
+def test_log_after_a_revision_past_the_head_is_refused_as_watch_from_it_is(
+    run: Run, write: Any, rows: Callable[[], int]
+) -> None:
+    """A follower asking for the events after the revision it last saw, on a
+    log since restored from an older backup, got an empty table and exit 0
+    from `log --after` (nothing new, it took it), where `watch --from` refuses.
+    Now `log` refuses it too, in the same line; the head itself reads empty."""
+    _seeded(run, write)
+    ok(run("model", "scale", "m", "--max", "2"))  # the log is at revision 2
+    before = rows()
+    told = "error: revision 3 is beyond the head of the log (2)"
+    for args in (
+        ["log", "--after", "3"],
+        ["log", "--json", "--after", "3"],
+        ["log", "--model", "m", "--after", "3"],
+        ["watch", "--from", "3"],
+    ):
+        assert refused_in_one_line(run(*args)) == told, args
+    assert rows() == before
+    assert ok(run("log", "--json", "--after", "2")).stdout == ""
+
+
 def test_log_json_prints_one_object_per_event_with_the_documented_keys(
     run: Run, write: Any
 ) -> None:
@@ -1342,13 +1364,16 @@ def test_log_read_a_page_at_a_time_is_the_log_as_it_stood_when_asked(
     models.apply_changes(scales, by="ops")
     head = len(list(models.log_events()))
     assert head > 20
-    for after in (0, 1, 7, head - 1, head, head + 5):
+    for after in (0, 1, 7, head - 1, head):
         for limit in (None, 1, 3, 4, 10):
             for model in (None, "a", "b", "c"):
                 asked = (after, limit, model)
                 whole = models.log_events(after=after, limit=limit, model=model, max_bytes=1 << 30)
                 paged = models.log_events(after=after, limit=limit, model=model)
                 assert list(paged) == list(whole), asked
+    for max_bytes in (1 << 30, None):  # past the head, both are refused as they are asked
+        with pytest.raises(Refused, match=f"revision {head + 5} is beyond the head"):
+            models.log_events(after=head + 5, model="a", max_bytes=max_bytes)
     reading = models.log_events()
     first = next(reading)
     models.scale("a", 0, 99, by="ops")

@@ -1068,6 +1068,17 @@ def _watch_threads() -> int:
     return sum(1 for t in threading.enumerate() if t.name.startswith("catalog-es-watch"))
 
 
+def test_log_after_a_revision_past_the_head_is_refused_as_events_from_it_is(api: Api) -> None:
+    """``GET /log?after=99`` answered ``[]`` where ``/events?from=99`` is
+    refused: a follower on a log restored from an older backup read that
+    as nothing new. Both are refused now, in the same words."""
+    api.post("/models", definition("qwen"))
+    told = f"revision 99 is beyond the head of the log ({api.models.revision})"
+    assert refused(api.get("/log", params={"after": 99}), 422) == told
+    assert refused(api.get("/events", params={"from": 99}), 422) == told
+    assert ok(api.get("/log", params={"after": api.models.revision})) == []
+
+
 def test_watch_streams_changes_after_a_revision_then_live(api: Api) -> None:
     api.post("/models", definition("qwen"))
     api.post("/models/qwen/scale", {"max": 4})
