@@ -537,6 +537,39 @@ def test_an_option_given_empty_is_refused_not_taken_for_its_default(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["catalog.yaml"]  # nothing made
 
 
+@pytest.mark.parametrize(
+    ("variable", "args", "what"),
+    [
+        ("CATALOG_ES_DB", ["model", "list"], "a database URL"),
+        ("CATALOG_ES_CONFIG", ["model", "list"], "a config file"),
+        ("CATALOG_ES_TOKENS", ["token", "list"], "a tokens file"),
+        ("CATALOG_ES_MIRROR", ["model", "updates"], "a mirror directory"),
+        ("CATALOG_ES_WEIGHTS", ["model", "updates", "--mirror", "."], "a weights directory"),
+    ],
+)
+def test_a_variable_set_empty_is_refused_as_its_option_given_empty_is(
+    tmp_path: Path,
+    write: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    variable: str,
+    args: list[str],
+    what: str,
+) -> None:
+    """`CATALOG_ES_DB=$URL` with the variable unset was taken as unset: a
+    read made ./catalog.db and listed it, and the config, tokens and weights
+    fell back to the working directory's, where `--db ''` and the others are
+    refused (hostile test)."""
+    monkeypatch.chdir(tmp_path)
+    write("catalog.yaml", config_yaml(spec("declared")).encode())
+    monkeypatch.setenv("CATALOG_ES_DB", f"sqlite:///{tmp_path}/from-env.db")
+    monkeypatch.setenv(variable, "")
+    result = CliRunner().invoke(cli, args)
+    assert refused_in_one_line(result) == (
+        f"error: ${variable} is set but empty: give {what}, or unset it"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["catalog.yaml"]  # nothing made
+
+
 def test_counts_in_a_shown_model_are_singular_or_plural_as_they_read(run: Run, write: Any) -> None:
     """It printed "1 cores", "(1 files)" and "(4 GPU)" (operator walkthrough)."""
     profiles = [
