@@ -1232,6 +1232,42 @@ def test_a_config_number_yaml_versions_read_differently_is_refused(run: Run, wri
     )
 
 
+@pytest.mark.parametrize(
+    ("tagged", "problem"),
+    [
+        ("!!map abc", "!!map is for a mapping, not a scalar"),
+        ("!<tag:yaml.org,2002:map> abc", "!!map is for a mapping, not a scalar"),
+        ("!!seq abc", "!!seq is for a sequence, not a scalar"),
+        ("!!str [1]", "!!str is for a scalar, not a sequence"),
+        ("!!set [a]", "!!set is for a mapping, not a sequence"),
+        ("!!omap abc", "!!omap is for a sequence, not a scalar"),
+        ("!!bool maybe", "'maybe' is not true or false"),
+        ("!!float x", "'x' is not a number"),
+        ("!!timestamp abc", "'abc' is not a date or a time"),
+        ("!!null abc", "'abc' is not null"),
+    ],
+)
+def test_a_yaml_tag_on_what_it_cannot_read_is_refused_saying_where(
+    run: Run, write: Any, rows: Callable[[], int], tagged: str, problem: str
+) -> None:
+    """`!!map abc` was refused as "not enough values to unpack", `!!bool maybe`
+    and `!!timestamp abc` as an unexpected KeyError and AttributeError,
+    `!!float x` with no place, and `!!null abc` read as null, its text dropped:
+    in a definition, an apply and the declared config alike. Each is now one
+    line saying what the tag cannot read, and where."""
+    _seeded(run, write)
+    before = rows()
+    for given, after, content, place in (
+        ("model add", "", f"name: {tagged}\n", "line 1, column 7"),
+        ("apply", "", f"- remove: {tagged}\n", "line 1, column 11"),
+        ("--config", "model list", f"models:\n  - name: {tagged}\n", "line 2, column 11"),
+    ):
+        path = write("tagged.yaml", content.encode())
+        line = refused_in_one_line(run(*given.split(), path, *after.split()))
+        assert line == f"error: {path}: {problem} ({place})", given
+    assert rows() == before
+
+
 def test_a_leading_zero_both_yaml_versions_read_alike_is_a_number(run: Run, write: Any) -> None:
     definition = write(
         "zeros.yaml",
