@@ -67,6 +67,21 @@ def check_commit(revision: str) -> str:
 _NAME_MAX, _PATH_MAX = 255, 1024
 
 
+def _not_text(path: str) -> str:
+    """Why ``path``, holding lone surrogates, is refused. A file name whose
+    bytes are not UTF-8 is read with each such byte as one (U+DC80-U+DCFF):
+    it was told as holding "a NUL, or a lone surrogate", where the operator
+    has a name in another encoding; said with its bytes, as the disk has it."""
+    try:
+        as_on_disk = path.encode("utf-8", "surrogateescape")
+        as_on_disk.decode("utf-8")
+    except UnicodeDecodeError:
+        return f"file path {as_on_disk[:80]!r} is not UTF-8 text, as the log's file names are"
+    except UnicodeEncodeError:
+        pass
+    return f"file path {path[:80]!r} holds a lone surrogate, which no file name can"
+
+
 def relative_file(path: str) -> PurePosixPath:
     """A file path inside a revision, refused if it could point outside it,
     if no file system could hold it (found only when the file is fetched,
@@ -77,11 +92,9 @@ def relative_file(path: str) -> PurePosixPath:
     try:
         encoded = path.encode("utf-8")
     except UnicodeEncodeError:
-        encoded = b"\0"  # a lone surrogate: no file name's bytes either
+        raise RegistryError(_not_text(path)) from None
     if b"\0" in encoded:
-        raise RegistryError(
-            f"file path {path[:80]!r} holds what no file name can (a NUL, or a lone surrogate)"
-        )
+        raise RegistryError(f"file path {path[:80]!r} holds a NUL, which no file name can")
     # A file's name is shown, logged and made a path: held to what a terminal
     # acts on, not to every format character as a source typed in is (a
     # joiner in a registry's file name is text).

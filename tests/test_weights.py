@@ -559,7 +559,8 @@ def test_weights_given_in_part_are_no_weights_to_go_back_to(world: World) -> Non
 @pytest.mark.parametrize(
     ("name", "why"),
     [
-        pytest.param("\udcff.bin", "lone surrogate", id="not-utf8"),
+        # Told as holding "a NUL, or a lone surrogate": what its bytes are is what the operator has.
+        pytest.param("\udcff.bin", "b'\\xff.bin' is not UTF-8 text", id="not-utf8"),
         pytest.param("a\nb.bin", "holds U+000A, which a terminal acts on", id="newline"),
         pytest.param("a\x1b[2Jb.bin", "holds U+001B, which a terminal acts on", id="escape"),
         pytest.param("evil\u202egpj.exe", "holds U+202E, which a terminal acts on", id="bidi"),
