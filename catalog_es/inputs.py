@@ -765,8 +765,12 @@ def load_config(path: str | None) -> DeclaredConfig:
         if raw is None:
             raise ConfigError(f"{path}: the config is larger than {MAX_CONFIG_BYTES >> 20} MiB")
         text = raw.decode("utf-8")
-    except (OSError, UnicodeDecodeError) as error:
-        raise ConfigError(f"{path}: cannot read the config: {error}") from None
+    except OSError as error:
+        # In the words a definition's file is refused in, not Python's
+        # ("[Errno 21] Is a directory: 'conf'").
+        raise ConfigError(f"{path}: cannot read the config: {error.strerror or error}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: cannot read the config: not UTF-8 text") from None
     try:
         data = parse_document(text, path, untrusted=False)
     except InputError as error:

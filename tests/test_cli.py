@@ -1320,6 +1320,28 @@ def test_a_missing_config_file_is_refused_in_one_line(run: Run) -> None:
     assert "absent.yaml: cannot read the config" in line
 
 
+@pytest.mark.parametrize(
+    ("made", "said"),
+    [
+        (lambda path: path.mkdir(), "Is a directory"),
+        (lambda path: path.write_bytes(b"models: [caf\xe9]\n"), "not UTF-8 text"),
+        (lambda path: None, "No such file or directory"),
+    ],
+    ids=["a-folder", "latin-1", "absent"],
+)
+def test_a_config_that_cannot_be_read_is_told_as_a_definition_file_is(
+    run: Run, tmp_path: Path, made: Callable[[Path], object], said: str
+) -> None:
+    """`--config conf` on a folder said `cannot read the config: [Errno 21] Is
+    a directory: 'conf'`, and on Latin-1 text `'utf-8' codec can't decode byte
+    0xe9 in position 13: invalid continuation byte`: Python's words, where
+    `model add` on the same files says `Is a directory` and `not UTF-8 text`."""
+    path = tmp_path / "conf"
+    made(path)
+    line = refused_in_one_line(run("--config", str(path), "model", "list"))
+    assert line == f"error: {path}: cannot read the config: {said}"
+
+
 def test_a_declared_cpu_model_without_memory_shows_with_a_warning(run: Run, write: Any) -> None:
     kubeai = "/work/shared/data/kubeai-catalog.yaml"
     result = ok(run("--config", kubeai, "model", "show", "opt-125m-cpu"))
