@@ -1545,8 +1545,9 @@ class Models(AuditTrail, Application[UUID]):
         max_bytes: int | None = None,
     ) -> Iterator[dict[str, Any]]:
         """The stored events with their revisions, oldest first, undecodable ones
-        included (with the error). A name no model can have is refused here,
-        not once the events are first asked for. ``max_bytes``: what the
+        included (with the error). A name no model can have, and an ``after``
+        beyond the head (as a watch refuses it), are refused here, not once
+        the events are first asked for. ``max_bytes``: what the
         events' stored forms may hold in all (:func:`within_bytes`), read as
         one list. Without it they are read as they are asked for, a page at
         a time (as a watch reads them), up to the head as it stood when
@@ -1568,6 +1569,7 @@ class Models(AuditTrail, Application[UUID]):
         if limit is not None:
             query = query.limit(limit)
         with self.store.read() as conn:
+            pointintime.within_head(after, self.store.head(conn))
             measured = conn.execute(
                 query.with_only_columns(
                     t.revision, t.originator_version, t.stream_previous, sa.func.length(t.state)
@@ -1590,6 +1592,7 @@ class Models(AuditTrail, Application[UUID]):
         database that cannot be used is told before anything is written."""
         with self.store.read() as conn:
             head = self.store.head(conn)
+            pointintime.within_head(after, head)
             among: list[int] | None = None
             if model is not None:
                 stream = stream_walk(model_id(model), after)

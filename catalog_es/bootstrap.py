@@ -36,7 +36,7 @@ DEFAULT_TOKENS = "catalog-tokens.json"
 def database_url(given: str | None = None) -> str:
     """``--db``, else ``CATALOG_ES_DB``, else the SQLite file ``catalog.db`` here."""
     refuse_empty(given, "--db", "a database URL")
-    return given or os.environ.get(DB_ENV) or DEFAULT_URL
+    return given or from_env(DB_ENV, "a database URL") or DEFAULT_URL
 
 
 def config_path(given: str | None = None) -> str | None:
@@ -44,8 +44,9 @@ def config_path(given: str | None = None) -> str | None:
     refuse_empty(given, "--config", "a config file")
     if given:
         return given
-    if os.environ.get(CONFIG_ENV):
-        return os.environ[CONFIG_ENV]
+    in_env = from_env(CONFIG_ENV, "a config file")
+    if in_env is not None:
+        return in_env
     return DEFAULT_CONFIG if Path(DEFAULT_CONFIG).is_file() else None
 
 
@@ -55,6 +56,16 @@ def refuse_empty(given: str | None, option: str, what: str) -> None:
     to was another log, or another declared layer, than the one meant."""
     if given == "":
         raise InputError(f"{option} is empty: give {what}, or leave {option} out")
+
+
+def from_env(name: str, what: str) -> str | None:
+    """The environment variable ``name``, ``None`` when unset. Set empty, it
+    is refused as its option given empty is (:func:`refuse_empty`):
+    ``CATALOG_ES_DB=$URL`` with ``URL`` unset made ./catalog.db and read it."""
+    value = os.environ.get(name)
+    if value == "":
+        raise InputError(f"${name} is set but empty: give {what}, or unset it")
+    return value
 
 
 def actor(given: str | None = None) -> str:
@@ -111,19 +122,19 @@ def open_weights(
     else ``./weights``."""
     refuse_empty(mirror, "--mirror", "a mirror directory")
     refuse_empty(weights, "--weights", "a weights directory")
-    root = mirror or os.environ.get(MIRROR_ENV)
+    root = mirror or from_env(MIRROR_ENV, "a mirror directory")
     if not root:
         raise InputError(f"no registry to compare with: give --mirror DIR or set {MIRROR_ENV}")
     if not Path(root).is_dir():
         raise InputError(f"mirror {root}: not a directory")
-    store = Path(weights or os.environ.get(WEIGHTS_ENV) or DEFAULT_WEIGHTS)
+    store = Path(weights or from_env(WEIGHTS_ENV, "a weights directory") or DEFAULT_WEIGHTS)
     return Weights(models(), MirrorRegistry(Path(root)), WeightsStore(store, apart_from=Path(root)))
 
 
 def tokens_path(given: str | None = None) -> Path:
     """``--tokens``, else ``CATALOG_ES_TOKENS``, else ``./catalog-tokens.json``."""
     refuse_empty(given, "--tokens", "a tokens file")
-    return Path(given or os.environ.get(TOKENS_ENV) or DEFAULT_TOKENS)
+    return Path(given or from_env(TOKENS_ENV, "a tokens file") or DEFAULT_TOKENS)
 
 
 def open_tokens(given: str | None = None, *, existing: bool = False) -> TokenStore:

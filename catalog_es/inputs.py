@@ -12,7 +12,8 @@ import json
 import re
 import sys
 import unicodedata
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import suppress
 from datetime import UTC, date, datetime, timedelta
 from functools import lru_cache
 from pathlib import Path
@@ -343,6 +344,17 @@ class _StrictLoader(
         yaml.constructor.SafeConstructor.__init__(self)
         yaml.resolver.Resolver.__init__(self)
 
+    def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
+        # One of YAML's own tags on another kind of node (`!!map abc`) was
+        # told in Python's words (not enough values to unpack), or as a
+        # traceback's last line: said here, with the tag and where it is.
+        wanted = _NODE_KIND.get(node.tag)
+        if wanted is not None and not isinstance(node, wanted):
+            tag = node.tag.replace(_CORE_TAG, "!!")
+            problem = f"{tag} is for a {_KIND_NAME[wanted]}, not a {_KIND_NAME[type(node)]}"
+            raise _NotAccepted(None, None, problem, node.start_mark)
+        return super().construct_object(node, deep)
+
 
 class _NotAccepted(yaml.MarkedYAMLError):
     """YAML that parses, refused by what this reader takes (a duplicate key, a
@@ -350,7 +362,19 @@ class _NotAccepted(yaml.MarkedYAMLError):
     said as it is, and never as a JSON error, though the text looked like JSON."""
 
 
-_MERGE_TAG = "tag:yaml.org,2002:merge"
+_CORE_TAG = "tag:yaml.org,2002:"
+_MERGE_TAG = f"{_CORE_TAG}merge"
+_KIND_NAME = {yaml.ScalarNode: "scalar", yaml.SequenceNode: "sequence", yaml.MappingNode: "mapping"}
+# The kind of node each tag the loader makes is for.
+_NODE_KIND = {
+    _CORE_TAG + name: kind
+    for kind, names in (
+        (yaml.ScalarNode, ("str", "int", "float", "bool", "null", "binary", "timestamp")),
+        (yaml.SequenceNode, ("seq", "omap", "pairs")),
+        (yaml.MappingNode, ("map", "set")),
+    )
+    for name in names
+}
 
 
 def _mapping(loader: _StrictLoader, node: yaml.MappingNode) -> dict[Any, Any]:
@@ -445,7 +469,39 @@ def _smallest_too_long(limit: int) -> int:
 _StrictLoader.add_constructor(  # type: ignore[type-var]  # the stubs know only PyYAML's loaders
     yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping
 )
-_StrictLoader.add_constructor("tag:yaml.org,2002:int", _int)  # type: ignore[type-var]
+_StrictLoader.add_constructor(f"{_CORE_TAG}int", _int)  # type: ignore[type-var]
+
+_NULLS = ("", "~", "null", "Null", "NULL")
+
+
+def _scalar_read_as(
+    what: str, construct: Callable[[Any, yaml.ScalarNode], Any], *, plain: tuple[str, ...] = ()
+) -> Callable[[_StrictLoader, yaml.ScalarNode], Any]:
+    """A constructor of YAML's that refuses text its tag cannot read, saying
+    so and where: ``!!bool maybe`` and ``!!timestamp abc`` were Python's own
+    errors (a KeyError, an AttributeError), ``!!float x`` said no place, and
+    ``!!null abc`` was read as null, its text dropped. ``plain``: the only
+    texts the tag takes, where its constructor reads any."""
+
+    def checked(loader: _StrictLoader, node: yaml.ScalarNode) -> Any:
+        text = loader.construct_scalar(node)
+        if not plain or text in plain:
+            with suppress(ValueError, KeyError, AttributeError):
+                return construct(loader, node)
+        raise _NotAccepted(None, None, f"{shown(text)} is not {what}", node.start_mark)
+
+    return checked
+
+
+_YAML_OWN = yaml.constructor.SafeConstructor
+_SCALARS_READ_AS = {
+    "bool": _scalar_read_as("true or false", _YAML_OWN.construct_yaml_bool),
+    "float": _scalar_read_as("a number", _YAML_OWN.construct_yaml_float),
+    "timestamp": _scalar_read_as("a date or a time", _YAML_OWN.construct_yaml_timestamp),
+    "null": _scalar_read_as("null", _YAML_OWN.construct_yaml_null, plain=_NULLS),
+}
+for _name, _constructor in _SCALARS_READ_AS.items():
+    _StrictLoader.add_constructor(_CORE_TAG + _name, _constructor)  # type: ignore[type-var]
 
 
 # Far deeper than a definition or a list of changes goes (seven levels or so),
@@ -709,8 +765,12 @@ def load_config(path: str | None) -> DeclaredConfig:
         if raw is None:
             raise ConfigError(f"{path}: the config is larger than {MAX_CONFIG_BYTES >> 20} MiB")
         text = raw.decode("utf-8")
-    except (OSError, UnicodeDecodeError) as error:
-        raise ConfigError(f"{path}: cannot read the config: {error}") from None
+    except OSError as error:
+        # In the words a definition's file is refused in, not Python's
+        # ("[Errno 21] Is a directory: 'conf'").
+        raise ConfigError(f"{path}: cannot read the config: {error.strerror or error}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: cannot read the config: not UTF-8 text") from None
     try:
         data = parse_document(text, path, untrusted=False)
     except InputError as error:

@@ -24,8 +24,8 @@ import shutil
 import stat
 import tempfile
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
-from contextlib import suppress
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager, suppress
 from io import BufferedReader
 from pathlib import Path, PurePosixPath
 from typing import BinaryIO
@@ -67,6 +67,21 @@ def check_commit(revision: str) -> str:
 _NAME_MAX, _PATH_MAX = 255, 1024
 
 
+def _not_text(path: str) -> str:
+    """Why ``path``, holding lone surrogates, is refused. A file name whose
+    bytes are not UTF-8 is read with each such byte as one (U+DC80-U+DCFF):
+    it was told as holding "a NUL, or a lone surrogate", where the operator
+    has a name in another encoding; said with its bytes, as the disk has it."""
+    try:
+        as_on_disk = path.encode("utf-8", "surrogateescape")
+        as_on_disk.decode("utf-8")
+    except UnicodeDecodeError:
+        return f"file path {as_on_disk[:80]!r} is not UTF-8 text, as the log's file names are"
+    except UnicodeEncodeError:
+        pass
+    return f"file path {path[:80]!r} holds a lone surrogate, which no file name can"
+
+
 def relative_file(path: str) -> PurePosixPath:
     """A file path inside a revision, refused if it could point outside it,
     if no file system could hold it (found only when the file is fetched,
@@ -77,11 +92,9 @@ def relative_file(path: str) -> PurePosixPath:
     try:
         encoded = path.encode("utf-8")
     except UnicodeEncodeError:
-        encoded = b"\0"  # a lone surrogate: no file name's bytes either
+        raise RegistryError(_not_text(path)) from None
     if b"\0" in encoded:
-        raise RegistryError(
-            f"file path {path[:80]!r} holds what no file name can (a NUL, or a lone surrogate)"
-        )
+        raise RegistryError(f"file path {path[:80]!r} holds a NUL, which no file name can")
     # A file's name is shown, logged and made a path: held to what a terminal
     # acts on, not to every format character as a source typed in is (a
     # joiner in a registry's file name is text).
@@ -471,30 +484,61 @@ _PARTIAL = ".partial."
 _LOCK_FILE = ".fetching"
 
 
+_STARTING = ".starting."
+
+
 def _partial_folder(parent: Path, name: str) -> tuple[Path, int]:
     """A new folder for one fetch's partial copies, in ``parent``, and the
     descriptor of its lock file. Made under another name and renamed once
-    locked, so that no fetch ever sees it unlocked."""
-    try:
-        starting = Path(tempfile.mkdtemp(dir=parent, prefix=f".{name}.starting."))
-    except OSError as error:  # told of the folder it was to be made in, not of a random name
-        raise OSError(error.errno, error.strerror, str(parent)) from None
-    held = os.open(starting / _LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        with suppress(OSError):  # no lock here: the folder is never taken for abandoned
-            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        partials = parent / starting.name.replace(".starting.", _PARTIAL, 1)
-        starting.rename(partials)
-    except BaseException:
-        os.close(held)
-        shutil.rmtree(starting, ignore_errors=True)
-        raise
+    locked, so that no fetch ever sees it unlocked; while it is made, a
+    shared lock on ``parent`` tells the fetches that would delete one a
+    killed fetch left under that name (:func:`_delete_abandoned`) that it
+    is not abandoned."""
+    with _lock_on(parent, fcntl.LOCK_SH):
+        try:
+            starting = Path(tempfile.mkdtemp(dir=parent, prefix=f".{name}{_STARTING}"))
+        except OSError as error:  # told of the folder it was to be made in, not of a random name
+            raise OSError(error.errno, error.strerror, str(parent)) from None
+        held = os.open(starting / _LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            with suppress(OSError):  # no lock here: the folder is never taken for abandoned
+                fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            partials = parent / starting.name.replace(_STARTING, _PARTIAL, 1)
+            starting.rename(partials)
+        except BaseException:
+            os.close(held)
+            shutil.rmtree(starting, ignore_errors=True)
+            raise
     return partials, held
+
+
+@contextmanager
+def _lock_on(folder: Path, operation: int) -> Iterator[bool]:
+    """A lock (flock) on ``folder`` itself for the span of the ``with``: whether
+    it was had (none on a file system without locks, or held otherwise with
+    ``LOCK_NB``)."""
+    descriptor = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        try:
+            fcntl.flock(descriptor, operation)
+        except OSError:
+            yield False
+        else:
+            yield True
+    finally:
+        os.close(descriptor)  # and with it the lock
 
 
 def _delete_abandoned(parent: Path) -> None:
     """Delete the folders of partial copies in ``parent`` whose fetch has
-    ended: their lock file is there, and its lock can be taken."""
+    ended: their lock file is there, and its lock can be taken. And those a
+    fetch killed as it made one left under the name it starts with: with no
+    fetch making one (none holds ``parent``'s shared lock), any is abandoned
+    (the next fetches found none, and it stayed for good)."""
+    with _lock_on(parent, fcntl.LOCK_EX | fcntl.LOCK_NB) as none_starting:
+        if none_starting:
+            for folder in parent.glob(f".*{_STARTING}*"):
+                shutil.rmtree(folder, ignore_errors=True)
     for folder in parent.glob(f".*{_PARTIAL}*"):
         try:
             found = os.open(folder / _LOCK_FILE, os.O_RDWR | os.O_NOFOLLOW)

@@ -51,12 +51,19 @@ _t = events_table.c
 _rows = sa.select(_t.revision, _t.state)
 
 
+def within_head(revision: int, head: int) -> None:
+    """Refuse a revision the log does not reach: a reader asking for what
+    comes after it is on another log, or on one restored from an older
+    backup, and an empty answer would tell it nothing changed."""
+    if revision > head:
+        raise Refused(f"revision {revision} is beyond the head of the log ({head})")
+
+
 def resolve_revision(conn: Connection, head: int, revision: int) -> int:
     """The transaction boundary at or before ``revision``."""
     if revision < 0:
         raise Refused(f"revision {revision} is not a revision (they start at 1; 0 is the config)")
-    if revision > head:
-        raise Refused(f"revision {revision} is beyond the head of the log ({head})")
+    within_head(revision, head)
     at = _row(conn, _rows.where(_t.revision <= revision).order_by(_t.revision.desc()))
     if at is None:
         return 0

@@ -39,7 +39,7 @@ from catalog_es.cli.base import (
     stopped_when_asked,
     warnings_to,
 )
-from catalog_es.errors import PIECE_LENGTH, DamagedLog, json_in_pieces, json_line
+from catalog_es.errors import PIECE_LENGTH, DamagedLog, Refused, json_in_pieces, json_line
 from catalog_es.inputs import DeclaredConfig
 from catalog_es.persistence import PullingSubscription, database_unusable
 from catalog_es.spec import Adapter, Origin
@@ -534,6 +534,39 @@ def test_an_option_given_empty_is_refused_not_taken_for_its_default(
     result = CliRunner().invoke(cli, args)
     assert result.exit_code == 1, (result.stdout, result.stderr)
     assert result.stderr.startswith(told) and result.stderr.count("\n") == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["catalog.yaml"]  # nothing made
+
+
+@pytest.mark.parametrize(
+    ("variable", "args", "what"),
+    [
+        ("CATALOG_ES_DB", ["model", "list"], "a database URL"),
+        ("CATALOG_ES_CONFIG", ["model", "list"], "a config file"),
+        ("CATALOG_ES_TOKENS", ["token", "list"], "a tokens file"),
+        ("CATALOG_ES_MIRROR", ["model", "updates"], "a mirror directory"),
+        ("CATALOG_ES_WEIGHTS", ["model", "updates", "--mirror", "."], "a weights directory"),
+    ],
+)
+def test_a_variable_set_empty_is_refused_as_its_option_given_empty_is(
+    tmp_path: Path,
+    write: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    variable: str,
+    args: list[str],
+    what: str,
+) -> None:
+    """`CATALOG_ES_DB=$URL` with the variable unset was taken as unset: a
+    read made ./catalog.db and listed it, and the config, tokens and weights
+    fell back to the working directory's, where `--db ''` and the others are
+    refused (hostile test)."""
+    monkeypatch.chdir(tmp_path)
+    write("catalog.yaml", config_yaml(spec("declared")).encode())
+    monkeypatch.setenv("CATALOG_ES_DB", f"sqlite:///{tmp_path}/from-env.db")
+    monkeypatch.setenv(variable, "")
+    result = CliRunner().invoke(cli, args)
+    assert refused_in_one_line(result) == (
+        f"error: ${variable} is set but empty: give {what}, or unset it"
+    )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["catalog.yaml"]  # nothing made
 
 
@@ -1199,6 +1232,42 @@ def test_a_config_number_yaml_versions_read_differently_is_refused(run: Run, wri
     )
 
 
+@pytest.mark.parametrize(
+    ("tagged", "problem"),
+    [
+        ("!!map abc", "!!map is for a mapping, not a scalar"),
+        ("!<tag:yaml.org,2002:map> abc", "!!map is for a mapping, not a scalar"),
+        ("!!seq abc", "!!seq is for a sequence, not a scalar"),
+        ("!!str [1]", "!!str is for a scalar, not a sequence"),
+        ("!!set [a]", "!!set is for a mapping, not a sequence"),
+        ("!!omap abc", "!!omap is for a sequence, not a scalar"),
+        ("!!bool maybe", "'maybe' is not true or false"),
+        ("!!float x", "'x' is not a number"),
+        ("!!timestamp abc", "'abc' is not a date or a time"),
+        ("!!null abc", "'abc' is not null"),
+    ],
+)
+def test_a_yaml_tag_on_what_it_cannot_read_is_refused_saying_where(
+    run: Run, write: Any, rows: Callable[[], int], tagged: str, problem: str
+) -> None:
+    """`!!map abc` was refused as "not enough values to unpack", `!!bool maybe`
+    and `!!timestamp abc` as an unexpected KeyError and AttributeError,
+    `!!float x` with no place, and `!!null abc` read as null, its text dropped:
+    in a definition, an apply and the declared config alike. Each is now one
+    line saying what the tag cannot read, and where."""
+    _seeded(run, write)
+    before = rows()
+    for given, after, content, place in (
+        ("model add", "", f"name: {tagged}\n", "line 1, column 7"),
+        ("apply", "", f"- remove: {tagged}\n", "line 1, column 11"),
+        ("--config", "model list", f"models:\n  - name: {tagged}\n", "line 2, column 11"),
+    ):
+        path = write("tagged.yaml", content.encode())
+        line = refused_in_one_line(run(*given.split(), path, *after.split()))
+        assert line == f"error: {path}: {problem} ({place})", given
+    assert rows() == before
+
+
 def test_a_leading_zero_both_yaml_versions_read_alike_is_a_number(run: Run, write: Any) -> None:
     definition = write(
         "zeros.yaml",
@@ -1251,6 +1320,28 @@ def test_a_missing_config_file_is_refused_in_one_line(run: Run) -> None:
     assert "absent.yaml: cannot read the config" in line
 
 
+@pytest.mark.parametrize(
+    ("made", "said"),
+    [
+        (lambda path: path.mkdir(), "Is a directory"),
+        (lambda path: path.write_bytes(b"models: [caf\xe9]\n"), "not UTF-8 text"),
+        (lambda path: None, "No such file or directory"),
+    ],
+    ids=["a-folder", "latin-1", "absent"],
+)
+def test_a_config_that_cannot_be_read_is_told_as_a_definition_file_is(
+    run: Run, tmp_path: Path, made: Callable[[Path], object], said: str
+) -> None:
+    """`--config conf` on a folder said `cannot read the config: [Errno 21] Is
+    a directory: 'conf'`, and on Latin-1 text `'utf-8' codec can't decode byte
+    0xe9 in position 13: invalid continuation byte`: Python's words, where
+    `model add` on the same files says `Is a directory` and `not UTF-8 text`."""
+    path = tmp_path / "conf"
+    made(path)
+    line = refused_in_one_line(run("--config", str(path), "model", "list"))
+    assert line == f"error: {path}: cannot read the config: {said}"
+
+
 def test_a_declared_cpu_model_without_memory_shows_with_a_warning(run: Run, write: Any) -> None:
     kubeai = "/work/shared/data/kubeai-catalog.yaml"
     result = ok(run("--config", kubeai, "model", "show", "opt-125m-cpu"))
@@ -1268,6 +1359,28 @@ def test_revision_is_the_head_of_the_log(run: Run, write: Any) -> None:
     ok(run("model", "scale", "m", "--max", "3"))
     assert ok(run("revision")).stdout == "2\n"
     assert json.loads(ok(run("--json", "revision")).stdout) == {"revision": 2}
+
+
+def test_log_after_a_revision_past_the_head_is_refused_as_watch_from_it_is(
+    run: Run, write: Any, rows: Callable[[], int]
+) -> None:
+    """A follower asking for the events after the revision it last saw, on a
+    log since restored from an older backup, got an empty table and exit 0
+    from `log --after` (nothing new, it took it), where `watch --from` refuses.
+    Now `log` refuses it too, in the same line; the head itself reads empty."""
+    _seeded(run, write)
+    ok(run("model", "scale", "m", "--max", "2"))  # the log is at revision 2
+    before = rows()
+    told = "error: revision 3 is beyond the head of the log (2)"
+    for args in (
+        ["log", "--after", "3"],
+        ["log", "--json", "--after", "3"],
+        ["log", "--model", "m", "--after", "3"],
+        ["watch", "--from", "3"],
+    ):
+        assert refused_in_one_line(run(*args)) == told, args
+    assert rows() == before
+    assert ok(run("log", "--json", "--after", "2")).stdout == ""
 
 
 def test_log_json_prints_one_object_per_event_with_the_documented_keys(
@@ -1342,13 +1455,16 @@ def test_log_read_a_page_at_a_time_is_the_log_as_it_stood_when_asked(
     models.apply_changes(scales, by="ops")
     head = len(list(models.log_events()))
     assert head > 20
-    for after in (0, 1, 7, head - 1, head, head + 5):
+    for after in (0, 1, 7, head - 1, head):
         for limit in (None, 1, 3, 4, 10):
             for model in (None, "a", "b", "c"):
                 asked = (after, limit, model)
                 whole = models.log_events(after=after, limit=limit, model=model, max_bytes=1 << 30)
                 paged = models.log_events(after=after, limit=limit, model=model)
                 assert list(paged) == list(whole), asked
+    for max_bytes in (1 << 30, None):  # past the head, both are refused as they are asked
+        with pytest.raises(Refused, match=f"revision {head + 5} is beyond the head"):
+            models.log_events(after=head + 5, model="a", max_bytes=max_bytes)
     reading = models.log_events()
     first = next(reading)
     models.scale("a", 0, 99, by="ops")

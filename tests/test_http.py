@@ -1068,6 +1068,17 @@ def _watch_threads() -> int:
     return sum(1 for t in threading.enumerate() if t.name.startswith("catalog-es-watch"))
 
 
+def test_log_after_a_revision_past_the_head_is_refused_as_events_from_it_is(api: Api) -> None:
+    """``GET /log?after=99`` answered ``[]`` where ``/events?from=99`` is
+    refused: a follower on a log restored from an older backup read that
+    as nothing new. Both are refused now, in the same words."""
+    api.post("/models", definition("qwen"))
+    told = f"revision 99 is beyond the head of the log ({api.models.revision})"
+    assert refused(api.get("/log", params={"after": 99}), 422) == told
+    assert refused(api.get("/events", params={"from": 99}), 422) == told
+    assert ok(api.get("/log", params={"after": api.models.revision})) == []
+
+
 def test_watch_streams_changes_after_a_revision_then_live(api: Api) -> None:
     api.post("/models", definition("qwen"))
     api.post("/models/qwen/scale", {"max": 4})
@@ -1639,6 +1650,40 @@ def test_a_mistyped_tokens_path_is_refused_not_taken_for_an_empty_file(tmp_path:
     assert (refused.exit_code, refused.stdout) == (1, "")
     assert refused.stderr == f"error: {folder}: no such directory; make it first\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == [".t.json.lock", "t.json"]
+
+
+@pytest.mark.parametrize(
+    ("edit", "unknown"),
+    [
+        (lambda kept: {"Tokens": kept["tokens"]}, "Object contains unknown field `Tokens`"),
+        (
+            lambda kept: {"tokens": [{**kept["tokens"][0], "expires": "2020-01-01T00:00:00Z"}]},
+            "Object contains unknown field `expires` - at `$.tokens[0]`",
+        ),
+    ],
+    ids=["misspelt-key", "hand-added-field"],
+)
+def test_a_tokens_file_with_a_key_it_does_not_have_is_refused_not_written_back_without_it(
+    tmp_path: Path, edit: Callable[[dict[str, Any]], dict[str, Any]], unknown: str
+) -> None:
+    """A hand-edited file with a misspelt key listed no tokens, or a token
+    with an expiry no release reads as it was; the next `token add` wrote it
+    back without what it did not know (the tokens under `Tokens`, lost). Now
+    every token command refuses it, as it does any other malformed file."""
+    runner = CliRunner()
+    tokens = tmp_path / "t.json"
+    made = runner.invoke(cli, ["token", "add", "alice", "--role", "admin", "--tokens", str(tokens)])
+    assert made.exit_code == 0, made.stderr
+    tokens.write_text(json.dumps(edit(json.loads(tokens.read_text()))))
+    edited = tokens.read_bytes()
+    for args in (["token", "list"], ["token", "add", "bob"], ["token", "remove", "abc"]):
+        refused = runner.invoke(cli, [*args, "--tokens", str(tokens)])
+        assert (refused.exit_code, refused.stdout, refused.stderr) == (
+            1,
+            "",
+            f"error: {tokens}: not a tokens file: {unknown}\n",
+        ), args
+    assert tokens.read_bytes() == edited
 
 
 def test_tokens_added_at_once_are_all_kept(tmp_path: Path) -> None:

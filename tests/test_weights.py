@@ -559,7 +559,8 @@ def test_weights_given_in_part_are_no_weights_to_go_back_to(world: World) -> Non
 @pytest.mark.parametrize(
     ("name", "why"),
     [
-        pytest.param("\udcff.bin", "lone surrogate", id="not-utf8"),
+        # Told as holding "a NUL, or a lone surrogate": what its bytes are is what the operator has.
+        pytest.param("\udcff.bin", "b'\\xff.bin' is not UTF-8 text", id="not-utf8"),
         pytest.param("a\nb.bin", "holds U+000A, which a terminal acts on", id="newline"),
         pytest.param("a\x1b[2Jb.bin", "holds U+001B, which a terminal acts on", id="escape"),
         pytest.param("evil\u202egpj.exe", "holds U+202E, which a terminal acts on", id="bidi"),
@@ -1009,6 +1010,33 @@ def test_the_partial_copies_of_a_killed_fetch_are_deleted_by_the_next(
     tracked.update("m", by="bob")
     assert sorted(p.name for p in repository.iterdir()) == sorted([world.c1, c2])
     assert verify(repository / c2, origin_of("org/m", c2, V2).files, world.store) == []
+
+
+def test_the_folder_of_a_fetch_killed_as_it_started_is_deleted_by_the_next(
+    world: World, tracked: Weights
+) -> None:
+    """A fetch makes its partial folder under a name of its own
+    (``.COMMIT.starting.*``) and renames it once locked: killed in between,
+    it left that folder for good, as the next fetches looked only for partial
+    ones. They delete it now, unless a fetch is making one as they look
+    (which holds a shared lock on the repository's folder meanwhile)."""
+    c2 = world.mirror.publish("org/m", V2)
+    repository = world.store / "org/m"
+    killed = [repository / f".{c2}.starting.{which}" for which in ("empty", "unlocked")]
+    for folder in killed:
+        folder.mkdir(parents=True)
+    (killed[1] / ".fetching").touch()
+    descriptor = os.open(repository, os.O_RDONLY)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_SH)  # as a fetch making one holds it
+        tracked.update("m", world.c1, by="bob")
+    finally:
+        os.close(descriptor)
+    assert sorted(p.name for p in repository.iterdir()) == sorted(
+        [world.c1, *(f.name for f in killed)]
+    )
+    tracked.update("m", by="bob")
+    assert sorted(p.name for p in repository.iterdir()) == sorted([world.c1, c2])
 
 
 def test_a_partial_folder_whose_fetch_cannot_be_told_ended_is_kept(

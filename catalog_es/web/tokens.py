@@ -50,7 +50,10 @@ class Role(enum.IntEnum):
     admin = 3  # rollback
 
 
-class TokenEntry(msgspec.Struct, frozen=True):
+# A key the file does not have (a misspelt one, a hand-added expiry) is
+# refused, not ignored: ignored, it would not do what its writer meant, and
+# the next `token add` or `token remove` would write the file back without it.
+class TokenEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One token as the file keeps it."""
 
     id: str
@@ -61,7 +64,7 @@ class TokenEntry(msgspec.Struct, frozen=True):
     created: datetime
 
 
-class TokensFile(msgspec.Struct):
+class TokensFile(msgspec.Struct, forbid_unknown_fields=True):
     tokens: list[TokenEntry] = []
 
 
