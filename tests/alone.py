@@ -20,6 +20,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -31,6 +33,9 @@ CHILD_SECONDS = 900
 # Where the workers of one run share it: made by the controller, given to each.
 PLACE = "catalog_es_alone_place"
 _place_key = pytest.StashKey[Path]()
+
+# How long an ``alone`` test waits for the threads of the tests before it to end.
+THREADS_END_SECONDS = 15
 
 _told: dict[str, dict[str, str]] = {}
 
@@ -51,6 +56,27 @@ def pytest_configure(config: pytest.Config) -> None:
         config.pluginmanager.register(_Reporter(Path(reports)))
     if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
         config.stash[_place_key] = Path(tempfile.mkdtemp(prefix="catalog-es-alone-"))
+
+
+def pytest_runtest_call(item: pytest.Item) -> None:
+    """Where an ``alone`` test runs (not a worker, which only reads what it
+    told): once the threads the tests before it started have ended. A
+    server's, a proxy's end soon after their test, later on a loaded
+    machine: one still running made a split replay run whole, and its test
+    fail (once, in a run of many test files in one process)."""
+    if item.get_closest_marker("alone") is None or hasattr(item.config, "workerinput"):
+        return
+    deadline = time.monotonic() + THREADS_END_SECONDS
+    while _threads() > 1:
+        if time.monotonic() > deadline:
+            running = ", ".join(thread.name for thread in threading.enumerate())
+            pytest.fail(f"threads of earlier tests still run ({running})", pytrace=False)
+        time.sleep(0.05)
+
+
+def _threads() -> int:
+    """This process's threads, as the system counts them (:func:`projections.catalog._alone`)."""
+    return sum(1 for _ in Path("/proc/self/task").iterdir())
 
 
 @pytest.hookimpl(optionalhook=True)
