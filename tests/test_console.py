@@ -779,3 +779,35 @@ def test_console_says_when_it_cannot_follow_the_log_or_the_log_went_back(
         page.click("#went-back-dismiss")
         expect(page.locator("#went-back")).to_have_count(0)
     models.close()
+
+
+def test_the_revision_picker_keeps_the_keyboards_focus_as_it_steps(
+    browser: BrowserContext, tmp_path: Path
+) -> None:
+    """Each step of the slider, the number box or the tick redraws the page:
+    the control stepped on was replaced, the focus fell to the page, and a
+    keyboard user's second arrow key did nothing (hostile test). The control
+    keeps the focus, so the arrows walk through the past."""
+    config = tmp_path / "catalog.yaml"
+    config.write_text(DECLARED_YAML)
+    models = Models(load_config(str(config)), env={"CATALOG_ES_DB": f"sqlite:///{tmp_path}/c.db"})
+    _history(models)  # revisions 1–5
+    with signed_in(browser, models, tmp_path, "/console/#/models") as (page, url):
+        expect(page.locator("#page h1 small")).to_have_text("now, revision 5")
+        page.focus("#revision")
+        for at in (4, 3):
+            page.keyboard.press("ArrowLeft")
+            expect(page).to_have_url(f"{url}/console/#/models?at={at}")
+            expect(page.locator("#page h1 small")).to_have_text(f"at revision {at}")
+            expect(page.locator("#revision")).to_be_focused()
+        page.keyboard.press("Tab")
+        page.keyboard.press("ArrowUp")
+        page.keyboard.press("Enter")
+        expect(page).to_have_url(f"{url}/console/#/models?at=4")
+        expect(page.locator("#revision-number")).to_be_focused()
+        page.focus("#declared-then")
+        page.keyboard.press("Space")
+        expect(page).to_have_url(f"{url}/console/#/models?at=4&declared=then")
+        expect(page.locator("#declared-then")).to_be_checked()
+        expect(page.locator("#declared-then")).to_be_focused()
+    models.close()

@@ -780,8 +780,13 @@ async function render() {
     const content = where.page === "model" ? await modelPage(where.name, at) : await modelsPage(at, where.filter);
     if (number !== state.rendering) return; // a newer draw started meanwhile
     const flash = state.flash && Date.now() < state.flash.until ? h("p", { class: "ok", id: "flash" }, state.flash.text) : "";
+    const active = document.activeElement;
     // Someone typing in the filter as a change redraws the page keeps typing.
-    const typing = document.activeElement && document.activeElement.id === "filter" ? document.activeElement : null;
+    const typing = active && active.id === "filter" ? active : null;
+    // A control stepped on with the keyboard (the slider, the number box, the
+    // tick) keeps the focus across the redraw the step causes: it fell to the
+    // page, and the next arrow key did nothing.
+    const kept = active && active.id && $("#page").contains(active) ? active.id : null;
     $("#page").replaceChildren(flash, wentBack(), h("p", { id: "behind", class: "note" }), ...content);
     state.shown = location.hash;
     if (typing) {
@@ -792,6 +797,8 @@ async function render() {
       }
       search.focus();
       search.setSelectionRange(typing.selectionStart, typing.selectionEnd);
+    } else if (kept) {
+      document.getElementById(kept)?.focus();
     }
     document.title = where.page === "model" ? `${where.name} · catalog-es` : "Models · catalog-es";
   } catch (error) {
