@@ -13,13 +13,13 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 from fastapi import FastAPI
-from playwright.sync_api import BrowserContext, Page, expect, sync_playwright
+from playwright.sync_api import BrowserContext, Page, Route, expect, sync_playwright
 
 from catalog_es import commands
 from catalog_es.application import Models
@@ -810,4 +810,31 @@ def test_the_revision_picker_keeps_the_keyboards_focus_as_it_steps(
         expect(page).to_have_url(f"{url}/console/#/models?at=4&declared=then")
         expect(page.locator("#declared-then")).to_be_checked()
         expect(page.locator("#declared-then")).to_be_focused()
+    models.close()
+
+
+def _a_proxys_page(status: int) -> Callable[[Route], None]:
+    """A route handler answering ``status`` with a proxy's HTML page."""
+    return lambda route: route.fulfill(
+        status=status, content_type="text/html", body="<html>proxy</html>"
+    )
+
+
+def test_an_answer_not_from_the_api_is_told_by_its_status(
+    browser: BrowserContext, tmp_path: Path
+) -> None:
+    """A proxy's error page was told by its status's text alone (none at all
+    over HTTP/2: a blank page), and its sign-in page, a 200, was read as the
+    catalog: "Cannot read properties of null (reading 'filter')" (hostile
+    test). Both are told by their status, as not the API's answer."""
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": f"sqlite:///{tmp_path}/c.db"})
+    with signed_in(browser, models, tmp_path, "/console/#/models") as (page, _url):
+        expect(page.locator("#models")).to_have_count(1)
+        for status, told in ((502, "502 Bad Gateway"), (200, "200 OK")):
+            page.route("**/models", _a_proxys_page(status))
+            page.evaluate(f"() => location.hash = '#/models?q={status}'")
+            expect(page.locator("#error")).to_have_text(
+                f"the server answered {told}, not the catalog's API (a proxy in the way?)"
+            )
+            page.unroute("**/models")
     models.close()

@@ -56,8 +56,19 @@ async function api(path, { method = "GET", body, ifMatch } = {}) {
   });
   const data = await response.json().catch(() => null);
   if (response.status === 401) signOut(data && data.error);
-  if (!response.ok) throw new ApiError(response.status, (data && data.error) || response.statusText);
+  // A 200 that is no JSON (a proxy's sign-in page) was read as the answer
+  // and failed as a script ("Cannot read properties of null").
+  if (!response.ok || data === null) throw new ApiError(response.status, said(response, data));
   return data;
+}
+
+// What an answer says went wrong: the API's one line or, from something in
+// the way (a proxy's error page), its status. The status's text alone was
+// shown, and over HTTP/2 there is none: a blank page, no word of why.
+function said(response, data) {
+  if (data && typeof data.error === "string") return data.error;
+  const status = `${response.status} ${response.statusText}`.trim();
+  return `the server answered ${status}, not the catalog's API (a proxy in the way?)`;
 }
 
 // The head of the log as the server has it now. Lower than the one this page
@@ -229,7 +240,7 @@ async function follow() {
     }
     if (!response.ok) {
       const data = await response.json().catch(() => null);
-      const why = (data && data.error) || response.statusText;
+      const why = said(response, data);
       live(false, `the server refused the stream (${response.status}: ${why})`);
       // Refused as past the head: the log went back under the page (422
       // "revision 4 is beyond the head of the log (2)", every 2 s, while the
