@@ -838,3 +838,18 @@ def test_an_answer_not_from_the_api_is_told_by_its_status(
             )
             page.unroute("**/models")
     models.close()
+
+
+def test_a_server_that_cannot_be_reached_is_told_so(
+    browser: BrowserContext, tmp_path: Path
+) -> None:
+    """The server stopped while the page was open: a page then opened said
+    only the browser's "Failed to fetch" (hostile test). It says the server
+    did not answer."""
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": f"sqlite:///{tmp_path}/c.db"})
+    with signed_in(browser, models, tmp_path, "/console/#/models") as (page, _url):
+        expect(page.locator("#models")).to_have_count(1)
+        page.route("**/revision", lambda route: route.abort("connectionrefused"))
+        page.evaluate("() => location.hash = '#/models?q=down'")
+        expect(page.locator("#error")).to_have_text("No answer from the server (Failed to fetch).")
+    models.close()

@@ -47,13 +47,20 @@ async function api(path, { method = "GET", body, ifMatch } = {}) {
   const headers = { Authorization: `Bearer ${token()}` };
   if (body !== undefined) headers["Content-Type"] = "application/json";
   if (ifMatch !== undefined) headers["If-Match"] = String(ifMatch);
-  const response = await fetch(path, {
-    method,
-    headers,
-    body: body === undefined ? undefined : JSON.stringify(body),
-    // An answer that never comes must not hold up the next redraw for good.
-    signal: AbortSignal.timeout(API_TIMEOUT_MS),
-  });
+  let response;
+  try {
+    response = await fetch(path, {
+      method,
+      headers,
+      body: body === undefined ? undefined : JSON.stringify(body),
+      // An answer that never comes must not hold up the next redraw for good.
+      signal: AbortSignal.timeout(API_TIMEOUT_MS),
+    });
+  } catch (error) {
+    // The server stopped, or out of reach: the browser's words alone
+    // ("Failed to fetch", "signal timed out") were shown.
+    throw new Error(`No answer from the server (${error.message}).`);
+  }
   const data = await response.json().catch(() => null);
   if (response.status === 401) signOut(data && data.error);
   // A 200 that is no JSON (a proxy's sign-in page) was read as the answer
