@@ -853,3 +853,28 @@ def test_a_server_that_cannot_be_reached_is_told_so(
         page.evaluate("() => location.hash = '#/models?q=down'")
         expect(page.locator("#error")).to_have_text("No answer from the server (Failed to fetch).")
     models.close()
+
+
+def test_a_revision_that_was_the_head_follows_the_log_once_it_moves(
+    browser: BrowserContext, tmp_path: Path
+) -> None:
+    """A model's newest history entry links to the head's revision, drawn as
+    now: once the log moved on, the page kept saying "now, revision 5" over
+    the old definition, its Now button disabled (hostile test). It is
+    redrawn as the past it now is, with the diff to now."""
+    config = tmp_path / "catalog.yaml"
+    config.write_text(DECLARED_YAML)
+    models = Models(load_config(str(config)), env={"CATALOG_ES_DB": f"sqlite:///{tmp_path}/c.db"})
+    _history(models)  # revisions 1–5, qwen's owner set last
+    address = "/console/#/model/qwen2.5-7b-instruct"
+    with signed_in(browser, models, tmp_path, address) as (page, url):
+        page.locator('#history li[data-revision="5"] a').click()
+        expect(page).to_have_url(f"{url}/console/#/model/qwen2.5-7b-instruct?at=5")
+        heading = page.locator("#page h1 small")
+        expect(heading).to_have_text(" now, revision 5")
+        models.scale("qwen2.5-7b-instruct", 0, 9, by="elsewhere")
+        expect(heading).to_have_text(" at revision 5")
+        expect(page.locator("#definition")).to_contain_text("1..4")
+        expect(page.locator("#diff")).to_contain_text('{"min":0,"max":9}')
+        expect(page.locator("#now")).to_be_enabled()
+    models.close()

@@ -10,7 +10,9 @@ const TOKEN_KEY = "catalog-es-token";
 const API_TIMEOUT_MS = 60000;
 // ``lost``: the log went back under this page (a restored backup, a failover),
 // the heads before and after, told until dismissed or signing out.
-const state = { head: 0, me: null, follow: null, rendering: 0, flash: null, shown: null, lost: null };
+// ``shownNow``: the page ``shown`` was drawn as now (a revision asked for
+// that was the head is).
+const state = { head: 0, me: null, follow: null, rendering: 0, flash: null, shown: null, shownNow: false, lost: null };
 
 // -- small helpers -------------------------------------------------------------
 
@@ -314,9 +316,13 @@ function redrawSoon() {
 function changed(event) {
   if (event.revision <= state.head) return;
   state.head = event.revision;
-  // Redraw only the view of now, and never under an open rollback preview;
-  // a view of the past just learns that the log moved on.
-  if (route().at !== null || $(".rollback.open")) {
+  // Redraw only the view of now (or a page still being drawn), and never
+  // under an open rollback preview; a view of the past just learns that the
+  // log moved on. A revision asked for that was the head is drawn as now: it
+  // went on saying "now" over what the log had left, its Now button disabled;
+  // redrawn, it is the past it has become.
+  const past = state.shown === location.hash && !state.shownNow;
+  if (past || $(".rollback.open")) {
     const behind = $("#behind");
     if (behind) behind.textContent = `The log has moved on: now at revision ${state.head}.`;
     return;
@@ -807,6 +813,7 @@ async function render() {
     const kept = active && active.id && $("#page").contains(active) ? active.id : null;
     $("#page").replaceChildren(flash, wentBack(), h("p", { id: "behind", class: "note" }), ...content);
     state.shown = location.hash;
+    state.shownNow = at === null;
     if (typing) {
       const search = $("#filter");
       if (search.value !== typing.value) {
