@@ -13,13 +13,13 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 from fastapi import FastAPI
-from playwright.sync_api import BrowserContext, Page, expect, sync_playwright
+from playwright.sync_api import BrowserContext, Page, Route, expect, sync_playwright
 
 from catalog_es import commands
 from catalog_es.application import Models
@@ -778,4 +778,103 @@ def test_console_says_when_it_cannot_follow_the_log_or_the_log_went_back(
         expect(page.locator('#models tr[data-model="m"]')).to_contain_text("0..5")
         page.click("#went-back-dismiss")
         expect(page.locator("#went-back")).to_have_count(0)
+    models.close()
+
+
+def test_the_revision_picker_keeps_the_keyboards_focus_as_it_steps(
+    browser: BrowserContext, tmp_path: Path
+) -> None:
+    """Each step of the slider, the number box or the tick redraws the page:
+    the control stepped on was replaced, the focus fell to the page, and a
+    keyboard user's second arrow key did nothing (hostile test). The control
+    keeps the focus, so the arrows walk through the past."""
+    config = tmp_path / "catalog.yaml"
+    config.write_text(DECLARED_YAML)
+    models = Models(load_config(str(config)), env={"CATALOG_ES_DB": f"sqlite:///{tmp_path}/c.db"})
+    _history(models)  # revisions 1–5
+    with signed_in(browser, models, tmp_path, "/console/#/models") as (page, url):
+        expect(page.locator("#page h1 small")).to_have_text("now, revision 5")
+        page.focus("#revision")
+        for at in (4, 3):
+            page.keyboard.press("ArrowLeft")
+            expect(page).to_have_url(f"{url}/console/#/models?at={at}")
+            expect(page.locator("#page h1 small")).to_have_text(f"at revision {at}")
+            expect(page.locator("#revision")).to_be_focused()
+        page.keyboard.press("Tab")
+        page.keyboard.press("ArrowUp")
+        page.keyboard.press("Enter")
+        expect(page).to_have_url(f"{url}/console/#/models?at=4")
+        expect(page.locator("#revision-number")).to_be_focused()
+        page.focus("#declared-then")
+        page.keyboard.press("Space")
+        expect(page).to_have_url(f"{url}/console/#/models?at=4&declared=then")
+        expect(page.locator("#declared-then")).to_be_checked()
+        expect(page.locator("#declared-then")).to_be_focused()
+    models.close()
+
+
+def _a_proxys_page(status: int) -> Callable[[Route], None]:
+    """A route handler answering ``status`` with a proxy's HTML page."""
+    return lambda route: route.fulfill(
+        status=status, content_type="text/html", body="<html>proxy</html>"
+    )
+
+
+def test_an_answer_not_from_the_api_is_told_by_its_status(
+    browser: BrowserContext, tmp_path: Path
+) -> None:
+    """A proxy's error page was told by its status's text alone (none at all
+    over HTTP/2: a blank page), and its sign-in page, a 200, was read as the
+    catalog: "Cannot read properties of null (reading 'filter')" (hostile
+    test). Both are told by their status, as not the API's answer."""
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": f"sqlite:///{tmp_path}/c.db"})
+    with signed_in(browser, models, tmp_path, "/console/#/models") as (page, _url):
+        expect(page.locator("#models")).to_have_count(1)
+        for status, told in ((502, "502 Bad Gateway"), (200, "200 OK")):
+            page.route("**/models", _a_proxys_page(status))
+            page.evaluate(f"() => location.hash = '#/models?q={status}'")
+            expect(page.locator("#error")).to_have_text(
+                f"the server answered {told}, not the catalog's API (a proxy in the way?)"
+            )
+            page.unroute("**/models")
+    models.close()
+
+
+def test_a_server_that_cannot_be_reached_is_told_so(
+    browser: BrowserContext, tmp_path: Path
+) -> None:
+    """The server stopped while the page was open: a page then opened said
+    only the browser's "Failed to fetch" (hostile test). It says the server
+    did not answer."""
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": f"sqlite:///{tmp_path}/c.db"})
+    with signed_in(browser, models, tmp_path, "/console/#/models") as (page, _url):
+        expect(page.locator("#models")).to_have_count(1)
+        page.route("**/revision", lambda route: route.abort("connectionrefused"))
+        page.evaluate("() => location.hash = '#/models?q=down'")
+        expect(page.locator("#error")).to_have_text("No answer from the server (Failed to fetch).")
+    models.close()
+
+
+def test_a_revision_that_was_the_head_follows_the_log_once_it_moves(
+    browser: BrowserContext, tmp_path: Path
+) -> None:
+    """A model's newest history entry links to the head's revision, drawn as
+    now: once the log moved on, the page kept saying "now, revision 5" over
+    the old definition, its Now button disabled (hostile test). It is
+    redrawn as the past it now is, with the diff to now."""
+    config = tmp_path / "catalog.yaml"
+    config.write_text(DECLARED_YAML)
+    models = Models(load_config(str(config)), env={"CATALOG_ES_DB": f"sqlite:///{tmp_path}/c.db"})
+    _history(models)  # revisions 1–5, qwen's owner set last
+    address = "/console/#/model/qwen2.5-7b-instruct"
+    with signed_in(browser, models, tmp_path, address) as (page, url):
+        page.locator('#history li[data-revision="5"] a').click()
+        expect(page).to_have_url(f"{url}/console/#/model/qwen2.5-7b-instruct?at=5")
+        heading = page.locator("#page h1 small")
+        expect(heading).to_have_text(" now, revision 5")
+        models.scale("qwen2.5-7b-instruct", 0, 9, by="elsewhere")
+        expect(heading).to_have_text(" at revision 5")
+        expect(page.locator("#definition")).to_contain_text("1..4")
+        expect(page.locator("#diff")).to_contain_text('{"min":0,"max":9}')
+        expect(page.locator("#now")).to_be_enabled()
     models.close()

@@ -451,6 +451,20 @@ def test_no_answer_can_be_framed_and_the_apis_are_never_cached(api: Api) -> None
         assert stream.headers["cache-control"] == "no-cache"
 
 
+def test_the_consoles_files_are_checked_with_the_server_before_each_use(api: Api) -> None:
+    """The console's files said nothing of caching: a browser kept them for
+    a tenth of their age without asking (a page loaded twice fetched them
+    once), so a server upgraded under it had its old page run against the
+    new API for days (hostile test). They say no-cache: kept, and asked
+    again before each use, a 304 when they are unchanged."""
+    for path in ("/console/", "/console/console.js", "/console/console.css"):
+        answer = api.client.get(path)
+        assert answer.status_code == 200, path
+        assert answer.headers["cache-control"] == "no-cache", path
+        again = api.client.get(path, headers={"If-None-Match": answer.headers["etag"]})
+        assert again.status_code == 304, path
+
+
 def test_what_would_act_on_a_terminal_is_sent_escaped_as_the_cli_prints_it(
     tmp_path: Path, make_models: Callable[..., Models]
 ) -> None:

@@ -10,7 +10,9 @@ const TOKEN_KEY = "catalog-es-token";
 const API_TIMEOUT_MS = 60000;
 // ``lost``: the log went back under this page (a restored backup, a failover),
 // the heads before and after, told until dismissed or signing out.
-const state = { head: 0, me: null, follow: null, rendering: 0, flash: null, shown: null, lost: null };
+// ``shownNow``: the page ``shown`` was drawn as now (a revision asked for
+// that was the head is).
+const state = { head: 0, me: null, follow: null, rendering: 0, flash: null, shown: null, shownNow: false, lost: null };
 
 // -- small helpers -------------------------------------------------------------
 
@@ -47,17 +49,35 @@ async function api(path, { method = "GET", body, ifMatch } = {}) {
   const headers = { Authorization: `Bearer ${token()}` };
   if (body !== undefined) headers["Content-Type"] = "application/json";
   if (ifMatch !== undefined) headers["If-Match"] = String(ifMatch);
-  const response = await fetch(path, {
-    method,
-    headers,
-    body: body === undefined ? undefined : JSON.stringify(body),
-    // An answer that never comes must not hold up the next redraw for good.
-    signal: AbortSignal.timeout(API_TIMEOUT_MS),
-  });
+  let response;
+  try {
+    response = await fetch(path, {
+      method,
+      headers,
+      body: body === undefined ? undefined : JSON.stringify(body),
+      // An answer that never comes must not hold up the next redraw for good.
+      signal: AbortSignal.timeout(API_TIMEOUT_MS),
+    });
+  } catch (error) {
+    // The server stopped, or out of reach: the browser's words alone
+    // ("Failed to fetch", "signal timed out") were shown.
+    throw new Error(`No answer from the server (${error.message}).`);
+  }
   const data = await response.json().catch(() => null);
   if (response.status === 401) signOut(data && data.error);
-  if (!response.ok) throw new ApiError(response.status, (data && data.error) || response.statusText);
+  // A 200 that is no JSON (a proxy's sign-in page) was read as the answer
+  // and failed as a script ("Cannot read properties of null").
+  if (!response.ok || data === null) throw new ApiError(response.status, said(response, data));
   return data;
+}
+
+// What an answer says went wrong: the API's one line or, from something in
+// the way (a proxy's error page), its status. The status's text alone was
+// shown, and over HTTP/2 there is none: a blank page, no word of why.
+function said(response, data) {
+  if (data && typeof data.error === "string") return data.error;
+  const status = `${response.status} ${response.statusText}`.trim();
+  return `the server answered ${status}, not the catalog's API (a proxy in the way?)`;
 }
 
 // The head of the log as the server has it now. Lower than the one this page
@@ -229,7 +249,7 @@ async function follow() {
     }
     if (!response.ok) {
       const data = await response.json().catch(() => null);
-      const why = (data && data.error) || response.statusText;
+      const why = said(response, data);
       live(false, `the server refused the stream (${response.status}: ${why})`);
       // Refused as past the head: the log went back under the page (422
       // "revision 4 is beyond the head of the log (2)", every 2 s, while the
@@ -296,9 +316,13 @@ function redrawSoon() {
 function changed(event) {
   if (event.revision <= state.head) return;
   state.head = event.revision;
-  // Redraw only the view of now, and never under an open rollback preview;
-  // a view of the past just learns that the log moved on.
-  if (route().at !== null || $(".rollback.open")) {
+  // Redraw only the view of now (or a page still being drawn), and never
+  // under an open rollback preview; a view of the past just learns that the
+  // log moved on. A revision asked for that was the head is drawn as now: it
+  // went on saying "now" over what the log had left, its Now button disabled;
+  // redrawn, it is the past it has become.
+  const past = state.shown === location.hash && !state.shownNow;
+  if (past || $(".rollback.open")) {
     const behind = $("#behind");
     if (behind) behind.textContent = `The log has moved on: now at revision ${state.head}.`;
     return;
@@ -780,10 +804,16 @@ async function render() {
     const content = where.page === "model" ? await modelPage(where.name, at) : await modelsPage(at, where.filter);
     if (number !== state.rendering) return; // a newer draw started meanwhile
     const flash = state.flash && Date.now() < state.flash.until ? h("p", { class: "ok", id: "flash" }, state.flash.text) : "";
+    const active = document.activeElement;
     // Someone typing in the filter as a change redraws the page keeps typing.
-    const typing = document.activeElement && document.activeElement.id === "filter" ? document.activeElement : null;
+    const typing = active && active.id === "filter" ? active : null;
+    // A control stepped on with the keyboard (the slider, the number box, the
+    // tick) keeps the focus across the redraw the step causes: it fell to the
+    // page, and the next arrow key did nothing.
+    const kept = active && active.id && $("#page").contains(active) ? active.id : null;
     $("#page").replaceChildren(flash, wentBack(), h("p", { id: "behind", class: "note" }), ...content);
     state.shown = location.hash;
+    state.shownNow = at === null;
     if (typing) {
       const search = $("#filter");
       if (search.value !== typing.value) {
@@ -792,6 +822,8 @@ async function render() {
       }
       search.focus();
       search.setSelectionRange(typing.selectionStart, typing.selectionEnd);
+    } else if (kept) {
+      document.getElementById(kept)?.focus();
     }
     document.title = where.page === "model" ? `${where.name} · catalog-es` : "Models · catalog-es";
   } catch (error) {
