@@ -325,14 +325,19 @@ def test_console_models_history_time_travel_and_rollback(
         page.click("#rollback-again")
         expect(page.locator("#rollback-confirm")).to_have_count(1)
 
-        # An address whose %-escapes are broken is told, not thrown.
+        # An address whose %-escapes are broken is told, not thrown; one with
+        # no name drew a nameless model's page, "not in the catalog".
         page.goto(f"{url}/console/#/model/%E0%A4%A")
-        expect(page.locator("#error")).to_contain_text("This address names no model")
+        expect(page.locator("#error")).to_contain_text("This address names no model: its")
+        page.goto(f"{url}/console/#/model/")
+        expect(page.locator("#error")).to_have_text("This address names no model.")
 
         # A revision past the log's last, or no whole number, is told too, with
         # no other page left under it as if it were that one (hostile test).
         for at, told in (
             ("99999", "Revision 99999 is past the log's last, "),
+            # Told as no whole number, past what a number here holds exactly.
+            ("99999999999999999", "Revision 99999999999999999 is past the log's last, "),
             ("", 'This address\'s revision, "", is not a whole number.'),
             ("2x", 'This address\'s revision, "2x", is not a whole number.'),
         ):

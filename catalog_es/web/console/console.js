@@ -101,8 +101,11 @@ function route() {
   const [path, query] = location.hash.replace(/^#/, "").split("?");
   const params = new URLSearchParams(query || "");
   // A revision as typed: anything but a whole number is told, not read as 0 or now.
+  // One of more digits than a number here holds exactly is past any log's
+  // head (it was told as no whole number).
   const atText = params.get("at");
-  const at = atText === null ? null : /^[0-9]{1,15}$/.test(atText) ? Number(atText) : NaN;
+  const at =
+    atText === null ? null : !/^[0-9]+$/.test(atText) ? NaN : atText.length > 15 ? Infinity : Number(atText);
   // Before revision 1 no declared config was recorded: there is none "then".
   const declaredThen = at !== null && at > 0 && params.get("declared") === "then";
   if (path.startsWith("/model/")) {
@@ -790,15 +793,17 @@ async function render() {
   const where = route();
   $("#error").textContent = "";
   try {
-    if (where.page === "model" && where.name === null) {
-      throw new Error("This address names no model: its %-escapes are broken.");
+    if (where.page === "model" && !where.name) {
+      // Empty, it drew a page of a model "not in the catalog" with no name.
+      const why = where.name === null ? ": its %-escapes are broken" : "";
+      throw new Error(`This address names no model${why}.`);
     }
     if (Number.isNaN(where.at)) {
       throw new Error(`This address's revision, "${where.atText}", is not a whole number.`);
     }
     await readHead();
     if (where.at !== null && where.at > state.head) {
-      throw new Error(`Revision ${where.at} is past the log's last, ${state.head}.`);
+      throw new Error(`Revision ${where.atText} is past the log's last, ${state.head}.`);
     }
     const at = where.at !== null && where.at < state.head ? where.at : null;
     const content = where.page === "model" ? await modelPage(where.name, at) : await modelsPage(at, where.filter);
