@@ -877,6 +877,37 @@ def test_an_if_match_on_a_revision_deleted_since_is_409_saying_so(
     assert count_events(api.db) == before
 
 
+def test_an_if_match_of_a_revision_the_log_skipped_is_409_saying_so(
+    pg_url: str, tmp_path: Path
+) -> None:
+    """PostgreSQL skips the number a write that failed took, and no read
+    gives it (one of it reads the revision before): an If-Match of it was
+    told "someone changed the catalog since you read it"."""
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": pg_url})
+    models.add(spec("m"), by="setup")
+    with models.store.engine.begin() as conn:
+        conn.exec_driver_sql("SELECT nextval(pg_get_serial_sequence('catalog_events', 'revision'))")
+    assert models.scale("m", 0, 2, by="setup").revision == 3
+    tokens, token = tokens_for_roles(tmp_path / "tokens.json")
+    with serving(create_app(models, tokens)) as url:
+
+        def scale(if_match: str) -> httpx.Response:
+            headers = {**bearer(token["write"]), "If-Match": if_match}
+            return httpx.post(f"{url}/models/m/scale", json={"max": 3}, headers=headers)
+
+        assert refused(scale("2"), 409) == (
+            "the log is at revision 3, not 2: revision 2 was never written (the log's"
+            " revisions skip it); read it again and retry"
+        )
+        # One the log holds, moved past since, is still someone else's change.
+        assert refused(scale("1"), 409) == (
+            "the log is at revision 3, not 1: someone changed the catalog since you read it;"
+            " read it again and retry"
+        )
+    assert count_events(pg_url) == 2
+    models.close()
+
+
 def test_not_found_is_404(api: Api) -> None:
     assert refused(api.get("/models/nope"), 404) == "model 'nope' is not in the catalog"
     assert refused(api.post("/models/nope/scale", {"max": 2}), 404).startswith("model 'nope'")

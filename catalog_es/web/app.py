@@ -562,7 +562,8 @@ _ERROR_MEANINGS = {
     404: "No such model (now, or at the revision or time asked).",
     408: "A body over a megabyte did not all come within a minute.",
     409: "If-Match: the log is not at that revision (it has moved past it, never "
-    "reached it, or its last events were deleted by hand since); read again and retry.",
+    "reached it, skipped it, or its last events were deleted by hand since); read again "
+    "and retry.",
     422: "Refused: the request, or the change it asks for. Nothing was written.",
     500: "The server's fault, or a log edited by hand; the server's log says more. Or a "
     "write's outcome is unknown (its commit failed once begun): read the log before "
