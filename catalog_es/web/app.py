@@ -930,10 +930,20 @@ def watch(
         Query(alias="from", ge=0, le=MAX_REVISION, description="Every change after this revision."),
         InDigits,
     ] = None,
-    last_event_id: Annotated[str | None, Header(include_in_schema=False)] = None,
+    last_event_id: Annotated[
+        str | None,
+        Header(
+            description="The revision a reconnecting EventSource resumes after (the last "
+            "`id` it was given), in digits; over `from` and `lastEventId`."
+        ),
+    ] = None,
     # Where EventSource polyfills that send a token put it, reconnecting.
     last_event_id_query: Annotated[
-        str | None, Query(alias="lastEventId", include_in_schema=False)
+        str | None,
+        Query(
+            alias="lastEventId",
+            description="`Last-Event-ID`, where a client that cannot send it puts it: over `from`.",
+        ),
     ] = None,
 ) -> Response:
     """Every change after a revision, in order, then live, as server-sent
