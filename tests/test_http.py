@@ -459,6 +459,28 @@ def test_the_schema_lists_every_query_key_each_path_takes(api: Api) -> None:
     assert "last-event-id" in {p["name"] for p in watch["parameters"] if p["in"] == "header"}
 
 
+def test_the_schema_says_which_names_and_if_match_values_are_taken(api: Api) -> None:
+    """A client following the schema sent any text as a model's name, and
+    `If-Match: null` (FastAPI's optional header may be null): both refused,
+    though the schema allowed them (schemathesis). It gives their patterns."""
+    schema = ok(api.client.get("/openapi.json"))
+    scale = schema["paths"]["/models/{name}/scale"]["post"]
+    taken = {p["name"]: p["schema"] for p in scale["parameters"]}
+    name = taken["name"]["pattern"]
+    bodies = schema["components"]["schemas"]
+    assert bodies["ModelInput"]["properties"]["name"]["pattern"] == name
+    assert bodies["ScaleChange"]["properties"]["name"]["pattern"] == name
+    api.post("/models", definition("qwen-2.5/7b:awq"))
+    for sent in ("qwen-2.5/7b:awq", "bad name!", "-x", "x" * 129):
+        answer = api.post(f"/models/{sent.replace('/', '%2F')}/scale", {"max": 2})
+        assert (answer.status_code == 200) == bool(re.search(name, sent)), sent
+    if_match = taken["if-match"]
+    assert if_match["type"] == "string" and "anyOf" not in if_match  # never null
+    for sent in ("3", '"3"', "*", "null", 'W/"3"', "x"):
+        answer = api.post("/models/qwen-2.5%2F7b:awq/scale", {"max": 2}, **{"If-Match": sent})
+        assert (answer.status_code != 422) == bool(re.search(if_match["pattern"], sent)), sent
+
+
 def test_no_answer_can_be_framed_and_the_apis_are_never_cached(api: Api) -> None:
     """A page of another site could frame the console and have its buttons
     clicked; a browser kept the catalog in its cache after signing out
