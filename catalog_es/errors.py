@@ -194,12 +194,23 @@ class DeclaredInConfig(Refused):
 class RevisionConflict(Refused):
     """The log has moved past the revision the command was based on."""
 
-    def __init__(self, expected: int, head: int, written: int | None = None) -> None:
+    def __init__(
+        self, expected: int, head: int, written: int | None = None, *, skipped: bool = False
+    ) -> None:
         """``written``: the last revision the log's head record says was
-        written, past ``head`` when the last events were deleted by hand."""
+        written, past ``head`` when the last events were deleted by hand;
+        ``skipped``: the log's revisions skip ``expected``, as PostgreSQL's
+        do the number of a write that failed."""
         self.expected = expected
         self.head = head
-        if expected < head:
+        if skipped:
+            # No read gives it (one of it reads the revision before): a
+            # client made it up, and is not told someone wrote over it.
+            why = (
+                f"revision {expected} was never written (the log's revisions skip it);"
+                " read it again and retry"
+            )
+        elif expected < head:
             why = "someone changed the catalog since you read it; read it again and retry"
         elif written is not None and expected <= written:
             # A read gave it, and the log was cut back under it since.

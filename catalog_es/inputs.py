@@ -27,6 +27,7 @@ from pydantic import (
     ConfigDict,
     FailFast,
     Field,
+    JsonValue,
     ValidationError,
     ValidationInfo,
     ValidatorFunctionWrapHandler,
@@ -52,6 +53,7 @@ from catalog_es.model import APPLY, CHECK_UPDATES, EVENT_TYPES, ROLLBACK
 from catalog_es.persistence import MAX_REVISION as MAX_REVISION  # re-exported
 from catalog_es.spec import (
     DEFAULT_ENGINES,
+    NAME_PATTERN,
     Adapter,
     ModelSpec,
     Origin,
@@ -67,6 +69,11 @@ MAX_INPUT_BYTES = 1 << 20
 # The declared config: a hundred thousand models take about a third of this.
 MAX_CONFIG_BYTES = 64 << 20
 MAX_ACTOR_LENGTH = 128
+# A model's name, as the API's schema says it (check_name refuses others, in
+# its own words): a client generated from the schema, or a fuzzer, sent any
+# text, told nothing until it was refused.
+NAME_REGEX = f"^{NAME_PATTERN.pattern}$"
+NAME_SCHEMA: dict[str, JsonValue] = {"type": "string", "pattern": NAME_REGEX}
 
 
 # Letters that show nothing: Hangul fillers, the blank Braille pattern, the
@@ -142,7 +149,7 @@ WARNING_SHOWN = 160
 
 
 class ModelInput(_Input):
-    name: str
+    name: str = Field(json_schema_extra=NAME_SCHEMA)
     engine: str
     source: str
     profiles: Items[ProfileInput]
@@ -803,7 +810,7 @@ def load_config(path: str | None) -> DeclaredConfig:
 
 
 class _Named(_Input):
-    name: str
+    name: str = Field(json_schema_extra=NAME_SCHEMA)
 
 
 class ScaleFields(_Input):

@@ -352,6 +352,19 @@ def test_a_log_asked_of_a_name_no_model_can_have_is_refused(api: Api) -> None:
     assert "'bad name!'" in bad and "is not a valid name" in bad
 
 
+def test_an_audit_asked_of_a_name_no_model_can_have_is_refused(api: Api) -> None:
+    """It answered `[]`, as if the model had had no change, where `/log` and
+    `/diff` refuse such a name (review). The refusals keep the names commands
+    were sent, valid or not, and are still asked of them."""
+    assert refused(api.get("/audit", params={"model": "bad name!"}), 422) == (
+        "model 'bad name!': name: 'bad name!' is not a valid name: 1-128 characters of"
+        " A-Z a-z 0-9 . _ : / -, starting with a letter or digit"
+    )
+    refused(api.client.delete("/models/bad name!", headers=api.as_("write")), 422)
+    (kept,) = ok(api.get("/refusals", params={"model": "bad name!"}))
+    assert (kept["model"], kept["event"]) == ("bad name!", "Removed")
+
+
 def test_a_rollback_of_a_dimension_there_is_not_is_refused_in_the_apis_words(api: Api) -> None:
     """It was refused in the CLI's: "--only 'nope'", an option HTTP has not (review)."""
     api.post("/models", definition("qwen"))
@@ -428,6 +441,44 @@ def test_the_schema_documents_each_error_as_it_is_answered(api: Api) -> None:
     listed, wrapped = body["schema"]["oneOf"]
     assert listed["items"]["additionalProperties"] is False
     assert wrapped["properties"]["changes"] == listed
+
+
+def test_the_schema_lists_every_query_key_each_path_takes(api: Api) -> None:
+    """`/events` takes `lastEventId` in the query (and `Last-Event-ID`), where a
+    reconnecting EventSource resumes: the schema listed neither (review)."""
+    schema = ok(api.client.get("/openapi.json"))
+    for path, operations in schema["paths"].items():
+        for method, operation in operations.items():
+            listed = {p["name"] for p in operation.get("parameters", []) if p["in"] == "query"}
+            answer = api.client.request(
+                method, path.format(name="m"), params={"zz": 1}, headers=api.as_("admin")
+            )
+            takes = refused(answer, 422).partition("this path takes: ")[2]
+            assert set(takes.split(", ")) - {"none"} == listed, (method, path)
+    (watch,) = schema["paths"]["/events"].values()
+    assert "last-event-id" in {p["name"] for p in watch["parameters"] if p["in"] == "header"}
+
+
+def test_the_schema_says_which_names_and_if_match_values_are_taken(api: Api) -> None:
+    """A client following the schema sent any text as a model's name, and
+    `If-Match: null` (FastAPI's optional header may be null): both refused,
+    though the schema allowed them (schemathesis). It gives their patterns."""
+    schema = ok(api.client.get("/openapi.json"))
+    scale = schema["paths"]["/models/{name}/scale"]["post"]
+    taken = {p["name"]: p["schema"] for p in scale["parameters"]}
+    name = taken["name"]["pattern"]
+    bodies = schema["components"]["schemas"]
+    assert bodies["ModelInput"]["properties"]["name"]["pattern"] == name
+    assert bodies["ScaleChange"]["properties"]["name"]["pattern"] == name
+    api.post("/models", definition("qwen-2.5/7b:awq"))
+    for sent in ("qwen-2.5/7b:awq", "bad name!", "-x", "x" * 129):
+        answer = api.post(f"/models/{sent.replace('/', '%2F')}/scale", {"max": 2})
+        assert (answer.status_code == 200) == bool(re.search(name, sent)), sent
+    if_match = taken["if-match"]
+    assert if_match["type"] == "string" and "anyOf" not in if_match  # never null
+    for sent in ("3", '"3"', "*", "null", 'W/"3"', "x"):
+        answer = api.post("/models/qwen-2.5%2F7b:awq/scale", {"max": 2}, **{"If-Match": sent})
+        assert (answer.status_code != 422) == bool(re.search(if_match["pattern"], sent)), sent
 
 
 def test_no_answer_can_be_framed_and_the_apis_are_never_cached(api: Api) -> None:
@@ -889,6 +940,37 @@ def test_an_if_match_on_a_revision_deleted_since_is_409_saying_so(
             " again and retry"
         )
     assert count_events(api.db) == before
+
+
+def test_an_if_match_of_a_revision_the_log_skipped_is_409_saying_so(
+    pg_url: str, tmp_path: Path
+) -> None:
+    """PostgreSQL skips the number a write that failed took, and no read
+    gives it (one of it reads the revision before): an If-Match of it was
+    told "someone changed the catalog since you read it"."""
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": pg_url})
+    models.add(spec("m"), by="setup")
+    with models.store.engine.begin() as conn:
+        conn.exec_driver_sql("SELECT nextval(pg_get_serial_sequence('catalog_events', 'revision'))")
+    assert models.scale("m", 0, 2, by="setup").revision == 3
+    tokens, token = tokens_for_roles(tmp_path / "tokens.json")
+    with serving(create_app(models, tokens)) as url:
+
+        def scale(if_match: str) -> httpx.Response:
+            headers = {**bearer(token["write"]), "If-Match": if_match}
+            return httpx.post(f"{url}/models/m/scale", json={"max": 3}, headers=headers)
+
+        assert refused(scale("2"), 409) == (
+            "the log is at revision 3, not 2: revision 2 was never written (the log's"
+            " revisions skip it); read it again and retry"
+        )
+        # One the log holds, moved past since, is still someone else's change.
+        assert refused(scale("1"), 409) == (
+            "the log is at revision 3, not 1: someone changed the catalog since you read it;"
+            " read it again and retry"
+        )
+    assert count_events(pg_url) == 2
+    models.close()
 
 
 def test_not_found_is_404(api: Api) -> None:

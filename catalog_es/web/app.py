@@ -27,7 +27,7 @@ from urllib.parse import unquote_to_bytes
 import anyio
 import msgspec
 import sqlalchemy as sa
-from fastapi import APIRouter, Depends, FastAPI, Header, Query, Request
+from fastapi import APIRouter, Depends, FastAPI, Header, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.openapi.utils import get_openapi
@@ -69,6 +69,8 @@ from catalog_es.inputs import (
     MAX_CHANGES_BYTES,
     MAX_INPUT_BYTES,
     MAX_REVISION,
+    NAME_REGEX,
+    NAME_SCHEMA,
     AdaptersChange,
     AdaptersFields,
     ClassChange,
@@ -318,13 +320,29 @@ Writer = Annotated[Caller, Depends(caller_with(Role.write))]
 WritePlace = Annotated[None, Depends(held_write_place, scope="function")]
 
 
+def text_matching(pattern: str) -> Callable[[dict[str, Any]], None]:
+    """A header's or query value's schema: text matching ``pattern``. Given,
+    it is never null, which FastAPI's schema of an optional one lets it be (a
+    client sent `If-Match: null`, told it followed the schema)."""
+
+    def schema(found: dict[str, Any]) -> None:
+        found.pop("anyOf", None)
+        found.update(type="string", pattern=pattern)
+
+    return schema
+
+
+NAME_TEXT = text_matching(NAME_REGEX)
+
+
 def expected_revision(
     request: Request,
     if_match: Annotated[
         str | None,
         Header(
             description="The revision the change is based on: refused (409) if the log "
-            'has moved past it. `12`, `"12"` (an ETag) or `*`.'
+            'has moved past it. `12`, `"12"` (an ETag) or `*`.',
+            json_schema_extra=text_matching(r'^\s*(\*|[0-9]+|"[0-9]+")\s*$'),
         ),
     ] = None,
 ) -> int | None:
@@ -521,12 +539,12 @@ _CHANGE_MODELS: dict[str, type[BaseModel]] = {
 def _changes_schema() -> dict[str, Any]:
     named = {
         "type": "object",
-        "properties": {"name": {"type": "string"}},
+        "properties": {"name": NAME_SCHEMA},
         "required": ["name"],
         "additionalProperties": False,
     }
     properties: dict[str, Any] = {
-        "remove": {"oneOf": [{"type": "string"}, named], "description": "a model's name"}
+        "remove": {"oneOf": [NAME_SCHEMA, named], "description": "a model's name"}
     }
     for kind, model in _CHANGE_MODELS.items():
         _BODY_MODELS[model.__name__] = model
@@ -562,7 +580,8 @@ _ERROR_MEANINGS = {
     404: "No such model (now, or at the revision or time asked).",
     408: "A body over a megabyte did not all come within a minute.",
     409: "If-Match: the log is not at that revision (it has moved past it, never "
-    "reached it, or its last events were deleted by hand since); read again and retry.",
+    "reached it, skipped it, or its last events were deleted by hand since); read again "
+    "and retry.",
     422: "Refused: the request, or the change it asks for. Nothing was written.",
     500: "The server's fault, or a log edited by hand; the server's log says more. Or a "
     "write's outcome is unknown (its commit failed once begun): read the log before "
@@ -585,6 +604,8 @@ BODY_ERRORS = {**WRITE_ERRORS, **errors(408)}
 
 route = APIRouter(responses=errors(401, 422, 500, 503))
 MODEL = "/models/{name:path}"
+# The name in a path: a `/` in it sent as `%2F` (docs/console.md).
+ModelName = Annotated[str, Path(json_schema_extra=NAME_SCHEMA)]
 
 
 @route.get("/me", tags=["auth"])
@@ -642,7 +663,7 @@ def list_models(caller: Reader, models: Service, at: At, declared_then: Declared
 
 @route.get(MODEL, tags=["models"], responses=errors(404))
 def show_model(
-    name: str, caller: Reader, models: Service, at: At, declared_then: DeclaredThen
+    name: ModelName, caller: Reader, models: Service, at: At, declared_then: DeclaredThen
 ) -> Response:
     """One model as it will run (or as it was at a revision or time)."""
     past, revision = _read_at(models, at, declared_then)
@@ -670,7 +691,7 @@ def add_model(
 
 @route.delete(MODEL, tags=["commands"], responses={**WRITE_ERRORS, **errors(404)})
 def remove_model(
-    name: str,
+    name: ModelName,
     caller: Writer,
     models: Service,
     expected: ExpectedRevision,
@@ -690,7 +711,7 @@ def model_command(verb: str, kind: type[Fields], summary: str, body: str, run: R
     """Register ``POST /models/NAME/<verb>``, as ``catalog-es model <verb> NAME``."""
 
     def command(
-        name: str,
+        name: ModelName,
         caller: Writer,
         data: Document,
         models: Service,
@@ -792,7 +813,9 @@ def diff(
     models: Service,
     since: Annotated[str, Query(description="A revision or UTC time.")],
     until: Annotated[str | None, Query(description="Default: now.")] = None,
-    model: Annotated[str | None, Query(description="Only this model.")] = None,
+    model: Annotated[
+        str | None, Query(description="Only this model.", json_schema_extra=NAME_TEXT)
+    ] = None,
     declared_then: DeclaredThen = False,
 ) -> Response:
     """What changed from one revision (or time) to another, as `diff --json`."""
@@ -866,7 +889,9 @@ def log_events(
         Query(ge=1, le=MAX_ANSWER_ROWS, description=f"At most this many (≤ {MAX_ANSWER_ROWS})."),
         InDigits,
     ] = None,
-    model: Annotated[str | None, Query(description="Only this model's events.")] = None,
+    model: Annotated[
+        str | None, Query(description="Only this model's events.", json_schema_extra=NAME_TEXT)
+    ] = None,
 ) -> Response:
     """The stored events with their revisions, oldest first (`log --json`, as a
     list); more than a page of them is refused: page with `after` and `limit`."""
@@ -929,10 +954,20 @@ def watch(
         Query(alias="from", ge=0, le=MAX_REVISION, description="Every change after this revision."),
         InDigits,
     ] = None,
-    last_event_id: Annotated[str | None, Header(include_in_schema=False)] = None,
+    last_event_id: Annotated[
+        str | None,
+        Header(
+            description="The revision a reconnecting EventSource resumes after (the last "
+            "`id` it was given), in digits; over `from` and `lastEventId`."
+        ),
+    ] = None,
     # Where EventSource polyfills that send a token put it, reconnecting.
     last_event_id_query: Annotated[
-        str | None, Query(alias="lastEventId", include_in_schema=False)
+        str | None,
+        Query(
+            alias="lastEventId",
+            description="`Last-Event-ID`, where a client that cannot send it puts it: over `from`.",
+        ),
     ] = None,
 ) -> Response:
     """Every change after a revision, in order, then live, as server-sent
@@ -1032,7 +1067,9 @@ AuditFilters = Annotated[Filters, Depends(audit_filters)]
 
 
 @route.get("/history/{name:path}", tags=["audit"], responses=errors(404))
-def history(name: str, caller: Reader, models: Service, filters: ChangeFilterParams) -> Response:
+def history(
+    name: ModelName, caller: Reader, models: Service, filters: ChangeFilterParams
+) -> Response:
     """Every change to one model, oldest first, field by field (before → after),
     filtered; more than a page of them is refused: give `limit`, or narrow them."""
     return respond_json(
