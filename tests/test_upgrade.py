@@ -604,7 +604,7 @@ def test_a_snapshot_from_before_names_the_unreadable_config_record_in_force(
     newer, why = plant_newer_declaration(writer)
     catalog = writer.catalog_at(newer)
     old = msgspec.structs.replace(
-        snapshots._decoder.decode(zstandard.decompress(snapshots.encode(catalog))),
+        snapshots.state_of(catalog),
         recorded_declaration=(config.fingerprint, 1),
         skipped=[Skipped(revision=newer, model="", event="Declared", reason=why)],
     )
