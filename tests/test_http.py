@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import errno
 import gc
+import gzip
 import json
 import logging
 import os
@@ -761,6 +762,26 @@ def test_a_tokens_file_that_could_not_be_read_once_is_read_again_on_the_next_req
     assert ok(api.get("/me"))["actor"] == "read-user"
     assert ok(api.get("/me", role="admin"))["actor"] == "admin-user"
     assert "Too many open files; tokens are refused until it can be read" in caplog.text
+
+
+def test_a_body_in_a_content_coding_is_refused_and_writes_nothing(api: Api) -> None:
+    """A body sent as gzip (``Content-Encoding``) was read as it came: refused
+    as "not UTF-8 text", and one said to be gzip that was not was taken and
+    written (hostile test). Both are 415 now, saying to send it as is."""
+    ok(api.post("/models", definition("qwen")))
+    written = api.models.revision
+    scale = json.dumps({"max": 3}).encode()
+    headers = {**api.as_("write"), "Content-Type": "application/json"}
+    for body, coding in ((gzip.compress(scale), "gzip"), (scale, "gzip"), (scale, "Br")):
+        response = api.client.post(
+            "/models/qwen/scale", content=body, headers={**headers, "Content-Encoding": coding}
+        )
+        assert refused(response, 415) == (
+            f"request body: sent as {coding.lower()!r} (Content-Encoding); send it as is"
+        )
+    assert count_events(api.db) == written
+    identity = {**headers, "Content-Encoding": "identity"}
+    assert ok(api.client.post("/models/qwen/scale", content=scale, headers=identity))
 
 
 def test_bad_bodies_are_422_with_the_clis_message_and_write_nothing(

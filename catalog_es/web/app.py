@@ -138,6 +138,11 @@ class TooSlow(Refused):
     """A request's body did not come in the time given to it."""
 
 
+class EncodedBody(Refused):
+    """A request's body in a content coding (``Content-Encoding``) this
+    server does not undo."""
+
+
 # The first of these a refusal is an instance of gives its status; every
 # other refusal is 422. 409 means exactly "read again and retry": a model
 # declared in config is refused with 422, since retrying cannot help. A log
@@ -148,6 +153,7 @@ _STATUS_OF_REFUSAL: tuple[tuple[type[Refused], int], ...] = (
     (StorageBusy, 503),
     (TooBusy, 503),
     (TooSlow, 408),
+    (EncodedBody, 415),
     (DamagedLog, 500),
     (DamagedReadModel, 500),
 )
@@ -441,6 +447,11 @@ def document(limit: int, parse: _Parser) -> Callable[..., Any]:
     server to a gigabyte; hostile test)."""
 
     async def parsed(request: Request) -> AsyncIterator[Any]:
+        coding = request.headers.get("content-encoding", "").strip().lower()
+        if coding not in ("", "identity"):
+            # Read as it came: a gzip body was refused as "not UTF-8 text",
+            # and one said to be gzip that was not was taken (hostile test).
+            raise EncodedBody(f"{BODY}: sent as {shown(coding)} (Content-Encoding); send it as is")
         places: threading.BoundedSemaphore = request.app.state.large_body_places
         large = False
         try:
@@ -582,6 +593,7 @@ _ERROR_MEANINGS = {
     409: "If-Match: the log is not at that revision (it has moved past it, never "
     "reached it, skipped it, or its last events were deleted by hand since); read again "
     "and retry.",
+    415: "The body was sent in a content coding (Content-Encoding): send it as is.",
     422: "Refused: the request, or the change it asks for. Nothing was written.",
     500: "The server's fault, or a log edited by hand; the server's log says more. Or a "
     "write's outcome is unknown (its commit failed once begun): read the log before "
@@ -597,7 +609,7 @@ def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
 
 # Writes: the role, and If-Match; and those with a body, its deadline.
 WRITE_ERRORS = errors(403, 409)
-BODY_ERRORS = {**WRITE_ERRORS, **errors(408)}
+BODY_ERRORS = {**WRITE_ERRORS, **errors(408, 415)}
 
 
 # -- the routes --------------------------------------------------------------------
