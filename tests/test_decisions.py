@@ -411,7 +411,7 @@ NOT_A_PATH = "is not a plain path inside a revision"
         pytest.param(
             Origin(files={"a\0b": DIGEST}),
             "origin.files['a\\x00b']",
-            "(a NUL, or a lone surrogate)",
+            "holds a NUL, which no file name can",
             id="nul",
         ),
         *(
