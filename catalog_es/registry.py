@@ -174,6 +174,15 @@ def checksums(folder: Path, within: Path) -> dict[str, str]:
             # A link up to a folder holding this one would walk all of it.
             raise RegistryError(f"{directory} links to a folder above it: refused")
         walked.add(real)
+        below = Path(directory).relative_to(folder).as_posix()
+        if len(os.fsencode(below)) >= _PATH_MAX:
+            # No file under it could be kept; and walked deeper, a tree
+            # a thousand folders deep ended every check of every model
+            # with an unexpected RecursionError (hostile test).
+            raise RegistryError(
+                f"{folder}: folder {below[:80]!r}… is deeper than a weights folder holds "
+                f"({_PATH_MAX} bytes a path): refused"
+            )
         for name in names:
             path = Path(directory, name)
             try:

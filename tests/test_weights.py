@@ -582,6 +582,43 @@ def test_a_file_name_the_log_cannot_hold_leaves_its_model_unchecked_not_the_run_
     assert [o["model"] for o in report["origins"]] == ["other"]
 
 
+def test_folders_too_deep_to_keep_leave_their_model_unchecked_not_the_run_failed(
+    world: World, tracked: Weights
+) -> None:
+    """A commit holding folders 1,100 deep ended `model updates` and every
+    other weights command, for every model, with `error: unexpected
+    RecursionError` (hostile test). They are refused as a path too long is:
+    its model is listed as unchecked, the others are checked, and an update
+    to that commit is refused in one line, writing nothing."""
+    tracked.models.add(spec("other", source="hf://org/other"), by="alice")
+    world.mirror.publish("org/other", V1)
+    c2 = world.mirror.publish("org/m", V2)
+    commit = deep = world.mirror.folder("org/m", c2)
+    for _ in range(1100):  # one by one: mkdir(parents=True) recurses as deep
+        deep /= "d"
+        deep.mkdir()
+    (deep / "f").write_bytes(b"deep")
+    try:
+        report = tracked.check_updates(by="cron")
+        [unchecked] = report["unchecked"]
+        assert unchecked["model"] == "m"
+        assert unchecked["reason"].endswith(
+            "… is deeper than a weights folder holds (1024 bytes a path): refused"
+        )
+        assert [o["model"] for o in report["origins"]] == ["other"]
+        rows = world.rows()
+        with pytest.raises(RegistryError, match="is deeper than a weights folder holds"):
+            tracked.update("m", by="bob")
+        assert world.rows() == rows
+        assert not (world.store / "org/m" / c2).exists()
+    finally:
+        # Bottom up: shutil.rmtree, and pytest's clean-up of its folders, recurse as deep.
+        (deep / "f").unlink()
+        while deep != commit:
+            deep.rmdir()
+            deep = deep.parent
+
+
 @pytest.mark.parametrize(("name", "why"), OLD_FILE_NAMES)
 def test_an_old_origin_todays_rules_refuse_leaves_its_model_unchecked_not_the_run_refused(
     world: World, name: str, why: str
