@@ -430,14 +430,7 @@ class MirrorRegistry(Registry):
                             out.flush()
                             os.fsync(out.fileno())
                     except OSError as error:  # the disk full, a name too long for it…
-                        # Which path, when not the copy's: "File exists" alone
-                        # did not say the commit's folder was a file.
-                        made = error.filename and Path(error.filename) != partial
-                        where = f"{error.filename}: " if made else ""
-                        raise RegistryError(
-                            f"{path}: cannot be copied into {into}: "
-                            f"{where}{error.strerror or error}"
-                        ) from None
+                        raise _not_copied(path, into, partial, error) from None
                 digest = copied.sha256.hexdigest()
                 if digest != expected:
                     # Kept, the copy would be found there by every later fetch
@@ -447,10 +440,26 @@ class MirrorRegistry(Registry):
                         f"{digest[:12]}…, expected {expected[:12]}… (changed in the mirror, "
                         "or while it was read); the copy was not kept"
                     )
-                partial.replace(target)
+                try:
+                    partial.replace(target)
+                except OSError as error:  # a folder where the file goes
+                    raise _not_copied(path, into, partial, error) from None
         finally:
             shutil.rmtree(partials, ignore_errors=True)
             os.close(held)
+
+
+def _not_copied(path: str, into: Path, partial: Path, error: OSError) -> RegistryError:
+    """The refusal of a file of a commit that could not be copied into
+    ``into``: naming the path in the way, when it is not the partial copy's
+    own (a name of this fetch's, gone once it ends). "File exists" alone did
+    not say the commit's folder was a file; a folder where the file goes was
+    told as the partial copy's "Is a directory" (hostile test)."""
+    in_the_way = [
+        name for name in (error.filename, error.filename2) if name and Path(name) != partial
+    ]
+    where = f"{in_the_way[0]}: " if in_the_way else ""
+    return RegistryError(f"{path}: cannot be copied into {into}: {where}{error.strerror or error}")
 
 
 class _Reading:

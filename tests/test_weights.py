@@ -1787,6 +1787,27 @@ def test_a_full_disk_is_refused_in_one_line_and_leaves_no_copy_under_way(
     assert tracked.update("m", by="bob")["written"]
 
 
+def test_a_folder_where_a_file_goes_in_the_store_is_named_not_the_partial_copy(
+    world: World, tracked: Weights
+) -> None:
+    """A folder in the store where a file of the commit goes was told as
+    `the weights store …: …/.C.partial.x7k2/copy: Is a directory`, a name
+    of the fetch's own, gone once it ended (hostile test). The folder in the
+    way is named; nothing is written, no partial copy is left."""
+    c2 = world.mirror.publish("org/m", V2)
+    folder = world.store / "org/m" / c2
+    (folder / "model.safetensors").mkdir(parents=True)
+    rows = world.rows()
+    with pytest.raises(RegistryError) as refused:
+        tracked.update("m", by="bob")
+    assert str(refused.value) == (
+        f"model.safetensors: cannot be copied into {folder}: "
+        f"{folder / 'model.safetensors'}: Is a directory"
+    )
+    assert world.rows() == rows
+    assert [p.name for p in folder.parent.iterdir()] == [c2]
+
+
 def test_a_branch_the_mirror_has_not_is_quoted_cut_short_with_the_branches_it_has(
     world: World,
 ) -> None:
