@@ -513,11 +513,17 @@ def _partial_folder(parent: Path, name: str) -> tuple[Path, int]:
     killed fetch left under that name (:func:`_delete_abandoned`) that it
     is not abandoned."""
     with _lock_on(parent, fcntl.LOCK_SH):
+        starting: Path | None = None
         try:
             starting = Path(tempfile.mkdtemp(dir=parent, prefix=f".{name}{_STARTING}"))
-        except OSError as error:  # told of the folder it was to be made in, not of a random name
+            held = os.open(starting / _LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as error:
+            # No inode left for the lock file: the folder made for it is not
+            # left behind (it was, by a refusal that said nothing was written).
+            if starting is not None:
+                shutil.rmtree(starting, ignore_errors=True)
+            # Told of the folder it was to be made in, not of a random name.
             raise OSError(error.errno, error.strerror, str(parent)) from None
-        held = os.open(starting / _LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             with suppress(OSError):  # no lock here: the folder is never taken for abandoned
                 fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -1787,6 +1787,36 @@ def test_a_full_disk_is_refused_in_one_line_and_leaves_no_copy_under_way(
     assert tracked.update("m", by="bob")["written"]
 
 
+def test_a_store_out_of_inodes_leaves_no_folder_of_the_fetch_behind(
+    world: World, tracked: Weights, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a store with no inode left for a fetch's lock file (a tmpfs of
+    nr_inodes=5), the refusal said nothing was written, named the lock file
+    in a folder of a random name, and left that folder in the store (hostile
+    test). The repository's folder is named, and nothing is left in it."""
+    c2 = world.mirror.publish("org/m", V2)
+    real_open = os.open
+
+    def no_inode_for_a_lock_file(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        if Path(os.fsdecode(path)).name == registry_module._LOCK_FILE:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.fsdecode(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", no_inode_for_a_lock_file)
+    rows = world.rows()
+    with pytest.raises(RegistryError) as refused:
+        tracked.update("m", by="bob")
+    repository = world.store / "org/m"
+    assert str(refused.value) == (
+        f"the weights store {world.store}: {repository}: No space left on device; "
+        "nothing was written"
+    )
+    assert world.rows() == rows
+    assert list(repository.iterdir()) == []
+    monkeypatch.setattr(os, "open", real_open)
+    assert tracked.update("m", by="bob")["to"]["revision"] == c2
+
+
 def test_a_folder_where_a_file_goes_in_the_store_is_named_not_the_partial_copy(
     world: World, tracked: Weights
 ) -> None:
