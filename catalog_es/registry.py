@@ -174,6 +174,15 @@ def checksums(folder: Path, within: Path) -> dict[str, str]:
             # A link up to a folder holding this one would walk all of it.
             raise RegistryError(f"{directory} links to a folder above it: refused")
         walked.add(real)
+        below = Path(directory).relative_to(folder).as_posix()
+        if len(os.fsencode(below)) >= _PATH_MAX:
+            # No file under it could be kept; and walked deeper, a tree
+            # a thousand folders deep ended every check of every model
+            # with an unexpected RecursionError (hostile test).
+            raise RegistryError(
+                f"{folder}: folder {below[:80]!r}… is deeper than a weights folder holds "
+                f"({_PATH_MAX} bytes a path): refused"
+            )
         for name in names:
             path = Path(directory, name)
             try:
@@ -421,14 +430,7 @@ class MirrorRegistry(Registry):
                             out.flush()
                             os.fsync(out.fileno())
                     except OSError as error:  # the disk full, a name too long for it…
-                        # Which path, when not the copy's: "File exists" alone
-                        # did not say the commit's folder was a file.
-                        made = error.filename and Path(error.filename) != partial
-                        where = f"{error.filename}: " if made else ""
-                        raise RegistryError(
-                            f"{path}: cannot be copied into {into}: "
-                            f"{where}{error.strerror or error}"
-                        ) from None
+                        raise _not_copied(path, into, partial, error) from None
                 digest = copied.sha256.hexdigest()
                 if digest != expected:
                     # Kept, the copy would be found there by every later fetch
@@ -438,10 +440,26 @@ class MirrorRegistry(Registry):
                         f"{digest[:12]}…, expected {expected[:12]}… (changed in the mirror, "
                         "or while it was read); the copy was not kept"
                     )
-                partial.replace(target)
+                try:
+                    partial.replace(target)
+                except OSError as error:  # a folder where the file goes
+                    raise _not_copied(path, into, partial, error) from None
         finally:
             shutil.rmtree(partials, ignore_errors=True)
             os.close(held)
+
+
+def _not_copied(path: str, into: Path, partial: Path, error: OSError) -> RegistryError:
+    """The refusal of a file of a commit that could not be copied into
+    ``into``: naming the path in the way, when it is not the partial copy's
+    own (a name of this fetch's, gone once it ends). "File exists" alone did
+    not say the commit's folder was a file; a folder where the file goes was
+    told as the partial copy's "Is a directory" (hostile test)."""
+    in_the_way = [
+        name for name in (error.filename, error.filename2) if name and Path(name) != partial
+    ]
+    where = f"{in_the_way[0]}: " if in_the_way else ""
+    return RegistryError(f"{path}: cannot be copied into {into}: {where}{error.strerror or error}")
 
 
 class _Reading:
@@ -495,11 +513,17 @@ def _partial_folder(parent: Path, name: str) -> tuple[Path, int]:
     killed fetch left under that name (:func:`_delete_abandoned`) that it
     is not abandoned."""
     with _lock_on(parent, fcntl.LOCK_SH):
+        starting: Path | None = None
         try:
             starting = Path(tempfile.mkdtemp(dir=parent, prefix=f".{name}{_STARTING}"))
-        except OSError as error:  # told of the folder it was to be made in, not of a random name
+            held = os.open(starting / _LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as error:
+            # No inode left for the lock file: the folder made for it is not
+            # left behind (it was, by a refusal that said nothing was written).
+            if starting is not None:
+                shutil.rmtree(starting, ignore_errors=True)
+            # Told of the folder it was to be made in, not of a random name.
             raise OSError(error.errno, error.strerror, str(parent)) from None
-        held = os.open(starting / _LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             with suppress(OSError):  # no lock here: the folder is never taken for abandoned
                 fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -582,6 +582,43 @@ def test_a_file_name_the_log_cannot_hold_leaves_its_model_unchecked_not_the_run_
     assert [o["model"] for o in report["origins"]] == ["other"]
 
 
+def test_folders_too_deep_to_keep_leave_their_model_unchecked_not_the_run_failed(
+    world: World, tracked: Weights
+) -> None:
+    """A commit holding folders 1,100 deep ended `model updates` and every
+    other weights command, for every model, with `error: unexpected
+    RecursionError` (hostile test). They are refused as a path too long is:
+    its model is listed as unchecked, the others are checked, and an update
+    to that commit is refused in one line, writing nothing."""
+    tracked.models.add(spec("other", source="hf://org/other"), by="alice")
+    world.mirror.publish("org/other", V1)
+    c2 = world.mirror.publish("org/m", V2)
+    commit = deep = world.mirror.folder("org/m", c2)
+    for _ in range(1100):  # one by one: mkdir(parents=True) recurses as deep
+        deep /= "d"
+        deep.mkdir()
+    (deep / "f").write_bytes(b"deep")
+    try:
+        report = tracked.check_updates(by="cron")
+        [unchecked] = report["unchecked"]
+        assert unchecked["model"] == "m"
+        assert unchecked["reason"].endswith(
+            "… is deeper than a weights folder holds (1024 bytes a path): refused"
+        )
+        assert [o["model"] for o in report["origins"]] == ["other"]
+        rows = world.rows()
+        with pytest.raises(RegistryError, match="is deeper than a weights folder holds"):
+            tracked.update("m", by="bob")
+        assert world.rows() == rows
+        assert not (world.store / "org/m" / c2).exists()
+    finally:
+        # Bottom up: shutil.rmtree, and pytest's clean-up of its folders, recurse as deep.
+        (deep / "f").unlink()
+        while deep != commit:
+            deep.rmdir()
+            deep = deep.parent
+
+
 @pytest.mark.parametrize(("name", "why"), OLD_FILE_NAMES)
 def test_an_old_origin_todays_rules_refuse_leaves_its_model_unchecked_not_the_run_refused(
     world: World, name: str, why: str
@@ -1748,6 +1785,57 @@ def test_a_full_disk_is_refused_in_one_line_and_leaves_no_copy_under_way(
     assert "model.safetensors" not in [p.name for p in folder.iterdir()]
     monkeypatch.setattr(registry_module._Hashing, "write", write)
     assert tracked.update("m", by="bob")["written"]
+
+
+def test_a_store_out_of_inodes_leaves_no_folder_of_the_fetch_behind(
+    world: World, tracked: Weights, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a store with no inode left for a fetch's lock file (a tmpfs of
+    nr_inodes=5), the refusal said nothing was written, named the lock file
+    in a folder of a random name, and left that folder in the store (hostile
+    test). The repository's folder is named, and nothing is left in it."""
+    c2 = world.mirror.publish("org/m", V2)
+    real_open = os.open
+
+    def no_inode_for_a_lock_file(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        if Path(os.fsdecode(path)).name == registry_module._LOCK_FILE:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.fsdecode(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", no_inode_for_a_lock_file)
+    rows = world.rows()
+    with pytest.raises(RegistryError) as refused:
+        tracked.update("m", by="bob")
+    repository = world.store / "org/m"
+    assert str(refused.value) == (
+        f"the weights store {world.store}: {repository}: No space left on device; "
+        "nothing was written"
+    )
+    assert world.rows() == rows
+    assert list(repository.iterdir()) == []
+    monkeypatch.setattr(os, "open", real_open)
+    assert tracked.update("m", by="bob")["to"]["revision"] == c2
+
+
+def test_a_folder_where_a_file_goes_in_the_store_is_named_not_the_partial_copy(
+    world: World, tracked: Weights
+) -> None:
+    """A folder in the store where a file of the commit goes was told as
+    `the weights store …: …/.C.partial.x7k2/copy: Is a directory`, a name
+    of the fetch's own, gone once it ended (hostile test). The folder in the
+    way is named; nothing is written, no partial copy is left."""
+    c2 = world.mirror.publish("org/m", V2)
+    folder = world.store / "org/m" / c2
+    (folder / "model.safetensors").mkdir(parents=True)
+    rows = world.rows()
+    with pytest.raises(RegistryError) as refused:
+        tracked.update("m", by="bob")
+    assert str(refused.value) == (
+        f"model.safetensors: cannot be copied into {folder}: "
+        f"{folder / 'model.safetensors'}: Is a directory"
+    )
+    assert world.rows() == rows
+    assert [p.name for p in folder.parent.iterdir()] == [c2]
 
 
 def test_a_branch_the_mirror_has_not_is_quoted_cut_short_with_the_branches_it_has(
