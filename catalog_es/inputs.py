@@ -34,7 +34,7 @@ from pydantic import (
     WrapValidator,
     field_validator,
 )
-from pydantic_core import PydanticCustomError
+from pydantic_core import ErrorDetails, PydanticCustomError
 from yaml._yaml import CParser
 
 from catalog_es import commands
@@ -285,7 +285,7 @@ def _location(loc: tuple[int | str, ...]) -> str:
     return out or "(top level)"
 
 
-def _problem(error: Any) -> str:
+def _problem(error: ErrorDetails) -> str:
     if error["type"] == "extra_forbidden":
         return "unknown field"
     if error["type"] == "missing":
@@ -322,7 +322,7 @@ def describe(error: ValidationError, prefix: tuple[int | str, ...] = ()) -> str:
     return describe_problems(error.errors(), prefix)
 
 
-def describe_problems(problems: Sequence[Any], prefix: tuple[int | str, ...] = ()) -> str:
+def describe_problems(problems: Sequence[ErrorDetails], prefix: tuple[int | str, ...] = ()) -> str:
     """``describe`` for a list of pydantic error dicts (what a web framework
     hands over once it has validated a query string)."""
     first = problems[0]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import tempfile
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from pathlib import Path
@@ -11,6 +10,7 @@ from typing import ClassVar
 
 import msgspec
 
+from catalog_es.files import replace_file
 from catalog_es.spec import ModelSpec
 
 
@@ -77,16 +77,7 @@ class JsonFileApplier(Applier):
     def replace_catalog(self, models: Sequence[ModelSpec], revision: int) -> None:
         body = msgspec.json.encode({"revision": revision, "models": list(models)})
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(body)
-                f.flush()
-                os.fsync(f.fileno())
-            Path(tmp).replace(self.path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        replace_file(self.path, body)
 
     def replace_replicas(self, model: ModelSpec, revision: int) -> None:
         line = msgspec.json.encode(

@@ -273,13 +273,6 @@ def _decompressed(blob: bytes) -> bytes:
     return zlib.decompress(blob)
 
 
-def latest(conn: Connection, fingerprint: str) -> int:
-    """The revision of the newest snapshot over this config, 0 for none."""
-    t = snapshots_table.c
-    value = conn.execute(sa.select(sa.func.max(t.revision)).where(t.fingerprint == fingerprint))
-    return int(value.scalar() or 0)
-
-
 def taken_since(conn: Connection, fingerprint: str, revision: int) -> list[int]:
     """The revisions of this config's snapshots taken at ``revision`` or after it."""
     t = snapshots_table.c

@@ -25,7 +25,7 @@ from catalog_es.inputs import model_from_data
 from catalog_es.model import Model, model_id, utc_now
 from catalog_es.persistence import events_table, head_table, streams_table
 from catalog_es.spec import DEFAULT_ENGINES, ModelSpec, Profile
-from projections.snapshots import snapshots_table
+from projections.snapshots import snapshots_table, taken_since
 
 GPU = Profile(name="gpu", gpus=1, gpu_memory_gb=24, min_memory_gb=32, cpu_cores=4)
 CPU = Profile(name="cpu", gpus=0, min_memory_gb=8, cpu_cores=4)
@@ -133,6 +133,11 @@ def schema_of(pg_url: str) -> str:
     options = sa.make_url(pg_url).query["options"]
     assert isinstance(options, str)
     return options.partition("=")[2]
+
+
+def newest_snapshot(conn: sa.Connection, fingerprint: str) -> int:
+    """The revision of the newest snapshot over this config, 0 for none."""
+    return max(taken_since(conn, fingerprint, 0), default=0)
 
 
 def count_events(url: str) -> int:

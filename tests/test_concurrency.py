@@ -74,6 +74,7 @@ from tests.helpers import (
     event,
     model_data,
     model_spec,
+    newest_snapshot,
     schema_of,
 )
 
@@ -832,7 +833,7 @@ def test_reads_do_not_wait_for_a_snapshot_waiting_for_another_writer(
     assert command.is_alive()
     command.join()
     with models.store.read() as conn:
-        assert snapshots.latest(conn, DeclaredConfig().fingerprint) == models.revision
+        assert newest_snapshot(conn, DeclaredConfig().fingerprint) == models.revision
     models.close()
 
 

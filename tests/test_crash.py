@@ -39,10 +39,9 @@ from catalog_es.inputs import DeclaredConfig, load_config
 from catalog_es.mapper import decode_event
 from catalog_es.model import DomainEvent, Model
 from catalog_es.persistence import SQLRecorder, commit_may_have_stood, create_engine
-from projections import snapshots
 from projections.catalog import catch_up
 from tests.crash_writer import APPLY_REASON, APPLY_SIZE, EVENT_OF_KIND, catalog_digest
-from tests.helpers import commits_held, model_data, model_spec
+from tests.helpers import commits_held, model_data, model_spec, newest_snapshot
 
 ROOT = Path(__file__).resolve().parents[1]
 KILLS = 100
@@ -305,7 +304,7 @@ def test_sigkill_at_random_moments_loses_nothing(
         # A huge interval: the snapshots checked are the killed writers', none of ours.
         opened = Models(declared, snapshot_interval=10**9, env={"CATALOG_ES_DB": url})
         with recorder.read() as conn:
-            newest = snapshots.latest(conn, declared.fingerprint)
+            newest = newest_snapshot(conn, declared.fingerprint)
         start, loaded = loads[0]
         assert start == newest, context
         assert loaded == list(range(newest + 1, head + 1)), context

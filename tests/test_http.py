@@ -1823,6 +1823,27 @@ def test_tokens_added_at_once_are_all_kept(tmp_path: Path) -> None:
     assert all(store.verify(secret) is not None for secret in made)
 
 
+def test_a_tokens_file_is_on_disk_before_it_replaces_the_old_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The new file took the old one's place unsynced: a crash just after a
+    `token add` could leave it empty, and every token refused (review)."""
+    tokens = tmp_path / "t.json"
+    synced: list[int] = []
+    fsync = os.fsync
+
+    def noted(fd: int) -> None:
+        synced.append(os.fstat(fd).st_ino)
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", noted)
+    store = TokenStore(tokens)
+    store.add("ops", "admin")
+    assert tokens.stat().st_ino in synced
+    store.remove(store.entries()[0].id)
+    assert tokens.stat().st_ino in synced
+
+
 def test_a_tokens_file_replaced_within_its_clocks_tick_is_read_again(tmp_path: Path) -> None:
     """A replacement of the same size, on a file system whose clock shows the
     same mtime, was taken for the file already read: a revoked token stayed

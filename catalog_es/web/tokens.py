@@ -21,7 +21,6 @@ import hmac
 import logging
 import os
 import secrets
-import tempfile
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -32,6 +31,7 @@ from typing import Any
 import msgspec
 
 from catalog_es.errors import InputError, missing_folder
+from catalog_es.files import replace_file
 from catalog_es.inputs import check_actor
 from catalog_es.model import utc_now, utc_text
 
@@ -120,15 +120,7 @@ class TokenStore:
             raise InputError(f"{self.path}: not a tokens file: {error}") from None
 
     def _write(self, content: TokensFile) -> None:
-        fd, temporary = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.")
-        try:
-            os.fchmod(fd, 0o600)
-            with os.fdopen(fd, "wb") as f:
-                f.write(msgspec.json.format(msgspec.json.encode(content)) + b"\n")
-            Path(temporary).replace(self.path)
-        except BaseException:
-            Path(temporary).unlink(missing_ok=True)
-            raise
+        replace_file(self.path, msgspec.json.format(msgspec.json.encode(content)) + b"\n")
 
     @contextmanager
     def _changing(self) -> Iterator[TokensFile]:
