@@ -101,7 +101,12 @@ def config_file(write_config: Callable[..., str]) -> str:
 def api(db_url: str, tmp_path: Path, make_models: Callable[..., Models]) -> Iterator[Api]:
     models = make_models(DECLARED_YAML)
     tokens, token = tokens_for_roles(tmp_path / "tokens.json")
-    with serving(create_app(models, tokens)) as url, httpx.Client(base_url=url) as client:
+    # Not httpx's 5 s: an answer took longer once, with the suite beside
+    # three other test runs on two cores (ReadTimeout).
+    with (
+        serving(create_app(models, tokens)) as url,
+        httpx.Client(base_url=url, timeout=30) as client,
+    ):
         yield Api(url, db_url, models, tokens, token, client)
 
 
