@@ -32,7 +32,6 @@ from catalog_es.errors import (
 from catalog_es.inputs import DeclaredConfig, carried, zoned
 from catalog_es.model import Model, utc_now, utc_text
 from catalog_es.persistence import AnswerTooLarge, SQLRecorder, refusals_table
-from catalog_es.spec import check_name
 from projections.audit import (
     AuditProjection,
     AuditView,
@@ -276,15 +275,8 @@ def _check_filters(filters: Filters, query: str) -> None:
         carried(wanted, query, "type")
     # An empty name is no model's: it matched the declared-config records,
     # which have no model, as if they were one.
-    model = filters.get("model")
-    if model == "":
+    if filters.get("model") == "":
         raise InputError("model: the name is empty; give a model's name, or no model filter")
-    # Nor is a name no model can have: its audit answered nothing, as if the
-    # model had had no change (a diff of one said "no change"). The refusals
-    # keep such names as commands were sent them, and a history of one is
-    # its own refusal (no such model).
-    if model is not None and query == "audit":
-        check_name(model)
     # No actor is empty either (check_actor): an empty filter matched nothing, said as nothing done.
     if filters.get("by") == "":
         raise InputError("by: the actor is empty; give an actor, or no actor filter")

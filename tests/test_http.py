@@ -358,19 +358,6 @@ def test_a_log_asked_of_a_name_no_model_can_have_is_refused(api: Api) -> None:
     assert "'bad name!'" in bad and "is not a valid name" in bad
 
 
-def test_an_audit_asked_of_a_name_no_model_can_have_is_refused(api: Api) -> None:
-    """It answered `[]`, as if the model had had no change, where `/log` and
-    `/diff` refuse such a name (review). The refusals keep the names commands
-    were sent, valid or not, and are still asked of them."""
-    assert refused(api.get("/audit", params={"model": "bad name!"}), 422) == (
-        "model 'bad name!': name: 'bad name!' is not a valid name: 1-128 characters of"
-        " A-Z a-z 0-9 . _ : / -, starting with a letter or digit"
-    )
-    refused(api.client.delete("/models/bad name!", headers=api.as_("write")), 422)
-    (kept,) = ok(api.get("/refusals", params={"model": "bad name!"}))
-    assert (kept["model"], kept["event"]) == ("bad name!", "Removed")
-
-
 def test_a_rollback_of_a_dimension_there_is_not_is_refused_in_the_apis_words(api: Api) -> None:
     """It was refused in the CLI's: "--only 'nope'", an option HTTP has not (review)."""
     api.post("/models", definition("qwen"))
