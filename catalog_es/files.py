@@ -11,8 +11,10 @@ def replace_file(path: Path, content: bytes) -> None:
     """Make ``content`` the file at ``path`` in one step: a reader finds the
     old content or the new, never part of either. The new is on disk before
     it takes the old one's place, so a crash leaves one or the other whole,
-    not an empty file. Readable and writable by its owner alone (0600), as
-    :func:`tempfile.mkstemp` makes it."""
+    not an empty file; and the folder is synced once it has taken it, so the
+    new is what a crash after the return leaves (a `token remove` told done
+    could otherwise come back). Readable and writable by its owner alone
+    (0600), as :func:`tempfile.mkstemp` makes it."""
     fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
         with os.fdopen(fd, "wb") as f:
@@ -23,3 +25,8 @@ def replace_file(path: Path, content: bytes) -> None:
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
         raise
+    folder = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(folder)
+    finally:
+        os.close(folder)

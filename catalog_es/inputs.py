@@ -488,12 +488,13 @@ def _scalar_read_as(
     so and where: ``!!bool maybe`` and ``!!timestamp abc`` were Python's own
     errors (a KeyError, an AttributeError), ``!!float x`` said no place, and
     ``!!null abc`` was read as null, its text dropped. ``plain``: the only
-    texts the tag takes, where its constructor reads any."""
+    texts the tag takes, where its constructor reads any. (``!!float`` of
+    no text at all raised an IndexError of its own.)"""
 
     def checked(loader: _StrictLoader, node: yaml.ScalarNode) -> Any:
         text = loader.construct_scalar(node)
         if not plain or text in plain:
-            with suppress(ValueError, KeyError, AttributeError):
+            with suppress(ValueError, KeyError, AttributeError, IndexError):
                 return construct(loader, node)
         raise _NotAccepted(None, None, f"{shown(text)} is not {what}", node.start_mark)
 

@@ -1243,6 +1243,7 @@ def test_a_config_number_yaml_versions_read_differently_is_refused(run: Run, wri
         ("!!omap abc", "!!omap is for a sequence, not a scalar"),
         ("!!bool maybe", "'maybe' is not true or false"),
         ("!!float x", "'x' is not a number"),
+        ("!!float", "'' is not a number"),
         ("!!timestamp abc", "'abc' is not a date or a time"),
         ("!!null abc", "'abc' is not null"),
     ],

@@ -336,7 +336,8 @@ def test_console_models_history_time_travel_and_rollback(
         # no other page left under it as if it were that one (hostile test).
         for at, told in (
             ("99999", "Revision 99999 is past the log's last, "),
-            # Told as no whole number, past what a number here holds exactly.
+            # Past what a number here holds exactly: told as past the head,
+            # not as no whole number.
             ("99999999999999999", "Revision 99999999999999999 is past the log's last, "),
             ("", 'This address\'s revision, "", is not a whole number.'),
             ("2x", 'This address\'s revision, "2x", is not a whole number.'),
@@ -347,6 +348,11 @@ def test_console_models_history_time_travel_and_rollback(
             page.goto(f"{url}/console/#/models?at={at}")
             expect(page.locator("#error")).to_contain_text(told)
             expect(page.locator("#models")).to_have_count(0)
+        # Leading zeros are no digits of the number, as the server reads them:
+        # these were told past the head.
+        page.goto(f"{url}/console/#/models?at=00000000000000002")
+        expect(page.locator("#models")).to_have_count(1)
+        expect(page.locator("#error")).to_have_text("")
 
         # Revoked, the token's live stream ends, and the console signs out.
         (admin,) = [e for e in tokens.describe() if e["actor"] == "admin-user"]

@@ -102,10 +102,11 @@ function route() {
   const params = new URLSearchParams(query || "");
   // A revision as typed: anything but a whole number is told, not read as 0 or now.
   // One of more digits than a number here holds exactly is past any log's
-  // head (it was told as no whole number).
+  // head (it was told as no whole number); leading zeros are none of its
+  // digits, as the server reads them (17 of them were told past the head).
   const atText = params.get("at");
-  const at =
-    atText === null ? null : !/^[0-9]+$/.test(atText) ? NaN : atText.length > 15 ? Infinity : Number(atText);
+  const digits = atText === null ? 0 : atText.replace(/^0+/, "").length;
+  const at = atText === null ? null : !/^[0-9]+$/.test(atText) ? NaN : digits > 15 ? Infinity : Number(atText);
   // Before revision 1 no declared config was recorded: there is none "then".
   const declaredThen = at !== null && at > 0 && params.get("declared") === "then";
   if (path.startsWith("/model/")) {
