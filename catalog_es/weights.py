@@ -17,8 +17,12 @@ changed meanwhile.
 
 from __future__ import annotations
 
+import hashlib
 import logging
-from collections.abc import Mapping
+import os
+import tempfile
+from collections.abc import Iterable, Mapping
+from contextlib import suppress
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -49,8 +53,10 @@ from catalog_es.registry import (
     check_commit,
     check_repository,
     inside,
+    open_inside,
     relative_file,
     resolved,
+    unreadable,
     verify,
 )
 from catalog_es.spec import ModelSpec, Origin
@@ -76,35 +82,126 @@ def file_changes(old: Mapping[str, str], new: Mapping[str, str]) -> dict[str, li
     }
 
 
+def _list_digest(files: Mapping[str, str]) -> str:
+    """The sha256 of the paths of a list of files: which list a folder holds."""
+    return hashlib.sha256(msgspec.json.encode(sorted(files))).hexdigest()
+
+
+# The digits of a list's digest in the name of its folder: enough that two
+# lists of one commit never share one.
+_DIGEST_SHOWN = 16
+
+
+# Where the list each commit's folder holds is recorded, under the store's
+# root: not in the folder, where an engine loading it would see it, nor among
+# the repository's folders. No organisation's name begins with a dot.
+_LISTS = ".lists"
+
+
 class WeightsStore:
     """Where fetched commits are kept, each in a folder of its own beside the
-    others (``<root>/<org>/<repo>/<commit>/``), and where replicas load them from."""
+    others (``<root>/<org>/<repo>/<commit>/``), and where replicas load them from.
+
+    Origins of one commit may list other files (one given with the weights
+    file alone): a folder holds one list, or a model would load files it was
+    not checked to run, and a rollback onto it be refused for a file that is
+    no part of its list (hostile test). The commit's folder holds the first
+    list staged there, recorded apart (``.lists/<org>/<repo>/<commit>``, the
+    digest of its paths); another list has a folder of its own,
+    ``<commit>.<digest>``."""
 
     def __init__(self, root: Path, *, apart_from: Path | None = None) -> None:
         self.root = root
         # The registry's own folder, where no commit is fetched to.
         self.apart_from = apart_from
 
-    def folder(self, repository: str, revision: str) -> Path:
-        org, name = check_repository(repository)
-        return self.root / org / name / check_commit(revision)
+    def folder(self, origin: Origin, running: Iterable[ModelSpec]) -> Path:
+        """Where the files ``origin`` lists are kept: the commit's folder,
+        unless it holds another list of them. ``running``: the models in
+        force, which tell the list of a folder an older release staged."""
+        org, name = check_repository(origin.repository)
+        commit = self.root / org / name / check_commit(origin.revision)
+        listed = _list_digest(origin.files)
+        if self._held_list(commit, running) in (None, listed):
+            return commit
+        return commit.with_name(f"{commit.name}.{listed[:_DIGEST_SHOWN]}")
 
-    def source(self, origin: Origin) -> str:
-        """The model source of a commit kept here: a ``file://`` URL, of the
+    def _held_list(self, commit: Path, running: Iterable[ModelSpec]) -> str | None:
+        """The digest of the list a commit's folder is for: as recorded, else
+        (an older release recorded none) that of the models running from it,
+        "" if they run other lists or none known; ``None`` for no list yet.
+        Not told by the files it holds: a fetch killed half-way leaves some
+        of its list, and a file planted there is to be reported."""
+        recorded = self._recorded_list(commit)
+        if recorded is not None:
+            return recorded
+        source = self.source(commit)
+        lists = {
+            _list_digest(model.origin.files) if model.origin else ""
+            for model in running
+            if model.source == source
+        }
+        return lists.pop() if len(lists) == 1 else ("" if lists else None)
+
+    def _recorded_list(self, commit: Path) -> str | None:
+        record = self._list_record(commit)
+        if not os.path.lexists(record):
+            return None
+        try:
+            with open_inside(record, self.root) as file:
+                return file.read().decode("ascii", "replace")
+        except OSError as error:
+            raise unreadable(record, error) from None
+
+    def _list_record(self, commit: Path) -> Path:
+        return self.root / _LISTS / commit.relative_to(self.root)
+
+    def _record_list(self, folder: Path, origin: Origin) -> None:
+        """Record the list a commit's folder holds, the first time: of two
+        stagings at once of other lists there, the second is refused (run
+        again, it takes a folder of its own)."""
+        if folder.name != origin.revision:
+            return  # a list's own folder, named for it
+        record = self._list_record(folder)
+        listed = _list_digest(origin.files)
+        if not os.path.lexists(record):
+            record.parent.mkdir(parents=True, exist_ok=True)
+            # Written whole, then linked: the record is there whole or not at all.
+            descriptor, written = tempfile.mkstemp(
+                dir=inside(record.parent, self.root), prefix=f".{record.name}."
+            )
+            try:
+                with os.fdopen(descriptor, "w") as file:
+                    # Readable as the weights are, by the other nodes sharing the store.
+                    os.fchmod(file.fileno(), 0o644)
+                    file.write(listed)
+                with suppress(FileExistsError):  # made meanwhile: read below
+                    os.link(written, record)
+            finally:
+                Path(written).unlink()
+        if self._recorded_list(folder) != listed:
+            raise RegistryError(
+                f"{folder} was taken meanwhile for other files of {origin.repository}@"
+                f"{origin.revision}; nothing was written, run the command again"
+            )
+
+    @staticmethod
+    def source(folder: Path) -> str:
+        """The model source of a folder kept here: a ``file://`` URL, of the
         folder itself (links and ``..`` resolved): another spelling of the
         store, or a link to it pointed elsewhere later, names the same files."""
-        return resolved(self.folder(origin.repository, origin.revision)).as_uri()
+        return resolved(folder).as_uri()
 
-    def stage(self, registry: Registry, origin: Origin) -> list[str]:
-        """Make the folder of ``origin`` an exact copy of its files: fetch those
-        not there yet, then hash every one. A file already there that differs
-        is reported, never replaced, so tampering stays visible. Answers the
-        files fetched."""
+    def stage(self, registry: Registry, origin: Origin, folder: Path) -> list[str]:
+        """Make ``folder`` (:meth:`folder`) an exact copy of the files of
+        ``origin``, recorded as theirs: fetch those not there yet, then hash
+        every one. A file already there that differs is reported, never
+        replaced, so tampering stays visible. Answers the files fetched."""
         where = f"{origin.repository}@{origin.revision}"
         if not origin.files:
             raise VerificationFailed(f"{where} lists no files: there is nothing to verify")
         # A folder linked elsewhere would be written there, and hashed there.
-        folder = inside(self.folder(origin.repository, origin.revision), self.root)
+        inside(folder, self.root)
         if self.apart_from is not None and resolved(folder).is_relative_to(
             resolved(self.apart_from)
         ):
@@ -117,6 +214,7 @@ class WeightsStore:
                 "give --weights a folder apart from it; nothing was written"
             )
         try:
+            self._record_list(folder, origin)
             missing = {
                 path: digest
                 for path, digest in origin.files.items()
@@ -575,7 +673,8 @@ class Weights:
         expected_revision: int | None,
         rollback_to: int | None = None,
     ) -> dict[str, Any]:
-        source = self.store.source(target)
+        folder = self.store.folder(target, self.models.catalog_at().models())
+        source = self.store.source(folder)
         result: dict[str, Any] = {
             "rollback_to": rollback_to,
             "from": _weights_view(spec.source, spec.origin),
@@ -586,7 +685,7 @@ class Weights:
             # Its folder is checked all the same, and what is missing fetched
             # again: "already runs" was told, exit 0, of a store wiped or
             # tampered with since, which no replica could load (hostile test).
-            fetched = self.store.stage(self.registry, target)
+            fetched = self.store.stage(self.registry, target, folder)
             view = model_view(spec, declared=False)
             return {
                 "revision": self.models.revision,
@@ -608,7 +707,7 @@ class Weights:
         # What the write would refuse of the new source (a store path too
         # long for one), refused before gigabytes are fetched for it.
         write(dry_run=True)
-        fetched = self.store.stage(self.registry, target)
+        fetched = self.store.stage(self.registry, target, folder)
         revision, changes = write()
         if not changes:
             # Moved there meanwhile (the same update run twice at once): what

@@ -1358,6 +1358,54 @@ def test_the_log_shows_the_whole_provenance_timeline(world: World, tracked: Weig
     ]
 
 
+def test_models_of_one_commit_with_other_file_lists_run_from_folders_of_their_own(
+    world: World, tracked: Weights
+) -> None:
+    """An origin given with the weights file alone, and the registry's list of
+    the same commit, were staged into the one folder: the update of one added
+    a file into the folder the other ran from, and that one's rollback there
+    was refused, the folder in use by the first (hostile test). Each list
+    has a folder holding exactly its files, found again by a rollback."""
+    c2 = world.mirror.publish("org/m", V2)
+    world.mirror.point("org/m", "main", world.c1)
+    tracked.models.add(spec("n", source="hf://org/m"), by="alice")
+    weights_only = origin_of("org/m", world.c1, {"model.safetensors": V1["model.safetensors"]})
+    tracked.models.set_source("n", "hf://org/m", weights_only, by="alice")
+    tracked.rollback("n", world.c1, by="bob")  # onto its copy in the store
+    n_source = tracked.models.get_model("n")["source"]
+    tracked.update("m", world.c1, by="bob")
+    m_source = tracked.models.get_model("m")["source"]
+    assert m_source != n_source
+    for source, origin in ((n_source, weights_only), (m_source, origin_of("org/m", world.c1, V1))):
+        assert checksums(Path(source.removeprefix("file://")), world.store) == origin.files
+    tracked.update("n", c2, by="bob")
+    back = tracked.rollback("n", world.c1, by="bob")
+    assert (back["model"]["source"], back["fetched"]) == (n_source, [])
+    assert tracked.update("m", world.c1, by="bob")["written"] is False
+
+
+def test_a_store_an_older_release_made_serves_its_models_with_no_download(
+    world: World, tracked: Weights
+) -> None:
+    """An older release recorded no list beside a commit's folder: the
+    models running from it tell which list it holds. Files it holds do not
+    (a killed fetch leaves some of its list)."""
+    world.mirror.publish("org/m", V2)
+    world.mirror.point("org/m", "main", world.c1)
+    tracked.models.add(spec("n", source="hf://org/m"), by="alice")
+    weights_only = origin_of("org/m", world.c1, {"model.safetensors": V1["model.safetensors"]})
+    tracked.models.set_source("n", "hf://org/m", weights_only, by="alice")
+    tracked.rollback("n", world.c1, by="bob")
+    n_source = tracked.models.get_model("n")["source"]
+    shutil.rmtree(world.store / ".lists")  # as an older release left the store
+    again = tracked.rollback("n", world.c1, by="bob")
+    assert (again["written"], again["fetched"]) == (False, [])
+    shutil.rmtree(world.store / ".lists")
+    tracked.update("m", world.c1, by="bob")
+    assert tracked.models.get_model("m")["source"] != n_source
+    assert checksums(Path(n_source.removeprefix("file://")), world.store) == weights_only.files
+
+
 # -- declared models ------------------------------------------------------------------------
 
 
