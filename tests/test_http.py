@@ -2529,7 +2529,9 @@ def test_a_server_starting_while_the_database_is_away_waits_for_it(
     running server answers 503 until it is back and a watch starting then
     waits for it: a supervisor restarting a unit that fails fast gives up on
     it. It waits too now, told once, and serves the catalog as the database
-    has it once back."""
+    has it once back. Meanwhile it does not listen: a connection sat in the
+    queue unanswered, and a check of the port took the node for one that
+    serves (review)."""
     direct = sa.make_url(pg_url)
     writer = Models(DeclaredConfig(), env={"CATALOG_ES_DB": pg_url})
     writer.add(spec("m"), by="setup")
@@ -2538,18 +2540,24 @@ def test_a_server_starting_while_the_database_is_away_waits_for_it(
     proxy.cut()
     tokens = tmp_path / "tokens.json"
     secret = TokenStore(tokens).add("ops", "read")[1]
+    with socket.socket() as free:  # a port to knock on while it waits
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
     command = [sys.executable, "-m", "catalog_es", "--db", through]
-    command += ["serve", "--port", "0", "--tokens", str(tokens)]
+    command += ["serve", "--port", str(port), "--tokens", str(tokens)]
     server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert server.stderr is not None
         told = server.stderr.readline()
         assert told.startswith("warning: serve: the database could not be used ("), told
         assert told.rstrip().endswith("trying again every 1 s")
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
         writer.scale("m", 0, 2, by="ops")  # while it cannot reach the database
         proxy.resume()
         url, said = started(server)
         assert said.startswith("serving the catalog at revision 2 on "), said
+        assert url == f"http://127.0.0.1:{port}"
         answer = httpx.get(f"{url}/models/m", headers=bearer(secret))
         assert answer.json()["scaling"]["max"] == 2
         server.send_signal(signal.SIGTERM)

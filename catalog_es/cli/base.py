@@ -93,7 +93,13 @@ log = logging.getLogger("catalog_es")
 START_RETRY_SECONDS = 1.0
 
 
-def once_it_answers(settings: Settings, command: str, start: Callable[[], T]) -> T:
+def once_it_answers(
+    settings: Settings,
+    command: str,
+    start: Callable[[], T],
+    *,
+    waiting: Callable[[], None] = lambda: None,
+) -> T:
     """``start()`` of a command that runs until stopped, once the database
     answers: a replica or a server starting as its PostgreSQL fails over
     waits for it, as one already running does, where it exited 1
@@ -101,7 +107,8 @@ def once_it_answers(settings: Settings, command: str, start: Callable[[], T]) ->
     database set up wrong (a role, a password, a name), and a SQLite file
     that cannot be opened, are told at once, as any command tells them.
     While it waits, one engine without a pool looks every second: a service
-    made each time kept some memory."""
+    made each time kept some memory. ``waiting`` is called as it starts to
+    wait, before it says so."""
     probe: sa.Engine | None = None
     try:
         while True:
@@ -115,6 +122,7 @@ def once_it_answers(settings: Settings, command: str, start: Callable[[], T]) ->
                 if unusable is None or url.get_backend_name() != "postgresql":
                     raise
                 if probe is None:
+                    waiting()
                     say(
                         f"warning: {command}: the database could not be used ({unusable}); "
                         f"trying again every {START_RETRY_SECONDS:g} s",

@@ -121,7 +121,17 @@ def serve(
             # --expected-revision) is one line, as any refusal.
             return settings.models(), settings.models().record_declaration(**meta(settings))
 
-        models, revision = once_it_answers(settings, "serve", started)
+        def not_listening() -> None:
+            # While it waits for the database: a connection would sit in the
+            # queue unanswered, and a load balancer's check of the port take
+            # the node for one that serves (review).
+            for sock in sockets:
+                sock.close()
+            sockets.clear()
+
+        models, revision = once_it_answers(settings, "serve", started, waiting=not_listening)
+        if not sockets:
+            sockets.extend(_listening(host, port))
         let_warnings_through()  # a server's log tells them as they come
         app = bootstrap.open_web_app(models, tokens, max_watches=max_watches)
         # What is loaded now (the code, the catalog in force) mostly lives as
