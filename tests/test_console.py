@@ -815,6 +815,9 @@ def test_the_revision_picker_keeps_the_keyboards_focus_as_it_steps(
         page.keyboard.press("ArrowUp")
         page.keyboard.press("Enter")
         expect(page).to_have_url(f"{url}/console/#/models?at=4")
+        # Redrawn, and only then asked: the number box had the focus before
+        # the redraw too, and the tick focused on the page about to go.
+        expect(page.locator("#page h1 small")).to_have_text("at revision 4")
         expect(page.locator("#revision-number")).to_be_focused()
         page.focus("#declared-then")
         page.keyboard.press("Space")
