@@ -1406,6 +1406,31 @@ def test_a_store_an_older_release_made_serves_its_models_with_no_download(
     assert checksums(Path(n_source.removeprefix("file://")), world.store) == weights_only.files
 
 
+def test_a_list_record_edited_by_hand_moves_no_files_under_a_running_model(
+    world: World, tracked: Weights
+) -> None:
+    """The record of a folder's list was believed over the models running
+    from it: edited to another list's digest, the update of another model
+    added files into the folder a model ran from; cut short, a model asked
+    for the weights it ran was moved off them, with a download (hostile
+    test). The models running from a folder tell its list."""
+    world.mirror.publish("org/m", V2)
+    world.mirror.point("org/m", "main", world.c1)
+    tracked.models.add(spec("n", source="hf://org/m"), by="alice")
+    weights_only = origin_of("org/m", world.c1, {"model.safetensors": V1["model.safetensors"]})
+    tracked.models.set_source("n", "hf://org/m", weights_only, by="alice")
+    tracked.rollback("n", world.c1, by="bob")
+    n_source = tracked.models.get_model("n")["source"]
+    record = world.store / ".lists" / "org" / "m" / world.c1
+    record.write_text(hashlib.sha256(msgspec.json.encode(sorted(V1))).hexdigest())
+    tracked.update("m", world.c1, by="bob")
+    assert tracked.models.get_model("m")["source"] != n_source
+    assert checksums(Path(n_source.removeprefix("file://")), world.store) == weights_only.files
+    record.write_text(record.read_text()[:10])
+    again = tracked.rollback("n", world.c1, by="bob")
+    assert (again["written"], again["model"]["source"], again["fetched"]) == (False, n_source, [])
+
+
 # -- declared models ------------------------------------------------------------------------
 
 
