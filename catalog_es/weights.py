@@ -158,14 +158,15 @@ class WeightsStore:
     def _list_record(self, commit: Path) -> Path:
         return self.root / _LISTS / commit.relative_to(self.root)
 
-    def _record_list(self, folder: Path, origin: Origin, running: Sequence[ModelSpec]) -> None:
+    def _record_list(self, folder: Path, origin: Origin, running: Sequence[ModelSpec]) -> bool:
         """Record the list a commit's folder holds, the first time: of two
         stagings at once of other lists there, the second is refused (run
-        again, it takes a folder of its own)."""
+        again, it takes a folder of its own). Whether this call recorded it."""
         if folder.name != origin.revision:
-            return  # a list's own folder, named for it
+            return False  # a list's own folder, named for it
         record = self._list_record(folder)
         listed = _list_digest(origin.files)
+        recorded = False
         if not os.path.lexists(record):
             record.parent.mkdir(parents=True, exist_ok=True)
             # Written whole, then linked: the record is there whole or not at all.
@@ -179,6 +180,7 @@ class WeightsStore:
                     file.write(listed)
                 with suppress(FileExistsError):  # made meanwhile: read below
                     os.link(written, record)
+                    recorded = True
             finally:
                 Path(written).unlink()
         if self._held_list(folder, running) != listed:
@@ -186,6 +188,7 @@ class WeightsStore:
                 f"{folder} was taken meanwhile for other files of {origin.repository}@"
                 f"{origin.revision}; nothing was written, run the command again"
             )
+        return recorded
 
     @staticmethod
     def source(folder: Path) -> str:
@@ -218,30 +221,43 @@ class WeightsStore:
                 f"the weights store {self.root} is inside the mirror {self.apart_from}: "
                 "give --weights a folder apart from it; nothing was written"
             )
+        # Refused, a staging takes away the folder it made, if left empty,
+        # with the record of its list: a refused fetch left an empty commit
+        # folder in the store (review).
+        made = not os.path.lexists(folder)
+        recorded = False
         try:
-            self._record_list(folder, origin, running)
-            missing = {
-                path: digest
-                for path, digest in origin.files.items()
-                if not (folder / relative_file(path)).is_file()
-            }
-            if missing:
-                registry.fetch(origin.repository, origin.revision, missing, folder)
-        except OSError as error:  # the store a file, or a name too long for it
-            # Which of its paths: "File exists" alone did not tell which file was.
-            where = f"{error.filename}: " if error.filename else ""
-            raise RegistryError(
-                f"the weights store {self.root}: {where}{error.strerror or error}; "
-                "nothing was written"
-            ) from None
-        problems = verify(folder, origin.files, self.root)
-        if problems:
-            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-            raise VerificationFailed(
-                f"the weights of {where} in {folder} do not verify: {problems[0]}{more}; "
-                "nothing was written (once no model runs from that folder, delete it to "
-                "fetch it again)"
-            )
+            try:
+                recorded = self._record_list(folder, origin, running)
+                missing = {
+                    path: digest
+                    for path, digest in origin.files.items()
+                    if not (folder / relative_file(path)).is_file()
+                }
+                if missing:
+                    registry.fetch(origin.repository, origin.revision, missing, folder)
+            except OSError as error:  # the store a file, or a name too long for it
+                # Which of its paths: "File exists" alone did not tell which file was.
+                where = f"{error.filename}: " if error.filename else ""
+                raise RegistryError(
+                    f"the weights store {self.root}: {where}{error.strerror or error}; "
+                    "nothing was written"
+                ) from None
+            problems = verify(folder, origin.files, self.root)
+            if problems:
+                more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+                raise VerificationFailed(
+                    f"the weights of {where} in {folder} do not verify: {problems[0]}{more}; "
+                    "nothing was written (once no model runs from that folder, delete it to "
+                    "fetch it again)"
+                )
+        except BaseException:
+            if made:
+                with suppress(OSError):  # not empty: what it holds stays, and its list
+                    folder.rmdir()
+                    if recorded:
+                        self._list_record(folder).unlink()
+            raise
         return sorted(missing)
 
 

@@ -902,6 +902,18 @@ def test_a_copy_that_does_not_verify_is_not_kept_and_is_fetched_again(
     assert tracked.models.get_model("m")["origin"]["revision"] == world.c1
 
 
+def test_a_refused_fetch_leaves_the_store_as_it_found_it(world: World, tracked: Weights) -> None:
+    """A fetch refused before any file was kept left an empty commit folder,
+    and the record of its list, in the store (review)."""
+    world.mirror.publish("org/m", V2)
+    tracked.update("m", by="bob")
+    store_before = sorted(world.store.rglob("*"))
+    (world.mirror.folder("org/m", world.c1) / "config.json").write_bytes(b"edited in place")
+    with pytest.raises(RegistryError, match=r"config.json was copied with sha256 .*not kept"):
+        tracked.rollback("m", by="carol")
+    assert sorted(world.store.rglob("*")) == store_before
+
+
 def test_a_source_the_write_would_refuse_is_refused_before_anything_is_fetched(
     world: World, tracked: Weights
 ) -> None:
