@@ -246,10 +246,15 @@ class WeightsStore:
             problems = verify(folder, origin.files, self.root)
             if problems:
                 more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+                # A file missing is fetched by the next run: deleting the
+                # folder, as told of one that differs, was no remedy for it.
+                if all(problem.endswith(": missing") for problem in problems):
+                    advice = "the next run fetches what is missing, once the registry holds it"
+                else:
+                    advice = "once no model runs from that folder, delete it to fetch it again"
                 raise VerificationFailed(
                     f"the weights of {where} in {folder} do not verify: {problems[0]}{more}; "
-                    "nothing was written (once no model runs from that folder, delete it to "
-                    "fetch it again)"
+                    f"nothing was written ({advice})"
                 )
         except BaseException:
             if made:

@@ -867,6 +867,24 @@ def test_update_is_refused_when_a_fetched_file_differs_or_is_missing(
     assert world.applier.steps == []
 
 
+def test_a_file_missing_after_a_fetch_is_fetched_by_the_next_run(
+    world: World, tracked: Weights
+) -> None:
+    """A file the registry did not deliver was refused with the advice to
+    delete the folder once no model ran from it, though the next run
+    fetches it anyway (review)."""
+    c2 = world.mirror.publish("org/m", V2)
+    losing = world.open(LosingRegistry(world.mirror.root))
+    with pytest.raises(VerificationFailed) as refused:
+        losing.update("m", by="bob")
+    assert str(refused.value).endswith(
+        "config.json: missing; nothing was written (the next run fetches what is missing, "
+        "once the registry holds it)"
+    )
+    assert tracked.update("m", by="bob")["fetched"] == ["config.json"]
+    assert tracked.models.get_model("m")["origin"]["revision"] == c2
+
+
 def test_a_tampered_copy_in_the_store_is_reported_not_replaced(
     world: World, tracked: Weights
 ) -> None:
