@@ -21,7 +21,7 @@ import hashlib
 import logging
 import os
 import tempfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping, Sequence
 from contextlib import suppress
 from functools import partial
 from pathlib import Path
@@ -115,10 +115,10 @@ class WeightsStore:
         # The registry's own folder, where no commit is fetched to.
         self.apart_from = apart_from
 
-    def folder(self, origin: Origin, running: Iterable[ModelSpec]) -> Path:
+    def folder(self, origin: Origin, running: Sequence[ModelSpec]) -> Path:
         """Where the files ``origin`` lists are kept: the commit's folder,
         unless it holds another list of them. ``running``: the models in
-        force, which tell the list of a folder an older release staged."""
+        force, which tell the list of a folder they run from."""
         org, name = check_repository(origin.repository)
         commit = self.root / org / name / check_commit(origin.revision)
         listed = _list_digest(origin.files)
@@ -126,22 +126,24 @@ class WeightsStore:
             return commit
         return commit.with_name(f"{commit.name}.{listed[:_DIGEST_SHOWN]}")
 
-    def _held_list(self, commit: Path, running: Iterable[ModelSpec]) -> str | None:
-        """The digest of the list a commit's folder is for: as recorded, else
-        (an older release recorded none) that of the models running from it,
-        "" if they run other lists or none known; ``None`` for no list yet.
+    def _held_list(self, commit: Path, running: Sequence[ModelSpec]) -> str | None:
+        """The digest of the list a commit's folder is for: that of the models
+        running from it, "" if they run other lists or none known; else (none
+        runs from it) as recorded; ``None`` for no list yet. The models
+        first: a record edited by hand, or cut short, sent another list's
+        files into the folder a model ran from, or moved that model off it
+        with a download (hostile test); and an older release recorded none.
         Not told by the files it holds: a fetch killed half-way leaves some
         of its list, and a file planted there is to be reported."""
-        recorded = self._recorded_list(commit)
-        if recorded is not None:
-            return recorded
         source = self.source(commit)
         lists = {
             _list_digest(model.origin.files) if model.origin else ""
             for model in running
             if model.source == source
         }
-        return lists.pop() if len(lists) == 1 else ("" if lists else None)
+        if lists:
+            return lists.pop() if len(lists) == 1 else ""
+        return self._recorded_list(commit)
 
     def _recorded_list(self, commit: Path) -> str | None:
         record = self._list_record(commit)
@@ -156,14 +158,15 @@ class WeightsStore:
     def _list_record(self, commit: Path) -> Path:
         return self.root / _LISTS / commit.relative_to(self.root)
 
-    def _record_list(self, folder: Path, origin: Origin) -> None:
+    def _record_list(self, folder: Path, origin: Origin, running: Sequence[ModelSpec]) -> bool:
         """Record the list a commit's folder holds, the first time: of two
         stagings at once of other lists there, the second is refused (run
-        again, it takes a folder of its own)."""
+        again, it takes a folder of its own). Whether this call recorded it."""
         if folder.name != origin.revision:
-            return  # a list's own folder, named for it
+            return False  # a list's own folder, named for it
         record = self._list_record(folder)
         listed = _list_digest(origin.files)
+        recorded = False
         if not os.path.lexists(record):
             record.parent.mkdir(parents=True, exist_ok=True)
             # Written whole, then linked: the record is there whole or not at all.
@@ -177,13 +180,15 @@ class WeightsStore:
                     file.write(listed)
                 with suppress(FileExistsError):  # made meanwhile: read below
                     os.link(written, record)
+                    recorded = True
             finally:
                 Path(written).unlink()
-        if self._recorded_list(folder) != listed:
+        if self._held_list(folder, running) != listed:
             raise RegistryError(
                 f"{folder} was taken meanwhile for other files of {origin.repository}@"
                 f"{origin.revision}; nothing was written, run the command again"
             )
+        return recorded
 
     @staticmethod
     def source(folder: Path) -> str:
@@ -192,11 +197,14 @@ class WeightsStore:
         store, or a link to it pointed elsewhere later, names the same files."""
         return resolved(folder).as_uri()
 
-    def stage(self, registry: Registry, origin: Origin, folder: Path) -> list[str]:
-        """Make ``folder`` (:meth:`folder`) an exact copy of the files of
-        ``origin``, recorded as theirs: fetch those not there yet, then hash
-        every one. A file already there that differs is reported, never
-        replaced, so tampering stays visible. Answers the files fetched."""
+    def stage(
+        self, registry: Registry, origin: Origin, folder: Path, running: Sequence[ModelSpec]
+    ) -> list[str]:
+        """Make ``folder`` (:meth:`folder` of ``origin`` and ``running``) an
+        exact copy of the files of ``origin``, recorded as theirs: fetch
+        those not there yet, then hash every one. A file already there that
+        differs is reported, never replaced, so tampering stays visible.
+        Answers the files fetched."""
         where = f"{origin.repository}@{origin.revision}"
         if not origin.files:
             raise VerificationFailed(f"{where} lists no files: there is nothing to verify")
@@ -213,30 +221,48 @@ class WeightsStore:
                 f"the weights store {self.root} is inside the mirror {self.apart_from}: "
                 "give --weights a folder apart from it; nothing was written"
             )
+        # Refused, a staging takes away the folder it made, if left empty,
+        # with the record of its list: a refused fetch left an empty commit
+        # folder in the store (review).
+        made = not os.path.lexists(folder)
+        recorded = False
         try:
-            self._record_list(folder, origin)
-            missing = {
-                path: digest
-                for path, digest in origin.files.items()
-                if not (folder / relative_file(path)).is_file()
-            }
-            if missing:
-                registry.fetch(origin.repository, origin.revision, missing, folder)
-        except OSError as error:  # the store a file, or a name too long for it
-            # Which of its paths: "File exists" alone did not tell which file was.
-            where = f"{error.filename}: " if error.filename else ""
-            raise RegistryError(
-                f"the weights store {self.root}: {where}{error.strerror or error}; "
-                "nothing was written"
-            ) from None
-        problems = verify(folder, origin.files, self.root)
-        if problems:
-            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-            raise VerificationFailed(
-                f"the weights of {where} in {folder} do not verify: {problems[0]}{more}; "
-                "nothing was written (once no model runs from that folder, delete it to "
-                "fetch it again)"
-            )
+            try:
+                recorded = self._record_list(folder, origin, running)
+                missing = {
+                    path: digest
+                    for path, digest in origin.files.items()
+                    if not (folder / relative_file(path)).is_file()
+                }
+                if missing:
+                    registry.fetch(origin.repository, origin.revision, missing, folder)
+            except OSError as error:  # the store a file, or a name too long for it
+                # Which of its paths: "File exists" alone did not tell which file was.
+                where = f"{error.filename}: " if error.filename else ""
+                raise RegistryError(
+                    f"the weights store {self.root}: {where}{error.strerror or error}; "
+                    "nothing was written"
+                ) from None
+            problems = verify(folder, origin.files, self.root)
+            if problems:
+                more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+                # A file missing is fetched by the next run: deleting the
+                # folder, as told of one that differs, was no remedy for it.
+                if all(problem.endswith(": missing") for problem in problems):
+                    advice = "the next run fetches what is missing, once the registry holds it"
+                else:
+                    advice = "once no model runs from that folder, delete it to fetch it again"
+                raise VerificationFailed(
+                    f"the weights of {where} in {folder} do not verify: {problems[0]}{more}; "
+                    f"nothing was written ({advice})"
+                )
+        except BaseException:
+            if made:
+                with suppress(OSError):  # not empty: what it holds stays, and its list
+                    folder.rmdir()
+                    if recorded:
+                        self._list_record(folder).unlink()
+            raise
         return sorted(missing)
 
 
@@ -673,7 +699,8 @@ class Weights:
         expected_revision: int | None,
         rollback_to: int | None = None,
     ) -> dict[str, Any]:
-        folder = self.store.folder(target, self.models.catalog_at().models())
+        running = self.models.catalog_at().models()
+        folder = self.store.folder(target, running)
         source = self.store.source(folder)
         result: dict[str, Any] = {
             "rollback_to": rollback_to,
@@ -685,7 +712,7 @@ class Weights:
             # Its folder is checked all the same, and what is missing fetched
             # again: "already runs" was told, exit 0, of a store wiped or
             # tampered with since, which no replica could load (hostile test).
-            fetched = self.store.stage(self.registry, target, folder)
+            fetched = self.store.stage(self.registry, target, folder, running)
             view = model_view(spec, declared=False)
             return {
                 "revision": self.models.revision,
@@ -707,7 +734,7 @@ class Weights:
         # What the write would refuse of the new source (a store path too
         # long for one), refused before gigabytes are fetched for it.
         write(dry_run=True)
-        fetched = self.store.stage(self.registry, target, folder)
+        fetched = self.store.stage(self.registry, target, folder, running)
         revision, changes = write()
         if not changes:
             # Moved there meanwhile (the same update run twice at once): what

@@ -867,6 +867,24 @@ def test_update_is_refused_when_a_fetched_file_differs_or_is_missing(
     assert world.applier.steps == []
 
 
+def test_a_file_missing_after_a_fetch_is_fetched_by_the_next_run(
+    world: World, tracked: Weights
+) -> None:
+    """A file the registry did not deliver was refused with the advice to
+    delete the folder once no model ran from it, though the next run
+    fetches it anyway (review)."""
+    c2 = world.mirror.publish("org/m", V2)
+    losing = world.open(LosingRegistry(world.mirror.root))
+    with pytest.raises(VerificationFailed) as refused:
+        losing.update("m", by="bob")
+    assert str(refused.value).endswith(
+        "config.json: missing; nothing was written (the next run fetches what is missing, "
+        "once the registry holds it)"
+    )
+    assert tracked.update("m", by="bob")["fetched"] == ["config.json"]
+    assert tracked.models.get_model("m")["origin"]["revision"] == c2
+
+
 def test_a_tampered_copy_in_the_store_is_reported_not_replaced(
     world: World, tracked: Weights
 ) -> None:
@@ -900,6 +918,18 @@ def test_a_copy_that_does_not_verify_is_not_kept_and_is_fetched_again(
     published.write_bytes(V1["model.safetensors"])  # upstream puts it back
     assert tracked.rollback("m", by="carol")["written"]
     assert tracked.models.get_model("m")["origin"]["revision"] == world.c1
+
+
+def test_a_refused_fetch_leaves_the_store_as_it_found_it(world: World, tracked: Weights) -> None:
+    """A fetch refused before any file was kept left an empty commit folder,
+    and the record of its list, in the store (review)."""
+    world.mirror.publish("org/m", V2)
+    tracked.update("m", by="bob")
+    store_before = sorted(world.store.rglob("*"))
+    (world.mirror.folder("org/m", world.c1) / "config.json").write_bytes(b"edited in place")
+    with pytest.raises(RegistryError, match=r"config.json was copied with sha256 .*not kept"):
+        tracked.rollback("m", by="carol")
+    assert sorted(world.store.rglob("*")) == store_before
 
 
 def test_a_source_the_write_would_refuse_is_refused_before_anything_is_fetched(
@@ -1404,6 +1434,31 @@ def test_a_store_an_older_release_made_serves_its_models_with_no_download(
     tracked.update("m", world.c1, by="bob")
     assert tracked.models.get_model("m")["source"] != n_source
     assert checksums(Path(n_source.removeprefix("file://")), world.store) == weights_only.files
+
+
+def test_a_list_record_edited_by_hand_moves_no_files_under_a_running_model(
+    world: World, tracked: Weights
+) -> None:
+    """The record of a folder's list was believed over the models running
+    from it: edited to another list's digest, the update of another model
+    added files into the folder a model ran from; cut short, a model asked
+    for the weights it ran was moved off them, with a download (hostile
+    test). The models running from a folder tell its list."""
+    world.mirror.publish("org/m", V2)
+    world.mirror.point("org/m", "main", world.c1)
+    tracked.models.add(spec("n", source="hf://org/m"), by="alice")
+    weights_only = origin_of("org/m", world.c1, {"model.safetensors": V1["model.safetensors"]})
+    tracked.models.set_source("n", "hf://org/m", weights_only, by="alice")
+    tracked.rollback("n", world.c1, by="bob")
+    n_source = tracked.models.get_model("n")["source"]
+    record = world.store / ".lists" / "org" / "m" / world.c1
+    record.write_text(hashlib.sha256(msgspec.json.encode(sorted(V1))).hexdigest())
+    tracked.update("m", world.c1, by="bob")
+    assert tracked.models.get_model("m")["source"] != n_source
+    assert checksums(Path(n_source.removeprefix("file://")), world.store) == weights_only.files
+    record.write_text(record.read_text()[:10])
+    again = tracked.rollback("n", world.c1, by="bob")
+    assert (again["written"], again["model"]["source"], again["fetched"]) == (False, n_source, [])
 
 
 # -- declared models ------------------------------------------------------------------------
