@@ -76,6 +76,7 @@ from catalog_es.persistence import (
     Kept,
     PullingSubscription,
     SQLRecorder,
+    Standing,
     acquire_within,
     check_walk_end,
     commit_may_have_stood,
@@ -987,16 +988,8 @@ class Models(AuditTrail, Application[UUID]):
                                 self._catch_up(conn, held=locked and lock_left is None)
                             head = self.catalog.revision
                             if expected_revision is not None and expected_revision != head:
-                                written = standing.head.revision if standing.head else None
-                                # Only PostgreSQL skips numbers; one SQLite's log lacks
-                                # was deleted by hand, which verify names.
-                                skipped = (
-                                    self.store.dialect != "sqlite"
-                                    and expected_revision < head
-                                    and self.store.hash_at(conn, expected_revision) is None
-                                )
-                                raise RevisionConflict(
-                                    expected_revision, head, written, skipped=skipped
+                                raise self._revision_conflict(
+                                    conn, expected_revision, head, standing
                                 )
                             batch = Batch(
                                 self.store,
@@ -1156,6 +1149,22 @@ class Models(AuditTrail, Application[UUID]):
         catalog.revision = revisions[-1]
         self.catalog = catalog
 
+    def _revision_conflict(
+        self, conn: Connection, expected: int, head: int, standing: Standing
+    ) -> RevisionConflict:
+        """The refusal of a command based on revision ``expected`` of the log
+        ``conn`` reads, at ``head`` and ``standing`` so: told whether the log
+        was cut back under it, or skipped it."""
+        written = standing.head.revision if standing.head else None
+        # Only PostgreSQL skips numbers; one SQLite's log lacks was deleted
+        # by hand, which verify names.
+        skipped = (
+            self.store.dialect != "sqlite"
+            and expected < head
+            and self.store.hash_at(conn, expected) is None
+        )
+        return RevisionConflict(expected, head, written, skipped=skipped)
+
     def _take_write_lock(self, bound: float | None = None) -> float | None:
         """Take this process's write lock (:func:`acquire_within`), waiting
         ``lock_wait`` seconds or ``bound``."""
@@ -1178,12 +1187,17 @@ class Models(AuditTrail, Application[UUID]):
         there, as every write is, whether or not there is a config to record."""
         asked = {"fingerprint": self.declared.fingerprint}
         with self.refusals_recorded(CONFIG_DECLARED, "", by, reason, asked):
-            with self._reading() as catalog:
-                at, differs = catalog.revision, declaration_differs(catalog, self.declared)
-            if expected_revision is not None and expected_revision != at:
-                # Refused on what the read saw, not behind another node's
-                # write: the log only moves on.
-                raise RevisionConflict(expected_revision, at)
+            # One view of the log, so that a refusal tells of the log it read.
+            with self._state, self.store.read() as conn:
+                self._catch_up(conn)
+                at = self.catalog.revision
+                differs = declaration_differs(self.catalog, self.declared)
+                if expected_revision is not None and expected_revision != at:
+                    # Refused on what the read saw, not behind another node's
+                    # write: the log only moves on.
+                    raise self._revision_conflict(
+                        conn, expected_revision, at, self.store.standing(conn)
+                    )
             if not differs:
                 return at
             revision, _ = self._write(

@@ -1625,6 +1625,28 @@ def test_a_start_on_the_expected_revision_waits_for_no_writer(
     models.close()
 
 
+def test_a_start_on_a_revision_the_log_skipped_is_told_so(pg_url: str) -> None:
+    """``serve --expected-revision`` of a number PostgreSQL skipped (a write
+    that failed took it) was told "someone changed the catalog since you read
+    it"; it is now told that the log skipped it, as a command is."""
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": pg_url})
+    models.add(model_spec("m"), by="setup")
+    with models.store.engine.begin() as conn:
+        conn.exec_driver_sql("SELECT nextval(pg_get_serial_sequence('catalog_events', 'revision'))")
+    assert models.scale("m", 0, 2, by="setup").revision == 3
+    with pytest.raises(RevisionConflict) as skipped:
+        models.record_declaration(by="ops", expected_revision=2)
+    assert str(skipped.value) == (
+        "the log is at revision 3, not 2: revision 2 was never written (the log's"
+        " revisions skip it); read it again and retry"
+    )
+    with pytest.raises(RevisionConflict) as moved:
+        models.record_declaration(by="ops", expected_revision=1)
+    assert "someone changed the catalog since you read it" in str(moved.value)
+    assert models.revision == 3
+    models.close()
+
+
 def test_no_postgresql_session_of_a_node_stays_in_a_transaction_after_a_refusal(
     pg_url: str, pg_admin: sa.Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -8,6 +8,7 @@ there as PNG (that is how ``docs/console-*.png`` are made).
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -324,6 +325,24 @@ def test_console_models_history_time_travel_and_rollback(
         assert count_events(db) == written
         page.click("#rollback-again")
         expect(page.locator("#rollback-confirm")).to_have_count(1)
+
+        # The token's role lowered in the tokens file by hand, the page open:
+        # the header said admin and the Confirm stayed, refused with 403 at
+        # each click, until the next sign-in. The refusal relearns the role.
+        held = json.loads(tokens.path.read_text())
+        for entry in held["tokens"]:
+            if entry["actor"] == "admin-user":
+                entry["role"] = "read"
+        tokens.path.write_text(json.dumps(held))
+        page.click("#rollback-confirm")
+        expect(page.locator("#rollback-refused")).to_contain_text("admin")
+        expect(page.locator("#whoami")).to_have_text("admin-user (read)")
+        page.click("#rollback-again")
+        expect(page.locator("#rollback-admin-only")).to_have_text(
+            "Only an admin confirms a rollback; this token is read."
+        )
+        expect(page.locator("#rollback-confirm")).to_have_count(0)
+        assert count_events(db) == written
 
         # An address whose %-escapes are broken is told, not thrown; one with
         # no name drew a nameless model's page, "not in the catalog".

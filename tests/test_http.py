@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 import msgspec
@@ -472,6 +473,22 @@ def test_the_schema_says_which_names_and_if_match_values_are_taken(api: Api) -> 
     for sent in ("3", '"3"', "*", "null", 'W/"3"', "x"):
         answer = api.post("/models/qwen-2.5%2F7b:awq/scale", {"max": 2}, **{"If-Match": sent})
         assert (answer.status_code != 422) == bool(re.search(if_match["pattern"], sent)), sent
+    # History and the audit's model filter read names no command could take,
+    # a poison record's (test_poison): the schema gave history's name the
+    # model-name pattern, and the filter any text, the empty one refused.
+    paths = schema["paths"]
+    parameters = paths["/history/{name}"]["get"]["parameters"]
+    (recorded,) = (p["schema"] for p in parameters if p["name"] == "name")
+    for sent in ("bad name!", "never\0", "a/b", "", "a\n"):
+        answer = api.get(f"/history/{quote(sent, safe='')}")
+        assert (answer.status_code != 422) == bool(re.fullmatch(recorded["pattern"], sent)), sent
+    for path in ("/audit", "/refusals"):
+        parameters = paths[path]["get"]["parameters"]
+        (model,) = (p["schema"] for p in parameters if p["name"] == "model")
+        assert model["type"] == "string" and "anyOf" not in model and "pattern" not in model
+        for sent in ("bad name!", "a\n", ""):
+            answer = api.get(path, params={"model": sent})
+            assert (answer.status_code == 200) == (len(sent) >= model["minLength"]), sent
 
 
 def test_no_answer_can_be_framed_and_the_apis_are_never_cached(api: Api) -> None:

@@ -167,8 +167,9 @@ class Settings:
         # makes a new, empty log, so the run says so (after its answer, or
         # on its refusal's line).
         self.new_log: str | None = None
-        # A revision given that was read as another (:func:`warn_if_taken_as_another`).
-        self.taken_as: str | None = None
+        # Each revision given that was read as another, as told
+        # (:func:`warn_if_taken_as_another`): diff resolves two.
+        self.taken_as: list[str] = []
 
     def last_written(self) -> int | None:
         """The revision this run's last committed write answers, if it wrote
@@ -333,7 +334,7 @@ def warn_if_taken_as_another(settings: Settings, at: int | datetime, revision: i
         # A warning, as the load's are: told after the answer. A refusal,
         # one line, says it too: it names the revision read, which the
         # operator never gave (operator walkthrough).
-        settings.taken_as = said
+        settings.taken_as.append(said)
         log.warning("%s", said)
 
 
@@ -644,8 +645,8 @@ class CatalogGroup(click.Group):
         except (Refused, ConfigError) as refusal:
             settings = ctx.find_object(Settings)
             said = f"error: {refusal}"
-            if settings is not None and settings.taken_as:
-                said += f"; {settings.taken_as}"
+            if settings is not None:
+                said += "".join(f"; {taken}" for taken in settings.taken_as)
             if settings is not None and settings.new_log:
                 said += f" (no log was at {settings.new_log}: a new, empty one is made there)"
             say(said, err=True)

@@ -326,19 +326,20 @@ Writer = Annotated[Caller, Depends(caller_with(Role.write))]
 WritePlace = Annotated[None, Depends(held_write_place, scope="function")]
 
 
-def text_matching(pattern: str) -> Callable[[dict[str, Any]], None]:
-    """A header's or query value's schema: text matching ``pattern``. Given,
-    it is never null, which FastAPI's schema of an optional one lets it be (a
-    client sent `If-Match: null`, told it followed the schema)."""
+def text(**constraints: Any) -> Callable[[dict[str, Any]], None]:
+    """A header's or query value's schema: text, within ``constraints`` (its
+    ``pattern``, ``minLength``). Given, it is never null, which FastAPI's
+    schema of an optional one lets it be (a client sent `If-Match: null`,
+    told it followed the schema)."""
 
     def schema(found: dict[str, Any]) -> None:
         found.pop("anyOf", None)
-        found.update(type="string", pattern=pattern)
+        found.update(type="string", **constraints)
 
     return schema
 
 
-NAME_TEXT = text_matching(NAME_REGEX)
+NAME_TEXT = text(pattern=NAME_REGEX)
 
 
 def expected_revision(
@@ -348,7 +349,7 @@ def expected_revision(
         Header(
             description="The revision the change is based on: refused (409) if the log "
             'has moved past it. `12`, `"12"` (an ETag) or `*`.',
-            json_schema_extra=text_matching(r'^\s*(\*|[0-9]+|"[0-9]+")\s*$'),
+            json_schema_extra=text(pattern=r'^\s*(\*|[0-9]+|"[0-9]+")\s*$'),
         ),
     ] = None,
 ) -> int | None:
@@ -618,6 +619,10 @@ route = APIRouter(responses=errors(401, 422, 500, 503))
 MODEL = "/models/{name:path}"
 # The name in a path: a `/` in it sent as `%2F` (docs/console.md).
 ModelName = Annotated[str, Path(json_schema_extra=NAME_SCHEMA)]
+# The name history reads: any a path holds but a line break
+# (_check_path_and_query), for a poison record, written by hand, may name a
+# model no command could, and history tells of it (tests/test_poison.py).
+RecordedName = Annotated[str, Path(json_schema_extra={"type": "string", "pattern": r"^[^\n]*$"})]
 
 
 @route.get("/me", tags=["auth"])
@@ -1069,7 +1074,11 @@ ChangeFilterParams = Annotated[ChangeFilters, Depends(change_filters)]
 
 def audit_filters(
     filters: ChangeFilterParams,
-    model: Annotated[str | None, Query(description="Only this model.")] = None,
+    # Any name but an empty one (_check_filters): a poison record, written by
+    # hand, may name a model no command could, and the audit shows it.
+    model: Annotated[
+        str | None, Query(description="Only this model.", json_schema_extra=text(minLength=1))
+    ] = None,
 ) -> Filters:
     """The filters of ``catalog-es audit`` and ``refusals``, read as they read them."""
     return {**filters, "model": model}
@@ -1080,7 +1089,7 @@ AuditFilters = Annotated[Filters, Depends(audit_filters)]
 
 @route.get("/history/{name:path}", tags=["audit"], responses=errors(404))
 def history(
-    name: ModelName, caller: Reader, models: Service, filters: ChangeFilterParams
+    name: RecordedName, caller: Reader, models: Service, filters: ChangeFilterParams
 ) -> Response:
     """Every change to one model, oldest first, field by field (before → after),
     filtered; more than a page of them is refused: give `limit`, or narrow them."""

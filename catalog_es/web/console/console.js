@@ -65,6 +65,10 @@ async function api(path, { method = "GET", body, ifMatch } = {}) {
   }
   const data = await response.json().catch(() => null);
   if (response.status === 401) signOut(data && data.error);
+  // Refused what the page offered: the token's role was lowered in the
+  // tokens file since the page learnt it (the header and the rollback's
+  // Confirm stayed until the next sign-in). The page learns it again.
+  if (response.status === 403 && path !== "/me") await relearnRole();
   // A 200 that is no JSON (a proxy's sign-in page) was read as the answer
   // and failed as a script ("Cannot read properties of null").
   if (!response.ok || data === null) throw new ApiError(response.status, said(response, data));
@@ -199,8 +203,21 @@ async function signIn() {
   }
   $("#login").hidden = true;
   $("#logout").hidden = false;
-  $("#whoami").textContent = `${state.me.actor} (${state.me.role})`;
+  showWhoami();
   return true;
+}
+
+function showWhoami() {
+  $("#whoami").textContent = `${state.me.actor} (${state.me.role})`;
+}
+
+async function relearnRole() {
+  try {
+    state.me = await api("/me");
+  } catch {
+    return; // the refusal in hand is told; a 401 signed out already
+  }
+  showWhoami();
 }
 
 // -- following the log ---------------------------------------------------------
