@@ -1388,6 +1388,17 @@ def test_the_log_shows_the_whole_provenance_timeline(world: World, tracked: Weig
     ]
 
 
+def _n_on_the_weights_file_alone(world: World, tracked: Weights) -> tuple[Origin, str]:
+    """Model ``n`` given an origin of ``c1`` that lists the weights file alone,
+    and moved onto its copy in the store: that origin and n's source."""
+    world.mirror.point("org/m", "main", world.c1)
+    tracked.models.add(spec("n", source="hf://org/m"), by="alice")
+    weights_only = origin_of("org/m", world.c1, {"model.safetensors": V1["model.safetensors"]})
+    tracked.models.set_source("n", "hf://org/m", weights_only, by="alice")
+    tracked.rollback("n", world.c1, by="bob")
+    return weights_only, tracked.models.get_model("n")["source"]
+
+
 def test_models_of_one_commit_with_other_file_lists_run_from_folders_of_their_own(
     world: World, tracked: Weights
 ) -> None:
@@ -1397,12 +1408,7 @@ def test_models_of_one_commit_with_other_file_lists_run_from_folders_of_their_ow
     was refused, the folder in use by the first (hostile test). Each list
     has a folder holding exactly its files, found again by a rollback."""
     c2 = world.mirror.publish("org/m", V2)
-    world.mirror.point("org/m", "main", world.c1)
-    tracked.models.add(spec("n", source="hf://org/m"), by="alice")
-    weights_only = origin_of("org/m", world.c1, {"model.safetensors": V1["model.safetensors"]})
-    tracked.models.set_source("n", "hf://org/m", weights_only, by="alice")
-    tracked.rollback("n", world.c1, by="bob")  # onto its copy in the store
-    n_source = tracked.models.get_model("n")["source"]
+    weights_only, n_source = _n_on_the_weights_file_alone(world, tracked)
     tracked.update("m", world.c1, by="bob")
     m_source = tracked.models.get_model("m")["source"]
     assert m_source != n_source
@@ -1421,12 +1427,7 @@ def test_a_store_an_older_release_made_serves_its_models_with_no_download(
     models running from it tell which list it holds. Files it holds do not
     (a killed fetch leaves some of its list)."""
     world.mirror.publish("org/m", V2)
-    world.mirror.point("org/m", "main", world.c1)
-    tracked.models.add(spec("n", source="hf://org/m"), by="alice")
-    weights_only = origin_of("org/m", world.c1, {"model.safetensors": V1["model.safetensors"]})
-    tracked.models.set_source("n", "hf://org/m", weights_only, by="alice")
-    tracked.rollback("n", world.c1, by="bob")
-    n_source = tracked.models.get_model("n")["source"]
+    weights_only, n_source = _n_on_the_weights_file_alone(world, tracked)
     shutil.rmtree(world.store / ".lists")  # as an older release left the store
     again = tracked.rollback("n", world.c1, by="bob")
     assert (again["written"], again["fetched"]) == (False, [])
@@ -1445,12 +1446,7 @@ def test_a_list_record_edited_by_hand_moves_no_files_under_a_running_model(
     for the weights it ran was moved off them, with a download (hostile
     test). The models running from a folder tell its list."""
     world.mirror.publish("org/m", V2)
-    world.mirror.point("org/m", "main", world.c1)
-    tracked.models.add(spec("n", source="hf://org/m"), by="alice")
-    weights_only = origin_of("org/m", world.c1, {"model.safetensors": V1["model.safetensors"]})
-    tracked.models.set_source("n", "hf://org/m", weights_only, by="alice")
-    tracked.rollback("n", world.c1, by="bob")
-    n_source = tracked.models.get_model("n")["source"]
+    weights_only, n_source = _n_on_the_weights_file_alone(world, tracked)
     record = world.store / ".lists" / "org" / "m" / world.c1
     record.write_text(hashlib.sha256(msgspec.json.encode(sorted(V1))).hexdigest())
     tracked.update("m", world.c1, by="bob")
