@@ -17,12 +17,13 @@ changed meanwhile.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
 import tempfile
-from collections.abc import Mapping, Sequence
-from contextlib import suppress
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager, suppress
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -223,7 +224,60 @@ class WeightsStore:
             )
         # Refused, a staging takes away the folder it made, if left empty,
         # with the record of its list: a refused fetch left an empty commit
-        # folder in the store (review).
+        # folder in the store (review). Only with no other staging of the
+        # repository under way, in any process (each holds a shared lock on
+        # its records' folder): the folder was empty while another's fetch
+        # copied its first file, and that fetch then had nowhere to put it.
+        with self._staging(folder) as alone:
+            return self._stage(registry, origin, folder, running, where, alone)
+
+    @contextmanager
+    def _staging(self, folder: Path) -> Iterator[Callable[[], bool]]:
+        """A shared lock for a staging into ``folder``, held for the span of
+        the ``with``; what it gives tells whether no other staging of that
+        repository holds one (it then holds it alone)."""
+        records = self._list_record(folder).parent
+        try:
+            records.mkdir(parents=True, exist_ok=True)
+            held = os.open(inside(records, self.root), os.O_RDONLY | os.O_DIRECTORY)
+        except OSError as error:
+            raise self._unwritable(error) from None
+        try:
+            try:
+                fcntl.flock(held, fcntl.LOCK_SH)
+                locked = True
+            except OSError:
+                # No locks on this file system (some NFS mounts): staging
+                # works, and what another may be using is never taken away.
+                locked = False
+
+            def alone() -> bool:
+                try:
+                    fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError:
+                    return False
+                return locked
+
+            yield alone
+        finally:
+            os.close(held)
+
+    def _unwritable(self, error: OSError) -> RegistryError:
+        # Which of its paths: "File exists" alone did not tell which file was.
+        where = f"{error.filename}: " if error.filename else ""
+        return RegistryError(
+            f"the weights store {self.root}: {where}{error.strerror or error}; nothing was written"
+        )
+
+    def _stage(
+        self,
+        registry: Registry,
+        origin: Origin,
+        folder: Path,
+        running: Sequence[ModelSpec],
+        where: str,
+        alone: Callable[[], bool],
+    ) -> list[str]:
         made = not os.path.lexists(folder)
         recorded = False
         try:
@@ -237,12 +291,7 @@ class WeightsStore:
                 if missing:
                     registry.fetch(origin.repository, origin.revision, missing, folder)
             except OSError as error:  # the store a file, or a name too long for it
-                # Which of its paths: "File exists" alone did not tell which file was.
-                where = f"{error.filename}: " if error.filename else ""
-                raise RegistryError(
-                    f"the weights store {self.root}: {where}{error.strerror or error}; "
-                    "nothing was written"
-                ) from None
+                raise self._unwritable(error) from None
             problems = verify(folder, origin.files, self.root)
             if problems:
                 more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
@@ -257,7 +306,7 @@ class WeightsStore:
                     f"nothing was written ({advice})"
                 )
         except BaseException:
-            if made:
+            if made and alone():
                 with suppress(OSError):  # not empty: what it holds stays, and its list
                     folder.rmdir()
                     if recorded:

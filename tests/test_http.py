@@ -2586,6 +2586,45 @@ def test_a_server_starting_while_the_database_is_away_waits_for_it(
     assert (server.returncode, out, err) == (0, "", "stopped\n")
 
 
+def test_a_server_whose_port_was_taken_while_it_waited_records_nothing(
+    pg_url: str, tmp_path: Path, config_file: str
+) -> None:
+    """A server waiting for its database closes its port; taken meanwhile,
+    the port was found so only after the declared config was recorded, by a
+    start refused (review): a start refused writes nothing."""
+    direct = sa.make_url(pg_url)
+    writer = Models(DeclaredConfig(), env={"CATALOG_ES_DB": pg_url})
+    writer.add(spec("m"), by="setup")
+    proxy = Proxy((direct.host or "127.0.0.1", direct.port or 5432))
+    through = direct.set(port=proxy.port).render_as_string(hide_password=False)
+    proxy.cut()
+    tokens = tmp_path / "tokens.json"
+    TokenStore(tokens).add("ops", "read")
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    command = [sys.executable, "-m", "catalog_es", "--db", through, "--config", config_file]
+    command += ["serve", "--port", str(port), "--tokens", str(tokens)]
+    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert server.stderr is not None
+        told = server.stderr.readline()
+        assert told.startswith("warning: serve: the database could not be used ("), told
+        with socket.socket() as taker:
+            taker.bind(("127.0.0.1", port))
+            taker.listen()
+            proxy.resume()
+            out, err = server.communicate(timeout=30)
+        assert out == ""
+        assert writer.catalog_at().revision == 1
+    finally:
+        server.kill()
+        writer.close()
+        proxy.cut()
+    assert server.returncode == 1, err
+    assert f"error: cannot listen on '127.0.0.1' port {port}: Address already in use" in err
+
+
 def test_a_watch_on_a_database_set_up_wrong_is_an_error_at_once(
     pg_url: str, tmp_path: Path
 ) -> None:

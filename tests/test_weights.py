@@ -932,6 +932,54 @@ def test_a_refused_fetch_leaves_the_store_as_it_found_it(world: World, tracked: 
     assert sorted(world.store.rglob("*")) == store_before
 
 
+def test_a_refused_staging_leaves_the_folder_another_is_fetching_into(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two stagings at once of one commit, each finding no folder: the one
+    refused took away the folder, empty while the other copied its first
+    file, and the other's copy then had nowhere to go (review)."""
+    store = WeightsStore(world.store)
+    origin = origin_of("org/m", world.c1, V1)
+    folder = store.folder(origin, [])
+    copying, refused = threading.Event(), threading.Event()
+
+    class Waiting(registry_module._Reading):
+        def read(self, size: int = -1) -> bytes:
+            if threading.current_thread().name == "other" and not copying.is_set():
+                copying.set()
+                refused.wait(timeout=30)
+            return super().read(size)
+
+    monkeypatch.setattr(registry_module, "_Reading", Waiting)
+    mirror = MirrorRegistry(world.mirror.root)
+    outcome: list[BaseException | list[str]] = []
+
+    def stage_meanwhile() -> None:
+        try:
+            outcome.append(store.stage(mirror, origin, folder, []))
+        except BaseException as error:
+            outcome.append(error)
+
+    other = threading.Thread(target=stage_meanwhile, name="other")
+
+    class Refusing(MirrorRegistry):
+        def fetch(
+            self, repository: str, revision: str, files: Mapping[str, str], into: Path
+        ) -> None:
+            other.start()  # the other staging begins, and copies its first file
+            assert copying.wait(timeout=30)
+            raise RegistryError("the copy differs")
+
+    try:
+        with pytest.raises(RegistryError, match="the copy differs"):
+            store.stage(Refusing(world.mirror.root), origin, folder, [])
+    finally:
+        refused.set()
+        other.join(timeout=30)
+    assert outcome == [sorted(V1)]
+    assert checksums(folder, world.store) == origin.files
+
+
 def test_a_source_the_write_would_refuse_is_refused_before_anything_is_fetched(
     world: World, tracked: Weights
 ) -> None:

@@ -107,8 +107,9 @@ def once_it_answers(
     database set up wrong (a role, a password, a name), and a SQLite file
     that cannot be opened, are told at once, as any command tells them.
     While it waits, one engine without a pool looks every second: a service
-    made each time kept some memory. ``waiting`` is called as it starts to
-    wait, before it says so."""
+    made each time kept some memory. ``waiting`` is called each time it
+    starts to wait (the first before it says so): a database that answers
+    and is gone again as ``start()`` runs is waited for again."""
     probe: sa.Engine | None = None
     try:
         while True:
@@ -121,8 +122,8 @@ def once_it_answers(
                 url = log_url(bootstrap.database_url(settings.db))
                 if unusable is None or url.get_backend_name() != "postgresql":
                     raise
+                waiting()
                 if probe is None:
-                    waiting()
                     say(
                         f"warning: {command}: the database could not be used ({unusable}); "
                         f"trying again every {START_RETRY_SECONDS:g} s",

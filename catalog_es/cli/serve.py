@@ -117,6 +117,10 @@ def serve(
     with stopped_when_asked(), _closing(sockets):
 
         def started() -> tuple[Models, int]:
+            if not sockets:
+                # Listening again before anything is recorded: a port taken
+                # while it waited refuses the start with nothing written (review).
+                sockets.extend(_listening(host, port))
             # Before the warnings are let through: a start refused (a stale
             # --expected-revision) is one line, as any refusal.
             return settings.models(), settings.models().record_declaration(**meta(settings))
@@ -130,8 +134,6 @@ def serve(
             sockets.clear()
 
         models, revision = once_it_answers(settings, "serve", started, waiting=not_listening)
-        if not sockets:
-            sockets.extend(_listening(host, port))
         let_warnings_through()  # a server's log tells them as they come
         app = bootstrap.open_web_app(models, tokens, max_watches=max_watches)
         # What is loaded now (the code, the catalog in force) mostly lives as
