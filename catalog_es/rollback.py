@@ -17,7 +17,14 @@ from typing import Any
 
 from catalog_es.batch import Batch
 from catalog_es.catalog import Catalog, Skipped
-from catalog_es.errors import NAME_SHOWN_LENGTH, DeclaredInConfig, InputError, Refused, shown
+from catalog_es.errors import (
+    NAME_SHOWN_LENGTH,
+    DeclaredInConfig,
+    InputError,
+    InvalidModel,
+    Refused,
+    shown,
+)
 from catalog_es.model import Model
 from catalog_es.spec import ModelSpec
 
@@ -84,6 +91,20 @@ def _resources_left(now: ModelSpec, then: ModelSpec) -> list[str]:
             f"({', '.join(gpus)}); a rollback without --only restores them"
         )
     return notes
+
+
+def _check_mixed_memory(mixed: ModelSpec, then: ModelSpec) -> None:
+    # A rollback is spared the memory rule as it puts back what was in force;
+    # --only resources can instead give today's CPU-only profile the memory
+    # its GPU profile had then: a definition never in force, held to the rule.
+    missing = [p for p in mixed.missing_memory() if p not in then.missing_memory()]
+    if missing:
+        raise InvalidModel(
+            mixed.name,
+            f"profile {missing[0]!r}",
+            "--only resources would leave it without a GPU and without memory "
+            "(min_memory_gb); roll it back without --only",
+        )
 
 
 DIMENSIONS: dict[str, _Planner] = {
@@ -199,6 +220,7 @@ def plan_rollback(
             )
         elif only == "resources" and now is not None and then is not None:
             notes.extend(_resources_left(now, then))
+            _check_mixed_memory(_apply_steps(now, planned, batch), then)
         steps.extend(planned)
     _decide_in_a_valid_order(batch, steps, target.revision)
     return notes

@@ -1579,6 +1579,22 @@ def test_rollback_of_resources_alone_says_it_leaves_the_gpus(
     assert models.get_model("a")["profiles"][0]["gpus"] == 1
 
 
+def test_rollback_of_resources_alone_refuses_a_cpu_only_profile_the_memory_of_a_gpu_one(
+    open_models: Callable[..., Models],
+) -> None:
+    """Today's CPU-only profile given the no memory its GPU profile had then is
+    a definition never in force: held to the memory rule, not spared it."""
+    models = open_models()
+    models.add(spec("a", profiles=[{"name": "g", "gpus": 1}]), by="x")
+    target = models.revision
+    models.add(spec("a", profiles=[{"name": "g", "gpus": 0, "min_memory_gb": 16}]), by="x")
+    head = models.revision
+    with pytest.raises(Refused, match="--only resources would leave it without a GPU"):
+        models.rollback(target, only="resources", by="ops")
+    assert models.revision == head
+    assert models.get_model("a")["profiles"][0]["min_memory_gb"] == 16
+
+
 def test_a_rollbacks_notes_are_told_ten_at_most_then_how_many_more(
     open_models: Callable[..., Models], db_url: str
 ) -> None:
