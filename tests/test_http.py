@@ -2539,16 +2539,25 @@ def test_a_watch_starting_while_the_database_is_away_waits_for_it(pg_url: str, d
     assert lines["err"].get(timeout=10).strip() == "stopped"
 
 
-def test_a_server_starting_while_the_database_is_away_waits_for_it(
-    pg_url: str, tmp_path: Path
-) -> None:
-    """``serve`` starting as its database failed over exited 1, where a
-    running server answers 503 until it is back and a watch starting then
-    waits for it: a supervisor restarting a unit that fails fast gives up on
-    it. It waits too now, told once, and serves the catalog as the database
-    has it once back. Meanwhile it does not listen: a connection sat in the
-    queue unanswered, and a check of the port took the node for one that
-    serves (review)."""
+@dataclass
+class _Waiting:
+    """A ``catalog-es serve`` started while its database is away (a proxy to
+    it cut): the process, the port it was given, a read token, the proxy
+    and a service writing straight to the database."""
+
+    server: subprocess.Popen[str]
+    port: int
+    secret: str
+    proxy: Proxy
+    writer: Models
+
+
+@contextlib.contextmanager
+def _serve_started_while_the_database_is_away(
+    pg_url: str, tmp_path: Path, *root: str
+) -> Iterator[_Waiting]:
+    """Yields once the server has said, in its first line, that it waits
+    for the database; the log holds model ``m`` at revision 1."""
     direct = sa.make_url(pg_url)
     writer = Models(DeclaredConfig(), env={"CATALOG_ES_DB": pg_url})
     writer.add(spec("m"), by="setup")
@@ -2560,7 +2569,7 @@ def test_a_server_starting_while_the_database_is_away_waits_for_it(
     with socket.socket() as free:  # a port to knock on while it waits
         free.bind(("127.0.0.1", 0))
         port = free.getsockname()[1]
-    command = [sys.executable, "-m", "catalog_es", "--db", through]
+    command = [sys.executable, "-m", "catalog_es", "--db", through, *root]
     command += ["serve", "--port", str(port), "--tokens", str(tokens)]
     server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -2568,22 +2577,36 @@ def test_a_server_starting_while_the_database_is_away_waits_for_it(
         told = server.stderr.readline()
         assert told.startswith("warning: serve: the database could not be used ("), told
         assert told.rstrip().endswith("trying again every 1 s")
-        with pytest.raises(ConnectionRefusedError):
-            socket.create_connection(("127.0.0.1", port), timeout=5).close()
-        writer.scale("m", 0, 2, by="ops")  # while it cannot reach the database
-        proxy.resume()
-        url, said = started(server)
-        assert said.startswith("serving the catalog at revision 2 on "), said
-        assert url == f"http://127.0.0.1:{port}"
-        answer = httpx.get(f"{url}/models/m", headers=bearer(secret))
-        assert answer.json()["scaling"]["max"] == 2
-        server.send_signal(signal.SIGTERM)
-        out, err = server.communicate(timeout=20)
+        yield _Waiting(server, port, secret, proxy, writer)
     finally:
         server.kill()
         writer.close()
         proxy.cut()
-    assert (server.returncode, out, err) == (0, "", "stopped\n")
+
+
+def test_a_server_starting_while_the_database_is_away_waits_for_it(
+    pg_url: str, tmp_path: Path
+) -> None:
+    """``serve`` starting as its database failed over exited 1, where a
+    running server answers 503 until it is back and a watch starting then
+    waits for it: a supervisor restarting a unit that fails fast gives up on
+    it. It waits too now, told once, and serves the catalog as the database
+    has it once back. Meanwhile it does not listen: a connection sat in the
+    queue unanswered, and a check of the port took the node for one that
+    serves (review)."""
+    with _serve_started_while_the_database_is_away(pg_url, tmp_path) as waiting:
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", waiting.port), timeout=5).close()
+        waiting.writer.scale("m", 0, 2, by="ops")  # while it cannot reach the database
+        waiting.proxy.resume()
+        url, said = started(waiting.server)
+        assert said.startswith("serving the catalog at revision 2 on "), said
+        assert url == f"http://127.0.0.1:{waiting.port}"
+        answer = httpx.get(f"{url}/models/m", headers=bearer(waiting.secret))
+        assert answer.json()["scaling"]["max"] == 2
+        waiting.server.send_signal(signal.SIGTERM)
+        out, err = waiting.server.communicate(timeout=20)
+    assert (waiting.server.returncode, out, err) == (0, "", "stopped\n")
 
 
 def test_a_server_whose_port_was_taken_while_it_waited_records_nothing(
@@ -2592,37 +2615,18 @@ def test_a_server_whose_port_was_taken_while_it_waited_records_nothing(
     """A server waiting for its database closes its port; taken meanwhile,
     the port was found so only after the declared config was recorded, by a
     start refused (review): a start refused writes nothing."""
-    direct = sa.make_url(pg_url)
-    writer = Models(DeclaredConfig(), env={"CATALOG_ES_DB": pg_url})
-    writer.add(spec("m"), by="setup")
-    proxy = Proxy((direct.host or "127.0.0.1", direct.port or 5432))
-    through = direct.set(port=proxy.port).render_as_string(hide_password=False)
-    proxy.cut()
-    tokens = tmp_path / "tokens.json"
-    TokenStore(tokens).add("ops", "read")
-    with socket.socket() as free:
-        free.bind(("127.0.0.1", 0))
-        port = free.getsockname()[1]
-    command = [sys.executable, "-m", "catalog_es", "--db", through, "--config", config_file]
-    command += ["serve", "--port", str(port), "--tokens", str(tokens)]
-    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        assert server.stderr is not None
-        told = server.stderr.readline()
-        assert told.startswith("warning: serve: the database could not be used ("), told
+    with _serve_started_while_the_database_is_away(
+        pg_url, tmp_path, "--config", config_file
+    ) as waiting:
         with socket.socket() as taker:
-            taker.bind(("127.0.0.1", port))
+            taker.bind(("127.0.0.1", waiting.port))
             taker.listen()
-            proxy.resume()
-            out, err = server.communicate(timeout=30)
+            waiting.proxy.resume()
+            out, err = waiting.server.communicate(timeout=30)
         assert out == ""
-        assert writer.catalog_at().revision == 1
-    finally:
-        server.kill()
-        writer.close()
-        proxy.cut()
-    assert server.returncode == 1, err
-    assert f"error: cannot listen on '127.0.0.1' port {port}: Address already in use" in err
+        assert waiting.writer.catalog_at().revision == 1
+    assert waiting.server.returncode == 1, err
+    assert f"error: cannot listen on '127.0.0.1' port {waiting.port}: Address already in use" in err
 
 
 def test_a_watch_on_a_database_set_up_wrong_is_an_error_at_once(
