@@ -761,15 +761,9 @@ class Weights:
             # Its folder is checked all the same, and what is missing fetched
             # again: "already runs" was told, exit 0, of a store wiped or
             # tampered with since, which no replica could load (hostile test).
-            fetched = self.store.stage(self.registry, target, folder, running)
+            result["fetched"] = self.store.stage(self.registry, target, folder, running)
             view = model_view(spec, declared=False)
-            return {
-                "revision": self.models.revision,
-                "written": False,
-                "model": view,
-                **result,
-                "fetched": fetched,
-            }
+            return {"revision": self.models.revision, "written": False, "model": view, **result}
         write = partial(
             self._write_source,
             spec,
@@ -783,20 +777,14 @@ class Weights:
         # What the write would refuse of the new source (a store path too
         # long for one), refused before gigabytes are fetched for it.
         write(dry_run=True)
-        fetched = self.store.stage(self.registry, target, folder, running)
+        result["fetched"] = self.store.stage(self.registry, target, folder, running)
         revision, changes = write()
         if not changes:
             # Moved there meanwhile (the same update run twice at once): what
             # was asked holds. It was refused, to be run again for that, when
             # it would then say "already runs" (hostile test).
             view = model_view(self.models.catalog_at().get(spec.name) or spec, declared=False)
-            return {
-                "revision": revision,
-                "written": False,
-                "model": view,
-                **result,
-                "fetched": fetched,
-            }
+            return {"revision": revision, "written": False, "model": view, **result}
         new = changes[-1][1]
         assert new is not None
         try:
@@ -811,7 +799,7 @@ class Weights:
                 revision,
             )
         view = model_view(new, declared=False)
-        return {"revision": revision, "written": True, "model": view, **result, "fetched": fetched}
+        return {"revision": revision, "written": True, "model": view, **result}
 
     def _write_source(
         self,

@@ -648,8 +648,8 @@ class CatalogGroup(click.Group):
             said = f"error: {refusal}"
             if settings is not None:
                 said += "".join(f"; {taken}" for taken in settings.taken_as)
-            if settings is not None and settings.new_log:
-                said += f" (no log was at {settings.new_log}: a new, empty one is made there)"
+                if settings.new_log:
+                    said += f" (no log was at {settings.new_log}: a new, empty one is made there)"
             say(said, err=True)
             self._exit(ctx, 1)
         except OutcomeUnknown as unknown:

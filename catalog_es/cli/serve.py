@@ -123,7 +123,8 @@ def serve(
                 sockets.extend(_listening(host, port))
             # Before the warnings are let through: a start refused (a stale
             # --expected-revision) is one line, as any refusal.
-            return settings.models(), settings.models().record_declaration(**meta(settings))
+            models = settings.models()
+            return models, models.record_declaration(**meta(settings))
 
         def not_listening() -> None:
             # While it waits for the database: a connection would sit in the
