@@ -1810,15 +1810,26 @@ def test_a_warning_escapes_its_line_and_leaves_a_traceback_readable() -> None:
 def test_a_ctrl_c_a_library_logged_on_its_way_out_adds_no_traceback() -> None:
     """SQLAlchemy's pool, interrupted as it took a connection back, logs the
     KeyboardInterrupt with its traceback, which followed a watch's
-    ``stopped`` (a CI run); the command tells the stop itself. Other errors
+    ``stopped`` (a CI run), and once the error its reset raised while the
+    stop was being handled; the command tells the stop itself. Other errors
     it logs are told as they were."""
     said = io.StringIO()
     pool = logging.getLogger("sqlalchemy.pool.impl.QueuePool")
     pool.addHandler(warnings_to(said))
+
+    def reset_during_a_stop() -> None:
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            raise sqlite3.ProgrammingError("Cannot operate on a closed database.") from None
+
+    def reset_failing() -> None:
+        raise ValueError("the server closed it")
+
     try:
-        for error in (KeyboardInterrupt(), ValueError("the server closed it")):
+        for reset in (_raise_a_ctrl_c, reset_during_a_stop, reset_failing):
             try:
-                raise error
+                reset()
             except BaseException:
                 pool.error("Exception during reset or similar", exc_info=True)
     finally:
@@ -1826,7 +1837,12 @@ def test_a_ctrl_c_a_library_logged_on_its_way_out_adds_no_traceback() -> None:
     lines = said.getvalue().splitlines()
     assert lines[0] == "warning: Exception during reset or similar"
     assert lines[-1] == "ValueError: the server closed it"
-    assert not any("KeyboardInterrupt" in line for line in lines)
+    assert len([line for line in lines if line.startswith("warning:")]) == 1
+    assert not any("KeyboardInterrupt" in line or "closed database" in line for line in lines)
+
+
+def _raise_a_ctrl_c() -> None:
+    raise KeyboardInterrupt
 
 
 def test_a_warning_is_escaped_with_no_descriptor_to_spare() -> None:

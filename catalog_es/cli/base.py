@@ -397,10 +397,11 @@ class VisibleWarnings(logging.Formatter):
 
 def warnings_to(stream: TextIO) -> logging.Handler:
     """What the command line's log lines go through: :class:`VisibleWarnings`
-    on ``stream``, less a Ctrl-C a library caught and logged on its way out.
-    The command tells the stop itself (``Aborted!``, ``stopped``); SQLAlchemy's
-    pool, interrupted as it took a connection back, added its traceback to a
-    watch's ``stopped`` (a CI run)."""
+    on ``stream``, less a Ctrl-C a library caught and logged on its way out,
+    or an error that came of one. The command tells the stop itself
+    (``Aborted!``, ``stopped``); SQLAlchemy's pool, interrupted as it took a
+    connection back, added its traceback to a watch's ``stopped`` (a CI run),
+    and once the error its reset raised while the stop was being handled."""
     handler = logging.StreamHandler(stream)
     handler.setFormatter(VisibleWarnings("warning: %(message)s"))
     handler.addFilter(_not_an_interrupt)
@@ -408,7 +409,8 @@ def warnings_to(stream: TextIO) -> logging.Handler:
 
 
 def _not_an_interrupt(record: logging.LogRecord) -> bool:
-    return not (record.exc_info and isinstance(record.exc_info[1], KeyboardInterrupt))
+    error = record.exc_info[1] if record.exc_info else None
+    return error is None or not came_of_a_stop(error)
 
 
 # The most written to standard output at once (see ``write_out``).
