@@ -846,6 +846,33 @@ def test_the_revision_picker_keeps_the_keyboards_focus_as_it_steps(
     models.close()
 
 
+def test_a_revision_half_typed_stays_typed_as_a_change_redraws_the_page(
+    browser: BrowserContext, tmp_path: Path
+) -> None:
+    """A change arriving while a revision was being typed into the number box
+    redrew the page with the head's number in it: the typing was lost, and
+    the Enter that followed went to the head (hostile test). What was typed
+    stays, with the focus, and Enter takes it."""
+    config = tmp_path / "catalog.yaml"
+    config.write_text(DECLARED_YAML)
+    models = Models(load_config(str(config)), env={"CATALOG_ES_DB": f"sqlite:///{tmp_path}/c.db"})
+    _history(models)  # revisions 1–5
+    with signed_in(browser, models, tmp_path, "/console/#/models") as (page, url):
+        heading = page.locator("#page h1 small")
+        expect(heading).to_have_text("now, revision 5")
+        page.focus("#revision-number")
+        page.keyboard.press("Control+A")
+        page.keyboard.type("2")
+        models.scale("qwen2.5-7b-instruct", 1, 3, by="ops")  # 6, arriving as the operator types
+        expect(heading).to_have_text("now, revision 6")
+        expect(page.locator("#revision-number")).to_have_value("2")
+        expect(page.locator("#revision-number")).to_be_focused()
+        page.keyboard.press("Enter")
+        expect(page).to_have_url(f"{url}/console/#/models?at=2")
+        expect(heading).to_have_text("at revision 2")
+    models.close()
+
+
 def _a_proxys_page(status: int) -> Callable[[Route], None]:
     """A route handler answering ``status`` with a proxy's HTML page."""
     return lambda route: route.fulfill(

@@ -12,7 +12,7 @@ const API_TIMEOUT_MS = 60000;
 // the heads before and after, told until dismissed or signing out.
 // ``shownNow``: the page ``shown`` was drawn as now (a revision asked for
 // that was the head is).
-const state = { head: 0, me: null, follow: null, rendering: 0, flash: null, shown: null, shownNow: false, lost: null };
+const state = { head: 0, me: null, follow: null, rendering: 0, flash: null, shown: null, shownNow: false, lost: null, replacing: false };
 
 // -- small helpers -------------------------------------------------------------
 
@@ -372,6 +372,14 @@ function picker(at, onPick) {
     oninput: () => (label.textContent = slider.value),
     onchange: () => onPick(Number(slider.value) >= state.head ? null : Number(slider.value)),
   });
+  // Taken as typed, into the address, which refuses what is no revision
+  // (empty, past the head) in its own words: an empty box was read as
+  // Number("") = 0, and one past the head as now, without a word.
+  const take = () => {
+    if (state.replacing) return;
+    const text = number.value.trim();
+    onPick(/^[0-9]{1,15}$/.test(text) && Number(text) === state.head ? null : text);
+  };
   const number = h("input", {
     id: "revision-number",
     type: "number",
@@ -379,13 +387,10 @@ function picker(at, onPick) {
     max: String(state.head),
     value: String(value),
     "aria-label": "revision number",
-    // Taken as typed, into the address, which refuses what is no revision
-    // (empty, past the head) in its own words: an empty box was read as
-    // Number("") = 0, and one past the head as now, without a word.
-    onchange: () => {
-      const text = number.value.trim();
-      onPick(/^[0-9]{1,15}$/.test(text) && Number(text) === state.head ? null : text);
-    },
+    onchange: take,
+    // Enter also takes what a redraw kept typed in the box, which tells no
+    // change of its own; taking it twice sets the same address once.
+    onkeydown: (event) => event.key === "Enter" && take(),
   });
   // Reads of the past are over today's declared config unless this is ticked.
   const then =
@@ -834,7 +839,18 @@ async function render() {
     // tick) keeps the focus across the redraw the step causes: it fell to the
     // page, and the next arrow key did nothing.
     const kept = active && active.id && $("#page").contains(active) ? active.id : null;
-    $("#page").replaceChildren(flash, wentBack(), h("p", { id: "behind", class: "note" }), ...content);
+    // And what was typed into it and not yet taken (a revision half-typed as
+    // a change arrived) stays typed: the redraw put back the head's number.
+    const typed = kept && active.type !== "checkbox" && active.value !== active.defaultValue ? active.value : null;
+    // The box losing the focus as it is replaced tells Chromium's change of
+    // what was typed into it, never entered: it is not taken (the page went
+    // to a half-typed revision as a change arrived).
+    state.replacing = true;
+    try {
+      $("#page").replaceChildren(flash, wentBack(), h("p", { id: "behind", class: "note" }), ...content);
+    } finally {
+      state.replacing = false;
+    }
     state.shown = location.hash;
     state.shownNow = at === null;
     if (typing) {
@@ -846,7 +862,12 @@ async function render() {
       search.focus();
       search.setSelectionRange(typing.selectionStart, typing.selectionEnd);
     } else if (kept) {
-      document.getElementById(kept)?.focus();
+      const control = document.getElementById(kept);
+      if (control && typed !== null && control.value !== typed) {
+        control.value = typed;
+        control.dispatchEvent(new Event("input"));
+      }
+      control?.focus();
     }
     document.title = where.page === "model" ? `${where.name} · catalog-es` : "Models · catalog-es";
   } catch (error) {
