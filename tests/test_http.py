@@ -489,6 +489,19 @@ def test_the_schema_says_which_names_and_if_match_values_are_taken(api: Api) -> 
         for sent in ("bad name!", "a\n", ""):
             answer = api.get(path, params={"model": sent})
             assert (answer.status_code == 200) == (len(sent) >= model["minLength"]), sent
+    # The actor filter is never empty, and a reason has a limit: the schema
+    # let a client send both, then refused (review).
+    for path in ("/audit", "/refusals", "/history/{name}"):
+        parameters = paths[path]["get"]["parameters"]
+        (by,) = (p["schema"] for p in parameters if p["name"] == "by")
+        assert by["type"] == "string" and "anyOf" not in by
+        for sent in ("alice", ""):
+            answer = api.get(path.format(name="qwen-2.5%2F7b:awq"), params={"by": sent})
+            assert (answer.status_code == 200) == (len(sent) >= by["minLength"]), sent
+    (reason,) = (p["schema"] for p in scale["parameters"] if p["name"] == "reason")
+    for sent in ("r" * reason["maxLength"], "r" * (reason["maxLength"] + 1)):
+        answer = api.post(f"/models/qwen-2.5%2F7b:awq/scale?reason={sent}", {"max": 2})
+        assert (answer.status_code == 200) == (len(sent) <= reason["maxLength"]), len(sent)
 
 
 def test_no_answer_can_be_framed_and_the_apis_are_never_cached(api: Api) -> None:

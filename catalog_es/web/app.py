@@ -50,7 +50,7 @@ from starlette.requests import ClientDisconnect
 from starlette.routing import Match, Mount, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from catalog_es.application import CommandResult, Models
+from catalog_es.application import MAX_REASON_LENGTH, CommandResult, Models
 from catalog_es.errors import (
     DamagedLog,
     DamagedReadModel,
@@ -376,7 +376,14 @@ ExpectedRevision = Annotated[int | None, Depends(expected_revision)]
 
 
 def reason_value(
-    reason: Annotated[str, Query(description="Why, recorded with the change.")] = "",
+    reason: Annotated[
+        str,
+        Query(
+            description="Why, recorded with the change: no control or bidi characters but "
+            "line breaks.",
+            json_schema_extra=text(maxLength=MAX_REASON_LENGTH),
+        ),
+    ] = "",
 ) -> str:
     # A dependency, so that the parameter has its default wherever it stands.
     return reason
@@ -1038,7 +1045,10 @@ def _nothing_to_give_back() -> None:
 
 
 def change_filters(
-    by: Annotated[str | None, Query(description="Only this actor's.")] = None,
+    # No actor is empty (_check_filters), so neither is the filter.
+    by: Annotated[
+        str | None, Query(description="Only this actor's.", json_schema_extra=text(minLength=1))
+    ] = None,
     event: Annotated[
         str | None,
         Query(
