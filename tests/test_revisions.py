@@ -1651,9 +1651,13 @@ def test_watch_notices_a_new_event_within_a_second(open_models: Callable[..., Mo
     writer = open_models()
     writer.add(spec("a"), by="x")
     seen: list[float] = []
+    # Opened, and its start taken, here: opened in the thread on a loaded
+    # machine, it read the revision after the change below and waited for
+    # the next (a full run beside others on PostgreSQL).
+    watcher, after = open_models(), writer.revision
 
     def follow() -> None:
-        for _ in open_models().watch(writer.revision):
+        for _ in watcher.watch(after):
             seen.append(time.monotonic())
             return
 
