@@ -1618,6 +1618,50 @@ def test_python_m_catalog_es_runs(tmp_path: Path) -> None:
     assert "model" in done.stdout and "log" in done.stdout
 
 
+# What a read has no use for: loading it was a share of the start-up every
+# command pays, and operators run reads in loops (`model show`, `log --json`).
+NOT_LOADED_TO_READ = (
+    "fastapi",  # the HTTP API and the console: serve's
+    "uvicorn",
+    "catalog_es.web.app",
+    "rich.console",  # the progress bar: replay's
+    "rich.progress",
+)
+
+
+def test_a_read_loads_only_what_it_uses(tmp_path: Path) -> None:
+    """A read, run in a process of its own, imports none of
+    :data:`NOT_LOADED_TO_READ`. What is loaded, not how long it takes:
+    timings are the machine's."""
+    db = f"sqlite:///{tmp_path}/catalog.db"
+    definition_file = tmp_path / "m.yaml"
+    definition_file.write_bytes(as_yaml(definition("m")))
+    # Its own config: run from the project's folder, it would read the example's.
+    config = tmp_path / "catalog.yaml"
+    config.write_text("models: []\n")
+    shared = ["--db", db, "--config", str(config)]
+    ok(CliRunner().invoke(cli, [*shared, "model", "add", str(definition_file)]))
+    read = [*shared, "model", "show", "m", "--json"]
+    script = (
+        "import json, sys\n"
+        "from catalog_es.cli import cli\n"
+        f"cli.main({read!r}, standalone_mode=False)\n"
+        "print(json.dumps(sorted(sys.modules)))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=Path(__file__).parent.parent,  # the code under test, not an installed copy
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    shown, loaded = done.stdout.splitlines()
+    assert json.loads(shown)["name"] == "m"
+    assert [name for name in NOT_LOADED_TO_READ if name in json.loads(loaded)] == []
+
+
 def test_a_database_in_a_folder_that_is_not_there_is_named_and_nothing_is_made(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -8,8 +8,6 @@ from typing import Any
 
 import click
 import msgspec
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from catalog_es.catalog import Skipped
 from catalog_es.cli.base import (
@@ -190,6 +188,17 @@ def watch_command(settings: Settings, after: int) -> None:
 @pass_settings
 def replay_command(settings: Settings) -> None:
     """Rebuild the read models (the catalog, its snapshots, the audit) from the log."""
+    # rich's progress bar is loaded only to replay: it was a tenth of every
+    # command's start-up.
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+    )
+
     models = settings.models()
     with Progress(
         TextColumn("replaying"),
