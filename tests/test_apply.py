@@ -18,6 +18,7 @@ from catalog_es.configuration import DeclaredConfig
 from catalog_es.errors import InputError, Refused, json_in_pieces, json_line
 from catalog_es.inputs import read_changes
 from catalog_es.spec import ModelSpec
+from tests.conftest import RefuseSources
 from tests.helpers import count_events, model_spec
 
 CHANGES = """
@@ -180,6 +181,31 @@ def test_a_refused_apply_is_kept_apart_naming_the_change_that_could_not_go(
         "tidy",
     )
     assert "change 2 (remove a) refused" in refusal["refusal"]
+    assert count_events(db_url) == rows
+
+
+def test_an_add_the_pre_add_check_refuses_is_named_as_the_change_that_could_not_go(
+    db_url: str,
+) -> None:
+    """As a change the rules refuse is: its place in the list and its model
+    (the same name may be added twice), in the error and the refusal kept.
+    It was the check's bare reason (hostile test)."""
+    models = Models(DeclaredConfig(), pre_add_check=RefuseSources(), env={"CATALOG_ES_DB": db_url})
+    models.add(model_spec("a"), by="ops")
+    rows = count_events(db_url)
+    steps = [
+        commands.add(model_spec("a", source="hf://org/a2")),
+        commands.scale("a", maximum=3),
+        commands.add(model_spec("a", source="hf://broken/a")),
+    ]
+    said = (
+        "change 3 (add a) refused, nothing applied: model 'a': the engine cannot load hf://broken/a"
+    )
+    with pytest.raises(Refused) as refused:
+        models.apply_changes(steps, by="mallory")
+    assert str(refused.value) == said
+    (refusal,) = models.refusals()
+    assert (refusal["model"], refusal["event"], refusal["refusal"]) == ("a", "Added", said)
     assert count_events(db_url) == rows
 
 
