@@ -800,6 +800,8 @@ class Models(AuditTrail, Application[UUID]):
                     check_name(step.name)  # as a single command's is
                 except Refused as refusal:
                     raise _refused_change(number, step, refusal) from None
+            # Deciding the list before a probe may refuse it as a whole.
+            current = None
             added = [
                 (number, step)
                 for number, step in enumerate(steps, start=1)

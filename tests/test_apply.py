@@ -235,6 +235,29 @@ def test_a_list_refused_as_a_whole_is_kept_as_apply_not_as_its_first_change(
     assert [r["event"] for r in json.loads(listed.stdout)] == ["Apply"]
 
 
+def test_a_list_with_an_add_refused_as_a_whole_before_the_probe_is_kept_as_apply(
+    db_url: str,
+) -> None:
+    """Where a pre-add check probes the weights, the list is decided before
+    it, and a stale expected revision refused there was recorded as the
+    list's last change (hostile test)."""
+    models = Models(DeclaredConfig(), pre_add_check=RefuseSources(), env={"CATALOG_ES_DB": db_url})
+    models.add(model_spec("a"), by="ops")
+    stale = models.revision
+    models.scale("a", maximum=2, by="ops")
+    rows = count_events(db_url)
+    steps = [commands.add(model_spec("b")), commands.scale("a", maximum=4)]
+    with pytest.raises(Refused, match="the log is at revision"):
+        models.apply_changes(steps, by="mallory", expected_revision=stale)
+    (refusal,) = models.refusals()
+    assert (refusal["model"], refusal["event"], refusal["fields"]) == (
+        None,
+        "Apply",
+        {"changes": ["add b", "scale a"]},
+    )
+    assert count_events(db_url) == rows
+
+
 def test_a_refused_changes_fields_are_kept_only_up_to_a_size(db_url: str, tmp_path: Path) -> None:
     # An apply file may be 64 MiB: its refused change is recorded, not copied whole.
     models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
