@@ -800,15 +800,24 @@ class Models(AuditTrail, Application[UUID]):
                     check_name(step.name)  # as a single command's is
                 except Refused as refusal:
                     raise _refused_change(number, step, refusal) from None
-            added = [step for step in steps if step.event_class is Model.Added]
+            # Deciding the list before a probe may refuse it as a whole.
+            current = None
+            added = [
+                (number, step)
+                for number, step in enumerate(steps, start=1)
+                if step.event_class is Model.Added
+            ]
             if added:
                 self._before_probing(
                     plan, by=by, reason=reason, expected_revision=expected_revision, several=True
                 )
                 outcomes.clear()
-            for step in added:
+            for number, step in added:
                 current = step
-                self.pre_add_check.check(step.fields["spec"])
+                try:
+                    self.pre_add_check.check(step.fields["spec"])
+                except Refused as refusal:
+                    raise _refused_change(number, step, refusal) from None
             current = None
             revision, _ = self._write(
                 plan, by=by, reason=reason, expected_revision=expected_revision, several=True

@@ -18,6 +18,7 @@ from catalog_es.configuration import DeclaredConfig
 from catalog_es.errors import InputError, Refused, json_in_pieces, json_line
 from catalog_es.inputs import read_changes
 from catalog_es.spec import ModelSpec
+from tests.conftest import RefuseSources
 from tests.helpers import count_events, model_spec
 
 CHANGES = """
@@ -183,6 +184,31 @@ def test_a_refused_apply_is_kept_apart_naming_the_change_that_could_not_go(
     assert count_events(db_url) == rows
 
 
+def test_an_add_the_pre_add_check_refuses_is_named_as_the_change_that_could_not_go(
+    db_url: str,
+) -> None:
+    """As a change the rules refuse is: its place in the list and its model
+    (the same name may be added twice), in the error and the refusal kept.
+    It was the check's bare reason (hostile test)."""
+    models = Models(DeclaredConfig(), pre_add_check=RefuseSources(), env={"CATALOG_ES_DB": db_url})
+    models.add(model_spec("a"), by="ops")
+    rows = count_events(db_url)
+    steps = [
+        commands.add(model_spec("a", source="hf://org/a2")),
+        commands.scale("a", maximum=3),
+        commands.add(model_spec("a", source="hf://broken/a")),
+    ]
+    said = (
+        "change 3 (add a) refused, nothing applied: model 'a': the engine cannot load hf://broken/a"
+    )
+    with pytest.raises(Refused) as refused:
+        models.apply_changes(steps, by="mallory")
+    assert str(refused.value) == said
+    (refusal,) = models.refusals()
+    assert (refusal["model"], refusal["event"], refusal["refusal"]) == ("a", "Added", said)
+    assert count_events(db_url) == rows
+
+
 def test_a_list_refused_as_a_whole_is_kept_as_apply_not_as_its_first_change(
     db_url: str, tmp_path: Path
 ) -> None:
@@ -207,6 +233,29 @@ def test_a_list_refused_as_a_whole_is_kept_as_apply_not_as_its_first_change(
     listed = runner.invoke(cli, [*db, "refusals", "--type", "apply", "--json"])
     assert listed.exit_code == 0, listed.output
     assert [r["event"] for r in json.loads(listed.stdout)] == ["Apply"]
+
+
+def test_a_list_with_an_add_refused_as_a_whole_before_the_probe_is_kept_as_apply(
+    db_url: str,
+) -> None:
+    """Where a pre-add check probes the weights, the list is decided before
+    it, and a stale expected revision refused there was recorded as the
+    list's last change (hostile test)."""
+    models = Models(DeclaredConfig(), pre_add_check=RefuseSources(), env={"CATALOG_ES_DB": db_url})
+    models.add(model_spec("a"), by="ops")
+    stale = models.revision
+    models.scale("a", maximum=2, by="ops")
+    rows = count_events(db_url)
+    steps = [commands.add(model_spec("b")), commands.scale("a", maximum=4)]
+    with pytest.raises(Refused, match="the log is at revision"):
+        models.apply_changes(steps, by="mallory", expected_revision=stale)
+    (refusal,) = models.refusals()
+    assert (refusal["model"], refusal["event"], refusal["fields"]) == (
+        None,
+        "Apply",
+        {"changes": ["add b", "scale a"]},
+    )
+    assert count_events(db_url) == rows
 
 
 def test_a_refused_changes_fields_are_kept_only_up_to_a_size(db_url: str, tmp_path: Path) -> None:

@@ -1,20 +1,23 @@
 """Property: whatever commands were run, accepted or refused, the catalog a
 fresh service rebuilds from the log is the catalog the live service holds,
-and the log's revisions are gapless."""
+and the log's revisions are gapless; and a list of them applied at once
+ends as they do one at a time."""
 
 from __future__ import annotations
 
 import tempfile
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from catalog_es import commands as steps
 from catalog_es.application import CommandResult, Models
 from catalog_es.bootstrap import open_models
-from catalog_es.errors import Refused
+from catalog_es.errors import InputError, Refused
 from catalog_es.model import model_id, model_key
 from catalog_es.spec import Adapter, Origin, Scaling
 from tests.helpers import ACTOR, CPU, CPU_NO_MEMORY, GPU, SHA, config_yaml, spec
@@ -136,6 +139,91 @@ def test_the_catalog_rebuilt_from_the_log_is_the_one_in_force(
             assert [e["revision"] for e in live.log_events()] == list(range(1, written + 1))
         finally:
             live.close()
+
+
+# The change each command makes, as a list given to ``apply`` holds it
+# (``set_origin`` is none an ``apply`` can hold).
+STEPS: dict[str, Callable[..., steps.Step]] = {
+    "add": steps.add,
+    "remove": steps.remove,
+    "scale": steps.scale,
+    "set_resources": steps.resources,
+    "set_class": steps.capacity_class,
+    "set_owner": steps.owner,
+    "set_adapters": steps.adapters,
+    "set_source": steps.source,
+}
+
+
+def as_step(command: Call) -> steps.Step:
+    """``command``'s change, as an item of a list of changes."""
+    kwargs = {key: value for key, value in command.kwargs.items() if key != "by"}
+    return STEPS[command.method](*command.args, **kwargs)
+
+
+def _readable(command: Call) -> bool:
+    # A change that says nothing to set makes a list of changes unreadable,
+    # refused whole before any change is decided; not what is compared here.
+    try:
+        as_step(command)
+    except InputError:
+        return False
+    return True
+
+
+batchable = commands.filter(lambda command: command.method in STEPS).filter(_readable)
+
+
+def _events(models: Models) -> list[dict[str, Any]]:
+    # One write stamps its events with one time; one command at a time, each its own.
+    return [{k: v for k, v in e.items() if k != "time"} for e in models.log_events()]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(prelude, st.lists(batchable, min_size=1, max_size=8))
+def test_a_list_of_changes_ends_as_they_do_made_one_at_a_time(
+    prelude: list[Call], script: list[Call]
+) -> None:
+    """The same catalog, events and answers (each change's definition, and
+    whether an add replaced one); or, where one of those commands is
+    refused, the list refused naming that change and its reason, and
+    nothing written."""
+    with tempfile.TemporaryDirectory() as directory:
+        config = Path(directory) / "catalog.yaml"
+        config.write_text(config_yaml(DECLARED), encoding="utf-8")
+        alone = open_models(f"sqlite:///{directory}/alone.db", str(config))
+        batched = open_models(f"sqlite:///{directory}/batched.db", str(config))
+        try:
+            for command in prelude:
+                command(alone)
+                command(batched)
+            answers: list[CommandResult] = []
+            refused: tuple[int, str] | None = None
+            for number, command in enumerate(script, start=1):
+                try:
+                    answers.append(command(alone))
+                except Refused as refusal:
+                    refused = (number, str(refusal))
+                    break
+            before = _events(batched)
+            try:
+                result = batched.apply_changes([as_step(c) for c in script], by=ACTOR)
+            except Refused as refusal:
+                assert refused is not None, f"refused as a list only: {refusal}"
+                number, reason = refused
+                assert str(refusal).startswith(f"change {number} (")
+                assert str(refusal).endswith(f" refused, nothing applied: {reason}")
+                assert _events(batched) == before
+                return
+            assert refused is None, f"change {refused[0]} alone was refused: {refused[1]}"
+            assert [(m["definition"], m["replaced"]) for m in result["models"]] == [
+                (answer.model, answer.replaced) for answer in answers
+            ]
+            assert _events(batched) == _events(alone)
+            assert batched.list_models() == alone.list_models()
+        finally:
+            alone.close()
+            batched.close()
 
 
 # A second config, as a deploy under way has on some nodes: it declares a
