@@ -306,9 +306,13 @@ class WeightsStore:
                     f"nothing was written ({advice})"
                 )
         except BaseException:
-            if made and alone():
-                with suppress(OSError):  # not empty: what it holds stays, and its list
-                    folder.rmdir()
+            # A folder it found with no record of its list is left with none:
+            # recorded, it held another list's copy (an older release's) for
+            # this one's, and that copy's model was sent elsewhere (hostile test).
+            if (made or recorded) and alone():
+                with suppress(OSError):
+                    if made:
+                        folder.rmdir()  # not empty: what it holds stays, and its list
                     if recorded:
                         self._list_record(folder).unlink()
             raise

@@ -1485,6 +1485,32 @@ def test_a_store_an_older_release_made_serves_its_models_with_no_download(
     assert checksums(Path(n_source.removeprefix("file://")), world.store) == weights_only.files
 
 
+def test_a_refused_staging_leaves_a_folder_it_found_with_no_record_of_its_list(
+    world: World, tracked: Weights
+) -> None:
+    """A rollback refused in a commit's folder an older release made (no
+    record of its list), which held another list's copy, recorded its own
+    list for it: that copy's model, rolled back, was then sent to a folder
+    of its own, and refused once upstream had dropped the commit, its
+    verified copy still in the store (hostile test)."""
+    tracked.update("m", by="bob")  # c1, fetched into the store
+    world.mirror.publish("org/m", V2)
+    tracked.update("m", by="bob")
+    shutil.rmtree(world.store / ".lists")  # as an older release left the store
+    tracked.models.add(spec("n", source="hf://org/m"), by="alice")
+    weights_only = origin_of("org/m", world.c1, {"model.safetensors": V1["model.safetensors"]})
+    tracked.models.set_source("n", "hf://org/m", weights_only, by="alice")
+    rows = world.rows()
+    with pytest.raises(VerificationFailed, match=r"\.json: not part of the revision"):
+        tracked.rollback("n", world.c1, by="bob")
+    assert world.rows() == rows
+    assert not (world.store / ".lists" / "org/m" / world.c1).exists()
+    shutil.rmtree(world.mirror.folder("org/m", world.c1))  # force-pushed away
+    back = tracked.rollback("m", world.c1, by="carol")
+    assert back["written"] and back["fetched"] == []
+    assert back["model"]["source"] == (world.store / "org/m" / world.c1).resolve().as_uri()
+
+
 def test_a_list_record_edited_by_hand_moves_no_files_under_a_running_model(
     world: World, tracked: Weights
 ) -> None:
