@@ -420,6 +420,17 @@ def _origin_set_by(event: dict[str, Any]) -> Origin | None:
     return msgspec.convert(data, Origin) if data else None
 
 
+def _runs_as_read(now: ModelSpec, read: ModelSpec) -> bool:
+    """Whether ``now`` still runs the weights ``read`` did: its source, and its
+    origin, or one recorded meanwhile where ``read`` had none or part of one.
+    That records what it ran (``check-updates``, from cron): taken for a
+    change, it refused an update once its download was done (hostile test)."""
+    if now.source != read.source:
+        return False
+    recorded = read.origin is not None and bool(read.origin.revision and read.origin.files)
+    return now.origin == read.origin or not recorded
+
+
 def _weights_view(source: str, origin: Origin | None) -> dict[str, str]:
     return {
         "source": source,
@@ -825,7 +836,7 @@ class Weights:
             now = batch.catalog.get(spec.name)
             if now is not None and (now.source, now.origin) == (source, origin):
                 return  # moved there meanwhile: nothing to write
-            if now is None or (now.source, now.origin) != (spec.source, spec.origin):
+            if now is None or not _runs_as_read(now, spec):
                 raise Refused(
                     f"model {spec.name!r} changed while its weights were being fetched; "
                     "nothing was written, run the command again"

@@ -1036,6 +1036,35 @@ def test_a_model_changed_while_its_weights_were_fetched_is_not_moved(
     assert events(weights, "m")[-1]["by"] == "dave"
 
 
+def test_an_origin_worked_out_while_the_weights_were_fetched_does_not_refuse_the_move(
+    world: World,
+) -> None:
+    """A check for updates (a cron job) that recorded the origin of a model
+    whose update was fetching refused that update, once the download was
+    done, as a model changed meanwhile (hostile test): the origin says what
+    it ran, and it still ran it."""
+    c2 = world.mirror.publish("org/m", V2, branch="dev")
+    weights = world.open()
+    weights.models.add(spec("m"), by="alice")
+    cron = world.open()
+
+    class CheckedMeanwhile(MirrorRegistry):
+        def fetch(
+            self, repository: str, revision: str, files: Mapping[str, str], into: Path
+        ) -> None:
+            cron.check_updates(by="cron")
+            super().fetch(repository, revision, files, into)
+
+    moved = world.open(CheckedMeanwhile(world.mirror.root)).update("m", c2, by="bob")
+    assert moved["written"]
+    assert [(e["event"], e["by"]) for e in events(weights, "m")] == [
+        ("Added", "alice"),
+        ("OriginSet", SYSTEM_ACTOR),
+        ("SourceSet", "bob"),
+    ]
+    assert weights.models.get_model("m")["origin"]["revision"] == c2
+
+
 def test_a_fetch_under_way_elsewhere_is_not_taken_for_part_of_the_revision(
     world: World, tracked: Weights, monkeypatch: pytest.MonkeyPatch
 ) -> None:
