@@ -674,6 +674,13 @@ class Weights:
         before the current by default, or the latest it ran of commit ``to``
         (an id or a prefix of one). The event is marked with the log revision
         those weights were recorded at (the end of the write that did)."""
+        if to == "":
+            # Input, as update's empty revision is: kept among the refusals,
+            # it was told as no commit id (hostile test).
+            raise InputError(
+                "the commit to go back to: give one the model ran "
+                "(default: the weights before the current ones)"
+            )
         with self.models.refusals_recorded("SourceSet", name, by, reason, {"to": to}):
             spec = self._movable(name, by=by, reason=reason, expected_revision=expected_revision)
             recorded_at, target = self._earlier_weights(spec, to)

@@ -1680,6 +1680,26 @@ def test_cli_updates_check_update_rollback_and_refusals(
     ]
 
 
+def test_cli_rollback_to_a_commit_given_empty_is_refused_as_input_and_not_recorded(
+    world: World, tracked: Weights
+) -> None:
+    """`--to ''` (`--to "$COMMIT"`, the variable unset) was told as no commit
+    id and kept among the refusals, where `update --revision ''`, as every
+    value given empty, is refused as input and kept nowhere (hostile test)."""
+    base = ["--db", f"sqlite:///{world.db}", "--config", str(world.config)]
+    where = ["--mirror", str(world.mirror.root), "--weights", str(world.store)]
+    runner = CliRunner()
+    logged = runner.invoke(cli, [*base, "--json", "log"]).stdout
+    empty = runner.invoke(cli, [*base, "model", "rollback", "m", "--to", "", *where])
+    assert (empty.exit_code, empty.stderr) == (
+        1,
+        "error: the commit to go back to: give one the model ran "
+        "(default: the weights before the current ones)\n",
+    )
+    assert runner.invoke(cli, [*base, "--json", "log"]).stdout == logged
+    assert list(tracked.models.refusals()) == []
+
+
 def test_cli_updates_says_how_many_models_went_unchecked_not_that_nothing_changed(
     world: World, monkeypatch: pytest.MonkeyPatch
 ) -> None:
