@@ -1789,6 +1789,37 @@ def test_check_updates_refuses_a_log_moved_while_the_registry_was_read(world: Wo
 # -- what cannot be read, a store in the wrong place, a store changed since (hostile test) ---
 
 
+def test_check_updates_whose_findings_are_refused_after_its_origins_tells_what_stands(
+    world: World, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Its second write (the findings) refused, the log locked by another
+    writer, once the first had recorded an origin: the run said "nothing was
+    written", exit 1, over a log that held it (hostile test). The origins
+    stand and are answered; the findings are left to the next run, told."""
+    world.mirror.publish("org/base", {"model.safetensors": b"declared, new"})
+    models = world.open().models
+    models.add(spec("m"), by="alice")
+    monkeypatch.setattr(models.store, "lock_wait", 0.2)
+
+    class LockedBetweenItsWrites(Weights):
+        def _record_findings(self, *args: Any, **kwargs: Any) -> list[str]:
+            other = sqlite3.connect(world.db, isolation_level=None)
+            try:
+                other.execute("BEGIN IMMEDIATE")  # another writer, meanwhile
+                return super()._record_findings(*args, **kwargs)
+            finally:
+                other.close()
+
+    registry, store = MirrorRegistry(world.mirror.root), WeightsStore(world.store)
+    weights = LockedBetweenItsWrites(models, registry, store)
+    report = weights.check_updates(by="cron")
+    assert ([o["model"] for o in report["origins"]], report["recorded"]) == (["m"], [])
+    assert report["revision"] == models.revision
+    assert [e["event"] for e in events(weights, "m")] == ["Added", "OriginSet"]
+    assert "the upstream changes found were not recorded" in caplog.text
+    assert Weights(models, registry, store).check_updates(by="cron")["recorded"] == ["base"]
+
+
 def _denied(monkeypatch: pytest.MonkeyPatch, denied: Path) -> None:
     """Opening ``denied`` fails as a file this process may not read does (its
     mode): tests run as root, whom a mode does not stop."""
