@@ -171,9 +171,14 @@ class WeightsStore:
         if not os.path.lexists(record):
             record.parent.mkdir(parents=True, exist_ok=True)
             # Written whole, then linked: the record is there whole or not at all.
-            descriptor, written = tempfile.mkstemp(
-                dir=inside(record.parent, self.root), prefix=f".{record.name}."
-            )
+            try:
+                descriptor, written = tempfile.mkstemp(
+                    dir=inside(record.parent, self.root), prefix=f".{record.name}."
+                )
+            except OSError as error:
+                # Told of the folder it was to be made in, not of a random
+                # name no one could find (a store mounted read-only; hostile test).
+                raise OSError(error.errno, error.strerror, str(record.parent)) from None
             try:
                 with os.fdopen(descriptor, "w") as file:
                     # Readable as the weights are, by the other nodes sharing the store.

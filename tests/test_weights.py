@@ -2070,6 +2070,31 @@ def test_a_store_out_of_inodes_leaves_no_folder_of_the_fetch_behind(
     assert tracked.update("m", by="bob")["to"]["revision"] == c2
 
 
+def test_a_read_only_store_is_named_not_a_file_of_a_random_name(
+    world: World, tracked: Weights, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a store mounted read-only, the refusal named the file the record
+    of a commit's list is first written to, of a random name no one could
+    find (hostile test): the folder it was to be made in is named."""
+    world.mirror.publish("org/m", V2)
+    real_open = os.open
+    records = world.store / ".lists" / "org" / "m"
+
+    def read_only(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        if flags & os.O_CREAT and Path(os.fsdecode(path)).parent == records:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), os.fsdecode(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", read_only)
+    rows = world.rows()
+    with pytest.raises(RegistryError) as refused:
+        tracked.update("m", by="bob")
+    assert str(refused.value) == (
+        f"the weights store {world.store}: {records}: Read-only file system; nothing was written"
+    )
+    assert world.rows() == rows
+
+
 def test_a_folder_where_a_file_goes_in_the_store_is_named_not_the_partial_copy(
     world: World, tracked: Weights
 ) -> None:
