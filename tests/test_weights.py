@@ -18,7 +18,7 @@ import sqlite3
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -2040,6 +2040,21 @@ def test_a_full_disk_is_refused_in_one_line_and_leaves_no_copy_under_way(
     assert tracked.update("m", by="bob")["written"]
 
 
+def _refuse_opening(
+    monkeypatch: pytest.MonkeyPatch, code: int, refused: Callable[[Path, int], bool]
+) -> None:
+    """``os.open`` refusing with ``code`` the paths (and flags) ``refused``
+    picks, as a file system out of room, or mounted read-only, does."""
+    real_open = os.open
+
+    def refusing(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        if refused(Path(os.fsdecode(path)), flags):
+            raise OSError(code, os.strerror(code), os.fsdecode(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", refusing)
+
+
 def test_a_store_out_of_inodes_leaves_no_folder_of_the_fetch_behind(
     world: World, tracked: Weights, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -2049,13 +2064,9 @@ def test_a_store_out_of_inodes_leaves_no_folder_of_the_fetch_behind(
     test). The repository's folder is named, and nothing is left in it."""
     c2 = world.mirror.publish("org/m", V2)
     real_open = os.open
-
-    def no_inode_for_a_lock_file(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
-        if Path(os.fsdecode(path)).name == registry_module._LOCK_FILE:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.fsdecode(path))
-        return real_open(path, flags, *args, **kwargs)
-
-    monkeypatch.setattr(os, "open", no_inode_for_a_lock_file)
+    _refuse_opening(
+        monkeypatch, errno.ENOSPC, lambda path, _flags: path.name == registry_module._LOCK_FILE
+    )
     rows = world.rows()
     with pytest.raises(RegistryError) as refused:
         tracked.update("m", by="bob")
@@ -2077,15 +2088,12 @@ def test_a_read_only_store_is_named_not_a_file_of_a_random_name(
     of a commit's list is first written to, of a random name no one could
     find (hostile test): the folder it was to be made in is named."""
     world.mirror.publish("org/m", V2)
-    real_open = os.open
     records = world.store / ".lists" / "org" / "m"
-
-    def read_only(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
-        if flags & os.O_CREAT and Path(os.fsdecode(path)).parent == records:
-            raise OSError(errno.EROFS, os.strerror(errno.EROFS), os.fsdecode(path))
-        return real_open(path, flags, *args, **kwargs)
-
-    monkeypatch.setattr(os, "open", read_only)
+    _refuse_opening(
+        monkeypatch,
+        errno.EROFS,
+        lambda path, flags: bool(flags & os.O_CREAT) and path.parent == records,
+    )
     rows = world.rows()
     with pytest.raises(RegistryError) as refused:
         tracked.update("m", by="bob")
