@@ -88,6 +88,16 @@ def _list_digest(files: Mapping[str, str]) -> str:
     return hashlib.sha256(msgspec.json.encode(sorted(files))).hexdigest()
 
 
+def _holds_other_files(folder: Path, files: Mapping[str, str]) -> bool:
+    """Whether ``folder`` holds a file ``files`` does not list: one no fetch
+    of that list left, killed or not. By their names: nothing is read."""
+    for directory, _folders, names in os.walk(folder):
+        for name in names:
+            if Path(directory, name).relative_to(folder).as_posix() not in files:
+                return True
+    return False
+
+
 # The digits of a list's digest in the name of its folder: enough that two
 # lists of one commit never share one.
 _DIGEST_SHOWN = 16
@@ -123,7 +133,11 @@ class WeightsStore:
         org, name = check_repository(origin.repository)
         commit = self.root / org / name / check_commit(origin.revision)
         listed = _list_digest(origin.files)
-        if self._held_list(commit, running) in (None, listed):
+        held = self._held_list(commit, running)
+        # With no list known, a file this list has not is another list's
+        # copy, which a staging of this one would add files to, or be
+        # refused for and record its list over (hostile test).
+        if held == listed or (held is None and not _holds_other_files(commit, origin.files)):
             return commit
         return commit.with_name(f"{commit.name}.{listed[:_DIGEST_SHOWN]}")
 
@@ -311,13 +325,9 @@ class WeightsStore:
                     f"nothing was written ({advice})"
                 )
         except BaseException:
-            # A folder it found with no record of its list is left with none:
-            # recorded, it held another list's copy (an older release's) for
-            # this one's, and that copy's model was sent elsewhere (hostile test).
-            if (made or recorded) and alone():
-                with suppress(OSError):
-                    if made:
-                        folder.rmdir()  # not empty: what it holds stays, and its list
+            if made and alone():
+                with suppress(OSError):  # not empty: what it holds stays, and its list
+                    folder.rmdir()
                     if recorded:
                         self._list_record(folder).unlink()
             raise
