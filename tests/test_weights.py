@@ -1324,6 +1324,21 @@ def test_a_copy_holding_more_than_files_is_refused(
     assert world.rows() == rows
 
 
+def test_files_not_part_of_a_revision_are_told_in_the_order_of_their_paths(
+    world: World,
+) -> None:
+    """Told in the order of a set of their paths, the refusal of a copy
+    holding files too many named another of them first on each run (hostile
+    test): it names them in the order of their paths, as it does the others."""
+    folder = world.root / "copy"
+    folder.mkdir()
+    planted = [f"planted-{n}" for n in "hgfedcba"]
+    for name in planted:
+        (folder / name).write_bytes(b"planted")
+    told = verify(folder, {}, world.root)
+    assert told == [f"{name}: not part of the revision" for name in sorted(planted)]
+
+
 def test_a_folder_linked_inside_the_mirror_is_copied_whole(world: World, tracked: Weights) -> None:
     """A commit's folder linked to another in the mirror (as a hub cache does)
     was passed over: the copy, and the origin recorded, left its files out
