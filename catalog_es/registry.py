@@ -258,7 +258,10 @@ def verify(folder: Path, expected: Mapping[str, str], within: Path) -> list[str]
             problems.append(f"{path}: missing")
         elif present[path] != digest:
             problems.append(f"{path}: sha256 {present[path][:12]}…, expected {digest[:12]}…")
-    problems.extend(f"{path}: not part of the revision" for path in present.keys() - expected)
+    # In the order of their paths, as the others: a set's order named
+    # another file first on each run (hostile test).
+    extra = sorted(present.keys() - expected)
+    problems.extend(f"{path}: not part of the revision" for path in extra)
     return problems
 
 

@@ -88,6 +88,16 @@ def _list_digest(files: Mapping[str, str]) -> str:
     return hashlib.sha256(msgspec.json.encode(sorted(files))).hexdigest()
 
 
+def _holds_other_files(folder: Path, files: Mapping[str, str]) -> bool:
+    """Whether ``folder`` holds a file ``files`` does not list: one no fetch
+    of that list left, killed or not. By their names: nothing is read."""
+    for directory, _folders, names in os.walk(folder):
+        for name in names:
+            if Path(directory, name).relative_to(folder).as_posix() not in files:
+                return True
+    return False
+
+
 # The digits of a list's digest in the name of its folder: enough that two
 # lists of one commit never share one.
 _DIGEST_SHOWN = 16
@@ -123,7 +133,11 @@ class WeightsStore:
         org, name = check_repository(origin.repository)
         commit = self.root / org / name / check_commit(origin.revision)
         listed = _list_digest(origin.files)
-        if self._held_list(commit, running) in (None, listed):
+        held = self._held_list(commit, running)
+        # With no list known, a file this list has not is another list's
+        # copy, which a staging of this one would add files to, or be
+        # refused for and record its list over (hostile test).
+        if held == listed or (held is None and not _holds_other_files(commit, origin.files)):
             return commit
         return commit.with_name(f"{commit.name}.{listed[:_DIGEST_SHOWN]}")
 
@@ -171,9 +185,14 @@ class WeightsStore:
         if not os.path.lexists(record):
             record.parent.mkdir(parents=True, exist_ok=True)
             # Written whole, then linked: the record is there whole or not at all.
-            descriptor, written = tempfile.mkstemp(
-                dir=inside(record.parent, self.root), prefix=f".{record.name}."
-            )
+            try:
+                descriptor, written = tempfile.mkstemp(
+                    dir=inside(record.parent, self.root), prefix=f".{record.name}."
+                )
+            except OSError as error:
+                # Told of the folder it was to be made in, not of a random
+                # name no one could find (a store mounted read-only; hostile test).
+                raise OSError(error.errno, error.strerror, str(record.parent)) from None
             try:
                 with os.fdopen(descriptor, "w") as file:
                     # Readable as the weights are, by the other nodes sharing the store.
@@ -416,6 +435,17 @@ def _origin_set_by(event: dict[str, Any]) -> Origin | None:
     return msgspec.convert(data, Origin) if data else None
 
 
+def _runs_as_read(now: ModelSpec, read: ModelSpec) -> bool:
+    """Whether ``now`` still runs the weights ``read`` did: its source, and its
+    origin, or one recorded meanwhile where ``read`` had none or part of one.
+    That records what it ran (``check-updates``, from cron): taken for a
+    change, it refused an update once its download was done (hostile test)."""
+    if now.source != read.source:
+        return False
+    recorded = read.origin is not None and bool(read.origin.revision and read.origin.files)
+    return now.origin == read.origin or not recorded
+
+
 def _weights_view(source: str, origin: Origin | None) -> dict[str, str]:
     return {
         "source": source,
@@ -471,9 +501,21 @@ class Weights:
             # The origins are written: a refusal from here on would be one of
             # a run that wrote something, and not kept as the run's. The
             # findings' write checks each model is still as it was read.
-            recorded = self._record_findings(
-                scan.findings, by=by, reason=reason, expected_revision=None
-            )
+            try:
+                recorded = self._record_findings(
+                    scan.findings, by=by, reason=reason, expected_revision=None
+                )
+            except Refused as refusal:
+                # Told as the run's refusal, exit 1, it said nothing was
+                # written over the origins that were (hostile test): as an
+                # applier's failure after a move, the write stands, and is told.
+                log.warning(
+                    "the upstream changes found were not recorded (%s); the origins are "
+                    "written at revision %d, and the next run records the changes",
+                    refusal,
+                    self.models.revision,
+                )
+                recorded = []
         report = self._report(scan)
         report.update(revision=self.models.revision, origins=origins, recorded=recorded)
         return report
@@ -659,6 +701,13 @@ class Weights:
         before the current by default, or the latest it ran of commit ``to``
         (an id or a prefix of one). The event is marked with the log revision
         those weights were recorded at (the end of the write that did)."""
+        if to == "":
+            # Input, as update's empty revision is: kept among the refusals,
+            # it was told as no commit id (hostile test).
+            raise InputError(
+                "the commit to go back to: give one the model ran "
+                "(default: the weights before the current ones)"
+            )
         with self.models.refusals_recorded("SourceSet", name, by, reason, {"to": to}):
             spec = self._movable(name, by=by, reason=reason, expected_revision=expected_revision)
             recorded_at, target = self._earlier_weights(spec, to)
@@ -821,7 +870,7 @@ class Weights:
             now = batch.catalog.get(spec.name)
             if now is not None and (now.source, now.origin) == (source, origin):
                 return  # moved there meanwhile: nothing to write
-            if now is None or (now.source, now.origin) != (spec.source, spec.origin):
+            if now is None or not _runs_as_read(now, spec):
                 raise Refused(
                     f"model {spec.name!r} changed while its weights were being fetched; "
                     "nothing was written, run the command again"

@@ -18,7 +18,7 @@ import sqlite3
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -1036,6 +1036,35 @@ def test_a_model_changed_while_its_weights_were_fetched_is_not_moved(
     assert events(weights, "m")[-1]["by"] == "dave"
 
 
+def test_an_origin_worked_out_while_the_weights_were_fetched_does_not_refuse_the_move(
+    world: World,
+) -> None:
+    """A check for updates (a cron job) that recorded the origin of a model
+    whose update was fetching refused that update, once the download was
+    done, as a model changed meanwhile (hostile test): the origin says what
+    it ran, and it still ran it."""
+    c2 = world.mirror.publish("org/m", V2, branch="dev")
+    weights = world.open()
+    weights.models.add(spec("m"), by="alice")
+    cron = world.open()
+
+    class CheckedMeanwhile(MirrorRegistry):
+        def fetch(
+            self, repository: str, revision: str, files: Mapping[str, str], into: Path
+        ) -> None:
+            cron.check_updates(by="cron")
+            super().fetch(repository, revision, files, into)
+
+    moved = world.open(CheckedMeanwhile(world.mirror.root)).update("m", c2, by="bob")
+    assert moved["written"]
+    assert [(e["event"], e["by"]) for e in events(weights, "m")] == [
+        ("Added", "alice"),
+        ("OriginSet", SYSTEM_ACTOR),
+        ("SourceSet", "bob"),
+    ]
+    assert weights.models.get_model("m")["origin"]["revision"] == c2
+
+
 def test_a_fetch_under_way_elsewhere_is_not_taken_for_part_of_the_revision(
     world: World, tracked: Weights, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1295,6 +1324,21 @@ def test_a_copy_holding_more_than_files_is_refused(
     assert world.rows() == rows
 
 
+def test_files_not_part_of_a_revision_are_told_in_the_order_of_their_paths(
+    world: World,
+) -> None:
+    """Told in the order of a set of their paths, the refusal of a copy
+    holding files too many named another of them first on each run (hostile
+    test): it names them in the order of their paths, as it does the others."""
+    folder = world.root / "copy"
+    folder.mkdir()
+    planted = [f"planted-{n}" for n in "hgfedcba"]
+    for name in planted:
+        (folder / name).write_bytes(b"planted")
+    told = verify(folder, {}, world.root)
+    assert told == [f"{name}: not part of the revision" for name in sorted(planted)]
+
+
 def test_a_folder_linked_inside_the_mirror_is_copied_whole(world: World, tracked: Weights) -> None:
     """A commit's folder linked to another in the mirror (as a hub cache does)
     was passed over: the copy, and the origin recorded, left its files out
@@ -1485,6 +1529,34 @@ def test_a_store_an_older_release_made_serves_its_models_with_no_download(
     assert checksums(Path(n_source.removeprefix("file://")), world.store) == weights_only.files
 
 
+def test_a_folder_with_no_record_holding_files_of_another_list_is_not_taken_for_one(
+    world: World, tracked: Weights
+) -> None:
+    """A commit's folder an older release made (no record of its list), that
+    no model ran from, was taken by the first list staged there: a rollback
+    onto another list of the commit was refused for the files of the copy it
+    held, and recorded its list for that folder, so that the model of that
+    copy, rolled back, was sent to a folder of its own and refused once
+    upstream had dropped the commit (hostile test). A file of another list
+    tells that folder is not this one's."""
+    tracked.update("m", by="bob")  # c1, fetched into the store
+    world.mirror.publish("org/m", V2)
+    tracked.update("m", by="bob")
+    shutil.rmtree(world.store / ".lists")  # as an older release left the store
+    tracked.models.add(spec("n", source="hf://org/m"), by="alice")
+    weights_only = origin_of("org/m", world.c1, {"model.safetensors": V1["model.safetensors"]})
+    tracked.models.set_source("n", "hf://org/m", weights_only, by="alice")
+    n_moved = tracked.rollback("n", world.c1, by="bob")
+    copy = world.store / "org/m" / world.c1
+    assert n_moved["model"]["source"] != copy.resolve().as_uri()
+    assert n_moved["fetched"] == ["model.safetensors"]
+    assert checksums(copy, world.store) == origin_of("org/m", world.c1, V1).files
+    shutil.rmtree(world.mirror.folder("org/m", world.c1))  # force-pushed away
+    back = tracked.rollback("m", world.c1, by="carol")
+    assert back["written"] and back["fetched"] == []
+    assert back["model"]["source"] == copy.resolve().as_uri()
+
+
 def test_a_list_record_edited_by_hand_moves_no_files_under_a_running_model(
     world: World, tracked: Weights
 ) -> None:
@@ -1625,6 +1697,26 @@ def test_cli_updates_check_update_rollback_and_refusals(
     ]
 
 
+def test_cli_rollback_to_a_commit_given_empty_is_refused_as_input_and_not_recorded(
+    world: World, tracked: Weights
+) -> None:
+    """`--to ''` (`--to "$COMMIT"`, the variable unset) was told as no commit
+    id and kept among the refusals, where `update --revision ''`, as every
+    value given empty, is refused as input and kept nowhere (hostile test)."""
+    base = ["--db", f"sqlite:///{world.db}", "--config", str(world.config)]
+    where = ["--mirror", str(world.mirror.root), "--weights", str(world.store)]
+    runner = CliRunner()
+    logged = runner.invoke(cli, [*base, "--json", "log"]).stdout
+    empty = runner.invoke(cli, [*base, "model", "rollback", "m", "--to", "", *where])
+    assert (empty.exit_code, empty.stderr) == (
+        1,
+        "error: the commit to go back to: give one the model ran "
+        "(default: the weights before the current ones)\n",
+    )
+    assert runner.invoke(cli, [*base, "--json", "log"]).stdout == logged
+    assert list(tracked.models.refusals()) == []
+
+
 def test_cli_updates_says_how_many_models_went_unchecked_not_that_nothing_changed(
     world: World, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1712,6 +1804,37 @@ def test_check_updates_refuses_a_log_moved_while_the_registry_was_read(world: Wo
 
 
 # -- what cannot be read, a store in the wrong place, a store changed since (hostile test) ---
+
+
+def test_check_updates_whose_findings_are_refused_after_its_origins_tells_what_stands(
+    world: World, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Its second write (the findings) refused, the log locked by another
+    writer, once the first had recorded an origin: the run said "nothing was
+    written", exit 1, over a log that held it (hostile test). The origins
+    stand and are answered; the findings are left to the next run, told."""
+    world.mirror.publish("org/base", {"model.safetensors": b"declared, new"})
+    models = world.open().models
+    models.add(spec("m"), by="alice")
+    monkeypatch.setattr(models.store, "lock_wait", 0.2)
+
+    class LockedBetweenItsWrites(Weights):
+        def _record_findings(self, *args: Any, **kwargs: Any) -> list[str]:
+            other = sqlite3.connect(world.db, isolation_level=None)
+            try:
+                other.execute("BEGIN IMMEDIATE")  # another writer, meanwhile
+                return super()._record_findings(*args, **kwargs)
+            finally:
+                other.close()
+
+    registry, store = MirrorRegistry(world.mirror.root), WeightsStore(world.store)
+    weights = LockedBetweenItsWrites(models, registry, store)
+    report = weights.check_updates(by="cron")
+    assert ([o["model"] for o in report["origins"]], report["recorded"]) == (["m"], [])
+    assert report["revision"] == models.revision
+    assert [e["event"] for e in events(weights, "m")] == ["Added", "OriginSet"]
+    assert "the upstream changes found were not recorded" in caplog.text
+    assert Weights(models, registry, store).check_updates(by="cron")["recorded"] == ["base"]
 
 
 def _denied(monkeypatch: pytest.MonkeyPatch, denied: Path) -> None:
@@ -1934,6 +2057,21 @@ def test_a_full_disk_is_refused_in_one_line_and_leaves_no_copy_under_way(
     assert tracked.update("m", by="bob")["written"]
 
 
+def _refuse_opening(
+    monkeypatch: pytest.MonkeyPatch, code: int, refused: Callable[[Path, int], bool]
+) -> None:
+    """``os.open`` refusing with ``code`` the paths (and flags) ``refused``
+    picks, as a file system out of room, or mounted read-only, does."""
+    real_open = os.open
+
+    def refusing(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        if refused(Path(os.fsdecode(path)), flags):
+            raise OSError(code, os.strerror(code), os.fsdecode(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", refusing)
+
+
 def test_a_store_out_of_inodes_leaves_no_folder_of_the_fetch_behind(
     world: World, tracked: Weights, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1943,13 +2081,9 @@ def test_a_store_out_of_inodes_leaves_no_folder_of_the_fetch_behind(
     test). The repository's folder is named, and nothing is left in it."""
     c2 = world.mirror.publish("org/m", V2)
     real_open = os.open
-
-    def no_inode_for_a_lock_file(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
-        if Path(os.fsdecode(path)).name == registry_module._LOCK_FILE:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.fsdecode(path))
-        return real_open(path, flags, *args, **kwargs)
-
-    monkeypatch.setattr(os, "open", no_inode_for_a_lock_file)
+    _refuse_opening(
+        monkeypatch, errno.ENOSPC, lambda path, _flags: path.name == registry_module._LOCK_FILE
+    )
     rows = world.rows()
     with pytest.raises(RegistryError) as refused:
         tracked.update("m", by="bob")
@@ -1962,6 +2096,28 @@ def test_a_store_out_of_inodes_leaves_no_folder_of_the_fetch_behind(
     assert list(repository.iterdir()) == []
     monkeypatch.setattr(os, "open", real_open)
     assert tracked.update("m", by="bob")["to"]["revision"] == c2
+
+
+def test_a_read_only_store_is_named_not_a_file_of_a_random_name(
+    world: World, tracked: Weights, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a store mounted read-only, the refusal named the file the record
+    of a commit's list is first written to, of a random name no one could
+    find (hostile test): the folder it was to be made in is named."""
+    world.mirror.publish("org/m", V2)
+    records = world.store / ".lists" / "org" / "m"
+    _refuse_opening(
+        monkeypatch,
+        errno.EROFS,
+        lambda path, flags: bool(flags & os.O_CREAT) and path.parent == records,
+    )
+    rows = world.rows()
+    with pytest.raises(RegistryError) as refused:
+        tracked.update("m", by="bob")
+    assert str(refused.value) == (
+        f"the weights store {world.store}: {records}: Read-only file system; nothing was written"
+    )
+    assert world.rows() == rows
 
 
 def test_a_folder_where_a_file_goes_in_the_store_is_named_not_the_partial_copy(
