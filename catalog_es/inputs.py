@@ -9,6 +9,7 @@ pass them again on replay. Every failure is one line naming where it is.
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 import unicodedata
@@ -16,7 +17,6 @@ from collections.abc import Callable, Sequence
 from contextlib import suppress
 from datetime import UTC, date, datetime, timedelta
 from functools import lru_cache
-from pathlib import Path
 from typing import Annotated, Any, BinaryIO, ClassVar, NoReturn, TypeVar
 
 import msgspec
@@ -707,6 +707,16 @@ def _read_at_most(file: BinaryIO, limit: int) -> bytes | None:
     return b"".join(chunks)
 
 
+def _open_to_read(path: str) -> BinaryIO:
+    """``path`` opened to read without waiting for a writer: opening a pipe
+    (a FIFO) waits for one, and with none every command waited for good.
+    Read, a pipe nothing writes to is empty; one with a writer (``<(…)``) is
+    read as it comes."""
+    descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    os.set_blocking(descriptor, True)
+    return os.fdopen(descriptor, "rb")
+
+
 def read_text(path: str, limit: int = MAX_INPUT_BYTES) -> tuple[str, str]:
     """The text of a file, or of standard input for ``-``, and how to name it."""
     if not path:  # a variable left unset ("$FILE"): not the working directory
@@ -720,7 +730,7 @@ def read_text(path: str, limit: int = MAX_INPUT_BYTES) -> tuple[str, str]:
         # Named as given, unless that would break the message's one line.
         where = path if path.isprintable() else shown(path)
         try:
-            with Path(path).open("rb") as f:
+            with _open_to_read(path) as f:
                 data = _read_at_most(f, limit)
         except OSError as error:
             raise InputError(f"{where}: {error.strerror or error}") from None
@@ -768,7 +778,7 @@ def load_config(path: str | None) -> DeclaredConfig:
         return DeclaredConfig()
     try:
         # Reviewed YAML, trusted but not unbounded.
-        with Path(path).open("rb") as file:
+        with _open_to_read(path) as file:
             raw = _read_at_most(file, MAX_CONFIG_BYTES)
         if raw is None:
             raise ConfigError(f"{path}: the config is larger than {MAX_CONFIG_BYTES >> 20} MiB")

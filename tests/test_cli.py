@@ -1343,6 +1343,42 @@ def test_a_config_that_cannot_be_read_is_told_as_a_definition_file_is(
     assert line == f"error: {path}: cannot read the config: {said}"
 
 
+def test_a_config_that_is_a_pipe_nothing_writes_to_is_refused_not_waited_on(
+    db_url: str, tmp_path: Path, rows: Callable[[], int]
+) -> None:
+    """Opening a pipe to read waits for a writer: `--config` on a FIFO that
+    nothing writes to (a deploy's leftover, a mistyped path) hung every
+    command, and `serve` at start, for good (hostile test). A pipe with a
+    writer, as `--config <(…)` gives, is still read."""
+    pipe = tmp_path / "catalog.yaml"
+    os.mkfifo(pipe)
+    cli_command = f"{sys.executable} -m catalog_es --db '{db_url}'"
+
+    def run(config: str, *args: str) -> subprocess.CompletedProcess[str]:
+        command = f"exec {cli_command} --config {config} {' '.join(args)}"
+        return subprocess.run(
+            ["bash", "-c", command],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+            cwd=Path(__file__).parents[1],  # this checkout's code, for `-m catalog_es`
+        )
+
+    for args in (["model", "list"], ["model", "scale", "d", "--max", "2"]):
+        refused = run(str(pipe), *args)
+        assert (refused.returncode, refused.stdout) == (1, "")
+        assert refused.stderr == (
+            f"error: {pipe}: the config is empty; to declare no models, write `models: []`\n"
+        )
+    assert rows() == 0
+    declared = tmp_path / "declared.yaml"
+    declared.write_text(config_yaml(spec("d")))
+    piped = run(f"<(cat {declared})", "model", "list")
+    assert (piped.returncode, piped.stderr) == (0, "")
+    assert piped.stdout.splitlines()[1].split()[:2] == ["d", "declared"]
+
+
 def test_a_declared_cpu_model_without_memory_shows_with_a_warning(run: Run, write: Any) -> None:
     kubeai = "/work/shared/data/kubeai-catalog.yaml"
     result = ok(run("--config", kubeai, "model", "show", "opt-125m-cpu"))
