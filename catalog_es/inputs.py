@@ -317,16 +317,21 @@ def one_of(what: str) -> WrapValidator:
     return WrapValidator(checked)
 
 
-def describe(error: ValidationError, prefix: tuple[int | str, ...] = ()) -> str:
-    """A pydantic error as one line: the first problem and how many more there are."""
-    return describe_problems(error.errors(), prefix)
+def describe(error: ValidationError, prefix: tuple[int | str, ...] = (), *, at: str = "") -> str:
+    """A pydantic error as one line: the first problem (``at``: where it is in
+    the text, ``(line L, column C)``) and how many more there are."""
+    return describe_problems(error.errors(), prefix, at=at)
 
 
-def describe_problems(problems: Sequence[ErrorDetails], prefix: tuple[int | str, ...] = ()) -> str:
+def describe_problems(
+    problems: Sequence[ErrorDetails], prefix: tuple[int | str, ...] = (), *, at: str = ""
+) -> str:
     """``describe`` for a list of pydantic error dicts (what a web framework
     hands over once it has validated a query string)."""
     first = problems[0]
     line = f"{_location(prefix + tuple(first['loc']))}: {_problem(first)}"
+    if at:
+        line += f" {at}"
     if len(problems) > 1:
         line += f" (and {len(problems) - 1} more problem{'s' if len(problems) > 2 else ''})"
     return line
@@ -772,6 +777,35 @@ def _named(data: Any, error: ValidationError) -> str:
     return ""
 
 
+def _place(text: str, loc: tuple[int | str, ...]) -> str:
+    """``(line L, column C)`` of what ``loc`` names in the YAML ``text``: a
+    field's key, a list's item; as far as the text holds its path (a field
+    missing, or merged in with ``<<``: the mapping that lacks it), "" for
+    none of it. Composed again, only for a refusal: the data kept no places."""
+    loader = _StrictLoader(text)
+    try:
+        node = loader.get_single_node()
+    finally:
+        loader.dispose()
+    mark = None
+    for part in loc:
+        if isinstance(node, yaml.SequenceNode) and isinstance(part, int):
+            if part >= len(node.value):
+                break
+            node = node.value[part]
+            mark = node.start_mark
+        elif isinstance(node, yaml.MappingNode):
+            found = next(((k, v) for k, v in node.value if k.value == part), None)
+            if found is None:
+                # A field missing is told where the mapping that lacks it begins.
+                mark = node.start_mark
+                break
+            mark, node = found[0].start_mark, found[1]
+        else:
+            break
+    return "" if mark is None else f"(line {mark.line + 1}, column {mark.column + 1})"
+
+
 def load_config(path: str | None) -> DeclaredConfig:
     """The declared config from a YAML file; no file means nothing declared."""
     if path is None:
@@ -803,7 +837,8 @@ def load_config(path: str | None) -> DeclaredConfig:
     try:
         parsed = ConfigInput.model_validate(data)
     except ValidationError as error:
-        raise ConfigError(f"{path}: {_named(data, error)}{describe(error)}") from None
+        at = _place(text, error.errors()[0]["loc"])
+        raise ConfigError(f"{path}: {_named(data, error)}{describe(error, at=at)}") from None
     try:
         engines = _checked_engines(parsed.engines)
     except InputError as error:
