@@ -38,12 +38,14 @@ from pydantic_core import ErrorDetails, PydanticCustomError
 from yaml._yaml import CParser
 
 from catalog_es import commands
+from catalog_es.catalog import Catalog
 from catalog_es.configuration import CONFIG_DECLARED
 from catalog_es.configuration import DeclaredConfig as DeclaredConfig  # re-exported
 from catalog_es.errors import (
     SHOWN_LENGTH,
     UNSAFE_TEXT,
     ConfigError,
+    DeclaredModelError,
     InputError,
     Refused,
     cut_short,
@@ -843,9 +845,23 @@ def load_config(path: str | None) -> DeclaredConfig:
         engines = _checked_engines(parsed.engines)
     except InputError as error:
         raise ConfigError(f"{path}: {error}") from None
-    return DeclaredConfig(
-        models=tuple(m.to_spec() for m in parsed.models), engines=engines, path=path
-    )
+    models = tuple(m.to_spec() for m in parsed.models)
+    try:
+        # Checked here as well as by the service, for the text: where it is.
+        Catalog(models, engines)
+    except DeclaredModelError as error:
+        named = [i for i, model in enumerate(models) if model.name == error.model]
+        loc = ("models", named[error.place], *_field_path(error.field))
+        raise ConfigError(f"{path}: {error} {_place(text, loc)}".rstrip()) from None
+    return DeclaredConfig(models=models, engines=engines, path=path)
+
+
+def _field_path(field: str) -> list[int | str]:
+    """``profiles[0].gpus`` as the parts of a path: ``["profiles", 0, "gpus"]``."""
+    return [int(part[1:-1]) if part[0] == "[" else part for part in _FIELD_PARTS.findall(field)]
+
+
+_FIELD_PARTS = re.compile(r"\[\d+\]|[^.\[\]]+")
 
 
 # -- a list of changes (``catalog-es apply``) ------------------------------------------

@@ -1336,6 +1336,16 @@ def test_input_that_is_not_a_mapping_is_told_in_the_operators_words(
             "(and 1 more problem)",
             id="missing-field",
         ),
+        pytest.param(
+            "    profiles: [{name: g, gpus: -1}]\n",
+            "profiles[0].gpus: cannot be negative (line 8, column 26)",
+            id="out-of-range",
+        ),
+        pytest.param(
+            "    profiles: [{name: g, gpus: 1}]\n    fallbacks: [gone]\n",
+            "fallbacks: names 'gone', which is not declared (line 9, column 5)",
+            id="fallback",
+        ),
     ],
 )
 def test_a_config_field_refused_is_told_with_its_line(
@@ -1360,6 +1370,17 @@ def test_a_config_field_refused_is_told_with_its_line(
     )
     line = refused_in_one_line(seeded("--config", config, "model", "scale", "m", "--max", "3"))
     assert line == f"error: {config}: model 'second': {said}"
+    assert rows() == 2
+
+
+def test_a_model_declared_twice_is_told_at_its_second_declaration(
+    seeded: Run, write: Any, rows: Callable[[], int]
+) -> None:
+    twice = config_yaml(spec("first"), spec("again"), spec("again"))
+    config = write("catalog.yaml", twice.encode())
+    line = refused_in_one_line(seeded("--config", config, "model", "list"))
+    # The second of the two, where a reviewer finds the copy to take out.
+    assert line == f"error: {config}: model 'again' is declared more than once (line 36, column 3)"
     assert rows() == 2
 
 
