@@ -297,6 +297,10 @@ def _problem(error: ErrorDetails) -> str:
         got = type(value).__name__
     elif value is None or isinstance(value, bool):
         got = json.dumps(value)  # as a YAML or JSON file spells it, not Python's True
+    elif isinstance(value, date):  # a datetime too
+        # As written, not datetime.date(2026, 1, 1): YAML took unquoted text for one.
+        quote = ": quote it" if error["type"] == "string_type" else ""
+        return f"{error['msg']} (got {value.isoformat()}, which YAML reads as a date{quote})"
     else:
         got = repr(value)
     if error["type"] == "model_type":

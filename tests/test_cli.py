@@ -20,6 +20,7 @@ import sys
 import tracemalloc
 import uuid
 from collections.abc import Callable, Iterator
+from datetime import date
 from pathlib import Path
 from typing import Any
 
@@ -1031,6 +1032,19 @@ BAD_FILES = [
     ),
     pytest.param(
         as_json(_with(profiles=_profile(gpus="1"))), "profiles[0].gpus", id="string-for-int"
+    ),
+    # Told as written, not as Python's datetime.date(2026, 1, 1).
+    pytest.param(
+        b"name: 2026-01-01\n",
+        "name: Input should be a valid string (got 2026-01-01, which YAML reads as a date: "
+        "quote it)",
+        id="date-for-string",
+    ),
+    pytest.param(
+        as_yaml(_with(profiles=_profile(gpus=date(2026, 1, 1)))),
+        "profiles[0].gpus: Input should be a valid integer (got 2026-01-01, which YAML reads "
+        "as a date)",
+        id="date-for-int",
     ),
     pytest.param(
         as_json(_with(profiles=_profile(gpus=True))), "profiles[0].gpus", id="bool-for-int"
