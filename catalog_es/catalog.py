@@ -19,7 +19,7 @@ import msgspec
 
 from catalog_es.chain import ChainHead
 from catalog_es.configuration import CONFIG_DECLARED, Configuration
-from catalog_es.errors import ConfigError, InvalidModel, ModelNotFound, Refused
+from catalog_es.errors import DeclaredModelError, InvalidModel, ModelNotFound, Refused
 from catalog_es.model import DomainEvent, Model, model_key
 from catalog_es.spec import DEFAULT_ENGINES, EVERY_FIELD, ModelSpec, check_spec
 
@@ -474,9 +474,11 @@ class Catalog:
         try:
             check_spec(spec, self.engines)
         except InvalidModel as error:
-            raise ConfigError(str(error)) from None
+            raise DeclaredModelError(str(error), spec.name, error.field) from None
         if spec.name in self.declared:
-            raise ConfigError(f"model {spec.name!r} is declared more than once")
+            raise DeclaredModelError(
+                f"model {spec.name!r} is declared more than once", spec.name, place=1
+            )
         self.declared[spec.name] = spec
         self._link(spec)
 
@@ -484,14 +486,18 @@ class Catalog:
         for spec in self.declared.values():
             for target in spec.fallbacks:
                 if target not in self.declared:
-                    raise ConfigError(
-                        f"model {spec.name!r}: fallbacks: names {target!r}, which is not declared"
+                    raise DeclaredModelError(
+                        f"model {spec.name!r}: fallbacks: names {target!r}, which is not declared",
+                        spec.name,
+                        "fallbacks",
                     )
         for spec in self.declared.values():
             cycle = self._cycle_through(spec.name, spec)
             if cycle:
-                raise ConfigError(
-                    f"model {spec.name!r}: fallbacks: form a cycle: {' -> '.join(cycle)}"
+                raise DeclaredModelError(
+                    f"model {spec.name!r}: fallbacks: form a cycle: {' -> '.join(cycle)}",
+                    spec.name,
+                    "fallbacks",
                 )
 
 

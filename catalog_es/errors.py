@@ -256,6 +256,17 @@ class ConfigError(Exception):
     """The declared configuration cannot be loaded; nothing starts on it."""
 
 
+class DeclaredModelError(ConfigError):
+    """A declared model breaks the catalog's rules: ``field`` of its
+    ``place``-th declaration (0 for the first of its name, 1 for the second)."""
+
+    def __init__(self, message: str, model: str, field: str = "", place: int = 0) -> None:
+        self.model = model
+        self.field = field
+        self.place = place
+        super().__init__(message)
+
+
 class StorageBusy(Refused):
     """The database stayed locked by another writer past the bounded wait."""
 

@@ -9,6 +9,7 @@ pass them again on replay. Every failure is one line naming where it is.
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 import unicodedata
@@ -16,7 +17,6 @@ from collections.abc import Callable, Sequence
 from contextlib import suppress
 from datetime import UTC, date, datetime, timedelta
 from functools import lru_cache
-from pathlib import Path
 from typing import Annotated, Any, BinaryIO, ClassVar, NoReturn, TypeVar
 
 import msgspec
@@ -38,12 +38,14 @@ from pydantic_core import ErrorDetails, PydanticCustomError
 from yaml._yaml import CParser
 
 from catalog_es import commands
+from catalog_es.catalog import Catalog
 from catalog_es.configuration import CONFIG_DECLARED
 from catalog_es.configuration import DeclaredConfig as DeclaredConfig  # re-exported
 from catalog_es.errors import (
     SHOWN_LENGTH,
     UNSAFE_TEXT,
     ConfigError,
+    DeclaredModelError,
     InputError,
     Refused,
     cut_short,
@@ -295,6 +297,10 @@ def _problem(error: ErrorDetails) -> str:
         got = type(value).__name__
     elif value is None or isinstance(value, bool):
         got = json.dumps(value)  # as a YAML or JSON file spells it, not Python's True
+    elif isinstance(value, date):  # a datetime too
+        # As written, not datetime.date(2026, 1, 1): YAML took unquoted text for one.
+        quote = ": quote it" if error["type"] == "string_type" else ""
+        return f"{error['msg']} (got {value.isoformat()}, which YAML reads as a date{quote})"
     else:
         got = repr(value)
     if error["type"] == "model_type":
@@ -317,16 +323,21 @@ def one_of(what: str) -> WrapValidator:
     return WrapValidator(checked)
 
 
-def describe(error: ValidationError, prefix: tuple[int | str, ...] = ()) -> str:
-    """A pydantic error as one line: the first problem and how many more there are."""
-    return describe_problems(error.errors(), prefix)
+def describe(error: ValidationError, prefix: tuple[int | str, ...] = (), *, at: str = "") -> str:
+    """A pydantic error as one line: the first problem (``at``: where it is in
+    the text, ``(line L, column C)``) and how many more there are."""
+    return describe_problems(error.errors(), prefix, at=at)
 
 
-def describe_problems(problems: Sequence[ErrorDetails], prefix: tuple[int | str, ...] = ()) -> str:
+def describe_problems(
+    problems: Sequence[ErrorDetails], prefix: tuple[int | str, ...] = (), *, at: str = ""
+) -> str:
     """``describe`` for a list of pydantic error dicts (what a web framework
     hands over once it has validated a query string)."""
     first = problems[0]
     line = f"{_location(prefix + tuple(first['loc']))}: {_problem(first)}"
+    if at:
+        line += f" {at}"
     if len(problems) > 1:
         line += f" (and {len(problems) - 1} more problem{'s' if len(problems) > 2 else ''})"
     return line
@@ -707,6 +718,16 @@ def _read_at_most(file: BinaryIO, limit: int) -> bytes | None:
     return b"".join(chunks)
 
 
+def _open_to_read(path: str) -> BinaryIO:
+    """``path`` opened to read without waiting for a writer: opening a pipe
+    (a FIFO) waits for one, and with none every command waited for good.
+    Read, a pipe nothing writes to is empty; one with a writer (``<(…)``) is
+    read as it comes."""
+    descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    os.set_blocking(descriptor, True)
+    return os.fdopen(descriptor, "rb")
+
+
 def read_text(path: str, limit: int = MAX_INPUT_BYTES) -> tuple[str, str]:
     """The text of a file, or of standard input for ``-``, and how to name it."""
     if not path:  # a variable left unset ("$FILE"): not the working directory
@@ -720,7 +741,7 @@ def read_text(path: str, limit: int = MAX_INPUT_BYTES) -> tuple[str, str]:
         # Named as given, unless that would break the message's one line.
         where = path if path.isprintable() else shown(path)
         try:
-            with Path(path).open("rb") as f:
+            with _open_to_read(path) as f:
                 data = _read_at_most(f, limit)
         except OSError as error:
             raise InputError(f"{where}: {error.strerror or error}") from None
@@ -762,13 +783,42 @@ def _named(data: Any, error: ValidationError) -> str:
     return ""
 
 
+def _place(text: str, loc: tuple[int | str, ...]) -> str:
+    """``(line L, column C)`` of what ``loc`` names in the YAML ``text``: a
+    field's key, a list's item; as far as the text holds its path (a field
+    missing, or merged in with ``<<``: the mapping that lacks it), "" for
+    none of it. Composed again, only for a refusal: the data kept no places."""
+    loader = _StrictLoader(text)
+    try:
+        node = loader.get_single_node()
+    finally:
+        loader.dispose()
+    mark = None
+    for part in loc:
+        if isinstance(node, yaml.SequenceNode) and isinstance(part, int):
+            if part >= len(node.value):
+                break
+            node = node.value[part]
+            mark = node.start_mark
+        elif isinstance(node, yaml.MappingNode):
+            found = next(((k, v) for k, v in node.value if k.value == part), None)
+            if found is None:
+                # A field missing is told where the mapping that lacks it begins.
+                mark = node.start_mark
+                break
+            mark, node = found[0].start_mark, found[1]
+        else:
+            break
+    return "" if mark is None else f"(line {mark.line + 1}, column {mark.column + 1})"
+
+
 def load_config(path: str | None) -> DeclaredConfig:
     """The declared config from a YAML file; no file means nothing declared."""
     if path is None:
         return DeclaredConfig()
     try:
         # Reviewed YAML, trusted but not unbounded.
-        with Path(path).open("rb") as file:
+        with _open_to_read(path) as file:
             raw = _read_at_most(file, MAX_CONFIG_BYTES)
         if raw is None:
             raise ConfigError(f"{path}: the config is larger than {MAX_CONFIG_BYTES >> 20} MiB")
@@ -793,14 +843,29 @@ def load_config(path: str | None) -> DeclaredConfig:
     try:
         parsed = ConfigInput.model_validate(data)
     except ValidationError as error:
-        raise ConfigError(f"{path}: {_named(data, error)}{describe(error)}") from None
+        at = _place(text, error.errors()[0]["loc"])
+        raise ConfigError(f"{path}: {_named(data, error)}{describe(error, at=at)}") from None
     try:
         engines = _checked_engines(parsed.engines)
     except InputError as error:
         raise ConfigError(f"{path}: {error}") from None
-    return DeclaredConfig(
-        models=tuple(m.to_spec() for m in parsed.models), engines=engines, path=path
-    )
+    models = tuple(m.to_spec() for m in parsed.models)
+    try:
+        # Checked here as well as by the service, for the text: where it is.
+        Catalog(models, engines)
+    except DeclaredModelError as error:
+        named = [i for i, model in enumerate(models) if model.name == error.model]
+        loc = ("models", named[error.place], *_field_path(error.field))
+        raise ConfigError(f"{path}: {error} {_place(text, loc)}".rstrip()) from None
+    return DeclaredConfig(models=models, engines=engines, path=path)
+
+
+def _field_path(field: str) -> list[int | str]:
+    """``profiles[0].gpus`` as the parts of a path: ``["profiles", 0, "gpus"]``."""
+    return [int(part[1:-1]) if part[0] == "[" else part for part in _FIELD_PARTS.findall(field)]
+
+
+_FIELD_PARTS = re.compile(r"\[\d+\]|[^.\[\]]+")
 
 
 # -- a list of changes (``catalog-es apply``) ------------------------------------------

@@ -177,7 +177,8 @@ def plan_rollback(
     batch.prefetch(names)
     for name in names:
         if current.is_declared(name):
-            if target.aggregate(name).version > 0:
+            # Its history now holds all it had at the target, and what came after.
+            if current.aggregate(name).version > 0:
                 notes.append(
                     f"model {name!r} is declared in configuration now; "
                     "its runtime history is left out"

@@ -400,6 +400,23 @@ def test_history_of_an_unknown_name_is_not_found_and_of_a_declared_one_is_empty(
     assert models.history("base") == []
 
 
+def test_history_of_a_name_a_recorded_config_declared_is_empty_not_never_seen(
+    models: Models, db: str, tmp_path: Path
+) -> None:
+    """A model dropped from the config: `history` said it `was never in the
+    log or the config`, where the log's config records declare it (hostile
+    test). It is what a name declared today with no runtime history answers."""
+    undeclared = tmp_path / "undeclared.yaml"
+    undeclared.write_text("models: []\n")
+    reopened = open_service(db, undeclared)
+    try:
+        assert reopened.history("base") == []
+        with pytest.raises(ModelNotFound, match="was never in the log or the config"):
+            reopened.history("never-seen")
+    finally:
+        reopened.close()
+
+
 @pytest.mark.parametrize(
     ("query", "revisions"),
     [

@@ -20,6 +20,7 @@ import sys
 import tracemalloc
 import uuid
 from collections.abc import Callable, Iterator
+from datetime import date
 from pathlib import Path
 from typing import Any
 
@@ -1032,6 +1033,19 @@ BAD_FILES = [
     pytest.param(
         as_json(_with(profiles=_profile(gpus="1"))), "profiles[0].gpus", id="string-for-int"
     ),
+    # Told as written, not as Python's datetime.date(2026, 1, 1).
+    pytest.param(
+        b"name: 2026-01-01\n",
+        "name: Input should be a valid string (got 2026-01-01, which YAML reads as a date: "
+        "quote it)",
+        id="date-for-string",
+    ),
+    pytest.param(
+        as_yaml(_with(profiles=_profile(gpus=date(2026, 1, 1)))),
+        "profiles[0].gpus: Input should be a valid integer (got 2026-01-01, which YAML reads "
+        "as a date)",
+        id="date-for-int",
+    ),
     pytest.param(
         as_json(_with(profiles=_profile(gpus=True))), "profiles[0].gpus", id="bool-for-int"
     ),
@@ -1316,6 +1330,74 @@ def test_input_that_is_not_a_mapping_is_told_in_the_operators_words(
     assert rows() == 2
 
 
+@pytest.mark.parametrize(
+    ("entry", "said"),
+    [
+        pytest.param(
+            "    profiles: [{name: g, gpus: one}]\n",
+            "models[1].profiles[0].gpus: Input should be a valid integer (got 'one') "
+            "(line 8, column 26)",
+            id="wrong-type",
+        ),
+        pytest.param(
+            "    profiles: [{name: g, gpus: 1}]\n    colour: red\n",
+            "models[1].colour: unknown field (line 9, column 5)",
+            id="unknown-field",
+        ),
+        pytest.param(
+            "    profiles: [{gpus: 1}]\n    owner: [x]\n",
+            "models[1].profiles[0].name: required field is missing (line 8, column 16) "
+            "(and 1 more problem)",
+            id="missing-field",
+        ),
+        pytest.param(
+            "    profiles: [{name: g, gpus: -1}]\n",
+            "profiles[0].gpus: cannot be negative (line 8, column 26)",
+            id="out-of-range",
+        ),
+        pytest.param(
+            "    profiles: [{name: g, gpus: 1}]\n    fallbacks: [gone]\n",
+            "fallbacks: names 'gone', which is not declared (line 9, column 5)",
+            id="fallback",
+        ),
+    ],
+)
+def test_a_config_field_refused_is_told_with_its_line(
+    seeded: Run, write: Any, rows: Callable[[], int], entry: str, said: str
+) -> None:
+    """A wrong type, an unknown or a missing field in `catalog.yaml` named the
+    field's path (`models[41].profiles[0].gpus`) but not its line, which a
+    reviewer of a long file counts by hand; YAML's own errors had it (hostile
+    test). A field missing is told at the mapping that lacks it."""
+    config = write(
+        "catalog.yaml",
+        (
+            "models:\n"
+            "  - {name: first, engine: vllm, source: hf://org/first,"
+            " profiles: [{name: g, gpus: 1}]}\n"
+            "\n"
+            "  # the reviewed one\n"
+            "  - name: second\n"
+            "    engine: vllm\n"
+            "    source: hf://org/second\n" + entry
+        ).encode(),
+    )
+    line = refused_in_one_line(seeded("--config", config, "model", "scale", "m", "--max", "3"))
+    assert line == f"error: {config}: model 'second': {said}"
+    assert rows() == 2
+
+
+def test_a_model_declared_twice_is_told_at_its_second_declaration(
+    seeded: Run, write: Any, rows: Callable[[], int]
+) -> None:
+    twice = config_yaml(spec("first"), spec("again"), spec("again"))
+    config = write("catalog.yaml", twice.encode())
+    line = refused_in_one_line(seeded("--config", config, "model", "list"))
+    # The second of the two, where a reviewer finds the copy to take out.
+    assert line == f"error: {config}: model 'again' is declared more than once (line 36, column 3)"
+    assert rows() == 2
+
+
 def test_a_missing_config_file_is_refused_in_one_line(run: Run) -> None:
     line = refused_in_one_line(run("--config", "absent.yaml", "model", "list"))
     assert "absent.yaml: cannot read the config" in line
@@ -1341,6 +1423,42 @@ def test_a_config_that_cannot_be_read_is_told_as_a_definition_file_is(
     made(path)
     line = refused_in_one_line(run("--config", str(path), "model", "list"))
     assert line == f"error: {path}: cannot read the config: {said}"
+
+
+def test_a_config_that_is_a_pipe_nothing_writes_to_is_refused_not_waited_on(
+    db_url: str, tmp_path: Path, rows: Callable[[], int]
+) -> None:
+    """Opening a pipe to read waits for a writer: `--config` on a FIFO that
+    nothing writes to (a deploy's leftover, a mistyped path) hung every
+    command, and `serve` at start, for good (hostile test). A pipe with a
+    writer, as `--config <(…)` gives, is still read."""
+    pipe = tmp_path / "catalog.yaml"
+    os.mkfifo(pipe)
+    cli_command = f"{sys.executable} -m catalog_es --db '{db_url}'"
+
+    def run(config: str, *args: str) -> subprocess.CompletedProcess[str]:
+        command = f"exec {cli_command} --config {config} {' '.join(args)}"
+        return subprocess.run(
+            ["bash", "-c", command],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+            cwd=Path(__file__).parents[1],  # this checkout's code, for `-m catalog_es`
+        )
+
+    for args in (["model", "list"], ["model", "scale", "d", "--max", "2"]):
+        refused = run(str(pipe), *args)
+        assert (refused.returncode, refused.stdout) == (1, "")
+        assert refused.stderr == (
+            f"error: {pipe}: the config is empty; to declare no models, write `models: []`\n"
+        )
+    assert rows() == 0
+    declared = tmp_path / "declared.yaml"
+    declared.write_text(config_yaml(spec("d")))
+    piped = run(f"<(cat {declared})", "model", "list")
+    assert (piped.returncode, piped.stderr) == (0, "")
+    assert piped.stdout.splitlines()[1].split()[:2] == ["d", "declared"]
 
 
 def test_a_declared_cpu_model_without_memory_shows_with_a_warning(run: Run, write: Any) -> None:

@@ -1445,6 +1445,25 @@ def test_rollback_leaves_out_a_model_the_config_now_declares(
         assert reopened.store.head(conn) == head  # nothing written
 
 
+def test_rollback_notes_a_declared_model_whose_runtime_history_came_after_the_target(
+    open_models: Callable[..., Models], tmp_path: Path
+) -> None:
+    """A runtime model added after R, then declared: a rollback to R left its
+    runtime history without a word, where it had one at R was noted; that
+    history comes back in force the day the config drops the name, as a
+    rollback to R would not have it (hostile test)."""
+    models = open_models()
+    models.add(spec("a"), by="x")
+    target = models.revision
+    models.add(spec("shadow"), by="x")
+    other = tmp_path / "other.yaml"
+    other.write_text(DECLARED_YAML + DECLARED_YAML.split("models:")[1].replace("base", "shadow"))
+    result = open_models(config=other).rollback(target, by="ops", dry_run=True)
+    assert result["notes"] == [
+        "model 'shadow' is declared in configuration now; its runtime history is left out"
+    ]
+
+
 def test_rollback_notes_a_model_todays_config_cannot_take_as_it_was(
     open_models: Callable[..., Models], tmp_path: Path
 ) -> None:
