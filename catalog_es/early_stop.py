@@ -21,6 +21,11 @@ UNTIL_STOPPED = frozenset({"watch", "serve"})
 # the command is the first word that is none of theirs.
 ROOT_VALUED_OPTIONS = frozenset({"--db", "--config", "--by", "--reason", "--expected-revision"})
 
+# Ctrl-C, a supervisor's stop, and a hang-up (a terminal closed, or an
+# operator's `kill -HUP` asking a reload no command does: it killed the
+# server, cutting off what it was answering, without a word).
+STOPS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
 _asked: list[int] = []
 # The handlers noting replaced, to be put back when the command takes over.
 _replaced: dict[int, Any] = {}
@@ -40,7 +45,7 @@ def command_named(argv: Sequence[str]) -> str | None:
 
 
 def note_stops(argv: Sequence[str]) -> None:
-    """Note SIGINT and SIGTERM, rather than act on them, if ``argv`` runs
+    """Note :data:`STOPS`, rather than act on them, if ``argv`` runs
     until stopped: a refusal (a usage error) still ends it as one. One
     ignored (a script's background job) stays so."""
     if command_named(argv) not in UNTIL_STOPPED:
@@ -56,17 +61,17 @@ def note_stops(argv: Sequence[str]) -> None:
             return
         _asked.append(signum)
 
-    for signum in (signal.SIGINT, signal.SIGTERM):
+    for signum in STOPS:
         if signal.getsignal(signum) is not signal.SIG_IGN:
             _replaced[signum] = signal.signal(signum, note)
 
 
-def take_over() -> bool:
-    """Put back the handlers :func:`note_stops` replaced; whether a stop was
-    noted meanwhile."""
+def take_over() -> int | None:
+    """Put back the handlers :func:`note_stops` replaced; the stop noted
+    meanwhile, if one was."""
     for signum, handler in _replaced.items():
         signal.signal(signum, handler)
     _replaced.clear()
-    asked = bool(_asked)
+    asked = _asked[0] if _asked else None
     _asked.clear()
     return asked

@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import io
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -16,11 +17,13 @@ from contextlib import contextmanager
 from typing import Any
 
 import msgspec
+import pytest
 import sqlalchemy as sa
 import yaml
 
 from catalog_es.application import Watch
 from catalog_es.catalog import Catalog
+from catalog_es.cli.base import HUNG_UP
 from catalog_es.inputs import model_from_data
 from catalog_es.model import Model, model_id, utc_now
 from catalog_es.persistence import events_table, head_table, streams_table
@@ -299,3 +302,13 @@ def following(watch: Watch) -> tuple[threading.Thread, list[int], list[BaseExcep
     thread = threading.Thread(target=follow, daemon=True)
     thread.start()
     return thread, seen, ended
+
+
+# How each stop asked of a command that runs until stopped is told: a
+# hang-up with why no config is read again.
+STOPS_TOLD = {
+    signal.SIGINT: "stopped\n",
+    signal.SIGTERM: "stopped\n",
+    signal.SIGHUP: f"stopped{HUNG_UP}\n",
+}
+EVERY_STOP = pytest.mark.parametrize("stop", list(STOPS_TOLD), ids=["ctrl-c", "sigterm", "sighup"])

@@ -44,7 +44,16 @@ from catalog_es.errors import PIECE_LENGTH, DamagedLog, Refused, json_in_pieces,
 from catalog_es.inputs import DeclaredConfig
 from catalog_es.persistence import PullingSubscription, database_unusable
 from catalog_es.spec import Adapter, Origin
-from tests.helpers import CPU_NO_MEMORY, CountedOutput, config_yaml, count_events, definition, spec
+from tests.helpers import (
+    CPU_NO_MEMORY,
+    EVERY_STOP,
+    STOPS_TOLD,
+    CountedOutput,
+    config_yaml,
+    count_events,
+    definition,
+    spec,
+)
 
 LOG_KEYS = {
     "revision",
@@ -842,12 +851,12 @@ def test_ctrl_c_as_the_log_closes_after_an_answer_that_could_not_be_written_leav
     assert count_events(db_url) == 1
 
 
-@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+@EVERY_STOP
 def test_watch_stopped_as_asked_says_stopped_and_exits_0(
     run: Run, write: Any, db_url: str, stop: signal.Signals
 ) -> None:
     """A follower runs until stopped, by hand or by its supervisor's SIGTERM,
-    which killed it (review)."""
+    which killed it (review), or by a hang-up, which killed it too."""
     ok(run("model", "add", write("m.yaml", as_yaml(definition("m")))))
     watch = python("-m", "catalog_es", "--db", db_url, "watch", "--json")
     try:
@@ -858,10 +867,10 @@ def test_watch_stopped_as_asked_says_stopped_and_exits_0(
         _, err = watch.communicate(timeout=30)
     finally:
         watch.kill()
-    assert (watch.returncode, err) == (0, "stopped\n")
+    assert (watch.returncode, err) == (0, STOPS_TOLD[stop])
 
 
-@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+@EVERY_STOP
 def test_watch_stopped_while_the_command_line_loads_says_stopped_and_exits_0(
     db_url: str, stop: signal.Signals
 ) -> None:
@@ -881,7 +890,7 @@ def test_watch_stopped_while_the_command_line_loads_says_stopped_and_exits_0(
     finally:
         watch.kill()
     assert (watch.returncode, out) == (0, "")
-    assert err.endswith("\nstopped\n") and "Aborted" not in err, err[-2000:]
+    assert err.endswith(f"\n{STOPS_TOLD[stop]}") and "Aborted" not in err, err[-2000:]
 
 
 def test_a_second_stop_while_the_command_line_loads_is_acted_on_at_once() -> None:

@@ -59,6 +59,8 @@ from catalog_es.web.events import BATCH_MESSAGES, WAKE_UP_SECONDS, _next_batch
 from catalog_es.web.tokens import TokenStore
 from projections.audit import changes_table_for
 from tests.helpers import (
+    EVERY_STOP,
+    STOPS_TOLD,
     commits_held,
     config_yaml,
     count_events,
@@ -1940,12 +1942,13 @@ def test_serve_logs_each_request_on_stderr_when_asked(tmp_path: Path, config_fil
     assert '"GET /models HTTP/1.1" 200' in err and '"GET /models HTTP/1.1" 401' in err
 
 
-@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+@EVERY_STOP
 def test_serve_stopped_as_asked_says_stopped_and_exits_0(
     tmp_path: Path, config_file: str, stop: signal.Signals
 ) -> None:
     """A stop asked for is how a server ends: Ctrl-C told "Aborted!" and exit 1,
-    which says a command was refused, and SIGTERM killed it (hostile test)."""
+    which says a command was refused, and SIGTERM killed it (hostile test), as
+    SIGHUP did, cutting off what it was answering (an operator's reload)."""
     db = f"sqlite:///{tmp_path}/serve.db"
     tokens = tmp_path / "tokens.json"
     secret = TokenStore(tokens).add("ops", "read")[1]
@@ -1960,7 +1963,8 @@ def test_serve_stopped_as_asked_says_stopped_and_exits_0(
     finally:
         server.kill()
     assert (server.returncode, out) == (0, "")
-    assert (said + err).endswith("\nstopped\n") and "Aborted" not in said + err, said + err
+    told = said + err
+    assert told.endswith(f"\n{STOPS_TOLD[stop]}") and "Aborted" not in told, told
 
 
 def test_serve_started_with_ctrl_c_ignored_keeps_ignoring_it(
@@ -1968,7 +1972,7 @@ def test_serve_started_with_ctrl_c_ignored_keeps_ignoring_it(
 ) -> None:
     """A script's background job (``serve &``) starts with SIGINT ignored, and
     a program keeps it so: uvicorn stopped on it anyway, with no ``stopped``
-    said (hostile test). SIGTERM still stops it."""
+    said (hostile test). As ``nohup`` ignores SIGHUP. SIGTERM still stops it."""
     db = f"sqlite:///{tmp_path}/serve.db"
     tokens = tmp_path / "tokens.json"
     secret = TokenStore(tokens).add("ops", "read")[1]
@@ -1979,7 +1983,9 @@ def test_serve_started_with_ctrl_c_ignored_keeps_ignoring_it(
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+        preexec_fn=lambda: [
+            signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGHUP)
+        ],
     )
     try:
         url, said = started(server)
@@ -1987,6 +1993,7 @@ def test_serve_started_with_ctrl_c_ignored_keeps_ignoring_it(
         # Answering: uvicorn has its signal handlers by now.
         assert httpx.get(revision, headers=bearer(secret)).status_code == 200
         server.send_signal(signal.SIGINT)
+        server.send_signal(signal.SIGHUP)
         time.sleep(0.5)
         assert httpx.get(revision, headers=bearer(secret)).status_code == 200
         server.send_signal(signal.SIGTERM)

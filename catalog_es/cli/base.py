@@ -582,14 +582,21 @@ class StopAsked(KeyboardInterrupt):
     write) is cancelled or rolled back as for a KeyboardInterrupt."""
 
 
+# Said after ``stopped`` of a hang-up, which daemons often take as "read the
+# config again": no command does.
+HUNG_UP = " (SIGHUP: the declared config is read as a command starts; start it again to read it)"
+
+
 @contextmanager
 def stopped_when_asked() -> Iterator[None]:
-    """For a command that runs until stopped (``serve``, ``watch``): Ctrl-C, or
-    SIGTERM (a supervisor's), ends it with ``stopped`` on stderr and exit 0,
-    whenever it comes, a long load included; not "Aborted!" and 1, which says
-    a command was refused, nor death by the signal. uvicorn shuts down
-    gracefully on either, then raises the signal again for the handler it
-    found: Python's for SIGINT (a KeyboardInterrupt), this one for SIGTERM."""
+    """For a command that runs until stopped (``serve``, ``watch``): Ctrl-C,
+    SIGTERM (a supervisor's) or SIGHUP ends it with ``stopped`` on stderr and
+    exit 0, whenever it comes, a long load included; not "Aborted!" and 1,
+    which says a command was refused, nor death by the signal. uvicorn shuts
+    down gracefully on SIGINT and SIGTERM, then raises the signal again for
+    the handler it found: Python's for SIGINT (a KeyboardInterrupt), this one
+    for SIGTERM; a SIGHUP is made a SIGTERM, to be shut down on alike. One
+    ignored (``nohup``) stays so."""
     if threading.current_thread() is not threading.main_thread():
         yield  # signals are the main thread's to handle
         return
@@ -597,19 +604,30 @@ def stopped_when_asked() -> Iterator[None]:
     def stop(_signal: int, _frame: FrameType | None) -> None:
         raise StopAsked
 
-    if early_stop.take_over():
+    hung_up: list[int] = []
+
+    def hang_up(_signal: int, _frame: FrameType | None) -> None:
+        hung_up.append(signal.SIGHUP)
+        signal.raise_signal(signal.SIGTERM)
+
+    asked = early_stop.take_over()
+    if asked is not None:
         # Asked as the command started (its imports): it ends before it starts.
-        say("stopped", err=True)
+        say("stopped" + (HUNG_UP if asked == signal.SIGHUP else ""), err=True)
         raise click.exceptions.Exit(0)
     previous = signal.signal(signal.SIGTERM, stop)
+    previous_hang_up = signal.getsignal(signal.SIGHUP)
+    if previous_hang_up is not signal.SIG_IGN:
+        signal.signal(signal.SIGHUP, hang_up)
     try:
         yield
     except BaseException as error:
         if not came_of_a_stop(error):
             raise
-        say("stopped", err=True)
+        say("stopped" + (HUNG_UP if hung_up else ""), err=True)
     finally:
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGHUP, previous_hang_up)
 
 
 def let_warnings_through() -> None:
