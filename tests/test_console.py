@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from fastapi import FastAPI
-from playwright.sync_api import BrowserContext, Page, Route, expect, sync_playwright
+from playwright.sync_api import Browser, BrowserContext, Page, Route, expect, sync_playwright
 
 from catalog_es import commands
 from catalog_es.application import Models
@@ -60,25 +59,30 @@ models:
 """
 
 
-@pytest.fixture
-def browser() -> Iterator[BrowserContext]:
+@pytest.fixture(scope="module")
+def chromium() -> Iterator[Browser]:
+    """One Chromium for the module's tests: starting it took a second a test."""
     if not Path(CHROMIUM).is_file() or shutil.which(CHROMIUM) is None:
         pytest.fail(CHROMIUM_HELP, pytrace=False)
-    with sync_playwright() as playwright, tempfile.TemporaryDirectory() as profile:
-        context = playwright.chromium.launch_persistent_context(
-            profile,  # a fresh user-data-dir, gone afterwards
-            executable_path=CHROMIUM,
-            headless=True,
-            args=CHROMIUM_ARGS,
-            viewport={"width": 1360, "height": 900},
+    with sync_playwright() as playwright:
+        launched = playwright.chromium.launch(
+            executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS
         )
-        # Only the test server is ever talked to.
-        context.route(
-            lambda url: not url.startswith("http://127.0.0.1:"),
-            lambda route: route.abort(),
-        )
-        yield context
-        context.close()
+        yield launched
+        launched.close()
+
+
+@pytest.fixture
+def browser(chromium: Browser) -> Iterator[BrowserContext]:
+    """A context of the test's own: nothing stored by another test's pages."""
+    context = chromium.new_context(viewport={"width": 1360, "height": 900})
+    # Only the test server is ever talked to.
+    context.route(
+        lambda url: not url.startswith("http://127.0.0.1:"),
+        lambda route: route.abort(),
+    )
+    yield context
+    context.close()
 
 
 # Resolved as the run starts: each test runs in a folder of its own, where
