@@ -2878,6 +2878,10 @@ def test_serve_listens_on_one_port_for_every_address_and_before_another_can() ->
     each address of a host (IPv4, IPv6) must not get a port of its own."""
     first = _listening("", 0)
     try:
+        # Named TCP, as asyncio needs to turn Nagle off on what they accept:
+        # a test server's socket of protocol 0 made each answer on a kept
+        # connection wait 40 ms for the client's delayed ACK.
+        assert {sock.proto for sock in first} == {socket.IPPROTO_TCP}
         (port,) = {sock.getsockname()[1] for sock in first}
         with pytest.raises(InputError, match=f"cannot listen on '' port {port}: "):
             _listening("", port)

@@ -326,6 +326,9 @@ def _listening(host: str, port: int) -> list[socket.socket]:
     try:
         for family, kind, protocol, _, address in dict.fromkeys(found):
             try:
+                # getaddrinfo's protocol, TCP: asyncio turns Nagle off only on
+                # a socket that names it, and with it on, each answer on a kept
+                # connection waited 40 ms for the client's delayed ACK.
                 sock = socket.socket(family, kind, protocol)
             except OSError:
                 continue  # a family this system lacks (IPv6 turned off)
