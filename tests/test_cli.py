@@ -1407,6 +1407,26 @@ def test_a_model_declared_twice_is_told_at_its_second_declaration(
     assert rows() == 2
 
 
+def test_a_field_refused_in_a_second_declaration_is_told_at_that_one(
+    seeded: Run, write: Any, rows: Callable[[], int]
+) -> None:
+    """The second of two declarations of a name, out of range, was told at the
+    first's field of that name, which is in range (review)."""
+    config = write(
+        "catalog.yaml",
+        (
+            b"models:\n"
+            b"  - {name: again, engine: vllm, source: hf://o/a, profiles: [{name: g, gpus: 1}]}\n"
+            b"  - {name: again, engine: vllm, source: hf://o/a, profiles: [{name: g, gpus: -1}]}\n"
+        ),
+    )
+    line = refused_in_one_line(seeded("--config", config, "model", "list"))
+    assert line == (
+        f"error: {config}: model 'again': profiles[0].gpus: cannot be negative (line 3, column 72)"
+    )
+    assert rows() == 2
+
+
 def test_a_missing_config_file_is_refused_in_one_line(run: Run) -> None:
     line = refused_in_one_line(run("--config", "absent.yaml", "model", "list"))
     assert "absent.yaml: cannot read the config" in line
