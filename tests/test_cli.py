@@ -40,8 +40,16 @@ from catalog_es.cli.base import (
     stopped_when_asked,
     warnings_to,
 )
-from catalog_es.errors import PIECE_LENGTH, DamagedLog, Refused, json_in_pieces, json_line
-from catalog_es.inputs import DeclaredConfig
+from catalog_es.errors import (
+    PIECE_LENGTH,
+    ConfigError,
+    DamagedLog,
+    InputError,
+    Refused,
+    json_in_pieces,
+    json_line,
+)
+from catalog_es.inputs import DeclaredConfig, load_config, read_text
 from catalog_es.persistence import PullingSubscription, database_unusable
 from catalog_es.spec import Adapter, Origin
 from tests.helpers import (
@@ -1452,6 +1460,20 @@ def test_a_config_that_cannot_be_read_is_told_as_a_definition_file_is(
     made(path)
     line = refused_in_one_line(run("--config", str(path), "model", "list"))
     assert line == f"error: {path}: cannot read the config: {said}"
+
+
+def test_a_folder_refused_as_a_file_leaves_no_descriptor_open(tmp_path: Path) -> None:
+    """Opened without waiting for a writer (a pipe's), a folder was refused
+    once the descriptor was open, and that descriptor was left open: one more
+    for each refusal, in a process that reads many (review)."""
+    opened = Path("/proc/self/fd")
+    before = len(list(opened.iterdir()))
+    for _ in range(3):
+        with pytest.raises(ConfigError, match="Is a directory"):
+            load_config(str(tmp_path))
+        with pytest.raises(InputError, match="Is a directory"):
+            read_text(str(tmp_path))
+    assert len(list(opened.iterdir())) == before
 
 
 def test_a_config_that_is_a_pipe_nothing_writes_to_is_refused_not_waited_on(
