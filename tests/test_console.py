@@ -876,6 +876,38 @@ def test_a_revision_half_typed_stays_typed_as_a_change_redraws_the_page(
     models.close()
 
 
+def test_a_change_arriving_as_the_slider_is_dragged_waits_for_the_release(
+    browser: BrowserContext, tmp_path: Path
+) -> None:
+    """A change arriving while the slider was dragged redrew the page under
+    the pointer: the page went to the revision the drag was passing over, and
+    the release, further on, was lost (review). The redraw waits for the
+    release, and the release is taken."""
+    config = tmp_path / "catalog.yaml"
+    config.write_text(DECLARED_YAML)
+    models = Models(load_config(str(config)), env={"CATALOG_ES_DB": f"sqlite:///{tmp_path}/c.db"})
+    _history(models)  # revisions 1–5
+    with signed_in(browser, models, tmp_path, "/console/#/models") as (page, url):
+        heading = page.locator("#page h1 small")
+        expect(heading).to_have_text("now, revision 5")
+        track = page.locator("#revision").bounding_box()
+        assert track is not None
+        middle = track["y"] + track["height"] / 2
+        page.mouse.move(track["x"] + track["width"] - 2, middle)
+        page.mouse.down()
+        page.mouse.move(track["x"] + track["width"] * 0.4, middle, steps=5)
+        expect(page.locator("#revision-label")).to_have_text("2")
+        models.scale("qwen2.5-7b-instruct", 1, 3, by="ops")  # 6, arriving mid-drag
+        # The head is read as the page follows the log; the page is not redrawn.
+        page.wait_for_timeout(1500)
+        expect(heading).to_have_text("now, revision 5")
+        page.mouse.move(track["x"] + 1, middle, steps=5)
+        page.mouse.up()
+        expect(page).to_have_url(f"{url}/console/#/models?at=0")
+        expect(heading).to_have_text("at revision 0")
+    models.close()
+
+
 def _a_proxys_page(status: int) -> Callable[[Route], None]:
     """A route handler answering ``status`` with a proxy's HTML page."""
     return lambda route: route.fulfill(
