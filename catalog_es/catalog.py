@@ -471,13 +471,16 @@ class Catalog:
     # -- the declared layer ----------------------------------------------------
 
     def _add_declared(self, spec: ModelSpec) -> None:
+        # A name's second declaration: what is wrong with it is told there,
+        # not at the first's field of that name (review).
+        place = 1 if spec.name in self.declared else 0
         try:
             check_spec(spec, self.engines)
         except InvalidModel as error:
-            raise DeclaredModelError(str(error), spec.name, error.field) from None
-        if spec.name in self.declared:
+            raise DeclaredModelError(str(error), spec.name, error.field, place) from None
+        if place:
             raise DeclaredModelError(
-                f"model {spec.name!r} is declared more than once", spec.name, place=1
+                f"model {spec.name!r} is declared more than once", spec.name, place=place
             )
         self.declared[spec.name] = spec
         self._link(spec)

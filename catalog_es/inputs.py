@@ -724,8 +724,14 @@ def _open_to_read(path: str) -> BinaryIO:
     Read, a pipe nothing writes to is empty; one with a writer (``<(…)``) is
     read as it comes."""
     descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    os.set_blocking(descriptor, True)
-    return os.fdopen(descriptor, "rb")
+    try:
+        os.set_blocking(descriptor, True)
+        return os.fdopen(descriptor, "rb")
+    except OSError:
+        # A folder opens, and is refused here: Python closes only the
+        # descriptors it opened itself (review).
+        os.close(descriptor)
+        raise
 
 
 def read_text(path: str, limit: int = MAX_INPUT_BYTES) -> tuple[str, str]:

@@ -40,8 +40,16 @@ from catalog_es.cli.base import (
     stopped_when_asked,
     warnings_to,
 )
-from catalog_es.errors import PIECE_LENGTH, DamagedLog, Refused, json_in_pieces, json_line
-from catalog_es.inputs import DeclaredConfig
+from catalog_es.errors import (
+    PIECE_LENGTH,
+    ConfigError,
+    DamagedLog,
+    InputError,
+    Refused,
+    json_in_pieces,
+    json_line,
+)
+from catalog_es.inputs import DeclaredConfig, load_config, read_text
 from catalog_es.persistence import PullingSubscription, database_unusable
 from catalog_es.spec import Adapter, Origin
 from tests.helpers import (
@@ -1407,6 +1415,26 @@ def test_a_model_declared_twice_is_told_at_its_second_declaration(
     assert rows() == 2
 
 
+def test_a_field_refused_in_a_second_declaration_is_told_at_that_one(
+    seeded: Run, write: Any, rows: Callable[[], int]
+) -> None:
+    """The second of two declarations of a name, out of range, was told at the
+    first's field of that name, which is in range (review)."""
+    config = write(
+        "catalog.yaml",
+        (
+            b"models:\n"
+            b"  - {name: again, engine: vllm, source: hf://o/a, profiles: [{name: g, gpus: 1}]}\n"
+            b"  - {name: again, engine: vllm, source: hf://o/a, profiles: [{name: g, gpus: -1}]}\n"
+        ),
+    )
+    line = refused_in_one_line(seeded("--config", config, "model", "list"))
+    assert line == (
+        f"error: {config}: model 'again': profiles[0].gpus: cannot be negative (line 3, column 72)"
+    )
+    assert rows() == 2
+
+
 def test_a_missing_config_file_is_refused_in_one_line(run: Run) -> None:
     line = refused_in_one_line(run("--config", "absent.yaml", "model", "list"))
     assert "absent.yaml: cannot read the config" in line
@@ -1432,6 +1460,20 @@ def test_a_config_that_cannot_be_read_is_told_as_a_definition_file_is(
     made(path)
     line = refused_in_one_line(run("--config", str(path), "model", "list"))
     assert line == f"error: {path}: cannot read the config: {said}"
+
+
+def test_a_folder_refused_as_a_file_leaves_no_descriptor_open(tmp_path: Path) -> None:
+    """Opened without waiting for a writer (a pipe's), a folder was refused
+    once the descriptor was open, and that descriptor was left open: one more
+    for each refusal, in a process that reads many (review)."""
+    opened = Path("/proc/self/fd")
+    before = len(list(opened.iterdir()))
+    for _ in range(3):
+        with pytest.raises(ConfigError, match="Is a directory"):
+            load_config(str(tmp_path))
+        with pytest.raises(InputError, match="Is a directory"):
+            read_text(str(tmp_path))
+    assert len(list(opened.iterdir())) == before
 
 
 def test_a_config_that_is_a_pipe_nothing_writes_to_is_refused_not_waited_on(

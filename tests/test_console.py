@@ -818,6 +818,21 @@ def test_console_says_when_it_cannot_follow_the_log_or_the_log_went_back(
     models.close()
 
 
+@contextmanager
+def _models_page_at_revision_5(
+    browser: BrowserContext, tmp_path: Path
+) -> Iterator[tuple[Models, Page, str]]:
+    """The models page, signed in, at now: revision 5 of :func:`_history`."""
+    config = tmp_path / "catalog.yaml"
+    config.write_text(DECLARED_YAML)
+    models = Models(load_config(str(config)), env={"CATALOG_ES_DB": f"sqlite:///{tmp_path}/c.db"})
+    _history(models)
+    with signed_in(browser, models, tmp_path, "/console/#/models") as (page, url):
+        expect(page.locator("#page h1 small")).to_have_text("now, revision 5")
+        yield models, page, url
+    models.close()
+
+
 def test_the_revision_picker_keeps_the_keyboards_focus_as_it_steps(
     browser: BrowserContext, tmp_path: Path
 ) -> None:
@@ -825,12 +840,7 @@ def test_the_revision_picker_keeps_the_keyboards_focus_as_it_steps(
     the control stepped on was replaced, the focus fell to the page, and a
     keyboard user's second arrow key did nothing (hostile test). The control
     keeps the focus, so the arrows walk through the past."""
-    config = tmp_path / "catalog.yaml"
-    config.write_text(DECLARED_YAML)
-    models = Models(load_config(str(config)), env={"CATALOG_ES_DB": f"sqlite:///{tmp_path}/c.db"})
-    _history(models)  # revisions 1–5
-    with signed_in(browser, models, tmp_path, "/console/#/models") as (page, url):
-        expect(page.locator("#page h1 small")).to_have_text("now, revision 5")
+    with _models_page_at_revision_5(browser, tmp_path) as (_models, page, url):
         page.focus("#revision")
         for at in (4, 3):
             page.keyboard.press("ArrowLeft")
@@ -850,7 +860,6 @@ def test_the_revision_picker_keeps_the_keyboards_focus_as_it_steps(
         expect(page).to_have_url(f"{url}/console/#/models?at=4&declared=then")
         expect(page.locator("#declared-then")).to_be_checked()
         expect(page.locator("#declared-then")).to_be_focused()
-    models.close()
 
 
 def test_a_revision_half_typed_stays_typed_as_a_change_redraws_the_page(
@@ -860,13 +869,8 @@ def test_a_revision_half_typed_stays_typed_as_a_change_redraws_the_page(
     redrew the page with the head's number in it: the typing was lost, and
     the Enter that followed went to the head (hostile test). What was typed
     stays, with the focus, and Enter takes it."""
-    config = tmp_path / "catalog.yaml"
-    config.write_text(DECLARED_YAML)
-    models = Models(load_config(str(config)), env={"CATALOG_ES_DB": f"sqlite:///{tmp_path}/c.db"})
-    _history(models)  # revisions 1–5
-    with signed_in(browser, models, tmp_path, "/console/#/models") as (page, url):
+    with _models_page_at_revision_5(browser, tmp_path) as (models, page, url):
         heading = page.locator("#page h1 small")
-        expect(heading).to_have_text("now, revision 5")
         page.focus("#revision-number")
         page.keyboard.press("Control+A")
         page.keyboard.type("2")
@@ -877,7 +881,32 @@ def test_a_revision_half_typed_stays_typed_as_a_change_redraws_the_page(
         page.keyboard.press("Enter")
         expect(page).to_have_url(f"{url}/console/#/models?at=2")
         expect(heading).to_have_text("at revision 2")
-    models.close()
+
+
+def test_a_change_arriving_as_the_slider_is_dragged_waits_for_the_release(
+    browser: BrowserContext, tmp_path: Path
+) -> None:
+    """A change arriving while the slider was dragged redrew the page under
+    the pointer: the page went to the revision the drag was passing over, and
+    the release, further on, was lost (review). The redraw waits for the
+    release, and the release is taken."""
+    with _models_page_at_revision_5(browser, tmp_path) as (models, page, url):
+        heading = page.locator("#page h1 small")
+        track = page.locator("#revision").bounding_box()
+        assert track is not None
+        middle = track["y"] + track["height"] / 2
+        page.mouse.move(track["x"] + track["width"] - 2, middle)
+        page.mouse.down()
+        page.mouse.move(track["x"] + track["width"] * 0.4, middle, steps=5)
+        expect(page.locator("#revision-label")).to_have_text("2")
+        models.scale("qwen2.5-7b-instruct", 1, 3, by="ops")  # 6, arriving mid-drag
+        # The head is read as the page follows the log; the page is not redrawn.
+        page.wait_for_timeout(1500)
+        expect(heading).to_have_text("now, revision 5")
+        page.mouse.move(track["x"] + 1, middle, steps=5)
+        page.mouse.up()
+        expect(page).to_have_url(f"{url}/console/#/models?at=0")
+        expect(heading).to_have_text("at revision 0")
 
 
 def _a_proxys_page(status: int) -> Callable[[Route], None]:

@@ -12,7 +12,9 @@ const API_TIMEOUT_MS = 60000;
 // the heads before and after, told until dismissed or signing out.
 // ``shownNow``: the page ``shown`` was drawn as now (a revision asked for
 // that was the head is).
-const state = { head: 0, me: null, follow: null, rendering: 0, flash: null, shown: null, shownNow: false, lost: null, replacing: false };
+// ``dragging``: the slider is held by the pointer; ``held``: a redraw waits
+// for its release.
+const state = { head: 0, me: null, follow: null, rendering: 0, flash: null, shown: null, shownNow: false, lost: null, replacing: false, dragging: false, held: false };
 
 // -- small helpers -------------------------------------------------------------
 
@@ -371,6 +373,7 @@ function picker(at, onPick) {
     "aria-label": "revision",
     oninput: () => (label.textContent = slider.value),
     onchange: () => onPick(Number(slider.value) >= state.head ? null : Number(slider.value)),
+    onpointerdown: () => (state.dragging = true),
   });
   // Taken as typed, into the address, which refuses what is no revision
   // (empty, past the head) in its own words: an empty box was read as
@@ -831,6 +834,12 @@ async function render() {
     const at = where.at !== null && where.at < state.head ? where.at : null;
     const content = where.page === "model" ? await modelPage(where.name, at) : await modelsPage(at, where.filter);
     if (number !== state.rendering) return; // a newer draw started meanwhile
+    if (state.dragging) {
+      // Not under the pointer: the slider replaced mid-drag told the
+      // revision it was passing over as picked, and the release was lost.
+      state.held = true;
+      return;
+    }
     const flash = state.flash && Date.now() < state.flash.until ? h("p", { class: "ok", id: "flash" }, state.flash.text) : "";
     const active = document.activeElement;
     // Someone typing in the filter as a change redraws the page keeps typing.
@@ -889,6 +898,15 @@ async function start() {
   });
   $("#logout").addEventListener("click", () => signOut());
   window.addEventListener("hashchange", render);
+  for (const end of ["pointerup", "pointercancel"]) {
+    window.addEventListener(end, () => {
+      state.dragging = false;
+      if (state.held) {
+        state.held = false;
+        render();
+      }
+    });
+  }
   if (token() && (await signIn())) begin();
   else signOut();
 }
