@@ -2052,6 +2052,17 @@ def test_a_ctrl_c_a_library_logged_on_its_way_out_adds_no_traceback() -> None:
     assert lines[-1] == "ValueError: the server closed it"
     assert len([line for line in lines if line.startswith("warning:")]) == 1
     assert not any("KeyboardInterrupt" in line or "closed database" in line for line in lines)
+    # This code's own warning is told whatever led to it: it says what stands.
+    ours, told = logging.getLogger("catalog_es"), warnings_to(said)
+    ours.addHandler(told)
+    try:
+        try:
+            reset_during_a_stop()
+        except sqlite3.ProgrammingError:
+            ours.warning("the applier failed (…); the move is written", exc_info=True)
+    finally:
+        ours.removeHandler(told)
+    assert "warning: the applier failed (…); the move is written" in said.getvalue()
 
 
 def _raise_a_ctrl_c() -> None:

@@ -401,7 +401,9 @@ def warnings_to(stream: TextIO) -> logging.Handler:
     or an error that came of one. The command tells the stop itself
     (``Aborted!``, ``stopped``); SQLAlchemy's pool, interrupted as it took a
     connection back, added its traceback to a watch's ``stopped`` (a CI run),
-    and once the error its reset raised while the stop was being handled."""
+    and once the error its reset raised while the stop was being handled.
+    This code's own warnings are all told, whatever led to them: one says
+    what stands (an applier that failed after a write)."""
     handler = logging.StreamHandler(stream)
     handler.setFormatter(VisibleWarnings("warning: %(message)s"))
     handler.addFilter(_not_an_interrupt)
@@ -410,7 +412,8 @@ def warnings_to(stream: TextIO) -> logging.Handler:
 
 def _not_an_interrupt(record: logging.LogRecord) -> bool:
     error = record.exc_info[1] if record.exc_info else None
-    return error is None or not came_of_a_stop(error)
+    ours = record.name == "catalog_es" or record.name.startswith("catalog_es.")
+    return error is None or ours or not came_of_a_stop(error)
 
 
 # The most written to standard output at once (see ``write_out``).
