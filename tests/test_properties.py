@@ -353,13 +353,10 @@ valid_changes = st.one_of(
         by=actor,
     ),
 )
-history = st.lists(
-    st.one_of(
-        valid_changes, valid_changes, commands, call("rollback", st.integers(0, 20), by=actor)
-    ),
-    min_size=6,
-    max_size=20,
+change = st.one_of(
+    valid_changes, valid_changes, commands, call("rollback", st.integers(0, 20), by=actor)
 )
+history = st.lists(change, min_size=6, max_size=20)
 # Where a revision is drawn, its share of the head (a history's length is unknown till run).
 share = st.integers(1, 99).map(lambda percent: percent / 100)
 
@@ -579,21 +576,47 @@ def test_a_rollback_of_one_dimension_or_one_model_changes_nothing_else(
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(prelude, history, st.tuples(share, share).filter(lambda ends: ends[0] != ends[1]))
+@given(
+    prelude,
+    st.lists(st.tuples(st.sampled_from(list(TODAY)), change), min_size=6, max_size=20),
+    st.tuples(share, share).filter(lambda ends: ends[0] != ends[1]),
+    st.sampled_from(list(TODAY)),
+    st.booleans(),
+)
 def test_a_diff_takes_the_catalog_at_one_revision_to_the_catalog_at_the_other(
-    prelude: list[Call], script: list[Call], ends: tuple[float, float]
+    prelude: list[Call],
+    script: list[tuple[str, Call]],
+    ends: tuple[float, float],
+    today: str,
+    declared_then: bool,
 ) -> None:
-    """``diff(A, B)``'s added, removed and changed, applied to the catalog at
-    A, give the catalog at B; ``diff(B, A)`` is its mirror image, and
-    ``diff(A, A)`` empty."""
+    """Whatever nodes of several configs wrote, ``diff(A, B)``'s added,
+    removed and changed, applied to the catalog at A, give the catalog at B,
+    each read over today's config or (``--declared-then``) the one recorded
+    then; ``diff(B, A)`` is its mirror image, ``diff(A, A)`` empty, and
+    ``diff --model`` its part."""
     with tempfile.TemporaryDirectory() as directory:
-        config = Path(directory) / "catalog.yaml"
-        config.write_text(config_yaml(DECLARED), encoding="utf-8")
-        with closing(open_models(f"sqlite:///{directory}/catalog.db", str(config))) as models:
-            _run(models, prelude + script)
+        configs = {name: Path(directory) / f"{name}.yaml" for name in TODAY}
+        for name, path in configs.items():
+            path.write_text(TODAY[name], encoding="utf-8")
+        db = f"sqlite:///{directory}/catalog.db"
+        nodes = {name: open_models(db, str(path)) for name, path in configs.items()}
+        try:
+            _run(nodes["same"], prelude)
+            for config, command in script:
+                _run(nodes[config], [command])
+        finally:
+            for node in nodes.values():
+                node.close()
+        with closing(open_models(db, str(configs[today]))) as models:
             a, b = (_at(end, models) for end in ends)
-            forward, backward = models.diff(a, b), models.diff(b, a)
-            catalog = {m["name"]: m for m in models.list_models(at=a)}
+            # No config is recorded at 0: --declared-then refuses it, as documented.
+            then = declared_then and a > 0 and b > 0
+            forward, backward = (
+                models.diff(a, b, declared_then=then),
+                models.diff(b, a, declared_then=then),
+            )
+            catalog = {m["name"]: m for m in models.list_models(at=a, declared_then=then)}
             for removed in forward["removed"]:
                 assert catalog.pop(removed["name"]) == removed
             for added in forward["added"]:
@@ -605,7 +628,9 @@ def test_a_diff_takes_the_catalog_at_one_revision_to_the_catalog_at_the_other(
                     view[field] = values["after"]
                     if field == "warnings" and values["after"] is None:
                         del view[field]  # absent when there are none
-            assert [catalog[name] for name in sorted(catalog)] == models.list_models(at=b)
+            assert [catalog[name] for name in sorted(catalog)] == models.list_models(
+                at=b, declared_then=then
+            )
             assert (backward["from"], backward["to"]) == (b, a)
             assert (backward["added"], backward["removed"]) == (
                 forward["removed"],
@@ -621,9 +646,9 @@ def test_a_diff_takes_the_catalog_at_one_revision_to_the_catalog_at_the_other(
                 }
                 for change in forward["changed"]
             ]
-            assert _unchanged(models.diff(a, a))
+            assert _unchanged(models.diff(a, a, declared_then=then))
             for name in NAMES:
-                one = models.diff(a, b, model=name)
+                one = models.diff(a, b, model=name, declared_then=then)
                 assert one["added"] == [m for m in forward["added"] if m["name"] == name]
                 assert one["removed"] == [m for m in forward["removed"] if m["name"] == name]
                 assert one["changed"] == [c for c in forward["changed"] if c["model"] == name]
