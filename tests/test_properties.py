@@ -521,6 +521,7 @@ def _dimension(spec: ModelSpec, dimension: str) -> tuple[Any, ...]:
     share,
     st.none() | st.sampled_from(list(DIMENSION_FIELDS)),
     st.none() | names,
+    st.sampled_from(list(TODAY)),
 )
 def test_a_rollback_of_one_dimension_or_one_model_changes_nothing_else(
     prelude: list[Call],
@@ -528,16 +529,20 @@ def test_a_rollback_of_one_dimension_or_one_model_changes_nothing_else(
     target_share: float,
     only: str | None,
     model: str | None,
+    today: str,
 ) -> None:
     """``--only`` changes that dimension alone of each model, to what it was
     at R where the model was in force at both; ``--model`` that model
-    alone, to what it was at R. Or it is refused: nothing written, the
-    refusal kept."""
+    alone, to what it was at R; both read over today's config. Or it is
+    refused: nothing written, the refusal kept."""
     with tempfile.TemporaryDirectory() as directory:
-        config = Path(directory) / "catalog.yaml"
-        config.write_text(config_yaml(DECLARED), encoding="utf-8")
-        with closing(open_models(f"sqlite:///{directory}/catalog.db", str(config))) as models:
-            _run(models, prelude + script)
+        first, deployed = Path(directory) / "first.yaml", Path(directory) / "today.yaml"
+        first.write_text(TODAY["same"], encoding="utf-8")
+        deployed.write_text(TODAY[today], encoding="utf-8")
+        db = f"sqlite:///{directory}/catalog.db"
+        with closing(open_models(db, str(first))) as writer:
+            _run(writer, prelude + script)
+        with closing(open_models(db, str(deployed))) as models:
             target = _at(target_share, models)
             before, then = _specs(models), _specs(models, target)
             log, refusals = _events(models), len(models.refusals())
