@@ -1422,6 +1422,28 @@ def test_rollback_limited_to_one_dimension(
     assert {"scaling": a["scaling"], "owner": a["owner"]} == expected
 
 
+def test_a_rollback_of_scaling_alone_shows_the_effective_class_that_follows_from_it(
+    open_models: Callable[..., Models],
+) -> None:
+    """No class set, the minimum decides the class placement uses: rolled
+    back, the diff shows that too, and not the owner changed since."""
+    models = open_models()
+    models.add(spec("a"), by="x")
+    target = models.revision
+    models.scale("a", 0, 2, by="y")
+    models.set_owner("a", "org:new", by="y")
+    result = models.rollback(target, only="scaling", dry_run=True, by="ops")
+    assert result["diff"]["changed"] == [
+        {
+            "model": "a",
+            "fields": {
+                "scaling": {"before": {"min": 0, "max": 2}, "after": {"min": 1, "max": 1}},
+                "effective_class": {"before": "opportunistic", "after": "standard"},
+            },
+        }
+    ]
+
+
 def test_rollback_leaves_out_a_model_the_config_now_declares(
     open_models: Callable[..., Models], tmp_path: Path
 ) -> None:
