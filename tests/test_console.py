@@ -866,9 +866,10 @@ def test_a_revision_half_typed_stays_typed_as_a_change_redraws_the_page(
     browser: BrowserContext, tmp_path: Path
 ) -> None:
     """A change arriving while a revision was being typed into the number box
-    redrew the page with the head's number in it: the typing was lost, and
-    the Enter that followed went to the head (hostile test). What was typed
-    stays, with the focus, and Enter takes it."""
+    redrew the page, and the box, replaced, told Chromium's change of what it
+    held: the page went to the half-typed revision, 2 of a 25 being typed
+    (found fixing a leftover). What was typed stays, with the focus, and
+    Enter takes it."""
     with _models_page_at_revision_5(browser, tmp_path) as (models, page, url):
         heading = page.locator("#page h1 small")
         page.focus("#revision-number")
