@@ -960,6 +960,29 @@ def test_what_a_stop_brings_about_as_it_unwinds_is_the_stop(
         raise ValueError("not a stop")
 
 
+@pytest.mark.parametrize(
+    ("first", "then"),
+    [
+        (signal.SIGTERM, signal.SIGHUP),
+        (signal.SIGINT, signal.SIGHUP),
+        (signal.SIGHUP, signal.SIGTERM),
+    ],
+    ids=["sigterm-then-sighup", "ctrl-c-then-sighup", "sighup-then-sigterm"],
+)
+def test_the_stop_told_is_the_first_of_two(
+    capsys: pytest.CaptureFixture[str], first: signal.Signals, then: signal.Signals
+) -> None:
+    """A supervisor's SIGTERM, then a hang-up as the terminal closed while
+    the command stopped, was told ``stopped (SIGHUP: ...)``: named the
+    hang-up, not the stop that stopped it (review)."""
+    with stopped_when_asked():
+        try:
+            signal.raise_signal(first)
+        finally:
+            signal.raise_signal(then)
+    assert capsys.readouterr().err == STOPS_TOLD[first]
+
+
 def test_a_dash_with_standard_input_closed_is_one_line(tmp_path: Path) -> None:
     """Started with standard input closed (`<&-`), Python has none at all."""
     db = f"sqlite:///{tmp_path}/catalog.db"

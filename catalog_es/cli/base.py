@@ -590,8 +590,15 @@ class StopAsked(KeyboardInterrupt):
 HUNG_UP = " (SIGHUP: the declared config is read as a command starts; start it again to read it)"
 
 
+def told_stopped(stops: Sequence[int]) -> str:
+    """``stopped``, said of the first of ``stops``: the one that stopped the
+    command (a supervisor's SIGTERM, then a terminal's hang-up as it closed,
+    was told as the hang-up)."""
+    return "stopped" + (HUNG_UP if stops and stops[0] == signal.SIGHUP else "")
+
+
 @contextmanager
-def stopped_when_asked() -> Iterator[None]:
+def stopped_when_asked() -> Iterator[list[int]]:
     """For a command that runs until stopped (``serve``, ``watch``): Ctrl-C,
     SIGTERM (a supervisor's) or SIGHUP ends it with ``stopped`` on stderr and
     exit 0, whenever it comes, a long load included; not "Aborted!" and 1,
@@ -599,36 +606,47 @@ def stopped_when_asked() -> Iterator[None]:
     down gracefully on SIGINT and SIGTERM, then raises the signal again for
     the handler it found: Python's for SIGINT (a KeyboardInterrupt), this one
     for SIGTERM; a SIGHUP is made a SIGTERM, to be shut down on alike. One
-    ignored (``nohup``) stays so."""
+    ignored (``nohup``) stays so. Yields the stops asked, in the order they
+    came, for a handler that takes them in its place (uvicorn's) to add to."""
+    stops: list[int] = []
     if threading.current_thread() is not threading.main_thread():
-        yield  # signals are the main thread's to handle
+        yield stops  # signals are the main thread's to handle
         return
 
-    def stop(_signal: int, _frame: FrameType | None) -> None:
+    def stop(signum: int, _frame: FrameType | None) -> None:
+        stops.append(signum)
         raise StopAsked
 
-    hung_up: list[int] = []
-
-    def hang_up(_signal: int, _frame: FrameType | None) -> None:
-        hung_up.append(signal.SIGHUP)
+    def hang_up(signum: int, _frame: FrameType | None) -> None:
+        stops.append(signum)
         signal.raise_signal(signal.SIGTERM)
 
     asked = early_stop.take_over()
     if asked is not None:
         # Asked as the command started (its imports): it ends before it starts.
-        say("stopped" + (HUNG_UP if asked == signal.SIGHUP else ""), err=True)
+        say(told_stopped([asked]), err=True)
         raise click.exceptions.Exit(0)
+    previous_interrupt = signal.getsignal(signal.SIGINT)
+    if callable(previous_interrupt):
+        interrupted = previous_interrupt
+
+        def interrupt(signum: int, frame: FrameType | None) -> None:
+            stops.append(signum)
+            interrupted(signum, frame)
+
+        signal.signal(signal.SIGINT, interrupt)
     previous = signal.signal(signal.SIGTERM, stop)
     previous_hang_up = signal.getsignal(signal.SIGHUP)
     if previous_hang_up is not signal.SIG_IGN:
         signal.signal(signal.SIGHUP, hang_up)
     try:
-        yield
+        yield stops
     except BaseException as error:
         if not came_of_a_stop(error):
             raise
-        say("stopped" + (HUNG_UP if hung_up else ""), err=True)
+        say(told_stopped(stops), err=True)
     finally:
+        signal.signal(signal.SIGINT, previous_interrupt)
         signal.signal(signal.SIGTERM, previous)
         signal.signal(signal.SIGHUP, previous_hang_up)
 
