@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import itertools
 import json
 import logging
 import os
@@ -22,6 +23,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from datetime import date
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import click
@@ -36,6 +38,7 @@ from catalog_es.cli import cli
 from catalog_es.cli.base import (
     EXIT_OUTPUT_FAILED,
     EXIT_PIPE_CLOSED,
+    StoppedWhenAsked,
     VisibleWarnings,
     stopped_when_asked,
     warnings_to,
@@ -916,6 +919,59 @@ def test_a_second_stop_while_the_command_line_loads_is_acted_on_at_once() -> Non
     finally:
         early_stop.take_over()
         signal.signal(signal.SIGINT, previous)
+
+
+def _stopped_at_line(line: int) -> tuple[bool, list[int]]:
+    """A ``watch``'s taking over of the stops, with a SIGTERM raised at the
+    ``line``-th line it runs (of ``__enter__`` and ``take_over``), if it runs
+    that many: whether it was raised, and the signals the handler found got
+    (a test's stand-in for the default, death)."""
+    taking_over = {StoppedWhenAsked.__enter__.__code__, early_stop.take_over.__code__}
+    found: list[int] = []
+    raised = started = False
+    lines = 0
+
+    def each_line(frame: FrameType, event: str, _arg: object) -> Any:
+        nonlocal lines, raised
+        if event == "line" and not started:
+            lines += 1
+            if lines == line:
+                raised = True
+                signal.raise_signal(signal.SIGTERM)
+        return each_line
+
+    def tracer(frame: FrameType, _event: str, _arg: object) -> Any:
+        return each_line if frame.f_code in taking_over else None
+
+    previous = signal.signal(signal.SIGTERM, lambda signum, _frame: found.append(signum))
+    tracing = sys.gettrace()
+    try:
+        early_stop.note_stops(["watch"])
+        sys.settrace(tracer)
+        with pytest.raises(click.exceptions.Exit) as ended, stopped_when_asked():
+            started = True
+            raise click.exceptions.Exit(0)  # not asked to stop: it ends as a stop would
+    finally:
+        sys.settrace(tracing)
+        early_stop.take_over()
+        signal.signal(signal.SIGTERM, previous)
+    assert ended.value.exit_code == 0
+    return raised, found
+
+
+def test_a_stop_as_the_command_takes_the_stops_over_is_told(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Between early_stop putting back the handlers it found and the command
+    installing its own, a SIGTERM went to the one found, the default: death,
+    with no ``stopped`` (review). Raised at each line of the hand-over in
+    turn."""
+    for line in itertools.count(1):
+        raised, found = _stopped_at_line(line)
+        if not raised:
+            break
+        assert (found, capsys.readouterr().err) == ([], "stopped\n"), f"line {line}"
+    assert line > 5  # the hand-over was gone through
 
 
 @pytest.mark.parametrize(
