@@ -50,27 +50,36 @@ def note_stops(argv: Sequence[str]) -> None:
     ignored (a script's background job) stays so."""
     if command_named(argv) not in UNTIL_STOPPED:
         return
-
-    def note(signum: int, _frame: FrameType | None) -> None:
-        if _asked:
-            # Asked twice: the loading may hang (a slow file system), so the
-            # second is acted on at once, as it would have been.
-            handler = _replaced.pop(signum, signal.SIG_DFL)
-            signal.signal(signum, handler)
-            signal.raise_signal(signum)
-            return
-        _asked.append(signum)
-
     for signum in STOPS:
         if signal.getsignal(signum) is not signal.SIG_IGN:
-            _replaced[signum] = signal.signal(signum, note)
+            _replaced[signum] = signal.signal(signum, _note)
+
+
+def _note(signum: int, _frame: FrameType | None) -> None:
+    if _asked:
+        # Asked twice: the loading may hang (a slow file system), so the
+        # second is acted on at once, as it would have been.
+        handler = _replaced.pop(signum, signal.SIG_DFL)
+        signal.signal(signum, handler)
+        signal.raise_signal(signum)
+        return
+    _asked.append(signum)
+
+
+def handler_found(signum: int) -> Any:
+    """The handler ``signum`` had before :func:`note_stops` replaced it (its
+    own if it was not): the one to put back once the command is done."""
+    return _replaced.get(signum, signal.getsignal(signum))
 
 
 def take_over() -> int | None:
-    """Put back the handlers :func:`note_stops` replaced; the stop noted
-    meanwhile, if one was."""
-    for signum, handler in _replaced.items():
-        signal.signal(signum, handler)
+    """The stop noted, if one was. The handlers :func:`note_stops` replaced
+    are put back where the command installed none of its own: it installs
+    them first, for no stop to come between to the handler found (SIGTERM's
+    kills the process, with no ``stopped`` said)."""
+    for signum, handler in list(_replaced.items()):
+        if signal.getsignal(signum) is _note:
+            signal.signal(signum, handler)
     _replaced.clear()
     asked = _asked[0] if _asked else None
     _asked.clear()

@@ -140,7 +140,20 @@ class OriginInput(_Input):
 def _recorded(origin: OriginInput | None) -> OriginInput | None:
     # An origin that says nothing is none: `origin: {}` was stored as one of
     # empty fields, where the CLI's `model source` without them stores none.
-    return None if origin == OriginInput() else origin
+    # One whose fields are given empty (a template's variables unset) is
+    # refused, as `model source --repository ''` is: it wrote the model with
+    # no origin, without a word. One field of several empty is what `model
+    # show --json` prints of an origin given in part, and stands.
+    if origin is None or origin != OriginInput():
+        return origin
+    for field in ("repository", "revision"):
+        if field in origin.model_fields_set:
+            raise PydanticCustomError(
+                "empty_origin",
+                "{field} is empty: give it, or leave origin out for none",
+                {"field": field},
+            )
+    return None
 
 
 MaybeOrigin = Annotated[OriginInput | None, AfterValidator(_recorded)]
@@ -292,6 +305,8 @@ def _problem(error: ErrorDetails) -> str:
         return "unknown field"
     if error["type"] == "missing":
         return "required field is missing"
+    if error["type"] == "empty_origin":
+        return error["msg"]  # names the field given empty: "(got dict)" says nothing more
     value = error.get("input")
     if isinstance(value, dict | list):
         got = type(value).__name__

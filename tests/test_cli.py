@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import itertools
 import json
 import logging
 import os
@@ -22,6 +23,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from datetime import date
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import click
@@ -36,6 +38,7 @@ from catalog_es.cli import cli
 from catalog_es.cli.base import (
     EXIT_OUTPUT_FAILED,
     EXIT_PIPE_CLOSED,
+    StoppedWhenAsked,
     VisibleWarnings,
     stopped_when_asked,
     warnings_to,
@@ -918,6 +921,59 @@ def test_a_second_stop_while_the_command_line_loads_is_acted_on_at_once() -> Non
         signal.signal(signal.SIGINT, previous)
 
 
+def _stopped_at_line(line: int) -> tuple[bool, list[int]]:
+    """A ``watch``'s taking over of the stops, with a SIGTERM raised at the
+    ``line``-th line it runs (of ``__enter__`` and ``take_over``), if it runs
+    that many: whether it was raised, and the signals the handler found got
+    (a test's stand-in for the default, death)."""
+    taking_over = {StoppedWhenAsked.__enter__.__code__, early_stop.take_over.__code__}
+    found: list[int] = []
+    raised = started = False
+    lines = 0
+
+    def each_line(frame: FrameType, event: str, _arg: object) -> Any:
+        nonlocal lines, raised
+        if event == "line" and not started:
+            lines += 1
+            if lines == line:
+                raised = True
+                signal.raise_signal(signal.SIGTERM)
+        return each_line
+
+    def tracer(frame: FrameType, _event: str, _arg: object) -> Any:
+        return each_line if frame.f_code in taking_over else None
+
+    previous = signal.signal(signal.SIGTERM, lambda signum, _frame: found.append(signum))
+    tracing = sys.gettrace()
+    try:
+        early_stop.note_stops(["watch"])
+        sys.settrace(tracer)
+        with pytest.raises(click.exceptions.Exit) as ended, stopped_when_asked():
+            started = True
+            raise click.exceptions.Exit(0)  # not asked to stop: it ends as a stop would
+    finally:
+        sys.settrace(tracing)
+        early_stop.take_over()
+        signal.signal(signal.SIGTERM, previous)
+    assert ended.value.exit_code == 0
+    return raised, found
+
+
+def test_a_stop_as_the_command_takes_the_stops_over_is_told(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Between early_stop putting back the handlers it found and the command
+    installing its own, a SIGTERM went to the one found, the default: death,
+    with no ``stopped`` (review). Raised at each line of the hand-over in
+    turn."""
+    for line in itertools.count(1):
+        raised, found = _stopped_at_line(line)
+        if not raised:
+            break
+        assert (found, capsys.readouterr().err) == ([], "stopped\n"), f"line {line}"
+    assert line > 5  # the hand-over was gone through
+
+
 @pytest.mark.parametrize(
     ("argv", "named"),
     [
@@ -958,6 +1014,29 @@ def test_what_a_stop_brings_about_as_it_unwinds_is_the_stop(
     assert capsys.readouterr().err == "stopped\n"
     with pytest.raises(ValueError), stopped_when_asked():
         raise ValueError("not a stop")
+
+
+@pytest.mark.parametrize(
+    ("first", "then"),
+    [
+        (signal.SIGTERM, signal.SIGHUP),
+        (signal.SIGINT, signal.SIGHUP),
+        (signal.SIGHUP, signal.SIGTERM),
+    ],
+    ids=["sigterm-then-sighup", "ctrl-c-then-sighup", "sighup-then-sigterm"],
+)
+def test_the_stop_told_is_the_first_of_two(
+    capsys: pytest.CaptureFixture[str], first: signal.Signals, then: signal.Signals
+) -> None:
+    """A supervisor's SIGTERM, then a hang-up as the terminal closed while
+    the command stopped, was told ``stopped (SIGHUP: ...)``: named the
+    hang-up, not the stop that stopped it (review)."""
+    with stopped_when_asked():
+        try:
+            signal.raise_signal(first)
+        finally:
+            signal.raise_signal(then)
+    assert capsys.readouterr().err == STOPS_TOLD[first]
 
 
 def test_a_dash_with_standard_input_closed_is_one_line(tmp_path: Path) -> None:

@@ -899,6 +899,55 @@ def test_a_revision_written_with_thousands_of_leading_zeros_is_that_revision(api
     assert scaled["revision"] == head + 1
 
 
+def test_an_origin_of_empty_fields_is_refused_over_http_as_by_the_cli(
+    api: Api, tmp_path: Path, config_file: str
+) -> None:
+    """``origin: {repository: "", revision: ""}`` (a template's variables
+    unset) wrote the model with no origin, without a word, where ``model
+    source --repository ''`` is refused for that (review). ``origin: {}`` is
+    still none, and one field of several empty an origin given in part."""
+    ok(api.post("/models", definition("qwen")))
+    before = count_events(api.db)
+    empty = {"repository": "", "revision": ""}
+    no_repository = "origin: repository is empty: give it, or leave origin out for none"
+    no_revision = "origin: revision is empty: give it, or leave origin out for none"
+    source = {"name": "qwen", "source": "hf://org/x"}
+    for path, body, command, told in [
+        ("/models", definition("new", origin=empty), "model add", no_repository),
+        (
+            "/apply",
+            [{"add": definition("new", origin=empty)}],
+            "apply",
+            f"change 1 (add): {no_repository}",
+        ),
+        (
+            "/apply",
+            [{"source": {**source, "origin": {"revision": ""}}}],
+            "apply",
+            f"change 1 (source): {no_revision}",
+        ),
+    ]:
+        assert refused(api.post(path, body), 422) == f"request body: {told}", body
+        written = tmp_path / "given.json"
+        written.write_text(json.dumps(body))
+        run = CliRunner().invoke(
+            cli, ["--db", api.db, "--config", config_file, *command.split(), str(written)]
+        )
+        assert (run.exit_code, run.stderr) == (1, f"error: {written}: {told}\n"), body
+    assert (
+        refused(api.post("/models/qwen/source", {"source": "hf://org/x", "origin": empty}), 422)
+        == f"request body: {no_repository}"
+    )
+    assert count_events(api.db) == before
+    ok(
+        api.post(
+            "/models/qwen/source",
+            {"source": "hf://org/x", "origin": {"repository": "org/x", "revision": ""}},
+        )
+    )
+    assert ok(api.get("/models/qwen"))["origin"]["repository"] == "org/x"
+
+
 def test_a_revision_with_white_space_around_it_is_refused(api: Api, config_file: str) -> None:
     """``?at=+1`` (a space once read), ``1%0A`` and ``1%20`` read as revision 1,
     where ``If-Match: +3`` is refused (hostile test)."""

@@ -17,11 +17,11 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager, suppress
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import suppress
 from datetime import datetime
 from itertools import chain
-from types import FrameType
+from types import FrameType, TracebackType
 from typing import Any, NoReturn, TextIO, TypeVar
 
 import click
@@ -590,8 +590,14 @@ class StopAsked(KeyboardInterrupt):
 HUNG_UP = " (SIGHUP: the declared config is read as a command starts; start it again to read it)"
 
 
-@contextmanager
-def stopped_when_asked() -> Iterator[None]:
+def told_stopped(stops: Sequence[int]) -> str:
+    """``stopped``, said of the first of ``stops``: the one that stopped the
+    command (a supervisor's SIGTERM, then a terminal's hang-up as it closed,
+    was told as the hang-up)."""
+    return "stopped" + (HUNG_UP if stops and stops[0] == signal.SIGHUP else "")
+
+
+def stopped_when_asked() -> StoppedWhenAsked:
     """For a command that runs until stopped (``serve``, ``watch``): Ctrl-C,
     SIGTERM (a supervisor's) or SIGHUP ends it with ``stopped`` on stderr and
     exit 0, whenever it comes, a long load included; not "Aborted!" and 1,
@@ -599,38 +605,73 @@ def stopped_when_asked() -> Iterator[None]:
     down gracefully on SIGINT and SIGTERM, then raises the signal again for
     the handler it found: Python's for SIGINT (a KeyboardInterrupt), this one
     for SIGTERM; a SIGHUP is made a SIGTERM, to be shut down on alike. One
-    ignored (``nohup``) stays so."""
-    if threading.current_thread() is not threading.main_thread():
-        yield  # signals are the main thread's to handle
-        return
+    ignored (``nohup``) stays so. Gives the stops asked, in the order they
+    came, for a handler that takes them in its place (uvicorn's) to add to."""
+    return StoppedWhenAsked()
 
-    def stop(_signal: int, _frame: FrameType | None) -> None:
+
+class StoppedWhenAsked:
+    """:func:`stopped_when_asked`. A class, not a generator: a stop as the
+    generator reached its ``yield``, before the command started, was taken
+    for one in it, and the generator ended without yielding."""
+
+    def __init__(self) -> None:
+        self.stops: list[int] = []
+        # What each stop had before the command started, put back once it is done.
+        self._found: dict[int, Any] = {}
+
+    def _stop(self, signum: int, _frame: FrameType | None) -> None:
+        self.stops.append(signum)
         raise StopAsked
 
-    hung_up: list[int] = []
-
-    def hang_up(_signal: int, _frame: FrameType | None) -> None:
-        hung_up.append(signal.SIGHUP)
+    def _hang_up(self, signum: int, _frame: FrameType | None) -> None:
+        self.stops.append(signum)
         signal.raise_signal(signal.SIGTERM)
 
-    asked = early_stop.take_over()
-    if asked is not None:
-        # Asked as the command started (its imports): it ends before it starts.
-        say("stopped" + (HUNG_UP if asked == signal.SIGHUP else ""), err=True)
-        raise click.exceptions.Exit(0)
-    previous = signal.signal(signal.SIGTERM, stop)
-    previous_hang_up = signal.getsignal(signal.SIGHUP)
-    if previous_hang_up is not signal.SIG_IGN:
-        signal.signal(signal.SIGHUP, hang_up)
-    try:
-        yield
-    except BaseException as error:
-        if not came_of_a_stop(error):
+    def _interrupt(self, signum: int, frame: FrameType | None) -> None:
+        self.stops.append(signum)
+        self._found[signal.SIGINT](signum, frame)
+
+    def __enter__(self) -> list[int]:
+        if threading.current_thread() is not threading.main_thread():
+            return self.stops  # signals are the main thread's to handle
+        self._found = {signum: early_stop.handler_found(signum) for signum in early_stop.STOPS}
+        handlers: dict[int, Callable[[int, FrameType | None], None]] = {signal.SIGTERM: self._stop}
+        if callable(self._found[signal.SIGINT]):
+            handlers[signal.SIGINT] = self._interrupt
+        if self._found[signal.SIGHUP] is not signal.SIG_IGN:
+            handlers[signal.SIGHUP] = self._hang_up
+        try:
+            # Installed in place of early_stop's noting, then what it noted
+            # read: no stop comes in between to the handler found (death).
+            for signum, handler in handlers.items():
+                signal.signal(signum, handler)
+            asked = early_stop.take_over()
+            if asked is not None:
+                # Asked as the command started (its imports): told as any
+                # stop, and it ends before it starts.
+                self.stops.insert(0, asked)
+                raise StopAsked
+            return self.stops
+        except BaseException as error:
+            if self.__exit__(type(error), error, error.__traceback__):
+                raise click.exceptions.Exit(0) from None
             raise
-        say("stopped" + (HUNG_UP if hung_up else ""), err=True)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-        signal.signal(signal.SIGHUP, previous_hang_up)
+
+    def __exit__(
+        self,
+        _type: type[BaseException] | None,
+        error: BaseException | None,
+        _traceback: TracebackType | None,
+    ) -> bool:
+        try:
+            if error is None or not came_of_a_stop(error):
+                return False
+            say(told_stopped(self.stops), err=True)
+            return True
+        finally:
+            for signum, handler in self._found.items():
+                signal.signal(signum, handler)
 
 
 def let_warnings_through() -> None:

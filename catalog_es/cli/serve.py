@@ -114,7 +114,7 @@ def serve(
     # Listening first: a server that cannot (the port taken, a host that does
     # not resolve) is refused before it opens the database or records anything.
     sockets = _listening(host, port)
-    with stopped_when_asked(), _closing(sockets):
+    with stopped_when_asked() as stops, _closing(sockets):
 
         def started() -> tuple[Models, int]:
             if not sockets:
@@ -172,6 +172,7 @@ def serve(
             def handle_exit(self, sig: int, frame: FrameType | None) -> None:
                 if sig == signal.SIGINT and interrupt_ignored:
                     return
+                stops.append(sig)  # the first is told, whatever came after
                 # Watch streams never end by themselves: end them, or the
                 # shutdown waits for its grace period and then cancels them.
                 end_streams(app)
