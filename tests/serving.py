@@ -43,14 +43,27 @@ def serving(app: FastAPI) -> Iterator[str]:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=1)
+    # uvicorn's own logging left alone: its lines then reach the test's
+    # captured log, where they were written to whatever stream the first
+    # server of the process found (a startup failure said nothing).
+    config = uvicorn.Config(app, log_level="warning", log_config=None, timeout_graceful_shutdown=1)
     server = _Server(config)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            server.run(sockets=[sock])
+        except BaseException as error:
+            failed.append(error)
+            raise
+
+    thread = threading.Thread(target=run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10
     while not server.started:
         if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("the test server did not start")
+            why = f": {failed[0]!r}" if failed else (" in 10 s" if thread.is_alive() else "")
+            raise RuntimeError(f"the test server did not start{why}")
         time.sleep(0.01)
     try:
         yield f"http://127.0.0.1:{port}"
