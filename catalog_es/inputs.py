@@ -32,6 +32,7 @@ from pydantic import (
     ValidationInfo,
     ValidatorFunctionWrapHandler,
     WrapValidator,
+    field_serializer,
     field_validator,
 )
 from pydantic_core import ErrorDetails, PydanticCustomError
@@ -132,28 +133,38 @@ class AdapterInput(_Input):
 
 
 class OriginInput(_Input):
-    repository: str = ""
-    revision: str = ""
+    # null is a field left out, as `model show` prints one (stored as empty
+    # text); one given empty is refused at runtime (_recorded), so the schema
+    # a client follows says a string has a character.
+    repository: str | None = Field(None, json_schema_extra={"minLength": 1})
+    revision: str | None = Field(None, json_schema_extra={"minLength": 1})
     files: dict[str, str] = {}
+
+    @field_serializer("repository", "revision")
+    def _stored(self, value: str | None) -> str:
+        return value or ""  # as the stored form keeps a field left out
+
+
+# What each of an origin's text fields gives, as `model source` words it.
+_ORIGIN_FIELDS = {"repository": "a registry repository (org/name)", "revision": "a commit"}
 
 
 def _recorded(origin: OriginInput | None) -> OriginInput | None:
-    # An origin that says nothing is none: `origin: {}` was stored as one of
-    # empty fields, where the CLI's `model source` without them stores none.
-    # One whose fields are given empty (a template's variables unset) is
-    # refused, as `model source --repository ''` is: it wrote the model with
-    # no origin, without a word. One field of several empty is what `model
-    # show --json` prints of an origin given in part, and stands.
-    if origin is None or origin != OriginInput():
-        return origin
-    for field in ("repository", "revision"):
-        if field in origin.model_fields_set:
+    # A field given empty (a template's variable unset: `revision: "$REV"`)
+    # is refused, as `model source --revision ''` is: beside another field it
+    # recorded an origin in part, and alone no origin, without a word. An
+    # origin that says nothing (`origin: {}`) is none: it was stored as one
+    # of empty fields, where the CLI's `model source` without them stores none.
+    if origin is None:
+        return None
+    for field, what in _ORIGIN_FIELDS.items():
+        if getattr(origin, field) == "":
             raise PydanticCustomError(
                 "empty_origin",
-                "{field} is empty: give it, or leave origin out for none",
-                {"field": field},
+                "{field} is empty: give {what}, or leave it out",
+                {"field": field, "what": what},
             )
-    return None
+    return None if origin == OriginInput() else origin
 
 
 MaybeOrigin = Annotated[OriginInput | None, AfterValidator(_recorded)]

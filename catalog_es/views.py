@@ -40,9 +40,21 @@ _TUPLES = tuple(
 )
 
 
+# An origin's text fields, stored as empty text when left out.
+_ORIGIN_TEXT = ("repository", "revision")
+
+
 def _complete(view: dict[str, Any], spec: ModelSpec, declared: bool) -> dict[str, Any]:
     for key in _TUPLES:
         view[key] = list(view[key])
+    origin = view["origin"]
+    if origin is not None:
+        # A field left out is null, not the empty text it is stored as: what
+        # is shown can be given back (`model add`, `apply`), where a field
+        # given empty is refused (a template's variable unset).
+        for key in _ORIGIN_TEXT:
+            if origin[key] == "":
+                origin[key] = None
     view["effective_class"] = spec.effective_class
     view["declared"] = declared
     missing = spec.missing_memory()

@@ -446,6 +446,17 @@ def _runs_as_read(now: ModelSpec, read: ModelSpec) -> bool:
     return now.origin == read.origin or not recorded
 
 
+def _not_recorded(updates: list[dict[str, Any]], refused: Refused | None) -> dict[str, Any] | None:
+    """What ``check-updates`` answers of findings its write could not record:
+    ``recorded`` empty said the same as nothing new to record, to a script
+    reading the JSON (only stderr told them apart). The models of the
+    updates no record has seen (``first_seen`` null), and why."""
+    if refused is None:
+        return None
+    unseen = [update["model"] for update in updates if update["first_seen"] is None]
+    return {"models": unseen, "reason": str(refused)}
+
+
 def _weights_view(source: str, origin: Origin | None) -> dict[str, str]:
     return {
         "source": source,
@@ -480,6 +491,7 @@ class Weights:
         ``expected_revision``: refused, nothing written, if the log has moved
         past it, as every write is; checked before the registry is read, and
         by the run's first write."""
+        refused: Refused | None = None  # the findings' write, once the origins' has written
         with self.models.refusals_recorded(CHECK_UPDATES, "", by, reason, {}):
             if expected_revision is not None:
                 # Refused even with nothing new to record, as any command
@@ -515,9 +527,14 @@ class Weights:
                     refusal,
                     self.models.revision,
                 )
-                recorded = []
+                recorded, refused = [], refusal
         report = self._report(scan)
-        report.update(revision=self.models.revision, origins=origins, recorded=recorded)
+        report.update(
+            revision=self.models.revision,
+            origins=origins,
+            recorded=recorded,
+            not_recorded=_not_recorded(report["updates"], refused),
+        )
         return report
 
     def _repository(self, spec: ModelSpec) -> str:

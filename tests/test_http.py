@@ -899,18 +899,22 @@ def test_a_revision_written_with_thousands_of_leading_zeros_is_that_revision(api
     assert scaled["revision"] == head + 1
 
 
-def test_an_origin_of_empty_fields_is_refused_over_http_as_by_the_cli(
+def test_an_origin_field_given_empty_is_refused_over_http_as_by_the_cli(
     api: Api, tmp_path: Path, config_file: str
 ) -> None:
     """``origin: {repository: "", revision: ""}`` (a template's variables
     unset) wrote the model with no origin, without a word, where ``model
-    source --repository ''`` is refused for that (review). ``origin: {}`` is
-    still none, and one field of several empty an origin given in part."""
+    source --repository ''`` is refused for that (review); one field given
+    empty beside another recorded an origin in part (review). Each is
+    refused, naming the field. ``origin: {}`` is still none, and a field
+    null (as ``model show`` prints one left out) is left out."""
     ok(api.post("/models", definition("qwen")))
     before = count_events(api.db)
     empty = {"repository": "", "revision": ""}
-    no_repository = "origin: repository is empty: give it, or leave origin out for none"
-    no_revision = "origin: revision is empty: give it, or leave origin out for none"
+    no_repository = (
+        "origin: repository is empty: give a registry repository (org/name), or leave it out"
+    )
+    no_revision = "origin: revision is empty: give a commit, or leave it out"
     source = {"name": "qwen", "source": "hf://org/x"}
     for path, body, command, told in [
         ("/models", definition("new", origin=empty), "model add", no_repository),
@@ -934,18 +938,18 @@ def test_an_origin_of_empty_fields_is_refused_over_http_as_by_the_cli(
             cli, ["--db", api.db, "--config", config_file, *command.split(), str(written)]
         )
         assert (run.exit_code, run.stderr) == (1, f"error: {written}: {told}\n"), body
-    assert (
-        refused(api.post("/models/qwen/source", {"source": "hf://org/x", "origin": empty}), 422)
-        == f"request body: {no_repository}"
-    )
+    for origin, told in [
+        (empty, no_repository),
+        ({"repository": "org/x", "revision": ""}, no_revision),
+    ]:
+        answer = api.post("/models/qwen/source", {"source": "hf://org/x", "origin": origin})
+        assert refused(answer, 422) == f"request body: {told}", origin
     assert count_events(api.db) == before
-    ok(
-        api.post(
-            "/models/qwen/source",
-            {"source": "hf://org/x", "origin": {"repository": "org/x", "revision": ""}},
-        )
-    )
-    assert ok(api.get("/models/qwen"))["origin"]["repository"] == "org/x"
+    in_part: dict[str, Any] = {"repository": "org/x", "revision": None, "files": {}}
+    ok(api.post("/models/qwen/source", {"source": "hf://org/x", "origin": in_part}))
+    assert ok(api.get("/models/qwen"))["origin"] == in_part
+    schema = ok(api.client.get("/openapi.json"))["components"]["schemas"]["OriginInput"]
+    assert schema["properties"]["revision"]["minLength"] == 1
 
 
 def test_a_revision_with_white_space_around_it_is_refused(api: Api, config_file: str) -> None:

@@ -647,7 +647,8 @@ def test_an_old_origin_todays_rules_refuse_leaves_its_model_unchecked_not_the_ru
     assert [(u["model"], u["upstream"]) for u in report["updates"]] == [("m", c2)]
     assert report["recorded"] == ["m"]
     assert len(events(weights, "legacy")) == legacy_events
-    assert weights.models.get_model("legacy")["origin"] == msgspec.to_builtins(given)
+    shown = weights.models.get_model("legacy")["origin"]
+    assert shown == {**msgspec.to_builtins(given), "repository": None}  # null: not recorded
     rows = world.rows()
     assert weights.check_updates(by="cron")["recorded"] == []
     assert world.rows() == rows
@@ -1812,7 +1813,9 @@ def test_check_updates_whose_findings_are_refused_after_its_origins_tells_what_s
     """Its second write (the findings) refused, the log locked by another
     writer, once the first had recorded an origin: the run said "nothing was
     written", exit 1, over a log that held it (hostile test). The origins
-    stand and are answered; the findings are left to the next run, told."""
+    stand and are answered; the findings are left to the next run, told on
+    stderr and in the answer's ``not_recorded``, which is null when nothing
+    went unrecorded (nothing new, or all of it recorded)."""
     world.mirror.publish("org/base", {"model.safetensors": b"declared, new"})
     models = world.open().models
     models.add(spec("m"), by="alice")
@@ -1834,7 +1837,13 @@ def test_check_updates_whose_findings_are_refused_after_its_origins_tells_what_s
     assert report["revision"] == models.revision
     assert [e["event"] for e in events(weights, "m")] == ["Added", "OriginSet"]
     assert "the upstream changes found were not recorded" in caplog.text
-    assert Weights(models, registry, store).check_updates(by="cron")["recorded"] == ["base"]
+    # Told in the answer too: `recorded: []` alone read as nothing new (review).
+    assert report["not_recorded"]["models"] == [u["model"] for u in report["updates"]] == ["base"]
+    assert report["not_recorded"]["reason"] in caplog.text
+    assert "locked" in report["not_recorded"]["reason"]
+    again = Weights(models, registry, store).check_updates(by="cron")
+    assert (again["recorded"], again["not_recorded"]) == (["base"], None)
+    assert Weights(models, registry, store).check_updates(by="cron")["not_recorded"] is None
 
 
 def _denied(monkeypatch: pytest.MonkeyPatch, denied: Path) -> None:

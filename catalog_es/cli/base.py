@@ -517,7 +517,7 @@ def show_model(m: dict[str, Any]) -> None:
         rows.append(
             (
                 "origin",
-                f"{origin['repository']}@{origin['revision']} "
+                f"{origin['repository'] or ''}@{origin['revision'] or ''} "
                 f"({counted(len(origin['files']), 'file')})",
             )
         )

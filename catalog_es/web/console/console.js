@@ -677,7 +677,7 @@ function definition(m) {
     ["Layer", m.declared ? "declared (edit the config file to change it)" : "runtime"],
     ["Engine", m.engine],
     ["Source", m.source],
-    ["Source revision", m.origin ? `${m.origin.repository}@${m.origin.revision}` : "—"],
+    ["Source revision", m.origin ? `${m.origin.repository || ""}@${m.origin.revision || ""}` : "—"],
     ["Profiles", profiles.join("; ")],
     ["Scaling", scaling(m)],
     ["Class", m.effective_class + (m.class ? "" : " (from scaling)")],
