@@ -2337,6 +2337,47 @@ def test_a_refusal_is_one_line_whatever_the_load_warned_of(tmp_path: Path) -> No
     assert listed.stderr.decode().count("warning: skipped revision") == 3
 
 
+def test_a_runtime_removal_of_a_name_declared_since_is_not_told_on_every_command(
+    db_url: str, tmp_path: Path
+) -> None:
+    """Runtime x added, then removed, then declared by the config: every
+    command warned that load skips the removal, which hides nothing (the
+    runtime x was gone). An add or a scale of a declared name, which the
+    declared definition hides, is still told; verify lists every skip."""
+    for name in ("x", "y"):
+        (tmp_path / f"{name}.yaml").write_bytes(as_yaml(definition(name)))
+
+    def catalog_es(*args: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "catalog_es", "--db", db_url, *args]
+        return subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+
+    changes = [("add", "x.yaml"), ("remove", "x"), ("add", "y.yaml"), ("scale", "y", "--max", "2")]
+    for change in changes:
+        assert catalog_es("model", *change).returncode == 0
+    (tmp_path / "catalog.yaml").write_text(config_yaml(spec("x", engine="tgi")))
+    listed = catalog_es("model", "list", "--json")
+    assert (listed.returncode, listed.stderr) == (0, "")
+    assert [m["name"] for m in json.loads(listed.stdout)] == ["x", "y"]
+    (tmp_path / "catalog.yaml").write_text(config_yaml(spec("x"), spec("y")))
+    listed = catalog_es("model", "list", "--json")
+    assert (listed.returncode, listed.stderr.splitlines()) == (
+        0,
+        [
+            "warning: skipped revision 4 (model 'y', Scaled): model 'y' is declared in "
+            "configuration, which wins every conflict"
+        ],
+    )
+    verified = catalog_es("verify", "--json")
+    assert verified.returncode == 0
+    skipped = json.loads(verified.stdout)["skipped"]
+    assert [(s["revision"], s["model"], s["event"]) for s in skipped] == [
+        (1, "x", "Added"),
+        (2, "x", "Removed"),
+        (3, "y", "Added"),
+        (4, "y", "Scaled"),
+    ]
+
+
 def test_a_flow_style_yaml_definition_is_accepted(run: Run, write: Any) -> None:
     flow = b"{name: flow, engine: vllm, source: hf://org/flow, profiles: [{name: g, gpus: 1}]}"
     ok(run("model", "add", write("flow.yaml", flow)))
