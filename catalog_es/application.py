@@ -538,10 +538,6 @@ class Models(AuditTrail, Application[UUID]):
             # database is away makes a service a second until it is back.
             self.close()
             raise
-        # Whether this node's config has been the one the log records, since
-        # it started: recording it again then means another node's replaced it.
-        recorded = self.catalog.recorded_declaration
-        self._declaration_held = recorded is not None and recorded[0] == self.declared.fingerprint
 
     def _load(self) -> Catalog:
         """The catalog in force: the newest snapshot over this config, then the
@@ -1013,8 +1009,6 @@ class Models(AuditTrail, Application[UUID]):
                                 known=known.versions,
                             )
                             replaced = batch.catalog.recorded_declaration
-                            if not declaration_differs(batch.catalog, self.declared):
-                                self._declaration_held = True
                             batch.record_declaration(self.declared)
                             if several:
                                 # The plan works on its own copy, and no other writer
@@ -1038,6 +1032,12 @@ class Models(AuditTrail, Application[UUID]):
                                 with suppress(sa.exc.SQLAlchemyError):
                                     self.store.end_unwritten(conn)
                             raise
+                        recorded_before = (
+                            snapshots.last_recorded(conn, self.declared.fingerprint)
+                            if replaced is not None
+                            and isinstance(batch.records[0], Configuration.Declared)
+                            else None
+                        )
                         # Straight to the recorder: eventsourcing's EventStore.put
                         # would build a Recording per event only for us to read its
                         # revision.
@@ -1064,18 +1064,19 @@ class Models(AuditTrail, Application[UUID]):
                 if state.depth() == entered:
                     state.acquire(write=True)
                 revision = revisions[-1]
-                if isinstance(batch.records[0], Configuration.Declared):
-                    if self._declaration_held and replaced is not None:
-                        # Nodes writing with different configs each record
-                        # their own, and declared models go in and out of force.
-                        log.warning(
-                            "another node's declared config, recorded at revision %d, replaced "
-                            "this node's, recorded again at revision %d: every node should run "
-                            "the same one",
-                            replaced[1],
-                            revisions[0],
-                        )
-                    self._declaration_held = True
+                if replaced is not None and recorded_before is not None:
+                    # Nodes (or shells) writing with different configs each
+                    # record their own, and declared models go in and out of
+                    # force. A config the log never recorded is a deploy.
+                    log.warning(
+                        "this node's declared config (%s), recorded at revision %d, was "
+                        "replaced by another at revision %d, and is recorded again at revision "
+                        "%d: every node should run the same one",
+                        self.declared.path or "none given",
+                        recorded_before,
+                        replaced[1],
+                        revisions[0],
+                    )
                 known.learn(batch.versions, revision, appended.last_revisions)
                 if self.catalog.revision == head:
                     self._put_in_force(batch, appended, several)

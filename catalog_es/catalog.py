@@ -160,9 +160,12 @@ class Catalog:
     def standing_skips(self) -> list[Skipped]:
         """What load leaves out that still counts, by revision: for each model
         a skip keeps out of force, or from its latest change, the skip that
-        did (:meth:`taken_out_by`); and each record that is no model's change
+        did (:meth:`taken_out_by`), unless it hides nothing (a removal of a
+        name the config declares); and each record that is no model's change
         (its model cannot be read, or it is filed in another's stream)."""
-        standing = [self.taken_out_by(name) for name in self._unhealed]
+        standing = [
+            skip for skip in map(self.taken_out_by, self._unhealed) if not _hides_nothing(skip)
+        ]
         standing += (
             s for s in self.skipped if not s.model or s.reason == _filed_elsewhere(s.model)
         )
@@ -350,9 +353,7 @@ class Catalog:
         current = aggregate.spec
         try:
             if declared and not observation:
-                raise Refused(
-                    f"model {name!r} is declared in configuration, which wins every conflict"
-                )
+                raise Refused(_declared_wins(name))
             new = change.evolve(current)
             if new is not None and not observation:
                 touches = change.touches
@@ -515,3 +516,18 @@ def _named(skip: Skipped) -> Skipped:
 def _filed_elsewhere(name: str) -> str:
     """Why a record filed in another model's stream is skipped."""
     return f"its aggregate id does not belong to model {name!r}"
+
+
+def _declared_wins(name: str) -> str:
+    """Why a runtime change of a name the config declares is skipped."""
+    return f"model {name!r} is declared in configuration, which wins every conflict"
+
+
+def _hides_nothing(skip: Skipped) -> bool:
+    """Whether the skip of a model's latest change hides nothing from the
+    catalog in force: a removal of a name the config declares. Without the
+    declaration no runtime definition of it would be in force either, so it
+    is no change the config keeps out (an add or a scale is: told on every
+    load, as the runtime model the declared one hides), only history,
+    which ``verify`` and the audit list."""
+    return skip.event == Model.Removed.__name__ and skip.reason == _declared_wins(skip.model)

@@ -91,6 +91,30 @@ def readable_declaration(topic: str, state: bytes) -> Configuration.Declared | N
     return record if isinstance(record, Configuration.Declared) else None
 
 
+class _Fingerprinted(msgspec.Struct):
+    fingerprint: str = ""
+    class_version: int = 1
+
+
+_fingerprinted = msgspec.json.Decoder(_Fingerprinted)
+
+
+def declared_fingerprint(topic: str, state: bytes) -> str | None:
+    """The fingerprint of the declared config recorded as ``state``, read from
+    that field alone where this code's version of the record has it (a
+    record holds every declared definition); ``None`` as for
+    :func:`readable_declaration`."""
+    if topic == DECLARED_TOPIC:
+        try:
+            found = _fingerprinted.decode(state)
+        except UNREADABLE:
+            return None
+        if found.class_version == _VERSIONS[Configuration.Declared]:
+            return found.fingerprint
+    record = readable_declaration(topic, state)
+    return record.fingerprint if record is not None else None
+
+
 class _About(msgspec.Struct):
     model: str | None = None
     class_version: int = 1

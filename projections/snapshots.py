@@ -26,7 +26,7 @@ from catalog_es.catalog import Catalog, Skipped
 from catalog_es.chain import ChainHead
 from catalog_es.configuration import CONFIGS_KEPT, CONFIGURATION_ID, Configuration
 from catalog_es.errors import lost_events
-from catalog_es.mapper import UNREADABLE, readable_declaration
+from catalog_es.mapper import UNREADABLE, declared_fingerprint, readable_declaration
 from catalog_es.model import Model
 from catalog_es.persistence import BIGINT, check_walk, events_table, metadata, stream_walk
 from catalog_es.spec import ModelSpec
@@ -339,6 +339,25 @@ def readable_configs(
 # those of other configs: nodes of two configs writing in turn record theirs
 # in turn, each write.
 RECORDS_LOOKED_AT = 1000
+
+
+def last_recorded(conn: Connection, fingerprint: str) -> int | None:
+    """The revision that last recorded the config of ``fingerprint``, among
+    the last :data:`RECORDS_LOOKED_AT` records; ``None`` if none of them did.
+    Read in pages, the first of two records (two configs taking turns): psycopg
+    reads every row asked for at once, and 1,000 records of 100 models each
+    took 160 ms on PostgreSQL to find the second."""
+    looked_at, page = 0, 2
+    while looked_at < RECORDS_LOOKED_AT:
+        asked = min(page, RECORDS_LOOKED_AT - looked_at)
+        rows = conn.execute(config_records().offset(looked_at).limit(asked)).all()
+        for revision, topic, state in rows:
+            if declared_fingerprint(topic, state) == fingerprint:
+                return int(revision)
+        if len(rows) < asked:
+            break
+        looked_at, page = looked_at + asked, page * 8
+    return None
 
 
 def recorded_configs(conn: Connection, count: int, *, besides: str) -> list[str]:

@@ -1803,6 +1803,64 @@ def test_a_run_without_the_declared_config_the_nodes_recorded_says_so(
     assert listed(folder=deploy) == (["a", "base"], "")
 
 
+def test_a_run_on_another_config_than_the_log_recorded_says_so(db_url: str, tmp_path: Path) -> None:
+    """Two shells (or nodes) on two configs took turns recording theirs, and
+    each read showed a catalog the other's nodes do not run, in silence
+    (review). A read on a config the log has not recorded says so, after its
+    answer; a write of a config the log never recorded is a deploy, said
+    nothing of; one putting back a config the log had recorded before
+    another says so. Warnings only: exit 0, and the log as a run without
+    them leaves it."""
+    (tmp_path / "a.yaml").write_bytes(as_yaml(definition("a")))
+    old, new = tmp_path / "old.yaml", tmp_path / "new.yaml"
+    old.write_text(config_yaml(spec("base")))
+    new.write_text(config_yaml(spec("base"), spec("extra")))
+
+    def catalog_es(config: Path, *args: str) -> tuple[int, list[str]]:
+        command = [sys.executable, "-m", "catalog_es", "--db", db_url, "--config", str(config)]
+        done = subprocess.run(
+            [*command, *args], capture_output=True, text=True, timeout=60, check=False
+        )
+        return done.returncode, done.stderr.splitlines()
+
+    def recorded() -> list[tuple[int, str]]:
+        listed = subprocess.run(
+            [sys.executable, "-m", "catalog_es", "--db", db_url, "log", "--json"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+        events = [json.loads(line) for line in listed.stdout.splitlines()]
+        return [(e["revision"], e["fields"]["path"]) for e in events if e["model"] is None]
+
+    assert catalog_es(old, "model", "add", "a.yaml")[0] == 0  # 1 old, 2
+    read_over_new = (
+        f"warning: this run's declared config ({new}) differs from the one the log recorded "
+        "at revision 1: this run reads the catalog over its own config, and a write would "
+        "record it"
+    )
+    assert catalog_es(new, "model", "list") == (0, [read_over_new])
+    assert catalog_es(new, "rollback", "--to", "2", "--dry-run") == (0, [read_over_new])
+    assert catalog_es(new, "model", "scale", "nope", "--max", "2") == (
+        1,
+        ["error: model 'nope' is not in the catalog"],
+    )
+    assert count_events(db_url) == 2
+    assert catalog_es(new, "model", "scale", "a", "--max", "2") == (0, [])  # 3 new, 4
+    assert catalog_es(new, "model", "list") == (0, [])
+    assert catalog_es(old, "model", "scale", "a", "--max", "3") == (  # 5 old again, 6
+        0,
+        [
+            f"warning: this node's declared config ({old}), recorded at revision 1, was "
+            "replaced by another at revision 3, and is recorded again at revision 5: every "
+            "node should run the same one"
+        ],
+    )
+    assert recorded() == [(1, str(old)), (3, str(new)), (5, str(old))]
+    assert count_events(db_url) == 6
+
+
 def test_a_deleted_last_event_is_told_by_every_command_until_a_write_goes_on(
     db_url: str, tmp_path: Path
 ) -> None:
@@ -2384,6 +2442,47 @@ def test_a_refusal_is_one_line_whatever_the_load_warned_of(tmp_path: Path) -> No
     listed = catalog_es("model", "list")
     assert listed.returncode == 0
     assert listed.stderr.decode().count("warning: skipped revision") == 3
+
+
+def test_a_runtime_removal_of_a_name_declared_since_is_not_told_on_every_command(
+    db_url: str, tmp_path: Path
+) -> None:
+    """Runtime x added, then removed, then declared by the config: every
+    command warned that load skips the removal, which hides nothing (the
+    runtime x was gone). An add or a scale of a declared name, which the
+    declared definition hides, is still told; verify lists every skip."""
+    for name in ("x", "y"):
+        (tmp_path / f"{name}.yaml").write_bytes(as_yaml(definition(name)))
+
+    def catalog_es(*args: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "catalog_es", "--db", db_url, *args]
+        return subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+
+    changes = [("add", "x.yaml"), ("remove", "x"), ("add", "y.yaml"), ("scale", "y", "--max", "2")]
+    for change in changes:
+        assert catalog_es("model", *change).returncode == 0
+    (tmp_path / "catalog.yaml").write_text(config_yaml(spec("x", engine="tgi")))
+    listed = catalog_es("model", "list", "--json")
+    assert (listed.returncode, listed.stderr) == (0, "")
+    assert [m["name"] for m in json.loads(listed.stdout)] == ["x", "y"]
+    (tmp_path / "catalog.yaml").write_text(config_yaml(spec("x"), spec("y")))
+    listed = catalog_es("model", "list", "--json")
+    assert (listed.returncode, listed.stderr.splitlines()) == (
+        0,
+        [
+            "warning: skipped revision 4 (model 'y', Scaled): model 'y' is declared in "
+            "configuration, which wins every conflict"
+        ],
+    )
+    verified = catalog_es("verify", "--json")
+    assert verified.returncode == 0
+    skipped = json.loads(verified.stdout)["skipped"]
+    assert [(s["revision"], s["model"], s["event"]) for s in skipped] == [
+        (1, "x", "Added"),
+        (2, "x", "Removed"),
+        (3, "y", "Added"),
+        (4, "y", "Scaled"),
+    ]
 
 
 def test_a_flow_style_yaml_definition_is_accepted(run: Run, write: Any) -> None:

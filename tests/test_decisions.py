@@ -665,3 +665,23 @@ def test_skips_at_one_revision_are_told_by_name() -> None:
     )
     standing = catalog.standing_skips()
     assert [(s.revision, s.model) for s in standing] == [(14, name) for name in sorted(names)]
+
+
+def test_a_removal_of_a_name_the_config_now_declares_hides_nothing() -> None:
+    """A runtime model added, removed, then declared: every load warned of the
+    removal's skip, though without the declaration nothing of the runtime
+    model would be in force after it either (operator's report). It is still
+    a skip (verify and the audit list it); an add or a scale of a declared
+    name, which the declaration does hide, is still told."""
+    declared = [spec("x", engine="tgi")]
+    gone = given(added(spec("x")), removed("x"), declared=declared)
+    assert [(s.revision, s.event) for s in gone.skipped] == [(1, "Added"), (2, "Removed")]
+    assert gone.standing_skips() == []
+    hidden = given(
+        added(spec("x")),
+        removed("x"),
+        added(spec("x")),
+        event(Model.Scaled, "x", scaling=Scaling(0, 2)),
+        declared=declared,
+    )
+    assert [(s.revision, s.event) for s in hidden.standing_skips()] == [(4, "Scaled")]

@@ -449,7 +449,9 @@ def test_a_node_writing_with_another_config_says_so(
 ) -> None:
     """Two nodes with different configs take turns recording theirs, and the
     declared models go in and out of force: it was silent (operator walkthrough).
-    A config changed by a deploy, or a node restarted on another, is no news."""
+    A config the log never recorded is a deploy, no news; a node restarted (or
+    a CLI run, a node of its own) on one the log recorded before another
+    replaced it puts that one back, and says so: it was silent (review)."""
     configs = []
     for n, declared in enumerate((["base"], ["base", "extra"])):
         path = tmp_path / f"catalog-{n}.yaml"
@@ -470,12 +472,42 @@ def test_a_node_writing_with_another_config_says_so(
     second.scale("a", 0, 4, by="ops")  # 7 second's again, 8
     Models(configs[0], env={"CATALOG_ES_DB": db_url}).scale("a", 0, 5, by="ops")  # a restart
     told = [r.getMessage() for r in caplog.records if "every node should run" in r.getMessage()]
+    paths = [tmp_path / f"catalog-{n}.yaml" for n in range(2)]
     assert told == [
-        "another node's declared config, recorded at revision 3, replaced this node's, "
-        "recorded again at revision 5: every node should run the same one",
-        "another node's declared config, recorded at revision 5, replaced this node's, "
-        "recorded again at revision 7: every node should run the same one",
+        f"this node's declared config ({paths[0]}), recorded at revision 1, was replaced by "
+        "another at revision 3, and is recorded again at revision 5: every node should run "
+        "the same one",
+        f"this node's declared config ({paths[1]}), recorded at revision 3, was replaced by "
+        "another at revision 5, and is recorded again at revision 7: every node should run "
+        "the same one",
+        f"this node's declared config ({paths[0]}), recorded at revision 5, was replaced by "
+        "another at revision 7, and is recorded again at revision 9: every node should run "
+        "the same one",
     ]
+
+
+def test_a_config_recorded_several_deploys_back_is_told_when_it_comes_back(
+    db_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A node (or a shell) on a config older than the last deploy but one:
+    the log's records are looked through past the last two, in pages."""
+    configs = [
+        DeclaredConfig(models=(model_from_data(model_data(f"base-{n}"), "config"),), path=f"{n}")
+        for n in range(20)
+    ]
+    nodes = [Models(c, env={"CATALOG_ES_DB": db_url}) for c in configs]
+    nodes[0].add(_definition("a", []), by="ops")  # 1 config 0, 2
+    for revision, node in enumerate(nodes[1:], start=3):
+        node.scale("a", 0, revision, by="ops")  # deploys: each a config never recorded
+    assert "every node should run" not in caplog.text
+    nodes[0].scale("a", 0, 99, by="ops")  # 41 config 0 again, 42
+    told = [r.getMessage() for r in caplog.records if "every node should run" in r.getMessage()]
+    assert told == [
+        "this node's declared config (0), recorded at revision 1, was replaced by another at "
+        "revision 39, and is recorded again at revision 41: every node should run the same one"
+    ]
+    for node in nodes:
+        node.close()
 
 
 def test_a_read_sees_one_state_of_the_log_while_others_write(db_url: str) -> None:

@@ -216,6 +216,27 @@ class Settings:
                 context.find_root().call_on_close(self._models.close)
         return self._models
 
+    def tell_another_config_recorded(self) -> None:
+        """Warn, once the command is done, when the log last recorded another
+        declared config than this run's, and the run did not record its own
+        (it wrote nothing): it read the catalog over a layer the nodes that
+        recorded theirs do not run. Not said of a write, which records this
+        run's, as a deploy does; the service warns of one that records a
+        config the log had replaced (:meth:`Models._write`). A run given no
+        config is told so as it opens the log (:meth:`models`)."""
+        models = self._models
+        if models is None or not models.declared.path:
+            return
+        recorded = models.catalog.recorded_declaration
+        if recorded is not None and recorded[0] != models.declared.fingerprint:
+            log.warning(
+                "this run's declared config (%s) differs from the one the log recorded at "
+                "revision %d: this run reads the catalog over its own config, and a write "
+                "would record it",
+                models.declared.path,
+                recorded[1],
+            )
+
     @property
     def actor(self) -> str:
         return bootstrap.actor(self.by)
@@ -561,6 +582,12 @@ class HeldWarnings(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         self.records.append(record)
 
+    @property
+    def holding(self) -> bool:
+        """Whether warnings are still held: not let through (by a command
+        that runs on), nor told yet."""
+        return self in self._logger.handlers
+
     def hold(self) -> None:
         self._propagated = self._logger.propagate
         self._logger.addHandler(self)
@@ -705,6 +732,9 @@ class CatalogGroup(click.Group):
         told = False
         try:
             result = super().invoke(ctx)
+            settings = ctx.find_object(Settings)
+            if settings is not None and _held.holding:
+                settings.tell_another_config_recorded()
             told = True
             return result
         except (Refused, ConfigError) as refusal:

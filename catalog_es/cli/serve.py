@@ -78,7 +78,8 @@ def serve(
     Every request needs a bearer token (catalog-es token add); changes are
     recorded as the token's actor. If the declared config differs from the
     one the log last recorded, it is recorded first, as --by (else
-    $CATALOG_ES_ACTOR, else the OS user). With --expected-revision, it starts
+    $CATALOG_ES_ACTOR, else the OS user), with a warning if the log had
+    recorded it before another replaced it. With --expected-revision, it starts
     only on a log at that revision (a request gives its own, If-Match).
     """
     import uvicorn  # loaded only to serve
