@@ -7,13 +7,13 @@ from catalog_es import early_stop
 
 
 def main() -> None:
-    """Run the command line. Its imports take most of a second on a slow
-    host: a Ctrl-C in them is told as one in a command is (click's
-    ``Aborted!``, exit 1; nothing was written), not as a traceback. Once
-    the command is done, told or refused, a Ctrl-C changes nothing: in the
-    interpreter's shutdown, which puts the default handler back, it killed
-    the process (status 130 after a write was told: a script would make it
-    again; hostile test)."""
+    """Run the command line. Its imports (the service's, once a command
+    opens the log) take most of a second on a slow host: a Ctrl-C in them
+    is told as one in a command is (click's ``Aborted!``, exit 1; nothing
+    was written), not as a traceback. Once the command is done, told or
+    refused, a Ctrl-C changes nothing: in the interpreter's shutdown, which
+    puts the default handler back, it killed the process (status 130 after
+    a write was told: a script would make it again; hostile test)."""
     early_stop.note_stops(sys.argv[1:])
     try:
         from catalog_es.cli import main as run_command_line

@@ -52,7 +52,7 @@ from catalog_es.errors import (
     lost_events,
     shown,
 )
-from catalog_es.inputs import check_actor, zoned
+from catalog_es.inputs import check_actor
 from catalog_es.mapper import (
     EventMapper,
     UndecodableEvent,
@@ -90,6 +90,7 @@ from catalog_es.persistence import (
 from catalog_es.ports import AcceptAll, Applier, NoApplier, PreAddCheck
 from catalog_es.rollback import plan_rollback
 from catalog_es.spec import Adapter, ModelSpec, Origin, check_name
+from catalog_es.values import zoned
 from catalog_es.views import (
     event_fields,
     event_view,

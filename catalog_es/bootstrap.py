@@ -1,4 +1,9 @@
-"""The composition root: where the service is wired to its database, config and ports."""
+"""The composition root: where the service is wired to its database, config and ports.
+
+Importing it loads none of the service: the command line names its settings
+as it is built (``--help``, a usage error), and each function here loads what
+it wires when it is called.
+"""
 
 from __future__ import annotations
 
@@ -8,20 +13,20 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from catalog_es.application import Models
 from catalog_es.errors import ConfigError, InputError, shown
-from catalog_es.inputs import load_config, whole_number
-from catalog_es.persistence import DEFAULT_URL, Factory
-from catalog_es.ports import Applier, PreAddCheck
-from catalog_es.registry import MirrorRegistry
-from catalog_es.web.tokens import TokenStore
-from catalog_es.weights import Weights, WeightsStore
-from projections.snapshots import DEFAULT_INTERVAL
+from catalog_es.values import whole_number
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
-DB_ENV = Factory.URL
+    from catalog_es.application import Models
+    from catalog_es.ports import Applier, PreAddCheck
+    from catalog_es.web.tokens import TokenStore
+    from catalog_es.weights import Weights
+
+# persistence.Factory.URL, which a service made without this module reads;
+# spelled out here, as naming it must load no service.
+DB_ENV = "CATALOG_ES_DB"
 CONFIG_ENV = "CATALOG_ES_CONFIG"
 ACTOR_ENV = "CATALOG_ES_ACTOR"
 MIRROR_ENV = "CATALOG_ES_MIRROR"
@@ -35,6 +40,8 @@ DEFAULT_TOKENS = "catalog-tokens.json"
 
 def database_url(given: str | None = None) -> str:
     """``--db``, else ``CATALOG_ES_DB``, else the SQLite file ``catalog.db`` here."""
+    from catalog_es.persistence import DEFAULT_URL
+
     refuse_empty(given, "--db", "a database URL")
     return given or from_env(DB_ENV, "a database URL") or DEFAULT_URL
 
@@ -90,6 +97,10 @@ def open_models(
     pre_add_check: PreAddCheck | None = None,
 ) -> Models:
     """The service on a database and a declared config, its log replayed."""
+    from catalog_es.application import Models
+    from catalog_es.inputs import load_config
+    from catalog_es.persistence import Factory
+
     return Models(
         load_config(config_path(config)),
         applier=applier,
@@ -102,6 +113,8 @@ def open_models(
 def snapshot_interval() -> int:
     """``CATALOG_ES_SNAPSHOT_EVERY``: revisions between projection snapshots.
     Fewer makes reads of the past faster and the database larger."""
+    from projections.snapshots import DEFAULT_INTERVAL
+
     text = os.environ.get(SNAPSHOT_ENV, "")
     if not text.strip():  # unset, or set empty as unset
         return DEFAULT_INTERVAL
@@ -120,6 +133,9 @@ def open_weights(
     registry is known: the mirror at ``--mirror``, else ``CATALOG_ES_MIRROR``;
     fetched commits are kept under ``--weights``, else ``CATALOG_ES_WEIGHTS``,
     else ``./weights``."""
+    from catalog_es.registry import MirrorRegistry
+    from catalog_es.weights import Weights, WeightsStore
+
     refuse_empty(mirror, "--mirror", "a mirror directory")
     refuse_empty(weights, "--weights", "a weights directory")
     root = mirror or from_env(MIRROR_ENV, "a mirror directory")
@@ -140,6 +156,8 @@ def tokens_path(given: str | None = None) -> Path:
 def open_tokens(given: str | None = None, *, existing: bool = False) -> TokenStore:
     """The tokens file; ``existing``: refused when it is not there (listing or
     revoking in one is a mistyped path, not an empty file)."""
+    from catalog_es.web.tokens import TokenStore
+
     tokens = TokenStore(tokens_path(given))
     if existing:
         tokens.require()

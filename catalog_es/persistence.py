@@ -69,6 +69,7 @@ from catalog_es.errors import (
     missing_folder,
     shown,
 )
+from catalog_es.values import MAX_REVISION
 
 DEFAULT_URL = "sqlite:///catalog.db"
 # 0.2.0's NOTIFY channel for new events, one for the whole database. Its
@@ -297,9 +298,6 @@ def check_walk_end(
         " short (catalog-es verify tells what else was edited)"
     )
 
-
-# A revision or a count is a 64-bit integer, which is what the databases hold.
-MAX_REVISION = 2**63 - 1
 
 SYNC_ENV = "CATALOG_ES_SQLITE_SYNC"
 WAL_CHECKPOINT_PAGES = 4000

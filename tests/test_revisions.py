@@ -51,11 +51,12 @@ from catalog_es.errors import (
     RevisionConflict,
     StorageBusy,
 )
-from catalog_es.inputs import load_config, revision_or_time, utc_time
+from catalog_es.inputs import load_config
 from catalog_es.mapper import EventMapper
 from catalog_es.model import Model, model_id, utc_now
 from catalog_es.persistence import events_table
 from catalog_es.spec import ModelSpec, Origin, Scaling
+from catalog_es.values import revision_or_time, utc_time
 from catalog_es.views import model_view
 from projections.catalog import catch_up
 from projections.snapshots import snapshots_table

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from datetime import datetime
-from typing import Any, Unpack
+from typing import TYPE_CHECKING, Any, Unpack
 
 import click
 
@@ -28,8 +28,10 @@ from catalog_es.cli.base import (
     table,
 )
 from catalog_es.errors import counted, json_line
-from catalog_es.inputs import carried, event_type, utc_time
-from projections.audit import ChangeFilters, Filters
+from catalog_es.values import utc_time
+
+if TYPE_CHECKING:
+    from projections.audit import ChangeFilters, Filters
 
 
 def _time_option(ctx: click.Context, param: click.Parameter, value: str | None) -> datetime | None:
@@ -37,6 +39,9 @@ def _time_option(ctx: click.Context, param: click.Parameter, value: str | None) 
 
 
 def _query_type(value: str, query: str) -> str:
+    # The event types are the model's: loaded when a type is given.
+    from catalog_es.inputs import carried, event_type
+
     return carried(event_type(value, "--type"), query, "--type")
 
 

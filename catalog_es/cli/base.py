@@ -3,6 +3,11 @@
 Commands only parse, call the service and print. Data goes to stdout (a table,
 or JSON with ``--json``), warnings and errors to stderr. Exit 0 on success,
 1 when a command is refused (nothing is written), 2 on usage errors.
+
+The service, and what it stands on (SQLAlchemy, pydantic, msgspec), is
+imported where a command uses it, :meth:`Settings.models` first, not as the
+command line is built: ``--help``, ``--version`` and a usage error load none
+of it (a third of a second).
 """
 
 from __future__ import annotations
@@ -20,16 +25,14 @@ import traceback
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import suppress
 from datetime import datetime
+from functools import cached_property
 from itertools import chain
 from types import FrameType, TracebackType
-from typing import Any, NoReturn, TextIO, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TextIO, TypeVar
 
 import click
-import msgspec
-import sqlalchemy as sa
 
 from catalog_es import bootstrap, early_stop
-from catalog_es.application import CommandResult, Models
 from catalog_es.cli import tables
 from catalog_es.errors import (
     UNSAFE_TEXT,
@@ -44,8 +47,12 @@ from catalog_es.errors import (
     json_line,
     shown,
 )
-from catalog_es.inputs import MAX_REVISION, in_digits, revision_or_time
-from catalog_es.persistence import database_unusable, log_url, new_sqlite_file
+from catalog_es.values import MAX_REVISION, in_digits, revision_or_time
+
+if TYPE_CHECKING:
+    import sqlalchemy as sa
+
+    from catalog_es.application import CommandResult, Models
 
 
 def _check_digits(
@@ -110,6 +117,10 @@ def once_it_answers(
     made each time kept some memory. ``waiting`` is called each time it
     starts to wait (the first before it says so): a database that answers
     and is gone again as ``start()`` runs is waited for again."""
+    import sqlalchemy as sa
+
+    from catalog_es.persistence import log_url
+
     probe: sa.Engine | None = None
     try:
         while True:
@@ -138,11 +149,15 @@ def once_it_answers(
 
 def _passing(error: sa.exc.DBAPIError) -> str | None:
     """What the driver said, when ``error`` is an outage to wait out."""
+    from catalog_es.persistence import database_unusable
+
     unusable = database_unusable(error)
     return None if unusable is None or unusable.lasting else unusable.said
 
 
 def _until_it_answers(probe: sa.Engine) -> None:
+    import sqlalchemy as sa
+
     while True:
         time.sleep(START_RETRY_SECONDS)
         try:
@@ -187,6 +202,8 @@ class Settings:
         """The service, opened once per run and closed with the command (its
         held write connection and pool with it)."""
         if self._models is None:
+            from catalog_es.persistence import new_sqlite_file
+
             new_log = new_sqlite_file(bootstrap.database_url(self.db))
             self._models = bootstrap.open_models(self.db, self.config)
             if self._models.revision == 0:  # not another process's, made meanwhile
@@ -379,6 +396,21 @@ class RevisionOrTime(click.ParamType):  # type: ignore[type-arg]
 REVISION_OR_TIME = RevisionOrTime()
 
 
+class ChoiceOf(click.Choice[str]):
+    """:class:`click.Choice` of names the service defines, asked of
+    ``names`` the first time they are needed (the command's help, a value
+    given, completion), not as the command line is built."""
+
+    def __init__(self, names: Callable[[], Iterable[str]]) -> None:
+        # Not Choice's __init__: it sets the choices it is given.
+        self._names = names
+        self.case_sensitive = True
+
+    @cached_property
+    def choices(self) -> tuple[str, ...]:  # type: ignore[override]
+        return tuple(self._names())
+
+
 def read_as_usage(ctx: click.Context, read: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     """``read(*args, **kwargs)``, for an option callback: a value it cannot
     read (its :class:`InputError` names the option) is a usage error, exit 2,
@@ -495,6 +527,8 @@ def write_json_list(
 
 
 def emit_result(settings: Settings, result: CommandResult, verb: str) -> None:
+    import msgspec
+
     def human() -> None:
         name = result.removed or (result.model or {}).get("name", "")
         done = "replaced" if result.replaced else verb
@@ -821,7 +855,10 @@ def _raised_writing_out(error: BaseException) -> bool:
 def failure_line(error: Exception) -> str:
     """The one line an exception no command expected comes to. Library errors
     (SQLAlchemy's) run on over several lines; the first says what went wrong."""
-    unusable = database_unusable(error)
+    # Only a command that opened the log meets the database's errors: one
+    # that did not is spared loading it, which fails too out of descriptors.
+    persistence = sys.modules.get("catalog_es.persistence")
+    unusable = None if persistence is None else persistence.database_unusable(error)
     if unusable is not None:
         return f"error: the database could not be used: {unusable.said}"
     return f"error: unexpected {type(error).__name__}: {first_line(str(error))}"

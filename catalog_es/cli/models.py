@@ -35,8 +35,6 @@ from catalog_es.cli.base import (
 )
 from catalog_es.collector import collector_paused
 from catalog_es.errors import InputError, counted, json_line, shown
-from catalog_es.inputs import read_changes, read_model
-from catalog_es.spec import Adapter, Origin
 
 
 @cli.group()
@@ -115,6 +113,8 @@ def model_show(
 def model_add(settings: Settings, file: str) -> None:
     """Add a model from a YAML or JSON definition (- reads standard input).
     Re-adding a runtime model replaces its definition."""
+    from catalog_es.inputs import read_model
+
     spec = read_model(file)
     result = settings.models().add(spec, **meta(settings))
     emit_result(settings, result, "added")
@@ -234,6 +234,8 @@ def model_adapters(
     settings: Settings, name: str, adapters: list[tuple[str, str]], clear: bool
 ) -> None:
     """Replace the LoRA adapters a runtime model serves."""
+    from catalog_es.spec import Adapter
+
     if bool(adapters) == clear:
         both = ", not both" if clear else ""
         raise click.UsageError(f"give --adapter NAME=SOURCE (one or more), or --none{both}")
@@ -266,6 +268,8 @@ def model_source(
     files: list[tuple[str, str]],
 ) -> None:
     """Move a runtime model to other weights, recording where they came from."""
+    from catalog_es.spec import Origin
+
     # Given empty (``--revision "$REV"``, the variable unset), it would write
     # the source with no origin at all, and exit 0.
     bootstrap.refuse_empty(repository, "--repository", "a registry repository (org/name)")
@@ -381,6 +385,8 @@ def apply_command(settings: Settings, file: str) -> None:
     resources {name, profile, memory_gb, cpu_cores}, class {name, class},
     owner {name, owner}, adapters {name, adapters}, source {name, source, origin}.
     """
+    from catalog_es.inputs import read_changes
+
     changes = read_changes(file)  # refused before a log is opened, or made
     result = settings.models().apply_changes(changes, **meta(settings))
 

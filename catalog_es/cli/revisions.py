@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterable
 from datetime import datetime
 from typing import Any
 
 import click
-import msgspec
 
-from catalog_es.catalog import Skipped
 from catalog_es.cli.base import (
     REVISION,
     REVISION_OR_TIME,
+    ChoiceOf,
     Settings,
     cli,
     declared_then_option,
@@ -29,7 +29,6 @@ from catalog_es.cli.base import (
     warn_if_taken_as_another,
 )
 from catalog_es.errors import counted, json_line
-from catalog_es.rollback import DIMENSIONS
 
 
 def _change_rows(diff: dict[str, Any]) -> list[list[str]]:
@@ -107,10 +106,16 @@ def diff_command(
 NOTES_SHOWN = 10
 
 
+def _dimensions() -> Iterable[str]:
+    from catalog_es.rollback import DIMENSIONS
+
+    return DIMENSIONS
+
+
 @cli.command("rollback")
 @click.option("--to", "to", type=REVISION_OR_TIME, required=True, help="The revision or UTC time.")
 @click.option("--model", "model_name", metavar="NAME", help="Only this model.")
-@click.option("--only", type=click.Choice(list(DIMENSIONS)), help="Only this dimension.")
+@click.option("--only", type=ChoiceOf(_dimensions), help="Only this dimension.")
 @click.option("--dry-run", is_flag=True, help="Show what would change; write nothing.")
 @shared_options
 @pass_settings
@@ -188,8 +193,9 @@ def watch_command(settings: Settings, after: int) -> None:
 @pass_settings
 def replay_command(settings: Settings) -> None:
     """Rebuild the read models (the catalog, its snapshots, the audit) from the log."""
-    # rich's progress bar is loaded only to replay: it was a tenth of every
+    # Loaded only to replay: rich's progress bar was a tenth of every
     # command's start-up.
+    import msgspec
     from rich.console import Console
     from rich.progress import (
         BarColumn,
@@ -198,6 +204,8 @@ def replay_command(settings: Settings) -> None:
         TextColumn,
         TimeRemainingColumn,
     )
+
+    from catalog_es.catalog import Skipped
 
     models = settings.models()
     with Progress(

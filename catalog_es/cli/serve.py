@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import errno
 import gc
@@ -14,12 +13,11 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from catalog_es import bootstrap
-from catalog_es.application import Models
 from catalog_es.cli.base import (
     Settings,
     WholeNumberRange,
@@ -35,8 +33,12 @@ from catalog_es.cli.base import (
     table,
 )
 from catalog_es.errors import InputError, shown
-from catalog_es.web import MAX_WATCHES
-from catalog_es.web.tokens import Role
+from catalog_es.web import MAX_WATCHES, Role
+
+if TYPE_CHECKING:
+    import asyncio
+
+    from catalog_es.application import Models
 
 tokens_option = click.option(
     "--tokens",
@@ -82,7 +84,10 @@ def serve(
     recorded it before another replaced it. With --expected-revision, it starts
     only on a log at that revision (a request gives its own, If-Match).
     """
-    import uvicorn  # loaded only to serve
+    # Loaded only to serve.
+    import asyncio
+
+    import uvicorn
     from uvicorn.config import LOGGING_CONFIG
 
     from catalog_es.web.app import end_streams
@@ -222,11 +227,11 @@ class AcceptErrorsTold:
                 _remedy(error),
                 self.every,
             )
-            self._next_count = loop.call_later(self.every, self._tell_count, error)
+            self._next_count = loop.call_later(self.every, self._tell_count, loop, error)
         else:
             self.failed_since_told += 1
 
-    def _tell_count(self, error: OSError) -> None:
+    def _tell_count(self, loop: asyncio.AbstractEventLoop, error: OSError) -> None:
         if not self.failed_since_told:
             self._next_count = None  # over: the next is told at once
             return
@@ -238,9 +243,7 @@ class AcceptErrorsTold:
             _remedy(error),
         )
         self.failed_since_told = 0
-        self._next_count = asyncio.get_running_loop().call_later(
-            self.every, self._tell_count, error
-        )
+        self._next_count = loop.call_later(self.every, self._tell_count, loop, error)
 
 
 def _accepting(context: dict[str, Any]) -> bool:

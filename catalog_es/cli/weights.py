@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -19,7 +19,9 @@ from catalog_es.cli.base import (
 )
 from catalog_es.cli.models import model
 from catalog_es.errors import counted
-from catalog_es.weights import Weights
+
+if TYPE_CHECKING:
+    from catalog_es.weights import Weights
 
 
 def registry_options(f: F) -> F:

@@ -68,7 +68,6 @@ from catalog_es.inputs import (
     MAX_CHANGES,
     MAX_CHANGES_BYTES,
     MAX_INPUT_BYTES,
-    MAX_REVISION,
     NAME_REGEX,
     NAME_SCHEMA,
     AdaptersChange,
@@ -88,19 +87,16 @@ from catalog_es.inputs import (
     describe,
     describe_problems,
     event_type,
-    in_digits,
     model_from_data,
     one_of,
     parse_changes,
     parse_document,
-    revision_or_time,
-    utc_time,
-    whole_number,
 )
 from catalog_es.persistence import AnswerTooLarge, database_unusable
-from catalog_es.web import MAX_WATCHES
+from catalog_es.values import MAX_REVISION, in_digits, revision_or_time, utc_time, whole_number
+from catalog_es.web import MAX_WATCHES, Role
 from catalog_es.web.events import StreamPlaces, event_stream
-from catalog_es.web.tokens import Caller, Role, TokenStore
+from catalog_es.web.tokens import Caller, TokenStore
 from projections.audit import ChangeFilters, Filters
 
 log = logging.getLogger("catalog_es")

@@ -14,7 +14,6 @@ two at once cannot each read the file and write it back without the other's
 
 from __future__ import annotations
 
-import enum
 import fcntl
 import hashlib
 import hmac
@@ -34,20 +33,13 @@ from catalog_es.errors import InputError, missing_folder
 from catalog_es.files import replace_file
 from catalog_es.inputs import check_actor
 from catalog_es.model import utc_now, utc_text
+from catalog_es.web import Role
 
 log = logging.getLogger(__name__)
 
 TOKEN_PREFIX = "ces"
 _ID_BYTES = 6
 _SECRET_BYTES = 32
-
-
-class Role(enum.IntEnum):
-    """What a token may do; each role may do what the ones below it may."""
-
-    read = 1  # every query, a rollback's dry run
-    write = 2  # the commands that change models
-    admin = 3  # rollback
 
 
 # A key the file does not have (a misspelt one, a hand-added expiry) is
