@@ -42,7 +42,7 @@ from projections.audit import (
     select_rows,
     stored_time,
 )
-from projections.snapshots import readable_configs, taken_since
+from projections.snapshots import taken_since
 
 if TYPE_CHECKING:
     from catalog_es.catalog import Skipped
@@ -69,7 +69,8 @@ class AuditTrail:
 
     def history(self, name: str, **filters: Unpack[ChangeFilters]) -> list[dict[str, Any]]:
         """Every stored event about one model matching the filters given (as
-        :meth:`audit` takes them), oldest first, with the field-level change it
+        :meth:`audit` takes them), and every config record's change of its
+        declared definition, oldest first, with the field-level change it
         made (or why load skips it)."""
         return _rows(self._history_views(name, {**filters, "model": name}))
 
@@ -99,24 +100,13 @@ class AuditTrail:
         # No name filters nothing: every row would be this "history".
         if name:
             views = self._views(filters, at_most_bytes, query="history")
+            # A name the rows do not mention was never in the log, nor in a
+            # config it recorded (a config record has a row for each model it
+            # declares anew): one indexed read, not the records read through.
             declared = any(m.name == name for m in self.declared.models)
-            if (
-                views
-                or declared
-                or self._audit.view.mentions(self.name, name)
-                or self._once_declared(name)
-            ):
+            if views or declared or self._audit.view.mentions(self.name, name):
                 return views
         raise ModelNotFound(name, "has no history: it was never in the log or the config")
-
-    def _once_declared(self, name: str) -> bool:
-        """Whether a config the log recorded declares ``name``: a model
-        dropped from the config was in it, if not in today's. Asked only of a
-        name with no rows, so the records (few: one a deploy) are read rarely."""
-        with self.store.read() as conn:
-            return any(
-                spec.name == name for record in readable_configs(conn) for spec in record.models
-            )
 
     def audit(self, **filters: Unpack[Filters]) -> list[dict[str, Any]]:
         """The audit rows matching every filter given (``model``, ``by``,

@@ -40,7 +40,7 @@ from yaml._yaml import CParser
 
 from catalog_es import commands
 from catalog_es.catalog import Catalog
-from catalog_es.configuration import CONFIG_DECLARED
+from catalog_es.configuration import CONFIG_DECLARED, DECLARATION_TYPES
 from catalog_es.configuration import DeclaredConfig as DeclaredConfig  # re-exported
 from catalog_es.errors import (
     SHOWN_LENGTH,
@@ -1069,14 +1069,16 @@ def changes_from_data(data: Any, where: str) -> list[commands.Step]:
     return steps
 
 
-# The event types each query's rows carry: a model's history, its events; the
-# audit, a declared-config record's besides (no model's); the refusals, a
-# refused rollback's, list of changes' or check for updates' besides (no
-# event of their own).
-HISTORY_TYPES = tuple(cls.__name__ for cls in EVENT_TYPES)
+# The event types each query's rows carry: a model's history, its events and
+# what config records did to its declared definition; the audit, a
+# declared-config record's besides (no model's); the refusals, a model's
+# events, a declared-config record's (a refused start) and a refused
+# rollback's, list of changes' or check for updates' (no event of their own).
+MODEL_TYPES = tuple(cls.__name__ for cls in EVENT_TYPES)
+HISTORY_TYPES = (*MODEL_TYPES, *DECLARATION_TYPES)
 AUDIT_TYPES = (*HISTORY_TYPES, CONFIG_DECLARED)
-REFUSAL_TYPES = (*AUDIT_TYPES, ROLLBACK, APPLY, CHECK_UPDATES)
-_EVENT_NAMES = {name.lower(): name for name in REFUSAL_TYPES}
+REFUSAL_TYPES = (*MODEL_TYPES, CONFIG_DECLARED, ROLLBACK, APPLY, CHECK_UPDATES)
+_EVENT_NAMES = {name.lower(): name for types in (AUDIT_TYPES, REFUSAL_TYPES) for name in types}
 # Each query, as its command is named: what an answer calls it, and its types.
 QUERY_TYPES = {
     "history": ("a model's history", HISTORY_TYPES),

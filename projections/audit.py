@@ -42,6 +42,9 @@ from catalog_es.collector import collector_paused
 from catalog_es.configuration import (
     CONFIG_DECLARED,
     CONFIGS_KEPT,
+    DECLARED,
+    REDECLARED,
+    UNDECLARED,
     Configuration,
 )
 from catalog_es.errors import StorageBusy, first_line, lost_events
@@ -96,8 +99,10 @@ RETRIES = 3
 # its model is its stream's (it was no model's, so no model's history); 6: a
 # config record's changes, to the declared layer (it had none); 7: a row of
 # its own for each model a removal takes out of force (a revision had one row);
-# 8: the log's hash at the position, to tell a log restored under the rows.
-LAYOUT = 8
+# 8: the log's hash at the position, to tell a log restored under the rows;
+# 9: a row of its own for each model whose declared definition a config
+# record changed (a model's history showed none of its config changes).
+LAYOUT = 9
 # Events to replay from which a catch-up says what it is doing.
 TOLD_FROM = 100_000
 CHANGES_PREFIX = f"audit_changes_v{LAYOUT}_"
@@ -157,7 +162,8 @@ def changes_table_for(application_name: str, config: str) -> sa.Table:
         sa.Column("revision", sa.BigInteger(), primary_key=True, autoincrement=False),
         # 0: the event's own row; 1 on: each model it took out of force, in
         # the order load did (a removal takes those naming the model removed
-        # as a fallback, and those naming them in turn).
+        # as a fallback, and those naming them in turn), or, of a config
+        # record, each model whose declared definition it changed.
         sa.Column("place", sa.Integer(), primary_key=True, autoincrement=False),
         # What the queries filter on. UTC; NULL, like actor, for a record that
         # could not be decoded.
@@ -303,6 +309,11 @@ def _is_named_list(value: Any) -> bool:
 
 def _definition(spec: ModelSpec | None) -> dict[str, Any] | None:
     return msgspec.to_builtins(spec) if spec is not None else None
+
+
+def _declared_models(record: Configuration.Declared | None) -> dict[str, ModelSpec]:
+    """A config record's declared definitions by name; none before the first."""
+    return {} if record is None else {spec.name: spec for spec in record.models}
 
 
 def _declared_layer(record: Configuration.Declared | None) -> dict[str, Any]:
@@ -1078,29 +1089,35 @@ class AuditProjection(Projection[AuditView]):
     def declaration(self, event: Configuration.Declared, tracking: Tracking) -> None:
         """A record of the declared config: who ran which config, from when,
         and what it changed of the one recorded before it (the first, all it
-        declares)."""
+        declares), in its row and in a row of each model it changed."""
         revision = tracking.notification_id
         self.catalog.apply(event, revision)
         before, self.declared_then = self.declared_then, event
         if revision <= self.recorded:
-            return  # its row is written: the layers are compared for a row alone
-        self._stage(
-            tracking,
-            {
-                "time": stored_time(event.timestamp),
-                "actor": event.by,
-                "model": None,  # as log --json has it; the filter column's is ""
-                "event": CONFIG_DECLARED,
-                "class_version": event.class_version,
-                "reason": event.reason,
-                "rollback_to": event.rollback_to,
-                "fields": event_fields(event),
-            },
-            None,
-            None,
-            None,
-            changes=field_changes(_declared_layer(before), _declared_layer(event)),
-        )
+            return  # its rows are written: the layers are compared for rows alone
+        row = {
+            "time": stored_time(event.timestamp),
+            "actor": event.by,
+            "model": None,  # as log --json has it; the filter column's is ""
+            "event": CONFIG_DECLARED,
+            "class_version": event.class_version,
+            "reason": event.reason,
+            "rollback_to": event.rollback_to,
+            "fields": event_fields(event),
+        }
+        changes = field_changes(_declared_layer(before), _declared_layer(event))
+        self._stage(tracking, row, None, None, None, changes=changes)
+        # Each model whose declared definition it changed, in a row of its
+        # own after the record's: the model's history (an indexed read of its
+        # name) shows when the config declared it, changed it and dropped it.
+        was, now = _declared_models(before), _declared_models(event)
+        changed = (name for name in {**was, **now} if was.get(name) != now.get(name))
+        fields = {"fingerprint": event.fingerprint}
+        for place, name in enumerate(changed, start=1):
+            old, new = was.get(name), now.get(name)
+            kind = DECLARED if old is None else UNDECLARED if new is None else REDECLARED
+            own = {**row, "model": name, "event": kind, "fields": fields}
+            self._stage(tracking, own, old, new, None, place)
 
     @process_event.register
     def unreadable(self, record: Unreadable, tracking: Tracking) -> None:
@@ -1137,7 +1154,7 @@ class AuditProjection(Projection[AuditView]):
         its view, the ``log --json`` line of the event plus what it did to the
         definition in force (``changes``: to the declared layer, a config
         record's). ``place``: 0 for the event's own model, 1 on for each model
-        it took out of force with it."""
+        it took out of force with it, or whose declared definition it changed."""
         old, new = _definition(before), _definition(after)
         time, actor = row.get("time"), row.get("actor")
         view = {

@@ -138,6 +138,11 @@ EMBED_DEFINITION = {
 }
 
 
+def as_json(value: Any) -> Any:
+    """``value`` as a row's JSON holds it (a definition's tuples as lists)."""
+    return json.loads(msgspec.json.encode(value))
+
+
 def at(minutes: int) -> str:
     return (T0 + timedelta(minutes=minutes)).isoformat().replace("+00:00", "Z")
 
@@ -208,8 +213,9 @@ def refuse(command: Callable[[], Any], error: type[Exception]) -> None:
 
 def script(models: Models, clock: Clock) -> None:
     """Seven changes by three actors (revisions 2-8, at T0 + 1..7 minutes; the first
-    write records the declared config as revision 1 before its own), then
-    four refused attempts (at T0 + 8..11 minutes) and one unreadable one."""
+    write records the declared config as revision 1 before its own: its row,
+    and one of `base`, which it declares), then four refused attempts (at
+    T0 + 8..11 minutes) and one unreadable one."""
     broken = ModelSpec(
         name="broken", engine="vllm", source="s3://broken/w", profiles=(Profile("g", gpus=1),)
     )
@@ -238,6 +244,11 @@ def script(models: Models, clock: Clock) -> None:
     for minute, step in enumerate(steps, start=1):
         clock.minutes = minute
         step()
+
+
+# The revisions of the audit's rows of the script: the config record's and
+# its row of `base`, then one row per event.
+SCRIPTED_ROWS = [1, 1, 2, 3, 4, 5, 6, 7, 8]
 
 
 def load_base(models: Models) -> ModelSpec:
@@ -367,7 +378,9 @@ def test_a_model_a_removal_takes_out_of_force_has_a_row_of_its_own(
         "model {}: fallbacks: names {}, which this revision removed; out of force until added again"
     )
     for name, fallback in (("x", "y"), ("w", "x")):
-        added_row, last = models.history(name)
+        # The config declaring x and w has a row of each, recorded before the removal.
+        added_row, declared, last = models.history(name)
+        assert (declared["revision"], declared["event"]) == (4, "Declared")
         assert (last["revision"], last["model"], last["event"], last["by"]) == (
             5,
             name,
@@ -392,44 +405,142 @@ def test_a_model_a_removal_takes_out_of_force_has_a_row_of_its_own(
     assert models.audit() == rows
 
 
-def test_history_of_an_unknown_name_is_not_found_and_of_a_declared_one_is_empty(
+def test_history_of_an_unknown_name_is_not_found_and_of_a_declared_one_is_its_declaration(
     models: Models,
 ) -> None:
     with pytest.raises(ModelNotFound):
         models.history("never-seen")
-    assert models.history("base") == []
+    [declared] = models.history("base")
+    assert (declared["revision"], declared["by"], declared["event"]) == (1, "alice", "Declared")
+    assert declared["after"] == as_json(load_base(models))
 
 
-def test_history_of_a_name_a_recorded_config_declared_is_empty_not_never_seen(
-    models: Models, db: str, tmp_path: Path
+def test_history_of_a_model_dropped_from_the_config_ends_with_its_undeclaring(
+    models: Models, db: str, tmp_path: Path, clock: Clock
 ) -> None:
     """A model dropped from the config: `history` said it `was never in the
     log or the config`, where the log's config records declare it (hostile
-    test). It is what a name declared today with no runtime history answers."""
+    test). Its history is those records' rows of it, matched by any filter
+    or none (no row of it matching is no answer, not "never there")."""
     undeclared = tmp_path / "undeclared.yaml"
     undeclared.write_text("models: []\n")
     reopened = open_service(db, undeclared)
     try:
-        assert reopened.history("base") == []
+        assert [r["event"] for r in reopened.history("base")] == ["Declared"]
+        clock.minutes = 20
+        dropped = reopened.add(EMBED, by="erin").revision - 1
+        rows = reopened.history("base")
+        assert [(r["revision"], r["by"], r["event"]) for r in rows] == [
+            (1, "alice", "Declared"),
+            (dropped, "erin", "Undeclared"),
+        ]
+        assert (rows[1]["before"], rows[1]["after"]) == (rows[0]["after"], None)
+        assert reopened.history("base", by="nobody") == []
         with pytest.raises(ModelNotFound, match="was never in the log or the config"):
             reopened.history("never-seen")
     finally:
         reopened.close()
 
 
+def test_history_shows_when_the_config_declared_changed_and_dropped_a_model(
+    make_models: Callable[..., Models], db_url: str, tmp_path: Path
+) -> None:
+    """`history NAME` of a declared model showed none of its config changes,
+    only runtime events: each config record that changed its declared
+    definition has a row of it, with the record's revision, time, actor and
+    reason, in revision order among the model's runtime rows; on the CLI,
+    its table and --json too."""
+    base = spec("base")
+    first = make_models(config_yaml(base))
+    first.add(spec("chat"), by="alice", reason="try chat")  # 1: config, 2
+    first.close()
+    more_gpus = spec("base", profiles=(msgspec.structs.replace(base.profiles[0], gpus=2),))
+    second = make_models(config_yaml(more_gpus))
+    second.scale("chat", 1, 2, by="bob", reason="deploy 2")  # 3: config, 4
+    second.close()
+    third = make_models(config_yaml())
+    third.set_owner("chat", "team:search", by="carol", reason="deploy 3")  # 5: config, 6
+    third.add(spec("base", source="hf://org/base-v2"), by="dave")  # 7: at runtime now
+    rows = third.history("base")
+    assert [(r["revision"], r["by"], r["reason"], r["event"]) for r in rows] == [
+        (1, "alice", "try chat", "Declared"),
+        (3, "bob", "deploy 2", "Redeclared"),
+        (5, "carol", "deploy 3", "Undeclared"),
+        (7, "dave", "", "Added"),
+    ]
+    defined = as_json(base)
+    assert (rows[0]["before"], rows[0]["after"], rows[0]["skipped"]) == (None, defined, None)
+    assert rows[0]["changes"][0] == {"field": "name", "before": None, "after": "base"}
+    assert rows[1]["changes"] == [{"field": "profiles[gpu].gpus", "before": 1, "after": 2}]
+    assert (rows[2]["before"], rows[2]["after"]) == (rows[1]["after"], None)
+    config_rows = {r["revision"]: r for r in third.audit(event_type="ConfigDeclared")}
+    for row in rows[:3]:
+        record = config_rows[row["revision"]]
+        assert (row["time"], row["class_version"]) == (record["time"], record["class_version"])
+        assert row["fields"] == {"fingerprint": record["fields"]["fingerprint"]}
+    # The same query as the audit's of one model, and filtered as it is.
+    assert third.audit(model="base") == rows
+    assert third.history("base", event_type="Redeclared") == [rows[1]]
+    assert [r["model"] for r in third.audit(event_type="Undeclared")] == ["base"]
+    today = tmp_path / "today.yaml"
+    today.write_text(config_yaml())
+    printed = invoke(db_url, today, "history", "base", "--json")
+    assert printed.exit_code == 0, printed.stderr
+    assert json.loads(printed.stdout) == rows
+    as_table = invoke(db_url, today, "history", "base")
+    assert as_table.exit_code == 0, as_table.stderr
+    lines = as_table.stdout.splitlines()
+    assert [line.split()[3] for line in lines[1:] if line[:1].isdigit()] == [
+        "Declared",
+        "Redeclared",
+        "Undeclared",
+        "Added",
+    ]
+    assert "profiles[gpu].gpus: 1 → 2" in as_table.stdout
+
+
+def test_history_of_a_name_never_there_reads_no_config_record(
+    make_models: Callable[..., Models],
+) -> None:
+    """`history` of a typo read every config record the log holds, to tell a
+    model dropped from the config from one never there: 80 ms for 40 records
+    of 2,000 models, on every typo, over HTTP too. It is an indexed read of
+    the audit's rows now: no stored event's bytes are read to answer it."""
+    for replicas in range(1, 4):  # each deploy a config of its own, recorded in the log
+        node = make_models(config_yaml(spec("base", scaling=Scaling(1, replicas))))
+        node.add(spec(f"chat-{replicas}"), by="alice")
+        node.close()
+    models = make_models(config_yaml())
+    models.audit(limit=1)  # caught up: what follows is the query alone
+    statements: list[str] = []
+
+    def seen(*args: Any) -> None:
+        statements.append(str(args[2]))
+
+    sa.event.listen(models.store.engine, "before_cursor_execute", seen)
+    try:
+        with pytest.raises(ModelNotFound, match="was never in the log or the config"):
+            models.history("chta")
+        assert models.history("base", by="nobody") == []  # once declared: no error
+    finally:
+        sa.event.remove(models.store.engine, "before_cursor_execute", seen)
+    assert statements
+    assert not [s for s in statements if "state" in s], statements
+
+
 @pytest.mark.parametrize(
     ("query", "revisions"),
     [
         # Revision 1 is the record of the declared config, by the first writer.
-        ({}, [1, 2, 3, 4, 5, 6, 7, 8]),
-        ({"by": "alice"}, [1, 2, 4, 7]),
+        ({}, SCRIPTED_ROWS),
+        ({"by": "alice"}, [1, 1, 2, 4, 7]),
         ({"by": "bob"}, [3, 6]),
         ({"model": "embed"}, [4, 5, 7]),
         ({"model": "chat", "by": "carol"}, [8]),
         ({"event_type": "Added"}, [2, 4]),
         ({"event_type": "ConfigDeclared"}, [1]),
         ({"since": T0 + timedelta(minutes=3)}, [4, 5, 6, 7, 8]),
-        ({"until": T0 + timedelta(minutes=3)}, [1, 2, 3]),
+        ({"until": T0 + timedelta(minutes=3)}, [1, 1, 2, 3]),
         ({"since": T0 + timedelta(minutes=2), "until": T0 + timedelta(minutes=5)}, [3, 4, 5]),
         ({"limit": 2}, [7, 8]),
         ({"by": "alice", "limit": 2}, [4, 7]),
@@ -459,6 +570,7 @@ def test_the_audit_keeps_whether_times_went_up_with_revisions(models: Models, cl
     clock.minutes = 3
     models.scale("chat", 1, 3, by="bob")
     assert [r["revision"] for r in models.audit(until=T0 + timedelta(minutes=4))] == [
+        1,
         1,
         2,
         3,
@@ -521,6 +633,7 @@ def test_audit_rows_are_the_history_rows(models: Models) -> None:
     assert [r for r in everything if r["model"] == "chat"] == models.history("chat")
     assert [(r["revision"], r["model"], r["by"], r["event"]) for r in everything] == [
         (1, None, "alice", "ConfigDeclared"),
+        (1, "base", "alice", "Declared"),
         (2, "chat", "alice", "Added"),
         (3, "chat", "bob", "Scaled"),
         (4, "embed", "alice", "Added"),
@@ -863,7 +976,7 @@ def test_audit_tables_of_an_earlier_layout_are_left_to_the_nodes_of_that_version
         )
     models = open_service(db, config)
     script(models, clock)
-    assert [r["revision"] for r in models.audit()] == list(range(1, 9))
+    assert [r["revision"] for r in models.audit()] == SCRIPTED_ROWS
     assert models.audit(by="mallory") == []
     with engine.connect() as conn:
         assert conn.execute(sa.text("SELECT actor FROM audit_changes")).scalars().all() == [
@@ -873,15 +986,48 @@ def test_audit_tables_of_an_earlier_layout_are_left_to_the_nodes_of_that_version
     engine.dispose()
 
 
+def test_audit_tables_built_before_the_declared_rows_are_built_anew_with_them(
+    scripted: Models, db_url: str, config: Path
+) -> None:
+    """A database whose audit was built by a release before a config record
+    had a row of each model it changed (layout 8) answered `history` of a
+    declared model from those tables, without them. The rows are of a new
+    layout, in tables of its own: the first query builds them from the log,
+    with no step of the operator's, and leaves the old ones to their nodes."""
+    scripted.audit(limit=1)
+    layout = projections.audit.LAYOUT
+    now, before = table_of(scripted), table_of(scripted).replace(f"_v{layout}_", "_v8_")
+    tracking = tracking_table.name
+    run_sql(
+        scripted,
+        # What a node of layout 8 left: the same rows, but the models' own of the config's.
+        f"CREATE TABLE old_rows AS SELECT * FROM {now} WHERE place = 0 OR event = 'Removed'",
+        "CREATE TABLE old_tracking AS SELECT * FROM " + tracking,
+        f"DROP TABLE {now}",
+        f"DROP TABLE {tracking}",
+        f"ALTER TABLE old_rows RENAME TO {before}",
+        f"ALTER TABLE old_tracking RENAME TO {tracking.replace(f'_v{layout}', '_v8')}",
+    )
+    upgraded = open_service(db_url, config)
+    try:
+        assert [(r["revision"], r["event"]) for r in upgraded.history("base")] == [(1, "Declared")]
+        assert len(upgraded.audit()) == len(SCRIPTED_ROWS)
+    finally:
+        upgraded.close()
+    with scripted.store.engine.connect() as conn:
+        kept = conn.execute(sa.text(f"SELECT count(*) FROM {before}")).scalar()
+    assert kept == len(SCRIPTED_ROWS) - 1
+
+
 def test_the_audit_resumes_from_its_position_and_never_applies_twice(
     models: Models, db: str, config: Path
 ) -> None:
-    assert len(models.audit()) == 8
+    assert len(models.audit()) == len(SCRIPTED_ROWS)
     models.scale("chat", 1, 2, by="bob")
     other = open_service(db, config)  # another process: resumes from the tracked position
     assert [r["revision"] for r in other.audit(by="bob")] == [3, 6, 9]
     models.set_owner("chat", "", by="carol")
-    assert [r["revision"] for r in models.audit()] == [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+    assert [r["revision"] for r in models.audit()] == [*SCRIPTED_ROWS, 9, 10]
     assert [r["revision"] for r in other.audit(limit=1)] == [10]
     view = AuditView(models.store, models.declared.fingerprint)
     assert view.max_tracking_id(models.name) == 10
@@ -891,7 +1037,7 @@ def test_the_audit_resumes_from_its_position_and_never_applies_twice(
         count = conn.execute(
             sa.select(sa.func.count()).select_from(view.table(models.name))
         ).scalar()
-    assert count == 10
+    assert count == len(SCRIPTED_ROWS) + 2
     other.close()
 
 
@@ -933,20 +1079,25 @@ def test_a_new_process_catches_up_from_a_snapshot_with_the_rows_a_full_replay_wr
     fresh = open_service(db, config)
     rows = fresh.audit()
     assert len(decoded) < 9  # from the snapshot at 8 (or 6), not from the first event
-    assert [(r["revision"], r["event"], r["model"]) for r in rows[-5:]] == [
+    assert [(r["revision"], r["event"], r["model"]) for r in rows[-7:]] == [
         (9, "ConfigDeclared", None),
+        (9, "Redeclared", "base"),
         (10, "Scaled", "chat"),
         (11, "ConfigDeclared", None),
+        (11, "Redeclared", "base"),
         (12, "ClassSet", "chat"),
         (13, "Scaled", "embed"),
     ]
-    # Each config record's row says what it changed of the one before it.
+    # Each config record's rows say what it changed of the one before it.
     memory = "models[base].profiles[a100].min_memory_gb"
-    assert [(c["field"], c["before"], c["after"]) for c in rows[-5]["changes"]] == [
+    assert [(c["field"], c["before"], c["after"]) for c in rows[-7]["changes"]] == [
         (memory, 32, 48)
     ]
+    assert [(c["field"], c["before"], c["after"]) for c in rows[-6]["changes"]] == [
+        ("profiles[a100].min_memory_gb", 32, 48)
+    ]
     assert [(c["field"], c["before"], c["after"]) for c in rows[-3]["changes"]] == [
-        (memory, 48, 32)
+        ("profiles[a100].min_memory_gb", 48, 32)
     ]
     fresh.rebuild_audit()  # a replay from the first event
     assert fresh.audit() == rows
@@ -980,7 +1131,7 @@ def test_a_catch_up_that_another_process_overtook_writes_only_what_is_left(
     models: Models, db: str, config: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     other = open_service(db, config)
-    assert len(other.audit()) == len(models.audit()) == 8
+    assert len(other.audit()) == len(models.audit()) == len(SCRIPTED_ROWS)
     models.scale("chat", 1, 2, by="bob")
     models.scale("chat", 1, 3, by="bob")
     view = other._audit.view
@@ -998,7 +1149,7 @@ def test_a_catch_up_that_another_process_overtook_writes_only_what_is_left(
     monkeypatch.undo()
     models.scale("chat", 1, 4, by="bob")
     assert other.audit() == models.audit()
-    assert [r["revision"] for r in models.audit()] == list(range(1, 12))
+    assert [r["revision"] for r in models.audit()] == [*SCRIPTED_ROWS, 9, 10, 11]
     other.close()
 
 
@@ -1009,7 +1160,7 @@ def test_a_catch_up_racing_a_rebuild_leaves_no_gap(
     them: the rows ``other`` staged follow a position that is gone, and are not
     written over the gap; it starts again from the rebuilt rows."""
     other = open_service(db, config)
-    assert len(other.audit()) == 8
+    assert len(other.audit()) == len(SCRIPTED_ROWS)
     models.scale("chat", 1, 2, by="bob")
     view = other._audit.view
     real_resume_from = view.resume_from
@@ -1023,10 +1174,10 @@ def test_a_catch_up_racing_a_rebuild_leaves_no_gap(
         return tracked
 
     monkeypatch.setattr(view, "resume_from", resume_from)
-    assert [r["revision"] for r in other.audit()] == list(range(1, 10))
+    assert [r["revision"] for r in other.audit()] == [*SCRIPTED_ROWS, 9]
     monkeypatch.undo()
     models.rebuild_audit()
-    assert [r["revision"] for r in open_service(db, config).audit()] == list(range(1, 10))
+    assert [r["revision"] for r in open_service(db, config).audit()] == [*SCRIPTED_ROWS, 9]
     other.close()
 
 
@@ -1037,7 +1188,7 @@ def test_a_catch_up_across_a_rebuild_keeps_nothing_of_the_old_tables(
     it. The position alone cannot tell, the generation does: ``other`` goes on
     from the new tables, not with the time order it read from the old ones."""
     other = open_service(db, config)
-    assert len(other.audit()) == 8
+    assert len(other.audit()) == len(SCRIPTED_ROWS)
     with models.store.engine.begin() as conn:  # a wrong order, for the rebuild to right
         conn.execute(sa.update(tracking_table).values(times_in_order=False))
     models.scale("chat", 1, 2, by="bob")
@@ -1052,7 +1203,7 @@ def test_a_catch_up_across_a_rebuild_keeps_nothing_of_the_old_tables(
         return tracked
 
     monkeypatch.setattr(view, "resume_from", resume_from)
-    assert [r["revision"] for r in other.audit()] == list(range(1, 11))
+    assert [r["revision"] for r in other.audit()] == [*SCRIPTED_ROWS, 9, 10]
     assert view.resume_from(models.name).times.in_order is True
     other.close()
 
@@ -1063,7 +1214,7 @@ def test_a_catch_up_kept_waiting_keeps_its_rows_for_the_next_query(
     """A busy database refuses the write: the rows it staged wait for the next
     query, which goes on from where this one stopped rather than replaying the
     whole log again."""
-    assert len(models.audit()) == 8
+    assert len(models.audit()) == len(SCRIPTED_ROWS)
     models.scale("chat", 1, 2, by="bob")
     view = models._audit.view
 
@@ -1080,7 +1231,7 @@ def test_a_catch_up_kept_waiting_keeps_its_rows_for_the_next_query(
         return real_scan(conn, after=after)
 
     monkeypatch.setattr(models.store, "scan_hashed", scan)
-    assert [r["revision"] for r in models.audit()] == list(range(1, 10))
+    assert [r["revision"] for r in models.audit()] == [*SCRIPTED_ROWS, 9]
     assert scans == [9]
 
 
@@ -1116,13 +1267,13 @@ def test_a_query_on_tables_at_the_head_does_not_wait_for_another_querys_catch_up
     nothing to catch up, and waited for one another in turn: four were
     refused when the lock wait ran out (hostile test). Tables already at the
     head of the log are read without the lock; behind it, a query waits."""
-    assert len(models.audit()) == 8
+    assert len(models.audit()) == len(SCRIPTED_ROWS)
     monkeypatch.setattr(models.store, "lock_wait", 0.2)
     with audit_lock_held_by_another_query(models):
-        assert [r["revision"] for r in models.audit()] == list(range(1, 9))
+        assert [r["revision"] for r in models.audit()] == SCRIPTED_ROWS
         models.scale("chat", 1, 2, by="bob")
         refuse(models.audit, StorageBusy)
-    assert [r["revision"] for r in models.audit()] == list(range(1, 10))
+    assert [r["revision"] for r in models.audit()] == [*SCRIPTED_ROWS, 9]
 
 
 def test_a_query_refused_the_audit_lock_leaves_the_holders_wait_alone(
@@ -1140,12 +1291,12 @@ def test_a_query_refused_the_audit_lock_leaves_the_holders_wait_alone(
 def test_a_catch_up_that_fails_otherwise_starts_again_from_the_view(
     models: Models, db: str, config: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    assert len(models.audit()) == 8
+    assert len(models.audit()) == len(SCRIPTED_ROWS)
     models.scale("chat", 1, 2, by="bob")
     monkeypatch.setattr(models._audit, "_stage", lambda *args: 1 / 0)
     refuse(models.audit, ZeroDivisionError)
     monkeypatch.undo()
-    assert [r["revision"] for r in models.audit()] == list(range(1, 10))
+    assert [r["revision"] for r in models.audit()] == [*SCRIPTED_ROWS, 9]
     fresh = open_service(db, config)
     assert models.audit() == fresh.audit()
     fresh.close()
@@ -1166,7 +1317,7 @@ def test_an_answer_is_not_read_from_tables_another_process_is_rebuilding(
         other._audit.view.reset(other.name)
 
     monkeypatch.setattr(models._audit, "catch_up", catch_up)
-    assert [r["revision"] for r in models.audit()] == list(range(1, 9))
+    assert [r["revision"] for r in models.audit()] == SCRIPTED_ROWS
     assert models.history("embed")[0]["revision"] == 4
     other.close()
 
@@ -1380,7 +1531,7 @@ def test_audit_rows_of_events_a_restored_log_no_longer_holds_are_made_again(
     other.scale("chat", 1, 5, by="erin")
     rows = scripted.audit()
     assert rows == other.audit() == rebuilt_audit(db_url, config)
-    assert [r["by"] for r in rows[8:]] == ["erin", "erin"]
+    assert [r["by"] for r in rows[len(SCRIPTED_ROWS) :]] == ["erin", "erin"]
     assert scripted.audit(by="bob") == [r for r in rows if r["by"] == "bob"]
     assert [r["revision"] for r in rows if r["by"] == "bob"] == [3, 6]
     [warning] = audit_warnings(caplog)
@@ -1425,7 +1576,7 @@ def test_audit_rows_another_process_made_again_meanwhile_are_kept(
     assert a._audit.generation == b._audit.generation  # b's table, not one made after
     assert len(audit_warnings(caplog)) == 1
     assert rows == b.audit() == rebuilt_audit(db_url, config)
-    assert [r["by"] for r in rows[8:]] == ["erin"]
+    assert [r["by"] for r in rows[len(SCRIPTED_ROWS) :]] == ["erin"]
     a.close()
     b.close()
 
@@ -2295,7 +2446,7 @@ def test_the_type_filter_takes_every_event_the_rows_carry(
 
 TAKEN_BY_A_HISTORY = (
     "Added, Removed, Scaled, ResourcesSet, ClassSet, OwnerSet, AdaptersSet, SourceSet, "
-    "OriginSet, UpstreamChanged"
+    "OriginSet, UpstreamChanged, Declared, Redeclared, Undeclared"
 )
 
 
@@ -2532,7 +2683,7 @@ def test_the_hash_chain_on_postgresql(postgres_schema: str, config: Path, clock:
     try:
         script(models, clock)
         assert models.verify()["ok"] is True
-        assert [r["revision"] for r in models.audit(by="alice")] == [1, 2, 4, 7]
+        assert [r["revision"] for r in models.audit(by="alice")] == [1, 1, 2, 4, 7]
         until = T0 + timedelta(minutes=5)
         assert [r["revision"] for r in models.audit(until=until, limit=2)] == [4, 5]
         assert len(models.refusals()) == 4

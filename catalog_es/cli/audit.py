@@ -59,8 +59,9 @@ def change_filters(query: str) -> Callable[[F], F]:
             "event_type",
             metavar="EVENT",
             callback=event_option,
-            help="Only this event type (e.g. Scaled; ConfigDeclared: a declared-config "
-            "record, in audit; Rollback, Apply, CheckUpdates: a refused rollback, list of "
+            help="Only this event type (e.g. Scaled; Declared, Redeclared, Undeclared: what "
+            "a declared-config record did to a model's declared definition; ConfigDeclared: "
+            "the record, in audit; Rollback, Apply, CheckUpdates: a refused rollback, list of "
             "changes or check for updates, in refusals).",
         ),
         click.option(
@@ -142,7 +143,8 @@ def _show_changes(rows: Iterable[dict[str, Any]], *, with_model: bool) -> Callab
 @query_options
 @pass_settings
 def history(settings: Settings, name: str, **filters: Unpack[ChangeFilters]) -> None:
-    """Every change to one model, oldest first, field by field, filtered; --by
+    """Every change to one model, oldest first, field by field (the config
+    deploys that declared, changed or dropped it among them), filtered; --by
     names the actor."""
     filters["by"] = settings.by
     rows = settings.models().history_rows(name, **filters)

@@ -1049,8 +1049,9 @@ def change_filters(
         str | None,
         Query(
             alias="type",
-            description="Only this event type (e.g. `Scaled`; `ConfigDeclared` in the "
-            "audit; `Rollback`, `Apply`, `CheckUpdates` in the refusals).",
+            description="Only this event type (e.g. `Scaled`; `Declared`, `Redeclared`, "
+            "`Undeclared`: what a declared-config record did to a model's declared definition; "
+            "`ConfigDeclared` in the audit; `Rollback`, `Apply`, `CheckUpdates` in the refusals).",
         ),
     ] = None,
     since: Annotated[
@@ -1098,6 +1099,7 @@ def history(
     name: RecordedName, caller: Reader, models: Service, filters: ChangeFilterParams
 ) -> Response:
     """Every change to one model, oldest first, field by field (before → after),
+    the config deploys that declared, changed or dropped it among them,
     filtered; more than a page of them is refused: give `limit`, or narrow them."""
     return respond_json(
         models.history_json(

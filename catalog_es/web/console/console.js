@@ -768,7 +768,7 @@ async function timeline(name, at) {
       changes(r)
     )
   );
-  return h("section", { id: "history" }, h("h2", {}, "History"), note, items.length ? h("ol", { class: "timeline" }, items) : h("p", { class: "quiet" }, "No runtime changes."));
+  return h("section", { id: "history" }, h("h2", {}, "History"), note, items.length ? h("ol", { class: "timeline" }, items) : h("p", { class: "quiet" }, "No changes."));
 }
 
 async function modelPage(name, at) {
