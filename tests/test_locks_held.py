@@ -1,14 +1,21 @@
 """A lock held for good by a test's thread: the test that leaves logging's
-fails, and the tests after it in the process still start servers."""
+fails, the tests after it in the process still start servers, and a test
+server that cannot start says where it waits."""
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
+from fastapi import FastAPI
+
+from tests import serving as serving_module
+from tests.serving import serving
 
 # A run of the suite's configuration (its conftest), in a pytest of its own:
 # the first test leaves logging's lock held, the second serves.
@@ -62,3 +69,28 @@ def test_a_test_leaving_loggings_lock_held_fails_and_the_next_server_starts(
         "ERROR test_interrupted.py::test_interrupted",
     ], done.stdout
     assert "the test left logging's module lock held by its thread" in done.stdout
+
+
+def test_a_test_server_that_does_not_start_says_where_it_waits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """It said only that it had not started in 10 s: where its thread waited
+    (for logging's lock, held for good) was not told, and it was left to
+    start whenever that lock came free, and serve on for the rest of the run."""
+    monkeypatch.setattr(serving_module, "START_SECONDS", 1)
+    app = FastAPI()
+    app.state.closing = threading.Event()
+    before = set(threading.enumerate())
+    logging._lock.acquire()  # type: ignore[attr-defined]  # as an interrupt leaves it
+    try:
+        with pytest.raises(RuntimeError) as failed, serving(app):
+            pass
+    finally:
+        logging._lock.release()  # type: ignore[attr-defined]
+    said = str(failed.value)
+    assert said.startswith("the test server did not start in 1 s; its thread waits at:\n"), said
+    assert f'File "{logging.__file__}"' in said, said
+    # Let go, it starts, and ends.
+    (server,) = set(threading.enumerate()) - before
+    server.join(timeout=10)
+    assert not server.is_alive()
