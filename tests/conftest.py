@@ -21,7 +21,7 @@ from catalog_es.spec import ModelSpec
 from projections.snapshots import DEFAULT_INTERVAL
 from tests.helpers import count_events, schema_of
 
-pytest_plugins = ["tests.alone"]
+pytest_plugins = ["tests.alone", "tests.locks_held"]
 
 # eventsourcing lets the environment override an application's settings, and
 # the CLI reads CATALOG_ES_*: a developer's shell must not steer the tests.

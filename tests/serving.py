@@ -7,8 +7,10 @@ import asyncio
 import re
 import socket
 import subprocess
+import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -20,6 +22,9 @@ from catalog_es.web.app import end_streams
 from catalog_es.web.tokens import TokenStore
 
 ROLES = ("read", "write", "admin")
+
+# How long a test server may take to start, at most: it takes milliseconds.
+START_SECONDS = 10
 
 
 class _Server(uvicorn.Server):
@@ -59,11 +64,11 @@ def serving(app: FastAPI) -> Iterator[str]:
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + START_SECONDS
     while not server.started:
         if not thread.is_alive() or time.monotonic() > deadline:
-            why = f": {failed[0]!r}" if failed else (" in 10 s" if thread.is_alive() else "")
-            raise RuntimeError(f"the test server did not start{why}")
+            server.should_exit = True  # started after all, it ends at once
+            raise RuntimeError(f"the test server did not start{_why_not(thread, failed)}")
         time.sleep(0.01)
     try:
         yield f"http://127.0.0.1:{port}"
@@ -72,6 +77,19 @@ def serving(app: FastAPI) -> Iterator[str]:
         server.should_exit = True
         thread.join(timeout=10)
         sock.close()
+
+
+def _why_not(thread: threading.Thread, failed: list[BaseException]) -> str:
+    """The error the server's thread ended with, or where it still waits:
+    one that waited for a lock held for good said only that it did not
+    start, in every server test after (a CI run)."""
+    if failed:
+        return f": {failed[0]!r}"
+    waiting = sys._current_frames().get(thread.ident or 0)
+    if waiting is None:
+        return ""
+    where = "".join(traceback.format_stack(waiting)[-3:])
+    return f" in {START_SECONDS} s; its thread waits at:\n{where}"
 
 
 class Proxy:
