@@ -1483,6 +1483,14 @@ def test_an_interrupt_anywhere_in_a_write_leaves_no_lock_held(
     rng = random.Random(1)
 
     def interrupt(*_: object) -> None:
+        if holds(logging._lock):  # type: ignore[attr-defined]
+            # Landed in logging's own gap (Python 3.11's _acquireLock takes
+            # its lock before the try that lets it go): raised there, it left
+            # the lock held for good, and every test server after this test
+            # in the worker waited for it (a CI run). Not this code's to
+            # survive: tried again a little later.
+            signal.setitimer(signal.ITIMER_REAL, 0.0001)
+            return
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGALRM, interrupt)
