@@ -318,6 +318,16 @@ class Catalog:
         other.taken_out = None  # the copy's changes are tried, not the log's
         return other
 
+    def replay_copy(self) -> Catalog:
+        """A copy of this catalog, which has replayed nothing, to replay a log
+        over on its own: it shares nothing a replay changes, not even the ids
+        worked out for names, which ``copy`` shares (catalogs replayed on two
+        threads, the service's and a read of the past's, would change one dict)."""
+        assert self.revision == 0 and not self.aggregates
+        other = self.copy()
+        other._ids = {}
+        return other
+
     def apply(self, event: DomainEvent, revision: int) -> Skipped | None:
         """Replay one stored event: apply it if the catalog stays valid, else
         skip it (the stream's version still advances) and say why. The hot
