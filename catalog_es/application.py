@@ -615,7 +615,7 @@ class Models(AuditTrail, Application[UUID]):
     def _new_catalog(self) -> Catalog:
         """The declared layer alone, its rules checked."""
         try:
-            return Catalog(self.declared.models, self.declared.engines)
+            return self.declared.new_catalog()
         except ConfigError as error:
             # The catalog rules do not know the file; the operator must be told it.
             if not self.declared.path:

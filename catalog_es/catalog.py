@@ -321,6 +321,16 @@ class Catalog:
         other.taken_out = None  # the copy's changes are tried, not the log's
         return other
 
+    def replay_copy(self) -> Catalog:
+        """A copy of this catalog, which has replayed nothing, to replay a log
+        over on its own: it shares nothing a replay changes, not even the ids
+        worked out for names, which ``copy`` shares (catalogs replayed on two
+        threads, the service's and a read of the past's, would change one dict)."""
+        assert self.revision == 0 and not self.aggregates
+        other = self.copy()
+        other._ids = {}
+        return other
+
     def apply(self, event: DomainEvent, revision: int) -> Skipped | None:
         """Replay one stored event: apply it if the catalog stays valid, else
         skip it (the stream's version still advances) and say why. The hot
@@ -495,14 +505,63 @@ class Catalog:
                         spec.name,
                         "fallbacks",
                     )
+        # The first model on a cycle is told, by the path from it back to it
+        # that a change to it is told by. Each model searched from in turn, a
+        # chain N deep took N²/2 steps: half a second at 2,000, on every start.
+        on_cycles = _on_cycles(self.declared)
         for spec in self.declared.values():
-            cycle = self._cycle_through(spec.name, spec)
-            if cycle:
+            if spec.name in on_cycles:
+                cycle = self._cycle_through(spec.name, spec)
                 raise DeclaredModelError(
                     f"model {spec.name!r}: fallbacks: form a cycle: {' -> '.join(cycle)}",
                     spec.name,
                     "fallbacks",
                 )
+
+
+def _on_cycles(models: dict[str, ModelSpec]) -> set[str]:
+    """The models on a fallback cycle, each of whose fallbacks is one of
+    ``models``: those of a strongly connected component of more than one (no
+    model is its own fallback), found by Tarjan's algorithm, which follows
+    each fallback once. Iterative: a chain may be deeper than Python recurses."""
+    order: dict[str, int] = {}  # when each model was reached
+    low: dict[str, int] = {}  # the earliest reached, still pending, it leads back to
+    pending: list[str] = []  # reached, in no component yet
+    is_pending: set[str] = set()
+    walk: list[tuple[str, Iterator[str]]] = []  # the path followed, and what is left of each
+    found: set[str] = set()
+
+    def reach(name: str) -> None:
+        order[name] = low[name] = len(order)
+        pending.append(name)
+        is_pending.add(name)
+        walk.append((name, iter(models[name].fallbacks)))
+
+    for root in models:
+        if root not in order:
+            reach(root)
+        while walk:
+            name, targets = walk[-1]
+            for target in targets:
+                if target not in order:
+                    reach(target)
+                    break
+                if target in is_pending:
+                    low[name] = min(low[name], order[target])
+            else:
+                walk.pop()
+                if walk:
+                    above = walk[-1][0]
+                    low[above] = min(low[above], low[name])
+                if low[name] == order[name]:
+                    # Its component: those reached from here, still pending.
+                    component = [pending.pop()]
+                    while component[-1] != name:
+                        component.append(pending.pop())
+                    is_pending.difference_update(component)
+                    if len(component) > 1:
+                        found.update(component)
+    return found
 
 
 def _named(skip: Skipped) -> Skipped:

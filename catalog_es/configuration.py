@@ -13,11 +13,15 @@ from __future__ import annotations
 import hashlib
 import uuid
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from catalog_es.model import DomainEvent
 from catalog_es.spec import DEFAULT_ENGINES, ModelSpec
+
+if TYPE_CHECKING:
+    from catalog_es.catalog import Catalog
 
 CONFIGURATION_ID = uuid.uuid5(uuid.NAMESPACE_URL, "catalog-es:configuration")
 
@@ -30,7 +34,8 @@ CONFIGS_KEPT = 3
 
 class DeclaredConfig(msgspec.Struct, frozen=True, dict=True):
     """What configuration declares: in force on every start, whatever the log says.
-    (``dict``: room for the fingerprint, worked out once, not on every command.)"""
+    (``dict``: room for the fingerprint and the checked layer, worked out
+    once, not on every command.)"""
 
     models: tuple[ModelSpec, ...] = ()
     engines: tuple[str, ...] = DEFAULT_ENGINES
@@ -43,6 +48,24 @@ class DeclaredConfig(msgspec.Struct, frozen=True, dict=True):
             {"engines": sorted(self.engines), "models": sorted(self.models, key=lambda m: m.name)}
         )
         return hashlib.sha256(canonical).hexdigest()
+
+    def check(self) -> None:
+        """Check the declared layer against the catalog rules (a
+        ``DeclaredModelError`` says where it breaks them). Once a config:
+        ``load_config`` asks, to tell where a refusal is in the file, and
+        every catalog over it starts from the layer it checked."""
+        self._checked_layer  # noqa: B018  (worked out on first use, and kept)
+
+    def new_catalog(self) -> Catalog:
+        """A catalog of the declared layer alone, to replay the log over."""
+        return self._checked_layer.replay_copy()
+
+    @cached_property
+    def _checked_layer(self) -> Catalog:
+        # Never changed: each catalog over this config is a copy of it.
+        from catalog_es.catalog import Catalog  # which imports this module
+
+        return Catalog(self.models, self.engines)
 
 
 # What a declared-config record is called where events are listed by name.

@@ -39,7 +39,6 @@ from pydantic_core import ErrorDetails, PydanticCustomError
 from yaml._yaml import CParser
 
 from catalog_es import commands
-from catalog_es.catalog import Catalog
 from catalog_es.configuration import CONFIG_DECLARED, DECLARATION_TYPES
 from catalog_es.configuration import DeclaredConfig as DeclaredConfig  # re-exported
 from catalog_es.errors import (
@@ -880,15 +879,18 @@ def load_config(path: str | None) -> DeclaredConfig:
         engines = _checked_engines(parsed.engines)
     except InputError as error:
         raise ConfigError(f"{path}: {error}") from None
-    models = tuple(m.to_spec() for m in parsed.models)
+    config = DeclaredConfig(
+        models=tuple(m.to_spec() for m in parsed.models), engines=engines, path=path
+    )
     try:
-        # Checked here as well as by the service, for the text: where it is.
-        Catalog(models, engines)
+        # Checked here, where the text tells where a refusal is; the service
+        # starts from the layer checked, not checking it again.
+        config.check()
     except DeclaredModelError as error:
-        named = [i for i, model in enumerate(models) if model.name == error.model]
+        named = [i for i, model in enumerate(config.models) if model.name == error.model]
         loc = ("models", named[error.place], *_field_path(error.field))
         raise ConfigError(f"{path}: {error} {_place(text, loc)}".rstrip()) from None
-    return DeclaredConfig(models=models, engines=engines, path=path)
+    return config
 
 
 def _field_path(field: str) -> list[int | str]:

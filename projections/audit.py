@@ -874,7 +874,7 @@ class AuditProjection(Projection[AuditView]):
         self.declared_then: Configuration.Declared | None = None
 
     def _new_catalog(self) -> Catalog:
-        catalog = Catalog(self.declared.models, self.declared.engines)
+        catalog = self.declared.new_catalog()
         catalog.taken_out = lambda skip, spec: self._taken_out.append((skip, spec))
         return catalog
 

@@ -208,7 +208,7 @@ def declared_at(conn: Connection, revision: int) -> DeclaredConfig:
     declared = DeclaredConfig(models=record.models, engines=record.engines, path=record.path)
     try:
         # The rules of today's code, which a record written under older ones may break.
-        Catalog(declared.models, declared.engines)
+        declared.check()
     except ConfigError as error:
         raise Refused(
             f"the declared config recorded at revision {recorded} does not load: {error}"
@@ -222,7 +222,7 @@ def catalog_at(
     """The catalog in force at ``revision`` over the declared config
     ``declared`` (today's, or :func:`declared_at`): the newest snapshot at or
     before it, and the events after that."""
-    catalog = Catalog(declared.models, declared.engines)
+    catalog = declared.new_catalog()
     if revision > 0:
         with collector_paused(lasting=True):
             snapshots.restore(conn, catalog, declared.fingerprint, upto=revision)
