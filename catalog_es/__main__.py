@@ -13,7 +13,9 @@ def main() -> None:
     was written), not as a traceback. Once the command is done, told or
     refused, a Ctrl-C changes nothing: in the interpreter's shutdown, which
     puts the default handler back, it killed the process (status 130 after
-    a write was told: a script would make it again; hostile test)."""
+    a write was told: a script would make it again; hostile test). Nor
+    does a Ctrl-C the command took as ``Aborted!``: see
+    :func:`_forget_interrupted_exec`."""
     early_stop.note_stops(sys.argv[1:])
     try:
         from catalog_es.cli import main as run_command_line
@@ -25,6 +27,18 @@ def main() -> None:
         sys.exit(1)
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        _forget_interrupted_exec()
+
+
+def _forget_interrupted_exec() -> None:
+    """Clear CPython's note that a KeyboardInterrupt ended an ``exec`` of
+    source text, which dataclasses and SQLAlchemy run as the service loads.
+    Run as ``python -m``, the interpreter checks that note as it exits and,
+    even though the interrupt was caught and told (``Aborted!``, 1), kills
+    itself with SIGINT: status 130, which says a write stands (hostile test,
+    one Ctrl-C in six as a command loaded). Each ``exec`` of text starts by
+    clearing it."""
+    exec("")  # text of our own, evaluated to clear the note
 
 
 if __name__ == "__main__":

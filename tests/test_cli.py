@@ -809,6 +809,40 @@ def test_ctrl_c_while_the_command_line_loads_is_no_traceback(tmp_path: Path) -> 
     assert err.endswith("\nAborted!\n") and "Traceback" not in err, err[-2000:]
 
 
+def test_ctrl_c_in_an_exec_as_the_service_loads_leaves_1_not_death_by_sigint(
+    tmp_path: Path,
+) -> None:
+    """dataclasses and SQLAlchemy build functions from source text with
+    ``exec`` as the service loads. A Ctrl-C in one was told ``Aborted!``,
+    but ``python -m catalog_es`` then killed itself with SIGINT as it
+    exited (status 130, which says a write stands), one Ctrl-C in six as a
+    command loaded (hostile test). Landed there at once: an ``exec`` of
+    text that sends it, as the command opens the log."""
+    (tmp_path / "interrupted_in_exec.py").write_text(
+        "import os, signal\n"
+        "from catalog_es import bootstrap\n"
+        "from catalog_es.__main__ import main\n"
+        "opened = bootstrap.open_models\n"
+        "def open_models(*args, **kwargs):\n"
+        "    exec('os.kill(os.getpid(), signal.SIGINT)\\nimport time\\ntime.sleep(5)')\n"
+        "    return opened(*args, **kwargs)\n"
+        "bootstrap.open_models = open_models\n"
+        "main()\n"
+    )
+    code, db = Path(__file__).parent.parent, f"sqlite:///{tmp_path}/c.db"
+    told = subprocess.run(
+        [sys.executable, "-m", "interrupted_in_exec", "--db", db, "revision"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(code), str(tmp_path)])},
+        check=False,
+    )
+    assert (told.returncode, told.stdout) == (1, ""), told.stderr[-2000:]
+    assert told.stderr.endswith("\nAborted!\n") and "Traceback" not in told.stderr
+
+
 # A Ctrl-C sent as the answer is written, as the log is closed (an engine
 # disposed, a WAL checkpoint), and once the command line has returned (in
 # the interpreter's shutdown).
