@@ -472,7 +472,7 @@ def test_a_node_writing_with_another_config_says_so(
     first.scale("a", 0, 3, by="ops")  # 5 first's again, 6
     second.scale("a", 0, 4, by="ops")  # 7 second's again, 8
     Models(configs[0], env={"CATALOG_ES_DB": db_url}).scale("a", 0, 5, by="ops")  # a restart
-    told = [r.getMessage() for r in caplog.records if "every node should run" in r.getMessage()]
+    told = _told_put_back(caplog)
     paths = [tmp_path / f"catalog-{n}.yaml" for n in range(2)]
     assert told == [
         f"this node's declared config ({paths[0]}), recorded at revision 1, was replaced by "
@@ -487,22 +487,32 @@ def test_a_node_writing_with_another_config_says_so(
     ]
 
 
+def _configs(count: int) -> list[DeclaredConfig]:
+    """``count`` declared configs, each of a model of its own, its path its index."""
+    return [
+        DeclaredConfig(models=(model_from_data(model_data(f"base-{n}"), "config"),), path=f"{n}")
+        for n in range(count)
+    ]
+
+
+def _told_put_back(caplog: pytest.LogCaptureFixture) -> list[str]:
+    """The warnings of a config recorded again over another's."""
+    return [r.getMessage() for r in caplog.records if "every node should run" in r.getMessage()]
+
+
 def test_a_config_recorded_several_deploys_back_is_told_when_it_comes_back(
     db_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A node (or a shell) on a config older than the last deploy but one:
     the log's records are looked through past the last two, in pages."""
-    configs = [
-        DeclaredConfig(models=(model_from_data(model_data(f"base-{n}"), "config"),), path=f"{n}")
-        for n in range(20)
-    ]
+    configs = _configs(20)
     nodes = [Models(c, env={"CATALOG_ES_DB": db_url}) for c in configs]
     nodes[0].add(_definition("a", []), by="ops")  # 1 config 0, 2
     for revision, node in enumerate(nodes[1:], start=3):
         node.scale("a", 0, revision, by="ops")  # deploys: each a config never recorded
     assert "every node should run" not in caplog.text
     nodes[0].scale("a", 0, 99, by="ops")  # 41 config 0 again, 42
-    told = [r.getMessage() for r in caplog.records if "every node should run" in r.getMessage()]
+    told = _told_put_back(caplog)
     assert told == [
         "this node's declared config (0), recorded at revision 1, was replaced by another at "
         "revision 39, and is recorded again at revision 41: every node should run the same one"
@@ -523,10 +533,7 @@ def test_a_deploy_looks_up_the_configs_the_log_recorded_without_holding_its_writ
     writes meanwhile, and the warning is told all the same."""
     path = tmp_path / "catalog.db"
     url = f"sqlite:///{path}"
-    configs = [
-        DeclaredConfig(models=(model_from_data(model_data(f"base-{n}"), "config"),), path=f"{n}")
-        for n in range(2)
-    ]
+    configs = _configs(2)
     nodes = [Models(c, env={"CATALOG_ES_DB": url}) for c in configs]
     nodes[0].add(_definition("a", []), by="ops")  # 1 config 0, 2
     nodes[1].scale("a", 0, 2, by="ops")  # 3 config 1, 4
@@ -553,7 +560,7 @@ def test_a_deploy_looks_up_the_configs_the_log_recorded_without_holding_its_writ
         sa.event.remove(nodes[0].store.engine, "before_cursor_execute", another_node_writes)
     assert other_writes
     assert all(other_writes), other_writes
-    told = [r.getMessage() for r in caplog.records if "every node should run" in r.getMessage()]
+    told = _told_put_back(caplog)
     assert told == [
         "this node's declared config (0), recorded at revision 1, was replaced by another at "
         "revision 3, and is recorded again at revision 5: every node should run the same one"
