@@ -341,16 +341,17 @@ def readable_configs(
 RECORDS_LOOKED_AT = 1000
 
 
-def last_recorded(conn: Connection, fingerprint: str) -> int | None:
+def last_recorded(conn: Connection, fingerprint: str, *, upto: int) -> int | None:
     """The revision that last recorded the config of ``fingerprint``, among
-    the last :data:`RECORDS_LOOKED_AT` records; ``None`` if none of them did.
+    the last :data:`RECORDS_LOOKED_AT` records at or before ``upto``; ``None``
+    if none of them did.
     Read in pages, the first of two records (two configs taking turns): psycopg
     reads every row asked for at once, and 1,000 records of 100 models each
     took 160 ms on PostgreSQL to find the second."""
     looked_at, page = 0, 2
     while looked_at < RECORDS_LOOKED_AT:
         asked = min(page, RECORDS_LOOKED_AT - looked_at)
-        rows = conn.execute(config_records().offset(looked_at).limit(asked)).all()
+        rows = conn.execute(config_records(upto).offset(looked_at).limit(asked)).all()
         for revision, topic, state in rows:
             if declared_fingerprint(topic, state) == fingerprint:
                 return int(revision)
