@@ -1085,7 +1085,7 @@ _EVENT_NAMES = {name.lower(): name for types in (AUDIT_TYPES, REFUSAL_TYPES) for
 QUERY_TYPES = {
     "history": ("a model's history", HISTORY_TYPES),
     "audit": ("the audit", AUDIT_TYPES),
-    "refusals": ("the refusals", REFUSAL_TYPES),
+    "refusals": ("the record of refusals", REFUSAL_TYPES),
 }
 
 

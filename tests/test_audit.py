@@ -2469,6 +2469,12 @@ TAKEN_BY_A_HISTORY = (
             ("history", "embed", "--type", "ConfigDeclared"),
             f"type 'ConfigDeclared': a model's history has none; it takes {TAKEN_BY_A_HISTORY}",
         ),
+        (
+            ("refusals", "--type", "Declared"),
+            "type 'Declared': the record of refusals has none; it takes Added, Removed, "
+            "Scaled, ResourcesSet, ClassSet, OwnerSet, AdaptersSet, SourceSet, OriginSet, "
+            "UpstreamChanged, ConfigDeclared, Rollback, Apply, CheckUpdates",
+        ),
     ],
 )
 def test_a_type_the_query_never_carries_is_refused_naming_the_ones_it_takes(
