@@ -1001,7 +1001,8 @@ class AuditProjection(Projection[AuditView]):
                     tracked.times,
                     tracked.generation,
                 )
-            start = self.recorded
+            # Rows, not revisions: a config record writes one for each model it changed.
+            written = 0
             self._from_snapshot(conn)
             if kept.last - self.catalog.revision >= TOLD_FROM:
                 # Once after an upgrade (a new layout) or a rebuild: a query
@@ -1025,9 +1026,9 @@ class AuditProjection(Projection[AuditView]):
                         record = self._filed_under(record, recorder, conn, revision)
                     self.process_event(record, Tracking(application_name, revision))
                     if len(self._staged) >= BATCH_SIZE or self._staged_bytes >= BATCH_BYTES:
-                        self.flush(stored_hash(log_hash))
-            self.flush(stored_hash(log_hash))
-        if self.recorded - start >= ANALYZE_AFTER:
+                        written += self.flush(stored_hash(log_hash))
+            written += self.flush(stored_hash(log_hash))
+        if written >= ANALYZE_AFTER:
             self.view.analyze(application_name)
 
     def _filed_under(
@@ -1039,11 +1040,13 @@ class AuditProjection(Projection[AuditView]):
         name = self.catalog.name_of(stream) if stream is not None else None
         return record if name is None else msgspec.structs.replace(record, model=name)
 
-    def flush(self, log_hash: str | None) -> None:
+    def flush(self, log_hash: str | None) -> int:
         """Write the staged rows and the position they reach, together, with
-        ``log_hash``, the log's hash there as the replay read it."""
+        ``log_hash``, the log's hash there as the replay read it; the number
+        of rows written."""
         if self._tracking is None:
-            return
+            return 0
+        written = len(self._staged)
         self._log_hash = log_hash
         self.view.record(
             self._staged, self._tracking, self.times, self.generation, self._log_hash, self._wait
@@ -1053,6 +1056,7 @@ class AuditProjection(Projection[AuditView]):
         self._staged = []
         self._staged_bytes = 0
         self._tracking = None
+        return written
 
     # -- processing --------------------------------------------------------------
 
