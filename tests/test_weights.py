@@ -37,6 +37,7 @@ from catalog_es.errors import DeclaredInConfig, Refused
 from catalog_es.inputs import load_config
 from catalog_es.mapper import encode_event, topic_of
 from catalog_es.model import Model, model_id, utc_now
+from catalog_es.persistence import LOCK_WAIT_ENV
 from catalog_es.ports import Applier, JsonFileApplier, NoApplier
 from catalog_es.registry import MirrorRegistry, Registry, RegistryError, checksums, verify
 from catalog_es.spec import ModelSpec, Origin
@@ -1817,9 +1818,11 @@ def test_check_updates_whose_findings_are_refused_after_its_origins_tells_what_s
     stderr and in the answer's ``not_recorded``, which is null when nothing
     went unrecorded (nothing new, or all of it recorded)."""
     world.mirror.publish("org/base", {"model.safetensors": b"declared, new"})
+    # Read as the database is opened: SQLite's busy timeout is set from it
+    # (set on the store after, it bounded nothing, and the write waited 10 s).
+    monkeypatch.setenv(LOCK_WAIT_ENV, "0.2")
     models = world.open().models
     models.add(spec("m"), by="alice")
-    monkeypatch.setattr(models.store, "lock_wait", 0.2)
 
     class LockedBetweenItsWrites(Weights):
         def _record_findings(self, *args: Any, **kwargs: Any) -> list[str]:
