@@ -643,7 +643,7 @@ class Models(AuditTrail, Application[UUID]):
             log.warning(
                 "this node's declared config (%s), recorded at revision %d, was "
                 "replaced by another at revision %d, and is recorded again at revision "
-                "%d: every node should run the same one",
+                "%d: every node should run the same one, unless it was put back on purpose",
                 self.declared.path or "none given",
                 before,
                 replaced,

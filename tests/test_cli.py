@@ -1891,7 +1891,7 @@ def test_a_run_on_another_config_than_the_log_recorded_says_so(db_url: str, tmp_
         [
             f"warning: this node's declared config ({old}), recorded at revision 1, was "
             "replaced by another at revision 3, and is recorded again at revision 5: every "
-            "node should run the same one"
+            "node should run the same one, unless it was put back on purpose"
         ],
     )
     assert recorded() == [(1, str(old)), (3, str(new)), (5, str(old))]

@@ -477,13 +477,13 @@ def test_a_node_writing_with_another_config_says_so(
     assert told == [
         f"this node's declared config ({paths[0]}), recorded at revision 1, was replaced by "
         "another at revision 3, and is recorded again at revision 5: every node should run "
-        "the same one",
+        "the same one, unless it was put back on purpose",
         f"this node's declared config ({paths[1]}), recorded at revision 3, was replaced by "
         "another at revision 5, and is recorded again at revision 7: every node should run "
-        "the same one",
+        "the same one, unless it was put back on purpose",
         f"this node's declared config ({paths[0]}), recorded at revision 5, was replaced by "
         "another at revision 7, and is recorded again at revision 9: every node should run "
-        "the same one",
+        "the same one, unless it was put back on purpose",
     ]
 
 
@@ -515,7 +515,8 @@ def test_a_config_recorded_several_deploys_back_is_told_when_it_comes_back(
     told = _told_put_back(caplog)
     assert told == [
         "this node's declared config (0), recorded at revision 1, was replaced by another at "
-        "revision 39, and is recorded again at revision 41: every node should run the same one"
+        "revision 39, and is recorded again at revision 41: every node should run the same one, "
+        "unless it was put back on purpose"
     ]
     for node in nodes:
         node.close()
@@ -563,7 +564,8 @@ def test_a_deploy_looks_up_the_configs_the_log_recorded_without_holding_its_writ
     told = _told_put_back(caplog)
     assert told == [
         "this node's declared config (0), recorded at revision 1, was replaced by another at "
-        "revision 3, and is recorded again at revision 5: every node should run the same one"
+        "revision 3, and is recorded again at revision 5: every node should run the same one, "
+        "unless it was put back on purpose"
     ]
     for node in nodes:
         node.close()
