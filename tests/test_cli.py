@@ -32,7 +32,7 @@ import sqlalchemy as sa
 import yaml
 from click.testing import CliRunner, Result
 
-from catalog_es import commands, early_stop
+from catalog_es import bootstrap, commands, early_stop, persistence
 from catalog_es.application import Models
 from catalog_es.cli import cli
 from catalog_es.cli.base import (
@@ -2092,6 +2092,14 @@ def test_a_command_that_reads_no_log_loads_no_service(
     assert said in done.stdout + "\n".join(told)
     loaded = {line.rpartition("|")[2].strip() for line in imports}
     assert sorted(m for m in loaded if m.partition(".")[0] in NOT_LOADED_WITHOUT_A_LOG) == []
+
+
+def test_the_command_line_names_the_database_variable_the_service_reads() -> None:
+    """The composition root spells ``CATALOG_ES_DB`` out, as naming it must
+    load no service; a service made without it reads ``Factory.URL``. Were
+    one renamed alone, ``--db`` unset would open ``catalog.db`` here while
+    the variable named another database."""
+    assert bootstrap.DB_ENV == persistence.Factory.URL
 
 
 def test_a_database_in_a_folder_that_is_not_there_is_named_and_nothing_is_made(
