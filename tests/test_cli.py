@@ -953,12 +953,17 @@ def test_watch_stopped_as_asked_says_stopped_and_exits_0(
     run: Run, write: Any, db_url: str, stop: signal.Signals
 ) -> None:
     """A follower runs until stopped, by hand or by its supervisor's SIGTERM,
-    which killed it (review), or by a hang-up, which killed it too."""
-    ok(run("model", "add", write("m.yaml", as_yaml(definition("m")))))
-    watch = python("-m", "catalog_es", "--db", db_url, "watch", "--json")
+    which killed it (review), or by a hang-up, which killed it too. On
+    another config than the log recorded, it says so of no read once it
+    stops: it followed the log over its own config, as it was told to."""
+    recorded = write("recorded.yaml", as_yaml({"models": [definition("c")]}))
+    ok(run("--config", recorded, "model", "add", write("m.yaml", as_yaml(definition("m")))))
+    other = write("other.yaml", as_yaml({"models": [definition("d")]}))
+    watch = python("-m", "catalog_es", "--db", db_url, "--config", other, "watch", "--json")
     try:
         assert watch.stdout is not None
         assert select.select([watch.stdout], [], [], 30)[0], "watch gave nothing in 30 s"
+        assert json.loads(watch.stdout.readline())["model"] is None  # the config's record
         assert json.loads(watch.stdout.readline())["model"] == "m"  # following now
         watch.send_signal(stop)
         _, err = watch.communicate(timeout=30)

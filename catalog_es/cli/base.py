@@ -616,12 +616,6 @@ class HeldWarnings(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         self.records.append(record)
 
-    @property
-    def holding(self) -> bool:
-        """Whether warnings are still held: not let through (by a command
-        that runs on), nor told yet."""
-        return self in self._logger.handlers
-
     def hold(self) -> None:
         self._propagated = self._logger.propagate
         self._logger.addHandler(self)
@@ -767,7 +761,9 @@ class CatalogGroup(click.Group):
         try:
             result = super().invoke(ctx)
             settings = ctx.find_object(Settings)
-            if settings is not None and _held.holding:
+            # Not after a server or a watch: they ran on their own config
+            # by design, their log told what they met as it came.
+            if settings is not None and ctx.invoked_subcommand not in early_stop.UNTIL_STOPPED:
                 settings.tell_another_config_recorded()
             told = True
             return result
