@@ -813,12 +813,31 @@ def _named(data: Any, error: ValidationError) -> str:
     return ""
 
 
+class _PlacingLoader(_StrictLoader):
+    """:class:`_StrictLoader`, noting where each list item written as an
+    alias (``- *base``) stands: YAML composes an alias into the node it
+    names, whose place is its anchor's, so a second declaration of a name
+    written so was told at the first's line (review)."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        # (id of the list's node, the item's index) -> the alias written there.
+        self.aliases: dict[tuple[int, int], yaml.Event] = {}
+
+    def compose_node(self, parent: yaml.Node | None, index: int) -> yaml.Node | None:
+        alias = self.peek_event() if self.check_event(yaml.AliasEvent) else None
+        node = super().compose_node(parent, index)
+        if alias is not None and isinstance(index, int):
+            self.aliases[id(parent), index] = alias
+        return node
+
+
 def _place(text: str, loc: tuple[int | str, ...]) -> str:
     """``(line L, column C)`` of what ``loc`` names in the YAML ``text``: a
     field's key, a list's item; as far as the text holds its path (a field
     missing, or merged in with ``<<``: the mapping that lacks it), "" for
     none of it. Composed again, only for a refusal: the data kept no places."""
-    loader = _StrictLoader(text)
+    loader = _PlacingLoader(text)
     try:
         node = loader.get_single_node()
     finally:
@@ -828,8 +847,9 @@ def _place(text: str, loc: tuple[int | str, ...]) -> str:
         if isinstance(node, yaml.SequenceNode) and isinstance(part, int):
             if part >= len(node.value):
                 break
+            alias = loader.aliases.get((id(node), part))
             node = node.value[part]
-            mark = node.start_mark
+            mark = node.start_mark if alias is None else alias.start_mark
         elif isinstance(node, yaml.MappingNode):
             found = next(((k, v) for k, v in node.value if k.value == part), None)
             if found is None:

@@ -435,15 +435,28 @@ def _origin_set_by(event: dict[str, Any]) -> Origin | None:
     return msgspec.convert(data, Origin) if data else None
 
 
-def _runs_as_read(now: ModelSpec, read: ModelSpec) -> bool:
+def _runs_as_read(now: ModelSpec, read: ModelSpec, repository: str | None) -> bool:
     """Whether ``now`` still runs the weights ``read`` did: its source, and its
-    origin, or one recorded meanwhile where ``read`` had none or part of one.
+    origin, or, where ``read`` had none or part of one, that origin completed
+    meanwhile: what it gave kept, of ``repository``, the one ``read``'s
+    weights come from (its origin's, else its source's; ``None``: not known).
     That records what it ran (``check-updates``, from cron): taken for a
-    change, it refused an update once its download was done (hostile test)."""
+    change, it refused an update once its download was done (hostile test).
+    Another repository, or the part cleared, is an operator's change, which
+    the move wrote over (review)."""
     if now.source != read.source:
         return False
-    recorded = read.origin is not None and bool(read.origin.revision and read.origin.files)
-    return now.origin == read.origin or not recorded
+    if now.origin == read.origin:
+        return True
+    was, found = read.origin or Origin(), now.origin or Origin()
+    if was.revision and was.files:
+        return False  # recorded whole: another is a change
+    return (
+        bool(repository)
+        and found.repository == repository
+        and was.revision in ("", found.revision)
+        and was.files.items() <= found.files.items()
+    )
 
 
 def _not_recorded(updates: list[dict[str, Any]], refused: Refused | None) -> dict[str, Any] | None:
@@ -537,10 +550,15 @@ class Weights:
         )
         return report
 
-    def _repository(self, spec: ModelSpec) -> str:
-        repository = (spec.origin.repository if spec.origin else "") or (
+    def _repository_of(self, spec: ModelSpec) -> str | None:
+        """The repository ``spec``'s weights come from: its origin's, else the
+        one its source names here; none, if neither says."""
+        return (spec.origin.repository if spec.origin else "") or (
             self.registry.repository_for(spec.source)
         )
+
+    def _repository(self, spec: ModelSpec) -> str:
+        repository = self._repository_of(spec)
         if not repository:
             raise RegistryError(
                 f"source {spec.source} is not in the registry, and no origin names a repository"
@@ -883,11 +901,13 @@ class Weights:
         longer those of ``spec`` by the time the write transaction holds;
         nothing written (no changes answered) if they are already those."""
 
+        repository = self._repository_of(spec)
+
         def plan(batch: Batch) -> None:
             now = batch.catalog.get(spec.name)
             if now is not None and (now.source, now.origin) == (source, origin):
                 return  # moved there meanwhile: nothing to write
-            if now is None or not _runs_as_read(now, spec):
+            if now is None or not _runs_as_read(now, spec, repository):
                 raise Refused(
                     f"model {spec.name!r} changed while its weights were being fetched; "
                     "nothing was written, run the command again"

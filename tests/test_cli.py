@@ -1585,6 +1585,26 @@ def test_a_model_declared_twice_is_told_at_its_second_declaration(
     assert rows() == 2
 
 
+def test_a_model_declared_again_by_an_alias_is_told_at_the_alias(
+    seeded: Run, write: Any, rows: Callable[[], int]
+) -> None:
+    """A second declaration written as an alias of the first (`- *base`) is
+    the first's node to YAML, so it was told at the anchor's line, where the
+    declaration to keep is, not at the copy to take out (review)."""
+    config = write(
+        "catalog.yaml",
+        (
+            b"models:\n"
+            b"  - &base {name: again, engine: vllm, source: hf://o/a,"
+            b" profiles: [{name: g, gpus: 1}]}\n"
+            b"  - *base\n"
+        ),
+    )
+    line = refused_in_one_line(seeded("--config", config, "model", "list"))
+    assert line == f"error: {config}: model 'again' is declared more than once (line 3, column 5)"
+    assert rows() == 2
+
+
 def test_a_field_refused_in_a_second_declaration_is_told_at_that_one(
     seeded: Run, write: Any, rows: Callable[[], int]
 ) -> None:

@@ -1097,6 +1097,37 @@ def test_an_origin_worked_out_while_the_weights_were_fetched_does_not_refuse_the
     assert weights.models.get_model("m")["origin"]["revision"] == c2
 
 
+def test_another_repository_named_while_the_weights_were_fetched_refuses_the_move(
+    world: World,
+) -> None:
+    """An origin recorded meanwhile is let through as what the model ran,
+    completed (a check for updates from cron): one naming another repository
+    is an operator's change, which the move wrote over with the repository
+    it had read (review)."""
+    world.mirror.publish("org/m", V2, branch="dev")
+    other = world.mirror.publish("org/other", V1)
+    weights = world.open()
+    weights.models.add(spec("m"), by="alice")  # no origin: its source names org/m
+    operator = world.open()
+    named = Origin(
+        repository="org/other",
+        revision=other,
+        files=MirrorRegistry(world.mirror.root).files("org/other", other),
+    )
+
+    class NamedMeanwhile(MirrorRegistry):
+        def fetch(
+            self, repository: str, revision: str, files: Mapping[str, str], into: Path
+        ) -> None:
+            operator.models.set_source("m", "hf://org/m", named, by="dave")
+            super().fetch(repository, revision, files, into)
+
+    with pytest.raises(Refused, match="changed while its weights were being fetched"):
+        world.open(NamedMeanwhile(world.mirror.root)).update("m", "dev", by="bob")
+    assert weights.models.get_model("m")["origin"]["repository"] == "org/other"
+    assert events(weights, "m")[-1]["by"] == "dave"  # dave's change stands
+
+
 def test_a_fetch_under_way_elsewhere_is_not_taken_for_part_of_the_revision(
     world: World, tracked: Weights, monkeypatch: pytest.MonkeyPatch
 ) -> None:

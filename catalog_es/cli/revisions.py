@@ -171,8 +171,8 @@ def rollback_command(
 @shared_options
 @pass_settings
 def watch_command(settings: Settings, after: int) -> None:
-    """Every change after a revision, in order, then follow live. Ctrl-C (or
-    SIGTERM) stops."""
+    """Every change after a revision, in order, then follow live. Ctrl-C,
+    SIGTERM or SIGHUP stops it."""
     with stopped_when_asked():
         changes = once_it_answers(settings, "watch", lambda: settings.models().watch(after))
         let_warnings_through()  # it runs until stopped
