@@ -33,7 +33,7 @@ from catalog_es.catalog import UNREADABLE_DECLARATION, Catalog, Skipped
 from catalog_es.catalog_lock import CatalogLock
 from catalog_es.chain import ChainHead, DamagedHead, deleted_tail, stored_head
 from catalog_es.collector import collector_paused
-from catalog_es.configuration import CONFIG_DECLARED, Configuration, DeclaredConfig
+from catalog_es.configuration import Configuration, DeclaredConfig
 from catalog_es.errors import (
     UNSAFE_TEXT,
     ConfigError,
@@ -60,15 +60,8 @@ from catalog_es.mapper import (
     model_of_state,
     readable_declaration,
 )
-from catalog_es.model import (
-    APPLY,
-    MAX_CLOCK_SKEW,
-    ROLLBACK,
-    Model,
-    model_id,
-    utc_now,
-    utc_text,
-)
+from catalog_es.model import MAX_CLOCK_SKEW, Model, model_id, utc_now, utc_text
+from catalog_es.names import APPLY, CONFIG_DECLARED, ROLLBACK
 from catalog_es.persistence import (
     Appended,
     ChainedNotification,

@@ -18,9 +18,10 @@ from uuid import UUID
 import msgspec
 
 from catalog_es.chain import ChainHead
-from catalog_es.configuration import CONFIG_DECLARED, Configuration
+from catalog_es.configuration import Configuration
 from catalog_es.errors import DeclaredModelError, InvalidModel, ModelNotFound, Refused
 from catalog_es.model import DomainEvent, Model, model_key
+from catalog_es.names import CONFIG_DECLARED
 from catalog_es.spec import DEFAULT_ENGINES, EVERY_FIELD, ModelSpec, check_spec
 
 _DECLARED = Configuration.Declared

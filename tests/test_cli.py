@@ -32,7 +32,7 @@ import sqlalchemy as sa
 import yaml
 from click.testing import CliRunner, Result
 
-from catalog_es import bootstrap, commands, early_stop, persistence
+from catalog_es import bootstrap, commands, early_stop, names, persistence, rollback
 from catalog_es.application import Models
 from catalog_es.cli import cli
 from catalog_es.cli.base import (
@@ -198,18 +198,24 @@ def _seeded(run: Run, write: Any) -> None:
     ok(run("model", "add", write("m.yaml", as_yaml(definition("m")))))
 
 
+def every_command(
+    group: click.Group = cli, path: tuple[str, ...] = ()
+) -> Iterator[tuple[list[str], click.Command]]:
+    """The words of each command and group under ``group``, and it, the root's first."""
+    yield list(path), group
+    for name, command in sorted(group.commands.items()):
+        if isinstance(command, click.Group):
+            yield from every_command(command, (*path, name))
+        else:
+            yield [*path, name], command
+
+
 def test_every_group_and_command_takes_the_shared_options() -> None:
     """As the root does: an operator puts them where the command line has room."""
-
-    def walk(command: click.Command, path: tuple[str, ...]) -> Iterator[tuple[str, ...]]:
+    for path, command in every_command():
         names = {opt for param in command.params for opt in param.opts}
         assert {"--json", "--by", "--reason", "--expected-revision"} <= names, path
-        yield path
-        if isinstance(command, click.Group):
-            for name, sub in command.commands.items():
-                yield from walk(sub, (*path, name))
-
-    assert ("token", "list") in set(walk(cli, ()))
+    assert ["token", "list"] in [path for path, _ in every_command()]
 
 
 @pytest.mark.parametrize("count", [0, 1, 2, 40])
@@ -2068,13 +2074,22 @@ NOT_LOADED_WITHOUT_A_LOG = ("sqlalchemy", "eventsourcing", "pydantic", "yaml", "
 @pytest.mark.parametrize(
     ("args", "code", "said"),
     [
-        (["--help"], 0, "Usage: catalog-es [OPTIONS] COMMAND [ARGS]..."),
+        *(
+            ([*c, "--help"], 0, f"Usage: {' '.join(['catalog-es', *c])} ")
+            for c, _ in every_command()
+        ),
         (["model", "--help"], 0, "Read and change the models in the catalog."),
         (["--version"], 0, "catalog-es, version "),
         (["model", "show"], 2, "Error: Missing argument 'NAME'."),
         (["log", "--limit", "0"], 2, "Error: Invalid value for '--limit': 0 is not in the range"),
         (["model", "show", "m", "--at", "noon"], 2, "'noon' is neither a revision nor"),
         (["audit", "--since", "noon"], 2, "Error: --since 'noon': not a UTC time"),
+        (["audit", "--type", "Bogus"], 2, "Error: --type 'Bogus': not an event type"),
+        (["audit", "--type", "Rollback"], 2, "Error: --type 'Rollback': the audit has none"),
+        # A type read, then another option refused: the type loaded the service.
+        (["refusals", "--type", "Scaled", "--since", "noon"], 2, "--since 'noon': not a UTC"),
+        (["rollback", "--to", "1", "--only", "engine"], 2, "'engine' is not one of 'source'"),
+        (["model", "adapters", "m"], 2, "Error: give --adapter NAME=SOURCE (one or more)"),
     ],
 )
 def test_a_command_that_reads_no_log_loads_no_service(
@@ -2105,6 +2120,13 @@ def test_the_command_line_names_the_database_variable_the_service_reads() -> Non
     one renamed alone, ``--db`` unset would open ``catalog.db`` here while
     the variable named another database."""
     assert bootstrap.DB_ENV == persistence.Factory.URL
+
+
+def test_rollback_only_offers_the_dimensions_the_rollback_plans() -> None:
+    """``rollback --only`` names them apart from their planners, as reading
+    it must load no service: one added to or renamed in either alone was
+    refused as a usage error, or offered and then refused by the service."""
+    assert tuple(rollback.DIMENSIONS) == names.ROLLBACK_DIMENSIONS
 
 
 def test_a_database_in_a_folder_that_is_not_there_is_named_and_nothing_is_made(
