@@ -1395,6 +1395,33 @@ def test_a_refused_command_is_one_line_and_writes_nothing(
     assert rows() == 2
 
 
+def test_a_long_fallback_cycle_is_refused_in_one_short_line(
+    run: Run, write: Any, rows: Callable[[], int]
+) -> None:
+    """A cycle through 1,000 models was told whole: one line of 9 KB. It
+    names its first models now, how many more, and the way back."""
+    depth = 200
+    # Each model falls back to the next, added before it.
+    chain = [definition(f"m{depth - 1}")] + [
+        definition(f"m{i}", fallbacks=[f"m{i + 1}"]) for i in reversed(range(depth - 1))
+    ]
+    ok(run("apply", write("chain.yaml", as_yaml([{"add": d} for d in chain]))))
+    written = rows()
+    closing = write("closing.yaml", as_yaml(definition(f"m{depth - 1}", fallbacks=["m0"])))
+    line = refused_in_one_line(run("model", "add", closing))
+    assert line.endswith(
+        f"form a cycle: m{depth - 1} -> m0 -> m1 -> m2 -> m3 -> … ({depth - 5:,} more)"
+        f" -> m{depth - 1}"
+    )
+    assert rows() == written
+    # A declared cycle, refused as the config loads, is told as shortly.
+    declared = [spec(f"d{i}", fallbacks=(f"d{(i + 1) % depth}",)) for i in range(depth)]
+    config = write("cycle.yaml", config_yaml(*declared).encode())
+    line = refused_in_one_line(run("--config", config, "model", "scale", "m0", "--max", "2"))
+    assert f"form a cycle: d0 -> d1 -> d2 -> d3 -> d4 -> … ({depth - 5:,} more) -> d0" in line
+    assert rows() == written
+
+
 def test_a_file_path_holding_an_equals_sign_is_split_from_its_digest_at_the_last(
     seeded: Run,
 ) -> None:
