@@ -558,6 +558,7 @@ MAX_ITEMS = 100_000
 
 # The tag of a node already made into its value (:class:`_InputLoader`).
 _BUILT_TAG = "tag:catalog-es,2026:built"
+_STR_TAG = f"{_CORE_TAG}str"
 
 
 class _InputLoader(_StrictLoader):
@@ -599,6 +600,16 @@ class _InputLoader(_StrictLoader):
     def _refuse(self, problem: str) -> NoReturn:
         mark = getattr(self.peek_event(), "start_mark", None)
         raise _NotAccepted(None, None, problem, mark)
+
+    def resolve(self, kind: type[yaml.Node], value: str, implicit: tuple[bool, bool]) -> str:
+        # A key with nothing after it (`revision:`, `revision: $REV` with REV
+        # unset) is given empty, as `revision: ""` is, not null: read as left
+        # out, it recorded an origin in part, or changed every profile, without
+        # a word. `null` and `~` still leave a field out.
+        if kind is yaml.ScalarNode and value == "" and implicit[0]:
+            return _STR_TAG
+        tag: str = super().resolve(kind, value, implicit)  # type: ignore[no-untyped-call]
+        return tag
 
 
 # An ordered map's or a list of pairs' items, each a mapping of one key, are

@@ -334,6 +334,77 @@ def test_an_origin_given_in_part_is_shown_with_null_and_a_field_given_empty_is_r
         assert model["origin"] == shown["origin"], name
 
 
+def test_a_key_with_nothing_after_it_is_given_empty_not_left_out(
+    run: Run, write: Any, rows: Callable[[], int]
+) -> None:
+    """YAML reads `revision:` (or `revision: $REV`, the variable unset) as
+    null, which is a field left out: a partial origin was recorded, or every
+    profile changed, without a word, where `revision: ""` is refused. It is
+    refused as that is; `null` and `~` still leave a field out."""
+    _seeded(run, write)
+    model = "{name: m, engine: vllm, source: hf://org/m, profiles: [{name: gpu, gpus: 1}]"
+    no_revision = "origin: revision is empty: give a commit, or leave it out"
+    no_profile = "the profile is empty: name one, or leave it out for every profile"
+    before = rows()
+    for command, text, told in (
+        ("model add", f"{model}, origin: {{repository: org/x, revision: }}}}", no_revision),
+        (
+            "model add",
+            "name: m\nengine: vllm\nsource: hf://org/m\nprofiles: [{name: gpu, gpus: 1}]\n"
+            "origin:\n  repository: org/x\n  revision:\n",
+            no_revision,
+        ),
+        (
+            "apply",
+            "- source: {name: m, source: hf://org/y, origin: {repository: org/x, revision: }}",
+            f"change 1 (source): {no_revision}",
+        ),
+        (
+            "apply",
+            "- resources: {name: m, profile: , memory_gb: 8}",
+            f"change 1 (resources): {no_profile}",
+        ),
+        (
+            "apply",
+            "- scale: {name: m, min: 0, max: }",
+            "change 1 (scale): max: Input should be a valid integer (got '')",
+        ),
+    ):
+        path = write("given.yaml", text.encode())
+        line = refused_in_one_line(run(*command.split(), path))
+        assert line == f"error: {path}: {told}", text
+    assert rows() == before
+    # Written null, a field is left out, as before.
+    for null in ("null", "~"):
+        ok(
+            run(
+                "model",
+                "add",
+                write(
+                    "m.yaml", f"{model}, origin: {{repository: org/x, revision: {null}}}}}".encode()
+                ),
+            )
+        )
+        shown = json.loads(ok(run("model", "show", "m", "--json")).stdout)
+        assert shown["origin"] == {"repository": "org/x", "revision": None, "files": {}}
+        ok(
+            run(
+                "apply",
+                write(
+                    "r.yaml", f"- resources: {{name: m, profile: {null}, memory_gb: 8}}".encode()
+                ),
+            )
+        )
+    # The config, which loads a field given empty, loads one with nothing after it.
+    config = write(
+        "declared.yaml",
+        b"models:\n- name: d\n  engine: vllm\n  source: hf://org/d\n"
+        b"  profiles: [{name: gpu, gpus: 1}]\n  origin: {repository: org/x, revision: }\n",
+    )
+    shown = json.loads(ok(run("--config", config, "model", "show", "d", "--json")).stdout)
+    assert shown["origin"] == {"repository": "org/x", "revision": None, "files": {}}
+
+
 @pytest.mark.parametrize("encode", [as_json, as_yaml], ids=["json", "yaml"])
 def test_a_value_refused_is_quoted_as_the_file_spells_it(
     run: Run, write: Any, rows: Callable[[], int], encode: Callable[[Any], bytes]
