@@ -1949,6 +1949,37 @@ def test_a_run_without_the_declared_config_the_nodes_recorded_says_so(
     assert listed(folder=deploy) == (["a", "base"], "")
 
 
+def test_a_write_without_a_config_on_a_log_that_recorded_none_before_warns_once(
+    db_url: str, tmp_path: Path
+) -> None:
+    """A write with no config given, on a log that had recorded none before
+    another config, warned twice of one thing: no declared config given, and
+    this node's config ("none given") put back over another. It says the
+    first alone; the write stands."""
+    (tmp_path / "a.yaml").write_bytes(as_yaml(definition("a")))
+    (tmp_path / "base.yaml").write_text(config_yaml(spec("base")))
+
+    def catalog_es(*args: str) -> list[str]:
+        done = subprocess.run(
+            [sys.executable, "-m", "catalog_es", "--db", db_url, *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=tmp_path,  # no catalog.yaml here
+            check=True,
+        )
+        return done.stderr.splitlines()
+
+    catalog_es("--config", "base.yaml", "model", "add", "a.yaml")  # 1 base, 2
+    catalog_es("model", "scale", "a", "--max", "2")  # 3 none, 4
+    catalog_es("--config", "base.yaml", "model", "scale", "a", "--max", "3")  # 5 base, 6
+    assert catalog_es("model", "scale", "a", "--max", "4") == [  # 7 none, 8
+        "warning: no declared config given (--config, $CATALOG_ES_CONFIG or ./catalog.yaml): "
+        "the log's nodes recorded one at revision 5, and this run goes without its models"
+    ]
+    assert count_events(db_url) == 8
+
+
 def test_a_run_on_another_config_than_the_log_recorded_says_so(db_url: str, tmp_path: Path) -> None:
     """Two shells (or nodes) on two configs took turns recording theirs, and
     each read showed a catalog the other's nodes do not run, in silence

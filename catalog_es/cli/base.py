@@ -225,6 +225,7 @@ class Settings:
                     bootstrap.DEFAULT_CONFIG,
                     recorded[1],
                 )
+                self._models.going_without_told = recorded[1]
             context = click.get_current_context(silent=True)
             if context is not None:
                 # With the root's context, once the command's answer is told
