@@ -33,7 +33,7 @@ from catalog_es.catalog import UNREADABLE_DECLARATION, Catalog, Skipped
 from catalog_es.catalog_lock import CatalogLock
 from catalog_es.chain import ChainHead, DamagedHead, deleted_tail, stored_head
 from catalog_es.collector import collector_paused
-from catalog_es.configuration import CONFIG_DECLARED, Configuration, DeclaredConfig
+from catalog_es.configuration import Configuration, DeclaredConfig
 from catalog_es.errors import (
     UNSAFE_TEXT,
     ConfigError,
@@ -60,15 +60,8 @@ from catalog_es.mapper import (
     model_of_state,
     readable_declaration,
 )
-from catalog_es.model import (
-    APPLY,
-    MAX_CLOCK_SKEW,
-    ROLLBACK,
-    Model,
-    model_id,
-    utc_now,
-    utc_text,
-)
+from catalog_es.model import MAX_CLOCK_SKEW, Model, model_id, utc_now, utc_text
+from catalog_es.names import APPLY, CONFIG_DECLARED, ROLLBACK
 from catalog_es.persistence import (
     Appended,
     ChainedNotification,
@@ -523,6 +516,10 @@ class Models(AuditTrail, Application[UUID]):
         self._known = KnownVersions()
         # The head whose deleted events this node last told of.
         self._deleted_tail_told: int | None = None
+        # The revision of another config's record that a caller has told
+        # this service goes without (the command line's "no declared config
+        # given"): putting this config back over it is that, not told again.
+        self.going_without_told: int | None = None
         # The revision of this service's last committed write: what an
         # interrupt after it, as the answer is made or told, cannot undo.
         self.last_written: int | None = None
@@ -633,6 +630,8 @@ class Models(AuditTrail, Application[UUID]):
         lock every node's writes waited for it (181 ms for 40 records of
         2,000 models on PostgreSQL). Only a warning hangs on it: the write
         stands, told, whatever the read meets."""
+        if replaced == self.going_without_told:
+            return
         try:
             with self.store.read() as conn:
                 before = snapshots.last_recorded(conn, self.declared.fingerprint, upto=replaced)

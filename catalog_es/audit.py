@@ -29,8 +29,9 @@ from catalog_es.errors import (
     cut_short,
     first_line,
 )
-from catalog_es.inputs import DeclaredConfig, carried
+from catalog_es.inputs import DeclaredConfig
 from catalog_es.model import Model, utc_now, utc_text
+from catalog_es.names import carried
 from catalog_es.persistence import AnswerTooLarge, SQLRecorder, refusals_table
 from catalog_es.values import zoned
 from projections.audit import (

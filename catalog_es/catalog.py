@@ -18,9 +18,10 @@ from uuid import UUID
 import msgspec
 
 from catalog_es.chain import ChainHead
-from catalog_es.configuration import CONFIG_DECLARED, Configuration
+from catalog_es.configuration import Configuration
 from catalog_es.errors import DeclaredModelError, InvalidModel, ModelNotFound, Refused
 from catalog_es.model import DomainEvent, Model, model_key
+from catalog_es.names import CONFIG_DECLARED
 from catalog_es.spec import DEFAULT_ENGINES, EVERY_FIELD, ModelSpec, check_spec
 
 _DECLARED = Configuration.Declared
@@ -230,7 +231,7 @@ class Catalog:
                 )
         cycle = self._cycle_through(name, new)
         if cycle:
-            raise InvalidModel(name, "fallbacks", f"form a cycle: {' -> '.join(cycle)}")
+            raise InvalidModel(name, "fallbacks", f"form a cycle: {_cycle_text(cycle)}")
 
     def _cycle_through(self, name: str, new: ModelSpec) -> list[str]:
         """A fallback path from ``name`` back to itself, if the change makes one.
@@ -513,10 +514,25 @@ class Catalog:
             if spec.name in on_cycles:
                 cycle = self._cycle_through(spec.name, spec)
                 raise DeclaredModelError(
-                    f"model {spec.name!r}: fallbacks: form a cycle: {' -> '.join(cycle)}",
+                    f"model {spec.name!r}: fallbacks: form a cycle: {_cycle_text(cycle)}",
                     spec.name,
                     "fallbacks",
                 )
+
+
+# The models a cycle's refusal names before it says how many more it leaves
+# out: a cycle through 1,000 models was told in one line of 9 KB.
+CYCLE_SHOWN = 5
+
+
+def _cycle_text(cycle: list[str]) -> str:
+    """``a -> b -> c -> a``, the path from a model back to it; of a longer
+    one, its first :data:`CYCLE_SHOWN` models, how many more, and back."""
+    models = cycle[:-1]
+    if len(models) <= CYCLE_SHOWN + 1:  # one left out is said by its name
+        return " -> ".join(cycle)
+    more = len(models) - CYCLE_SHOWN
+    return " -> ".join([*models[:CYCLE_SHOWN], f"… ({more:,} more)", cycle[0]])
 
 
 def _on_cycles(models: dict[str, ModelSpec]) -> set[str]:

@@ -68,17 +68,6 @@ class DeclaredConfig(msgspec.Struct, frozen=True, dict=True):
         return Catalog(self.models, self.engines)
 
 
-# What a declared-config record is called where events are listed by name.
-CONFIG_DECLARED = "ConfigDeclared"
-# What a declared-config record did to one model's declared definition, as
-# the audit's row of that model says (a model's history shows them among its
-# runtime events): declared it anew, declared it otherwise, no longer declares it.
-DECLARED = "Declared"
-REDECLARED = "Redeclared"
-UNDECLARED = "Undeclared"
-DECLARATION_TYPES = (DECLARED, REDECLARED, UNDECLARED)
-
-
 class Configuration:
     """The aggregate of declared-config records."""
 

@@ -39,7 +39,6 @@ from pydantic_core import ErrorDetails, PydanticCustomError
 from yaml._yaml import CParser
 
 from catalog_es import commands
-from catalog_es.configuration import CONFIG_DECLARED, DECLARATION_TYPES
 from catalog_es.configuration import DeclaredConfig as DeclaredConfig  # re-exported
 from catalog_es.errors import (
     SHOWN_LENGTH,
@@ -51,7 +50,6 @@ from catalog_es.errors import (
     cut_short,
     shown,
 )
-from catalog_es.model import APPLY, CHECK_UPDATES, EVENT_TYPES, ROLLBACK
 from catalog_es.spec import (
     DEFAULT_ENGINES,
     NAME_PATTERN,
@@ -560,6 +558,7 @@ MAX_ITEMS = 100_000
 
 # The tag of a node already made into its value (:class:`_InputLoader`).
 _BUILT_TAG = "tag:catalog-es,2026:built"
+_STR_TAG = f"{_CORE_TAG}str"
 
 
 class _InputLoader(_StrictLoader):
@@ -601,6 +600,16 @@ class _InputLoader(_StrictLoader):
     def _refuse(self, problem: str) -> NoReturn:
         mark = getattr(self.peek_event(), "start_mark", None)
         raise _NotAccepted(None, None, problem, mark)
+
+    def resolve(self, kind: type[yaml.Node], value: str, implicit: tuple[bool, bool]) -> str:
+        # A key with nothing after it (`revision:`, `revision: $REV` with REV
+        # unset) is given empty, as `revision: ""` is, not null: read as left
+        # out, it recorded an origin in part, or changed every profile, without
+        # a word. `null` and `~` still leave a field out.
+        if kind is yaml.ScalarNode and value == "" and implicit[0]:
+            return _STR_TAG
+        tag: str = super().resolve(kind, value, implicit)  # type: ignore[no-untyped-call]
+        return tag
 
 
 # An ordered map's or a list of pairs' items, each a mapping of one key, are
@@ -1089,42 +1098,3 @@ def changes_from_data(data: Any, where: str) -> list[commands.Step]:
         except Refused as error:
             raise InputError(f"{where}: change {number} ({kind}): {error}") from None
     return steps
-
-
-# The event types each query's rows carry: a model's history, its events and
-# what config records did to its declared definition; the audit, a
-# declared-config record's besides (no model's); the refusals, a model's
-# events, a declared-config record's (a refused start) and a refused
-# rollback's, list of changes' or check for updates' (no event of their own).
-MODEL_TYPES = tuple(cls.__name__ for cls in EVENT_TYPES)
-HISTORY_TYPES = (*MODEL_TYPES, *DECLARATION_TYPES)
-AUDIT_TYPES = (*HISTORY_TYPES, CONFIG_DECLARED)
-REFUSAL_TYPES = (*MODEL_TYPES, CONFIG_DECLARED, ROLLBACK, APPLY, CHECK_UPDATES)
-_EVENT_NAMES = {name.lower(): name for types in (AUDIT_TYPES, REFUSAL_TYPES) for name in types}
-# Each query, as its command is named: what an answer calls it, and its types.
-QUERY_TYPES = {
-    "history": ("a model's history", HISTORY_TYPES),
-    "audit": ("the audit", AUDIT_TYPES),
-    "refusals": ("the record of refusals", REFUSAL_TYPES),
-}
-
-
-def carried(name: str, query: str, said: str) -> str:
-    """``name``, an event type, where the rows of ``query`` (a key of
-    :data:`QUERY_TYPES`) can carry it. One they never do matched nothing,
-    said as nothing done (``audit --type Rollback``: a refused rollback is
-    in the refusals alone)."""
-    what, types = QUERY_TYPES[query]
-    if name not in types:
-        raise InputError(f"{said} {name!r}: {what} has none; it takes {', '.join(types)}")
-    return name
-
-
-def event_type(text: str, option: str) -> str:
-    """An event type's name (``Scaled``), in any case: a value the audit's or
-    the refusals' rows carry."""
-    name = _EVENT_NAMES.get(text.lower())
-    if name is None:
-        known = ", ".join(_EVENT_NAMES.values())
-        raise InputError(f"{option} {shown(text)}: not an event type (known: {known})")
-    return name

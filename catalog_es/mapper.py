@@ -18,9 +18,10 @@ import msgspec
 from eventsourcing.persistence import Compressor, Mapper, StoredEvent, Transcoder
 from eventsourcing.utils import get_topic
 
-from catalog_es.configuration import CONFIG_DECLARED, Configuration
+from catalog_es.configuration import Configuration
 from catalog_es.errors import InputError, shown
 from catalog_es.model import EVENT_TYPES, DomainEvent
+from catalog_es.names import CONFIG_DECLARED
 
 _STORED: tuple[type[DomainEvent], ...] = (*EVENT_TYPES, Configuration.Declared)
 EVENT_CLASSES: dict[str, type[DomainEvent]] = {get_topic(cls): cls for cls in _STORED}

@@ -19,6 +19,7 @@ import msgspec
 from msgspec.structs import replace
 
 from catalog_es.errors import InvalidModel, ModelNotFound, shown
+from catalog_es.names import MODEL_EVENTS
 from catalog_es.spec import EVERY_FIELD, Adapter, ModelSpec, Origin, Scaling
 
 _MODEL_NAMESPACE = uuid.uuid5(uuid.NAMESPACE_URL, "catalog-es:model").bytes
@@ -268,26 +269,5 @@ class Model(msgspec.Struct, frozen=True, gc=False):
         return Model(name=self.name, version=event.originator_version, spec=spec)
 
 
-EVENT_TYPES: tuple[type[Model.Event], ...] = (
-    Model.Added,
-    Model.Removed,
-    Model.Scaled,
-    Model.ResourcesSet,
-    Model.ClassSet,
-    Model.OwnerSet,
-    Model.AdaptersSet,
-    Model.SourceSet,
-    Model.OriginSet,
-    Model.UpstreamChanged,
-)
-
-# What a refused rollback is recorded as: it has no event of its own (one
-# that goes through writes the events it plans, each marked ``rollback_to``).
-ROLLBACK = "Rollback"
-# What a list of changes refused as a whole is recorded as (a stale expected
-# revision): no one change of it was refused. One refused change is recorded
-# as itself.
-APPLY = "Apply"
-# What a ``model check-updates`` refused as a whole is recorded as (a stale
-# expected revision): it writes origins and findings, no one kind of event.
-CHECK_UPDATES = "CheckUpdates"
+# Named apart (the command line reads ``--type`` without loading this module).
+EVENT_TYPES: tuple[type[Model.Event], ...] = tuple(getattr(Model, name) for name in MODEL_EVENTS)

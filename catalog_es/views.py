@@ -12,10 +12,11 @@ from typing import Any, get_origin
 import msgspec
 
 from catalog_es.collector import collector_paused
-from catalog_es.configuration import CONFIG_DECLARED, Configuration
+from catalog_es.configuration import Configuration
 from catalog_es.decisions import origin_warnings
 from catalog_es.mapper import topic_name
 from catalog_es.model import DomainEvent, Model, utc_text
+from catalog_es.names import CONFIG_DECLARED
 from catalog_es.spec import ModelSpec, Origin, memory_warnings, name_warnings
 
 

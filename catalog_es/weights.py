@@ -45,7 +45,8 @@ from catalog_es.errors import (
     shown,
 )
 from catalog_es.mapper import UndecodableEvent, decode_event, topic_of
-from catalog_es.model import CHECK_UPDATES, Model, model_id
+from catalog_es.model import Model, model_id
+from catalog_es.names import CHECK_UPDATES
 from catalog_es.persistence import check_walk, events_table, stream_walk
 from catalog_es.registry import (
     DEFAULT_BRANCH,

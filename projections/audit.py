@@ -39,14 +39,7 @@ from sqlalchemy.engine import Connection, Engine
 
 from catalog_es.catalog import Catalog, Skipped
 from catalog_es.collector import collector_paused
-from catalog_es.configuration import (
-    CONFIG_DECLARED,
-    CONFIGS_KEPT,
-    DECLARED,
-    REDECLARED,
-    UNDECLARED,
-    Configuration,
-)
+from catalog_es.configuration import CONFIGS_KEPT, Configuration
 from catalog_es.errors import StorageBusy, first_line, lost_events
 from catalog_es.inputs import DeclaredConfig
 from catalog_es.mapper import (
@@ -56,6 +49,7 @@ from catalog_es.mapper import (
     topic_name,
 )
 from catalog_es.model import DomainEvent, Model, utc_text
+from catalog_es.names import CONFIG_DECLARED, DECLARED, REDECLARED, UNDECLARED
 from catalog_es.persistence import (
     Kept,
     SQLRecorder,

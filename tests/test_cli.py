@@ -32,7 +32,7 @@ import sqlalchemy as sa
 import yaml
 from click.testing import CliRunner, Result
 
-from catalog_es import bootstrap, commands, early_stop, persistence
+from catalog_es import bootstrap, commands, early_stop, names, persistence, rollback
 from catalog_es.application import Models
 from catalog_es.cli import cli
 from catalog_es.cli.base import (
@@ -198,18 +198,24 @@ def _seeded(run: Run, write: Any) -> None:
     ok(run("model", "add", write("m.yaml", as_yaml(definition("m")))))
 
 
+def every_command(
+    group: click.Group = cli, path: tuple[str, ...] = ()
+) -> Iterator[tuple[list[str], click.Command]]:
+    """The words of each command and group under ``group``, and it, the root's first."""
+    yield list(path), group
+    for name, command in sorted(group.commands.items()):
+        if isinstance(command, click.Group):
+            yield from every_command(command, (*path, name))
+        else:
+            yield [*path, name], command
+
+
 def test_every_group_and_command_takes_the_shared_options() -> None:
     """As the root does: an operator puts them where the command line has room."""
-
-    def walk(command: click.Command, path: tuple[str, ...]) -> Iterator[tuple[str, ...]]:
+    for path, command in every_command():
         names = {opt for param in command.params for opt in param.opts}
         assert {"--json", "--by", "--reason", "--expected-revision"} <= names, path
-        yield path
-        if isinstance(command, click.Group):
-            for name, sub in command.commands.items():
-                yield from walk(sub, (*path, name))
-
-    assert ("token", "list") in set(walk(cli, ()))
+    assert ["token", "list"] in [path for path, _ in every_command()]
 
 
 @pytest.mark.parametrize("count", [0, 1, 2, 40])
@@ -326,6 +332,77 @@ def test_an_origin_given_in_part_is_shown_with_null_and_a_field_given_empty_is_r
     for name in ("pasted", "older"):
         model = json.loads(ok(run("--config", config, "model", "show", name, "--json")).stdout)
         assert model["origin"] == shown["origin"], name
+
+
+def test_a_key_with_nothing_after_it_is_given_empty_not_left_out(
+    run: Run, write: Any, rows: Callable[[], int]
+) -> None:
+    """YAML reads `revision:` (or `revision: $REV`, the variable unset) as
+    null, which is a field left out: a partial origin was recorded, or every
+    profile changed, without a word, where `revision: ""` is refused. It is
+    refused as that is; `null` and `~` still leave a field out."""
+    _seeded(run, write)
+    model = "{name: m, engine: vllm, source: hf://org/m, profiles: [{name: gpu, gpus: 1}]"
+    no_revision = "origin: revision is empty: give a commit, or leave it out"
+    no_profile = "the profile is empty: name one, or leave it out for every profile"
+    before = rows()
+    for command, text, told in (
+        ("model add", f"{model}, origin: {{repository: org/x, revision: }}}}", no_revision),
+        (
+            "model add",
+            "name: m\nengine: vllm\nsource: hf://org/m\nprofiles: [{name: gpu, gpus: 1}]\n"
+            "origin:\n  repository: org/x\n  revision:\n",
+            no_revision,
+        ),
+        (
+            "apply",
+            "- source: {name: m, source: hf://org/y, origin: {repository: org/x, revision: }}",
+            f"change 1 (source): {no_revision}",
+        ),
+        (
+            "apply",
+            "- resources: {name: m, profile: , memory_gb: 8}",
+            f"change 1 (resources): {no_profile}",
+        ),
+        (
+            "apply",
+            "- scale: {name: m, min: 0, max: }",
+            "change 1 (scale): max: Input should be a valid integer (got '')",
+        ),
+    ):
+        path = write("given.yaml", text.encode())
+        line = refused_in_one_line(run(*command.split(), path))
+        assert line == f"error: {path}: {told}", text
+    assert rows() == before
+    # Written null, a field is left out, as before.
+    for null in ("null", "~"):
+        ok(
+            run(
+                "model",
+                "add",
+                write(
+                    "m.yaml", f"{model}, origin: {{repository: org/x, revision: {null}}}}}".encode()
+                ),
+            )
+        )
+        shown = json.loads(ok(run("model", "show", "m", "--json")).stdout)
+        assert shown["origin"] == {"repository": "org/x", "revision": None, "files": {}}
+        ok(
+            run(
+                "apply",
+                write(
+                    "r.yaml", f"- resources: {{name: m, profile: {null}, memory_gb: 8}}".encode()
+                ),
+            )
+        )
+    # The config, which loads a field given empty, loads one with nothing after it.
+    config = write(
+        "declared.yaml",
+        b"models:\n- name: d\n  engine: vllm\n  source: hf://org/d\n"
+        b"  profiles: [{name: gpu, gpus: 1}]\n  origin: {repository: org/x, revision: }\n",
+    )
+    shown = json.loads(ok(run("--config", config, "model", "show", "d", "--json")).stdout)
+    assert shown["origin"] == {"repository": "org/x", "revision": None, "files": {}}
 
 
 @pytest.mark.parametrize("encode", [as_json, as_yaml], ids=["json", "yaml"])
@@ -1389,6 +1466,33 @@ def test_a_refused_command_is_one_line_and_writes_nothing(
     assert rows() == 2
 
 
+def test_a_long_fallback_cycle_is_refused_in_one_short_line(
+    run: Run, write: Any, rows: Callable[[], int]
+) -> None:
+    """A cycle through 1,000 models was told whole: one line of 9 KB. It
+    names its first models now, how many more, and the way back."""
+    depth = 200
+    # Each model falls back to the next, added before it.
+    chain = [definition(f"m{depth - 1}")] + [
+        definition(f"m{i}", fallbacks=[f"m{i + 1}"]) for i in reversed(range(depth - 1))
+    ]
+    ok(run("apply", write("chain.yaml", as_yaml([{"add": d} for d in chain]))))
+    written = rows()
+    closing = write("closing.yaml", as_yaml(definition(f"m{depth - 1}", fallbacks=["m0"])))
+    line = refused_in_one_line(run("model", "add", closing))
+    assert line.endswith(
+        f"form a cycle: m{depth - 1} -> m0 -> m1 -> m2 -> m3 -> … ({depth - 5:,} more)"
+        f" -> m{depth - 1}"
+    )
+    assert rows() == written
+    # A declared cycle, refused as the config loads, is told as shortly.
+    declared = [spec(f"d{i}", fallbacks=(f"d{(i + 1) % depth}",)) for i in range(depth)]
+    config = write("cycle.yaml", config_yaml(*declared).encode())
+    line = refused_in_one_line(run("--config", config, "model", "scale", "m0", "--max", "2"))
+    assert f"form a cycle: d0 -> d1 -> d2 -> d3 -> d4 -> … ({depth - 5:,} more) -> d0" in line
+    assert rows() == written
+
+
 def test_a_file_path_holding_an_equals_sign_is_split_from_its_digest_at_the_last(
     seeded: Run,
 ) -> None:
@@ -1865,6 +1969,37 @@ def test_a_run_without_the_declared_config_the_nodes_recorded_says_so(
     assert listed(folder=deploy) == (["a", "base"], "")
 
 
+def test_a_write_without_a_config_on_a_log_that_recorded_none_before_warns_once(
+    db_url: str, tmp_path: Path
+) -> None:
+    """A write with no config given, on a log that had recorded none before
+    another config, warned twice of one thing: no declared config given, and
+    this node's config ("none given") put back over another. It says the
+    first alone; the write stands."""
+    (tmp_path / "a.yaml").write_bytes(as_yaml(definition("a")))
+    (tmp_path / "base.yaml").write_text(config_yaml(spec("base")))
+
+    def catalog_es(*args: str) -> list[str]:
+        done = subprocess.run(
+            [sys.executable, "-m", "catalog_es", "--db", db_url, *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=tmp_path,  # no catalog.yaml here
+            check=True,
+        )
+        return done.stderr.splitlines()
+
+    catalog_es("--config", "base.yaml", "model", "add", "a.yaml")  # 1 base, 2
+    catalog_es("model", "scale", "a", "--max", "2")  # 3 none, 4
+    catalog_es("--config", "base.yaml", "model", "scale", "a", "--max", "3")  # 5 base, 6
+    assert catalog_es("model", "scale", "a", "--max", "4") == [  # 7 none, 8
+        "warning: no declared config given (--config, $CATALOG_ES_CONFIG or ./catalog.yaml): "
+        "the log's nodes recorded one at revision 5, and this run goes without its models"
+    ]
+    assert count_events(db_url) == 8
+
+
 def test_a_run_on_another_config_than_the_log_recorded_says_so(db_url: str, tmp_path: Path) -> None:
     """Two shells (or nodes) on two configs took turns recording theirs, and
     each read showed a catalog the other's nodes do not run, in silence
@@ -2088,13 +2223,22 @@ NOT_LOADED_WITHOUT_A_LOG = ("sqlalchemy", "eventsourcing", "pydantic", "yaml", "
 @pytest.mark.parametrize(
     ("args", "code", "said"),
     [
-        (["--help"], 0, "Usage: catalog-es [OPTIONS] COMMAND [ARGS]..."),
+        *(
+            ([*c, "--help"], 0, f"Usage: {' '.join(['catalog-es', *c])} ")
+            for c, _ in every_command()
+        ),
         (["model", "--help"], 0, "Read and change the models in the catalog."),
         (["--version"], 0, "catalog-es, version "),
         (["model", "show"], 2, "Error: Missing argument 'NAME'."),
         (["log", "--limit", "0"], 2, "Error: Invalid value for '--limit': 0 is not in the range"),
         (["model", "show", "m", "--at", "noon"], 2, "'noon' is neither a revision nor"),
         (["audit", "--since", "noon"], 2, "Error: --since 'noon': not a UTC time"),
+        (["audit", "--type", "Bogus"], 2, "Error: --type 'Bogus': not an event type"),
+        (["audit", "--type", "Rollback"], 2, "Error: --type 'Rollback': the audit has none"),
+        # A type read, then another option refused: the type loaded the service.
+        (["refusals", "--type", "Scaled", "--since", "noon"], 2, "--since 'noon': not a UTC"),
+        (["rollback", "--to", "1", "--only", "engine"], 2, "'engine' is not one of 'source'"),
+        (["model", "adapters", "m"], 2, "Error: give --adapter NAME=SOURCE (one or more)"),
     ],
 )
 def test_a_command_that_reads_no_log_loads_no_service(
@@ -2125,6 +2269,13 @@ def test_the_command_line_names_the_database_variable_the_service_reads() -> Non
     one renamed alone, ``--db`` unset would open ``catalog.db`` here while
     the variable named another database."""
     assert bootstrap.DB_ENV == persistence.Factory.URL
+
+
+def test_rollback_only_offers_the_dimensions_the_rollback_plans() -> None:
+    """``rollback --only`` names them apart from their planners, as reading
+    it must load no service: one added to or renamed in either alone was
+    refused as a usage error, or offered and then refused by the service."""
+    assert tuple(rollback.DIMENSIONS) == names.ROLLBACK_DIMENSIONS
 
 
 def test_a_database_in_a_folder_that_is_not_there_is_named_and_nothing_is_made(

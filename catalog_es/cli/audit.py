@@ -40,7 +40,7 @@ def _time_option(ctx: click.Context, param: click.Parameter, value: str | None) 
 
 def _query_type(value: str, query: str) -> str:
     # The event types are the model's: loaded when a type is given.
-    from catalog_es.inputs import carried, event_type
+    from catalog_es.names import carried, event_type
 
     return carried(event_type(value, "--type"), query, "--type")
 

@@ -25,7 +25,6 @@ import traceback
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import suppress
 from datetime import datetime
-from functools import cached_property
 from itertools import chain
 from types import FrameType, TracebackType
 from typing import TYPE_CHECKING, Any, NoReturn, TextIO, TypeVar
@@ -226,6 +225,7 @@ class Settings:
                     bootstrap.DEFAULT_CONFIG,
                     recorded[1],
                 )
+                self._models.going_without_told = recorded[1]
             context = click.get_current_context(silent=True)
             if context is not None:
                 # With the root's context, once the command's answer is told
@@ -394,21 +394,6 @@ class RevisionOrTime(click.ParamType):  # type: ignore[type-arg]
 
 
 REVISION_OR_TIME = RevisionOrTime()
-
-
-class ChoiceOf(click.Choice[str]):
-    """:class:`click.Choice` of names the service defines, asked of
-    ``names`` the first time they are needed (the command's help, a value
-    given, completion), not as the command line is built."""
-
-    def __init__(self, names: Callable[[], Iterable[str]]) -> None:
-        # Not Choice's __init__: it sets the choices it is given.
-        self._names = names
-        self.case_sensitive = True
-
-    @cached_property
-    def choices(self) -> tuple[str, ...]:  # type: ignore[override]
-        return tuple(self._names())
 
 
 def read_as_usage(ctx: click.Context, read: Callable[..., T], *args: Any, **kwargs: Any) -> T:

@@ -234,11 +234,11 @@ def model_adapters(
     settings: Settings, name: str, adapters: list[tuple[str, str]], clear: bool
 ) -> None:
     """Replace the LoRA adapters a runtime model serves."""
-    from catalog_es.spec import Adapter
-
     if bool(adapters) == clear:
         both = ", not both" if clear else ""
         raise click.UsageError(f"give --adapter NAME=SOURCE (one or more), or --none{both}")
+    from catalog_es.spec import Adapter  # after the usage error, which loads no service
+
     parsed = tuple(Adapter(name=k, source=v) for k, v in adapters)
     result = settings.models().set_adapters(name, parsed, **meta(settings))
     emit_result(settings, result, "adapters set on")

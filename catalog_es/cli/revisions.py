@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable
 from datetime import datetime
 from typing import Any
 
@@ -12,7 +11,6 @@ import click
 from catalog_es.cli.base import (
     REVISION,
     REVISION_OR_TIME,
-    ChoiceOf,
     Settings,
     cli,
     declared_then_option,
@@ -29,6 +27,7 @@ from catalog_es.cli.base import (
     warn_if_taken_as_another,
 )
 from catalog_es.errors import counted, json_line
+from catalog_es.names import ROLLBACK_DIMENSIONS
 
 
 def _change_rows(diff: dict[str, Any]) -> list[list[str]]:
@@ -106,16 +105,10 @@ def diff_command(
 NOTES_SHOWN = 10
 
 
-def _dimensions() -> Iterable[str]:
-    from catalog_es.rollback import DIMENSIONS
-
-    return DIMENSIONS
-
-
 @cli.command("rollback")
 @click.option("--to", "to", type=REVISION_OR_TIME, required=True, help="The revision or UTC time.")
 @click.option("--model", "model_name", metavar="NAME", help="Only this model.")
-@click.option("--only", type=ChoiceOf(_dimensions), help="Only this dimension.")
+@click.option("--only", type=click.Choice(ROLLBACK_DIMENSIONS), help="Only this dimension.")
 @click.option("--dry-run", is_flag=True, help="Show what would change; write nothing.")
 @shared_options
 @pass_settings

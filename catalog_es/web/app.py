@@ -86,12 +86,12 @@ from catalog_es.inputs import (
     changes_from_data,
     describe,
     describe_problems,
-    event_type,
     model_from_data,
     one_of,
     parse_changes,
     parse_document,
 )
+from catalog_es.names import event_type
 from catalog_es.persistence import AnswerTooLarge, database_unusable
 from catalog_es.values import MAX_REVISION, in_digits, revision_or_time, utc_time, whole_number
 from catalog_es.web import MAX_WATCHES, Role
