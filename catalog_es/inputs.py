@@ -558,7 +558,11 @@ MAX_ITEMS = 100_000
 
 # The tag of a node already made into its value (:class:`_InputLoader`).
 _BUILT_TAG = "tag:catalog-es,2026:built"
-_STR_TAG = f"{_CORE_TAG}str"
+# A key (or list item) with nothing after it: YAML reads it as null, a field
+# left out, so `revision: $REV` with REV unset recorded an origin in part, and
+# `owner: $OWNER` would have shared a model, without a word. The surprising
+# reading is the dangerous one: it is refused, `null` and `~` leave a field out.
+_BLANK_TAG = "tag:catalog-es,2026:blank"
 
 
 class _InputLoader(_StrictLoader):
@@ -602,12 +606,8 @@ class _InputLoader(_StrictLoader):
         raise _NotAccepted(None, None, problem, mark)
 
     def resolve(self, kind: type[yaml.Node], value: str, implicit: tuple[bool, bool]) -> str:
-        # A key with nothing after it (`revision:`, `revision: $REV` with REV
-        # unset) is given empty, as `revision: ""` is, not null: read as left
-        # out, it recorded an origin in part, or changed every profile, without
-        # a word. `null` and `~` still leave a field out.
         if kind is yaml.ScalarNode and value == "" and implicit[0]:
-            return _STR_TAG
+            return _BLANK_TAG
         tag: str = super().resolve(kind, value, implicit)  # type: ignore[no-untyped-call]
         return tag
 
@@ -627,6 +627,14 @@ def _built(_loader: _InputLoader, node: yaml.ScalarNode) -> Any:
 
 
 _InputLoader.add_constructor(_BUILT_TAG, _built)  # type: ignore[type-var]  # as above
+
+
+def _blank(_loader: _InputLoader, node: yaml.ScalarNode) -> NoReturn:
+    problem = "nothing is written where a value goes: give one, or null to leave it out"
+    raise _NotAccepted(None, None, problem, node.start_mark)
+
+
+_InputLoader.add_constructor(_BLANK_TAG, _blank)  # type: ignore[type-var]  # as above
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

@@ -334,45 +334,41 @@ def test_an_origin_given_in_part_is_shown_with_null_and_a_field_given_empty_is_r
         assert model["origin"] == shown["origin"], name
 
 
-def test_a_key_with_nothing_after_it_is_given_empty_not_left_out(
+def test_a_key_with_nothing_after_it_is_refused_not_left_out(
     run: Run, write: Any, rows: Callable[[], int]
 ) -> None:
     """YAML reads `revision:` (or `revision: $REV`, the variable unset) as
     null, which is a field left out: a partial origin was recorded, or every
-    profile changed, without a word, where `revision: ""` is refused. It is
-    refused as that is; `null` and `~` still leave a field out."""
+    profile changed, without a word, where `revision: ""` is refused. A key
+    (or list item) with nothing after it is refused where it stands, whatever
+    the field (`owner:` would otherwise share the model); `null` and `~`
+    still leave a field out."""
     _seeded(run, write)
     model = "{name: m, engine: vllm, source: hf://org/m, profiles: [{name: gpu, gpus: 1}]"
-    no_revision = "origin: revision is empty: give a commit, or leave it out"
-    no_profile = "the profile is empty: name one, or leave it out for every profile"
+    blank = "nothing is written where a value goes: give one, or null to leave it out"
     before = rows()
-    for command, text, told in (
-        ("model add", f"{model}, origin: {{repository: org/x, revision: }}}}", no_revision),
+    for command, text, place in (
+        ("model add", f"{model}, origin: {{repository: org/x, revision: }}}}", "1, column 117"),
         (
             "model add",
             "name: m\nengine: vllm\nsource: hf://org/m\nprofiles: [{name: gpu, gpus: 1}]\n"
             "origin:\n  repository: org/x\n  revision:\n",
-            no_revision,
+            "7, column 12",
         ),
+        ("model add", f"{model}, owner: }}", "1, column 86"),
         (
             "apply",
             "- source: {name: m, source: hf://org/y, origin: {repository: org/x, revision: }}",
-            f"change 1 (source): {no_revision}",
+            "1, column 79",
         ),
-        (
-            "apply",
-            "- resources: {name: m, profile: , memory_gb: 8}",
-            f"change 1 (resources): {no_profile}",
-        ),
-        (
-            "apply",
-            "- scale: {name: m, min: 0, max: }",
-            "change 1 (scale): max: Input should be a valid integer (got '')",
-        ),
+        ("apply", "- resources: {name: m, profile: , memory_gb: 8}", "1, column 33"),
+        ("apply", "- scale: {name: m, min: 0, max: }", "1, column 33"),
+        ("apply", "- owner: {name: m, owner: }", "1, column 27"),
+        ("apply", "- \n", "1, column 2"),
     ):
         path = write("given.yaml", text.encode())
         line = refused_in_one_line(run(*command.split(), path))
-        assert line == f"error: {path}: {told}", text
+        assert line == f"error: {path}: {blank} (line {place})", text
     assert rows() == before
     # Written null, a field is left out, as before.
     for null in ("null", "~"):
