@@ -176,12 +176,45 @@ tracking_table = sa.Table(
 _UNLINKED_COLUMNS = {"revision", "originator_id", "originator_version", "topic", "state", "hash"}
 
 
-def _unlinked(inspector: sa.Inspector) -> bool:
-    """Whether the log's table is 0.1.0's, unlinked (no ``stream_previous``),
-    though every table of today's is there: one made beside it by a release
-    that did not bring it over (an operator's column on it stopped that)."""
-    columns = {c["name"] for c in inspector.get_columns("catalog_events")}
-    return columns >= _UNLINKED_COLUMNS and "stream_previous" not in columns
+def _unlinked(columns: Sequence[str]) -> bool:
+    """Whether the log's table, of these ``columns``, is 0.1.0's, unlinked
+    (no ``stream_previous``), though every table of today's is there: one
+    made beside it by a release that did not bring it over (an operator's
+    column on it stopped that)."""
+    return set(columns) >= _UNLINKED_COLUMNS and "stream_previous" not in columns
+
+
+def _tables_found(conn: Connection, names: Sequence[str]) -> set[str]:
+    """Which of the tables ``names`` this connection's queries find (a view
+    too, as SQLAlchemy's ``has_table`` tells), in one statement: a start on
+    PostgreSQL asked it table by table, a round trip each."""
+    if conn.dialect.name == "sqlite":
+        found = conn.exec_driver_sql(
+            "SELECT name FROM sqlite_master WHERE type IN ('table', 'view')"
+            f" AND name IN ({', '.join('?' * len(names))})",
+            tuple(names),
+        )
+    else:
+        found = conn.exec_driver_sql(
+            "SELECT relname FROM pg_class WHERE relname = ANY(%(names)s)"
+            " AND relkind IN ('r', 'p', 'f', 'v', 'm') AND pg_table_is_visible(oid)",
+            {"names": list(names)},
+        )
+    return set(found.scalars())
+
+
+def _log_columns(conn: Connection) -> list[str]:
+    """The columns of the log's table as found, in their order: read from the
+    database's own catalog, as SQLAlchemy's reflection of the table on
+    PostgreSQL cost every start 13 ms (it reads types, defaults, comments...)."""
+    if conn.dialect.name == "sqlite":
+        found = conn.exec_driver_sql("SELECT name FROM pragma_table_info('catalog_events')")
+    else:
+        found = conn.exec_driver_sql(
+            "SELECT attname FROM pg_attribute WHERE attrelid = to_regclass('catalog_events')"
+            " AND attnum > 0 AND NOT attisdropped ORDER BY attnum"
+        )
+    return list(found.scalars())
 
 
 # The revision column's sequence on PostgreSQL (NULL if it has none, and the
@@ -1324,19 +1357,23 @@ class SQLRecorder(ProcessRecorder):
         types), so the tables are created under a lock, and the lock is taken
         only when a table is missing: a start must not wait for a writer when
         there is nothing to create."""
-        inspector = sa.inspect(self.engine)
-        if all(inspector.has_table(table.name) for table in tables.sorted_tables) and not (
-            tables is metadata and _unlinked(inspector)
-        ):
-            return
+        names = [table.name for table in tables.sorted_tables]
+        with self.engine.connect() as conn:
+            if len(_tables_found(conn, names)) == len(names) and not (
+                tables is metadata and _unlinked(_log_columns(conn))
+            ):
+                return
         # The events table may not exist yet to LOCK: an advisory lock instead.
         with self.locked("catalog_es.tables") as conn:
-            streams_kept = sa.inspect(conn).has_table(streams_table.name)
-            tables.create_all(conn)
-            if tables is metadata:
-                self._link_streams(conn, streams_kept)
+            found = _tables_found(conn, names)
+            missing = [table for table in tables.sorted_tables if table.name not in found]
+            tables.create_all(conn, tables=missing, checkfirst=False)
+            # A log's table made just now is today's: nothing to bring over,
+            # nor to read back (which cost every new database 20 ms).
+            if tables is metadata and events_table.name in found:
+                self._link_streams(conn, _log_columns(conn), streams_table.name in found)
 
-    def _link_streams(self, conn: Connection, streams_kept: bool) -> None:
+    def _link_streams(self, conn: Connection, columns: list[str], streams_kept: bool) -> None:
         """Bring a log written before ``catalog_streams`` to today's layout, in
         the transaction that made that table: each event names its stream's
         event before it, each stream's last version and revision are
@@ -1344,7 +1381,6 @@ class SQLRecorder(ProcessRecorder):
         a table's constraint: the table is made anew, AUTOINCREMENT kept).
         A ``catalog_streams`` dropped from today's layout is made again from
         the rows: left empty, every model's next version would be 1 again."""
-        columns = [c["name"] for c in sa.inspect(conn).get_columns("catalog_events")]
         if "stream_previous" in columns:
             if not streams_kept:
                 self._fill_streams(conn)

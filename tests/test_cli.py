@@ -81,12 +81,46 @@ LOG_KEYS = {
 Run = Callable[..., Result]
 
 
+class _StandardErrorNow(io.StringIO):
+    """Writes to ``sys.stderr`` as it is at each write: CliRunner swaps in
+    its own for each command it runs."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
+def invoke_told(args: list[str], input: str | bytes | None = None) -> Result:
+    """The CLI run in this process, its log lines (the load's warnings, held
+    until the command ends) on its stderr as :func:`catalog_es.cli.main`
+    sends them: a subprocess cost each run half a second of imports."""
+    handler = warnings_to(_StandardErrorNow())
+    root = logging.getLogger()
+    root.addHandler(handler)
+    try:
+        return CliRunner().invoke(cli, args, input=input)
+    finally:
+        root.removeHandler(handler)
+
+
 @pytest.fixture
 def run(db_url: str) -> Run:
     """``run(*args, input=None)``: the CLI on this test's database."""
 
     def invoke(*args: str, input: str | bytes | None = None) -> Result:
         return CliRunner().invoke(cli, ["--db", db_url, *args], input=input)
+
+    return invoke
+
+
+@pytest.fixture
+def run_told(db_url: str) -> Run:
+    """``run`` with the log lines a terminal is told on its stderr (:func:`invoke_told`)."""
+
+    def invoke(*args: str, input: str | bytes | None = None) -> Result:
+        return invoke_told(["--db", db_url, *args], input=input)
 
     return invoke
 
@@ -1933,7 +1967,7 @@ def test_log_read_a_page_at_a_time_is_the_log_as_it_stood_when_asked(
 
 
 def test_a_run_without_the_declared_config_the_nodes_recorded_says_so(
-    db_url: str, tmp_path: Path
+    run_told: Run, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Run from a folder without the deploy's catalog.yaml, a read left the
     declared models out and a write recorded no config as the one in force,
@@ -1943,17 +1977,13 @@ def test_a_run_without_the_declared_config_the_nodes_recorded_says_so(
     deploy = tmp_path / "deploy"
     deploy.mkdir()
     (deploy / "catalog.yaml").write_text(config_yaml(spec("base")))
-    runner = CliRunner()
-    assert runner.invoke(cli, ["--db", db_url, "model", "add", "a.yaml"]).exit_code == 0
+    ok(run_told("model", "add", "a.yaml"))
     given = ["--config", str(deploy / "catalog.yaml")]
-    scaled = runner.invoke(cli, ["--db", db_url, *given, "model", "scale", "a", "--max", "2"])
-    assert scaled.exit_code == 0
+    ok(run_told(*given, "model", "scale", "a", "--max", "2"))
 
     def listed(*args: str, folder: Path = tmp_path) -> tuple[list[str], str]:
-        command = [sys.executable, "-m", "catalog_es", "--db", db_url, *args, "model", "list"]
-        done = subprocess.run(
-            [*command, "--json"], capture_output=True, text=True, timeout=60, cwd=folder, check=True
-        )
+        monkeypatch.chdir(folder)
+        done = ok(run_told(*args, "model", "list", "--json"))
         return [m["name"] for m in json.loads(done.stdout)], done.stderr
 
     assert listed() == (
@@ -1996,7 +2026,9 @@ def test_a_write_without_a_config_on_a_log_that_recorded_none_before_warns_once(
     assert count_events(db_url) == 8
 
 
-def test_a_run_on_another_config_than_the_log_recorded_says_so(db_url: str, tmp_path: Path) -> None:
+def test_a_run_on_another_config_than_the_log_recorded_says_so(
+    run_told: Run, db_url: str, tmp_path: Path
+) -> None:
     """Two shells (or nodes) on two configs took turns recording theirs, and
     each read showed a catalog the other's nodes do not run, in silence
     (review). A read on a config the log has not recorded says so, after its
@@ -2010,20 +2042,11 @@ def test_a_run_on_another_config_than_the_log_recorded_says_so(db_url: str, tmp_
     new.write_text(config_yaml(spec("base"), spec("extra")))
 
     def catalog_es(config: Path, *args: str) -> tuple[int, list[str]]:
-        command = [sys.executable, "-m", "catalog_es", "--db", db_url, "--config", str(config)]
-        done = subprocess.run(
-            [*command, *args], capture_output=True, text=True, timeout=60, check=False
-        )
-        return done.returncode, done.stderr.splitlines()
+        done = run_told("--config", str(config), *args)
+        return done.exit_code, done.stderr.splitlines()
 
     def recorded() -> list[tuple[int, str]]:
-        listed = subprocess.run(
-            [sys.executable, "-m", "catalog_es", "--db", db_url, "log", "--json"],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=True,
-        )
+        listed = ok(run_told("log", "--json"))
         events = [json.loads(line) for line in listed.stdout.splitlines()]
         return [(e["revision"], e["fields"]["path"]) for e in events if e["model"] is None]
 
@@ -2055,7 +2078,7 @@ def test_a_run_on_another_config_than_the_log_recorded_says_so(db_url: str, tmp_
 
 
 def test_a_deleted_last_event_is_told_by_every_command_until_a_write_goes_on(
-    db_url: str, tmp_path: Path
+    run_told: Run, db_url: str, tmp_path: Path
 ) -> None:
     """The head is kept apart so that a deleted last event is noticed, but
     only verify and serve said so: `revision` answered the one before it, a
@@ -2063,17 +2086,11 @@ def test_a_deleted_last_event_is_told_by_every_command_until_a_write_goes_on(
     a write goes on after the head, and verify names the gap it leaves."""
     for name in ("a", "b"):
         (tmp_path / f"{name}.yaml").write_bytes(as_yaml(definition(name)))
-        assert (
-            CliRunner().invoke(cli, ["--db", db_url, "model", "add", f"{name}.yaml"]).exit_code == 0
-        )
+        ok(run_told("model", "add", f"{name}.yaml"))
     engine = sa.create_engine(db_url)
     with engine.begin() as conn:
         conn.execute(sa.text("DELETE FROM catalog_events WHERE revision = 2"))
     engine.dispose()
-
-    def run(*args: str) -> subprocess.CompletedProcess[str]:
-        command = [sys.executable, "-m", "catalog_es", "--db", db_url, *args]
-        return subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=tmp_path)
 
     told = (
         "warning: revision 2 is missing: the head is at revision 2 but the log ends at 1, so "
@@ -2081,20 +2098,21 @@ def test_a_deleted_last_event_is_told_by_every_command_until_a_write_goes_on(
         "revision 2, leaving the gap\n"
     )
     assert [
-        (done.stdout, done.stderr) for done in (run("revision"), run("--json", "revision"))
+        (done.stdout, done.stderr)
+        for done in (run_told("revision"), run_told("--json", "revision"))
     ] == [
         ("1\n", told),
         ('{"revision": 1}\n', told),
     ]
-    assert run("model", "list", "--json").stderr == told
-    refused = run("model", "scale", "b", "--max", "2")  # b's Added was the event deleted
-    assert (refused.returncode, refused.stderr) == (1, "error: model 'b' is not in the catalog\n")
-    scaled = run("model", "scale", "a", "--max", "2")
-    assert (scaled.returncode, scaled.stderr) == (0, told)
+    assert run_told("model", "list", "--json").stderr == told
+    refused = run_told("model", "scale", "b", "--max", "2")  # b's Added was the event deleted
+    assert (refused.exit_code, refused.stderr) == (1, "error: model 'b' is not in the catalog\n")
+    scaled = run_told("model", "scale", "a", "--max", "2")
+    assert (scaled.exit_code, scaled.stderr) == (0, told)
     assert scaled.stdout.startswith("scaled a at revision 3\n")
-    assert run("revision").stderr == ""
-    verified = run("verify")
-    assert verified.returncode == 1
+    assert run_told("revision").stderr == ""
+    verified = run_told("verify")
+    assert verified.exit_code == 1
     assert verified.stderr.startswith("error: chain broken at revision 2: revision 2 is missing")
 
 
@@ -2123,12 +2141,12 @@ def test_a_new_sqlite_log_is_said_to_be_made(tmp_path: Path) -> None:
     file (operator walkthrough): a run that makes the log says so, after its
     answer; a refusal stays one line."""
     db = f"sqlite:///{tmp_path}/typo.db"
-    listing = [sys.executable, "-m", "catalog_es", "--db", db, "model", "list", "--json"]
-    first = subprocess.run(listing, capture_output=True, text=True, timeout=60, check=False)
-    assert (first.returncode, first.stdout) == (0, "[]\n")
+    listing = ["--db", db, "model", "list", "--json"]
+    first = invoke_told(listing)
+    assert (first.exit_code, first.stdout) == (0, "[]\n")
     assert first.stderr == f"warning: no log at {tmp_path}/typo.db yet: a new one is made there\n"
-    again = subprocess.run(listing, capture_output=True, text=True, timeout=60, check=False)
-    assert (again.returncode, again.stderr) == (0, "")
+    again = invoke_told(listing)
+    assert (again.exit_code, again.stderr) == (0, "")
     other = f"sqlite:///{tmp_path}/other.db"
     refused = CliRunner().invoke(cli, ["--db", other, "model", "scale", "m", "--max", "2"])
     assert refused_in_one_line(refused) == (  # it was held with the load's warnings, and left out
@@ -2136,10 +2154,8 @@ def test_a_new_sqlite_log_is_said_to_be_made(tmp_path: Path) -> None:
         "empty one is made there)"
     )
     uri = f"sqlite:///file:{tmp_path}/typo.db?uri=true"  # the same file, named as a URI
-    named = subprocess.run(
-        [*listing[:4], uri, *listing[5:]], capture_output=True, text=True, timeout=60, check=False
-    )
-    assert (named.returncode, named.stderr) == (0, "")
+    named = invoke_told(["--db", uri, *listing[2:]])
+    assert (named.exit_code, named.stderr) == (0, "")
 
 
 def test_a_command_lets_go_of_the_database_when_it_ends(tmp_path: Path) -> None:
@@ -2689,20 +2705,14 @@ def test_a_refusal_is_one_line_whatever_the_load_warned_of(tmp_path: Path) -> No
             [(100 + i, uuid.uuid4().hex, "0" * 64) for i in range(3)],
         )
 
-    def catalog_es(*args: str) -> subprocess.CompletedProcess[bytes]:
-        command = [sys.executable, "-m", "catalog_es", "--db", db, *args]
-        return subprocess.run(command, capture_output=True, timeout=60, check=False)
-
-    refused = catalog_es("model", "remove", "nope")
-    assert refused.returncode == 1
-    assert refused.stderr.decode().splitlines() == ["error: model 'nope' is not in the catalog"]
-    listed = catalog_es("model", "list")
-    assert listed.returncode == 0
-    assert listed.stderr.decode().count("warning: skipped revision") == 3
+    refused = invoke_told(["--db", db, "model", "remove", "nope"])
+    assert refused_in_one_line(refused) == "error: model 'nope' is not in the catalog"
+    listed = ok(invoke_told(["--db", db, "model", "list"]))
+    assert listed.stderr.count("warning: skipped revision") == 3
 
 
 def test_a_runtime_removal_of_a_name_declared_since_is_not_told_on_every_command(
-    db_url: str, tmp_path: Path
+    run_told: Run, tmp_path: Path
 ) -> None:
     """Runtime x added, then removed, then declared by the config: every
     command warned that load skips the removal, which hides nothing (the
@@ -2711,28 +2721,23 @@ def test_a_runtime_removal_of_a_name_declared_since_is_not_told_on_every_command
     for name in ("x", "y"):
         (tmp_path / f"{name}.yaml").write_bytes(as_yaml(definition(name)))
 
-    def catalog_es(*args: str) -> subprocess.CompletedProcess[str]:
-        command = [sys.executable, "-m", "catalog_es", "--db", db_url, *args]
-        return subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
-
     changes = [("add", "x.yaml"), ("remove", "x"), ("add", "y.yaml"), ("scale", "y", "--max", "2")]
     for change in changes:
-        assert catalog_es("model", *change).returncode == 0
+        ok(run_told("model", *change))
     (tmp_path / "catalog.yaml").write_text(config_yaml(spec("x", engine="tgi")))
-    listed = catalog_es("model", "list", "--json")
-    assert (listed.returncode, listed.stderr) == (0, "")
+    listed = run_told("model", "list", "--json")
+    assert (listed.exit_code, listed.stderr) == (0, "")
     assert [m["name"] for m in json.loads(listed.stdout)] == ["x", "y"]
     (tmp_path / "catalog.yaml").write_text(config_yaml(spec("x"), spec("y")))
-    listed = catalog_es("model", "list", "--json")
-    assert (listed.returncode, listed.stderr.splitlines()) == (
+    listed = run_told("model", "list", "--json")
+    assert (listed.exit_code, listed.stderr.splitlines()) == (
         0,
         [
             "warning: skipped revision 4 (model 'y', Scaled): model 'y' is declared in "
             "configuration, which wins every conflict"
         ],
     )
-    verified = catalog_es("verify", "--json")
-    assert verified.returncode == 0
+    verified = ok(run_told("verify", "--json"))
     skipped = json.loads(verified.stdout)["skipped"]
     assert [(s["revision"], s["model"], s["event"]) for s in skipped] == [
         (1, "x", "Added"),
