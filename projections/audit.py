@@ -66,7 +66,7 @@ from catalog_es.persistence import (
     within_bytes,
 )
 from catalog_es.spec import ModelSpec
-from catalog_es.views import event_fields
+from catalog_es.views import definition_view, event_fields
 from projections import snapshots
 
 log = logging.getLogger("catalog_es.audit")
@@ -101,8 +101,11 @@ RETRIES = 3
 # its own for each model a removal takes out of force (a revision had one row);
 # 8: the log's hash at the position, to tell a log restored under the rows;
 # 9: a row of its own for each model whose declared definition a config
-# record changed (a model's history showed none of its config changes).
-LAYOUT = 9
+# record changed (a model's history showed none of its config changes);
+# 10: an origin's field left out is null in ``before``, ``after``,
+# ``changes`` and ``fields``, as in every model view (it was "", which
+# `model add` refuses).
+LAYOUT = 10
 # Events to replay from which a catch-up says what it is doing.
 TOLD_FROM = 100_000
 CHANGES_PREFIX = f"audit_changes_v{LAYOUT}_"
@@ -308,7 +311,7 @@ def _is_named_list(value: Any) -> bool:
 
 
 def _definition(spec: ModelSpec | None) -> dict[str, Any] | None:
-    return msgspec.to_builtins(spec) if spec is not None else None
+    return definition_view(spec) if spec is not None else None
 
 
 def _declared_models(record: Configuration.Declared | None) -> dict[str, ModelSpec]:
@@ -324,7 +327,7 @@ def _declared_layer(record: Configuration.Declared | None) -> dict[str, Any]:
     # Engines are a set (the fingerprint sorts them): a new order is no change.
     return {
         "engines": sorted(record.engines),
-        "models": [msgspec.to_builtins(m) for m in record.models],
+        "models": [definition_view(m) for m in record.models],
     }
 
 
