@@ -1,13 +1,14 @@
 """Plain data for what queries return: the shapes ``--json`` prints and HTTP serves.
 
 These are the stable output formats, documented in docs/cli.md; change them
-only by adding keys.
+only by adding keys (docs/cli.md says where a value changed).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
-from typing import Any, get_origin
+from typing import Any, get_args, get_origin
 
 import msgspec
 
@@ -45,17 +46,29 @@ _TUPLES = tuple(
 _ORIGIN_TEXT = ("repository", "revision")
 
 
-def _complete(view: dict[str, Any], spec: ModelSpec, declared: bool) -> dict[str, Any]:
-    for key in _TUPLES:
-        view[key] = list(view[key])
-    origin = view["origin"]
+def show_origin(origin: dict[str, Any] | None) -> None:
+    """An origin as every output shows it, changed in place: a field left out
+    is null, not the empty text it is stored as, so that what is shown can be
+    given back (`model add`, `apply`), where a field given empty is refused (a
+    template's variable unset)."""
     if origin is not None:
-        # A field left out is null, not the empty text it is stored as: what
-        # is shown can be given back (`model add`, `apply`), where a field
-        # given empty is refused (a template's variable unset).
         for key in _ORIGIN_TEXT:
             if origin[key] == "":
                 origin[key] = None
+
+
+def definition_view(spec: ModelSpec) -> dict[str, Any]:
+    """A definition as stored, its origin as shown (:func:`show_origin`): what
+    the audit's ``before`` and ``after`` hold."""
+    view: dict[str, Any] = msgspec.to_builtins(spec)
+    show_origin(view["origin"])
+    return view
+
+
+def _complete(view: dict[str, Any], spec: ModelSpec, declared: bool) -> dict[str, Any]:
+    for key in _TUPLES:
+        view[key] = list(view[key])
+    show_origin(view["origin"])
     view["effective_class"] = spec.effective_class
     view["declared"] = declared
     missing = spec.missing_memory()
@@ -78,9 +91,36 @@ def definition_warnings(missing: list[str], name: str, origin: Origin | None) ->
 
 
 def event_fields(event: DomainEvent) -> dict[str, Any]:
-    """An event's own payload, without the envelope every event has."""
+    """An event's own payload, without the envelope every event has, each
+    origin in it as every output shows one (:func:`show_origin`): an origin
+    given in part is copied from here into `model add` and `apply`."""
     data: dict[str, Any] = msgspec.json.decode(msgspec.json.encode(event))
-    return {k: v for k, v in data.items() if k not in _ENVELOPE}
+    fields = {k: v for k, v in data.items() if k not in _ENVELOPE}
+    for name, holds in _origin_fields(type(event)):
+        if holds is Origin:
+            show_origin(fields[name])
+        elif holds is ModelSpec:
+            show_origin(fields[name]["origin"])
+        else:
+            for definition in fields[name]:
+                show_origin(definition["origin"])
+    return fields
+
+
+@functools.cache
+def _origin_fields(event_class: type[DomainEvent]) -> tuple[tuple[str, object], ...]:
+    """The fields of an event that hold an origin, by their types, not their
+    names: an origin (SourceSet, UpstreamChanged's upstream), a definition
+    (Added), or definitions (a config record, as ``tuple``). Worked out once
+    a class: most events hold none, and ``log --json`` runs this for each."""
+    found: list[tuple[str, object]] = []
+    for f in msgspec.structs.fields(event_class):
+        held = set(get_args(f.type)) | {f.type}
+        if Origin in held:
+            found.append((f.encode_name, Origin))
+        elif ModelSpec in held:
+            found.append((f.encode_name, tuple if get_origin(f.type) is tuple else ModelSpec))
+    return tuple(found)
 
 
 _ENVELOPE = frozenset(Model.Event.__struct_fields__)

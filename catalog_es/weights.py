@@ -433,7 +433,10 @@ def _origin_set_by(event: dict[str, Any]) -> Origin | None:
     # Added holds it in its definition; SourceSet and OriginSet carry it; an
     # undecodable record has no fields.
     data = (fields.get("spec") or fields).get("origin")
-    return msgspec.convert(data, Origin) if data else None
+    if not data:
+        return None
+    # A field left out is null in the view, empty text in the stored form.
+    return msgspec.convert({k: v for k, v in data.items() if v is not None}, Origin)
 
 
 def _runs_as_read(now: ModelSpec, read: ModelSpec, repository: str | None) -> bool:
@@ -471,11 +474,13 @@ def _not_recorded(updates: list[dict[str, Any]], refused: Refused | None) -> dic
     return {"models": unseen, "reason": str(refused)}
 
 
-def _weights_view(source: str, origin: Origin | None) -> dict[str, str]:
+def _weights_view(source: str, origin: Origin | None) -> dict[str, str | None]:
+    """Weights as `model update` and `model rollback` say them: a field no
+    origin gives is null, as in every model view."""
     return {
         "source": source,
-        "repository": origin.repository if origin else "",
-        "revision": origin.revision if origin else "",
+        "repository": (origin.repository if origin else "") or None,
+        "revision": (origin.revision if origin else "") or None,
     }
 
 
@@ -652,8 +657,8 @@ class Weights:
 
     def _record_origins(
         self, unrecorded: list[tuple[ModelSpec, Origin]], expected_revision: int | None
-    ) -> list[dict[str, str]]:
-        recorded: list[dict[str, str]] = []
+    ) -> list[dict[str, str | None]]:
+        recorded: list[dict[str, str | None]] = []
 
         def plan(batch: Batch) -> None:
             for spec, origin in unrecorded:

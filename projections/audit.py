@@ -60,8 +60,8 @@ from catalog_es.persistence import (
     within_bytes,
 )
 from catalog_es.spec import ModelSpec
-from catalog_es.views import event_fields
-from projections import snapshots
+from catalog_es.views import definition_view, event_fields
+from projections import pointintime, snapshots
 
 log = logging.getLogger("catalog_es.audit")
 
@@ -95,8 +95,11 @@ RETRIES = 3
 # its own for each model a removal takes out of force (a revision had one row);
 # 8: the log's hash at the position, to tell a log restored under the rows;
 # 9: a row of its own for each model whose declared definition a config
-# record changed (a model's history showed none of its config changes).
-LAYOUT = 9
+# record changed (a model's history showed none of its config changes);
+# 10: an origin's field left out is null in ``before``, ``after``,
+# ``changes`` and ``fields``, as in every model view (it was "", which
+# `model add` refuses), and a config record's rows say where its write ends.
+LAYOUT = 10
 # Events to replay from which a catch-up says what it is doing.
 TOLD_FROM = 100_000
 CHANGES_PREFIX = f"audit_changes_v{LAYOUT}_"
@@ -302,7 +305,7 @@ def _is_named_list(value: Any) -> bool:
 
 
 def _definition(spec: ModelSpec | None) -> dict[str, Any] | None:
-    return msgspec.to_builtins(spec) if spec is not None else None
+    return definition_view(spec) if spec is not None else None
 
 
 def _declared_models(record: Configuration.Declared | None) -> dict[str, ModelSpec]:
@@ -318,7 +321,7 @@ def _declared_layer(record: Configuration.Declared | None) -> dict[str, Any]:
     # Engines are a set (the fingerprint sorts them): a new order is no change.
     return {
         "engines": sorted(record.engines),
-        "models": [msgspec.to_builtins(m) for m in record.models],
+        "models": [definition_view(m) for m in record.models],
     }
 
 
@@ -866,6 +869,10 @@ class AuditProjection(Projection[AuditView]):
         self.generation = ""  # of the tables the rows follow
         # The last config record: what the next one changes.
         self.declared_then: Configuration.Declared | None = None
+        # Where the write of the config record replayed ends, read ahead in
+        # the log: the record is the first event of its write, so a read at
+        # its own revision is of the state before it.
+        self._record_write_end = 0
 
     def _new_catalog(self) -> Catalog:
         catalog = self.declared.new_catalog()
@@ -1018,6 +1025,8 @@ class AuditProjection(Projection[AuditView]):
                         and revision > self.recorded  # else its row is written
                     ):
                         record = self._filed_under(record, recorder, conn, revision)
+                    elif type(record) is Configuration.Declared and revision > self.recorded:
+                        self._record_write_end = pointintime.write_end(conn, revision)
                     self.process_event(record, Tracking(application_name, revision))
                     if len(self._staged) >= BATCH_SIZE or self._staged_bytes >= BATCH_BYTES:
                         written += self.flush(stored_hash(log_hash))
@@ -1104,7 +1113,8 @@ class AuditProjection(Projection[AuditView]):
             "fields": event_fields(event),
         }
         changes = field_changes(_declared_layer(before), _declared_layer(event))
-        self._stage(tracking, row, None, None, None, changes=changes)
+        ends = self._record_write_end
+        self._stage(tracking, row, None, None, None, changes=changes, write_end=ends)
         # Each model whose declared definition it changed, in a row of its
         # own after the record's: the model's history (an indexed read of its
         # name) shows when the config declared it, changed it and dropped it.
@@ -1115,7 +1125,7 @@ class AuditProjection(Projection[AuditView]):
             old, new = was.get(name), now.get(name)
             kind = DECLARED if old is None else UNDECLARED if new is None else REDECLARED
             own = {**row, "model": name, "event": kind, "fields": fields}
-            self._stage(tracking, own, old, new, None, place)
+            self._stage(tracking, own, old, new, None, place, write_end=ends)
 
     @process_event.register
     def unreadable(self, record: Unreadable, tracking: Tracking) -> None:
@@ -1147,12 +1157,14 @@ class AuditProjection(Projection[AuditView]):
         skipped: Skipped | None,
         place: int = 0,
         changes: list[dict[str, Any]] | None = None,
+        write_end: int | None = None,
     ) -> None:
         """Stage a row of one stored event: the columns queries filter on, and
         its view, the ``log --json`` line of the event plus what it did to the
         definition in force (``changes``: to the declared layer, a config
         record's). ``place``: 0 for the event's own model, 1 on for each model
-        it took out of force with it, or whose declared definition it changed."""
+        it took out of force with it, or whose declared definition it changed.
+        ``write_end``: where the event's write ends, for a config record's rows."""
         old, new = _definition(before), _definition(after)
         time, actor = row.get("time"), row.get("actor")
         view = {
@@ -1165,6 +1177,7 @@ class AuditProjection(Projection[AuditView]):
             "class_version": row.get("class_version"),
             "fields": row["fields"],
             "rollback_to": row.get("rollback_to"),
+            **({} if write_end is None else {"write_end": write_end}),
             "skipped": skipped.reason if skipped is not None else None,
             "changes": field_changes(old or {}, new or {}) if changes is None else changes,
             "before": old,

@@ -435,6 +435,43 @@ def test_a_key_with_nothing_after_it_is_refused_not_left_out(
     assert shown["origin"] == {"repository": "org/x", "revision": None, "files": {}}
 
 
+def test_a_past_state_with_an_origin_given_in_part_is_copied_from_history_back_into_the_catalog(
+    run: Run, write: Any
+) -> None:
+    """`history` and `audit` (before, after, changes), `log --json` and
+    `watch --json` printed an origin's field left out as `""`, which `model
+    add` and `apply` refuse: the state `history` showed could not be given
+    back (review). They print null, as `model show` does."""
+    _seeded(run, write)
+    ok(run("model", "source", "m", "hf://org/x", "--repository", "org/x"))
+    partial: dict[str, Any] = {"repository": "org/x", "revision": None, "files": {}}
+    ok(run("model", "source", "m", "hf://org/y"))  # no origin since
+    rows = json.loads(ok(run("history", "m", "--json")).stdout)
+    sourced = rows[-2]
+    assert sourced["event"] == "SourceSet" and sourced["fields"]["origin"] == partial
+    assert {"field": "origin", "before": None, "after": partial} in sourced["changes"]
+    assert rows[-1]["before"]["origin"] == partial
+    logged = [json.loads(line) for line in ok(run("log", "--json")).stdout.splitlines()]
+    assert logged[-2]["fields"]["origin"] == partial
+    assert "origin: null → " + json_line(partial) in ok(run("history", "m")).stdout
+    for command, given in (
+        ("model add", sourced["after"]),
+        ("apply", [{"add": {**sourced["after"], "scaling": {"min": 1, "max": 2}}}]),
+    ):
+        ok(run(*command.split(), write("given.json", as_json(given))))
+        back = json.loads(ok(run("model", "show", "m", "--json")).stdout)
+        assert back["origin"] == partial and back["source"] == "hf://org/x", command
+    # A declared origin given in part (the config loads "" too), in a config record.
+    declared = definition("pasted", origin={"repository": "org/x", "revision": ""})
+    config = write("declared.yaml", as_yaml({"models": [declared]}))
+    ok(run("--config", config, "model", "scale", "m", "--max", "3"))
+    record = json.loads(ok(run("--config", config, "log", "--json")).stdout.splitlines()[-2])
+    assert record["event"] == "ConfigDeclared"
+    assert record["fields"]["models"][0]["origin"] == partial
+    rows = json.loads(ok(run("--config", config, "history", "pasted", "--json")).stdout)
+    assert [(r["event"], r["after"]["origin"]) for r in rows] == [("Declared", partial)]
+
+
 @pytest.mark.parametrize("encode", [as_json, as_yaml], ids=["json", "yaml"])
 def test_a_value_refused_is_quoted_as_the_file_spells_it(
     run: Run, write: Any, rows: Callable[[], int], encode: Callable[[Any], bytes]

@@ -608,6 +608,57 @@ def test_console_reads_the_past_over_the_config_recorded_then(
     models.close()
 
 
+def test_a_deploys_history_entry_links_to_the_model_as_the_deploy_left_it(
+    browser: BrowserContext, tmp_path: Path
+) -> None:
+    """A config record is the first event of its write (a command's events
+    follow it), and the link of the model's Declared or Redeclared entry
+    went to the record's own revision, read as the state before the write,
+    over today's config: the model before the deploy, or as today's config
+    has it (review). It goes to where the write ends, over the config
+    recorded then."""
+    db = f"sqlite:///{tmp_path}/console.db"
+    tinyllama = {
+        "name": "tinyllama-cpu",
+        "engine": "llamacpp",
+        "source": "hf://TinyLlama/TinyLlama-1.1B-Chat-v1.0-GGUF",
+        "profiles": [{"name": "cpu", "min_memory_gb": 4}],
+    }
+    # Each deploy (8, 5, then 3 replicas at most) recorded by a change of another model.
+    for top in (8, 5, 3):
+        deployed = tmp_path / f"deployed-{top}.yaml"
+        deployed.write_text(DECLARED_YAML.replace("max: 8", f"max: {top}"))
+        models = Models(load_config(str(deployed)), env={"CATALOG_ES_DB": db})
+        models.add(model_from_data({**tinyllama, "scaling": {"max": top}}, "test"), by="ops")
+        if top != 3:
+            models.close()
+    llama = "llama-3.1-8b-instruct"
+    history = models.history(llama)
+    assert [(r["event"], r["revision"], r["write_end"]) for r in history] == [
+        ("Declared", 1, 2),
+        ("Redeclared", 3, 4),
+        ("Redeclared", 5, 6),
+    ]
+    with signed_in(browser, models, tmp_path, f"/console/#/model/{llama}") as (page, url):
+        expect(page.locator("#definition")).to_contain_text("2..3")
+        links = page.locator("#history li.entry .when a")
+        expect(links).to_have_count(3)
+        ends = [link.get_attribute("href") for link in links.all()]
+        assert ends == [f"#/model/{llama}?at={at}&declared=then" for at in (2, 4, 6)]
+        redeclared = page.locator('#history li[data-revision="3"]')
+        expect(redeclared).to_contain_text(
+            "revision 3 (written together with revision 4: shown there)"
+        )
+        redeclared.locator("a").click()
+        expect(page).to_have_url(f"{url}/console/#/model/{llama}?at=4&declared=then")
+        expect(page.locator("#page h1 small")).to_have_text(
+            " at revision 4, over the declared config recorded then"
+        )
+        expect(page.locator("#taken-as")).to_have_count(0)
+        expect(page.locator("#definition")).to_contain_text("2..5")
+    models.close()
+
+
 def _scale_often(models: Models, name: str, stop: threading.Event, pause: float) -> None:
     """Scale ``name`` every ``pause`` seconds until ``stop`` (a minute at most)."""
     deadline = time.monotonic() + 60

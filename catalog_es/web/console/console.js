@@ -149,13 +149,14 @@ function decoded(text) {
   }
 }
 
-function href(page, name, at, filter) {
+// ``declaredThen``: read the past over the config recorded then.
+function href(page, name, at, filter, declaredThen = route().declaredThen) {
   const base = page === "model" ? `#/model/${encodeURIComponent(name)}` : "#/models";
   const params = new URLSearchParams();
   if (at !== null && at !== undefined) {
     params.set("at", String(at));
     // Moving about the past keeps reading it over the config recorded then.
-    if (route().declaredThen) params.set("declared", "then");
+    if (declaredThen) params.set("declared", "then");
   }
   if (filter) params.set("q", filter);
   const query = params.toString();
@@ -731,21 +732,29 @@ async function recentHistory(name) {
 // link to a revision inside a write read as the end of the write before it
 // ("revision 3" of an apply of 1–4 showed the model not there yet); it goes
 // to the last of the write's rows instead. (A write whose later events are
-// of other models only ends later still: the page read says so.)
+// of other models only ends later still: the page read says so.) A config
+// record's rows say where its write ends: the record is its first event,
+// and the rest are mostly other models' (a deploy's link showed the model
+// as it was before the deploy).
 function writeEnds(rows) {
   const ends = new Array(rows.length);
   for (let i = rows.length - 1; i >= 0; i--) {
     const sameWrite = i + 1 < rows.length && rows[i].time && rows[i + 1].time === rows[i].time;
-    ends[i] = sameWrite ? ends[i + 1] : rows[i].revision;
+    ends[i] = rows[i].write_end ?? (sameWrite ? ends[i + 1] : rows[i].revision);
   }
   return ends;
 }
+
+// What the config did to the model (Declared, Redeclared, Undeclared) shows
+// over the config recorded then: over today's, the model is today's.
+const CONFIG_ROWS = new Set(["Declared", "Redeclared", "Undeclared"]);
 
 // ``at``: the revision the page read (null: now); the rows after it are dimmed.
 async function timeline(name, at) {
   const { rows, shown, older } = await recentHistory(name);
   const note = older ? h("p", { class: "quiet" }, `The most recent ${counted(shown, "change")}; all of them: catalog-es history ${name}`) : "";
   const ends = writeEnds(rows);
+  const link = (r, end) => href("model", name, end, null, CONFIG_ROWS.has(r.event) || route().declaredThen);
   const items = rows.map((r, i) =>
     h(
       "li",
@@ -754,10 +763,10 @@ async function timeline(name, at) {
         "div",
         { class: "when" },
         ends[i] === r.revision
-          ? h("a", { href: href("model", name, r.revision), title: "the model at this revision" }, `revision ${r.revision}`)
+          ? h("a", { href: link(r, r.revision), title: "the model at this revision" }, `revision ${r.revision}`)
           : h(
               "a",
-              { href: href("model", name, ends[i]), title: `the model once the write of this change had landed, at revision ${ends[i]}` },
+              { href: link(r, ends[i]), title: `the model once the write of this change had landed, at revision ${ends[i]}` },
               `revision ${r.revision}`,
               h("span", { class: "write" }, ` (written together with revision ${ends[i]}: shown there)`)
             ),
