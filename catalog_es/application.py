@@ -489,6 +489,7 @@ class Models(AuditTrail, Application[UUID]):
         "PERSISTENCE_MODULE": "catalog_es.persistence:Factory",
         "MAPPER_TOPIC": get_topic(EventMapper),
     }
+    mapper: EventMapper
 
     def __init__(
         self,
@@ -528,6 +529,7 @@ class Models(AuditTrail, Application[UUID]):
         self._committing: tuple[int, tuple[str, bytes]] | None = None
         super().__init__(env)
         assert isinstance(self.recorder, SQLRecorder)
+        assert isinstance(self.mapper, EventMapper)
         self.store: SQLRecorder = self.recorder
         try:
             self.catalog = self._load()
@@ -1071,7 +1073,7 @@ class Models(AuditTrail, Application[UUID]):
                         # Straight to the recorder: eventsourcing's EventStore.put
                         # would build a Recording per event only for us to read its
                         # revision.
-                        stored = [self.mapper.to_stored_event(e) for e in batch.records]
+                        stored = [self.mapper.to_record(e) for e in batch.records]
                         appended = self.store.append(conn, stored, standing, known.revisions)
                         revisions = appended.revisions
                         self._committing = (revisions[-1], (stored[-1].topic, stored[-1].state))

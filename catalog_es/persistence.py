@@ -32,7 +32,7 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from itertools import pairwise
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 from urllib.parse import quote, unquote, urlsplit
 from uuid import UUID
 
@@ -357,6 +357,23 @@ class Standing(NamedTuple):
     # The revision of the log's last event (0 when it has none): below the
     # head's, the events after it were deleted.
     ends: int
+
+
+class Appendable(Protocol):
+    """What :meth:`SQLRecorder.append` reads of an event: eventsourcing's
+    ``StoredEvent``, or the mapper's lighter ``StoredRecord``."""
+
+    @property
+    def originator_id(self) -> UUID | str: ...
+
+    @property
+    def originator_version(self) -> int: ...
+
+    @property
+    def topic(self) -> str: ...
+
+    @property
+    def state(self) -> bytes: ...
 
 
 class Appended(NamedTuple):
@@ -2105,7 +2122,7 @@ class SQLRecorder(ProcessRecorder):
     def append(
         self,
         conn: Connection,
-        stored_events: Sequence[StoredEvent],
+        stored_events: Sequence[Appendable],
         standing: Standing | None,
         last_revisions: Mapping[int, int] | None = None,
     ) -> Appended:
