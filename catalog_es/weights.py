@@ -457,11 +457,13 @@ def _not_recorded(updates: list[dict[str, Any]], refused: Refused | None) -> dic
     return {"models": unseen, "reason": str(refused)}
 
 
-def _weights_view(source: str, origin: Origin | None) -> dict[str, str]:
+def _weights_view(source: str, origin: Origin | None) -> dict[str, str | None]:
+    # A field the origin leaves out (stored as empty text) is null, as the
+    # model's view beside it has it.
     return {
         "source": source,
-        "repository": origin.repository if origin else "",
-        "revision": origin.revision if origin else "",
+        "repository": (origin.repository if origin else "") or None,
+        "revision": (origin.revision if origin else "") or None,
     }
 
 
@@ -633,8 +635,8 @@ class Weights:
 
     def _record_origins(
         self, unrecorded: list[tuple[ModelSpec, Origin]], expected_revision: int | None
-    ) -> list[dict[str, str]]:
-        recorded: list[dict[str, str]] = []
+    ) -> list[dict[str, str | None]]:
+        recorded: list[dict[str, str | None]] = []
 
         def plan(batch: Batch) -> None:
             for spec, origin in unrecorded:

@@ -45,8 +45,8 @@ def _weights(settings: Settings, mirror: str | None, weights_dir: str | None) ->
     return bootstrap.open_weights(settings.models, mirror, weights_dir)
 
 
-def _short(revision: str) -> str:
-    return revision[:12] or "-"
+def _short(revision: str | None) -> str:
+    return revision[:12] if revision else "-"
 
 
 def _files_text(change: dict[str, Any]) -> str:
