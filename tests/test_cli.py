@@ -2692,6 +2692,49 @@ def test_a_write_whose_reader_went_away_does_not_say_nothing_was_written(
     models.close()
 
 
+@pytest.mark.parametrize("output", ["full-disk", "reader-gone"])
+def test_a_write_whose_answer_cannot_be_told_still_tells_its_warnings(
+    tmp_path: Path, output: str
+) -> None:
+    """A write that put back a config another had replaced, told to a full
+    disk (74) or to a reader gone (141), left its warning out as a refusal
+    leaves its warnings out (hostile test): the write stands, and the warning
+    that every node should run one config was said nowhere."""
+    db = f"sqlite:///{tmp_path}/catalog.db"
+    old, new = tmp_path / "old.yaml", tmp_path / "new.yaml"
+    old.write_text(config_yaml(spec("base")))
+    new.write_text(config_yaml(spec("base"), spec("extra")))
+    for config, maximum in ((old, 2), (new, 3)):  # old at revision 1, new at 4
+        models = Models(load_config(str(config)), env={"CATALOG_ES_DB": db})
+        if maximum == 2:
+            models.add(spec("m"), by="ops")
+        models.scale("m", None, maximum, by="ops")
+        models.close()
+    command = ["--db", db, "--config", str(old), "model", "scale", "m", "--max", "7"]
+    if output == "full-disk":
+        told = in_a_shell(db, " ".join(command[2:]), ">/dev/full")
+        code, stderr = told.returncode, told.stderr
+    else:
+        read, write = os.pipe()
+        os.close(read)  # the reader is gone before a word is said
+        gone = subprocess.run(
+            [sys.executable, "-m", "catalog_es", *command],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        os.close(write)
+        code, stderr = gone.returncode, gone.stderr
+    assert code == (EXIT_OUTPUT_FAILED if output == "full-disk" else EXIT_PIPE_CLOSED), stderr
+    assert (
+        f"warning: this node's declared config ({old}), recorded at revision 1, was replaced "
+        "by another at revision 4, and is recorded again at revision 6: every node should run "
+        "the same one, unless it was put back on purpose"
+    ) in stderr.splitlines()
+
+
 def test_warnings_escape_what_a_terminal_would_act_on(tmp_path: Path) -> None:
     """A skipped record's reason quotes what a hand edit put there; printed
     raw, an escape sequence retitles or clears the terminal."""

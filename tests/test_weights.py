@@ -558,6 +558,27 @@ def test_weights_given_in_part_are_no_weights_to_go_back_to(world: World) -> Non
 
 
 @pytest.mark.parametrize(
+    "origin",
+    [pytest.param(None, id="none"), pytest.param({"repository": "org/m"}, id="repository-alone")],
+)
+def test_what_a_move_started_from_says_null_of_an_origin_field_left_out(
+    world: World, origin: dict[str, str] | None
+) -> None:
+    """`from` said "" of a repository or commit the model's origin left out,
+    where the model's view (and since 0.3.0 every view) says null: a script
+    read a commit that is "" (hostile test)."""
+    weights = world.open()
+    weights.models.add(spec("m", origin=origin), by="alice")
+    shown = weights.models.get_model("m")["origin"] or {"repository": None, "revision": None}
+    moved = weights.update("m", by="bob")
+    assert moved["from"] == {
+        "source": "hf://org/m",
+        "repository": shown["repository"],
+        "revision": None,
+    }
+
+
+@pytest.mark.parametrize(
     ("name", "why"),
     [
         # Told as holding "a NUL, or a lone surrogate": what its bytes are is what the operator has.

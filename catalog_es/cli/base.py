@@ -586,7 +586,8 @@ def _lines(cell: Text) -> list[str]:
 class HeldWarnings(logging.Handler):
     """The warnings a command gives while it runs (its load's: events the
     catalog skips, say), kept until it ends: told after a command that did
-    what it was asked, left out of a refusal, which is one line on stderr
+    what it was asked (its answer cut short too: 141, 74, where what it did
+    stands), left out of a refusal, which is one line on stderr
     however long the log's list of skipped events (``verify`` tells it). A
     command that runs on (``serve``, ``watch``) lets them through as it
     starts (:func:`let_warnings_through`)."""
@@ -791,6 +792,7 @@ class CatalogGroup(click.Group):
             # commit (a script would make the change again): the shell's
             # code for a process a closed pipe ended, as `yes | head` gives.
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            told = True  # done, as asked: its warnings (a config put back) still hold
             self._exit(ctx, EXIT_PIPE_CLOSED)
         except Exception as error:  # the last guard: one line, not a traceback
             if isinstance(error, OSError) and _raised_writing_out(error):
@@ -800,6 +802,7 @@ class CatalogGroup(click.Group):
                 os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
                 with suppress(OSError):
                     say(f"error: the answer could not be written out: {error}", err=True)
+                told = True  # not refused: what it did stands, and its warnings say of it
                 self._exit(ctx, EXIT_OUTPUT_FAILED)
             if os.environ.get("CATALOG_ES_DEBUG"):
                 told = True  # a traceback is no one line: what led to it may help
