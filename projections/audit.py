@@ -242,6 +242,40 @@ def select_rows(
     ``order``; with a limit, the last ``limit`` of them. ``columns``: what to
     read of each, by default every column; ``within``: the first and last
     value of ``order``'s first column the matches can have, when known."""
+    query, newest_first = _matching(table, order, filters, columns, within)
+    rows = list(conn.execute(query).all())
+    if newest_first:
+        rows.reverse()
+    return rows
+
+
+def select_values(
+    store: SQLRecorder,
+    conn: Connection,
+    table: sa.Table,
+    order: Sequence[sa.Column[Any]],
+    filters: Filters,
+    column: sa.Column[Any],
+    within: tuple[int | None, int | None] = (None, None),
+) -> list[Any]:
+    """:func:`select_rows` of one ``column`` the dialect does not convert, its
+    values as the driver gives them (:meth:`SQLRecorder.column_values`)."""
+    query, newest_first = _matching(table, order, filters, [column], within)
+    values = store.column_values(conn, query)
+    if newest_first:
+        values.reverse()
+    return values
+
+
+def _matching(
+    table: sa.Table,
+    order: Sequence[sa.Column[Any]],
+    filters: Filters,
+    columns: Sequence[sa.ColumnElement[Any]],
+    within: tuple[int | None, int | None],
+) -> tuple[sa.Select[Any], bool]:
+    """The query of :func:`select_rows`, and whether it reads newest first
+    (with a limit, so that the last ``limit`` are read without sorting)."""
     c = table.c
     query = sa.select(*columns) if columns else sa.select(table)
     first, last = within
@@ -262,9 +296,8 @@ def select_rows(
     if until is not None:
         query = query.where(c.time < stored_time(until))
     if limit is None:
-        return list(conn.execute(query.order_by(*order)).all())
-    latest = conn.execute(query.order_by(*(column.desc() for column in order)).limit(limit))
-    return list(reversed(latest.all()))
+        return query.order_by(*order), False
+    return query.order_by(*(column.desc() for column in order)).limit(limit), True
 
 
 # -- what changed ------------------------------------------------------------------
@@ -721,12 +754,9 @@ class AuditView(TrackingRecorder):
         within = self._revisions(conn, filters, table, tracked)
         order = (table.c.revision, table.c.place)
         if max_bytes is not None:
-            sizes = select_rows(conn, table, order, filters, [table.c.size], within)
-            within_bytes([size for (size,) in sizes], max_bytes)
-        rows = select_rows(conn, table, order, filters, [table.c.view], within)
-        views = [view for (view,) in rows]
-        del rows
-        return views
+            sizes = select_values(self.store, conn, table, order, filters, table.c.size, within)
+            within_bytes(sizes, max_bytes)
+        return select_values(self.store, conn, table, order, filters, table.c.view, within)
 
     def _revisions(
         self, conn: Connection, filters: Filters, table: sa.Table, tracked: Tracked
