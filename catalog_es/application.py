@@ -636,18 +636,24 @@ class Models(AuditTrail, Application[UUID]):
             return
         try:
             with self.store.read() as conn:
-                before = snapshots.last_recorded(conn, self.declared.fingerprint, upto=replaced)
+                put_back = snapshots.last_replaced(conn, self.declared.fingerprint, upto=replaced)
         except (sa.exc.SQLAlchemyError, Refused) as error:
             log.debug("the configs the log recorded were not looked through: %s", error)
             return
-        if before is not None:
+        if put_back is not None:
+            before, replaced_at = put_back
+            # The config that replaced it and the one this write replaces are
+            # both named when they differ (configs taking turns, or deploys
+            # since): the last record alone read as when it was replaced.
+            last = "" if replaced_at == replaced else f", last by another at revision {replaced}"
             log.warning(
                 "this node's declared config (%s), recorded at revision %d, was "
-                "replaced by another at revision %d, and is recorded again at revision "
+                "replaced by another at revision %d%s, and is recorded again at revision "
                 "%d: every node should run the same one, unless it was put back on purpose",
                 self.declared.path or "none given",
                 before,
-                replaced,
+                replaced_at,
+                last,
                 recorded,
             )
 

@@ -338,13 +338,16 @@ def readable_configs(
 RECORDS_LOOKED_AT = 1000
 
 
-def last_recorded(conn: Connection, fingerprint: str, *, upto: int) -> int | None:
-    """The revision that last recorded the config of ``fingerprint``, among
-    the last :data:`RECORDS_LOOKED_AT` records at or before ``upto``; ``None``
-    if none of them did."""
+def last_replaced(conn: Connection, fingerprint: str, *, upto: int) -> tuple[int, int] | None:
+    """The revision that last recorded the config of ``fingerprint`` and
+    that of the record after it, which replaced it, among the last
+    :data:`RECORDS_LOOKED_AT` records at or before ``upto``; ``None`` if none
+    of them recorded it, or if the last of them did (not replaced)."""
+    newer: int | None = None
     for revision, topic, state in _config_rows(conn, upto, RECORDS_LOOKED_AT):
         if declared_fingerprint(topic, state) == fingerprint:
-            return int(revision)
+            return None if newer is None else (int(revision), newer)
+        newer = int(revision)
     return None
 
 

@@ -449,7 +449,10 @@ def test_history_shows_when_the_config_declared_changed_and_dropped_a_model(
     only runtime events: each config record that changed its declared
     definition has a row of it, with the record's revision, time, actor and
     reason, in revision order among the model's runtime rows; on the CLI,
-    its table and --json too."""
+    its table and --json too. The record is the first event of the deploy's
+    write, so a read at its revision shows the model before the deploy: the
+    table says where the write ends (only --json said it), and a read there
+    shows what the deploy put in force."""
     base = spec("base")
     first = make_models(config_yaml(base))
     first.add(spec("chat"), by="alice", reason="try chat")  # 1: config, 2
@@ -497,6 +500,20 @@ def test_history_shows_when_the_config_declared_changed_and_dropped_a_model(
         "Added",
     ]
     assert "profiles[gpu].gpus: 1 → 2" in as_table.stdout
+    for row in rows[:3]:
+        assert row["write_end"] > row["revision"]  # the command's own events follow
+        told = f"{row['event']} (the write ends at {row['write_end']})"
+        assert [line for line in lines if f" {told} " in line], (told, as_table.stdout)
+    assert "Added (" not in as_table.stdout  # a runtime row's write is its own
+
+    def gpus_at(revision: int) -> int:
+        at = ("--at", str(revision), "--declared-then")
+        shown = invoke(db_url, today, "model", "show", "base", *at, "--json")
+        assert shown.exit_code == 0, shown.stderr
+        return int(json.loads(shown.stdout)["profiles"][0]["gpus"])
+
+    redeclared = rows[1]
+    assert (gpus_at(redeclared["revision"]), gpus_at(redeclared["write_end"])) == (1, 2)
 
 
 def test_history_of_a_name_never_there_reads_no_config_record(

@@ -2071,12 +2071,15 @@ def test_a_run_on_another_config_than_the_log_recorded_says_so(
     (review). A read on a config the log has not recorded says so, after its
     answer; a write of a config the log never recorded is a deploy, said
     nothing of; one putting back a config the log had recorded before
-    another says so. Warnings only: exit 0, and the log as a run without
-    them leaves it."""
+    another says so, naming the record that replaced it and, when another
+    came since, the last (it named the last alone as when it was replaced:
+    review). Warnings only: exit 0, and the log as a run without them
+    leaves it."""
     (tmp_path / "a.yaml").write_bytes(as_yaml(definition("a")))
-    old, new = tmp_path / "old.yaml", tmp_path / "new.yaml"
+    old, new, newest = (tmp_path / f"{n}.yaml" for n in ("old", "new", "newest"))
     old.write_text(config_yaml(spec("base")))
     new.write_text(config_yaml(spec("base"), spec("extra")))
+    newest.write_text(config_yaml(spec("base"), spec("extra"), spec("more")))
 
     def catalog_es(config: Path, *args: str) -> tuple[int, list[str]]:
         done = run_told("--config", str(config), *args)
@@ -2112,6 +2115,26 @@ def test_a_run_on_another_config_than_the_log_recorded_says_so(
     )
     assert recorded() == [(1, str(old)), (3, str(new)), (5, str(old))]
     assert count_events(db_url) == 6
+    assert catalog_es(new, "model", "scale", "a", "--max", "4") == (  # 7 new again, 8
+        0,
+        [
+            f"warning: this node's declared config ({new}), recorded at revision 3, was "
+            "replaced by another at revision 5, and is recorded again at revision 7: every "
+            "node should run the same one, unless it was put back on purpose"
+        ],
+    )
+    assert catalog_es(newest, "model", "scale", "a", "--max", "5") == (0, [])  # 9 newest, 10
+    assert catalog_es(old, "model", "scale", "a", "--max", "6") == (  # 11 old again, 12
+        0,
+        [
+            f"warning: this node's declared config ({old}), recorded at revision 5, was "
+            "replaced by another at revision 7, last by another at revision 9, and is "
+            "recorded again at revision 11: every node should run the same one, unless it "
+            "was put back on purpose"
+        ],
+    )
+    assert [path for _, path in recorded()] == [str(c) for c in (old, new, old, new, newest, old)]
+    assert count_events(db_url) == 12
 
 
 def test_a_deleted_last_event_is_told_by_every_command_until_a_write_goes_on(

@@ -504,7 +504,10 @@ def test_a_config_recorded_several_deploys_back_is_told_when_it_comes_back(
     db_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A node (or a shell) on a config older than the last deploy but one:
-    the log's records are looked through past the last two, in pages."""
+    the log's records are looked through past the last two, in pages. The
+    warning named the last record before the write as when the config was
+    replaced, where the next deploy replaced it long before (review): it
+    names both."""
     configs = _configs(20)
     nodes = [Models(c, env={"CATALOG_ES_DB": db_url}) for c in configs]
     nodes[0].add(_definition("a", []), by="ops")  # 1 config 0, 2
@@ -515,8 +518,8 @@ def test_a_config_recorded_several_deploys_back_is_told_when_it_comes_back(
     told = _told_put_back(caplog)
     assert told == [
         "this node's declared config (0), recorded at revision 1, was replaced by another at "
-        "revision 39, and is recorded again at revision 41: every node should run the same one, "
-        "unless it was put back on purpose"
+        "revision 3, last by another at revision 39, and is recorded again at revision 41: "
+        "every node should run the same one, unless it was put back on purpose"
     ]
     for node in nodes:
         node.close()

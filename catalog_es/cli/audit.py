@@ -109,6 +109,11 @@ def _changes_text(row: dict[str, Any]) -> list[str]:
 def _event_text(row: dict[str, Any]) -> str:
     if row["rollback_to"] is not None:
         return f"{row['event']} (rollback to {row['rollback_to']})"
+    # A config record's rows (a record is never a rollback's compensation):
+    # the record is the first event of its write, so a read at the row's
+    # revision is of the catalog before the deploy.
+    if "write_end" in row:
+        return f"{row['event']} (the write ends at {row['write_end']})"
     return str(row["event"])
 
 
