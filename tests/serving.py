@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import re
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -14,7 +15,9 @@ import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
+from typing import Any
 
+import httpx
 import uvicorn
 from fastapi import FastAPI
 
@@ -25,6 +28,16 @@ ROLES = ("read", "write", "admin")
 
 # How long a test server may take to start, at most: it takes milliseconds.
 START_SECONDS = 10
+
+# httpx reads certifi's bundle into a TLS context of its own for each client
+# it makes (15-40 ms, more than most tests' requests), though the test
+# servers speak plain HTTP: one context, read once, serves every client.
+_TLS = ssl.create_default_context()
+
+
+def http_client(**options: Any) -> httpx.Client:
+    """An httpx client for the test servers."""
+    return httpx.Client(verify=_TLS, **options)
 
 
 class _Server(uvicorn.Server):

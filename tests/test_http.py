@@ -70,7 +70,7 @@ from tests.helpers import (
     put_back,
     spec,
 )
-from tests.serving import Proxy, bearer, serving, started, tokens_for_roles
+from tests.serving import Proxy, bearer, http_client, serving, started, tokens_for_roles
 from tests.test_concurrency import write_lock_held
 
 DECLARED_YAML = config_yaml(spec("base"))  # one declared model
@@ -108,7 +108,7 @@ def api(db_url: str, tmp_path: Path, make_models: Callable[..., Models]) -> Iter
     # three other test runs on two cores (ReadTimeout).
     with (
         serving(create_app(models, tokens)) as url,
-        httpx.Client(base_url=url, timeout=30) as client,
+        http_client(base_url=url, timeout=30) as client,
     ):
         yield Api(url, db_url, models, tokens, token, client)
 
@@ -553,7 +553,7 @@ def test_what_would_act_on_a_terminal_is_sent_escaped_as_the_cli_prints_it(
     tokens, token = tokens_for_roles(tmp_path / "tokens.json")
     with (
         serving(create_app(models, tokens)) as url,
-        httpx.Client(base_url=url, headers=bearer(token["read"])) as client,
+        http_client(base_url=url, headers=bearer(token["read"])) as client,
     ):
         answers = [client.get(path) for path in ("/models", "/models/declared", "/log", "/sources")]
         with client.stream("GET", "/events", params={"from": 0}) as stream:
@@ -1027,7 +1027,7 @@ def test_an_if_match_on_a_revision_deleted_since_is_409_saying_so(
     before = count_events(api.db)
     with (
         serving(create_app(make_models(DECLARED_YAML), api.tokens)) as url,
-        httpx.Client(base_url=url) as client,
+        http_client(base_url=url) as client,
     ):
         stale = client.post(
             "/models/qwen/scale", json={"max": 3}, headers={**api.as_("write"), "If-Match": "3"}
@@ -1355,7 +1355,7 @@ def test_watches_past_the_servers_limit_are_refused_until_one_ends(
     tokens, token = tokens_for_roles(tmp_path / "tokens.json")
     with (
         serving(create_app(models, tokens, max_watches=2)) as url,
-        httpx.Client(base_url=url, headers=bearer(token["read"])) as client,
+        http_client(base_url=url, headers=bearer(token["read"])) as client,
         contextlib.ExitStack() as open_streams,
     ):
         # A watch refused (past the head) gives its place back: three such
@@ -1473,7 +1473,7 @@ def test_a_rollback_takes_a_place_among_the_writes_a_dry_run_does_not(
     written = count_events(db_url)
     tokens, token = tokens_for_roles(tmp_path / "tokens.json")
     app = create_app(models, tokens)
-    with serving(app) as url, httpx.Client(base_url=url, headers=bearer(token["admin"])) as client:
+    with serving(app) as url, http_client(base_url=url, headers=bearer(token["admin"])) as client:
         places = app.state.write_places
         taken = 0
         while places.acquire(blocking=False):  # every place held, as by waiting writes
@@ -1506,7 +1506,7 @@ def test_large_bodies_read_at_once_are_bounded(
     # Two megabytes of YAML: a scale, and a comment that pads it.
     large = "- scale: {name: qwen, max: 3}\n" + "#" * (2 << 20) + "\n"
     headers = {**bearer(token["write"]), "Content-Type": "application/yaml"}
-    with serving(app) as url, httpx.Client(base_url=url, headers=headers) as client:
+    with serving(app) as url, http_client(base_url=url, headers=headers) as client:
         places = app.state.large_body_places
         assert places.acquire(blocking=False) and places.acquire(blocking=False)
         try:
@@ -1580,7 +1580,7 @@ def test_a_large_body_holds_its_place_until_its_change_is_written(
     app = create_app(models, tokens)
     large = "- scale: {name: qwen, max: 3}\n" + "#" * (2 << 20) + "\n"
     headers = {**bearer(token["write"]), "Content-Type": "application/yaml"}
-    with serving(app) as url, httpx.Client(base_url=url, headers=headers, timeout=60) as client:
+    with serving(app) as url, http_client(base_url=url, headers=headers, timeout=60) as client:
         places = app.state.large_body_places
         answers: list[httpx.Response] = []
         with write_lock_held(db_url):
@@ -2261,7 +2261,7 @@ def test_a_database_that_went_away_is_a_503_to_retry_and_nothing_is_written(
     server_log = logging.getLogger("uvicorn.error")  # it does not propagate
     server_log.addHandler(caplog.handler)
     try:
-        with serving(create_app(models, tokens)) as url, httpx.Client(base_url=url) as client:
+        with serving(create_app(models, tokens)) as url, http_client(base_url=url) as client:
             assert client.get("/revision", headers=bearer(token["read"])).status_code == 200
             proxy.cut()
             rows = count_events(pg_url)
@@ -2293,7 +2293,7 @@ def test_a_role_without_the_logs_privileges_is_a_500_not_a_retry(
     models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": read_only_url()})
     tokens, token = tokens_for_roles(tmp_path / "tokens.json")
     rows = count_events(pg_url)
-    with serving(create_app(models, tokens)) as url, httpx.Client(base_url=url) as client:
+    with serving(create_app(models, tokens)) as url, http_client(base_url=url) as client:
         assert client.get("/models", headers=bearer(token["read"])).status_code == 200
         scaled = client.post("/models/m/scale", json={"max": 2}, headers=bearer(token["write"]))
     models.close()
@@ -2329,7 +2329,7 @@ def file_api(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> Iterator[Api]:
     server_log = logging.getLogger("uvicorn.error")  # it does not propagate
     server_log.addHandler(caplog.handler)
     try:
-        with serving(create_app(models, tokens)) as url, httpx.Client(base_url=url) as client:
+        with serving(create_app(models, tokens)) as url, http_client(base_url=url) as client:
             api = Api(url, db, models, tokens, token, client)
             ok(api.post("/models/m1/scale", {"max": 2}))
             ok(api.get("/models"))

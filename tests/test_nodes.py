@@ -26,7 +26,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import httpx
 import psycopg
 import pytest
 import sqlalchemy as sa
@@ -46,7 +45,7 @@ from catalog_es.persistence import (
 )
 from catalog_es.web.tokens import TokenStore
 from tests.helpers import count_events, log_rows, model_data, put_back, schema_of
-from tests.serving import bearer, started
+from tests.serving import bearer, http_client, started
 
 CONFIG = """
 models:
@@ -1104,7 +1103,7 @@ def test_nodes_writing_as_their_sessions_are_ended_write_on(
     setup = Models(DeclaredConfig(), env={"CATALOG_ES_DB": pg_url})
     setup.add(_definition("a", []), by="setup")
     setup.close()
-    with _serving_nodes(pg_url, tokens, 2) as nodes, httpx.Client(headers=bearer(secret)) as http:
+    with _serving_nodes(pg_url, tokens, 2) as nodes, http_client(headers=bearer(secret)) as http:
         for n in range(2):
             for node in nodes:
                 assert http.post(f"{node}/models/a/scale", json={"max": 1 + n}).status_code == 200
@@ -1222,7 +1221,7 @@ def test_two_nodes_behind_pgbouncer_in_transaction_mode_answer_every_request(
 
             def client(k: int) -> None:
                 statuses = answered[k]
-                with httpx.Client(headers=bearer(secret), timeout=30) as http:
+                with http_client(headers=bearer(secret), timeout=30) as http:
                     for n in range(10):
                         node = (n + k) % 2
                         for method, path, body in (
@@ -1235,7 +1234,7 @@ def test_two_nodes_behind_pgbouncer_in_transaction_mode_answer_every_request(
                             statuses.append(answer.status_code)
                             by_node.append((node, answer.status_code))
 
-            with httpx.Client(headers=bearer(secret)) as http:
+            with http_client(headers=bearer(secret)) as http:
                 added = http.post(
                     f"{nodes[0]}/apply",
                     json=[{"add": model_data(f"m{k}")} for k in range(3)],
@@ -1246,7 +1245,7 @@ def test_two_nodes_behind_pgbouncer_in_transaction_mode_answer_every_request(
                 thread.start()
             for thread in threads:
                 thread.join(timeout=60)
-            with httpx.Client(headers=bearer(secret)) as http:
+            with http_client(headers=bearer(secret)) as http:
                 verified = http.get(f"{nodes[1]}/verify").json()
         _, said = dropped.communicate(timeout=30)
         assert dropped.returncode == 1
