@@ -49,6 +49,8 @@ def _row(conn: Connection, query: sa.Select[tuple[int, bytes]]) -> tuple[int, by
 
 _t = events_table.c
 _rows = sa.select(_t.revision, _t.state)
+# The most rows read at once along a write (a rollback's, an apply's).
+_PAGE_MOST = 1000
 
 
 def within_head(revision: int, head: int) -> None:
@@ -93,18 +95,22 @@ def _along_the_write(
     """From ``start`` on (not included), forward or back: the last revision
     of the run stamped ``stamp`` (the write's, whose events share their
     timestamp; ``start`` if none is), and the first past it (None: the log
-    ends first)."""
-    last = start
+    ends first). Read in growing pages, the first of two: a write is mostly
+    an event or two, and each row read holds its event's whole state (a
+    config record's, every declared definition), where the audit's build
+    asks this of every config record it replays."""
+    last, page = start, 2
     order = _t.revision if forward else _t.revision.desc()
     while True:
         step = _t.revision > last if forward else _t.revision < last
-        rows = conn.execute(_rows.where(step).order_by(order).limit(1000)).all()
+        rows = conn.execute(_rows.where(step).order_by(order).limit(page)).all()
         for r, state in rows:
             if _stamp(state) != stamp:
                 return last, int(r)
             last = int(r)
-        if len(rows) < 1000:
+        if len(rows) < page:
             return last, None
+        page = min(page * 8, _PAGE_MOST)
 
 
 def resolve_time(conn: Connection, head: int, moment: datetime) -> int:
