@@ -595,6 +595,8 @@ class _InputLoader(_StrictLoader):
             node = super().compose_node(parent, index)
         finally:
             self._depth -= 1
+        if parent is None and node is not None and node.tag == _BLANK_TAG:
+            node.tag = f"{_CORE_TAG}null"  # a document of nothing: as an empty file
         if not isinstance(node, yaml.CollectionNode) or _made_by_its_parent(parent):
             return node
         return yaml.ScalarNode(

@@ -403,6 +403,15 @@ def test_a_key_with_nothing_after_it_is_refused_not_left_out(
         path = write("given.yaml", text.encode())
         line = refused_in_one_line(run(*command.split(), path))
         assert line == f"error: {path}: {blank} (line {place})", text
+    # A document of nothing is told as an empty file is, not as a blank value.
+    for command, told in (("apply", ""), ("model add", "(top level): ")):
+        for text in ("", "---\n"):
+            line = refused_in_one_line(run(*command.split(), write("given.yaml", text.encode())))
+            assert line.endswith(
+                f": {told}expected a non-empty list of changes"
+                if command == "apply"
+                else f": {told}expected a mapping of fields (got null)"
+            ), (command, text)
     assert rows() == before
     # Written null, a field is left out, as before.
     for null in ("null", "~"):
