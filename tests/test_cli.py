@@ -2311,6 +2311,8 @@ NOT_LOADED_WITHOUT_A_LOG = ("sqlalchemy", "eventsourcing", "pydantic", "yaml", "
         (["refusals", "--type", "Scaled", "--since", "noon"], 2, "--since 'noon': not a UTC"),
         (["rollback", "--to", "1", "--only", "engine"], 2, "'engine' is not one of 'source'"),
         (["model", "adapters", "m"], 2, "Error: give --adapter NAME=SOURCE (one or more)"),
+        # Refused before any log is opened: an exit 1, but no database to read.
+        (["--db", "", "model", "list"], 1, "error: --db is empty: give a database URL"),
     ],
 )
 def test_a_command_that_reads_no_log_loads_no_service(

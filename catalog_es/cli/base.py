@@ -201,9 +201,10 @@ class Settings:
         """The service, opened once per run and closed with the command (its
         held write connection and pool with it)."""
         if self._models is None:
+            url = bootstrap.database_url(self.db)  # refused, loads no persistence
             from catalog_es.persistence import new_sqlite_file
 
-            new_log = new_sqlite_file(bootstrap.database_url(self.db))
+            new_log = new_sqlite_file(url)
             self._models = bootstrap.open_models(self.db, self.config)
             if self._models.revision == 0:  # not another process's, made meanwhile
                 self.new_log = new_log
