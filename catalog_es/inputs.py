@@ -323,6 +323,9 @@ def _problem(error: ErrorDetails) -> str:
         # As written, not datetime.date(2026, 1, 1): YAML took unquoted text for one.
         quote = ": quote it" if error["type"] == "string_type" else ""
         return f"{error['msg']} (got {value.isoformat()}, which YAML reads as a date{quote})"
+    elif isinstance(value, int | float) and error["type"] == "string_type":
+        # A short commit id or a numeric name, unquoted: YAML and JSON read a number.
+        return f'{error["msg"]} (got {value!r}, a number: write it quoted, "{value!r}")'
     else:
         got = repr(value)
     if error["type"] == "model_type":

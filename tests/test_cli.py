@@ -1371,6 +1371,18 @@ BAD_FILES = [
         "quote it)",
         id="date-for-string",
     ),
+    # A short commit id of digits alone, unquoted: told how to write it.
+    pytest.param(
+        as_yaml(_with(origin={"repository": "org/m", "revision": 1234567})),
+        "origin.revision: Input should be a valid string "
+        '(got 1234567, a number: write it quoted, "1234567")',
+        id="int-for-commit",
+    ),
+    pytest.param(
+        as_json(_with(owner=1.5)),
+        'owner: Input should be a valid string (got 1.5, a number: write it quoted, "1.5")',
+        id="float-for-owner",
+    ),
     pytest.param(
         as_yaml(_with(profiles=_profile(gpus=date(2026, 1, 1)))),
         "profiles[0].gpus: Input should be a valid integer (got 2026-01-01, which YAML reads "
