@@ -1533,6 +1533,17 @@ def test_a_bad_definition_on_standard_input_is_refused(
         pytest.param(
             ["--by", "\u3164\u2800\u0301", "model", "remove", "m"], "actor", id="blank-actor"
         ),
+        # Stored as given, `audit --by alice` missed its changes (hostile test).
+        pytest.param(
+            ["--by", " alice", "model", "remove", "m"],
+            "error: actor ' alice': begins or ends with a space",
+            id="actor-leading-space",
+        ),
+        pytest.param(
+            ["--by", "alice\u00a0", "model", "remove", "m"],
+            "error: actor 'alice\\xa0': begins or ends with a space",
+            id="actor-trailing-space",
+        ),
         pytest.param(
             ["model", "remove", "m", "--reason", "x\u202ey"], "reason: must be", id="bidi-reason"
         ),
