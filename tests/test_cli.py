@@ -802,6 +802,26 @@ def test_counts_in_a_shown_model_are_singular_or_plural_as_they_read(run: Run, w
     assert f"org/m@{'a' * 40} (1 file)" in shown
 
 
+def test_a_shown_origin_leaves_out_the_parts_it_lacks(run: Run, write: Any) -> None:
+    """An origin of files alone showed as `@ (1 file)`, and a declared
+    `origin: {}`, which holds nothing, as `@ (0 files)` (hostile test)."""
+    files = {"w.bin": "b" * 64}
+    declared = (
+        spec("files-only", origin=Origin(files=files)),
+        spec("empty", origin=Origin()),
+        spec("repository-only", origin=Origin(repository="org/x")),
+    )
+    config = write("declared.yaml", config_yaml(*declared).encode())
+
+    def origin_line(name: str) -> list[str]:
+        shown = ok(run("--config", config, "model", "show", name)).stdout
+        return [line.split(None, 1)[1] for line in shown.splitlines() if line.startswith("origin")]
+
+    assert origin_line("files-only") == ["1 file"]
+    assert origin_line("empty") == []
+    assert origin_line("repository-only") == ["org/x@ (0 files)"]  # as cli.md shows it
+
+
 def test_an_empty_profile_is_refused_not_taken_for_every_profile(
     run: Run, write: Any, db_url: str
 ) -> None:

@@ -540,6 +540,19 @@ def profiles_text(m: dict[str, Any]) -> str:
     return "; ".join(parts)
 
 
+def origin_text(origin: dict[str, Any] | None) -> str:
+    """``org/x@abc1234 (1 file)``, a part left out left out of it as cli.md
+    shows (``org/x@``, ``2 files``); empty for an origin that holds nothing,
+    as the config's ``origin: {}`` does: that is no origin (``@ (0 files)``)."""
+    if origin is None:
+        return ""
+    files = len(origin["files"])
+    if not origin["repository"] and not origin["revision"]:
+        return counted(files, "file") if files else ""
+    commit = f"{origin['repository'] or ''}@{origin['revision'] or ''}"
+    return f"{commit} ({counted(files, 'file')})"
+
+
 def show_model(m: dict[str, Any]) -> None:
     rows: list[tuple[str, str]] = [
         ("name", m["name"]),
@@ -553,15 +566,9 @@ def show_model(m: dict[str, Any]) -> None:
         ("adapters", ", ".join(f"{a['name']}={a['source']}" for a in m["adapters"]) or "-"),
         ("fallbacks", ", ".join(m["fallbacks"]) or "-"),
     ]
-    origin = m.get("origin")
+    origin = origin_text(m.get("origin"))
     if origin:
-        rows.append(
-            (
-                "origin",
-                f"{origin['repository'] or ''}@{origin['revision'] or ''} "
-                f"({counted(len(origin['files']), 'file')})",
-            )
-        )
+        rows.append(("origin", origin))
     print_table(None, [((key,), (visible(value),)) for key, value in rows], keys=True)
     for warning in m.get("warnings", []):
         click.echo(f"warning: {warning}", err=True)
