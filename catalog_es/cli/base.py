@@ -367,10 +367,21 @@ def resolved(settings: Settings, at: int | datetime) -> int:
 def warn_if_taken_as_another(settings: Settings, at: int | datetime, revision: int) -> None:
     """Tell that revision ``at`` was read as ``revision`` (see :func:`resolved`)."""
     if isinstance(at, int) and revision != at:
-        said = (
-            f"no write ends at revision {at} (a write of several changes lands whole): "
-            f"taken as revision {revision}, the last one that does before it"
-        )
+        # Asked only here, off a read's usual path. A gap is an event deleted
+        # (SQLite numbers without gaps), or on PostgreSQL a number a failed
+        # write burned: verify tells which, and the first was told as a write
+        # of several changes.
+        if settings.models().holds(at):
+            said = (
+                f"no write ends at revision {at} (a write of several changes lands whole): "
+                f"taken as revision {revision}, the last one that does before it"
+            )
+        else:
+            said = (
+                f"revision {at} is not in the log (deleted, or on PostgreSQL burned by a "
+                f"write that failed: verify tells which): taken as revision {revision}, "
+                "the last before it"
+            )
         # A warning, as the load's are: told after the answer. A refusal,
         # one line, says it too: it names the revision read, which the
         # operator never gave (operator walkthrough).
