@@ -1339,6 +1339,12 @@ class Models(AuditTrail, Application[UUID]):
                 return pointintime.resolve_time(conn, head, at)
             return pointintime.resolve_revision(conn, head, at)
 
+    def holds(self, revision: int) -> bool:
+        """Whether the log has an event at ``revision`` (deleted, or burned on
+        PostgreSQL, it has none): asked only of an ``at`` read as another."""
+        with self.store.read() as conn:
+            return self.store.hash_at(conn, revision) is not None
+
     @contextmanager
     def _reading(self, at: At = None, *, declared_then: bool = False) -> Iterator[Catalog]:
         """The catalog to read from, for the span of the ``with``: the one in

@@ -40,10 +40,14 @@ DEFAULT_TOKENS = "catalog-tokens.json"
 
 def database_url(given: str | None = None) -> str:
     """``--db``, else ``CATALOG_ES_DB``, else the SQLite file ``catalog.db`` here."""
+    # Refused before persistence (SQLAlchemy) is loaded: a refusal reads no log.
+    refuse_empty(given, "--db", "a database URL")
+    url = given or from_env(DB_ENV, "a database URL")
+    if url:
+        return url
     from catalog_es.persistence import DEFAULT_URL
 
-    refuse_empty(given, "--db", "a database URL")
-    return given or from_env(DB_ENV, "a database URL") or DEFAULT_URL
+    return DEFAULT_URL
 
 
 def config_path(given: str | None = None) -> str | None:

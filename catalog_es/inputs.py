@@ -97,6 +97,14 @@ def check_actor(by: str) -> None:
             f"actor {by[:40]!r}: must be 1-{MAX_ACTOR_LENGTH} characters, some of them "
             "visible, and no control or bidi characters"
         )
+    # Kept as given, ' alice ' is another actor than the 'alice' an audit
+    # filter names: refused rather than trimmed, which would record a name
+    # other than the one given.
+    if by[0].isspace() or by[-1].isspace():
+        raise InputError(
+            f"actor {by[:40]!r}: begins or ends with a space, which no one filtering by "
+            "the name would match: leave the spaces out"
+        )
 
 
 class _Input(BaseModel):
@@ -323,6 +331,9 @@ def _problem(error: ErrorDetails) -> str:
         # As written, not datetime.date(2026, 1, 1): YAML took unquoted text for one.
         quote = ": quote it" if error["type"] == "string_type" else ""
         return f"{error['msg']} (got {value.isoformat()}, which YAML reads as a date{quote})"
+    elif isinstance(value, int | float) and error["type"] == "string_type":
+        # A short commit id or a numeric name, unquoted: YAML and JSON read a number.
+        return f'{error["msg"]} (got {value!r}, a number: write it quoted, "{value!r}")'
     else:
         got = repr(value)
     if error["type"] == "model_type":

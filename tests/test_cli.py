@@ -811,6 +811,26 @@ def test_counts_in_a_shown_model_are_singular_or_plural_as_they_read(run: Run, w
     assert f"org/m@{'a' * 40} (1 file)" in shown
 
 
+def test_a_shown_origin_leaves_out_the_parts_it_lacks(run: Run, write: Any) -> None:
+    """An origin of files alone showed as `@ (1 file)`, and a declared
+    `origin: {}`, which holds nothing, as `@ (0 files)` (hostile test)."""
+    files = {"w.bin": "b" * 64}
+    declared = (
+        spec("files-only", origin=Origin(files=files)),
+        spec("empty", origin=Origin()),
+        spec("repository-only", origin=Origin(repository="org/x")),
+    )
+    config = write("declared.yaml", config_yaml(*declared).encode())
+
+    def origin_line(name: str) -> list[str]:
+        shown = ok(run("--config", config, "model", "show", name)).stdout
+        return [line.split(None, 1)[1] for line in shown.splitlines() if line.startswith("origin")]
+
+    assert origin_line("files-only") == ["1 file"]
+    assert origin_line("empty") == []
+    assert origin_line("repository-only") == ["org/x@ (0 files)"]  # as cli.md shows it
+
+
 def test_an_empty_profile_is_refused_not_taken_for_every_profile(
     run: Run, write: Any, db_url: str
 ) -> None:
@@ -1380,6 +1400,18 @@ BAD_FILES = [
         "quote it)",
         id="date-for-string",
     ),
+    # A short commit id of digits alone, unquoted: told how to write it.
+    pytest.param(
+        as_yaml(_with(origin={"repository": "org/m", "revision": 1234567})),
+        "origin.revision: Input should be a valid string "
+        '(got 1234567, a number: write it quoted, "1234567")',
+        id="int-for-commit",
+    ),
+    pytest.param(
+        as_json(_with(owner=1.5)),
+        'owner: Input should be a valid string (got 1.5, a number: write it quoted, "1.5")',
+        id="float-for-owner",
+    ),
     pytest.param(
         as_yaml(_with(profiles=_profile(gpus=date(2026, 1, 1)))),
         "profiles[0].gpus: Input should be a valid integer (got 2026-01-01, which YAML reads "
@@ -1529,6 +1561,17 @@ def test_a_bad_definition_on_standard_input_is_refused(
         pytest.param(["--by", "\u200b\u2060 ", "model", "remove", "m"], "actor", id="unseen-actor"),
         pytest.param(
             ["--by", "\u3164\u2800\u0301", "model", "remove", "m"], "actor", id="blank-actor"
+        ),
+        # Stored as given, `audit --by alice` missed its changes (hostile test).
+        pytest.param(
+            ["--by", " alice", "model", "remove", "m"],
+            "error: actor ' alice': begins or ends with a space",
+            id="actor-leading-space",
+        ),
+        pytest.param(
+            ["--by", "alice\u00a0", "model", "remove", "m"],
+            "error: actor 'alice\\xa0': begins or ends with a space",
+            id="actor-trailing-space",
         ),
         pytest.param(
             ["model", "remove", "m", "--reason", "x\u202ey"], "reason: must be", id="bidi-reason"
@@ -2320,6 +2363,8 @@ NOT_LOADED_WITHOUT_A_LOG = ("sqlalchemy", "eventsourcing", "pydantic", "yaml", "
         (["refusals", "--type", "Scaled", "--since", "noon"], 2, "--since 'noon': not a UTC"),
         (["rollback", "--to", "1", "--only", "engine"], 2, "'engine' is not one of 'source'"),
         (["model", "adapters", "m"], 2, "Error: give --adapter NAME=SOURCE (one or more)"),
+        # Refused before any log is opened: an exit 1, but no database to read.
+        (["--db", "", "model", "list"], 1, "error: --db is empty: give a database URL"),
     ],
 )
 def test_a_command_that_reads_no_log_loads_no_service(

@@ -1817,6 +1817,12 @@ def test_token_commands(tmp_path: Path) -> None:
     assert (entry["actor"], entry["role"]) == ("alice", "admin")
     wrong = runner.invoke(cli, ["token", "add", "bob", "--role", "root", "--tokens", str(tokens)])
     assert wrong.exit_code == 2
+    # Its writes would be recorded as ' bob', which `audit --by bob` misses.
+    before = tokens.read_bytes()
+    padded = runner.invoke(cli, ["token", "add", " bob", "--tokens", str(tokens)])
+    assert (padded.exit_code, padded.stdout) == (1, "")
+    assert padded.stderr.startswith("error: actor ' bob': begins or ends with a space")
+    assert padded.stderr.count("\n") == 1 and tokens.read_bytes() == before
     gone = runner.invoke(cli, ["token", "remove", entry["id"], "--tokens", str(tokens)])
     assert gone.exit_code == 0 and TokenStore(tokens).verify(secret) is None
     # A tokens file where none can be: one line (a traceback, before; review).

@@ -614,6 +614,37 @@ def test_a_revision_inside_a_transaction_reads_the_boundary_before_it(
     ]
 
 
+def test_a_revision_deleted_from_the_log_is_told_as_not_in_it(
+    open_models: Callable[..., Models], caplog: pytest.LogCaptureFixture
+) -> None:
+    """With a revision deleted by hand, `--at` it said no write ends there (a
+    write of several changes lands whole), where verify names the deletion
+    (hostile test): it says the revision is not in the log."""
+    models = open_models()
+    models.add(spec("a"), by="alice")
+    kept = models.scale("a", maximum=2, by="alice").revision
+    deleted = models.scale("a", maximum=3, by="alice").revision
+    models.scale("a", maximum=4, by="alice")
+    with models.store.engine.begin() as conn:
+        conn.execute(sa.delete(events_table).where(events_table.c.revision == deleted))
+    db = models.store.engine.url.render_as_string(hide_password=False)
+    rows = count_events(db)
+    told = (
+        f"revision {deleted} is not in the log (deleted, or on PostgreSQL burned by a write "
+        f"that failed: verify tells which): taken as revision {kept}, the last before it"
+    )
+    at = ["--at", str(deleted)]
+    shown = CliRunner().invoke(cli, ["--db", db, "model", "show", "a", *at, "--json"])
+    assert shown.exit_code == 0 and told in caplog.text  # a warning, told after the answer
+    assert json.loads(shown.stdout)["scaling"]["max"] == 2
+    refused = CliRunner().invoke(cli, ["--db", db, "model", "show", "b", *at])
+    assert (refused.exit_code, refused.stdout) == (1, "")
+    assert refused.stderr == f"error: model 'b' is not in the catalog at revision {kept}; {told}\n"
+    assert count_events(db) == rows
+    verified = CliRunner().invoke(cli, ["--db", db, "verify"])
+    assert f"revision {deleted} is missing" in verified.stderr
+
+
 # -- reads of the past over the declared config recorded then --------------------------
 
 

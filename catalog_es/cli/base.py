@@ -201,9 +201,10 @@ class Settings:
         """The service, opened once per run and closed with the command (its
         held write connection and pool with it)."""
         if self._models is None:
+            url = bootstrap.database_url(self.db)  # refused, loads no persistence
             from catalog_es.persistence import new_sqlite_file
 
-            new_log = new_sqlite_file(bootstrap.database_url(self.db))
+            new_log = new_sqlite_file(url)
             self._models = bootstrap.open_models(self.db, self.config)
             if self._models.revision == 0:  # not another process's, made meanwhile
                 self.new_log = new_log
@@ -366,10 +367,21 @@ def resolved(settings: Settings, at: int | datetime) -> int:
 def warn_if_taken_as_another(settings: Settings, at: int | datetime, revision: int) -> None:
     """Tell that revision ``at`` was read as ``revision`` (see :func:`resolved`)."""
     if isinstance(at, int) and revision != at:
-        said = (
-            f"no write ends at revision {at} (a write of several changes lands whole): "
-            f"taken as revision {revision}, the last one that does before it"
-        )
+        # Asked only here, off a read's usual path. A gap is an event deleted
+        # (SQLite numbers without gaps), or on PostgreSQL a number a failed
+        # write burned: verify tells which, and the first was told as a write
+        # of several changes.
+        if settings.models().holds(at):
+            said = (
+                f"no write ends at revision {at} (a write of several changes lands whole): "
+                f"taken as revision {revision}, the last one that does before it"
+            )
+        else:
+            said = (
+                f"revision {at} is not in the log (deleted, or on PostgreSQL burned by a "
+                f"write that failed: verify tells which): taken as revision {revision}, "
+                "the last before it"
+            )
         # A warning, as the load's are: told after the answer. A refusal,
         # one line, says it too: it names the revision read, which the
         # operator never gave (operator walkthrough).
@@ -539,6 +551,19 @@ def profiles_text(m: dict[str, Any]) -> str:
     return "; ".join(parts)
 
 
+def origin_text(origin: dict[str, Any] | None) -> str:
+    """``org/x@abc1234 (1 file)``, a part left out left out of it as cli.md
+    shows (``org/x@``, ``2 files``); empty for an origin that holds nothing,
+    as the config's ``origin: {}`` does: that is no origin (``@ (0 files)``)."""
+    if origin is None:
+        return ""
+    files = len(origin["files"])
+    if not origin["repository"] and not origin["revision"]:
+        return counted(files, "file") if files else ""
+    commit = f"{origin['repository'] or ''}@{origin['revision'] or ''}"
+    return f"{commit} ({counted(files, 'file')})"
+
+
 def show_model(m: dict[str, Any]) -> None:
     rows: list[tuple[str, str]] = [
         ("name", m["name"]),
@@ -552,15 +577,9 @@ def show_model(m: dict[str, Any]) -> None:
         ("adapters", ", ".join(f"{a['name']}={a['source']}" for a in m["adapters"]) or "-"),
         ("fallbacks", ", ".join(m["fallbacks"]) or "-"),
     ]
-    origin = m.get("origin")
+    origin = origin_text(m.get("origin"))
     if origin:
-        rows.append(
-            (
-                "origin",
-                f"{origin['repository'] or ''}@{origin['revision'] or ''} "
-                f"({counted(len(origin['files']), 'file')})",
-            )
-        )
+        rows.append(("origin", origin))
     print_table(None, [((key,), (visible(value),)) for key, value in rows], keys=True)
     for warning in m.get("warnings", []):
         click.echo(f"warning: {warning}", err=True)
