@@ -1211,6 +1211,11 @@ class SQLRecorder(ProcessRecorder):
         self._sequence_kept: bool | None = None
         # The schema of the log's tables on PostgreSQL, once found (log_schema).
         self._log_schema: str | None = None
+        # Where this recorder made the log's table on PostgreSQL, there being
+        # none along the search path ("in schema s of database d at host"): a
+        # schema or database mistaken starts a second, empty log, so a
+        # command says so, as of a new SQLite file.
+        self.log_made: str | None = None
         # PostgreSQL's LISTEN connection, shared by this process's followers.
         self._listener: Listener | None = None
         self._listener_pid = 0
@@ -1380,15 +1385,29 @@ class SQLRecorder(ProcessRecorder):
                 tables is metadata and _unlinked(_log_columns(conn))
             ):
                 return
+        # Asked here, the schema the log's table is made in when it is missing.
+        schema = self.log_schema() if self.dialect == "postgresql" else None
         # The events table may not exist yet to LOCK: an advisory lock instead.
-        with self.locked("catalog_es.tables") as conn:
+        with self.locked("catalog_es.tables", schema=schema) as conn:
             found = _tables_found(conn, names)
             missing = [table for table in tables.sorted_tables if table.name not in found]
             tables.create_all(conn, tables=missing, checkfirst=False)
+            if schema is not None and tables is metadata and events_table.name not in found:
+                self.log_made = self._made_where(schema)
             # A log's table made just now is today's: nothing to bring over,
             # nor to read back (which cost every new database 20 ms).
             if tables is metadata and events_table.name in found:
                 self._link_streams(conn, _log_columns(conn), streams_table.name in found)
+
+    def _made_where(self, schema: str) -> str:
+        """Where the log's table made in ``schema`` is, said for an operator:
+        its schema, database and server as the URL names them (read back, the
+        database would cost every new log a round trip)."""
+        url = self.engine.url
+        database = f" of database {url.database}" if url.database else ""
+        port = f":{url.port}" if url.port else ""
+        server = f" at {url.host}{port}" if url.host else ""
+        return f"in schema {schema}{database}{server}"
 
     def _link_streams(self, conn: Connection, columns: list[str], streams_kept: bool) -> None:
         """Bring a log written before ``catalog_streams`` to today's layout, in
@@ -1498,15 +1517,19 @@ class SQLRecorder(ProcessRecorder):
         )
 
     @contextmanager
-    def locked(self, name: str, wait: float | None = None) -> Iterator[Connection]:
+    def locked(
+        self, name: str, wait: float | None = None, *, schema: str | None = None
+    ) -> Iterator[Connection]:
         """A write transaction holding the lock called ``name`` (a constant of
         ours), one process at a time across nodes: SQLite's one write lock, or
         on PostgreSQL an advisory lock of the log's schema (:meth:`log_schema`:
         a catalog kept in another schema of the database has its own), which
         leaves the log's writers alone. On a connection of its own: never the
         one this process's commands write through, which would wait behind
-        it. ``wait`` as :meth:`write`'s."""
-        schema = self.log_schema() if self.dialect == "postgresql" else None
+        it. ``wait`` as :meth:`write`'s; ``schema``, the log's, when the
+        caller has just asked :meth:`log_schema`."""
+        if schema is None and self.dialect == "postgresql":
+            schema = self.log_schema()
         # 0.2.0's nodes take the lock by name alone, the database over: taken
         # shared by name too, it still keeps them out during a rolling upgrade
         # while this release's nodes of other schemas share it. Taken first,

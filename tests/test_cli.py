@@ -63,6 +63,7 @@ from tests.helpers import (
     config_yaml,
     count_events,
     definition,
+    schema_of,
     spec,
 )
 
@@ -1920,6 +1921,9 @@ def test_a_config_that_is_a_pipe_nothing_writes_to_is_refused_not_waited_on(
     assert rows() == 0
     declared = tmp_path / "declared.yaml"
     declared.write_text(config_yaml(spec("d")))
+    # The log made first, as the run below is not the one to say it makes
+    # one (on PostgreSQL it would; the SQLite file is there, left by rows()).
+    bootstrap.open_models(db_url, str(declared)).close()
     piped = run(f"<(cat {declared})", "model", "list")
     assert (piped.returncode, piped.stderr) == (0, "")
     assert piped.stdout.splitlines()[1].split()[:2] == ["d", "declared"]
@@ -2248,26 +2252,50 @@ def test_a_write_told_in_characters_the_terminal_lacks_still_exits_0(tmp_path: P
     assert count_events(db) == 1
 
 
-def test_a_new_sqlite_log_is_said_to_be_made(tmp_path: Path) -> None:
-    """A path mistyped read as an empty catalog, said nothing, and left a new
-    file (operator walkthrough): a run that makes the log says so, after its
-    answer; a refusal stays one line."""
-    db = f"sqlite:///{tmp_path}/typo.db"
+def said_to_be_made_once(db: str, other: str, made_in: Callable[[str], str]) -> None:
+    """A run that makes the log at ``db`` says where (``made_in``), after its
+    answer, and the next run on it nothing; a refusal on ``other``, with no
+    log either, stays one line, which says it."""
     listing = ["--db", db, "model", "list", "--json"]
     first = invoke_told(listing)
     assert (first.exit_code, first.stdout) == (0, "[]\n")
-    assert first.stderr == f"warning: no log at {tmp_path}/typo.db yet: a new one is made there\n"
+    assert first.stderr == f"warning: no log {made_in(db)} yet: a new one is made there\n"
     again = invoke_told(listing)
     assert (again.exit_code, again.stderr) == (0, "")
-    other = f"sqlite:///{tmp_path}/other.db"
     refused = CliRunner().invoke(cli, ["--db", other, "model", "scale", "m", "--max", "2"])
     assert refused_in_one_line(refused) == (  # it was held with the load's warnings, and left out
-        f"error: model 'm' is not in the catalog (no log was at {tmp_path}/other.db: a new, "
+        f"error: model 'm' is not in the catalog (no log was {made_in(other)}: a new, "
         "empty one is made there)"
     )
+
+
+def test_a_new_sqlite_log_is_said_to_be_made(tmp_path: Path) -> None:
+    """A path mistyped read as an empty catalog, said nothing, and left a new
+    file (operator walkthrough)."""
+    db = f"sqlite:///{tmp_path}/typo.db"
+    said_to_be_made_once(
+        db, f"sqlite:///{tmp_path}/other.db", lambda url: f"at {url.removeprefix('sqlite:///')}"
+    )
     uri = f"sqlite:///file:{tmp_path}/typo.db?uri=true"  # the same file, named as a URI
-    named = invoke_told(["--db", uri, *listing[2:]])
+    named = invoke_told(["--db", uri, "model", "list", "--json"])
     assert (named.exit_code, named.stderr) == (0, "")
+
+
+def test_a_new_postgresql_log_is_said_to_be_made(
+    pg_schema_url: Callable[..., str], pg_admin: sa.Engine
+) -> None:
+    """A node pointed at a schema with no log (a search path, a privilege or
+    a database mistaken) made one there, answered an empty catalog and said
+    nothing (hostile test): it says which schema of which database."""
+    with pg_admin.connect() as conn:
+        database = conn.exec_driver_sql("SELECT current_database()").scalar_one()
+
+    def made_in(db: str) -> str:
+        url = sa.make_url(db)
+        server = f"{url.host}:{url.port}" if url.port else url.host
+        return f"in schema {schema_of(db)} of database {database} at {server}"
+
+    said_to_be_made_once(pg_schema_url(), pg_schema_url(), made_in)
 
 
 def test_a_command_lets_go_of_the_database_when_it_ends(tmp_path: Path) -> None:

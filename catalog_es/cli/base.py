@@ -178,9 +178,10 @@ class Settings:
         self.reason = ""
         self.expected_revision: int | None = None
         self._models: Models | None = None
-        # The SQLite file this run made, there being none: a path mistyped
-        # makes a new, empty log, so the run says so (after its answer, or
-        # on its refusal's line).
+        # Where this run made a new log, there being none ("at FILE" on
+        # SQLite, "in schema S of database D at HOST" on PostgreSQL): a path,
+        # database or schema mistaken makes a new, empty log, so the run says
+        # so (after its answer, or on its refusal's line).
         self.new_log: str | None = None
         # Each revision given that was read as another, as told
         # (:func:`warn_if_taken_as_another`): diff resolves two.
@@ -204,12 +205,14 @@ class Settings:
             url = bootstrap.database_url(self.db)  # refused, loads no persistence
             from catalog_es.persistence import new_sqlite_file
 
-            new_log = new_sqlite_file(url)
+            new_file = new_sqlite_file(url)
             self._models = bootstrap.open_models(self.db, self.config)
-            if self._models.revision == 0:  # not another process's, made meanwhile
-                self.new_log = new_log
+            if new_file is not None and self._models.revision == 0:
+                self.new_log = f"at {new_file}"  # not another process's, made meanwhile
+            else:
+                self.new_log = self._models.store.log_made
             if self.new_log is not None:
-                log.warning("no log at %s yet: a new one is made there", self.new_log)
+                log.warning("no log %s yet: a new one is made there", self.new_log)
             recorded = self._models.catalog.recorded_declaration
             if (
                 bootstrap.config_path(self.config) is None
@@ -778,7 +781,7 @@ class CatalogGroup(click.Group):
             if settings is not None:
                 said += "".join(f"; {taken}" for taken in settings.taken_as)
                 if settings.new_log:
-                    said += f" (no log was at {settings.new_log}: a new, empty one is made there)"
+                    said += f" (no log was {settings.new_log}: a new, empty one is made there)"
             say(said, err=True)
             self._exit(ctx, 1)
         except OutcomeUnknown as unknown:
