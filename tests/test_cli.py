@@ -369,6 +369,38 @@ def test_an_origin_given_in_part_is_shown_with_null_and_a_field_given_empty_is_r
         assert model["origin"] == shown["origin"], name
 
 
+def test_a_refused_origin_given_in_part_is_shown_with_null_as_every_output_shows_it(
+    run: Run, write: Any, rows: Callable[[], int]
+) -> None:
+    """`refusals --json` showed an origin field left out of a refused `model
+    add` or `model source` as `""`, where history, audit and log show null,
+    so what it showed could not be given back to `model add` (last
+    session's notes). The refusal's stored fields are shown as the log's
+    are; kept as they were stored."""
+    _seeded(run, write)
+    before = rows()
+    added = definition("n", origin={"repository": "org/x"}, fallbacks=["gone"])
+    refused_in_one_line(run("model", "add", write("n.json", as_json(added))))
+    refused_in_one_line(
+        run(
+            "model",
+            "source",
+            "m",
+            "hf://org/y",
+            "--repository",
+            "org/y",
+            "--expected-revision",
+            "0",
+        )
+    )
+    assert rows() == before
+    add, source = (row["fields"] for row in json.loads(ok(run("refusals", "--json")).stdout))
+    assert add["spec"]["origin"] == {"repository": "org/x", "revision": None, "files": {}}
+    assert source["origin"] == {"repository": "org/y", "revision": None, "files": {}}
+    # What is shown is taken back, the fallback aside.
+    ok(run("model", "add", write("again.json", as_json({**add["spec"], "fallbacks": []}))))
+
+
 def test_a_key_with_nothing_after_it_is_refused_not_left_out(
     run: Run, write: Any, rows: Callable[[], int]
 ) -> None:
