@@ -596,15 +596,6 @@ def _forgotten_by_children(engine: Engine) -> None:
     os.register_at_fork(after_in_child=forget)
 
 
-def new_sqlite_file(url: str) -> str | None:
-    """The file a SQLite URL names, when there is none there yet."""
-    parsed = log_url(url)
-    if parsed.get_backend_name() != "sqlite":
-        return None
-    path = _sqlite_file(parsed)
-    return None if Path(path).exists() else path
-
-
 def in_memory(url: sa.URL) -> bool:
     """Whether a SQLite URL names a database in memory, in any of its forms."""
     database = url.database or ""
@@ -1211,10 +1202,10 @@ class SQLRecorder(ProcessRecorder):
         self._sequence_kept: bool | None = None
         # The schema of the log's tables on PostgreSQL, once found (log_schema).
         self._log_schema: str | None = None
-        # Where this recorder made the log's table on PostgreSQL, there being
-        # none along the search path ("in schema s of database d at host"): a
-        # schema or database mistaken starts a second, empty log, so a
-        # command says so, as of a new SQLite file.
+        # Where this recorder made the log's table, there being none ("at
+        # FILE" on SQLite, a file new or empty; "in schema s of database d at
+        # host" on PostgreSQL, none along the search path): a path, schema or
+        # database mistaken starts a second, empty log, so a command says so.
         self.log_made: str | None = None
         # PostgreSQL's LISTEN connection, shared by this process's followers.
         self._listener: Listener | None = None
@@ -1392,17 +1383,20 @@ class SQLRecorder(ProcessRecorder):
             found = _tables_found(conn, names)
             missing = [table for table in tables.sorted_tables if table.name not in found]
             tables.create_all(conn, tables=missing, checkfirst=False)
-            if schema is not None and tables is metadata and events_table.name not in found:
+            if tables is metadata and events_table.name not in found:
                 self.log_made = self._made_where(schema)
             # A log's table made just now is today's: nothing to bring over,
             # nor to read back (which cost every new database 20 ms).
             if tables is metadata and events_table.name in found:
                 self._link_streams(conn, _log_columns(conn), streams_table.name in found)
 
-    def _made_where(self, schema: str) -> str:
+    def _made_where(self, schema: str | None) -> str:
         """Where the log's table made in ``schema`` is, said for an operator:
-        its schema, database and server as the URL names them (read back, the
-        database would cost every new log a round trip)."""
+        its file on SQLite; on PostgreSQL its schema, database and server as
+        the URL names them (read back, the database would cost every new log
+        a round trip)."""
+        if self._file is not None:
+            return f"at {self._file.path}"
         url = self.engine.url
         database = f" of database {url.database}" if url.database else ""
         port = f":{url.port}" if url.port else ""

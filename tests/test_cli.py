@@ -2301,10 +2301,15 @@ def said_to_be_made_once(db: str, other: str, made_in: Callable[[str], str]) -> 
     )
 
 
-def test_a_new_sqlite_log_is_said_to_be_made(tmp_path: Path) -> None:
+@pytest.mark.parametrize("file", ["missing", "empty"])
+def test_a_new_sqlite_log_is_said_to_be_made(tmp_path: Path, file: str) -> None:
     """A path mistyped read as an empty catalog, said nothing, and left a new
-    file (operator walkthrough)."""
+    file (operator walkthrough); so did an empty file there (`touch
+    typo.db`), with no log in it either (last session's notes)."""
     db = f"sqlite:///{tmp_path}/typo.db"
+    if file == "empty":
+        (tmp_path / "typo.db").touch()
+        (tmp_path / "other.db").touch()
     said_to_be_made_once(
         db, f"sqlite:///{tmp_path}/other.db", lambda url: f"at {url.removeprefix('sqlite:///')}"
     )

@@ -202,15 +202,9 @@ class Settings:
         """The service, opened once per run and closed with the command (its
         held write connection and pool with it)."""
         if self._models is None:
-            url = bootstrap.database_url(self.db)  # refused, loads no persistence
-            from catalog_es.persistence import new_sqlite_file
-
-            new_file = new_sqlite_file(url)
+            bootstrap.database_url(self.db)  # refused, loads no persistence
             self._models = bootstrap.open_models(self.db, self.config)
-            if new_file is not None and self._models.revision == 0:
-                self.new_log = f"at {new_file}"  # not another process's, made meanwhile
-            else:
-                self.new_log = self._models.store.log_made
+            self.new_log = self._models.store.log_made
             if self.new_log is not None:
                 log.warning("no log %s yet: a new one is made there", self.new_log)
             recorded = self._models.catalog.recorded_declaration
