@@ -184,23 +184,52 @@ def _unlinked(columns: Sequence[str]) -> bool:
     return set(columns) >= _UNLINKED_COLUMNS and "stream_previous" not in columns
 
 
+# What the objects that could stand where a table of the catalog is made
+# are, by the kind each database gives them (SQLite keeps a view's and an
+# index's names with the tables'; PostgreSQL every relation's).
+_NOT_TABLES = {
+    "view": "a view",
+    "index": "an index",
+    "v": "a view",
+    "m": "a materialized view",
+    "i": "an index",
+    "I": "an index",
+    "S": "a sequence",
+    "c": "a composite type",
+    "t": "a TOAST table",
+}
+
+
 def _tables_found(conn: Connection, names: Sequence[str]) -> set[str]:
-    """Which of the tables ``names`` this connection's queries find (a view
-    too, as SQLAlchemy's ``has_table`` tells), in one statement: a start on
-    PostgreSQL asked it table by table, a round trip each."""
+    """Which of the tables ``names`` this connection's queries find, in one
+    statement: a start on PostgreSQL asked it table by table, a round trip
+    each. Refused when another kind of object takes one's name (a view): a
+    read then made the other tables and failed on it, in a line that named
+    neither it nor what to do (last session's notes)."""
     if conn.dialect.name == "sqlite":
         found = conn.exec_driver_sql(
-            "SELECT name FROM sqlite_master WHERE type IN ('table', 'view')"
+            "SELECT name, type, '' FROM sqlite_master WHERE type IN ('table', 'view', 'index')"
             f" AND name IN ({', '.join('?' * len(names))})",
             tuple(names),
         )
     else:
         found = conn.exec_driver_sql(
-            "SELECT relname FROM pg_class WHERE relname = ANY(%(names)s)"
-            " AND relkind IN ('r', 'p', 'f', 'v', 'm') AND pg_table_is_visible(oid)",
+            "SELECT relname, relkind::text, ' in schema ' || relnamespace::regnamespace"
+            " FROM pg_class WHERE relname = ANY(%(names)s) AND pg_table_is_visible(oid)",
             {"names": list(names)},
         )
-    return set(found.scalars())
+    tables: set[str] = set()
+    for name, kind, where in found:
+        if kind not in _NOT_TABLES:  # a table (on PostgreSQL, partitioned or foreign too)
+            tables.add(name)
+            continue
+        other = "database or schema" if conn.dialect.name == "postgresql" else "file"
+        raise DamagedLog(
+            f"{_NOT_TABLES[kind]} named {name}{where} stands where the catalog keeps its table"
+            f" of that name: nothing was read or made; drop or rename it, or point --db at"
+            f" another {other}"
+        )
+    return tables
 
 
 def _log_columns(conn: Connection) -> list[str]:

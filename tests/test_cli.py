@@ -2335,6 +2335,35 @@ def test_a_new_postgresql_log_is_said_to_be_made(
     said_to_be_made_once(pg_schema_url(), pg_schema_url(), made_in)
 
 
+def test_a_view_named_as_a_table_of_the_log_is_refused_before_anything_is_made(
+    db_url: str, run: Run
+) -> None:
+    """A view named catalog_events had a read make the other tables, then
+    fail on `no such column: catalog_events.revision`, naming neither the
+    view nor what to do (last session's notes). It is refused in one line
+    that does both, and the database is left as it was."""
+    engine = sa.create_engine(db_url)
+
+    def objects() -> list[str]:
+        inspector = sa.inspect(engine)
+        return sorted(inspector.get_table_names() + inspector.get_view_names())
+
+    try:
+        with engine.begin() as conn:
+            conn.execute(sa.text("CREATE VIEW catalog_events AS SELECT 1 AS one"))
+        before = objects()
+        where = f" in schema {schema_of(db_url)}" if db_url.startswith("postgresql") else ""
+        other = "database or schema" if where else "file"
+        assert refused_in_one_line(run("model", "list")) == (
+            f"error: a view named catalog_events{where} stands where the catalog keeps its"
+            " table of that name: nothing was read or made; drop or rename it, or point --db"
+            f" at another {other}"
+        )
+        assert objects() == before == ["catalog_events"]
+    finally:
+        engine.dispose()
+
+
 def test_a_command_lets_go_of_the_database_when_it_ends(tmp_path: Path) -> None:
     """The service was never closed: its connections stayed open until the
     process ended (review). SQLite's last connection, closing, folds the WAL
