@@ -2225,6 +2225,68 @@ def test_a_run_on_another_config_than_the_log_recorded_says_so(
     assert count_events(db_url) == 12
 
 
+def test_a_refusal_another_config_explains_says_so_in_its_line(
+    run_told: Run, db_url: str, tmp_path: Path
+) -> None:
+    """A shell on a stale config was refused a change to a model its config
+    declares, or told a model its config lacks is not in the catalog, with
+    no word that the log's nodes recorded another config, which declares
+    neither so (last session's notes). The line says so, only where the two
+    configs differ about the model refused; it stays one line, and the log
+    is left as it was."""
+    first, stale, deployed = (tmp_path / f"{n}.yaml" for n in ("first", "stale", "deployed"))
+    first.write_text(config_yaml(spec("base")))
+    stale.write_text(config_yaml(spec("base"), spec("gone")))
+    deployed.write_text(config_yaml(spec("base"), spec("new")))
+    for config, name in ((first, "a"), (deployed, "b")):  # 1 first, 2; 3 deployed, 4
+        (tmp_path / f"{name}.yaml").write_bytes(as_yaml(definition(name)))
+        ok(run_told("--config", str(config), "model", "add", str(tmp_path / f"{name}.yaml")))
+    recorded = "the config the log last recorded, at revision 3"
+    cases: list[tuple[Path | None, tuple[str, ...], str]] = [
+        (
+            stale,
+            ("model", "scale", "gone", "--max", "2"),
+            "error: model 'gone' is declared in configuration; change its scaling there, or it"
+            f" reverts on the next restart (declared in this run's config ({stale}), but not in"
+            f" {recorded})",
+        ),
+        (
+            stale,
+            ("model", "remove", "new"),
+            f"error: model 'new' is not in the catalog (declared in {recorded}, but not in this"
+            f" run's config ({stale}))",
+        ),
+        (
+            None,
+            ("model", "show", "new"),
+            f"error: model 'new' is not in the catalog (declared in {recorded}, but not in this"
+            " run's config (none given))",
+        ),
+        # Where both declare it, or neither, the difference explains nothing.
+        (
+            stale,
+            ("model", "scale", "base", "--max", "2"),
+            "error: model 'base' is declared in configuration; change its scaling there, or it"
+            " reverts on the next restart",
+        ),
+        (
+            stale,
+            ("model", "scale", "nope", "--max", "2"),
+            "error: model 'nope' is not in the catalog",
+        ),
+        # Read over the config recorded then, which lacks it too, not over this run's.
+        (
+            stale,
+            ("model", "show", "new", "--at", "2", "--declared-then"),
+            "error: model 'new' is not in the catalog at revision 2",
+        ),
+    ]
+    for given, args, told in cases:
+        done = run_told(*(["--config", str(given)] if given else []), *args)
+        assert (done.exit_code, done.stderr.splitlines()[-1]) == (1, told), args
+    assert count_events(db_url) == 4
+
+
 def test_a_deleted_last_event_is_told_by_every_command_until_a_write_goes_on(
     run_told: Run, db_url: str, tmp_path: Path
 ) -> None:
