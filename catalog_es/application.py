@@ -1370,6 +1370,12 @@ class Models(AuditTrail, Application[UUID]):
             declared = self._declared_at(conn, revision, declared_then)
             return pointintime.catalog_at(self.store, conn, declared, revision)
 
+    def recorded_config(self, revision: int) -> DeclaredConfig:
+        """The declared config the log had recorded as in force at ``revision``
+        (refused when that record cannot be read)."""
+        with self.store.read() as conn:
+            return self._declared_at(conn, revision, True)
+
     def _declared_at(self, conn: Connection, revision: int, then: bool) -> DeclaredConfig:
         """The declared layer a read of the past is replayed over: today's, as
         a node starting now would (and a rollback restores onto); or, ``then``,

@@ -34,6 +34,7 @@ from catalog_es.model import Model, utc_now, utc_text
 from catalog_es.names import carried
 from catalog_es.persistence import AnswerTooLarge, SQLRecorder, refusals_table
 from catalog_es.values import zoned
+from catalog_es.views import refused_fields
 from projections.audit import (
     AuditProjection,
     AuditView,
@@ -179,7 +180,7 @@ class AuditTrail:
                 "event": row.event,
                 "refusal": row.refusal,
                 "reason": row.reason,
-                "fields": row.fields,
+                "fields": refused_fields(row.event, row.fields),
             }
             for row in rows
         ]

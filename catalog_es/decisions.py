@@ -48,7 +48,7 @@ def decide(catalog: Catalog, event: Model.Event) -> ModelSpec | None:
             raise ModelNotFound(name)
         return event.evolve(current)
     if catalog.is_declared(name):
-        raise DeclaredInConfig(declared_refusal(event))
+        raise DeclaredInConfig(name, declared_refusal(event))
     current = catalog.aggregate(name).spec
     if isinstance(event, Model.Removed) and not catalog.holds(name):
         raise ModelNotFound(name)

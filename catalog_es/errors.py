@@ -188,7 +188,11 @@ class ModelNotFound(Refused):
 
 
 class DeclaredInConfig(Refused):
-    """The name is declared in configuration, which wins every conflict."""
+    """The model ``name`` is declared in configuration, which wins every conflict."""
+
+    def __init__(self, name: str, message: str) -> None:
+        self.name = name
+        super().__init__(message)
 
 
 class RevisionConflict(Refused):

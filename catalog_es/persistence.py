@@ -184,23 +184,52 @@ def _unlinked(columns: Sequence[str]) -> bool:
     return set(columns) >= _UNLINKED_COLUMNS and "stream_previous" not in columns
 
 
+# What the objects that could stand where a table of the catalog is made
+# are, by the kind each database gives them (SQLite keeps a view's and an
+# index's names with the tables'; PostgreSQL every relation's).
+_NOT_TABLES = {
+    "view": "a view",
+    "index": "an index",
+    "v": "a view",
+    "m": "a materialized view",
+    "i": "an index",
+    "I": "an index",
+    "S": "a sequence",
+    "c": "a composite type",
+    "t": "a TOAST table",
+}
+
+
 def _tables_found(conn: Connection, names: Sequence[str]) -> set[str]:
-    """Which of the tables ``names`` this connection's queries find (a view
-    too, as SQLAlchemy's ``has_table`` tells), in one statement: a start on
-    PostgreSQL asked it table by table, a round trip each."""
+    """Which of the tables ``names`` this connection's queries find, in one
+    statement: a start on PostgreSQL asked it table by table, a round trip
+    each. Refused when another kind of object takes one's name (a view): a
+    read then made the other tables and failed on it, in a line that named
+    neither it nor what to do (last session's notes)."""
     if conn.dialect.name == "sqlite":
         found = conn.exec_driver_sql(
-            "SELECT name FROM sqlite_master WHERE type IN ('table', 'view')"
+            "SELECT name, type, '' FROM sqlite_master WHERE type IN ('table', 'view', 'index')"
             f" AND name IN ({', '.join('?' * len(names))})",
             tuple(names),
         )
     else:
         found = conn.exec_driver_sql(
-            "SELECT relname FROM pg_class WHERE relname = ANY(%(names)s)"
-            " AND relkind IN ('r', 'p', 'f', 'v', 'm') AND pg_table_is_visible(oid)",
+            "SELECT relname, relkind::text, ' in schema ' || relnamespace::regnamespace"
+            " FROM pg_class WHERE relname = ANY(%(names)s) AND pg_table_is_visible(oid)",
             {"names": list(names)},
         )
-    return set(found.scalars())
+    tables: set[str] = set()
+    for name, kind, where in found:
+        if kind not in _NOT_TABLES:  # a table (on PostgreSQL, partitioned or foreign too)
+            tables.add(name)
+            continue
+        other = "database or schema" if conn.dialect.name == "postgresql" else "file"
+        raise DamagedLog(
+            f"{_NOT_TABLES[kind]} named {name}{where} stands where the catalog keeps its table"
+            f" of that name: nothing was read or made; drop or rename it, or point --db at"
+            f" another {other}"
+        )
+    return tables
 
 
 def _log_columns(conn: Connection) -> list[str]:
@@ -594,15 +623,6 @@ def _forgotten_by_children(engine: Engine) -> None:
             inherited.dispose(close=False)
 
     os.register_at_fork(after_in_child=forget)
-
-
-def new_sqlite_file(url: str) -> str | None:
-    """The file a SQLite URL names, when there is none there yet."""
-    parsed = log_url(url)
-    if parsed.get_backend_name() != "sqlite":
-        return None
-    path = _sqlite_file(parsed)
-    return None if Path(path).exists() else path
 
 
 def in_memory(url: sa.URL) -> bool:
@@ -1211,10 +1231,10 @@ class SQLRecorder(ProcessRecorder):
         self._sequence_kept: bool | None = None
         # The schema of the log's tables on PostgreSQL, once found (log_schema).
         self._log_schema: str | None = None
-        # Where this recorder made the log's table on PostgreSQL, there being
-        # none along the search path ("in schema s of database d at host"): a
-        # schema or database mistaken starts a second, empty log, so a
-        # command says so, as of a new SQLite file.
+        # Where this recorder made the log's table, there being none ("at
+        # FILE" on SQLite, a file new or empty; "in schema s of database d at
+        # host" on PostgreSQL, none along the search path): a path, schema or
+        # database mistaken starts a second, empty log, so a command says so.
         self.log_made: str | None = None
         # PostgreSQL's LISTEN connection, shared by this process's followers.
         self._listener: Listener | None = None
@@ -1392,17 +1412,20 @@ class SQLRecorder(ProcessRecorder):
             found = _tables_found(conn, names)
             missing = [table for table in tables.sorted_tables if table.name not in found]
             tables.create_all(conn, tables=missing, checkfirst=False)
-            if schema is not None and tables is metadata and events_table.name not in found:
+            if tables is metadata and events_table.name not in found:
                 self.log_made = self._made_where(schema)
             # A log's table made just now is today's: nothing to bring over,
             # nor to read back (which cost every new database 20 ms).
             if tables is metadata and events_table.name in found:
                 self._link_streams(conn, _log_columns(conn), streams_table.name in found)
 
-    def _made_where(self, schema: str) -> str:
+    def _made_where(self, schema: str | None) -> str:
         """Where the log's table made in ``schema`` is, said for an operator:
-        its schema, database and server as the URL names them (read back, the
-        database would cost every new log a round trip)."""
+        its file on SQLite; on PostgreSQL its schema, database and server as
+        the URL names them (read back, the database would cost every new log
+        a round trip)."""
+        if self._file is not None:
+            return f"at {self._file.path}"
         url = self.engine.url
         database = f" of database {url.database}" if url.database else ""
         port = f":{url.port}" if url.port else ""

@@ -166,7 +166,7 @@ def plan_rollback(
         if current.is_declared(model):
             # What is in force for it is the config's, whatever its history.
             raise DeclaredInConfig(
-                f"model {model!r} is declared in configuration; roll it back there"
+                model, f"model {model!r} is declared in configuration; roll it back there"
             )
         if model not in names:
             raise Refused(

@@ -16,7 +16,7 @@ from catalog_es.collector import collector_paused
 from catalog_es.configuration import Configuration
 from catalog_es.decisions import origin_warnings
 from catalog_es.mapper import topic_name
-from catalog_es.model import DomainEvent, Model, utc_text
+from catalog_es.model import EVENT_TYPES, DomainEvent, Model, utc_text
 from catalog_es.names import CONFIG_DECLARED
 from catalog_es.spec import ModelSpec, Origin, memory_warnings, name_warnings
 
@@ -96,15 +96,39 @@ def event_fields(event: DomainEvent) -> dict[str, Any]:
     given in part is copied from here into `model add` and `apply`."""
     data: dict[str, Any] = msgspec.json.decode(msgspec.json.encode(event))
     fields = {k: v for k, v in data.items() if k not in _ENVELOPE}
-    for name, holds in _origin_fields(type(event)):
-        if holds is Origin:
-            show_origin(fields[name])
-        elif holds is ModelSpec:
-            show_origin(fields[name]["origin"])
-        else:
-            for definition in fields[name]:
-                show_origin(definition["origin"])
+    _show_origins(fields, type(event))
     return fields
+
+
+def refused_fields(event: str, fields: Any) -> Any:
+    """A refusal's stored ``fields`` (those of a command refused as ``event``)
+    with each origin in them as every output shows one (:func:`show_origin`).
+    Shown so rather than stored so: older rows hold the empty text too. A
+    refusal keeps what a command was asked, its fields in part or
+    ``omitted``: an origin is shown where one is held."""
+    event_class = _REFUSED_CLASSES.get(event)
+    if event_class is not None and isinstance(fields, dict):
+        _show_origins(fields, event_class)
+    return fields
+
+
+_REFUSED_CLASSES = {event_class.__name__: event_class for event_class in EVENT_TYPES}
+
+
+def _show_origins(fields: dict[str, Any], event_class: type[DomainEvent]) -> None:
+    """:func:`show_origin` of each origin that ``fields``, an
+    ``event_class``'s, hold, changed in place."""
+    for name, holds in _origin_fields(event_class):
+        value = fields.get(name)
+        if value is None:
+            continue
+        if holds is Origin:
+            show_origin(value)
+        elif holds is ModelSpec:
+            show_origin(value.get("origin"))
+        else:
+            for definition in value:
+                show_origin(definition.get("origin"))
 
 
 @functools.cache

@@ -783,7 +783,7 @@ class Weights:
             # off it, naming what the operator never typed (hostile test).
             if batch.catalog.is_declared(name):
                 asked = batch.event(Model.SourceSet, name, source=spec.source, origin=spec.origin)
-                raise DeclaredInConfig(declared_refusal(asked))
+                raise DeclaredInConfig(name, declared_refusal(asked))
             if batch.catalog.get(name) is None:
                 raise ModelNotFound(name)
 

@@ -369,6 +369,38 @@ def test_an_origin_given_in_part_is_shown_with_null_and_a_field_given_empty_is_r
         assert model["origin"] == shown["origin"], name
 
 
+def test_a_refused_origin_given_in_part_is_shown_with_null_as_every_output_shows_it(
+    run: Run, write: Any, rows: Callable[[], int]
+) -> None:
+    """`refusals --json` showed an origin field left out of a refused `model
+    add` or `model source` as `""`, where history, audit and log show null,
+    so what it showed could not be given back to `model add` (last
+    session's notes). The refusal's stored fields are shown as the log's
+    are; kept as they were stored."""
+    _seeded(run, write)
+    before = rows()
+    added = definition("n", origin={"repository": "org/x"}, fallbacks=["gone"])
+    refused_in_one_line(run("model", "add", write("n.json", as_json(added))))
+    refused_in_one_line(
+        run(
+            "model",
+            "source",
+            "m",
+            "hf://org/y",
+            "--repository",
+            "org/y",
+            "--expected-revision",
+            "0",
+        )
+    )
+    assert rows() == before
+    add, source = (row["fields"] for row in json.loads(ok(run("refusals", "--json")).stdout))
+    assert add["spec"]["origin"] == {"repository": "org/x", "revision": None, "files": {}}
+    assert source["origin"] == {"repository": "org/y", "revision": None, "files": {}}
+    # What is shown is taken back, the fallback aside.
+    ok(run("model", "add", write("again.json", as_json({**add["spec"], "fallbacks": []}))))
+
+
 def test_a_key_with_nothing_after_it_is_refused_not_left_out(
     run: Run, write: Any, rows: Callable[[], int]
 ) -> None:
@@ -2193,6 +2225,68 @@ def test_a_run_on_another_config_than_the_log_recorded_says_so(
     assert count_events(db_url) == 12
 
 
+def test_a_refusal_another_config_explains_says_so_in_its_line(
+    run_told: Run, db_url: str, tmp_path: Path
+) -> None:
+    """A shell on a stale config was refused a change to a model its config
+    declares, or told a model its config lacks is not in the catalog, with
+    no word that the log's nodes recorded another config, which declares
+    neither so (last session's notes). The line says so, only where the two
+    configs differ about the model refused; it stays one line, and the log
+    is left as it was."""
+    first, stale, deployed = (tmp_path / f"{n}.yaml" for n in ("first", "stale", "deployed"))
+    first.write_text(config_yaml(spec("base")))
+    stale.write_text(config_yaml(spec("base"), spec("gone")))
+    deployed.write_text(config_yaml(spec("base"), spec("new")))
+    for config, name in ((first, "a"), (deployed, "b")):  # 1 first, 2; 3 deployed, 4
+        (tmp_path / f"{name}.yaml").write_bytes(as_yaml(definition(name)))
+        ok(run_told("--config", str(config), "model", "add", str(tmp_path / f"{name}.yaml")))
+    recorded = "the config the log last recorded, at revision 3"
+    cases: list[tuple[Path | None, tuple[str, ...], str]] = [
+        (
+            stale,
+            ("model", "scale", "gone", "--max", "2"),
+            "error: model 'gone' is declared in configuration; change its scaling there, or it"
+            f" reverts on the next restart (declared in this run's config ({stale}), but not in"
+            f" {recorded})",
+        ),
+        (
+            stale,
+            ("model", "remove", "new"),
+            f"error: model 'new' is not in the catalog (declared in {recorded}, but not in this"
+            f" run's config ({stale}))",
+        ),
+        (
+            None,
+            ("model", "show", "new"),
+            f"error: model 'new' is not in the catalog (declared in {recorded}, but not in this"
+            " run's config (none given))",
+        ),
+        # Where both declare it, or neither, the difference explains nothing.
+        (
+            stale,
+            ("model", "scale", "base", "--max", "2"),
+            "error: model 'base' is declared in configuration; change its scaling there, or it"
+            " reverts on the next restart",
+        ),
+        (
+            stale,
+            ("model", "scale", "nope", "--max", "2"),
+            "error: model 'nope' is not in the catalog",
+        ),
+        # Read over the config recorded then, which lacks it too, not over this run's.
+        (
+            stale,
+            ("model", "show", "new", "--at", "2", "--declared-then"),
+            "error: model 'new' is not in the catalog at revision 2",
+        ),
+    ]
+    for given, args, told in cases:
+        done = run_told(*(["--config", str(given)] if given else []), *args)
+        assert (done.exit_code, done.stderr.splitlines()[-1]) == (1, told), args
+    assert count_events(db_url) == 4
+
+
 def test_a_deleted_last_event_is_told_by_every_command_until_a_write_goes_on(
     run_told: Run, db_url: str, tmp_path: Path
 ) -> None:
@@ -2269,10 +2363,15 @@ def said_to_be_made_once(db: str, other: str, made_in: Callable[[str], str]) -> 
     )
 
 
-def test_a_new_sqlite_log_is_said_to_be_made(tmp_path: Path) -> None:
+@pytest.mark.parametrize("file", ["missing", "empty"])
+def test_a_new_sqlite_log_is_said_to_be_made(tmp_path: Path, file: str) -> None:
     """A path mistyped read as an empty catalog, said nothing, and left a new
-    file (operator walkthrough)."""
+    file (operator walkthrough); so did an empty file there (`touch
+    typo.db`), with no log in it either (last session's notes)."""
     db = f"sqlite:///{tmp_path}/typo.db"
+    if file == "empty":
+        (tmp_path / "typo.db").touch()
+        (tmp_path / "other.db").touch()
     said_to_be_made_once(
         db, f"sqlite:///{tmp_path}/other.db", lambda url: f"at {url.removeprefix('sqlite:///')}"
     )
@@ -2296,6 +2395,35 @@ def test_a_new_postgresql_log_is_said_to_be_made(
         return f"in schema {schema_of(db)} of database {database} at {server}"
 
     said_to_be_made_once(pg_schema_url(), pg_schema_url(), made_in)
+
+
+def test_a_view_named_as_a_table_of_the_log_is_refused_before_anything_is_made(
+    db_url: str, run: Run
+) -> None:
+    """A view named catalog_events had a read make the other tables, then
+    fail on `no such column: catalog_events.revision`, naming neither the
+    view nor what to do (last session's notes). It is refused in one line
+    that does both, and the database is left as it was."""
+    engine = sa.create_engine(db_url)
+
+    def objects() -> list[str]:
+        inspector = sa.inspect(engine)
+        return sorted(inspector.get_table_names() + inspector.get_view_names())
+
+    try:
+        with engine.begin() as conn:
+            conn.execute(sa.text("CREATE VIEW catalog_events AS SELECT 1 AS one"))
+        before = objects()
+        where = f" in schema {schema_of(db_url)}" if db_url.startswith("postgresql") else ""
+        other = "database or schema" if where else "file"
+        assert refused_in_one_line(run("model", "list")) == (
+            f"error: a view named catalog_events{where} stands where the catalog keeps its"
+            " table of that name: nothing was read or made; drop or rename it, or point --db"
+            f" at another {other}"
+        )
+        assert objects() == before == ["catalog_events"]
+    finally:
+        engine.dispose()
 
 
 def test_a_command_lets_go_of_the_database_when_it_ends(tmp_path: Path) -> None:

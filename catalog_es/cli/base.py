@@ -36,7 +36,9 @@ from catalog_es.cli import tables
 from catalog_es.errors import (
     UNSAFE_TEXT,
     ConfigError,
+    DeclaredInConfig,
     InputError,
+    ModelNotFound,
     OutcomeUnknown,
     Refused,
     came_of_a_stop,
@@ -186,6 +188,9 @@ class Settings:
         # Each revision given that was read as another, as told
         # (:func:`warn_if_taken_as_another`): diff resolves two.
         self.taken_as: list[str] = []
+        # Whether a read is over the declared config the log recorded then:
+        # a refusal of it turned on that config, not this run's.
+        self.declared_then = False
 
     def last_written(self) -> int | None:
         """The revision this run's last committed write answers, if it wrote
@@ -202,15 +207,9 @@ class Settings:
         """The service, opened once per run and closed with the command (its
         held write connection and pool with it)."""
         if self._models is None:
-            url = bootstrap.database_url(self.db)  # refused, loads no persistence
-            from catalog_es.persistence import new_sqlite_file
-
-            new_file = new_sqlite_file(url)
+            bootstrap.database_url(self.db)  # refused, loads no persistence
             self._models = bootstrap.open_models(self.db, self.config)
-            if new_file is not None and self._models.revision == 0:
-                self.new_log = f"at {new_file}"  # not another process's, made meanwhile
-            else:
-                self.new_log = self._models.store.log_made
+            self.new_log = self._models.store.log_made
             if self.new_log is not None:
                 log.warning("no log %s yet: a new one is made there", self.new_log)
             recorded = self._models.catalog.recorded_declaration
@@ -236,6 +235,40 @@ class Settings:
                 # (CatalogGroup.invoke), not with the command's own.
                 context.find_root().call_on_close(self._models.close)
         return self._models
+
+    def another_config_explains(self, refusal: Exception) -> str:
+        """What a refusal's line adds when the declared config the log last
+        recorded is not this run's, and the two differ where ``refusal``
+        turned: the model refused as declared is not declared in the log's,
+        or the one not found is. Nothing for any other refusal, which that
+        difference cannot explain."""
+        models = self._models
+        if (
+            models is None
+            or self.declared_then
+            or not isinstance(refusal, DeclaredInConfig | ModelNotFound)
+        ):
+            return ""
+        recorded = models.catalog.recorded_declaration
+        if recorded is None or recorded[0] == models.declared.fingerprint:
+            return ""
+        import sqlalchemy as sa  # loaded with the service
+
+        try:
+            theirs = models.recorded_config(recorded[1])
+        except (Refused, sa.exc.SQLAlchemyError):
+            # A record this release cannot read, a database gone: only a
+            # hint hangs on it, and the refusal is told all the same.
+            return ""
+        if any(spec.name == refusal.name for spec in theirs.models) != isinstance(
+            refusal, ModelNotFound
+        ):
+            return ""
+        logs = f"the config the log last recorded, at revision {recorded[1]}"
+        ours = f"this run's config ({models.declared.path or 'none given'})"
+        if isinstance(refusal, ModelNotFound):
+            return f" (declared in {logs}, but not in {ours})"
+        return f" (declared in {ours}, but not in {logs})"
 
     def tell_another_config_recorded(self) -> None:
         """Warn, once the command is done, when the log last recorded another
@@ -339,10 +372,17 @@ def query_options(f: F) -> F:
 
 pass_settings = click.make_pass_decorator(Settings, ensure=True)
 
+
+def _note_declared_then(ctx: click.Context, _param: click.Parameter, value: bool) -> bool:
+    ctx.ensure_object(Settings).declared_then = value
+    return value
+
+
 # Reads of the past are replayed over today's declared config unless asked.
 declared_then_option = click.option(
     "--declared-then",
     is_flag=True,
+    callback=_note_declared_then,
     help="Over the declared config the log had recorded then (what the nodes ran), not today's.",
 )
 
@@ -780,6 +820,7 @@ class CatalogGroup(click.Group):
             said = f"error: {refusal}"
             if settings is not None:
                 said += "".join(f"; {taken}" for taken in settings.taken_as)
+                said += settings.another_config_explains(refusal)
                 if settings.new_log:
                     said += f" (no log was {settings.new_log}: a new, empty one is made there)"
             say(said, err=True)
