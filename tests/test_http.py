@@ -2288,6 +2288,30 @@ def test_serve_that_cannot_listen_is_refused_before_it_records_anything(
     assert count_events(db) == 0
 
 
+def test_a_server_given_no_config_answers_500_once_another_node_records_one(
+    db_url: str, tmp_path: Path, config_file: str
+) -> None:
+    """A server started with no config on a log that recorded none writes on;
+    once another node records a config, its writes are refused (they would
+    record none over it): the server's setup is at fault, not the request,
+    which answered 422 as if it were, and which no retry can help."""
+    bare = Models(env={"CATALOG_ES_DB": db_url})
+    tokens, token = tokens_for_roles(tmp_path / "tokens.json")
+    with (
+        serving(create_app(bare, tokens)) as url,
+        http_client(base_url=url, timeout=30, headers=bearer(token["write"])) as client,
+    ):
+        ok(client.post("/models", json=definition("a")))
+        deployed = Models(load_config(config_file), env={"CATALOG_ES_DB": db_url})
+        deployed.scale("a", 0, 2, by="ops")
+        rows = count_events(db_url)
+        told = refused(client.post("/models", json=definition("b")), 500)
+        assert told.startswith("no declared config given (--config, $CATALOG_ES_CONFIG or ")
+        assert count_events(db_url) == rows
+    deployed.close()
+    bare.close()
+
+
 def test_a_database_that_went_away_is_a_503_to_retry_and_nothing_is_written(
     pg_url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
