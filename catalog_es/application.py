@@ -29,6 +29,7 @@ from sqlalchemy.engine import Connection
 from catalog_es import commands
 from catalog_es.audit import AuditTrail
 from catalog_es.batch import Batch, Change, KnownVersions, declaration_differs
+from catalog_es.bootstrap import CONFIG_GIVEN_BY
 from catalog_es.catalog import UNREADABLE_DECLARATION, Catalog, Skipped
 from catalog_es.catalog_lock import CatalogLock
 from catalog_es.chain import ChainHead, DamagedHead, deleted_tail, stored_head
@@ -41,6 +42,7 @@ from catalog_es.errors import (
     InputError,
     LogRewritten,
     ModelNotFound,
+    NoConfigGiven,
     OutcomeUnknown,
     Refused,
     RevisionConflict,
@@ -503,7 +505,7 @@ class Models(AuditTrail, Application[UUID]):
         if snapshot_interval < 1:
             raise ValueError("snapshot_interval must be at least 1")
         self.snapshot_interval = snapshot_interval
-        self.declared = declared or DeclaredConfig()
+        self.declared = declared or DeclaredConfig(given=False)
         self.applier = applier or NoApplier()
         self.pre_add_check = pre_add_check or AcceptAll()
         # Serialises commands in this process, held while one waits for the
@@ -517,10 +519,6 @@ class Models(AuditTrail, Application[UUID]):
         self._known = KnownVersions()
         # The head whose deleted events this node last told of.
         self._deleted_tail_told: int | None = None
-        # The revision of another config's record that a caller has told
-        # this service goes without (the command line's "no declared config
-        # given"): putting this config back over it is that, not told again.
-        self.going_without_told: int | None = None
         # The revision of this service's last committed write: what an
         # interrupt after it, as the answer is made or told, cannot undo.
         self.last_written: int | None = None
@@ -632,8 +630,6 @@ class Models(AuditTrail, Application[UUID]):
         lock every node's writes waited for it (181 ms for 40 records of
         2,000 models on PostgreSQL). Only a warning hangs on it: the write
         stands, told, whatever the read meets."""
-        if replaced == self.going_without_told:
-            return
         try:
             with self.store.read() as conn:
                 put_back = snapshots.last_replaced(conn, self.declared.fingerprint, upto=replaced)
@@ -956,6 +952,7 @@ class Models(AuditTrail, Application[UUID]):
         rollback_to: int | None = None,
         several: bool = False,
         dry_run: bool = False,
+        preview: bool = False,
         records_only: bool = False,
         streams: Sequence[str] = (),
         lock_left: float | None = None,
@@ -964,7 +961,10 @@ class Models(AuditTrail, Application[UUID]):
         force and append them, in one write transaction; then put them in force
         and push the catalog to the applier, still serialised. Answers the last
         revision written (the head, when the plan wrote nothing). ``dry_run``
-        plans and decides everything, then writes nothing; ``records_only``
+        plans and decides everything, then writes nothing, and refuses what
+        the write would (it checks one before slow work); ``preview``: the
+        dry run is the answer itself, a read (rollback's), which a run given
+        no config may make (:class:`NoConfigGiven`); ``records_only``
         writes the declared-config record even with no change planned;
         ``streams``: the models whose stream versions the plan will need;
         ``lock_left``: this is the write again, after catching up outside
@@ -1045,6 +1045,15 @@ class Models(AuditTrail, Application[UUID]):
                                 known=known.versions,
                             )
                             replaced = batch.catalog.recorded_declaration
+                            if (
+                                not (self.declared.given or preview)
+                                and replaced is not None
+                                and declaration_differs(batch.catalog, self.declared)
+                            ):
+                                # Decided here, under the log's lock, for every
+                                # entrypoint: another node may have recorded one
+                                # since this service loaded.
+                                raise NoConfigGiven(replaced[1], CONFIG_GIVEN_BY)
                             batch.record_declaration(self.declared)
                             if several:
                                 # The plan works on its own copy, and no other writer
@@ -1495,13 +1504,15 @@ class Models(AuditTrail, Application[UUID]):
                     },
                 )
 
-            revision, changes = self.write_plan(
+            revision, changes = self._write(
                 plan,
                 by=by,
                 reason=reason,
                 expected_revision=expected_revision,
                 rollback_to=target_revision,
+                several=True,
                 dry_run=dry_run,
+                preview=dry_run,
             )
             return {
                 "revision": revision,

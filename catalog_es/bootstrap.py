@@ -33,6 +33,8 @@ MIRROR_ENV = "CATALOG_ES_MIRROR"
 WEIGHTS_ENV = "CATALOG_ES_WEIGHTS"
 TOKENS_ENV = "CATALOG_ES_TOKENS"
 DEFAULT_CONFIG = "catalog.yaml"
+# Where a run takes its declared config from, as told when it has none.
+CONFIG_GIVEN_BY = f"--config, ${CONFIG_ENV} or ./{DEFAULT_CONFIG}"
 SNAPSHOT_ENV = "CATALOG_ES_SNAPSHOT_EVERY"
 DEFAULT_WEIGHTS = "weights"
 DEFAULT_TOKENS = "catalog-tokens.json"

@@ -35,11 +35,14 @@ CONFIGS_KEPT = 3
 class DeclaredConfig(msgspec.Struct, frozen=True, dict=True):
     """What configuration declares: in force on every start, whatever the log says.
     (``dict``: room for the fingerprint and the checked layer, worked out
-    once, not on every command.)"""
+    once, not on every command.) ``given``: false when no config was given
+    at all, which a write must not record over one the log recorded
+    (:class:`~catalog_es.errors.NoConfigGiven`); not part of the layer."""
 
     models: tuple[ModelSpec, ...] = ()
     engines: tuple[str, ...] = DEFAULT_ENGINES
     path: str = ""
+    given: bool = True
 
     @cached_property
     def fingerprint(self) -> str:

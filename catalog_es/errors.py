@@ -252,6 +252,23 @@ class LogRewritten(Refused):
         return cls(f"{lost}; watch again from a revision before the loss")
 
 
+class NoConfigGiven(Refused):
+    """A write by a run given no declared config at all (a shell in another
+    folder than the deploy's), on a log whose nodes recorded one: it would
+    record none over it, undeclaring every declared model. Surprising, and
+    the dangerous direction: refused; `models: []` declares none on purpose."""
+
+    def __init__(self, recorded: int, given_by: str) -> None:
+        """``recorded``: the revision of the log's last declared config;
+        ``given_by``: where a run takes its config from."""
+        self.recorded = recorded
+        super().__init__(
+            f"no declared config given ({given_by}): the log's nodes recorded one at "
+            f"revision {recorded}, and this write would record none, undeclaring its "
+            "models; give that config, or one of `models: []` to undeclare them"
+        )
+
+
 class InputError(Refused):
     """Input that could not be parsed (file, YAML, JSON, arguments)."""
 

@@ -893,9 +893,10 @@ def _place(text: str, loc: tuple[int | str, ...]) -> str:
 
 
 def load_config(path: str | None) -> DeclaredConfig:
-    """The declared config from a YAML file; no file means nothing declared."""
+    """The declared config from a YAML file; no file means nothing declared,
+    and none given."""
     if path is None:
-        return DeclaredConfig()
+        return DeclaredConfig(given=False)
     try:
         # Reviewed YAML, trusted but not unbounded.
         with _open_to_read(path) as file:

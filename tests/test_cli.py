@@ -2096,8 +2096,9 @@ def test_a_run_without_the_declared_config_the_nodes_recorded_says_so(
 ) -> None:
     """Run from a folder without the deploy's catalog.yaml, a read left the
     declared models out and a write recorded no config as the one in force,
-    both in silence (hostile tester). It warns, after its answer; a run given
-    the config, or finding it in its folder, does not."""
+    both in silence (hostile tester). A read warns, after its answer (a
+    write is refused: the test below); a run given the config, or finding
+    it in its folder, does not."""
     (tmp_path / "a.yaml").write_bytes(as_yaml(definition("a")))
     deploy = tmp_path / "deploy"
     deploy.mkdir()
@@ -2120,35 +2121,68 @@ def test_a_run_without_the_declared_config_the_nodes_recorded_says_so(
     assert listed(folder=deploy) == (["a", "base"], "")
 
 
-def test_a_write_without_a_config_on_a_log_that_recorded_none_before_warns_once(
-    db_url: str, tmp_path: Path
+def test_a_write_given_no_config_on_a_log_whose_nodes_recorded_one_is_refused(
+    run_told: Run, db_url: str, tmp_path: Path, write_config: Callable[[str], str]
 ) -> None:
-    """A write with no config given, on a log that had recorded none before
-    another config, warned twice of one thing: no declared config given, and
-    this node's config ("none given") put back over another. It says the
-    first alone; the write stands."""
+    """Run from a folder without the deploy's catalog.yaml, a write recorded
+    no config over the one the nodes recorded, undeclaring every declared
+    model for every node, with a warning alone. Refused, whatever writes:
+    one line, exit 1, the log as it was; a read and a rollback's dry run
+    still warn. Given the config, or one of `models: []` on purpose, it
+    writes; and once the log's last record declares nothing, a run with no
+    config writes on, as on a fresh log."""
     (tmp_path / "a.yaml").write_bytes(as_yaml(definition("a")))
-    (tmp_path / "base.yaml").write_text(config_yaml(spec("base")))
-
-    def catalog_es(*args: str) -> list[str]:
-        done = subprocess.run(
-            [sys.executable, "-m", "catalog_es", "--db", db_url, *args],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            cwd=tmp_path,  # no catalog.yaml here
-            check=True,
-        )
-        return done.stderr.splitlines()
-
-    catalog_es("--config", "base.yaml", "model", "add", "a.yaml")  # 1 base, 2
-    catalog_es("model", "scale", "a", "--max", "2")  # 3 none, 4
-    catalog_es("--config", "base.yaml", "model", "scale", "a", "--max", "3")  # 5 base, 6
-    assert catalog_es("model", "scale", "a", "--max", "4") == [  # 7 none, 8
-        "warning: no declared config given (--config, $CATALOG_ES_CONFIG or ./catalog.yaml): "
-        "the log's nodes recorded one at revision 5, and this run goes without its models"
+    (tmp_path / "b.yaml").write_bytes(as_yaml(definition("b")))
+    (tmp_path / "changes.yaml").write_bytes(as_json([{"scale": {"name": "a", "max": 5}}]))
+    base = write_config(config_yaml(spec("base")))
+    ok(run_told("--config", base, "model", "add", "a.yaml"))  # 1 base, 2
+    ok(run_told("--config", base, "model", "scale", "a", "--max", "2"))  # 3
+    where = "(--config, $CATALOG_ES_CONFIG or ./catalog.yaml)"
+    refused = (
+        f"error: no declared config given {where}: the log's nodes recorded one at "
+        "revision 1, and this write would record none, undeclaring its models; give that "
+        "config, or one of `models: []` to undeclare them\n"
+    )
+    logged = ok(run_told("log", "--json")).stdout
+    for command in (
+        "model add b.yaml",
+        "model scale a --max 3",
+        "model class a critical",
+        "model remove a",
+        "apply changes.yaml",
+        "rollback --to 2",
+    ):
+        done = run_told(*command.split())
+        assert (done.exit_code, done.stdout, done.stderr) == (1, "", refused), command
+        assert run_told("log", "--json").stdout == logged
+    assert {r["event"] for r in json.loads(ok(run_told("refusals", "--json")).stdout)} == {
+        "Added",
+        "Scaled",
+        "ClassSet",
+        "Removed",
+        "Apply",
+        "Rollback",
+    }
+    warned = (
+        f"warning: no declared config given {where}: the log's nodes recorded one at "
+        "revision 1, and this run goes without its models\n"
+    )
+    dry_run = ok(run_told("rollback", "--to", "2", "--dry-run"))
+    assert ("1 event would be written" in dry_run.stdout, dry_run.stderr) == (True, warned)
+    assert run_told("log", "--json").stdout == logged
+    # Given the config, it writes; one declaring no models undeclares them.
+    assert ok(run_told("--config", base, "model", "scale", "a", "--max", "3")).stderr == ""
+    nothing = write_config("models: []\n")
+    ok(run_told("--config", nothing, "model", "scale", "a", "--max", "4"))  # 5 none, 6
+    done = ok(run_told("model", "scale", "a", "--max", "6"))  # 7: nothing to record
+    assert done.stderr == ""
+    written = [json.loads(line) for line in run_told("log", "--json").stdout.splitlines()]
+    assert [(e["revision"], e["event"]) for e in written[3:]] == [
+        (4, "Scaled"),
+        (5, "ConfigDeclared"),
+        (6, "Scaled"),
+        (7, "Scaled"),
     ]
-    assert count_events(db_url) == 8
 
 
 def test_a_run_on_another_config_than_the_log_recorded_says_so(

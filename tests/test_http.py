@@ -2224,6 +2224,42 @@ def test_serve_given_a_stale_expected_revision_is_refused_before_it_records_anyt
     models.close()
 
 
+def test_serve_given_no_config_on_a_log_whose_nodes_recorded_one_refuses_to_start(
+    tmp_path: Path,
+    config_file: str,
+    write_config: Callable[..., str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Started from a folder without the deploy's catalog.yaml, serve recorded
+    no config at start over the one the nodes recorded, undeclaring every
+    declared model for every node. It refuses to start, one line, nothing
+    written; given the config, or one of `models: []`, it starts."""
+    import uvicorn
+
+    # A start that is not refused returns at once rather than serving on.
+    monkeypatch.setattr(uvicorn.Server, "run", lambda *_args, **_kwargs: None)
+    db = f"sqlite:///{tmp_path}/serve.db"
+    tokens = tmp_path / "tokens.json"
+    TokenStore(tokens).add("ops", "read")
+    setup = Models(load_config(config_file), env={"CATALOG_ES_DB": db})
+    setup.add(spec("m"), by="setup")
+    setup.close()
+    rows = count_events(db)
+    serve = ["serve", "--port", "0", "--tokens", str(tokens)]
+    served = CliRunner().invoke(cli, ["--db", db, *serve])
+    assert (served.exit_code, served.stdout) == (1, "")
+    assert served.stderr.splitlines() == [
+        "error: no declared config given (--config, $CATALOG_ES_CONFIG or ./catalog.yaml): "
+        "the log's nodes recorded one at revision 1, and this write would record none, "
+        "undeclaring its models; give that config, or one of `models: []` to undeclare them"
+    ]
+    assert count_events(db) == rows
+    for config in (config_file, write_config("models: []\n")):
+        started = CliRunner().invoke(cli, ["--db", db, "--config", config, *serve])
+        assert started.exit_code == 0, started.output
+    assert count_events(db) == rows + 1  # `models: []`, recorded
+
+
 @pytest.mark.parametrize("where", ["taken", "unknown host", "empty host"])
 def test_serve_that_cannot_listen_is_refused_before_it_records_anything(
     tmp_path: Path, config_file: str, where: str
@@ -2250,6 +2286,30 @@ def test_serve_that_cannot_listen_is_refused_before_it_records_anything(
         }[where]
     )
     assert count_events(db) == 0
+
+
+def test_a_server_given_no_config_answers_500_once_another_node_records_one(
+    db_url: str, tmp_path: Path, config_file: str
+) -> None:
+    """A server started with no config on a log that recorded none writes on;
+    once another node records a config, its writes are refused (they would
+    record none over it): the server's setup is at fault, not the request,
+    which answered 422 as if it were, and which no retry can help."""
+    bare = Models(env={"CATALOG_ES_DB": db_url})
+    tokens, token = tokens_for_roles(tmp_path / "tokens.json")
+    with (
+        serving(create_app(bare, tokens)) as url,
+        http_client(base_url=url, timeout=30, headers=bearer(token["write"])) as client,
+    ):
+        ok(client.post("/models", json=definition("a")))
+        deployed = Models(load_config(config_file), env={"CATALOG_ES_DB": db_url})
+        deployed.scale("a", 0, 2, by="ops")
+        rows = count_events(db_url)
+        told = refused(client.post("/models", json=definition("b")), 500)
+        assert told.startswith("no declared config given (--config, $CATALOG_ES_CONFIG or ")
+        assert count_events(db_url) == rows
+    deployed.close()
+    bare.close()
 
 
 def test_a_database_that_went_away_is_a_503_to_retry_and_nothing_is_written(

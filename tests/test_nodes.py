@@ -32,7 +32,7 @@ import sqlalchemy as sa
 
 from catalog_es import application, commands
 from catalog_es.application import Models
-from catalog_es.errors import Refused, StorageBusy
+from catalog_es.errors import NoConfigGiven, Refused, StorageBusy
 from catalog_es.inputs import DeclaredConfig, load_config, model_from_data
 from catalog_es.mapper import decode_event
 from catalog_es.persistence import (
@@ -484,6 +484,36 @@ def test_a_node_writing_with_another_config_says_so(
         "another at revision 7, and is recorded again at revision 9: every node should run "
         "the same one, unless it was put back on purpose",
     ]
+
+
+def test_a_node_given_no_config_stops_writing_once_another_records_one(db_url: str) -> None:
+    """A node given no config at all (none at ``Models()``, as a CLI run or a
+    server from another folder) writes on a log that recorded none; once
+    another node records one, its next write is refused, nothing written,
+    decided as it holds the log (the check at its load saw none): it would
+    record none over it, undeclaring every declared model. Given the empty
+    layer on purpose, a node still records it."""
+    (declared,) = _configs(1)
+    bare = Models(env={"CATALOG_ES_DB": db_url})
+    bare.add(_definition("a", []), by="ops")  # 1
+    deployed = Models(declared, env={"CATALOG_ES_DB": db_url})
+    deployed.scale("a", 0, 2, by="ops")  # 2 its config, 3
+    rows = count_events(db_url)
+    with pytest.raises(NoConfigGiven, match="recorded one at revision 2, and this write would"):
+        bare.scale("a", 0, 3, by="ops")
+    with pytest.raises(NoConfigGiven):
+        bare.apply_changes([commands.scale("a", 0, 3)], by="ops")
+    assert count_events(db_url) == rows
+    # A rollback's dry run is a read; its write is refused too.
+    assert bare.rollback(1, dry_run=True, by="ops")["events"]
+    with pytest.raises(NoConfigGiven):
+        bare.rollback(1, by="ops")
+    assert [r["event"] for r in bare.refusals()] == ["Scaled", "Apply", "Rollback"]
+    nothing = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
+    assert nothing.scale("a", 0, 4, by="ops").revision == rows + 2  # the empty layer, then it
+    assert bare.scale("a", 0, 5, by="ops").revision == rows + 3
+    for models in (bare, deployed, nothing):
+        models.close()
 
 
 def _configs(count: int) -> list[DeclaredConfig]:

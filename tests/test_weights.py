@@ -33,7 +33,7 @@ from catalog_es import registry as registry_module
 from catalog_es.application import SYSTEM_ACTOR, Models
 from catalog_es.bootstrap import MIRROR_ENV
 from catalog_es.cli import cli
-from catalog_es.errors import DeclaredInConfig, Refused
+from catalog_es.errors import DeclaredInConfig, NoConfigGiven, Refused
 from catalog_es.inputs import load_config
 from catalog_es.mapper import encode_event, topic_of
 from catalog_es.model import Model, model_id, utc_now
@@ -159,9 +159,16 @@ class World:
         self.applier = RecordingApplier()
         self._opened: list[Models] = []
 
-    def open(self, registry: Registry | None = None, applier: Applier | None = None) -> Weights:
+    def open(
+        self,
+        registry: Registry | None = None,
+        applier: Applier | None = None,
+        *,
+        declared: bool = True,
+    ) -> Weights:
+        """``declared``: over the config, else given none."""
         models = Models(
-            load_config(str(self.config)),
+            load_config(str(self.config) if declared else None),
             applier=applier or self.applier,
             env={"CATALOG_ES_DB": f"sqlite:///{self.db}"},
         )
@@ -886,6 +893,21 @@ def test_update_verifies_then_moves_source_and_origin_and_replaces_replicas_in_o
     assert not tracked.update("m", by="bob")["written"]  # already there
     assert world.rows() == rows
     assert tracked.updates()["updates"] == []
+
+
+def test_update_given_no_config_is_refused_before_it_fetches_anything(
+    world: World, tracked: Weights
+) -> None:
+    """A move by a run given no declared config, on a log that recorded one,
+    would record none over it (:class:`NoConfigGiven`): refused before
+    gigabytes are fetched for it, as the write's other refusals are."""
+    c2 = world.mirror.publish("org/m", V2)
+    weights = world.open(declared=False)
+    rows = world.rows()
+    with pytest.raises(NoConfigGiven):
+        weights.update("m", by="bob")
+    assert not (world.store / "org/m" / c2).exists()
+    assert world.rows() == rows
 
 
 def test_update_to_a_named_commit_fetches_it_beside_the_running_one(

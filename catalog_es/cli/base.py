@@ -214,21 +214,19 @@ class Settings:
                 log.warning("no log %s yet: a new one is made there", self.new_log)
             recorded = self._models.catalog.recorded_declaration
             if (
-                bootstrap.config_path(self.config) is None
+                not self._models.declared.given
                 and recorded is not None
                 and recorded[0] != self._models.declared.fingerprint
             ):
                 # A run from a folder without the deploy's catalog.yaml reads
-                # the catalog without its declared models, and a write records
-                # that as the config in force: neither is what the nodes run.
+                # the catalog without its declared models: not what the nodes
+                # run. A write is refused (NoConfigGiven), and its warnings with it.
                 log.warning(
-                    "no declared config given (--config, $%s or ./%s): the log's nodes "
-                    "recorded one at revision %d, and this run goes without its models",
-                    bootstrap.CONFIG_ENV,
-                    bootstrap.DEFAULT_CONFIG,
+                    "no declared config given (%s): the log's nodes recorded one at "
+                    "revision %d, and this run goes without its models",
+                    bootstrap.CONFIG_GIVEN_BY,
                     recorded[1],
                 )
-                self._models.going_without_told = recorded[1]
             context = click.get_current_context(silent=True)
             if context is not None:
                 # With the root's context, once the command's answer is told

@@ -56,6 +56,7 @@ from catalog_es.errors import (
     DamagedReadModel,
     InputError,
     ModelNotFound,
+    NoConfigGiven,
     OutcomeUnknown,
     Refused,
     RevisionConflict,
@@ -142,7 +143,8 @@ class EncodedBody(Refused):
 # The first of these a refusal is an instance of gives its status; every
 # other refusal is 422. 409 means exactly "read again and retry": a model
 # declared in config is refused with 422, since retrying cannot help. A log
-# edited by hand is the server's fault, not the request's.
+# edited by hand is the server's fault, not the request's, as is a server
+# started with no config once another node records one.
 _STATUS_OF_REFUSAL: tuple[tuple[type[Refused], int], ...] = (
     (RevisionConflict, 409),
     (ModelNotFound, 404),
@@ -152,6 +154,7 @@ _STATUS_OF_REFUSAL: tuple[tuple[type[Refused], int], ...] = (
     (EncodedBody, 415),
     (DamagedLog, 500),
     (DamagedReadModel, 500),
+    (NoConfigGiven, 500),
 )
 
 
