@@ -436,6 +436,7 @@ class Watch:
         subscribe: Callable[[int, Any], Subscription[Any]],
         after: int,
         given: Any,
+        by: str | None = None,
     ) -> None:
         # Makes a subscription after a revision, the hash of the event given
         # there; it asks the database as it does, so one made means the
@@ -443,6 +444,7 @@ class Watch:
         self._subscribe = subscribe
         self._after = after
         self._given = given
+        self._by = by  # only this actor's changes are given
         self._stopped = threading.Event()
         self._subscription: Subscription[Any] | None = None
 
@@ -461,13 +463,7 @@ class Watch:
                         for n in notifications:
                             # What the log's subscriptions give (SQLRecorder.subscribe).
                             last, given = n.id, cast(ChainedNotification, n).hash
-                            try:
-                                yield event_view(n.id, decode_event(n.topic, n.state))
-                            except UndecodableEvent as error:
-                                view = undecodable_view(
-                                    n.id, n.topic, model_of_state(n.state), str(error)
-                                )
-                                yield view
+                            yield from _event_views([(n.id, n.topic, n.state)], None, self._by)
                     return
                 except Exception as error:
                     if self._stopped.is_set():
@@ -1533,11 +1529,15 @@ class Models(AuditTrail, Application[UUID]):
                 "notes": notes,
             }
 
-    def watch(self, after: int = 0, *, poll_interval: float | None = None) -> Watch:
+    def watch(
+        self, after: int = 0, *, by: str | None = None, poll_interval: float | None = None
+    ) -> Watch:
         """Every change after revision ``after``, in order and once each, then
-        the new ones as they commit. ``poll_interval``: the seconds between
-        looks with nothing heard (on SQLite, which has no notifications, every
-        look; on PostgreSQL, those in case a notification never comes)."""
+        the new ones as they commit; given ``by``, only that actor's. ``poll_interval``:
+        the seconds between looks with nothing heard (on SQLite, which has no
+        notifications, every look; on PostgreSQL, those in case a
+        notification never comes)."""
+        check_actor_filter(by)
         with self.store.read() as conn:
             head = self.store.head(conn)
             given = self.store.hash_at(conn, after)
@@ -1558,7 +1558,7 @@ class Models(AuditTrail, Application[UUID]):
                 subscription.interval = poll_interval
             return subscription
 
-        return Watch(subscribe, after, given)
+        return Watch(subscribe, after, given, by)
 
     def rebuild(
         self, progress: Callable[[int, int], None] | None = None, *, audit: bool = True

@@ -2048,24 +2048,58 @@ def test_log_by_shows_that_actors_events_alone_and_writes_nothing(
     assert rows() == before
 
 
-def test_an_empty_actor_filter_of_log_is_refused(
-    run: Run, write: Any, rows: Callable[[], int]
+def test_an_empty_actor_filter_of_log_and_watch_is_refused(
+    run: Run, write: Any, rows: Callable[[], int], db_url: str
 ) -> None:
     """As audit refuses it: no actor is empty, and the filter matched
-    nothing, as if nothing had been done."""
+    nothing, as if nothing had been done. (The watch runs apart: taken, it
+    would follow on until stopped.)"""
     _seeded(run, write)
     before = rows()
     told = "error: by: the actor is empty; give an actor, or no actor filter"
     for args in (["log", "--by", ""], ["--by", "", "log", "--json"]):
         assert refused_in_one_line(run(*args)) == told, args
+    watch = python("-m", "catalog_es", "--db", db_url, "watch", "--by", "")
+    try:
+        out, err = watch.communicate(timeout=30)
+    finally:
+        watch.kill()
+    assert (watch.returncode, out, err) == (1, "", told + "\n")
     assert rows() == before
 
 
-def test_log_help_says_by_is_a_filter_there(run: Run) -> None:
-    for command in ("log",):
+def test_log_and_watch_help_say_by_is_a_filter_there(run: Run) -> None:
+    for command in ("log", "watch"):
         shown = " ".join(ok(run(command, "--help")).stdout.split())
         assert "--by ACTOR Only this actor's (a filter here, not who is asking)." in shown
         assert "--by names the actor" in shown
+
+
+def test_watch_by_gives_that_actors_changes_alone_then_follows_them_live(
+    run: Run, write: Any, db_url: str
+) -> None:
+    """`watch --by bob` gave everyone's changes: only bob's come, those
+    before it started and those it follows."""
+    _three_actors(run, write)
+    watch = python("-m", "catalog_es", "--db", db_url, "watch", "--by", "bob", "--json")
+    try:
+        assert watch.stdout is not None
+        assert select.select([watch.stdout], [], [], 30)[0], "watch gave nothing in 30 s"
+        assert [json.loads(watch.stdout.readline())["revision"] for _ in range(2)] == [2, 6]
+        ok(run("--by", "alice", "--reason", "bob", "model", "scale", "m", "--max", "6"))
+        ok(run("--by", "bob", "model", "scale", "m", "--max", "7"))  # revision 8
+        assert select.select([watch.stdout], [], [], 30)[0], "watch gave nothing in 30 s"
+        live = json.loads(watch.stdout.readline())
+        assert (live["revision"], live["by"], live["fields"]) == (
+            8,
+            "bob",
+            {"scaling": {"min": 1, "max": 7}},
+        )
+        watch.send_signal(signal.SIGTERM)
+        out, err = watch.communicate(timeout=30)
+    finally:
+        watch.kill()
+    assert (watch.returncode, out, err) == (0, "", "stopped\n")
 
 
 def test_log_by_reads_a_page_at_a_time_what_the_database_finds_the_actor_in(
