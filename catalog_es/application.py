@@ -16,6 +16,7 @@ from bisect import bisect_right
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext, suppress
 from datetime import datetime, timedelta
+from itertools import islice
 from typing import Any, ClassVar, TypeVar, cast, overload
 from uuid import UUID
 
@@ -54,17 +55,19 @@ from catalog_es.errors import (
     lost_events,
     shown,
 )
-from catalog_es.inputs import check_actor
+from catalog_es.inputs import check_actor, check_actor_filter
 from catalog_es.mapper import (
     EventMapper,
     UndecodableEvent,
     decode_event,
     model_of_state,
     readable_declaration,
+    stored_forms,
 )
-from catalog_es.model import MAX_CLOCK_SKEW, Model, model_id, utc_now, utc_text
+from catalog_es.model import MAX_CLOCK_SKEW, DomainEvent, Model, model_id, utc_now, utc_text
 from catalog_es.names import APPLY, CONFIG_DECLARED, ROLLBACK
 from catalog_es.persistence import (
+    AnswerTooLarge,
     Appended,
     ChainedNotification,
     FileNotTheLog,
@@ -78,6 +81,7 @@ from catalog_es.persistence import (
     database_unusable,
     events_table,
     holds,
+    holds_bytes,
     release_to,
     stream_walk,
     within_bytes,
@@ -146,16 +150,35 @@ def _declaration(catalog: Catalog) -> dict[str, Any] | None:
     }
 
 
-def _event_views(rows: Iterable[Any], model: str | None) -> Iterator[dict[str, Any]]:
-    """Each stored row as ``log --json`` prints it, decoded as it is asked for."""
+def _event_views(
+    rows: Iterable[Any], model: str | None, by: str | None = None, max_bytes: int | None = None
+) -> Iterator[dict[str, Any]]:
+    """Each stored row as ``log --json`` prints it, decoded as it is asked
+    for. Given ``by``, only the events that actor recorded, told from the
+    event decoded (the bytes a database matched may be another field's), so
+    none that cannot be decoded: it names no one. ``max_bytes``: what the
+    stored forms of those shown may hold in all, as :func:`within_bytes` has
+    it, refused (:class:`AnswerTooLarge`) once they are read past it."""
+    given, read = 0, 0
     for revision, topic, state in rows:
         try:
-            yield event_view(revision, decode_event(topic, state))
+            event: DomainEvent | None = decode_event(topic, state)
         except UndecodableEvent as error:
+            event, why = None, str(error)
+        if by is not None and (event is None or event.by != by):
+            continue
+        if max_bytes is not None:
+            read += len(state)
+            if given and read > max_bytes:
+                raise AnswerTooLarge
+        given += 1
+        if event is not None:
+            yield event_view(revision, event)
+        else:
             # Asked for one model, every row is of its stream: one whose
             # bytes cannot say so is still its, as history has it.
             named = model_of_state(state) or model or ""
-            yield undecodable_view(revision, topic, named, str(error))
+            yield undecodable_view(revision, topic, named, why)
 
 
 class CommandResult(msgspec.Struct, frozen=True):
@@ -415,6 +438,7 @@ class Watch:
         subscribe: Callable[[int, Any], Subscription[Any]],
         after: int,
         given: Any,
+        by: str | None = None,
     ) -> None:
         # Makes a subscription after a revision, the hash of the event given
         # there; it asks the database as it does, so one made means the
@@ -422,6 +446,7 @@ class Watch:
         self._subscribe = subscribe
         self._after = after
         self._given = given
+        self._by = by  # only this actor's changes are given
         self._stopped = threading.Event()
         self._subscription: Subscription[Any] | None = None
 
@@ -440,13 +465,7 @@ class Watch:
                         for n in notifications:
                             # What the log's subscriptions give (SQLRecorder.subscribe).
                             last, given = n.id, cast(ChainedNotification, n).hash
-                            try:
-                                yield event_view(n.id, decode_event(n.topic, n.state))
-                            except UndecodableEvent as error:
-                                view = undecodable_view(
-                                    n.id, n.topic, model_of_state(n.state), str(error)
-                                )
-                                yield view
+                            yield from _event_views([(n.id, n.topic, n.state)], None, self._by)
                     return
                 except Exception as error:
                     if self._stopped.is_set():
@@ -1527,11 +1546,15 @@ class Models(AuditTrail, Application[UUID]):
                 "notes": notes,
             }
 
-    def watch(self, after: int = 0, *, poll_interval: float | None = None) -> Watch:
+    def watch(
+        self, after: int = 0, *, by: str | None = None, poll_interval: float | None = None
+    ) -> Watch:
         """Every change after revision ``after``, in order and once each, then
-        the new ones as they commit. ``poll_interval``: the seconds between
-        looks with nothing heard (on SQLite, which has no notifications, every
-        look; on PostgreSQL, those in case a notification never comes)."""
+        the new ones as they commit; given ``by``, only that actor's. ``poll_interval``:
+        the seconds between looks with nothing heard (on SQLite, which has no
+        notifications, every look; on PostgreSQL, those in case a
+        notification never comes)."""
+        check_actor_filter(by)
         with self.store.read() as conn:
             head = self.store.head(conn)
             given = self.store.hash_at(conn, after)
@@ -1552,7 +1575,7 @@ class Models(AuditTrail, Application[UUID]):
                 subscription.interval = poll_interval
             return subscription
 
-        return Watch(subscribe, after, given)
+        return Watch(subscribe, after, given, by)
 
     def rebuild(
         self, progress: Callable[[int, int], None] | None = None, *, audit: bool = True
@@ -1625,22 +1648,33 @@ class Models(AuditTrail, Application[UUID]):
         after: int = 0,
         limit: int | None = None,
         model: str | None = None,
+        by: str | None = None,
         max_bytes: int | None = None,
     ) -> Iterator[dict[str, Any]]:
         """The stored events with their revisions, oldest first, undecodable ones
-        included (with the error). A name no model can have, and an ``after``
-        beyond the head (as a watch refuses it), are refused here, not once
-        the events are first asked for. ``max_bytes``: what the
-        events' stored forms may hold in all (:func:`within_bytes`), read as
-        one list. Without it they are read as they are asked for, a page at
-        a time (as a watch reads them), up to the head as it stood when
-        asked: ``log`` of 900,000 events held them all (2.3 GB) before its
-        first line."""
+        included (with the error). A name no model can have, an empty
+        actor, and an ``after`` beyond the head (as a watch refuses it), are
+        refused here, not once the events are first asked for. ``max_bytes``:
+        what the events' stored forms may hold in all (:func:`within_bytes`),
+        read as one list. Without it they are read as they are asked for, a
+        page at a time (as a watch reads them), up to the head as it stood
+        when asked: ``log`` of 900,000 events held them all (2.3 GB) before
+        its first line.
+
+        ``by``: only the events that actor recorded, ``limit`` of them. No
+        column holds the actor, only each event's stored form: they are read
+        a page at a time whatever ``max_bytes``, the database passing on only
+        the rows whose bytes hold the name (:func:`holds_bytes`), so one
+        matching nothing reads no event out of a log however large."""
         t = events_table.c
         if model is not None:
             # Refused before its id is worked out: ids are cached, and any
             # text a client sent was kept, without bound.
             check_name(model)
+        check_actor_filter(by)
+        if by is not None:
+            theirs = self._log_rows(after, None, model, stored_forms(by))
+            return islice(_event_views(theirs, model, by, max_bytes), limit)
         if max_bytes is None:
             return _event_views(self._log_rows(after, limit, model), model)
         query = sa.select(t.revision, t.topic, t.state).where(t.revision > after)
@@ -1667,37 +1701,51 @@ class Models(AuditTrail, Application[UUID]):
             rows = conn.execute(query).all()
         return _event_views(rows, model)
 
-    def _log_rows(self, after: int, limit: int | None, model: str | None) -> Iterator[Any]:
+    def _log_rows(
+        self, after: int, limit: int | None, model: str | None, containing: Sequence[bytes] = ()
+    ) -> Iterator[Any]:
         """The rows :meth:`log_events` shows, read a page at a time, each page
         in a short transaction of its own: the log is append-only, so pages
         read up to one head are the log as it stood at that head. The head
         (and a model's revisions, as numbers) are read at once, so that a
-        database that cannot be used is told before anything is written."""
+        database that cannot be used is told before anything is written.
+        Only those holding one of ``containing`` (:func:`holds_bytes`)."""
         with self.store.read() as conn:
             head = self.store.head(conn)
             pointintime.within_head(after, head)
             among: list[int] | None = None
             if model is not None:
                 stream = stream_walk(model_id(model), after)
-                walked = sorted(
-                    conn.execute(
-                        sa.select(
-                            stream.c.revision, stream.c.originator_version, stream.c.stream_previous
-                        )
-                    )
+                query = sa.select(
+                    stream.c.revision, stream.c.originator_version, stream.c.stream_previous
                 )
-                oldest = walked[0] if walked else None
+                if containing:
+                    # Which hold them, told along the walk: the revisions kept
+                    # are those read, and the walk's end is checked whole.
+                    query = query.add_columns(holds_bytes(containing)).join(
+                        events_table, events_table.c.revision == stream.c.revision
+                    )
+                walked = sorted(conn.execute(query))
+                oldest = walked[0][:3] if walked else None
                 check_walk_end(conn, model_id(model), oldest, f"model {shown(model)}", after)
-                among = [r.revision for r in walked if r.revision <= head][:limit]
-        return self._log_pages(after, head, limit, among)
+                kept = (r for r in walked if r[0] <= head and (not containing or r[3]))
+                among = [r[0] for r in kept][:limit]
+                containing = ()
+        return self._log_pages(after, head, limit, among, containing)
 
     def _log_pages(
-        self, after: int, head: int, limit: int | None, among: list[int] | None
+        self,
+        after: int,
+        head: int,
+        limit: int | None,
+        among: list[int] | None,
+        containing: Sequence[bytes] = (),
     ) -> Iterator[Any]:
         """Rows after ``after`` up to ``head`` (only those of the revisions
-        ``among``, in order, when given), at most ``limit``, in pages as a
-        watch pulls them (:meth:`SQLRecorder.page_end`): so many events or
-        ``LOG_PAGE_BYTES`` of them."""
+        ``among``, in order, when given, and those holding one of
+        ``containing``), at most ``limit``, in pages as a watch pulls them
+        (:meth:`SQLRecorder.page_end`): so many events or ``LOG_PAGE_BYTES``
+        of them."""
         t = events_table.c
         left = limit if among is None else len(among)
         start = 0  # where ``among`` is up to
@@ -1706,7 +1754,9 @@ class Models(AuditTrail, Application[UUID]):
                 PullingSubscription.page if left is None else min(PullingSubscription.page, left)
             )
             chunk = None if among is None else among[start : start + count]
-            end = self.store.page_end(after, count, LOG_PAGE_BYTES, upto=head, among=chunk)
+            end = self.store.page_end(
+                after, count, LOG_PAGE_BYTES, upto=head, among=chunk, containing=containing
+            )
             if end is None:
                 return
             query = sa.select(t.revision, t.topic, t.state).where(
@@ -1714,6 +1764,8 @@ class Models(AuditTrail, Application[UUID]):
             )
             if chunk is not None:
                 query = query.where(t.revision.in_(chunk))
+            if containing:
+                query = query.where(holds_bytes(containing))
             with self.store.read() as conn:
                 rows = conn.execute(query.order_by(t.revision)).all()
             yield from rows

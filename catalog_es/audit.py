@@ -29,7 +29,7 @@ from catalog_es.errors import (
     cut_short,
     first_line,
 )
-from catalog_es.inputs import DeclaredConfig
+from catalog_es.inputs import DeclaredConfig, check_actor_filter
 from catalog_es.model import Model, utc_now, utc_text
 from catalog_es.names import carried
 from catalog_es.persistence import AnswerTooLarge, SQLRecorder, refusals_table
@@ -284,9 +284,7 @@ def _check_filters(filters: Filters, query: str) -> None:
     # which have no model, as if they were one.
     if filters.get("model") == "":
         raise InputError("model: the name is empty; give a model's name, or no model filter")
-    # No actor is empty either (check_actor): an empty filter matched nothing, said as nothing done.
-    if filters.get("by") == "":
-        raise InputError("by: the actor is empty; give an actor, or no actor filter")
+    check_actor_filter(filters.get("by"))
     since, until = filters.get("since"), filters.get("until")
     if since is not None:
         zoned(since, "since")

@@ -107,6 +107,15 @@ def check_actor(by: str) -> None:
         )
 
 
+def check_actor_filter(by: str | None) -> None:
+    """An actor to look for (``--by`` of the queries): any a log may hold, as
+    written (one recorded before :func:`check_actor` held it to its rules
+    still reads), but not an empty one, which is no one's: it matched nothing,
+    said as if nothing had been done (hostile test)."""
+    if by == "":
+        raise InputError("by: the actor is empty; give an actor, or no actor filter")
+
+
 class _Input(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 

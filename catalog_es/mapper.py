@@ -11,6 +11,8 @@ report while it carries on.
 
 from __future__ import annotations
 
+import json
+from contextlib import suppress
 from typing import Any
 from uuid import UUID
 
@@ -55,6 +57,16 @@ def encode_event(event: DomainEvent) -> bytes:
             f"{shown(text)} is not Unicode text (it holds a lone surrogate, as bytes "
             "that are not UTF-8 become); it cannot be stored"
         ) from None
+
+
+def stored_forms(text: str) -> list[bytes]:
+    """The bytes ``text`` is, as a JSON string in a stored event: as this code
+    encodes it, and with all but ASCII escaped (as Python's json writes it: a
+    record made by hand). One that no UTF-8 holds has only the second."""
+    forms = {json.dumps(text).encode()}
+    with suppress(UnicodeEncodeError):
+        forms.add(_encoder.encode(text))
+    return sorted(forms)
 
 
 _VERSIONS: dict[type[DomainEvent], int] = {cls: cls.current_version() for cls in _STORED}

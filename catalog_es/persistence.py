@@ -50,6 +50,9 @@ from eventsourcing.persistence import (
 )
 from eventsourcing.utils import Environment
 from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.sql.compiler import SQLCompiler
+from sqlalchemy.sql.functions import FunctionElement
 
 from catalog_es.chain import (
     GENESIS,
@@ -315,6 +318,34 @@ def stream_walk(originator_id: UUID, after: int = 0) -> sa.CTE:
             step.originator_version == walk.c.originator_version - 1,
         )
     )
+
+
+class _Position(FunctionElement[int]):
+    """Where bytes (a bound value) first are in a column of bytes, from 1; 0
+    where they are not. Each database spells it its own way."""
+
+    type = sa.Integer()
+    inherit_cache = True
+
+
+@compiles(_Position)
+def _instr(element: _Position, compiler: SQLCompiler, **kw: Any) -> str:
+    column, needle = element.clauses
+    return f"instr({compiler.process(column, **kw)}, {compiler.process(needle, **kw)})"
+
+
+@compiles(_Position, "postgresql")
+def _position(element: _Position, compiler: SQLCompiler, **kw: Any) -> str:
+    column, needle = element.clauses
+    return f"position({compiler.process(needle, **kw)} IN {compiler.process(column, **kw)})"
+
+
+def holds_bytes(needles: Sequence[bytes]) -> sa.ColumnElement[bool]:
+    """Events whose stored form holds one of ``needles`` as bytes: tried by
+    the database, so that the rows that do not are never sent (a query on
+    what only the encoded state has, the actor, reads no column of its own)."""
+    state = events_table.c.state
+    return sa.or_(*(_Position(state, sa.literal(n, sa.LargeBinary())) > 0 for n in needles))
 
 
 def check_walk(conn: Connection, originator_id: UUID, whose: str, after: int = 0) -> None:
@@ -1811,14 +1842,18 @@ class SQLRecorder(ProcessRecorder):
         *,
         upto: int | None = None,
         among: Sequence[int] | None = None,
+        containing: Sequence[bytes] = (),
     ) -> int | None:
         """The last revision of a page of at most ``limit`` events after
         ``after`` whose stored forms come to no more than ``max_bytes`` (one
         event at least, however large); ``None`` when there is none. Told by
         the sizes alone, which neither database reads the bytes for. Only
-        events up to ``upto``, and only those of the revisions ``among``."""
+        events up to ``upto``, only those of the revisions ``among``, and
+        only those holding one of ``containing`` (:func:`holds_bytes`)."""
         with self.read() as conn:
-            return self._page_end(conn, after, limit, max_bytes, topics, upto=upto, among=among)
+            return self._page_end(
+                conn, after, limit, max_bytes, topics, upto=upto, among=among, containing=containing
+            )
 
     def _page_end(
         self,
@@ -1830,6 +1865,7 @@ class SQLRecorder(ProcessRecorder):
         *,
         upto: int | None = None,
         among: Sequence[int] | None = None,
+        containing: Sequence[bytes] = (),
     ) -> int | None:
         t = events_table.c
         query = sa.select(t.revision, sa.func.length(t.state)).where(t.revision > after)
@@ -1839,6 +1875,8 @@ class SQLRecorder(ProcessRecorder):
             query = query.where(t.revision <= upto)
         if among is not None:
             query = query.where(t.revision.in_(among))
+        if containing:
+            query = query.where(holds_bytes(containing))
         rows = conn.execute(query.order_by(t.revision).limit(limit)).all()
         count = fitting((size for _, size in rows), max_bytes)
         return rows[count - 1][0] if count else None

@@ -32,7 +32,15 @@ import sqlalchemy as sa
 import yaml
 from click.testing import CliRunner, Result
 
-from catalog_es import bootstrap, commands, early_stop, names, persistence, rollback
+from catalog_es import (
+    application,
+    bootstrap,
+    commands,
+    early_stop,
+    names,
+    persistence,
+    rollback,
+)
 from catalog_es.application import Models
 from catalog_es.cli import cli
 from catalog_es.cli.base import (
@@ -53,6 +61,7 @@ from catalog_es.errors import (
     json_line,
 )
 from catalog_es.inputs import DeclaredConfig, load_config, read_text
+from catalog_es.mapper import decode_event
 from catalog_es.persistence import PullingSubscription, database_unusable
 from catalog_es.spec import Adapter, Origin
 from tests.helpers import (
@@ -2024,6 +2033,150 @@ def test_log_json_prints_one_object_per_event_with_the_documented_keys(
     )
     human = ok(run("log")).stdout
     assert "alice" in human and "Scaled" in human and "peak" in human
+
+
+def _three_actors(run: Run, write: Any) -> None:
+    """Revisions 1-6 by alice, bob and carol, with an actor's name where its
+    bytes alone would take an event for that actor's: a reason, a model."""
+    ok(run("--by", "alice", "model", "add", write("m.yaml", as_yaml(definition("m")))))
+    ok(run("--by", "bob", "--reason", "alice", "model", "scale", "m", "--max", "2"))
+    ok(run("--by", "alice", "model", "add", write("bob.yaml", as_yaml(definition("bob")))))
+    ok(run("--by", "carol", "model", "scale", "m", "--max", "3"))
+    ok(run("--by", "alice", "model", "scale", "m", "--max", "4"))
+    ok(run("--by", "bob", "model", "scale", "bob", "--max", "5"))
+
+
+def _logged(result: Result) -> list[int]:
+    return [json.loads(line)["revision"] for line in ok(result).stdout.splitlines()]
+
+
+def test_log_by_shows_that_actors_events_alone_and_writes_nothing(
+    run: Run, write: Any, rows: Callable[[], int]
+) -> None:
+    """`log --by alice` was taken and left unread (the option is the writer's
+    actor, and log writes nothing): every event was shown. It is a filter,
+    as audit's is, before the command or after it; --limit counts the
+    events it keeps, --after is still a revision, and the lines are
+    `log --json`'s own."""
+    _three_actors(run, write)
+    before = rows()
+    every = ok(run("log", "--json")).stdout.splitlines()
+    for given in (["log", "--by", "alice"], ["--by", "alice", "log"]):
+        lines = ok(run(*given, "--json")).stdout.splitlines()
+        assert lines == [every[0], every[2], every[4]], given
+    assert _logged(run("log", "--json", "--by", "bob")) == [2, 6]
+    assert _logged(run("log", "--json", "--by", "alice", "--model", "m")) == [1, 5]
+    assert _logged(run("--by", "bob", "log", "--json", "--model", "bob")) == [6]
+    assert _logged(run("log", "--json", "--by", "alice", "--after", "1")) == [3, 5]
+    assert _logged(run("log", "--json", "--by", "alice", "--limit", "2")) == [1, 3]
+    assert _logged(run("log", "--json", "--by", "alice", "--after", "1", "--limit", "1")) == [3]
+    shown = ["log", "--json", "--by", "alice", "--model", "m", "--after", "1", "--limit", "1"]
+    assert _logged(run(*shown)) == [5]
+    for nobody in ("nobody", "ALICE", "alic", "m"):
+        assert ok(run("log", "--json", "--by", nobody)).stdout == "", nobody
+    table = ok(run("log", "--by", "carol")).stdout.splitlines()
+    assert [line.split()[0] for line in table] == ["REV", "4"] and "carol" in table[1]
+    assert ok(run("log", "--by", "nobody")).stdout.split()[:2] == ["REV", "TIME"]  # no row
+    assert rows() == before
+
+
+def test_an_empty_actor_filter_of_log_and_watch_is_refused(
+    run: Run, write: Any, rows: Callable[[], int], db_url: str
+) -> None:
+    """As audit refuses it: no actor is empty, and the filter matched
+    nothing, as if nothing had been done. (The watch runs apart: taken, it
+    would follow on until stopped.)"""
+    _seeded(run, write)
+    before = rows()
+    told = "error: by: the actor is empty; give an actor, or no actor filter"
+    for args in (["log", "--by", ""], ["--by", "", "log", "--json"]):
+        assert refused_in_one_line(run(*args)) == told, args
+    watch = python("-m", "catalog_es", "--db", db_url, "watch", "--by", "")
+    try:
+        out, err = watch.communicate(timeout=30)
+    finally:
+        watch.kill()
+    assert (watch.returncode, out, err) == (1, "", told + "\n")
+    assert rows() == before
+
+
+def test_log_and_watch_help_say_by_is_a_filter_there(run: Run) -> None:
+    for command in ("log", "watch"):
+        shown = " ".join(ok(run(command, "--help")).stdout.split())
+        assert "--by ACTOR Only this actor's (a filter here, not who is asking)." in shown
+        assert "--by names the actor" in shown
+
+
+def test_watch_by_gives_that_actors_changes_alone_then_follows_them_live(
+    run: Run, write: Any, db_url: str
+) -> None:
+    """`watch --by bob` gave everyone's changes: only bob's come, those
+    before it started and those it follows."""
+    _three_actors(run, write)
+    watch = python("-m", "catalog_es", "--db", db_url, "watch", "--by", "bob", "--json")
+    try:
+        assert watch.stdout is not None
+        assert select.select([watch.stdout], [], [], 30)[0], "watch gave nothing in 30 s"
+        assert [json.loads(watch.stdout.readline())["revision"] for _ in range(2)] == [2, 6]
+        ok(run("--by", "alice", "--reason", "bob", "model", "scale", "m", "--max", "6"))
+        ok(run("--by", "bob", "model", "scale", "m", "--max", "7"))  # revision 8
+        assert select.select([watch.stdout], [], [], 30)[0], "watch gave nothing in 30 s"
+        live = json.loads(watch.stdout.readline())
+        assert (live["revision"], live["by"], live["fields"]) == (
+            8,
+            "bob",
+            {"scaling": {"min": 1, "max": 7}},
+        )
+        watch.send_signal(signal.SIGTERM)
+        out, err = watch.communicate(timeout=30)
+    finally:
+        watch.kill()
+    assert (watch.returncode, out, err) == (0, "", "stopped\n")
+
+
+def test_log_by_reads_a_page_at_a_time_what_the_database_finds_the_actor_in(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The actor is in no column, only in each event's stored form: the
+    database passes on only the rows whose bytes hold it, a page at a time,
+    so an actor no event has decodes none, however long the log. The answer
+    is that of the whole log filtered, paged or not (/log's), whatever the
+    other fields that hold the name."""
+    monkeypatch.setattr(PullingSubscription, "page", 3)
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
+    models.add(spec("a"), by="ops")
+    models.add(spec("ops"), by="zoé", reason="ops")
+    scales = [commands.scale("ops" if i % 3 == 0 else "a", 0, 2 + i % 7) for i in range(30)]
+    models.apply_changes(scales[:10], by="ops", reason="zoé")
+    models.apply_changes(scales[10:20], by="zoé", reason='"ops"')
+    models.apply_changes(scales[20:], by="ops")
+    every = list(models.log_events())
+    for after in (0, 1, 7, len(every)):
+        for limit in (None, 1, 3, 4, 10):
+            for model in (None, "a", "ops"):
+                for by in ("ops", "zoé", '"ops"', "nobody"):
+                    asked = (after, limit, model, by)
+                    expected = [
+                        e for e in every[after:] if e["by"] == by and model in (None, e["model"])
+                    ][:limit]
+                    paged = models.log_events(after=after, limit=limit, model=model, by=by)
+                    whole = models.log_events(
+                        after=after, limit=limit, model=model, by=by, max_bytes=1 << 30
+                    )
+                    assert list(paged) == list(whole) == expected, asked
+    decoded = []
+
+    def decode(topic: str, state: bytes) -> Any:
+        decoded.append(topic)
+        return decode_event(topic, state)
+
+    monkeypatch.setattr(application, "decode_event", decode)
+    assert list(models.log_events(by="nobody")) == []
+    assert decoded == []
+    # Those by zoé, and those by ops for a reason of that name: none else.
+    assert len(list(models.log_events(by="zoé"))) == 11
+    assert len(decoded) == 21
+    models.close()
 
 
 def test_the_cli_writes_a_large_log_out_as_it_reads_it(

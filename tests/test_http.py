@@ -276,6 +276,38 @@ def test_reads_now_and_in_the_past(api: Api) -> None:
     assert ok(api.get("/skipped")) == []
 
 
+def test_log_by_an_actor_is_that_actors_events_alone(api: Api) -> None:
+    """`/log` took no actor, where `/audit` does: `by` keeps that actor's
+    events, as `log --by` does, with `model`, `after` and `limit` as
+    without it; an empty one is refused as `/audit` refuses it. The schema
+    says so, and a read writes nothing."""
+    # Revision 1 is the declared config, recorded by the first write.
+    api.post("/models?reason=admin-user", definition("qwen"))  # a reason naming an actor
+    api.post("/models/qwen/scale", {"max": 3}, role="admin")
+    api.post("/models/qwen/scale", {"max": 4})
+    logged = ok(api.get("/log"))
+    written = count_events(api.db)
+
+    def revisions(**params: Any) -> list[int]:
+        return [e["revision"] for e in ok(api.get("/log", params=params))]
+
+    assert ok(api.get("/log", params={"by": "admin-user"})) == [logged[2]]
+    assert revisions(by="write-user") == [1, 2, 4]
+    assert revisions(by="write-user", model="qwen") == [2, 4]
+    assert revisions(by="write-user", after=1, limit=1) == [2]
+    assert revisions(by="write-user", model="qwen", after=2) == [4]
+    assert revisions(by="nobody") == revisions(by="write-user", after=4) == []
+    told = refused(api.get("/log", params={"by": ""}), 422)
+    assert told == "by: the actor is empty; give an actor, or no actor filter"
+    assert count_events(api.db) == written
+    (by,) = [
+        p
+        for p in ok(api.client.get("/openapi.json"))["paths"]["/log"]["get"]["parameters"]
+        if p["name"] == "by"
+    ]
+    assert (by["in"], by["schema"]["type"], by["schema"]["minLength"]) == ("query", "string", 1)
+
+
 def test_reads_of_the_past_over_the_config_recorded_then(
     api: Api, make_models: Callable[..., Models]
 ) -> None:
@@ -1740,6 +1772,12 @@ def test_log_audit_and_history_answers_past_a_size_are_refused_not_read(
         "smaller limit"
     )
     assert len(ok(api.get("/log", params={"limit": 2}))) == 2  # the config's record, the first
+    # So are an actor's, read a page at a time: told once read past the bound.
+    assert refused(api.get("/log", params={"by": "write-user"}), 422) == (
+        "the events after revision 0 hold more than 40,000 bytes: page with after and a "
+        "smaller limit"
+    )
+    assert len(ok(api.get("/log", params={"by": "write-user", "limit": 2}))) == 2
     rows_too_large = "the rows that match hold more than 40,000 bytes: give a smaller limit, "
     assert refused(api.get("/audit"), 422) == (
         rows_too_large + "or narrow them with model, by, type, since or until"

@@ -364,7 +364,8 @@ def shared_options(
 
 
 def query_options(f: F) -> F:
-    """:func:`shared_options` of the audit queries, where ``--by`` is a filter."""
+    """:func:`shared_options` of the queries where ``--by`` is a filter: the
+    audit's, ``log`` and ``watch``, which write nothing to record it with."""
     return shared_options(f, "Only this actor's (a filter here, not who is asking).")
 
 

@@ -23,6 +23,7 @@ from catalog_es.cli.base import (
     emit_rows,
     meta,
     pass_settings,
+    query_options,
     read_as_usage,
     read_at,
     say,
@@ -323,11 +324,14 @@ def sources(settings: Settings, at: int | datetime | None, declared_then: bool) 
     help="Only events after this revision.",
 )
 @click.option("--limit", type=COUNT, metavar="N", help="At most N events.")
-@shared_options
+@query_options
 @pass_settings
 def log_command(settings: Settings, model_name: str | None, after: int, limit: int | None) -> None:
-    """The raw events with their revisions, who and when, oldest first."""
-    events = settings.models().log_events(after=after, limit=limit, model=model_name)
+    """The raw events with their revisions, who and when, oldest first; --by
+    names the actor."""
+    events = settings.models().log_events(
+        after=after, limit=limit, model=model_name, by=settings.by
+    )
     if settings.json:
         # Written as the events are read, a page at a time: one line each.
         write_out(json_line(e) for e in events)

@@ -19,6 +19,7 @@ from catalog_es.cli.base import (
     meta,
     once_it_answers,
     pass_settings,
+    query_options,
     resolved,
     say,
     shared_options,
@@ -161,13 +162,15 @@ def rollback_command(
     metavar="REV",
     help="Deliver every change after this revision first (default: all).",
 )
-@shared_options
+@query_options
 @pass_settings
 def watch_command(settings: Settings, after: int) -> None:
-    """Every change after a revision, in order, then follow live. Ctrl-C,
-    SIGTERM or SIGHUP stops it."""
+    """Every change after a revision, in order, then follow live; --by names
+    the actor. Ctrl-C, SIGTERM or SIGHUP stops it."""
     with stopped_when_asked():
-        changes = once_it_answers(settings, "watch", lambda: settings.models().watch(after))
+        changes = once_it_answers(
+            settings, "watch", lambda: settings.models().watch(after, by=settings.by)
+        )
         let_warnings_through()  # it runs until stopped
         for event in changes:
             if settings.json:

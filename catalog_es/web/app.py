@@ -915,6 +915,11 @@ def log_events(
     model: Annotated[
         str | None, Query(description="Only this model's events.", json_schema_extra=NAME_TEXT)
     ] = None,
+    # No actor is empty (check_actor_filter), so neither is the filter.
+    by: Annotated[
+        str | None,
+        Query(description="Only this actor's events.", json_schema_extra=text(minLength=1)),
+    ] = None,
 ) -> Response:
     """The stored events with their revisions, oldest first (`log --json`, as a
     list); more than a page of them is refused: page with `after` and `limit`."""
@@ -924,6 +929,7 @@ def log_events(
                 after=after,
                 limit=limit or MAX_ANSWER_ROWS + 1,
                 model=model,
+                by=by,
                 max_bytes=MAX_ANSWER_BYTES,
             )
         )
