@@ -36,6 +36,7 @@ from catalog_es.collector import collector_paused
 from catalog_es.configuration import Configuration, DeclaredConfig
 from catalog_es.errors import (
     UNSAFE_TEXT,
+    ChangeRefused,
     ConfigError,
     DamagedLog,
     InputError,
@@ -291,12 +292,13 @@ def _tell_standing_skips(catalog: Catalog) -> None:
         )
 
 
-def _refused_change(number: int, step: commands.Step, refusal: Refused) -> Refused:
+def _refused_change(number: int, step: commands.Step, refusal: Refused) -> ChangeRefused:
     """The refusal of a list of changes, for its change ``number``, ``step``
     (a name longer than any model's cut short: its own refusal quotes it)."""
-    return Refused(
+    return ChangeRefused(
         f"change {number} ({step.verb} {cut_short(step.name, 128)}) refused, nothing applied:"
-        f" {refusal}"
+        f" {refusal}",
+        refusal,
     )
 
 

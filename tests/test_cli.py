@@ -2242,6 +2242,8 @@ def test_a_refusal_another_config_explains_says_so_in_its_line(
         (tmp_path / f"{name}.yaml").write_bytes(as_yaml(definition(name)))
         ok(run_told("--config", str(config), "model", "add", str(tmp_path / f"{name}.yaml")))
     recorded = "the config the log last recorded, at revision 3"
+    changes = tmp_path / "changes.yaml"
+    changes.write_text("- scale: {name: a, max: 2}\n- remove: new\n")
     cases: list[tuple[Path | None, tuple[str, ...], str]] = [
         (
             stale,
@@ -2255,6 +2257,13 @@ def test_a_refusal_another_config_explains_says_so_in_its_line(
             ("model", "remove", "new"),
             f"error: model 'new' is not in the catalog (declared in {recorded}, but not in this"
             f" run's config ({stale}))",
+        ),
+        # A change of a list says which, and the hint all the same.
+        (
+            stale,
+            ("apply", str(changes)),
+            "error: change 2 (remove new) refused, nothing applied: model 'new' is not in the"
+            f" catalog (declared in {recorded}, but not in this run's config ({stale}))",
         ),
         (
             None,
