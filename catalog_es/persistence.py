@@ -208,8 +208,9 @@ def _tables_found(conn: Connection, names: Sequence[str]) -> set[str]:
     neither it nor what to do (last session's notes)."""
     if conn.dialect.name == "sqlite":
         found = conn.exec_driver_sql(
+            # SQLite's names are the same in any case: CATALOG_EVENTS is the table.
             "SELECT name, type, '' FROM sqlite_master WHERE type IN ('table', 'view', 'index')"
-            f" AND name IN ({', '.join('?' * len(names))})",
+            f" AND name COLLATE NOCASE IN ({', '.join('?' * len(names))})",
             tuple(names),
         )
     else:
@@ -221,7 +222,7 @@ def _tables_found(conn: Connection, names: Sequence[str]) -> set[str]:
     tables: set[str] = set()
     for name, kind, where in found:
         if kind not in _NOT_TABLES:  # a table (on PostgreSQL, partitioned or foreign too)
-            tables.add(name)
+            tables.add(name.lower())
             continue
         other = "database or schema" if conn.dialect.name == "postgresql" else "file"
         raise DamagedLog(

@@ -2435,6 +2435,33 @@ def test_a_view_named_as_a_table_of_the_log_is_refused_before_anything_is_made(
         engine.dispose()
 
 
+@pytest.mark.parametrize(
+    ("made", "told"),
+    [
+        ("CREATE VIEW CATALOG_EVENTS AS SELECT 1 AS one", "a view named CATALOG_EVENTS"),
+        ("CREATE INDEX Catalog_Head ON other (x)", "an index named Catalog_Head"),
+    ],
+)
+def test_an_object_named_as_a_table_of_the_log_in_another_case_is_refused_too(
+    tmp_path: Path, made: str, told: str
+) -> None:
+    """SQLite's names are the same in any case: a view named CATALOG_EVENTS
+    was not found as one, and the table's creation failed on it, in a line
+    that named neither it nor what to do (hostile test)."""
+    file = tmp_path / "catalog.db"
+    with sqlite3.connect(file) as conn:
+        conn.executescript(f"CREATE TABLE other (x); {made}")
+
+    def objects() -> list[tuple[str, str]]:
+        with sqlite3.connect(file) as conn:
+            return sorted(conn.execute("SELECT type, name FROM sqlite_master").fetchall())
+
+    before = objects()
+    result = CliRunner().invoke(cli, ["--db", f"sqlite:///{file}", "model", "list"])
+    assert refused_in_one_line(result).startswith(f"error: {told} stands where the catalog")
+    assert objects() == before
+
+
 def test_a_command_lets_go_of_the_database_when_it_ends(tmp_path: Path) -> None:
     """The service was never closed: its connections stayed open until the
     process ended (review). SQLite's last connection, closing, folds the WAL
