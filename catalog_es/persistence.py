@@ -199,6 +199,14 @@ _NOT_TABLES = {
     "t": "a TOAST table",
 }
 
+# On PostgreSQL a table's name is its row type's too: the types of no
+# relation (an enum, a domain) named ``names`` in the schema a table is made in.
+_TYPES_IN_THE_WAY = (
+    "SELECT typname, ' in schema ' || typnamespace::regnamespace FROM pg_type"
+    " WHERE typname = ANY(%(names)s) AND typrelid = 0"
+    " AND typnamespace = to_regnamespace(current_schema())"
+)
+
 
 def _tables_found(conn: Connection, names: Sequence[str]) -> set[str]:
     """Which of the tables ``names`` this connection's queries find, in one
@@ -224,13 +232,19 @@ def _tables_found(conn: Connection, names: Sequence[str]) -> set[str]:
         if kind not in _NOT_TABLES:  # a table (on PostgreSQL, partitioned or foreign too)
             tables.add(name.lower())
             continue
-        other = "database or schema" if conn.dialect.name == "postgresql" else "file"
-        raise DamagedLog(
-            f"{_NOT_TABLES[kind]} named {name}{where} stands where the catalog keeps its table"
-            f" of that name: nothing was read or made; drop or rename it, or point --db at"
-            f" another {other}"
-        )
+        raise _in_the_way(conn, _NOT_TABLES[kind], name, where)
     return tables
+
+
+def _in_the_way(conn: Connection, what: str, name: str, where: str) -> DamagedLog:
+    """The refusal of ``what`` (an object that is no table) named ``name``,
+    ``where`` it is, taking the place of the catalog's table of that name."""
+    other = "database or schema" if conn.dialect.name == "postgresql" else "file"
+    return DamagedLog(
+        f"{what} named {name}{where} stands where the catalog keeps its table"
+        f" of that name: nothing was read or made; drop or rename it, or point --db at"
+        f" another {other}"
+    )
 
 
 def _log_columns(conn: Connection) -> list[str]:
@@ -1412,6 +1426,14 @@ class SQLRecorder(ProcessRecorder):
         with self.locked("catalog_es.tables", schema=schema) as conn:
             found = _tables_found(conn, names)
             missing = [table for table in tables.sorted_tables if table.name not in found]
+            if missing and self.dialect == "postgresql":
+                # Only a table to be made has a type in its way; asked with
+                # the lookup every start makes, it cost each start time.
+                in_the_way = conn.exec_driver_sql(
+                    _TYPES_IN_THE_WAY, {"names": [table.name for table in missing]}
+                ).first()
+                if in_the_way is not None:
+                    raise _in_the_way(conn, "a type", *in_the_way)
             tables.create_all(conn, tables=missing, checkfirst=False)
             if tables is metadata and events_table.name not in found:
                 self.log_made = self._made_where(schema)

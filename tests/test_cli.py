@@ -2462,6 +2462,50 @@ def test_an_object_named_as_a_table_of_the_log_in_another_case_is_refused_too(
     assert objects() == before
 
 
+@pytest.mark.parametrize(
+    "made",
+    ["CREATE TYPE catalog_events AS ENUM ('a')", "CREATE DOMAIN catalog_refusals AS int"],
+)
+def test_a_type_named_as_a_table_of_the_log_is_refused_before_anything_is_made(
+    pg_url: str, made: str
+) -> None:
+    """On PostgreSQL a table's name is its row type's too: a type of that name
+    (an enum, a domain) in the schema the log is made in failed its creation
+    with `unexpected ProgrammingError: (psycopg.errors.DuplicateObject) type
+    "catalog_events" already exists` (hostile test). It is refused as a view
+    there is, and the schema is left as it was."""
+    schema = schema_of(pg_url)
+    name = made.split()[2]
+    engine = sa.create_engine(pg_url)
+
+    def objects() -> list[str]:
+        with engine.connect() as conn:
+            return sorted(
+                conn.execute(
+                    sa.text(
+                        "SELECT relname FROM pg_class WHERE relnamespace = to_regnamespace(:s)"
+                        " UNION ALL SELECT typname FROM pg_type"
+                        " WHERE typnamespace = to_regnamespace(:s)"
+                    ),
+                    {"s": schema},
+                ).scalars()
+            )
+
+    try:
+        with engine.begin() as conn:
+            conn.execute(sa.text(made))
+        before = objects()
+        result = CliRunner().invoke(cli, ["--db", pg_url, "model", "list"])
+        assert refused_in_one_line(result) == (
+            f"error: a type named {name} in schema {schema} stands where the catalog keeps its"
+            " table of that name: nothing was read or made; drop or rename it, or point --db"
+            " at another database or schema"
+        )
+        assert objects() == before
+    finally:
+        engine.dispose()
+
+
 def test_a_command_lets_go_of_the_database_when_it_ends(tmp_path: Path) -> None:
     """The service was never closed: its connections stayed open until the
     process ended (review). SQLite's last connection, closing, folds the WAL
