@@ -1376,7 +1376,7 @@ class Models(AuditTrail, Application[UUID]):
         """The declared config the log had recorded as in force at ``revision``
         (refused when that record cannot be read)."""
         with self.store.read() as conn:
-            return self._declared_at(conn, revision, True)
+            return pointintime.declared_at(conn, revision)
 
     def _declared_at(self, conn: Connection, revision: int, then: bool) -> DeclaredConfig:
         """The declared layer a read of the past is replayed over: today's, as

@@ -1435,12 +1435,14 @@ class SQLRecorder(ProcessRecorder):
                 if in_the_way is not None:
                     raise _in_the_way(conn, "a type", *in_the_way)
             tables.create_all(conn, tables=missing, checkfirst=False)
-            if tables is metadata and events_table.name not in found:
-                self.log_made = self._made_where(schema)
-            # A log's table made just now is today's: nothing to bring over,
-            # nor to read back (which cost every new database 20 ms).
-            if tables is metadata and events_table.name in found:
+            if tables is not metadata:
+                return
+            if events_table.name in found:
                 self._link_streams(conn, _log_columns(conn), streams_table.name in found)
+            else:
+                # A log's table made just now is today's: nothing to bring
+                # over, nor to read back (which cost every new database 20 ms).
+                self.log_made = self._made_where(schema)
 
     def _made_where(self, schema: str | None) -> str:
         """Where the log's table made in ``schema`` is, said for an operator:
