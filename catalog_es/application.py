@@ -38,6 +38,7 @@ from catalog_es.collector import collector_paused
 from catalog_es.configuration import Configuration, DeclaredConfig
 from catalog_es.errors import (
     UNSAFE_TEXT,
+    ChangeRefused,
     ConfigError,
     DamagedLog,
     InputError,
@@ -316,12 +317,13 @@ def _tell_standing_skips(catalog: Catalog) -> None:
         )
 
 
-def _refused_change(number: int, step: commands.Step, refusal: Refused) -> Refused:
+def _refused_change(number: int, step: commands.Step, refusal: Refused) -> ChangeRefused:
     """The refusal of a list of changes, for its change ``number``, ``step``
     (a name longer than any model's cut short: its own refusal quotes it)."""
-    return Refused(
+    return ChangeRefused(
         f"change {number} ({step.verb} {cut_short(step.name, 128)}) refused, nothing applied:"
-        f" {refusal}"
+        f" {refusal}",
+        refusal,
     )
 
 
@@ -1402,7 +1404,7 @@ class Models(AuditTrail, Application[UUID]):
         """The declared config the log had recorded as in force at ``revision``
         (refused when that record cannot be read)."""
         with self.store.read() as conn:
-            return self._declared_at(conn, revision, True)
+            return pointintime.declared_at(conn, revision)
 
     def _declared_at(self, conn: Connection, revision: int, then: bool) -> DeclaredConfig:
         """The declared layer a read of the past is replayed over: today's, as

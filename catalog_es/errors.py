@@ -195,6 +195,15 @@ class DeclaredInConfig(Refused):
         super().__init__(message)
 
 
+class ChangeRefused(Refused):
+    """A change of a list refused, said with which one it was; ``refusal`` is
+    its own, kept for what a line adds of it (the model it names)."""
+
+    def __init__(self, message: str, refusal: Refused) -> None:
+        self.refusal = refusal
+        super().__init__(message)
+
+
 class RevisionConflict(Refused):
     """The log has moved past the revision the command was based on."""
 

@@ -202,6 +202,14 @@ _NOT_TABLES = {
     "t": "a TOAST table",
 }
 
+# On PostgreSQL a table's name is its row type's too: the types of no
+# relation (an enum, a domain) named ``names`` in the schema a table is made in.
+_TYPES_IN_THE_WAY = (
+    "SELECT typname, ' in schema ' || typnamespace::regnamespace FROM pg_type"
+    " WHERE typname = ANY(%(names)s) AND typrelid = 0"
+    " AND typnamespace = to_regnamespace(current_schema())"
+)
+
 
 def _tables_found(conn: Connection, names: Sequence[str]) -> set[str]:
     """Which of the tables ``names`` this connection's queries find, in one
@@ -211,8 +219,9 @@ def _tables_found(conn: Connection, names: Sequence[str]) -> set[str]:
     neither it nor what to do (last session's notes)."""
     if conn.dialect.name == "sqlite":
         found = conn.exec_driver_sql(
+            # SQLite's names are the same in any case: CATALOG_EVENTS is the table.
             "SELECT name, type, '' FROM sqlite_master WHERE type IN ('table', 'view', 'index')"
-            f" AND name IN ({', '.join('?' * len(names))})",
+            f" AND name COLLATE NOCASE IN ({', '.join('?' * len(names))})",
             tuple(names),
         )
     else:
@@ -224,15 +233,21 @@ def _tables_found(conn: Connection, names: Sequence[str]) -> set[str]:
     tables: set[str] = set()
     for name, kind, where in found:
         if kind not in _NOT_TABLES:  # a table (on PostgreSQL, partitioned or foreign too)
-            tables.add(name)
+            tables.add(name.lower())
             continue
-        other = "database or schema" if conn.dialect.name == "postgresql" else "file"
-        raise DamagedLog(
-            f"{_NOT_TABLES[kind]} named {name}{where} stands where the catalog keeps its table"
-            f" of that name: nothing was read or made; drop or rename it, or point --db at"
-            f" another {other}"
-        )
+        raise _in_the_way(conn, _NOT_TABLES[kind], name, where)
     return tables
+
+
+def _in_the_way(conn: Connection, what: str, name: str, where: str) -> DamagedLog:
+    """The refusal of ``what`` (an object that is no table) named ``name``,
+    ``where`` it is, taking the place of the catalog's table of that name."""
+    other = "database or schema" if conn.dialect.name == "postgresql" else "file"
+    return DamagedLog(
+        f"{what} named {name}{where} stands where the catalog keeps its table"
+        f" of that name: nothing was read or made; drop or rename it, or point --db at"
+        f" another {other}"
+    )
 
 
 def _log_columns(conn: Connection) -> list[str]:
@@ -1442,13 +1457,23 @@ class SQLRecorder(ProcessRecorder):
         with self.locked("catalog_es.tables", schema=schema) as conn:
             found = _tables_found(conn, names)
             missing = [table for table in tables.sorted_tables if table.name not in found]
+            if missing and self.dialect == "postgresql":
+                # Only a table to be made has a type in its way; asked with
+                # the lookup every start makes, it cost each start time.
+                in_the_way = conn.exec_driver_sql(
+                    _TYPES_IN_THE_WAY, {"names": [table.name for table in missing]}
+                ).first()
+                if in_the_way is not None:
+                    raise _in_the_way(conn, "a type", *in_the_way)
             tables.create_all(conn, tables=missing, checkfirst=False)
-            if tables is metadata and events_table.name not in found:
-                self.log_made = self._made_where(schema)
-            # A log's table made just now is today's: nothing to bring over,
-            # nor to read back (which cost every new database 20 ms).
-            if tables is metadata and events_table.name in found:
+            if tables is not metadata:
+                return
+            if events_table.name in found:
                 self._link_streams(conn, _log_columns(conn), streams_table.name in found)
+            else:
+                # A log's table made just now is today's: nothing to bring
+                # over, nor to read back (which cost every new database 20 ms).
+                self.log_made = self._made_where(schema)
 
     def _made_where(self, schema: str | None) -> str:
         """Where the log's table made in ``schema`` is, said for an operator:

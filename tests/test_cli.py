@@ -2429,6 +2429,8 @@ def test_a_refusal_another_config_explains_says_so_in_its_line(
         (tmp_path / f"{name}.yaml").write_bytes(as_yaml(definition(name)))
         ok(run_told("--config", str(config), "model", "add", str(tmp_path / f"{name}.yaml")))
     recorded = "the config the log last recorded, at revision 3"
+    changes = tmp_path / "changes.yaml"
+    changes.write_text("- scale: {name: a, max: 2}\n- remove: new\n")
     cases: list[tuple[Path | None, tuple[str, ...], str]] = [
         (
             stale,
@@ -2442,6 +2444,13 @@ def test_a_refusal_another_config_explains_says_so_in_its_line(
             ("model", "remove", "new"),
             f"error: model 'new' is not in the catalog (declared in {recorded}, but not in this"
             f" run's config ({stale}))",
+        ),
+        # A change of a list says which, and the hint all the same.
+        (
+            stale,
+            ("apply", str(changes)),
+            "error: change 2 (remove new) refused, nothing applied: model 'new' is not in the"
+            f" catalog (declared in {recorded}, but not in this run's config ({stale}))",
         ),
         (
             None,
@@ -2609,6 +2618,77 @@ def test_a_view_named_as_a_table_of_the_log_is_refused_before_anything_is_made(
             f" at another {other}"
         )
         assert objects() == before == ["catalog_events"]
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.parametrize(
+    ("made", "told"),
+    [
+        ("CREATE VIEW CATALOG_EVENTS AS SELECT 1 AS one", "a view named CATALOG_EVENTS"),
+        ("CREATE INDEX Catalog_Head ON other (x)", "an index named Catalog_Head"),
+    ],
+)
+def test_an_object_named_as_a_table_of_the_log_in_another_case_is_refused_too(
+    tmp_path: Path, made: str, told: str
+) -> None:
+    """SQLite's names are the same in any case: a view named CATALOG_EVENTS
+    was not found as one, and the table's creation failed on it, in a line
+    that named neither it nor what to do (hostile test)."""
+    file = tmp_path / "catalog.db"
+    with sqlite3.connect(file) as conn:
+        conn.executescript(f"CREATE TABLE other (x); {made}")
+
+    def objects() -> list[tuple[str, str]]:
+        with sqlite3.connect(file) as conn:
+            return sorted(conn.execute("SELECT type, name FROM sqlite_master").fetchall())
+
+    before = objects()
+    result = CliRunner().invoke(cli, ["--db", f"sqlite:///{file}", "model", "list"])
+    assert refused_in_one_line(result).startswith(f"error: {told} stands where the catalog")
+    assert objects() == before
+
+
+@pytest.mark.parametrize(
+    "made",
+    ["CREATE TYPE catalog_events AS ENUM ('a')", "CREATE DOMAIN catalog_refusals AS int"],
+)
+def test_a_type_named_as_a_table_of_the_log_is_refused_before_anything_is_made(
+    pg_url: str, made: str
+) -> None:
+    """On PostgreSQL a table's name is its row type's too: a type of that name
+    (an enum, a domain) in the schema the log is made in failed its creation
+    with `unexpected ProgrammingError: (psycopg.errors.DuplicateObject) type
+    "catalog_events" already exists` (hostile test). It is refused as a view
+    there is, and the schema is left as it was."""
+    schema = schema_of(pg_url)
+    name = made.split()[2]
+    engine = sa.create_engine(pg_url)
+
+    def objects() -> list[str]:
+        with engine.connect() as conn:
+            return sorted(
+                conn.execute(
+                    sa.text(
+                        "SELECT relname FROM pg_class WHERE relnamespace = to_regnamespace(:s)"
+                        " UNION ALL SELECT typname FROM pg_type"
+                        " WHERE typnamespace = to_regnamespace(:s)"
+                    ),
+                    {"s": schema},
+                ).scalars()
+            )
+
+    try:
+        with engine.begin() as conn:
+            conn.execute(sa.text(made))
+        before = objects()
+        result = CliRunner().invoke(cli, ["--db", pg_url, "model", "list"])
+        assert refused_in_one_line(result) == (
+            f"error: a type named {name} in schema {schema} stands where the catalog keeps its"
+            " table of that name: nothing was read or made; drop or rename it, or point --db"
+            " at another database or schema"
+        )
+        assert objects() == before
     finally:
         engine.dispose()
 

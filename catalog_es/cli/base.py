@@ -35,6 +35,7 @@ from catalog_es import bootstrap, early_stop
 from catalog_es.cli import tables
 from catalog_es.errors import (
     UNSAFE_TEXT,
+    ChangeRefused,
     ConfigError,
     DeclaredInConfig,
     InputError,
@@ -238,8 +239,10 @@ class Settings:
         """What a refusal's line adds when the declared config the log last
         recorded is not this run's, and the two differ where ``refusal``
         turned: the model refused as declared is not declared in the log's,
-        or the one not found is. Nothing for any other refusal, which that
-        difference cannot explain."""
+        or the one not found is (a change of a list's too). Nothing for any
+        other refusal, which that difference cannot explain."""
+        if isinstance(refusal, ChangeRefused):
+            refusal = refusal.refusal
         models = self._models
         if (
             models is None
