@@ -60,6 +60,7 @@ from catalog_es.web.tokens import TokenStore
 from projections.audit import changes_table_for
 from tests.helpers import (
     EVERY_STOP,
+    STOPS_BLOCKED_OR_NOT,
     STOPS_TOLD,
     commits_held,
     config_yaml,
@@ -69,6 +70,7 @@ from tests.helpers import (
     log_rows,
     put_back,
     spec,
+    stops_blocked,
 )
 from tests.serving import (
     Proxy,
@@ -2015,18 +2017,27 @@ def test_serve_logs_each_request_on_stderr_when_asked(tmp_path: Path, config_fil
 
 
 @EVERY_STOP
+@STOPS_BLOCKED_OR_NOT
 def test_serve_stopped_as_asked_says_stopped_and_exits_0(
-    tmp_path: Path, config_file: str, stop: signal.Signals
+    tmp_path: Path, config_file: str, stop: signal.Signals, blocked: bool
 ) -> None:
     """A stop asked for is how a server ends: Ctrl-C told "Aborted!" and exit 1,
     which says a command was refused, and SIGTERM killed it (hostile test), as
-    SIGHUP did, cutting off what it was answering (an operator's reload)."""
+    SIGHUP did, cutting off what it was answering (an operator's reload).
+    Started with them blocked (a signal mask is inherited: a supervisor's
+    thread that blocks them), it stopped on none of them, only on SIGKILL."""
     db = f"sqlite:///{tmp_path}/serve.db"
     tokens = tmp_path / "tokens.json"
     secret = TokenStore(tokens).add("ops", "read")[1]
     command = [sys.executable, "-m", "catalog_es", "--db", db, "--config", config_file]
     command += ["serve", "--port", "0", "--tokens", str(tokens)]
-    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    server = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=stops_blocked if blocked else None,
+    )
     try:
         url, said = started(server)
         assert httpx.get(f"{url}/revision", headers=bearer(secret)).status_code == 200
