@@ -47,12 +47,18 @@ def command_named(argv: Sequence[str]) -> str | None:
 def note_stops(argv: Sequence[str]) -> None:
     """Note :data:`STOPS`, rather than act on them, if ``argv`` runs
     until stopped: a refusal (a usage error) still ends it as one. One
-    ignored (a script's background job) stays so."""
+    ignored (a script's background job) stays so; one blocked is let through."""
     if command_named(argv) not in UNTIL_STOPPED:
         return
     for signum in STOPS:
         if signal.getsignal(signum) is not signal.SIG_IGN:
             _replaced[signum] = signal.signal(signum, _note)
+    # A signal mask is inherited from the thread that starts the process:
+    # started by a supervisor's thread that blocks them, serve and watch
+    # stopped on nothing but SIGKILL (hostile test). Ignoring a stop is how
+    # one is refused (nohup); a mask is no such choice. Let through once
+    # noted: one sent in between comes to the noting.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOPS)
 
 
 def _note(signum: int, _frame: FrameType | None) -> None:

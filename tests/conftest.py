@@ -7,7 +7,7 @@ import os
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import sqlalchemy as sa
@@ -20,6 +20,9 @@ from catalog_es.ports import Applier, PreAddCheck
 from catalog_es.spec import ModelSpec
 from projections.snapshots import DEFAULT_INTERVAL
 from tests.helpers import count_events, schema_of
+
+if TYPE_CHECKING:
+    from tests.serving import SharedServer
 
 pytest_plugins = ["tests.alone", "tests.locks_held"]
 
@@ -111,6 +114,18 @@ def read_only_url(pg_url: str, pg_admin: sa.Engine) -> Iterator[Callable[[], str
         with pg_admin.connect() as conn:
             conn.execute(sa.text(f"DROP OWNED BY {reader}"))
             conn.execute(sa.text(f"DROP ROLE {reader}"))
+
+
+@pytest.fixture(scope="module")
+def shared_server() -> Iterator[SharedServer]:
+    """One test server for the module's tests in this process, each serving
+    its own app on it in turn (:class:`tests.serving.SharedServer`); ended
+    with the module, as a test marked ``alone`` waits for every thread to end."""
+    # Imported here: uvicorn and the web app took every test process 0.4 s.
+    from tests.serving import shared_server
+
+    with shared_server() as server:
+        yield server
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

@@ -312,3 +312,13 @@ STOPS_TOLD = {
     signal.SIGHUP: f"stopped{HUNG_UP}\n",
 }
 EVERY_STOP = pytest.mark.parametrize("stop", list(STOPS_TOLD), ids=["ctrl-c", "sigterm", "sighup"])
+# Started as usual, or with the stops blocked, as a thread that blocks them
+# leaves every process it starts (a signal mask is inherited).
+STOPS_BLOCKED_OR_NOT = pytest.mark.parametrize(
+    "blocked", [False, True], ids=["stops-let-through", "stops-blocked"]
+)
+
+
+def stops_blocked() -> None:
+    """Run in a child before it runs the command (``preexec_fn``): the stops blocked."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, list(STOPS_TOLD))

@@ -4,6 +4,7 @@ free port, in a thread of the test process."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import socket
 import ssl
@@ -20,11 +21,14 @@ from typing import Any
 import httpx
 import uvicorn
 from fastapi import FastAPI
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from catalog_es.web.app import end_streams
 from catalog_es.web.tokens import TokenStore
 
 ROLES = ("read", "write", "admin")
+
+log = logging.getLogger("uvicorn.error")
 
 # How long a test server may take to start, at most: it takes milliseconds.
 START_SECONDS = 10
@@ -44,16 +48,43 @@ class _Server(uvicorn.Server):
     """uvicorn's server, looking for ``should_exit`` every 10 ms, not every
     100 ms: a test waited half that on average for each server it ended."""
 
+    loop: asyncio.AbstractEventLoop
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        self.loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
     async def main_loop(self) -> None:
         ticks = 0
         while not await self.on_tick(ticks):
             ticks += 1
             await asyncio.sleep(0.01)
 
+    async def idle(self) -> None:
+        """Every connection closed and every request done, as uvicorn's
+        shutdown leaves them (within its grace period, then cut), the socket
+        still listening: nothing one test opened is there for the next."""
+        state = self.server_state
+        for connection in list(state.connections):
+            connection.shutdown()
+        try:
+            async with asyncio.timeout(self.config.timeout_graceful_shutdown):
+                while state.connections or state.tasks:
+                    await asyncio.sleep(0.005)
+        except TimeoutError:
+            log.error("cancelling %s request(s) a test left running", len(state.tasks))
+            for task in state.tasks:
+                task.cancel()
+            for connection in list(state.connections):
+                connection.transport.abort()
+            while state.connections or state.tasks:
+                await asyncio.sleep(0.005)
+
 
 @contextmanager
-def serving(app: FastAPI) -> Iterator[str]:
-    """The app served until the ``with`` ends; yields its base URL."""
+def _running(app: ASGIApp, **options: Any) -> Iterator[tuple[str, _Server]]:
+    """``app`` served by a server of its own until the ``with`` ends; yields
+    its base URL and the server."""
     # The protocol named, as serve's getaddrinfo names it: asyncio turns Nagle
     # off only on a socket whose proto is TCP, and with it on, each answer on
     # a kept-alive connection waited 40 ms for the client's delayed ACK.
@@ -64,7 +95,9 @@ def serving(app: FastAPI) -> Iterator[str]:
     # uvicorn's own logging left alone: its lines then reach the test's
     # captured log, where they were written to whatever stream the first
     # server of the process found (a startup failure said nothing).
-    config = uvicorn.Config(app, log_level="warning", log_config=None, timeout_graceful_shutdown=1)
+    config = uvicorn.Config(
+        app, log_level="warning", log_config=None, timeout_graceful_shutdown=1, **options
+    )
     server = _Server(config)
     failed: list[BaseException] = []
 
@@ -84,12 +117,69 @@ def serving(app: FastAPI) -> Iterator[str]:
             raise RuntimeError(f"the test server did not start{_why_not(thread, failed)}")
         time.sleep(0.01)
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{port}", server
     finally:
-        end_streams(app)
         server.should_exit = True
         thread.join(timeout=10)
         sock.close()
+
+
+@contextmanager
+def serving(app: FastAPI) -> Iterator[str]:
+    """The app served by a server of its own until the ``with`` ends; yields
+    its base URL. For a test that needs a server of its own (one whose
+    connections it cuts, say); others take :class:`SharedServer`'s."""
+    with _running(app) as (url, _):
+        try:
+            yield url
+        finally:
+            end_streams(app)
+
+
+class SharedServer:
+    """One server for many tests, each serving its own app on it in turn:
+    starting and ending a server of its own took a test 0.1 s."""
+
+    def __init__(self, url: str, server: _Server, swapped: _Swapped) -> None:
+        self.url = url
+        self._server = server
+        self._swapped = swapped
+
+    @contextmanager
+    def serving(self, app: FastAPI) -> Iterator[str]:
+        """``app`` served until the ``with`` ends; yields the base URL. Then
+        its streams are ended and every connection closed, as a server's
+        shutdown would: the next test's app is served on none of them."""
+        self._swapped.app = app
+        try:
+            yield self.url
+        finally:
+            end_streams(app)
+            idle = asyncio.run_coroutine_threadsafe(self._server.idle(), self._server.loop)
+            idle.result(timeout=START_SECONDS)
+            self._swapped.app = None
+
+
+class _Swapped:
+    """The app a shared server serves: the one swapped in for the test."""
+
+    def __init__(self) -> None:
+        self.app: FastAPI | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.app is None:
+            raise RuntimeError("a request came to the shared test server between tests")
+        await self.app(scope, receive, send)
+
+
+@contextmanager
+def shared_server() -> Iterator[SharedServer]:
+    """A :class:`SharedServer`, until the ``with`` ends."""
+    swapped = _Swapped()
+    # No lifespan: it would be the app's at the server's start, when no test's
+    # app is there yet (and create_app's has no startup or shutdown to run).
+    with _running(swapped, lifespan="off") as (url, server):
+        yield SharedServer(url, server, swapped)
 
 
 def _why_not(thread: threading.Thread, failed: list[BaseException]) -> str:

@@ -67,6 +67,7 @@ from catalog_es.spec import Adapter, Origin
 from tests.helpers import (
     CPU_NO_MEMORY,
     EVERY_STOP,
+    STOPS_BLOCKED_OR_NOT,
     STOPS_TOLD,
     CountedOutput,
     config_yaml,
@@ -74,6 +75,7 @@ from tests.helpers import (
     definition,
     schema_of,
     spec,
+    stops_blocked,
 )
 
 LOG_KEYS = {
@@ -938,8 +940,9 @@ def in_a_shell(db: str, command: str, redirection: str) -> subprocess.CompletedP
     )
 
 
-def python(*args: str) -> subprocess.Popen[str]:
-    """Python running ``args`` on the code under test, its input and output piped."""
+def python(*args: str, preexec_fn: Callable[[], None] | None = None) -> subprocess.Popen[str]:
+    """Python running ``args`` on the code under test, its input and output
+    piped; ``preexec_fn`` run in the child first."""
     return subprocess.Popen(
         [sys.executable, *args],
         cwd=Path(__file__).parent.parent,
@@ -947,6 +950,7 @@ def python(*args: str) -> subprocess.Popen[str]:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=preexec_fn,
     )
 
 
@@ -1164,17 +1168,22 @@ def test_ctrl_c_as_the_log_closes_after_an_answer_that_could_not_be_written_leav
 
 
 @EVERY_STOP
+@STOPS_BLOCKED_OR_NOT
 def test_watch_stopped_as_asked_says_stopped_and_exits_0(
-    run: Run, write: Any, db_url: str, stop: signal.Signals
+    run: Run, write: Any, db_url: str, stop: signal.Signals, blocked: bool
 ) -> None:
     """A follower runs until stopped, by hand or by its supervisor's SIGTERM,
     which killed it (review), or by a hang-up, which killed it too. On
     another config than the log recorded, it says so of no read once it
-    stops: it followed the log over its own config, as it was told to."""
+    stops: it followed the log over its own config, as it was told to.
+    Started with the stops blocked, it stopped on none of them (hostile test)."""
     recorded = write("recorded.yaml", as_yaml({"models": [definition("c")]}))
     ok(run("--config", recorded, "model", "add", write("m.yaml", as_yaml(definition("m")))))
     other = write("other.yaml", as_yaml({"models": [definition("d")]}))
-    watch = python("-m", "catalog_es", "--db", db_url, "--config", other, "watch", "--json")
+    watch = python(
+        *("-m", "catalog_es", "--db", db_url, "--config", other, "watch", "--json"),
+        preexec_fn=stops_blocked if blocked else None,
+    )
     try:
         assert watch.stdout is not None
         assert select.select([watch.stdout], [], [], 30)[0], "watch gave nothing in 30 s"

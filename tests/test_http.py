@@ -60,6 +60,7 @@ from catalog_es.web.tokens import TokenStore
 from projections.audit import changes_table_for
 from tests.helpers import (
     EVERY_STOP,
+    STOPS_BLOCKED_OR_NOT,
     STOPS_TOLD,
     commits_held,
     config_yaml,
@@ -69,8 +70,17 @@ from tests.helpers import (
     log_rows,
     put_back,
     spec,
+    stops_blocked,
 )
-from tests.serving import Proxy, bearer, http_client, serving, started, tokens_for_roles
+from tests.serving import (
+    Proxy,
+    SharedServer,
+    bearer,
+    http_client,
+    serving,
+    started,
+    tokens_for_roles,
+)
 from tests.test_concurrency import write_lock_held
 
 DECLARED_YAML = config_yaml(spec("base"))  # one declared model
@@ -101,13 +111,18 @@ def config_file(write_config: Callable[..., str]) -> str:
 
 
 @pytest.fixture
-def api(db_url: str, tmp_path: Path, make_models: Callable[..., Models]) -> Iterator[Api]:
+def api(
+    db_url: str,
+    tmp_path: Path,
+    make_models: Callable[..., Models],
+    shared_server: SharedServer,
+) -> Iterator[Api]:
     models = make_models(DECLARED_YAML)
     tokens, token = tokens_for_roles(tmp_path / "tokens.json")
     # Not httpx's 5 s: an answer took longer once, with the suite beside
     # three other test runs on two cores (ReadTimeout).
     with (
-        serving(create_app(models, tokens)) as url,
+        shared_server.serving(create_app(models, tokens)) as url,
         http_client(base_url=url, timeout=30) as client,
     ):
         yield Api(url, db_url, models, tokens, token, client)
@@ -2040,18 +2055,27 @@ def test_serve_logs_each_request_on_stderr_when_asked(tmp_path: Path, config_fil
 
 
 @EVERY_STOP
+@STOPS_BLOCKED_OR_NOT
 def test_serve_stopped_as_asked_says_stopped_and_exits_0(
-    tmp_path: Path, config_file: str, stop: signal.Signals
+    tmp_path: Path, config_file: str, stop: signal.Signals, blocked: bool
 ) -> None:
     """A stop asked for is how a server ends: Ctrl-C told "Aborted!" and exit 1,
     which says a command was refused, and SIGTERM killed it (hostile test), as
-    SIGHUP did, cutting off what it was answering (an operator's reload)."""
+    SIGHUP did, cutting off what it was answering (an operator's reload).
+    Started with them blocked (a signal mask is inherited: a supervisor's
+    thread that blocks them), it stopped on none of them, only on SIGKILL."""
     db = f"sqlite:///{tmp_path}/serve.db"
     tokens = tmp_path / "tokens.json"
     secret = TokenStore(tokens).add("ops", "read")[1]
     command = [sys.executable, "-m", "catalog_es", "--db", db, "--config", config_file]
     command += ["serve", "--port", "0", "--tokens", str(tokens)]
-    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    server = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=stops_blocked if blocked else None,
+    )
     try:
         url, said = started(server)
         assert httpx.get(f"{url}/revision", headers=bearer(secret)).status_code == 200
@@ -2423,7 +2447,9 @@ def _sqlite_catalog(path: Path, *names: str) -> None:
 
 
 @pytest.fixture
-def file_api(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> Iterator[Api]:
+def file_api(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, shared_server: SharedServer
+) -> Iterator[Api]:
     """A server on a SQLite file holding m1, its held writer and a pooled
     reader already open on that file, and the server's log in ``caplog``."""
     db = f"sqlite:///{tmp_path}/catalog.db"
@@ -2433,7 +2459,10 @@ def file_api(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> Iterator[Api]:
     server_log = logging.getLogger("uvicorn.error")  # it does not propagate
     server_log.addHandler(caplog.handler)
     try:
-        with serving(create_app(models, tokens)) as url, http_client(base_url=url) as client:
+        with (
+            shared_server.serving(create_app(models, tokens)) as url,
+            http_client(base_url=url) as client,
+        ):
             api = Api(url, db, models, tokens, token, client)
             ok(api.post("/models/m1/scale", {"max": 2}))
             ok(api.get("/models"))
@@ -2993,7 +3022,10 @@ def test_the_listen_connection_is_kept_alive_and_given_up_when_its_peer_goes(
         with contextlib.suppress(OSError):
             probe = socket.socket(fileno=os.dup(int(fd.name)))
             with probe:
-                if probe.type == socket.SOCK_STREAM and probe.getsockname()[1] == port:
+                # TCP only: an event loop's wake-up pair (a test server's) is a
+                # Unix socket, whose name is no (host, port).
+                tcp = probe.family in (socket.AF_INET, socket.AF_INET6)
+                if tcp and probe.type == socket.SOCK_STREAM and probe.getsockname()[1] == port:
                     options.append(
                         (
                             probe.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE),
