@@ -694,6 +694,10 @@ class FileNotTheLog(sqlite3.OperationalError):
         self.replaced = replaced
 
 
+# The attribute SQLiteFile.name_in gives a driver's error: where its file is.
+_FILE_OF_ERROR = "catalog_es_where"
+
+
 class SQLiteFile:
     """The file a SQLite log is kept in. A connection keeps the file it
     opened whatever then happens at the path: renamed over or removed, its
@@ -708,6 +712,17 @@ class SQLiteFile:
         self.path = path
         # The file (device, inode) this process first opened at the path.
         self.opened: tuple[int, int] | None = None
+
+    @property
+    def where(self) -> str:
+        """Where the file is, said for an operator: "at PATH", in full."""
+        return f"at {self.path}"
+
+    def name_in(self, error: BaseException) -> None:
+        """Have ``error``, the driver's, name this file when it is told
+        (:func:`database_unusable`): SQLite's "unable to open database file"
+        or "file is not a database" named none."""
+        setattr(error, _FILE_OF_ERROR, self.where)
 
     def now(self) -> tuple[int, int]:
         """The file at the path (device, inode); refused in one line when it
@@ -786,6 +801,11 @@ def _settled_engine(url: sa.URL) -> Engine:
             if file.opened is not None:
                 file.check()  # gone, emptied or replaced: said as such, and not opened
                 file.existing_only(cargs, cparams)
+
+        @sa.event.listens_for(engine, "handle_error")
+        def _failed(context: sa.engine.ExceptionContext) -> None:
+            # Its opening's too (a folder, a file not SQLite's).
+            file.name_in(context.original_exception)
 
         @sa.event.listens_for(engine, "connect")
         def _connect(dbapi_connection: Any, _record: Any) -> None:
@@ -1217,6 +1237,15 @@ class Unusable(NamedTuple):
 
     said: str  # what the driver said, its first line
     lasting: bool  # setup to mend, not an outage to wait out
+    # "at FILE" on SQLite, whose words name no file (an operator with several
+    # cannot tell which); PostgreSQL's name the server and database already.
+    where: str = ""
+
+    @property
+    def told(self) -> str:
+        """The line an operator is told (the CLI's error, the server's log)."""
+        where = f" {self.where}" if self.where else ""
+        return f"the database{where} could not be used: {self.said}"
 
 
 def database_unusable(error: BaseException) -> Unusable | None:
@@ -1235,7 +1264,8 @@ def database_unusable(error: BaseException) -> Unusable | None:
             return None
         code = (getattr(driver, "sqlite_errorname", None) or "").removeprefix("SQLITE_")
         hint = _SQLITE_HINTS.get(code.split("_")[0], "")
-        return Unusable(said + hint, lasting=code.split("_")[0] not in _SQLITE_OUTAGES)
+        lasting = code.split("_")[0] not in _SQLITE_OUTAGES
+        return Unusable(said + hint, lasting, str(getattr(driver, _FILE_OF_ERROR, "")))
     if package != "psycopg":
         return None
     state: str | None = getattr(driver, "sqlstate", None)
@@ -1400,6 +1430,8 @@ class SQLRecorder(ProcessRecorder):
         as SQLAlchemy wraps its own: callers handle one kind, and the held
         writer lets go of a connection the error may have broken."""
         prepared_elsewhere(self.engine, error)
+        if self._file is not None:
+            self._file.name_in(error)
         return sa.exc.DBAPIError.instance(None, None, error, self._dbapi_error)
 
     def _writer_is_idle(self) -> bool:
@@ -1481,7 +1513,7 @@ class SQLRecorder(ProcessRecorder):
         the URL names them (read back, the database would cost every new log
         a round trip)."""
         if self._file is not None:
-            return f"at {self._file.path}"
+            return self._file.where
         url = self.engine.url
         database = f" of database {url.database}" if url.database else ""
         port = f":{url.port}" if url.port else ""

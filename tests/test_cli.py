@@ -2851,14 +2851,32 @@ def test_a_database_in_a_folder_that_is_not_there_is_named_and_nothing_is_made(
     assert [p.name for p in tmp_path.iterdir()] == ["a-file"]
 
 
-def test_a_database_that_cannot_be_used_is_one_line_saying_so(tmp_path: Path) -> None:
+def test_a_database_that_cannot_be_used_is_one_line_naming_its_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SQLite's words name no file: an operator with several nodes or files
+    could not tell which "file is not a database" was about. Named in full,
+    as a new log's warning names it, however the URL gave it."""
+    monkeypatch.chdir(tmp_path)
     not_sqlite = tmp_path / "notes.db"
     not_sqlite.write_text("not a database\n" * 100)
-    for command in (["model", "list"], ["verify"], ["model", "scale", "m", "--max", "2"]):
-        result = CliRunner().invoke(cli, ["--db", f"sqlite:///{not_sqlite}", *command])
-        line = refused_in_one_line(result)
-        assert line == "error: the database could not be used: file is not a database"
+    noise = tmp_path / "noise.db"
+    noise.write_bytes(bytes(range(256)) * 16)
+    (tmp_path / "folder").mkdir()
+    cases = {
+        "notes.db": "file is not a database",
+        str(noise): "file is not a database",
+        "folder": "unable to open database file",
+    }
+    for path, said in cases.items():
+        for command in (["model", "list"], ["verify"], ["model", "scale", "m", "--max", "2"]):
+            result = CliRunner().invoke(cli, ["--db", f"sqlite:///{path}", *command])
+            line = refused_in_one_line(result)
+            assert line == f"error: the database at {tmp_path / path} could not be used: {said}"
     assert not_sqlite.read_text() == "not a database\n" * 100
+    assert noise.read_bytes() == bytes(range(256)) * 16
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["folder", "noise.db", "notes.db"]
+    assert list((tmp_path / "folder").iterdir()) == []
 
 
 def test_sqlite_errors_that_pass_are_told_from_those_an_operator_must_mend(
@@ -2915,7 +2933,8 @@ def test_a_disk_with_no_room_for_the_shared_memory_file_is_said_to_be_full_or_fa
     )
     assert (failed.returncode, failed.stdout) == (1, "")
     assert failed.stderr == (
-        "error: the database could not be used: disk I/O error (a full disk, or a failing one?)\n"
+        f"error: the database at {tmp_path}/catalog.db could not be used: disk I/O error"
+        " (a full disk, or a failing one?)\n"
     )
 
 
@@ -2977,7 +2996,8 @@ def test_tables_of_that_name_that_are_not_the_logs_are_one_line(
         conn.execute(sa.text("CREATE TABLE catalog_events (id integer, body text)"))
     engine.dispose()
     line = refused_in_one_line(CliRunner().invoke(cli, ["--db", url, "model", "list"]))
-    assert line.startswith("error: the database could not be used: ")
+    assert line.startswith("error: the database ")
+    assert " could not be used: " in line
     assert "revision" in line
 
 
