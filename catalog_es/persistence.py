@@ -250,6 +250,25 @@ def _in_the_way(conn: Connection, what: str, name: str, where: str) -> DamagedLo
     )
 
 
+def _check_log_columns(conn: Connection, columns: Sequence[str]) -> None:
+    """Refused when the table named as the log's, of these ``columns``, lacks
+    one every layout of the log has had (an operator's own table, a SQLite
+    virtual table, a PostgreSQL foreign table): the other tables were made,
+    then a read failed on `no such column: catalog_events.revision`, naming
+    neither the table nor what to do. Asked only when the table is there."""
+    missing = [c.name for c in events_table.columns if c.name in _UNLINKED_COLUMNS - set(columns)]
+    if not missing:
+        return
+    where = ""
+    if conn.dialect.name == "postgresql":
+        where = conn.exec_driver_sql(
+            "SELECT ' in schema ' || relnamespace::regnamespace FROM pg_class"
+            " WHERE oid = to_regclass('catalog_events')"
+        ).scalar_one()
+    lacking = f"{where}, without the log's columns ({', '.join(missing)}),"
+    raise _in_the_way(conn, "a table", events_table.name, lacking)
+
+
 def _log_columns(conn: Connection) -> list[str]:
     """The columns of the log's table as found, in their order: read from the
     database's own catalog, as SQLAlchemy's reflection of the table on
@@ -1478,16 +1497,24 @@ class SQLRecorder(ProcessRecorder):
         only when a table is missing: a start must not wait for a writer when
         there is nothing to create."""
         names = [table.name for table in tables.sorted_tables]
+        log = tables is metadata
         with self.engine.connect() as conn:
-            if len(_tables_found(conn, names)) == len(names) and not (
-                tables is metadata and _unlinked(_log_columns(conn))
-            ):
+            found = _tables_found(conn, names)
+            # Read every start a log is there (the unlinked check): no cost added.
+            columns = _log_columns(conn) if log and events_table.name in found else None
+            if columns is not None:
+                _check_log_columns(conn, columns)
+            if len(found) == len(names) and not (columns is not None and _unlinked(columns)):
                 return
         # Asked here, the schema the log's table is made in when it is missing.
         schema = self.log_schema() if self.dialect == "postgresql" else None
         # The events table may not exist yet to LOCK: an advisory lock instead.
         with self.locked("catalog_es.tables", schema=schema) as conn:
             found = _tables_found(conn, names)
+            # Again under the lock: another node may have made it meanwhile.
+            columns = _log_columns(conn) if log and events_table.name in found else None
+            if columns is not None:
+                _check_log_columns(conn, columns)
             missing = [table for table in tables.sorted_tables if table.name not in found]
             if missing and self.dialect == "postgresql":
                 # Only a table to be made has a type in its way; asked with
@@ -1498,10 +1525,10 @@ class SQLRecorder(ProcessRecorder):
                 if in_the_way is not None:
                     raise _in_the_way(conn, "a type", *in_the_way)
             tables.create_all(conn, tables=missing, checkfirst=False)
-            if tables is not metadata:
+            if not log:
                 return
-            if events_table.name in found:
-                self._link_streams(conn, _log_columns(conn), streams_table.name in found)
+            if columns is not None:
+                self._link_streams(conn, columns, streams_table.name in found)
             else:
                 # A log's table made just now is today's: nothing to bring
                 # over, nor to read back (which cost every new database 20 ms).
@@ -1532,8 +1559,6 @@ class SQLRecorder(ProcessRecorder):
             if not streams_kept:
                 self._fill_streams(conn)
             return
-        if not set(columns) >= _UNLINKED_COLUMNS:
-            return  # a table of that name that is not the log's (refused on use)
         # Columns an operator added to 0.1.0's table. PostgreSQL adds today's
         # to the table as it is, and they stay; SQLite makes the table anew,
         # and from what it keeps of a column (its type, NOT NULL, default)
