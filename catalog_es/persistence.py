@@ -203,11 +203,12 @@ _NOT_TABLES = {
 }
 
 # On PostgreSQL a table's name is its row type's too: the types of no
-# relation (an enum, a domain) named ``names`` in the schema a table is made in.
+# relation (an enum, a domain) named ``names`` in the schema a table is made in
+# (quoted: to_regnamespace reads an identifier, and 'Team-B' is none unquoted).
 _TYPES_IN_THE_WAY = (
     "SELECT typname, ' in schema ' || typnamespace::regnamespace FROM pg_type"
     " WHERE typname = ANY(%(names)s) AND typrelid = 0"
-    " AND typnamespace = to_regnamespace(current_schema())"
+    " AND typnamespace = to_regnamespace(quote_ident(current_schema()))"
 )
 
 
