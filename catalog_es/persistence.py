@@ -203,11 +203,12 @@ _NOT_TABLES = {
 }
 
 # On PostgreSQL a table's name is its row type's too: the types of no
-# relation (an enum, a domain) named ``names`` in the schema a table is made in.
+# relation (an enum, a domain) named ``names`` in the schema a table is made in
+# (quoted: to_regnamespace reads an identifier, and 'Team-B' is none unquoted).
 _TYPES_IN_THE_WAY = (
     "SELECT typname, ' in schema ' || typnamespace::regnamespace FROM pg_type"
     " WHERE typname = ANY(%(names)s) AND typrelid = 0"
-    " AND typnamespace = to_regnamespace(current_schema())"
+    " AND typnamespace = to_regnamespace(quote_ident(current_schema()))"
 )
 
 
@@ -248,6 +249,25 @@ def _in_the_way(conn: Connection, what: str, name: str, where: str) -> DamagedLo
         f" of that name: nothing was read or made; drop or rename it, or point --db at"
         f" another {other}"
     )
+
+
+def _check_log_columns(conn: Connection, columns: Sequence[str]) -> None:
+    """Refused when the table named as the log's, of these ``columns``, lacks
+    one every layout of the log has had (an operator's own table, a SQLite
+    virtual table, a PostgreSQL foreign table): the other tables were made,
+    then a read failed on `no such column: catalog_events.revision`, naming
+    neither the table nor what to do. Asked only when the table is there."""
+    missing = [c.name for c in events_table.columns if c.name in _UNLINKED_COLUMNS - set(columns)]
+    if not missing:
+        return
+    where = ""
+    if conn.dialect.name == "postgresql":
+        where = conn.exec_driver_sql(
+            "SELECT ' in schema ' || relnamespace::regnamespace FROM pg_class"
+            " WHERE oid = to_regclass('catalog_events')"
+        ).scalar_one()
+    lacking = f"{where}, without the log's columns ({', '.join(missing)}),"
+    raise _in_the_way(conn, "a table", events_table.name, lacking)
 
 
 def _log_columns(conn: Connection) -> list[str]:
@@ -694,6 +714,10 @@ class FileNotTheLog(sqlite3.OperationalError):
         self.replaced = replaced
 
 
+# The attribute SQLiteFile.name_in gives a driver's error: where its file is.
+_FILE_OF_ERROR = "catalog_es_where"
+
+
 class SQLiteFile:
     """The file a SQLite log is kept in. A connection keeps the file it
     opened whatever then happens at the path: renamed over or removed, its
@@ -708,6 +732,17 @@ class SQLiteFile:
         self.path = path
         # The file (device, inode) this process first opened at the path.
         self.opened: tuple[int, int] | None = None
+
+    @property
+    def where(self) -> str:
+        """Where the file is, said for an operator: "at PATH", in full."""
+        return f"at {self.path}"
+
+    def name_in(self, error: BaseException) -> None:
+        """Have ``error``, the driver's, name this file when it is told
+        (:func:`database_unusable`): SQLite's "unable to open database file"
+        or "file is not a database" named none."""
+        setattr(error, _FILE_OF_ERROR, self.where)
 
     def now(self) -> tuple[int, int]:
         """The file at the path (device, inode); refused in one line when it
@@ -786,6 +821,11 @@ def _settled_engine(url: sa.URL) -> Engine:
             if file.opened is not None:
                 file.check()  # gone, emptied or replaced: said as such, and not opened
                 file.existing_only(cargs, cparams)
+
+        @sa.event.listens_for(engine, "handle_error")
+        def _failed(context: sa.engine.ExceptionContext) -> None:
+            # Its opening's too (a folder, a file not SQLite's).
+            file.name_in(context.original_exception)
 
         @sa.event.listens_for(engine, "connect")
         def _connect(dbapi_connection: Any, _record: Any) -> None:
@@ -1217,6 +1257,15 @@ class Unusable(NamedTuple):
 
     said: str  # what the driver said, its first line
     lasting: bool  # setup to mend, not an outage to wait out
+    # "at FILE" on SQLite, whose words name no file (an operator with several
+    # cannot tell which); PostgreSQL's name the server and database already.
+    where: str = ""
+
+    @property
+    def told(self) -> str:
+        """The line an operator is told (the CLI's error, the server's log)."""
+        where = f" {self.where}" if self.where else ""
+        return f"the database{where} could not be used: {self.said}"
 
 
 def database_unusable(error: BaseException) -> Unusable | None:
@@ -1235,7 +1284,8 @@ def database_unusable(error: BaseException) -> Unusable | None:
             return None
         code = (getattr(driver, "sqlite_errorname", None) or "").removeprefix("SQLITE_")
         hint = _SQLITE_HINTS.get(code.split("_")[0], "")
-        return Unusable(said + hint, lasting=code.split("_")[0] not in _SQLITE_OUTAGES)
+        lasting = code.split("_")[0] not in _SQLITE_OUTAGES
+        return Unusable(said + hint, lasting, str(getattr(driver, _FILE_OF_ERROR, "")))
     if package != "psycopg":
         return None
     state: str | None = getattr(driver, "sqlstate", None)
@@ -1400,6 +1450,8 @@ class SQLRecorder(ProcessRecorder):
         as SQLAlchemy wraps its own: callers handle one kind, and the held
         writer lets go of a connection the error may have broken."""
         prepared_elsewhere(self.engine, error)
+        if self._file is not None:
+            self._file.name_in(error)
         return sa.exc.DBAPIError.instance(None, None, error, self._dbapi_error)
 
     def _writer_is_idle(self) -> bool:
@@ -1446,16 +1498,24 @@ class SQLRecorder(ProcessRecorder):
         only when a table is missing: a start must not wait for a writer when
         there is nothing to create."""
         names = [table.name for table in tables.sorted_tables]
+        log = tables is metadata
         with self.engine.connect() as conn:
-            if len(_tables_found(conn, names)) == len(names) and not (
-                tables is metadata and _unlinked(_log_columns(conn))
-            ):
+            found = _tables_found(conn, names)
+            # Read every start a log is there (the unlinked check): no cost added.
+            columns = _log_columns(conn) if log and events_table.name in found else None
+            if columns is not None:
+                _check_log_columns(conn, columns)
+            if len(found) == len(names) and not (columns is not None and _unlinked(columns)):
                 return
         # Asked here, the schema the log's table is made in when it is missing.
         schema = self.log_schema() if self.dialect == "postgresql" else None
         # The events table may not exist yet to LOCK: an advisory lock instead.
         with self.locked("catalog_es.tables", schema=schema) as conn:
             found = _tables_found(conn, names)
+            # Again under the lock: another node may have made it meanwhile.
+            columns = _log_columns(conn) if log and events_table.name in found else None
+            if columns is not None:
+                _check_log_columns(conn, columns)
             missing = [table for table in tables.sorted_tables if table.name not in found]
             if missing and self.dialect == "postgresql":
                 # Only a table to be made has a type in its way; asked with
@@ -1466,10 +1526,10 @@ class SQLRecorder(ProcessRecorder):
                 if in_the_way is not None:
                     raise _in_the_way(conn, "a type", *in_the_way)
             tables.create_all(conn, tables=missing, checkfirst=False)
-            if tables is not metadata:
+            if not log:
                 return
-            if events_table.name in found:
-                self._link_streams(conn, _log_columns(conn), streams_table.name in found)
+            if columns is not None:
+                self._link_streams(conn, columns, streams_table.name in found)
             else:
                 # A log's table made just now is today's: nothing to bring
                 # over, nor to read back (which cost every new database 20 ms).
@@ -1481,7 +1541,7 @@ class SQLRecorder(ProcessRecorder):
         the URL names them (read back, the database would cost every new log
         a round trip)."""
         if self._file is not None:
-            return f"at {self._file.path}"
+            return self._file.where
         url = self.engine.url
         database = f" of database {url.database}" if url.database else ""
         port = f":{url.port}" if url.port else ""
@@ -1500,8 +1560,6 @@ class SQLRecorder(ProcessRecorder):
             if not streams_kept:
                 self._fill_streams(conn)
             return
-        if not set(columns) >= _UNLINKED_COLUMNS:
-            return  # a table of that name that is not the log's (refused on use)
         # Columns an operator added to 0.1.0's table. PostgreSQL adds today's
         # to the table as it is, and they stay; SQLite makes the table anew,
         # and from what it keeps of a column (its type, NOT NULL, default)

@@ -2592,8 +2592,8 @@ def test_verify_of_a_malformed_log_is_one_line_as_the_logs_read_is(
         side.execute("PRAGMA user_version = 1")
     told = _told_unusable((file_api.get("/verify"), file_api.get("/log")), caplog)
     assert told == [
-        "GET /verify: the database could not be used: database disk image is malformed",
-        "GET /log: the database could not be used: database disk image is malformed",
+        f"GET /verify: the database at {path} could not be used: database disk image is malformed",
+        f"GET /log: the database at {path} could not be used: database disk image is malformed",
     ]
 
 
@@ -2628,6 +2628,7 @@ def test_a_write_the_file_was_replaced_under_is_not_acknowledged(
         "went into the file that was there: the log at the path does not hold it; stop every "
         "process using it, then start them again",
         True,
+        "",  # its words name the file
     )
     monkeypatch.undo()
     models.close()
@@ -2854,12 +2855,14 @@ def test_a_watch_on_a_database_set_up_wrong_is_an_error_at_once(
             cli, ["--db", url, "serve", "--port", "0", "--tokens", str(tokens)]
         )
         assert serving.exit_code == 1, (url, serving.output)
-        assert serving.output.startswith("error: the database could not be used: "), url
+        # SQLite's line names the file, which its driver's words do not.
+        told = f"at {tmp_path} could not be used: " if url.startswith("sqlite") else "could not"
+        assert serving.output.startswith(f"error: the database {told}"), url
         assert "trying again" not in serving.output
         command = [sys.executable, "-m", "catalog_es", "--db", url, "watch"]
         done = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
         assert done.returncode == 1, (url, done.stderr)
-        assert done.stderr.startswith("error: the database could not be used: "), done.stderr
+        assert done.stderr.startswith(f"error: the database {told}"), done.stderr
         assert "trying again" not in done.stderr
 
 

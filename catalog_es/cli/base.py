@@ -909,7 +909,7 @@ def failure_line(error: Exception) -> str:
     persistence = sys.modules.get("catalog_es.persistence")
     unusable = None if persistence is None else persistence.database_unusable(error)
     if unusable is not None:
-        return f"error: the database could not be used: {unusable.said}"
+        return f"error: {unusable.told}"
     return f"error: unexpected {type(error).__name__}: {first_line(str(error))}"
 
 

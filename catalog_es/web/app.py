@@ -1230,12 +1230,7 @@ def _errors(app: FastAPI) -> None:
         # What the driver said is for the server's log (one line), not for
         # clients. Down, restarting or failing over: try again later; set up
         # wrong (privileges, schema): not until an operator mends it.
-        log.warning(
-            "%s %s: the database could not be used: %s",
-            request.method,
-            request.url.path,
-            unusable.said,
-        )
+        log.warning("%s %s: %s", request.method, request.url.path, unusable.told)
         if unusable.lasting:
             return error_response(500, "the database could not be used; the server's log says why")
         return error_response(
