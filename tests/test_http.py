@@ -1340,6 +1340,42 @@ def test_watch_streams_changes_after_a_revision_then_live(api: Api) -> None:
     assert refused(api.client.get("/events"), 401)
 
 
+def test_watch_by_an_actor_streams_that_actors_changes_alone(api: Api) -> None:
+    """`/events` took no actor, where `/log` and `watch --by` do: `by` keeps
+    that actor's changes, those before it and the live ones, and a resume
+    passes over the others' too; an empty one is refused as `/log`'s is. A
+    change of theirs read with others' after it is sent at once: it was
+    held, the stream waiting for their next change to fill its batch."""
+    api.post("/models", definition("qwen"))  # 1, the declared config; 2
+    api.post("/models/qwen/scale", {"max": 3}, role="admin")  # 3
+    api.post("/models/qwen/scale", {"max": 4})  # 4
+    watch = api.models.watch(0, by="admin-user")
+    changes = iter(watch)
+    assert next(changes)["revision"] == 3
+    assert not watch.ready()  # revision 4, read with it, is another's
+    watch.stop()
+    headers = api.as_("read")
+    with api.client.stream("GET", "/events?from=0&by=admin-user", headers=headers) as stream:
+        lines = stream.iter_lines()
+        (backlog,) = _sse_events(lines, 1)
+        assert (backlog["revision"], backlog["by"]) == (3, "admin-user")
+        api.post("/models/qwen/owner", {"owner": "team:x"})  # 5
+        api.post("/models/qwen/scale", {"max": 5}, role="admin")  # 6
+        (live,) = _sse_events(lines, 1)
+        assert (live["revision"], live["event"], live["by"]) == (6, "Scaled", "admin-user")
+    resume = {**headers, "Last-Event-ID": "2"}
+    with api.client.stream("GET", "/events?by=write-user", headers=resume) as stream:
+        assert [e["revision"] for e in _sse_events(stream.iter_lines(), 2)] == [4, 5]
+    told = refused(api.get("/events", params={"by": ""}), 422)
+    assert told == "by: the actor is empty; give an actor, or no actor filter"
+    (by,) = [
+        p
+        for p in ok(api.client.get("/openapi.json"))["paths"]["/events"]["get"]["parameters"]
+        if p["name"] == "by"
+    ]
+    assert (by["in"], by["schema"]["type"], by["schema"]["minLength"]) == ("query", "string", 1)
+
+
 def test_a_resume_point_that_is_no_revision_or_sent_twice_is_refused(api: Api) -> None:
     """Text that named no revision was ignored: the stream replayed from the
     start, or from ``from``, and a bad header hid a good ``lastEventId``
