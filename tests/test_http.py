@@ -2258,6 +2258,23 @@ def test_failed_accepts_are_told_at_once_then_counted_and_other_errors_as_asynci
     assert (other.name, other.getMessage()) == ("asyncio", "something else")
 
 
+def _served_log(
+    tmp_path: Path, config_file: str, monkeypatch: pytest.MonkeyPatch
+) -> tuple[str, Path]:
+    """A log of one model over ``config_file``, and a tokens file, for a
+    ``serve`` whose start returns at once rather than serving on."""
+    import uvicorn
+
+    monkeypatch.setattr(uvicorn.Server, "run", lambda *_args, **_kwargs: None)
+    db = f"sqlite:///{tmp_path}/serve.db"
+    tokens = tmp_path / "tokens.json"
+    TokenStore(tokens).add("ops", "read")
+    setup = Models(load_config(config_file), env={"CATALOG_ES_DB": db})
+    setup.add(spec("m"), by="setup")
+    setup.close()
+    return db, tokens
+
+
 @pytest.mark.parametrize("config", ["changed", "recorded"])
 def test_serve_given_a_stale_expected_revision_is_refused_before_it_records_anything(
     tmp_path: Path,
@@ -2269,16 +2286,7 @@ def test_serve_given_a_stale_expected_revision_is_refused_before_it_records_anyt
     """It recorded a changed config at start whatever the revision given
     (hostile test): it is a compare-and-set like every write, and a start
     with nothing to record is refused all the same."""
-    import uvicorn
-
-    # A start that is not refused returns at once rather than serving on.
-    monkeypatch.setattr(uvicorn.Server, "run", lambda *_args, **_kwargs: None)
-    db = f"sqlite:///{tmp_path}/serve.db"
-    tokens = tmp_path / "tokens.json"
-    TokenStore(tokens).add("ops", "read")
-    setup = Models(load_config(config_file), env={"CATALOG_ES_DB": db})
-    setup.add(spec("m"), by="setup")
-    setup.close()
+    db, tokens = _served_log(tmp_path, config_file, monkeypatch)
     path = write_config("models: []\n") if config == "changed" else config_file
     rows = count_events(db)
     command = ["--db", db, "--config", path, "serve", "--port", "0", "--tokens", str(tokens)]
@@ -2308,16 +2316,7 @@ def test_serve_given_no_config_on_a_log_whose_nodes_recorded_one_refuses_to_star
     no config at start over the one the nodes recorded, undeclaring every
     declared model for every node. It refuses to start, one line, nothing
     written; given the config, or one of `models: []`, it starts."""
-    import uvicorn
-
-    # A start that is not refused returns at once rather than serving on.
-    monkeypatch.setattr(uvicorn.Server, "run", lambda *_args, **_kwargs: None)
-    db = f"sqlite:///{tmp_path}/serve.db"
-    tokens = tmp_path / "tokens.json"
-    TokenStore(tokens).add("ops", "read")
-    setup = Models(load_config(config_file), env={"CATALOG_ES_DB": db})
-    setup.add(spec("m"), by="setup")
-    setup.close()
+    db, tokens = _served_log(tmp_path, config_file, monkeypatch)
     rows = count_events(db)
     serve = ["serve", "--port", "0", "--tokens", str(tokens)]
     served = CliRunner().invoke(cli, ["--db", db, *serve])
