@@ -2323,8 +2323,9 @@ def test_serve_given_no_config_on_a_log_whose_nodes_recorded_one_refuses_to_star
     assert (served.exit_code, served.stdout) == (1, "")
     assert served.stderr.splitlines() == [
         "error: no declared config given (--config, $CATALOG_ES_CONFIG or ./catalog.yaml): "
-        "the log's nodes recorded one at revision 1, and this write would record none, "
-        "undeclaring its models; give that config, or one of `models: []` to undeclare them"
+        "the log's nodes recorded one at revision 1, and this write would record none over "
+        "it (no models, the default engines); give that config, or one declaring what "
+        "every node should run (`models: []`: no models)"
     ]
     assert count_events(db) == rows
     for config in (config_file, write_config("models: []\n")):
