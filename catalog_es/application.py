@@ -494,13 +494,17 @@ class Watch:
 
     def ready(self) -> bool:
         """Whether the next change is read already: taking it waits for
-        nothing (neither the database nor a commit)."""
+        nothing (neither the database nor a commit). Given an actor, one of
+        theirs is: the others' read before it are passed over at once, but
+        with none of theirs read, the next waits for a commit."""
         subscription = self._subscription
-        return (
-            isinstance(subscription, PullingSubscription)
-            and subscription.ready()
-            and not self._stopped.is_set()
-        )
+        if not isinstance(subscription, PullingSubscription) or self._stopped.is_set():
+            return False
+        pulled = subscription.pulled()
+        if self._by is None:
+            return bool(pulled)
+        theirs = _event_views(((n.id, n.topic, n.state) for n in pulled), None, self._by)
+        return next(theirs, None) is not None
 
 
 class Models(AuditTrail, Application[UUID]):

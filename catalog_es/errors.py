@@ -264,8 +264,9 @@ class LogRewritten(Refused):
 class NoConfigGiven(Refused):
     """A write by a run given no declared config at all (a shell in another
     folder than the deploy's), on a log whose nodes recorded one: it would
-    record none over it, undeclaring every declared model. Surprising, and
-    the dangerous direction: refused; `models: []` declares none on purpose."""
+    record none over it, undeclaring every declared model (and its engines:
+    the runtime models on them would be skipped). Surprising, and the
+    dangerous direction: refused; `models: []` declares none on purpose."""
 
     def __init__(self, recorded: int, given_by: str) -> None:
         """``recorded``: the revision of the log's last declared config;
@@ -273,8 +274,9 @@ class NoConfigGiven(Refused):
         self.recorded = recorded
         super().__init__(
             f"no declared config given ({given_by}): the log's nodes recorded one at "
-            f"revision {recorded}, and this write would record none, undeclaring its "
-            "models; give that config, or one of `models: []` to undeclare them"
+            f"revision {recorded}, and this write would record none over it (no models, "
+            "the default engines); give that config, or one declaring what every node "
+            "should run (`models: []`: no models)"
         )
 
 

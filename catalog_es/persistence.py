@@ -2642,10 +2642,10 @@ class PullingSubscription(Subscription[SQLRecorder]):
         """A commit may have landed: pull before waiting again."""
         self._woken.set()
 
-    def ready(self) -> bool:
-        """Whether the next notification is pulled already: taking it waits
+    def pulled(self) -> Sequence[ChainedNotification]:
+        """The notifications pulled already, the next first: taking them waits
         for nothing (an event stream sends such ones together)."""
-        return bool(self._buffer) and not self._has_been_stopped
+        return () if self._has_been_stopped else self._buffer
 
     def fail(self, error: BaseException) -> None:
         """End, raising ``error`` to the iterating thread (a watch subscribes again)."""

@@ -512,16 +512,16 @@ class Weights:
         by the run's first write."""
         refused: Refused | None = None  # the findings' write, once the origins' has written
         with self.models.refusals_recorded(CHECK_UPDATES, "", by, reason, {}):
-            if expected_revision is not None:
-                # Refused even with nothing new to record, as any command
-                # carrying it is, and before the registry is asked.
-                self.models.write_plan(
-                    lambda _batch: None,
-                    by=by,
-                    reason=reason,
-                    expected_revision=expected_revision,
-                    dry_run=True,
-                )
+            # What refuses any write (a log moved past expected_revision, a
+            # run given no config) refuses this one before the registry is
+            # asked, and with nothing new to record too, as any command's.
+            self.models.write_plan(
+                lambda _batch: None,
+                by=by,
+                reason=reason,
+                expected_revision=expected_revision,
+                dry_run=True,
+            )
             scan = self._scan()
             origins = self._record_origins(scan.unrecorded, expected_revision)
             if not scan.unrecorded:  # the findings' write is the run's first

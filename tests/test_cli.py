@@ -2302,8 +2302,9 @@ def test_a_write_given_no_config_on_a_log_whose_nodes_recorded_one_is_refused(
     where = "(--config, $CATALOG_ES_CONFIG or ./catalog.yaml)"
     refused = (
         f"error: no declared config given {where}: the log's nodes recorded one at "
-        "revision 1, and this write would record none, undeclaring its models; give that "
-        "config, or one of `models: []` to undeclare them\n"
+        "revision 1, and this write would record none over it (no models, the default "
+        "engines); give that config, or one declaring what every node should run "
+        "(`models: []`: no models)\n"
     )
     logged = ok(run_told("log", "--json")).stdout
     for command in (
@@ -2345,6 +2346,30 @@ def test_a_write_given_no_config_on_a_log_whose_nodes_recorded_one_is_refused(
         (6, "Scaled"),
         (7, "Scaled"),
     ]
+
+
+def test_a_write_given_no_config_over_one_of_engines_alone_says_what_it_would_record(
+    run_told: Run, tmp_path: Path, write_config: Callable[[str], str]
+) -> None:
+    """Over a recorded config of engines and no models, a write given no
+    config was refused as "undeclaring its models" (it has none), and told
+    to give one of `models: []` instead: that records the default engines,
+    and every node then skips the runtime models on the config's own. The
+    line says what the write would record, and to give what the nodes run."""
+    engines = write_config("engines: [myeng, vllm]\nmodels: []\n")
+    (tmp_path / "m.yaml").write_bytes(as_yaml(definition("m", engine="myeng")))
+    ok(run_told("--config", engines, "model", "add", "m.yaml"))  # 1 its config, 2
+    logged = ok(run_told("log", "--json")).stdout
+    done = run_told("model", "scale", "m", "--max", "2")
+    assert (done.exit_code, done.stdout, done.stderr) == (
+        1,
+        "",
+        "error: no declared config given (--config, $CATALOG_ES_CONFIG or ./catalog.yaml): "
+        "the log's nodes recorded one at revision 1, and this write would record none over "
+        "it (no models, the default engines); give that config, or one declaring what every "
+        "node should run (`models: []`: no models)\n",
+    )
+    assert run_told("log", "--json").stdout == logged
 
 
 def test_a_run_on_another_config_than_the_log_recorded_says_so(

@@ -1355,6 +1355,42 @@ def test_watch_streams_changes_after_a_revision_then_live(api: Api) -> None:
     assert refused(api.client.get("/events"), 401)
 
 
+def test_watch_by_an_actor_streams_that_actors_changes_alone(api: Api) -> None:
+    """`/events` took no actor, where `/log` and `watch --by` do: `by` keeps
+    that actor's changes, those before it and the live ones, and a resume
+    passes over the others' too; an empty one is refused as `/log`'s is. A
+    change of theirs read with others' after it is sent at once: it was
+    held, the stream waiting for their next change to fill its batch."""
+    api.post("/models", definition("qwen"))  # 1, the declared config; 2
+    api.post("/models/qwen/scale", {"max": 3}, role="admin")  # 3
+    api.post("/models/qwen/scale", {"max": 4})  # 4
+    watch = api.models.watch(0, by="admin-user")
+    changes = iter(watch)
+    assert next(changes)["revision"] == 3
+    assert not watch.ready()  # revision 4, read with it, is another's
+    watch.stop()
+    headers = api.as_("read")
+    with api.client.stream("GET", "/events?from=0&by=admin-user", headers=headers) as stream:
+        lines = stream.iter_lines()
+        (backlog,) = _sse_events(lines, 1)
+        assert (backlog["revision"], backlog["by"]) == (3, "admin-user")
+        api.post("/models/qwen/owner", {"owner": "team:x"})  # 5
+        api.post("/models/qwen/scale", {"max": 5}, role="admin")  # 6
+        (live,) = _sse_events(lines, 1)
+        assert (live["revision"], live["event"], live["by"]) == (6, "Scaled", "admin-user")
+    resume = {**headers, "Last-Event-ID": "2"}
+    with api.client.stream("GET", "/events?by=write-user", headers=resume) as stream:
+        assert [e["revision"] for e in _sse_events(stream.iter_lines(), 2)] == [4, 5]
+    told = refused(api.get("/events", params={"by": ""}), 422)
+    assert told == "by: the actor is empty; give an actor, or no actor filter"
+    (by,) = [
+        p
+        for p in ok(api.client.get("/openapi.json"))["paths"]["/events"]["get"]["parameters"]
+        if p["name"] == "by"
+    ]
+    assert (by["in"], by["schema"]["type"], by["schema"]["minLength"]) == ("query", "string", 1)
+
+
 def test_a_resume_point_that_is_no_revision_or_sent_twice_is_refused(api: Api) -> None:
     """Text that named no revision was ignored: the stream replayed from the
     start, or from ``from``, and a bad header hid a good ``lastEventId``
@@ -2246,6 +2282,23 @@ def test_failed_accepts_are_told_at_once_then_counted_and_other_errors_as_asynci
     assert (other.name, other.getMessage()) == ("asyncio", "something else")
 
 
+def _served_log(
+    tmp_path: Path, config_file: str, monkeypatch: pytest.MonkeyPatch
+) -> tuple[str, Path]:
+    """A log of one model over ``config_file``, and a tokens file, for a
+    ``serve`` whose start returns at once rather than serving on."""
+    import uvicorn
+
+    monkeypatch.setattr(uvicorn.Server, "run", lambda *_args, **_kwargs: None)
+    db = f"sqlite:///{tmp_path}/serve.db"
+    tokens = tmp_path / "tokens.json"
+    TokenStore(tokens).add("ops", "read")
+    setup = Models(load_config(config_file), env={"CATALOG_ES_DB": db})
+    setup.add(spec("m"), by="setup")
+    setup.close()
+    return db, tokens
+
+
 @pytest.mark.parametrize("config", ["changed", "recorded"])
 def test_serve_given_a_stale_expected_revision_is_refused_before_it_records_anything(
     tmp_path: Path,
@@ -2257,16 +2310,7 @@ def test_serve_given_a_stale_expected_revision_is_refused_before_it_records_anyt
     """It recorded a changed config at start whatever the revision given
     (hostile test): it is a compare-and-set like every write, and a start
     with nothing to record is refused all the same."""
-    import uvicorn
-
-    # A start that is not refused returns at once rather than serving on.
-    monkeypatch.setattr(uvicorn.Server, "run", lambda *_args, **_kwargs: None)
-    db = f"sqlite:///{tmp_path}/serve.db"
-    tokens = tmp_path / "tokens.json"
-    TokenStore(tokens).add("ops", "read")
-    setup = Models(load_config(config_file), env={"CATALOG_ES_DB": db})
-    setup.add(spec("m"), by="setup")
-    setup.close()
+    db, tokens = _served_log(tmp_path, config_file, monkeypatch)
     path = write_config("models: []\n") if config == "changed" else config_file
     rows = count_events(db)
     command = ["--db", db, "--config", path, "serve", "--port", "0", "--tokens", str(tokens)]
@@ -2296,24 +2340,16 @@ def test_serve_given_no_config_on_a_log_whose_nodes_recorded_one_refuses_to_star
     no config at start over the one the nodes recorded, undeclaring every
     declared model for every node. It refuses to start, one line, nothing
     written; given the config, or one of `models: []`, it starts."""
-    import uvicorn
-
-    # A start that is not refused returns at once rather than serving on.
-    monkeypatch.setattr(uvicorn.Server, "run", lambda *_args, **_kwargs: None)
-    db = f"sqlite:///{tmp_path}/serve.db"
-    tokens = tmp_path / "tokens.json"
-    TokenStore(tokens).add("ops", "read")
-    setup = Models(load_config(config_file), env={"CATALOG_ES_DB": db})
-    setup.add(spec("m"), by="setup")
-    setup.close()
+    db, tokens = _served_log(tmp_path, config_file, monkeypatch)
     rows = count_events(db)
     serve = ["serve", "--port", "0", "--tokens", str(tokens)]
     served = CliRunner().invoke(cli, ["--db", db, *serve])
     assert (served.exit_code, served.stdout) == (1, "")
     assert served.stderr.splitlines() == [
         "error: no declared config given (--config, $CATALOG_ES_CONFIG or ./catalog.yaml): "
-        "the log's nodes recorded one at revision 1, and this write would record none, "
-        "undeclaring its models; give that config, or one of `models: []` to undeclare them"
+        "the log's nodes recorded one at revision 1, and this write would record none over "
+        "it (no models, the default engines); give that config, or one declaring what "
+        "every node should run (`models: []`: no models)"
     ]
     assert count_events(db) == rows
     for config in (config_file, write_config("models: []\n")):

@@ -910,6 +910,27 @@ def test_update_given_no_config_is_refused_before_it_fetches_anything(
     assert world.rows() == rows
 
 
+def test_check_updates_given_no_config_is_refused_before_the_registry_is_asked(
+    world: World, tracked: Weights
+) -> None:
+    """A run given no declared config, on a log that recorded one, would
+    record none over it (:class:`NoConfigGiven`): check-updates asked the
+    registry of every model first, then was refused only if it found
+    something to record, and said "nothing new" (exit 0) otherwise. Refused
+    before the registry is asked, as a move is, whatever it would find."""
+
+    class Unasked(MirrorRegistry):
+        def resolve(self, repository: str, ref: str) -> str:
+            raise AssertionError(f"the registry was asked for {repository}")
+
+    weights = world.open(Unasked(world.mirror.root), declared=False)
+    rows = world.rows()
+    with pytest.raises(NoConfigGiven):
+        weights.check_updates(by="cron")
+    assert world.rows() == rows
+    assert [r["event"] for r in weights.models.refusals()] == ["CheckUpdates"]
+
+
 def test_update_to_a_named_commit_fetches_it_beside_the_running_one(
     world: World, tracked: Weights
 ) -> None:

@@ -998,10 +998,16 @@ def watch(
             description="`Last-Event-ID`, where a client that cannot send it puts it: over `from`.",
         ),
     ] = None,
+    # No actor is empty (check_actor_filter), so neither is the filter.
+    by: Annotated[
+        str | None,
+        Query(description="Only this actor's changes.", json_schema_extra=text(minLength=1)),
+    ] = None,
 ) -> Response:
     """Every change after a revision, in order, then live, as server-sent
-    events: `id` is the revision, `data` the event as `watch --json` prints it.
-    A reconnecting EventSource resumes after its Last-Event-ID."""
+    events: `id` is the revision, `data` the event as `watch --json` prints it;
+    given `by`, only that actor's. A reconnecting EventSource resumes after
+    its Last-Event-ID."""
     if len(request.headers.getlist("last-event-id")) > 1:
         # Which one counts would be a guess a proxy and this server may make apart.
         raise InputError("more than one Last-Event-ID header: send one")
@@ -1027,7 +1033,7 @@ def watch(
             "(serve --max-watches); try again later"
         )
     try:
-        changes = models.watch(after or 0)
+        changes = models.watch(after or 0, by=by)
     except BaseException:
         # Refused (past the head) or the database out: no stream holds the
         # place, and one kept would be lost to every client until a restart.
