@@ -977,7 +977,6 @@ class Models(AuditTrail, Application[UUID]):
         rollback_to: int | None = None,
         several: bool = False,
         dry_run: bool = False,
-        preview: bool = False,
         records_only: bool = False,
         streams: Sequence[str] = (),
         lock_left: float | None = None,
@@ -987,9 +986,7 @@ class Models(AuditTrail, Application[UUID]):
         and push the catalog to the applier, still serialised. Answers the last
         revision written (the head, when the plan wrote nothing). ``dry_run``
         plans and decides everything, then writes nothing, and refuses what
-        the write would (it checks one before slow work); ``preview``: the
-        dry run is the answer itself, a read (rollback's), which a run given
-        no config may make (:class:`NoConfigGiven`); ``records_only``
+        the write would (it checks one before slow work); ``records_only``
         writes the declared-config record even with no change planned;
         ``streams``: the models whose stream versions the plan will need;
         ``lock_left``: this is the write again, after catching up outside
@@ -1071,7 +1068,7 @@ class Models(AuditTrail, Application[UUID]):
                             )
                             replaced = batch.catalog.recorded_declaration
                             if (
-                                not (self.declared.given or preview)
+                                not self.declared.given
                                 and replaced is not None
                                 and declaration_differs(batch.catalog, self.declared)
                             ):
@@ -1529,15 +1526,13 @@ class Models(AuditTrail, Application[UUID]):
                     },
                 )
 
-            revision, changes = self._write(
+            revision, changes = self.write_plan(
                 plan,
                 by=by,
                 reason=reason,
                 expected_revision=expected_revision,
                 rollback_to=target_revision,
-                several=True,
                 dry_run=dry_run,
-                preview=dry_run,
             )
             return {
                 "revision": revision,

@@ -2288,9 +2288,10 @@ def test_a_write_given_no_config_on_a_log_whose_nodes_recorded_one_is_refused(
 ) -> None:
     """Run from a folder without the deploy's catalog.yaml, a write recorded
     no config over the one the nodes recorded, undeclaring every declared
-    model for every node, with a warning alone. Refused, whatever writes:
-    one line, exit 1, the log as it was; a read and a rollback's dry run
-    still warn. Given the config, or one of `models: []` on purpose, it
+    model for every node, with a warning alone. Refused, whatever writes,
+    and a rollback's dry run, which would show a plan over none of the
+    declared models (hostile test): one line, exit 1, the log as it was; a
+    read still warns. Given the config, or one of `models: []` on purpose, it
     writes; and once the log's last record declares nothing, a run with no
     config writes on, as on a fresh log."""
     (tmp_path / "a.yaml").write_bytes(as_yaml(definition("a")))
@@ -2330,8 +2331,10 @@ def test_a_write_given_no_config_on_a_log_whose_nodes_recorded_one_is_refused(
         f"warning: no declared config given {where}: the log's nodes recorded one at "
         "revision 1, and this run goes without its models\n"
     )
-    dry_run = ok(run_told("rollback", "--to", "2", "--dry-run"))
-    assert ("1 event would be written" in dry_run.stdout, dry_run.stderr) == (True, warned)
+    # A rollback's dry run shows the plan over no declared model: refused as its write.
+    done = run_told("rollback", "--to", "2", "--dry-run")
+    assert (done.exit_code, done.stdout, done.stderr) == (1, "", refused)
+    assert ok(run_told("model", "list")).stderr == warned
     assert run_told("log", "--json").stdout == logged
     # Given the config, it writes; one declaring no models undeclares them.
     assert ok(run_told("--config", base, "model", "scale", "a", "--max", "3")).stderr == ""
