@@ -10,7 +10,6 @@ from __future__ import annotations
 import gc
 import hashlib
 import json
-import os
 import sys
 import threading
 import time
@@ -2754,38 +2753,15 @@ def test_cli_refused_add_is_recorded(db: str, config: Path, tmp_path: Path, cloc
 
 # -- PostgreSQL --------------------------------------------------------------------
 
-POSTGRES = os.environ.get(
-    "CATALOG_ES_TEST_POSTGRES", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
-)
-
-
-@pytest.fixture
-def postgres_schema() -> Iterator[str]:
-    """A database URL whose tables live in a schema of this test's own, dropped after."""
-    schema = f"audit_test_{uuid.uuid4().hex[:12]}"
-    admin = sa.create_engine(POSTGRES)
-    try:
-        with admin.begin() as conn:
-            conn.execute(sa.text(f"CREATE SCHEMA {schema}"))
-    except sa.exc.OperationalError as error:
-        admin.dispose()
-        pytest.skip(f"PostgreSQL is not reachable: {error.orig}")
-    try:
-        yield f"{POSTGRES}?options=-csearch_path%3D{schema}"
-    finally:
-        with admin.begin() as conn:
-            conn.execute(sa.text(f"DROP SCHEMA {schema} CASCADE"))
-        admin.dispose()
-
 
 def test_commands_do_not_wait_behind_an_audit_catch_up_on_postgresql(
-    postgres_schema: str, config: Path, clock: Clock
+    pg_url: str, config: Path, clock: Clock
 ) -> None:
     """The audit's rows are written under a lock of their own, on a connection
     of their own: a catch-up waiting for another node's does not hold up this
     node's commands."""
-    models = open_service(postgres_schema, config)
-    holder = sa.create_engine(postgres_schema)
+    models = open_service(pg_url, config)
+    holder = sa.create_engine(pg_url)
     try:
         script(models, clock)
         with holder.begin() as conn:  # another node writing audit rows
@@ -2804,8 +2780,8 @@ def test_commands_do_not_wait_behind_an_audit_catch_up_on_postgresql(
         holder.dispose()
 
 
-def test_the_hash_chain_on_postgresql(postgres_schema: str, config: Path, clock: Clock) -> None:
-    models = open_service(postgres_schema, config)
+def test_the_hash_chain_on_postgresql(pg_url: str, config: Path, clock: Clock) -> None:
+    models = open_service(pg_url, config)
     try:
         script(models, clock)
         assert models.verify()["ok"] is True
@@ -2828,11 +2804,11 @@ def test_the_hash_chain_on_postgresql(postgres_schema: str, config: Path, clock:
     ids=["head raised", "version raised"],
 )
 def test_a_postgresql_log_edited_past_appending_refuses_writes_as_sqlites_does(
-    postgres_schema: str, config: Path, clock: Clock, statement: str
+    pg_url: str, config: Path, clock: Clock, statement: str
 ) -> None:
     """PostgreSQL numbers the rows itself: a head raised past them would have
     been moved back by the next write, and the edit with it."""
-    models = open_service(postgres_schema, config)
+    models = open_service(pg_url, config)
     try:
         script(models, clock)
         run_sql(models, statement)
