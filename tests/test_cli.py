@@ -2695,7 +2695,10 @@ def test_a_table_named_as_the_logs_that_is_not_the_log_is_refused_before_anythin
     try:
         with engine.begin() as conn:
             if "FOREIGN" in made:
-                conn.execute(sa.text("CREATE EXTENSION IF NOT EXISTS file_fdw"))
+                # In the test's schema, so that its drop takes the extension too.
+                conn.execute(
+                    sa.text(f"CREATE EXTENSION IF NOT EXISTS file_fdw SCHEMA {schema_of(db_url)}")
+                )
                 conn.execute(sa.text(f"CREATE SERVER {server} FOREIGN DATA WRAPPER file_fdw"))
             conn.execute(sa.text(made.format(server=server)))
         before = objects()
