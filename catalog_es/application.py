@@ -24,7 +24,7 @@ import msgspec
 import sqlalchemy as sa
 from eventsourcing.application import Application
 from eventsourcing.persistence import Subscription
-from eventsourcing.utils import EnvType, get_topic
+from eventsourcing.utils import Environment, EnvType, get_topic
 from sqlalchemy.engine import Connection
 
 from catalog_es import commands
@@ -561,6 +561,15 @@ class Models(AuditTrail, Application[UUID]):
             # database is away makes a service a second until it is back.
             self.close()
             raise
+
+    def construct_env(self, name: str, env: EnvType | None = None) -> Environment:
+        """The library's settings: this class's and those given (the database
+        URL), never the process environment's, which the library would merge
+        in: an operator's shell may hold another eventsourcing app's
+        COMPRESSOR_TOPIC, PERSISTENCE_MODULE or CATALOG_CATALOG_ES_DB, which
+        stored events no reader here decodes, broke every command, or wrote
+        to another log than ``--db``."""
+        return Environment(name, {**type(self).env, **(env or {})})
 
     def _load(self) -> Catalog:
         """The catalog in force: the newest snapshot over this config, then the

@@ -21,6 +21,7 @@ import sys
 import tracemalloc
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import closing
 from datetime import date
 from pathlib import Path
 from types import FrameType
@@ -835,6 +836,49 @@ def test_a_variable_set_empty_is_refused_as_its_option_given_empty_is(
         f"error: ${variable} is set but empty: give {what}, or unset it"
     )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["catalog.yaml"]  # nothing made
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [
+        "COMPRESSOR_TOPIC=zlib",
+        "CATALOG_COMPRESSOR_TOPIC=zlib",
+        "TRANSCODER_TOPIC=elsewhere:Transcoder",
+        "MAPPER_TOPIC=eventsourcing.persistence:Mapper",
+        "CATALOG_MAPPER_TOPIC=eventsourcing.persistence:Mapper",
+        "PERSISTENCE_MODULE=eventsourcing.popo",
+        "CATALOG_PERSISTENCE_MODULE=eventsourcing.sqlite",
+        "IS_SNAPSHOTTING_ENABLED=maybe",
+        "AGGREGATE_CACHE_MAXSIZE=many",
+        "AGGREGATE_CACHE_FASTFORWARD=maybe",
+        "AGGREGATE_CACHE_FASTFORWARD_SKIPPING=maybe",
+        "DEEPCOPY_FROM_AGGREGATE_CACHE=maybe",
+        "CATALOG_CATALOG_ES_DB=sqlite:///elsewhere.db",
+    ],
+)
+def test_the_event_librarys_settings_in_the_environment_are_not_taken(
+    tmp_path: Path, write: Any, monkeypatch: pytest.MonkeyPatch, setting: str
+) -> None:
+    """eventsourcing merges the process environment into its settings: an
+    operator's shell holding another app's COMPRESSOR_TOPIC had each new
+    event stored compressed, which every reader here took for corrupt (the
+    catalog lost them); PERSISTENCE_MODULE, MAPPER_TOPIC and bad cache
+    settings failed every command with a traceback's last line, and
+    CATALOG_CATALOG_ES_DB wrote to another log than --db (hostile test)."""
+    monkeypatch.chdir(tmp_path)
+    variable, _, value = setting.partition("=")
+    monkeypatch.setenv(variable, value)
+    db = tmp_path / "catalog.db"
+    added = ["--db", f"sqlite:///{db}", "model", "add", write("m.yaml", as_yaml(definition("m")))]
+    ok(CliRunner().invoke(cli, added))
+    shown = ok(CliRunner().invoke(cli, ["--db", f"sqlite:///{db}", "log", "--json"]))
+    assert shown.stderr == ""
+    assert [json.loads(line)["model"] for line in shown.stdout.splitlines()] == ["m"]
+    with closing(sqlite3.connect(db)) as conn:
+        stored = conn.execute("SELECT topic, state FROM catalog_events ORDER BY revision")
+        events = [decode_event(topic, state) for topic, state in stored]
+    assert [type(e).__qualname__ for e in events] == ["Model.Added"]
+    assert not (tmp_path / "elsewhere.db").exists()
 
 
 def test_counts_in_a_shown_model_are_singular_or_plural_as_they_read(run: Run, write: Any) -> None:
