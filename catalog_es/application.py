@@ -10,6 +10,7 @@ before the next one starts, so catalogs are applied in log order.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from bisect import bisect_right
@@ -507,6 +508,13 @@ class Watch:
         return next(theirs, None) is not None
 
 
+# The event library's settings that encrypt stored events (with the service's
+# name before them too). catalog-es does not encrypt, and one who set them
+# believes the log is encrypted at rest: refused, where the library's other
+# settings are ignored.
+CIPHER_SETTINGS = ("CIPHER_TOPIC", "CIPHER_KEY")
+
+
 class Models(AuditTrail, Application[UUID]):
     """The catalog's application service: commands, and queries returning plain data
     (the audit queries come from :class:`catalog_es.audit.AuditTrail`)."""
@@ -568,7 +576,15 @@ class Models(AuditTrail, Application[UUID]):
         in: an operator's shell may hold another eventsourcing app's
         COMPRESSOR_TOPIC, PERSISTENCE_MODULE or CATALOG_CATALOG_ES_DB, which
         stored events no reader here decodes, broke every command, or wrote
-        to another log than ``--db``."""
+        to another log than ``--db``. Those that would encrypt are refused."""
+        for setting in CIPHER_SETTINGS:
+            for key in Environment(name).create_keys(setting):
+                if os.environ.get(key):  # empty is unset, as the library reads it
+                    raise ConfigError(
+                        f"${key} is set, but catalog-es does not encrypt its log: events "
+                        "would be stored unencrypted; unset it for catalog-es (encrypt the "
+                        "database's storage instead)"
+                    )
         return Environment(name, {**type(self).env, **(env or {})})
 
     def _load(self) -> Catalog:

@@ -74,6 +74,7 @@ from tests.helpers import (
     config_yaml,
     count_events,
     definition,
+    log_rows,
     schema_of,
     spec,
     stops_blocked,
@@ -879,6 +880,37 @@ def test_the_event_librarys_settings_in_the_environment_are_not_taken(
         events = [decode_event(topic, state) for topic, state in stored]
     assert [type(e).__qualname__ for e in events] == ["Model.Added"]
     assert not (tmp_path / "elsewhere.db").exists()
+
+
+@pytest.mark.parametrize(
+    "variable", ["CIPHER_TOPIC", "CIPHER_KEY", "CATALOG_CIPHER_TOPIC", "CATALOG_CIPHER_KEY"]
+)
+def test_the_event_librarys_cipher_settings_are_refused_not_ignored(
+    tmp_path: Path, write: Any, monkeypatch: pytest.MonkeyPatch, variable: str
+) -> None:
+    """The library's other settings are ignored, but one who set CIPHER_KEY
+    believes the log is encrypted at rest, which catalog-es does not do:
+    every command that opens the log is refused, a read too, before
+    anything is made or written."""
+    monkeypatch.chdir(tmp_path)
+    db = f"sqlite:///{tmp_path / 'catalog.db'}"
+    added = ["--db", db, "model", "add", write("m.yaml", as_yaml(definition("m")))]
+    told = (
+        f"error: ${variable} is set, but catalog-es does not encrypt its log: events would be "
+        "stored unencrypted; unset it for catalog-es (encrypt the database's storage instead)"
+    )
+    monkeypatch.setenv(variable, "eventsourcing.cipher:AESCipher")
+    assert refused_in_one_line(CliRunner().invoke(cli, added)) == told
+    assert not (tmp_path / "catalog.db").exists()
+    monkeypatch.delenv(variable)
+    ok(CliRunner().invoke(cli, added))
+    before = log_rows(db)
+    monkeypatch.setenv(variable, "eventsourcing.cipher:AESCipher")
+    assert refused_in_one_line(CliRunner().invoke(cli, added)) == told
+    assert refused_in_one_line(CliRunner().invoke(cli, ["--db", db, "log"])) == told
+    assert log_rows(db) == before
+    monkeypatch.setenv(variable, "")  # empty is unset, as the library reads it
+    ok(CliRunner().invoke(cli, ["--db", db, "log"]))
 
 
 def test_counts_in_a_shown_model_are_singular_or_plural_as_they_read(run: Run, write: Any) -> None:
