@@ -913,6 +913,29 @@ def test_the_event_librarys_cipher_settings_are_refused_not_ignored(
     ok(CliRunner().invoke(cli, ["--db", db, "log"]))
 
 
+def test_the_event_librarys_time_zone_in_the_environment_is_not_taken(tmp_path: Path) -> None:
+    """eventsourcing resolves $TZINFO_TOPIC as it is imported, for
+    timestamps catalog-es does not take: another app's, not importable
+    here, failed every command that loads the log (`error: unexpected
+    TopicError`; hostile test)."""
+    db = f"sqlite:///{tmp_path}/catalog.db"
+    definition_file = tmp_path / "m.yaml"
+    definition_file.write_bytes(as_yaml(definition("m")))
+    runs = [
+        subprocess.run(
+            [sys.executable, "-m", "catalog_es", "--db", db, *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+            env={**os.environ, "TZINFO_TOPIC": "elsewhere.clock:LOCAL"},
+        )
+        for args in (["model", "add", str(definition_file)], ["log", "--json"])
+    ]
+    assert [run.returncode for run in runs] == [0, 0], [run.stderr for run in runs]
+    assert [json.loads(line)["model"] for line in runs[1].stdout.splitlines()] == ["m"]
+
+
 def test_counts_in_a_shown_model_are_singular_or_plural_as_they_read(run: Run, write: Any) -> None:
     """It printed "1 cores", "(1 files)" and "(4 GPU)" (operator walkthrough)."""
     profiles = [
