@@ -10,6 +10,7 @@ before the next one starts, so catalogs are applied in log order.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from bisect import bisect_right
@@ -24,7 +25,7 @@ import msgspec
 import sqlalchemy as sa
 from eventsourcing.application import Application
 from eventsourcing.persistence import Subscription
-from eventsourcing.utils import EnvType, get_topic
+from eventsourcing.utils import Environment, EnvType, get_topic
 from sqlalchemy.engine import Connection
 
 from catalog_es import commands
@@ -507,6 +508,13 @@ class Watch:
         return next(theirs, None) is not None
 
 
+# The event library's settings that encrypt stored events (with the service's
+# name before them too). catalog-es does not encrypt, and one who set them
+# believes the log is encrypted at rest: refused, where the library's other
+# settings are ignored.
+CIPHER_SETTINGS = ("CIPHER_TOPIC", "CIPHER_KEY")
+
+
 class Models(AuditTrail, Application[UUID]):
     """The catalog's application service: commands, and queries returning plain data
     (the audit queries come from :class:`catalog_es.audit.AuditTrail`)."""
@@ -561,6 +569,23 @@ class Models(AuditTrail, Application[UUID]):
             # database is away makes a service a second until it is back.
             self.close()
             raise
+
+    def construct_env(self, name: str, env: EnvType | None = None) -> Environment:
+        """The library's settings: this class's and those given (the database
+        URL), never the process environment's, which the library would merge
+        in: an operator's shell may hold another eventsourcing app's
+        COMPRESSOR_TOPIC, PERSISTENCE_MODULE or CATALOG_CATALOG_ES_DB, which
+        stored events no reader here decodes, broke every command, or wrote
+        to another log than ``--db``. Those that would encrypt are refused."""
+        for setting in CIPHER_SETTINGS:
+            for key in Environment(name).create_keys(setting):
+                if os.environ.get(key):  # empty is unset, as the library reads it
+                    raise ConfigError(
+                        f"${key} is set, but catalog-es does not encrypt its log: events "
+                        "would be stored unencrypted; unset it for catalog-es (encrypt the "
+                        "database's storage instead)"
+                    )
+        return Environment(name, {**type(self).env, **(env or {})})
 
     def _load(self) -> Catalog:
         """The catalog in force: the newest snapshot over this config, then the

@@ -2822,7 +2822,7 @@ class Listener:
 
 class Factory(InfrastructureFactory[TrackingRecorder]):
     """eventsourcing's way in: ``PERSISTENCE_MODULE=catalog_es.persistence``.
-    The URL comes from ``CATALOG_ES_DB``."""
+    The URL is the service's setting ``CATALOG_ES_DB`` (:meth:`Models.construct_env`)."""
 
     URL = "CATALOG_ES_DB"
 

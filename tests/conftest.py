@@ -26,10 +26,9 @@ if TYPE_CHECKING:
 
 pytest_plugins = ["tests.alone", "tests.locks_held"]
 
-# eventsourcing lets the environment override an application's settings, and
-# the CLI reads CATALOG_ES_*: a developer's shell must not steer the tests.
-_LIBRARY_SETTINGS = ("PERSISTENCE_MODULE", "MAPPER_TOPIC", "COMPRESSOR_TOPIC", "CIPHER_TOPIC")
-
+# The CLI reads CATALOG_ES_*, and refuses the event library's cipher settings:
+# a developer's shell must not steer the tests.
+_REFUSED_SETTINGS = ("CIPHER_TOPIC", "CIPHER_KEY")
 PG_ENV = "CATALOG_ES_TEST_PG"
 PG_DEFAULT = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 PG_HELP = (
@@ -140,7 +139,7 @@ def db_url(request: pytest.FixtureRequest, tmp_path: os.PathLike[str]) -> str:
 def _clean_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: os.PathLike[str]) -> None:
     """No test picks up the repo's catalog.yaml or the caller's CATALOG_ES_* settings."""
     for key in list(os.environ):
-        if (key.startswith("CATALOG_") and key != PG_ENV) or key in _LIBRARY_SETTINGS:
+        if (key.startswith("CATALOG_") and key != PG_ENV) or key in _REFUSED_SETTINGS:
             monkeypatch.delenv(key)
     monkeypatch.chdir(tmp_path)
 

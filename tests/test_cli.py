@@ -21,6 +21,7 @@ import sys
 import tracemalloc
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import closing
 from datetime import date
 from pathlib import Path
 from types import FrameType
@@ -73,6 +74,7 @@ from tests.helpers import (
     config_yaml,
     count_events,
     definition,
+    log_rows,
     schema_of,
     spec,
     stops_blocked,
@@ -835,6 +837,103 @@ def test_a_variable_set_empty_is_refused_as_its_option_given_empty_is(
         f"error: ${variable} is set but empty: give {what}, or unset it"
     )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["catalog.yaml"]  # nothing made
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [
+        "COMPRESSOR_TOPIC=zlib",
+        "CATALOG_COMPRESSOR_TOPIC=zlib",
+        "TRANSCODER_TOPIC=elsewhere:Transcoder",
+        "MAPPER_TOPIC=eventsourcing.persistence:Mapper",
+        "CATALOG_MAPPER_TOPIC=eventsourcing.persistence:Mapper",
+        "PERSISTENCE_MODULE=eventsourcing.popo",
+        "CATALOG_PERSISTENCE_MODULE=eventsourcing.sqlite",
+        "IS_SNAPSHOTTING_ENABLED=maybe",
+        "AGGREGATE_CACHE_MAXSIZE=many",
+        "AGGREGATE_CACHE_FASTFORWARD=maybe",
+        "AGGREGATE_CACHE_FASTFORWARD_SKIPPING=maybe",
+        "DEEPCOPY_FROM_AGGREGATE_CACHE=maybe",
+        "CATALOG_CATALOG_ES_DB=sqlite:///elsewhere.db",
+    ],
+)
+def test_the_event_librarys_settings_in_the_environment_are_not_taken(
+    tmp_path: Path, write: Any, monkeypatch: pytest.MonkeyPatch, setting: str
+) -> None:
+    """eventsourcing merges the process environment into its settings: an
+    operator's shell holding another app's COMPRESSOR_TOPIC had each new
+    event stored compressed, which every reader here took for corrupt (the
+    catalog lost them); PERSISTENCE_MODULE, MAPPER_TOPIC and bad cache
+    settings failed every command with a traceback's last line, and
+    CATALOG_CATALOG_ES_DB wrote to another log than --db (hostile test)."""
+    monkeypatch.chdir(tmp_path)
+    variable, _, value = setting.partition("=")
+    monkeypatch.setenv(variable, value)
+    db = tmp_path / "catalog.db"
+    added = ["--db", f"sqlite:///{db}", "model", "add", write("m.yaml", as_yaml(definition("m")))]
+    ok(CliRunner().invoke(cli, added))
+    shown = ok(CliRunner().invoke(cli, ["--db", f"sqlite:///{db}", "log", "--json"]))
+    assert shown.stderr == ""
+    assert [json.loads(line)["model"] for line in shown.stdout.splitlines()] == ["m"]
+    with closing(sqlite3.connect(db)) as conn:
+        stored = conn.execute("SELECT topic, state FROM catalog_events ORDER BY revision")
+        events = [decode_event(topic, state) for topic, state in stored]
+    assert [type(e).__qualname__ for e in events] == ["Model.Added"]
+    assert not (tmp_path / "elsewhere.db").exists()
+
+
+@pytest.mark.parametrize(
+    "variable", ["CIPHER_TOPIC", "CIPHER_KEY", "CATALOG_CIPHER_TOPIC", "CATALOG_CIPHER_KEY"]
+)
+def test_the_event_librarys_cipher_settings_are_refused_not_ignored(
+    tmp_path: Path, write: Any, monkeypatch: pytest.MonkeyPatch, variable: str
+) -> None:
+    """The library's other settings are ignored, but one who set CIPHER_KEY
+    believes the log is encrypted at rest, which catalog-es does not do:
+    every command that opens the log is refused, a read too, before
+    anything is made or written."""
+    monkeypatch.chdir(tmp_path)
+    db = f"sqlite:///{tmp_path / 'catalog.db'}"
+    added = ["--db", db, "model", "add", write("m.yaml", as_yaml(definition("m")))]
+    told = (
+        f"error: ${variable} is set, but catalog-es does not encrypt its log: events would be "
+        "stored unencrypted; unset it for catalog-es (encrypt the database's storage instead)"
+    )
+    monkeypatch.setenv(variable, "eventsourcing.cipher:AESCipher")
+    assert refused_in_one_line(CliRunner().invoke(cli, added)) == told
+    assert not (tmp_path / "catalog.db").exists()
+    monkeypatch.delenv(variable)
+    ok(CliRunner().invoke(cli, added))
+    before = log_rows(db)
+    monkeypatch.setenv(variable, "eventsourcing.cipher:AESCipher")
+    assert refused_in_one_line(CliRunner().invoke(cli, added)) == told
+    assert refused_in_one_line(CliRunner().invoke(cli, ["--db", db, "log"])) == told
+    assert log_rows(db) == before
+    monkeypatch.setenv(variable, "")  # empty is unset, as the library reads it
+    ok(CliRunner().invoke(cli, ["--db", db, "log"]))
+
+
+def test_the_event_librarys_time_zone_in_the_environment_is_not_taken(tmp_path: Path) -> None:
+    """eventsourcing resolves $TZINFO_TOPIC as it is imported, for
+    timestamps catalog-es does not take: another app's, not importable
+    here, failed every command that loads the log (`error: unexpected
+    TopicError`; hostile test)."""
+    db = f"sqlite:///{tmp_path}/catalog.db"
+    definition_file = tmp_path / "m.yaml"
+    definition_file.write_bytes(as_yaml(definition("m")))
+    runs = [
+        subprocess.run(
+            [sys.executable, "-m", "catalog_es", "--db", db, *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+            env={**os.environ, "TZINFO_TOPIC": "elsewhere.clock:LOCAL"},
+        )
+        for args in (["model", "add", str(definition_file)], ["log", "--json"])
+    ]
+    assert [run.returncode for run in runs] == [0, 0], [run.stderr for run in runs]
+    assert [json.loads(line)["model"] for line in runs[1].stdout.splitlines()] == ["m"]
 
 
 def test_counts_in_a_shown_model_are_singular_or_plural_as_they_read(run: Run, write: Any) -> None:

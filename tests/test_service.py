@@ -54,6 +54,24 @@ Rows = Callable[[], int]
 # -- what a command answers ------------------------------------------------------
 
 
+@pytest.mark.parametrize("setting", ["COMPRESSOR_TOPIC", "CIPHER_TOPIC"])
+def test_a_service_given_a_compressor_or_cipher_is_refused(tmp_path: Path, setting: str) -> None:
+    """Every reader decodes the stored bytes as the mapper writes them: a
+    script giving the service the event library's compressor or cipher had
+    its events stored in a form the log, replay and audit took for corrupt."""
+    topic = {"COMPRESSOR_TOPIC": "zlib", "CIPHER_TOPIC": "tests.test_service:NoCipher"}[setting]
+    db = f"sqlite:///{tmp_path}/catalog.db"
+    with pytest.raises(ValueError, match="no compressor or cipher"):
+        Models(env={"CATALOG_ES_DB": db, setting: topic})
+
+
+class NoCipher:
+    """A cipher that keeps the bytes as they are: it is refused all the same."""
+
+    def __init__(self, environment: object) -> None:
+        pass
+
+
 def test_add_answers_the_model_as_it_will_run(make_models: MakeModels) -> None:
     models = make_models()
     # As a person writes it: no scaling, no class, no owner.
