@@ -72,6 +72,7 @@ from catalog_es.persistence import (
     AnswerTooLarge,
     Appended,
     ChainedNotification,
+    Factory,
     FileNotTheLog,
     Kept,
     PullingSubscription,
@@ -585,7 +586,10 @@ class Models(AuditTrail, Application[UUID]):
                         "would be stored unencrypted; unset it for catalog-es (encrypt the "
                         "database's storage instead)"
                     )
-        return Environment(name, {**type(self).env, **(env or {})})
+        # Its own setting aside: a caller's environment names the log, as the
+        # command line's does (where --db is not given).
+        own = {Factory.URL: os.environ[Factory.URL]} if Factory.URL in os.environ else {}
+        return Environment(name, {**type(self).env, **own, **(env or {})})
 
     def _load(self) -> Catalog:
         """The catalog in force: the newest snapshot over this config, then the

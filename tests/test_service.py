@@ -21,6 +21,7 @@ from catalog_es import collector, commands
 from catalog_es.application import Models
 from catalog_es.bootstrap import open_models
 from catalog_es.collector import collector_paused
+from catalog_es.configuration import DeclaredConfig
 from catalog_es.errors import (
     ConfigError,
     DeclaredInConfig,
@@ -63,6 +64,23 @@ def test_a_service_given_a_compressor_or_cipher_is_refused(tmp_path: Path, setti
     db = f"sqlite:///{tmp_path}/catalog.db"
     with pytest.raises(ValueError, match="no compressor or cipher"):
         Models(env={"CATALOG_ES_DB": db, setting: topic})
+
+
+def test_a_service_takes_its_log_from_the_environment_as_the_command_line_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The event library's settings are the service's own, not the
+    environment's, but for the one that names the log: a script given
+    CATALOG_ES_DB writes there, as ``catalog-es`` does."""
+    db = tmp_path / "named.db"
+    monkeypatch.setenv("CATALOG_ES_DB", f"sqlite:///{db}")
+    monkeypatch.chdir(tmp_path)
+    models = Models(DeclaredConfig())
+    try:
+        models.add(spec("m"), by="ops")
+    finally:
+        models.close()
+    assert db.exists() and not (tmp_path / "catalog.db").exists()
 
 
 class NoCipher:
