@@ -240,6 +240,25 @@ def _tables_found(conn: Connection, names: Sequence[str]) -> set[str]:
     return tables
 
 
+def create(conn: Connection, tables: sa.MetaData, missing: Sequence[sa.Table]) -> None:
+    """``tables.create_all(conn, tables=missing, checkfirst=False)``: on
+    PostgreSQL the same statements, compiled as it compiles them and in its
+    order, sent in one round trip (psycopg runs several at once) rather
+    than one each (a new log's tables and index took seven)."""
+    if conn.dialect.name != "postgresql":
+        tables.create_all(conn, tables=missing, checkfirst=False)
+        return
+    statements: list[str] = []
+
+    def keep(ddl: sa.schema.ExecutableDDLElement, *_: Any, **__: Any) -> None:
+        statements.append(str(ddl.compile(dialect=conn.dialect)))
+
+    compiling = sa.create_mock_engine(conn.engine.url, keep)
+    tables.create_all(compiling, tables=missing, checkfirst=False)
+    if statements:  # none when every table is there (a log only to bring over)
+        conn.exec_driver_sql(";\n".join(statements))
+
+
 def _in_the_way(conn: Connection, what: str, name: str, where: str) -> DamagedLog:
     """The refusal of ``what`` (an object that is no table) named ``name``,
     ``where`` it is, taking the place of the catalog's table of that name."""
@@ -1525,7 +1544,7 @@ class SQLRecorder(ProcessRecorder):
                 ).first()
                 if in_the_way is not None:
                     raise _in_the_way(conn, "a type", *in_the_way)
-            tables.create_all(conn, tables=missing, checkfirst=False)
+            create(conn, tables, missing)
             if not log:
                 return
             if columns is not None:

@@ -54,6 +54,7 @@ from catalog_es.persistence import (
     Kept,
     SQLRecorder,
     acquire_within,
+    create,
     holds,
     milliseconds,
     release_to,
@@ -504,7 +505,7 @@ class AuditView(TrackingRecorder):
         metadata.create_all(conn)  # the tracking table, if dropped by hand since the start
         table = self.table(application_name)
         table.drop(conn, checkfirst=True)
-        table.create(conn)
+        create(conn, table.metadata, [table])  # with its indexes, in one round trip
         t = tracking_table.c
         conn.execute(
             sa.delete(tracking_table).where(

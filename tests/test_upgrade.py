@@ -34,11 +34,11 @@ from catalog_es.errors import Refused
 from catalog_es.inputs import DeclaredConfig, load_config
 from catalog_es.mapper import EVENT_CLASSES, encode_event, topic_of
 from catalog_es.model import DomainEvent, Model, Upcaster, model_id, utc_now
-from catalog_es.persistence import SQLRecorder, create_engine, streams_table
+from catalog_es.persistence import SQLRecorder, create_engine, metadata, streams_table
 from catalog_es.spec import Scaling
-from projections import pointintime, snapshots
-from projections.audit import _declaration_at
-from tests.helpers import model_spec
+from projections import audit, pointintime, snapshots
+from projections.audit import AuditView, _declaration_at
+from tests.helpers import model_spec, schema_of
 
 FIXTURES = Path(__file__).parent / "fixtures"
 LOGS = sorted(path.name.removesuffix(".jsonl") for path in FIXTURES.glob("log-*.jsonl"))
@@ -374,6 +374,64 @@ def test_a_start_reads_the_tables_once_and_nothing_of_those_it_has_just_made(
     creating = next(i for i, s in enumerate(made) if s.startswith("CREATE TABLE"))
     assert [s for s in made[creating:] if not s.startswith("CREATE ")] == []
     assert len(statements_of_a_start(db_url)) == 2
+
+
+# What a schema holds, with the schema's name taken out: its tables'
+# columns, the constraints and indexes on them, and its sequences.
+_LAYOUT = (
+    "SELECT table_name, column_name, ordinal_position, data_type, character_maximum_length,"
+    " is_nullable, column_default FROM information_schema.columns"
+    " WHERE table_schema = current_schema()",
+    "SELECT conrelid::regclass::text, conname, pg_get_constraintdef(oid) FROM pg_constraint"
+    " WHERE connamespace = to_regnamespace(current_schema())",
+    "SELECT tablename, indexname, indexdef FROM pg_indexes WHERE schemaname = current_schema()",
+    "SELECT relname FROM pg_class WHERE relkind = 'S'"
+    " AND relnamespace = to_regnamespace(current_schema())",
+)
+
+
+def layout(url: str) -> list[list[str]]:
+    """What the schema of ``url`` holds (:data:`_LAYOUT`), in an order of its own."""
+    schema = schema_of(url)
+    engine = sa.create_engine(url)
+    with engine.connect() as conn:
+        found = [
+            sorted(str(row).replace(f"{schema}.", "") for row in conn.exec_driver_sql(query))
+            for query in _LAYOUT
+        ]
+    engine.dispose()
+    return found
+
+
+def test_a_new_postgresql_log_is_made_in_one_round_trip_as_create_all_makes_it(
+    pg_schema_url: Callable[..., str],
+) -> None:
+    """Every PostgreSQL test and every new schema makes a log: its tables
+    and index went a statement each (seven round trips), and an audit
+    table with its four indexes five. Each is sent in one, and the schema
+    holds what SQLAlchemy's own create_all makes, to the name."""
+    made = pg_schema_url()
+    assert len([s for s in statements_of_a_start(made) if s.startswith("CREATE ")]) == 1
+    engine = create_engine(made)
+    store = SQLRecorder(engine)
+    creates: list[str] = []
+
+    @sa.event.listens_for(engine, "before_cursor_execute")
+    def _seen(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+        if statement.lstrip().startswith("CREATE "):
+            creates.append(statement)
+
+    AuditView(store, "config").resume_from("app")
+    assert len(creates) == 2  # audit_tracking, then the changes table and its indexes
+    store.close()
+    engine.dispose()
+    expected = pg_schema_url()
+    engine = sa.create_engine(expected)
+    metadata.create_all(engine)
+    audit.metadata.create_all(engine)
+    audit.changes_table_for("app", "config").create(engine)
+    engine.dispose()
+    assert layout(made) == layout(expected)
 
 
 def test_the_newest_fixture_holds_every_kind_of_stored_event() -> None:
