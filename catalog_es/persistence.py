@@ -893,7 +893,9 @@ def _settled_engine(url: sa.URL) -> Engine:
                 )
 
         return engine
-    engine = sa.create_engine(url, pool_pre_ping=True)
+    # No column is an hstore: looking the type up cost each process's first
+    # connection three round trips more.
+    engine = sa.create_engine(url, pool_pre_ping=True, use_native_hstore=False)
     _check_connection_settings(engine, url)
     _unprepared_behind_a_pooler(engine)
     return engine
