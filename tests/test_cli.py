@@ -2375,6 +2375,30 @@ def test_a_write_given_no_config_over_one_of_engines_alone_says_what_it_would_re
     assert run_told("log", "--json").stdout == logged
 
 
+@pytest.mark.parametrize(
+    ("config", "gone"),
+    [
+        ("engines: [myeng, vllm]\nmodels: []\n", "its engines"),
+        (config_yaml(spec("base")), "its models"),
+        (config_yaml(spec("base"), engines=["myeng", "vllm"]), "its models and engines"),
+    ],
+)
+def test_a_read_given_no_config_says_what_of_the_recorded_one_it_goes_without(
+    run_told: Run, tmp_path: Path, write_config: Callable[[str], str], config: str, gone: str
+) -> None:
+    """A read given no config, over a recorded config of engines alone, was
+    told it "goes without its models", of which there are none (review): it
+    goes without the engines, and the runtime models on them. The warning
+    names what the recorded config declares."""
+    given = write_config(config)
+    (tmp_path / "m.yaml").write_bytes(as_yaml(definition("m", engine="vllm")))
+    ok(run_told("--config", given, "model", "add", "m.yaml"))  # 1 its config, 2
+    assert ok(run_told("model", "list")).stderr == (
+        "warning: no declared config given (--config, $CATALOG_ES_CONFIG or ./catalog.yaml): "
+        f"the log's nodes recorded one at revision 1, and this run goes without {gone}\n"
+    )
+
+
 def test_a_run_on_another_config_than_the_log_recorded_says_so(
     run_told: Run, db_url: str, tmp_path: Path
 ) -> None:
