@@ -630,6 +630,26 @@ def test_a_name_that_is_no_utf_8_is_refused_in_one_line_and_its_refusal_kept(run
     assert [(r["model"], r["event"]) for r in kept] == [("\\ud800", "Scaled")]
 
 
+def test_a_filter_that_is_no_utf_8_is_matched_as_the_refusals_keep_it(run: Run, write: Any) -> None:
+    """`refusals --model`, `audit --by`, `history --by`... given a lone
+    surrogate (bytes that are not UTF-8 in an argument) said "unexpected
+    UnicodeEncodeError" (review; `log --by` answered). A filter is matched
+    as the columns keep text: the refusal kept of that name is found, and an
+    actor no one can have matches nothing."""
+    _seeded(run, write)
+    refused_in_one_line(run("model", "scale", "--max", "0", "--", "\ud800"))
+    kept = json.loads(ok(run("refusals", "--json", "--model", "\ud800")).stdout)
+    assert [(r["model"], r["event"]) for r in kept] == [("\\ud800", "Scaled")]
+    for args in (
+        ["refusals", "--by", "\udcff"],
+        ["audit", "--by", "\udcff"],
+        ["audit", "--model", "\udcff"],
+        ["history", "m", "--by", "\udcff"],
+        ["log", "--by", "\udcff"],
+    ):
+        assert ok(run(*args, "--json")).stdout.strip() in ("", "[]"), args
+
+
 def test_a_name_no_model_can_have_is_kept_in_the_refusals_by_every_command(
     run: Run, write: Any, rows: Callable[[], int]
 ) -> None:
