@@ -2303,6 +2303,28 @@ def test_a_run_without_the_declared_config_the_nodes_recorded_says_so(
     assert listed(folder=deploy) == (["a", "base"], "")
 
 
+def test_a_read_over_the_config_recorded_then_is_not_told_it_goes_without_it(
+    run_told: Run,
+    tmp_path: Path,
+    write_config: Callable[[str], str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A read `--declared-then` is over the config the log recorded then,
+    whatever this run's: given no config, or another, it was told it "goes
+    without its models", or "reads the catalog over its own config", beside
+    an answer that showed them (review). Such a read is told neither."""
+    (tmp_path / "a.yaml").write_bytes(as_yaml(definition("a")))
+    deploy = write_config(config_yaml(spec("base")))
+    other = write_config("models: []\n")
+    ok(run_told("--config", deploy, "model", "add", "a.yaml"))  # 1 its config, 2
+    monkeypatch.chdir(tmp_path)  # no ./catalog.yaml
+    for given in ([], ["--config", other]):
+        done = ok(run_told(*given, "model", "list", "--at", "2", "--declared-then", "--json"))
+        assert ([m["name"] for m in json.loads(done.stdout)], done.stderr) == (["a", "base"], "")
+        # Over today's config, as without --declared-then, it is told.
+        assert ok(run_told(*given, "model", "list", "--at", "2")).stderr != ""
+
+
 def test_a_write_given_no_config_on_a_log_whose_nodes_recorded_one_is_refused(
     run_told: Run, db_url: str, tmp_path: Path, write_config: Callable[[str], str]
 ) -> None:

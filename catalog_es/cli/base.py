@@ -231,12 +231,14 @@ class Settings:
             recorded = self._models.catalog.recorded_declaration
             if (
                 not self._models.declared.given
+                and not self.declared_then
                 and recorded is not None
                 and recorded[0] != self._models.declared.fingerprint
             ):
                 # A run from a folder without the deploy's catalog.yaml reads
                 # the catalog without its declared models or engines: not what
-                # the nodes run. A write is refused (NoConfigGiven), and its
+                # the nodes run (a read over the config recorded then goes
+                # without nothing). A write is refused (NoConfigGiven), and its
                 # warnings with it.
                 log.warning(
                     "no declared config given (%s): the log's nodes recorded one at "
@@ -303,9 +305,10 @@ class Settings:
         recorded theirs do not run. Not said of a write, which records this
         run's, as a deploy does; the service warns of one that records a
         config the log had replaced (:meth:`Models._write`). A run given no
-        config is told so as it opens the log (:meth:`models`)."""
+        config is told so as it opens the log (:meth:`models`). Nor of a read
+        ``--declared-then``, over the config the log recorded then."""
         models = self._models
-        if models is None or not models.declared.path:
+        if models is None or not models.declared.path or self.declared_then:
             return
         recorded = models.catalog.recorded_declaration
         if recorded is not None and recorded[0] != models.declared.fingerprint:
