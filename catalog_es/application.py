@@ -1750,8 +1750,9 @@ class Models(AuditTrail, Application[UUID]):
                     stream.c.revision, stream.c.originator_version, stream.c.stream_previous
                 )
                 if containing:
-                    # Which hold them, told along the walk: the revisions kept
-                    # are those read, and the walk's end is checked whole.
+                    # Whether each holds them is a column, not a WHERE: the
+                    # walk's end is checked on its oldest row, which filtered
+                    # would be the oldest holding them; only those are kept.
                     query = query.add_columns(holds_bytes(containing)).join(
                         events_table, events_table.c.revision == stream.c.revision
                     )

@@ -394,11 +394,11 @@ MAX_KEPT_FIELDS = 64 * 1024
 
 
 def _kept(text: str, limit: int) -> str:
-    """``text`` as a refusal's column can keep it: no NUL (PostgreSQL's text
-    cannot hold one; filters match it the same way), cut at ``limit``, and
-    UTF-8 (a name given as a lone surrogate made the refusal's own record
-    fail, "unexpected UnicodeEncodeError": a fuzz test)."""
-    return str(_encodable(cut_short(filter_text(text) or "", limit)))
+    """``text`` as a refusal's column can keep it (:func:`filter_text`, as
+    filters match it: no NUL, and UTF-8, a name given as a lone surrogate
+    having made the refusal's own record fail, "unexpected
+    UnicodeEncodeError": a fuzz test), cut at ``limit``."""
+    return cut_short(filter_text(text) or "", limit)
 
 
 def _kept_fields(fields: dict[str, Any]) -> Any:

@@ -632,6 +632,26 @@ def test_a_name_that_is_no_utf_8_is_refused_in_one_line_and_its_refusal_kept(run
     assert [(r["model"], r["event"]) for r in kept] == [("\\ud800", "Scaled")]
 
 
+def test_a_filter_that_is_no_utf_8_is_matched_as_the_refusals_keep_it(run: Run, write: Any) -> None:
+    """`refusals --model`, `audit --by`, `history --by`... given a lone
+    surrogate (bytes that are not UTF-8 in an argument) said "unexpected
+    UnicodeEncodeError" (review; `log --by` answered). A filter is matched
+    as the columns keep text: the refusal kept of that name is found, and an
+    actor no one can have matches nothing."""
+    _seeded(run, write)
+    refused_in_one_line(run("model", "scale", "--max", "0", "--", "\ud800"))
+    kept = json.loads(ok(run("refusals", "--json", "--model", "\ud800")).stdout)
+    assert [(r["model"], r["event"]) for r in kept] == [("\\ud800", "Scaled")]
+    for args in (
+        ["refusals", "--by", "\udcff"],
+        ["audit", "--by", "\udcff"],
+        ["audit", "--model", "\udcff"],
+        ["history", "m", "--by", "\udcff"],
+        ["log", "--by", "\udcff"],
+    ):
+        assert ok(run(*args, "--json")).stdout.strip() in ("", "[]"), args
+
+
 def test_a_name_no_model_can_have_is_kept_in_the_refusals_by_every_command(
     run: Run, write: Any, rows: Callable[[], int]
 ) -> None:
@@ -2382,6 +2402,28 @@ def test_a_run_without_the_declared_config_the_nodes_recorded_says_so(
     assert listed(folder=deploy) == (["a", "base"], "")
 
 
+def test_a_read_over_the_config_recorded_then_is_not_told_it_goes_without_it(
+    run_told: Run,
+    tmp_path: Path,
+    write_config: Callable[[str], str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A read `--declared-then` is over the config the log recorded then,
+    whatever this run's: given no config, or another, it was told it "goes
+    without its models", or "reads the catalog over its own config", beside
+    an answer that showed them (review). Such a read is told neither."""
+    (tmp_path / "a.yaml").write_bytes(as_yaml(definition("a")))
+    deploy = write_config(config_yaml(spec("base")))
+    other = write_config("models: []\n")
+    ok(run_told("--config", deploy, "model", "add", "a.yaml"))  # 1 its config, 2
+    monkeypatch.chdir(tmp_path)  # no ./catalog.yaml
+    for given in ([], ["--config", other]):
+        done = ok(run_told(*given, "model", "list", "--at", "2", "--declared-then", "--json"))
+        assert ([m["name"] for m in json.loads(done.stdout)], done.stderr) == (["a", "base"], "")
+        # Over today's config, as without --declared-then, it is told.
+        assert ok(run_told(*given, "model", "list", "--at", "2")).stderr != ""
+
+
 def test_a_write_given_no_config_on_a_log_whose_nodes_recorded_one_is_refused(
     run_told: Run, db_url: str, tmp_path: Path, write_config: Callable[[str], str]
 ) -> None:
@@ -2472,6 +2514,30 @@ def test_a_write_given_no_config_over_one_of_engines_alone_says_what_it_would_re
         "node should run (`models: []`: no models)\n",
     )
     assert run_told("log", "--json").stdout == logged
+
+
+@pytest.mark.parametrize(
+    ("config", "gone"),
+    [
+        ("engines: [myeng, vllm]\nmodels: []\n", "its engines"),
+        (config_yaml(spec("base")), "its models"),
+        (config_yaml(spec("base"), engines=["myeng", "vllm"]), "its models and engines"),
+    ],
+)
+def test_a_read_given_no_config_says_what_of_the_recorded_one_it_goes_without(
+    run_told: Run, tmp_path: Path, write_config: Callable[[str], str], config: str, gone: str
+) -> None:
+    """A read given no config, over a recorded config of engines alone, was
+    told it "goes without its models", of which there are none (review): it
+    goes without the engines, and the runtime models on them. The warning
+    names what the recorded config declares."""
+    given = write_config(config)
+    (tmp_path / "m.yaml").write_bytes(as_yaml(definition("m", engine="vllm")))
+    ok(run_told("--config", given, "model", "add", "m.yaml"))  # 1 its config, 2
+    assert ok(run_told("model", "list")).stderr == (
+        "warning: no declared config given (--config, $CATALOG_ES_CONFIG or ./catalog.yaml): "
+        f"the log's nodes recorded one at revision 1, and this run goes without {gone}\n"
+    )
 
 
 def test_a_run_on_another_config_than_the_log_recorded_says_so(

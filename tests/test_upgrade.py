@@ -759,6 +759,29 @@ def test_an_unreadable_config_record_is_shown_as_one(
     )
 
 
+def test_a_run_given_no_config_over_an_unreadable_record_says_it_goes_without_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Given no config, over a config record this release cannot read, a
+    read was told it "goes without its models", which no one here can say
+    (review): it goes without that config, said as such."""
+    url = f"sqlite:///{tmp_path}/newer.db"
+    path = tmp_path / "deploy.yaml"
+    path.write_text(ROLLING)
+    writer = Models(load_config(str(path)), env={"CATALOG_ES_DB": url})
+    writer.add(model_spec("a"), by="x")
+    newer, _ = plant_newer_declaration(writer)
+    writer.close()
+    monkeypatch.chdir(tmp_path)  # no ./catalog.yaml
+    monkeypatch.delenv("CATALOG_ES_CONFIG", raising=False)
+    listed = CliRunner().invoke(cli, ["--db", url, "model", "list"])
+    assert listed.exit_code == 0, listed.stderr
+    assert caplog.messages[-1] == (
+        "no declared config given (--config, $CATALOG_ES_CONFIG or ./catalog.yaml): "
+        f"the log's nodes recorded one at revision {newer}, and this run goes without it"
+    )
+
+
 def test_the_config_in_force_at_a_revision_reads_over_an_unreadable_record_or_refuses(
     db_url: str, tmp_path: Path
 ) -> None:

@@ -55,6 +55,7 @@ if TYPE_CHECKING:
     import sqlalchemy as sa
 
     from catalog_es.application import CommandResult, Models
+    from catalog_es.configuration import DeclaredConfig
 
 
 def _check_digits(
@@ -170,6 +171,20 @@ def _until_it_answers(probe: sa.Engine) -> None:
                 raise
 
 
+def _gone_without(recorded: DeclaredConfig | None) -> str:
+    """What a run given no config goes without of the config the log
+    recorded: its models, its engines (a config may declare engines alone,
+    for runtime models), or both; "it" where the record cannot be read."""
+    from catalog_es.spec import DEFAULT_ENGINES
+
+    missed = []
+    if recorded is not None and recorded.models:
+        missed.append("models")
+    if recorded is not None and sorted(recorded.engines) != sorted(DEFAULT_ENGINES):
+        missed.append("engines")
+    return f"its {' and '.join(missed)}" if missed else "it"
+
+
 class Settings:
     """What the root and every command may set; a command's own option wins."""
 
@@ -216,17 +231,21 @@ class Settings:
             recorded = self._models.catalog.recorded_declaration
             if (
                 not self._models.declared.given
+                and not self.declared_then
                 and recorded is not None
                 and recorded[0] != self._models.declared.fingerprint
             ):
                 # A run from a folder without the deploy's catalog.yaml reads
-                # the catalog without its declared models: not what the nodes
-                # run. A write is refused (NoConfigGiven), and its warnings with it.
+                # the catalog without its declared models or engines: not what
+                # the nodes run (a read over the config recorded then goes
+                # without nothing). A write is refused (NoConfigGiven), and its
+                # warnings with it.
                 log.warning(
                     "no declared config given (%s): the log's nodes recorded one at "
-                    "revision %d, and this run goes without its models",
+                    "revision %d, and this run goes without %s",
                     bootstrap.CONFIG_GIVEN_BY,
                     recorded[1],
+                    _gone_without(self._recorded_config(recorded[1])),
                 )
             context = click.get_current_context(silent=True)
             if context is not None:
@@ -253,13 +272,8 @@ class Settings:
         recorded = models.catalog.recorded_declaration
         if recorded is None or recorded[0] == models.declared.fingerprint:
             return ""
-        import sqlalchemy as sa  # loaded with the service
-
-        try:
-            theirs = models.recorded_config(recorded[1])
-        except (Refused, sa.exc.SQLAlchemyError):
-            # A record this release cannot read, a database gone: only a
-            # hint hangs on it, and the refusal is told all the same.
+        theirs = self._recorded_config(recorded[1])
+        if theirs is None:
             return ""
         if any(spec.name == refusal.name for spec in theirs.models) != isinstance(
             refusal, ModelNotFound
@@ -271,6 +285,19 @@ class Settings:
             return f" (declared in {logs}, but not in {ours})"
         return f" (declared in {ours}, but not in {logs})"
 
+    def _recorded_config(self, revision: int) -> DeclaredConfig | None:
+        """The declared config the log recorded at ``revision``; None when it
+        cannot be read (a record this release cannot read, a database gone):
+        only a hint or a warning's wording hangs on it, and what it goes with
+        is told all the same."""
+        import sqlalchemy as sa  # loaded with the service
+
+        assert self._models is not None
+        try:
+            return self._models.recorded_config(revision)
+        except (Refused, sa.exc.SQLAlchemyError):
+            return None
+
     def tell_another_config_recorded(self) -> None:
         """Warn, once the command is done, when the log last recorded another
         declared config than this run's, and the run did not record its own
@@ -278,9 +305,10 @@ class Settings:
         recorded theirs do not run. Not said of a write, which records this
         run's, as a deploy does; the service warns of one that records a
         config the log had replaced (:meth:`Models._write`). A run given no
-        config is told so as it opens the log (:meth:`models`)."""
+        config is told so as it opens the log (:meth:`models`). Nor of a read
+        ``--declared-then``, over the config the log recorded then."""
         models = self._models
-        if models is None or not models.declared.path:
+        if models is None or not models.declared.path or self.declared_then:
             return
         recorded = models.catalog.recorded_declaration
         if recorded is not None and recorded[0] != models.declared.fingerprint:
