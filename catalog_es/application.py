@@ -31,7 +31,7 @@ from sqlalchemy.engine import Connection
 from catalog_es import commands
 from catalog_es.audit import AuditTrail
 from catalog_es.batch import Batch, Change, KnownVersions, declaration_differs
-from catalog_es.bootstrap import CONFIG_GIVEN_BY
+from catalog_es.bootstrap import CONFIG_GIVEN_BY, from_env
 from catalog_es.catalog import UNREADABLE_DECLARATION, Catalog, Skipped
 from catalog_es.catalog_lock import CatalogLock
 from catalog_es.chain import ChainHead, DamagedHead, deleted_tail, stored_head
@@ -573,11 +573,12 @@ class Models(AuditTrail, Application[UUID]):
 
     def construct_env(self, name: str, env: EnvType | None = None) -> Environment:
         """The library's settings: this class's and those given (the database
-        URL), never the process environment's, which the library would merge
-        in: an operator's shell may hold another eventsourcing app's
-        COMPRESSOR_TOPIC, PERSISTENCE_MODULE or CATALOG_CATALOG_ES_DB, which
-        stored events no reader here decodes, broke every command, or wrote
-        to another log than ``--db``. Those that would encrypt are refused."""
+        URL, else ``$CATALOG_ES_DB``), never the rest of the process
+        environment, which the library would merge in: an operator's shell
+        may hold another eventsourcing app's COMPRESSOR_TOPIC,
+        PERSISTENCE_MODULE or CATALOG_CATALOG_ES_DB, which stored events no
+        reader here decodes, broke every command, or wrote to another log
+        than ``--db``. Those that would encrypt are refused."""
         for setting in CIPHER_SETTINGS:
             for key in Environment(name).create_keys(setting):
                 if os.environ.get(key):  # empty is unset, as the library reads it
@@ -586,10 +587,15 @@ class Models(AuditTrail, Application[UUID]):
                         "would be stored unencrypted; unset it for catalog-es (encrypt the "
                         "database's storage instead)"
                     )
-        # Its own setting aside: a caller's environment names the log, as the
-        # command line's does (where --db is not given).
-        own = {Factory.URL: os.environ[Factory.URL]} if Factory.URL in os.environ else {}
-        return Environment(name, {**type(self).env, **own, **(env or {})})
+        given = {**type(self).env, **(env or {})}
+        if Factory.URL not in given:
+            # Its own setting aside: a caller's environment names the log, as
+            # the command line's does, and set empty is refused as there
+            # (./catalog.db was another log than meant).
+            url = from_env(Factory.URL, "a database URL")
+            if url is not None:
+                given[Factory.URL] = url
+        return Environment(name, given)
 
     def _load(self) -> Catalog:
         """The catalog in force: the newest snapshot over this config, then the

@@ -933,6 +933,18 @@ def test_the_event_librarys_cipher_settings_are_refused_not_ignored(
     ok(CliRunner().invoke(cli, ["--db", db, "log"]))
 
 
+def test_the_token_commands_open_no_log_and_are_not_refused_for_a_cipher_setting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tokens file is not the log: an operator who set CIPHER_KEY for
+    another app still manages the HTTP API's tokens."""
+    monkeypatch.setenv("CIPHER_KEY", "x")
+    tokens = str(tmp_path / "tokens.json")
+    ok(CliRunner().invoke(cli, ["token", "add", "alice", "--tokens", tokens]))
+    listed = ok(CliRunner().invoke(cli, ["--json", "token", "list", "--tokens", tokens]))
+    assert [entry["actor"] for entry in json.loads(listed.stdout)] == ["alice"]
+
+
 def test_the_event_librarys_time_zone_in_the_environment_is_not_taken(tmp_path: Path) -> None:
     """eventsourcing resolves $TZINFO_TOPIC as it is imported, for
     timestamps catalog-es does not take: another app's, not importable

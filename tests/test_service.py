@@ -83,6 +83,22 @@ def test_a_service_takes_its_log_from_the_environment_as_the_command_line_does(
     assert db.exists() and not (tmp_path / "catalog.db").exists()
 
 
+def test_a_service_refuses_its_log_set_empty_in_the_environment_as_the_command_line_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CATALOG_ES_DB=$URL with URL unset: a script's service made and wrote
+    ./catalog.db, another log than meant, where the command line refuses it;
+    a log given by the script is taken all the same (hostile test)."""
+    monkeypatch.setenv("CATALOG_ES_DB", "")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(InputError, match=r"^\$CATALOG_ES_DB is set but empty: give a database URL"):
+        Models(DeclaredConfig())
+    assert list(tmp_path.iterdir()) == []
+    db = tmp_path / "named.db"
+    Models(DeclaredConfig(), env={"CATALOG_ES_DB": f"sqlite:///{db}"}).close()
+    assert list(tmp_path.iterdir()) == [db]
+
+
 class NoCipher:
     """A cipher that keeps the bytes as they are: it is refused all the same."""
 
