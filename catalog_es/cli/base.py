@@ -185,6 +185,18 @@ def _gone_without(recorded: DeclaredConfig | None) -> str:
     return f"its {' and '.join(missed)}" if missed else "it"
 
 
+def check_query(*, model: str | None = None, by: str | None = None) -> None:
+    """A query's model and actor filters, refused by the service's own checks
+    before :meth:`Settings.models` opens the log: neither needs it, and on a
+    path with no log a refused query made one first (review)."""
+    from catalog_es.inputs import check_actor_filter
+    from catalog_es.spec import check_name
+
+    if model is not None:
+        check_name(model)
+    check_actor_filter(by)
+
+
 class Settings:
     """What the root and every command may set; a command's own option wins."""
 

@@ -1056,7 +1056,7 @@ def _nothing_to_give_back() -> None:
 
 
 def change_filters(
-    # No actor is empty (_check_filters), so neither is the filter.
+    # No actor is empty (check_filters), so neither is the filter.
     by: Annotated[
         str | None, Query(description="Only this actor's.", json_schema_extra=text(minLength=1))
     ] = None,
@@ -1096,7 +1096,7 @@ ChangeFilterParams = Annotated[ChangeFilters, Depends(change_filters)]
 
 def audit_filters(
     filters: ChangeFilterParams,
-    # Any name but an empty one (_check_filters): a poison record, written by
+    # Any name but an empty one (check_filters): a poison record, written by
     # hand, may name a model no command could, and the audit shows it.
     model: Annotated[
         str | None, Query(description="Only this model.", json_schema_extra=text(minLength=1))
