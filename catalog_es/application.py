@@ -36,7 +36,7 @@ from catalog_es.catalog import UNREADABLE_DECLARATION, Catalog, Skipped
 from catalog_es.catalog_lock import CatalogLock
 from catalog_es.chain import ChainHead, DamagedHead, deleted_tail, stored_head
 from catalog_es.collector import collector_paused
-from catalog_es.configuration import Configuration, DeclaredConfig
+from catalog_es.configuration import Configuration, DeclaredConfig, gone_without
 from catalog_es.errors import (
     UNSAFE_TEXT,
     ChangeRefused,
@@ -1352,6 +1352,7 @@ class Models(AuditTrail, Application[UUID]):
         node's writes queue behind, and leaves a long catch-up or a reload to
         be done outside it (:class:`_FarBehind`)."""
         catalog = self.catalog
+        recorded = catalog.recorded_declaration
         kept = self.store.kept(conn, catalog.revision)
         lost = _lost(catalog, kept)
         if lost is None:
@@ -1362,18 +1363,45 @@ class Models(AuditTrail, Application[UUID]):
                 # ago, and another node's config may take what this one's cannot.
                 _tell_skipped(catch_up(catalog, self.store, conn))
                 catalog.chain = _chain(kept.last, kept.last_hash)
+        else:
+            if held:
+                raise _FarBehind
+            # Decided on, what the log lost would be written over (a fallback
+            # naming a model the log no longer has; revisions handed out again),
+            # and served as if committed.
+            log.warning("%s; loading the catalog from the log", lost)
+            self._known.forget()
+            catalog = self._restored(conn, upto=kept.last)
+            _tell_skipped(catch_up(catalog, self.store, conn))
+            catalog.chain = _chain(kept.last, kept.last_hash)
+            self.catalog = catalog
+        if catalog.recorded_declaration != recorded:
+            self._tell_no_config_given(conn)
+
+    def _tell_no_config_given(self, conn: Connection) -> None:
+        """Warn, as a catch-up first meets it, of a config another node
+        recorded while this one was given none: its writes are refused from
+        then on (:class:`NoConfigGiven`), but its reads (a server's) went on
+        over no declared layer without a word. As the CLI tells a run at its
+        start; once a record, not on every read after it."""
+        recorded = self.catalog.recorded_declaration
+        if (
+            self.declared.given
+            or recorded is None
+            or not declaration_differs(self.catalog, self.declared)
+        ):
             return
-        if held:
-            raise _FarBehind
-        # Decided on, what the log lost would be written over (a fallback
-        # naming a model the log no longer has; revisions handed out again),
-        # and served as if committed.
-        log.warning("%s; loading the catalog from the log", lost)
-        self._known.forget()
-        catalog = self._restored(conn, upto=kept.last)
-        _tell_skipped(catch_up(catalog, self.store, conn))
-        catalog.chain = _chain(kept.last, kept.last_hash)
-        self.catalog = catalog
+        try:
+            theirs: DeclaredConfig | None = pointintime.declared_at(conn, recorded[1])
+        except Refused:
+            theirs = None  # a record this release cannot read: only the wording hangs on it
+        log.warning(
+            "no declared config given (%s) as this node started: another node recorded one "
+            "at revision %d, and this node's reads go without %s; restart it with that config",
+            CONFIG_GIVEN_BY,
+            recorded[1],
+            gone_without(theirs),
+        )
 
     def refresh(self) -> None:
         """Apply what other writers appended since this service last looked.

@@ -147,7 +147,7 @@ class AuditTrail:
     ) -> list[str]:
         """Each matching row as the JSON it is stored as; ``query``: which
         (:data:`QUERY_TYPES`), for the event types its rows carry."""
-        _check_filters(filters, query)
+        check_filters(filters, query)
         try:
             return self._audit.answer(self.store, self.name, filters, at_most_bytes)
         except AnswerTooLarge:
@@ -165,7 +165,7 @@ class AuditTrail:
     ) -> list[dict[str, Any]]:
         """Refused commands matching every filter given, as :meth:`audit` takes
         them (``at_most`` as :meth:`audit_json`'s)."""
-        _check_filters(filters, "refusals")
+        check_filters(filters, "refusals")
         with self.store.read() as conn:
             rows = select_rows(
                 conn, refusals_table, (refusals_table.c.id,), _one_more(filters, at_most)
@@ -276,7 +276,7 @@ class AuditTrail:
             log.warning("could not record the refusal of %s for %r: %s", event, name, said)
 
 
-def _check_filters(filters: Filters, query: str) -> None:
+def check_filters(filters: Filters, query: str) -> None:
     wanted = filters.get("event_type")
     if wanted is not None:
         carried(wanted, query, "type")

@@ -71,6 +71,18 @@ class DeclaredConfig(msgspec.Struct, frozen=True, dict=True):
         return Catalog(self.models, self.engines)
 
 
+def gone_without(recorded: DeclaredConfig | None) -> str:
+    """What a run given no config goes without of the config the log
+    recorded: its models, its engines (a config may declare engines alone,
+    for runtime models), or both; "it" where the record cannot be read."""
+    missed = []
+    if recorded is not None and recorded.models:
+        missed.append("models")
+    if recorded is not None and sorted(recorded.engines) != sorted(DEFAULT_ENGINES):
+        missed.append("engines")
+    return f"its {' and '.join(missed)}" if missed else "it"
+
+
 class Configuration:
     """The aggregate of declared-config records."""
 

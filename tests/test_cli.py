@@ -2807,6 +2807,40 @@ def test_a_new_postgresql_log_is_said_to_be_made(
     said_to_be_made_once(pg_schema_url(), pg_schema_url(), made_in)
 
 
+# Queries refused on their input alone: the log is not needed to judge them.
+REFUSED_AS_GIVEN = [
+    ("log", "--by", ""),
+    ("log", "--model", ""),
+    ("log", "--model", "Bad Name!"),
+    ("watch", "--by", ""),
+    ("diff", "0", "--model", "Bad Name!"),
+    ("audit", "--by", ""),
+    ("audit", "--model", ""),
+    ("refusals", "--by", ""),
+    ("refusals", "--model", ""),
+    ("history", "m", "--by", ""),
+    ("--by", "", "history", "m"),
+]
+
+
+@pytest.mark.parametrize("query", REFUSED_AS_GIVEN, ids=" ".join)
+def test_a_query_refused_as_given_makes_no_log(db_url: str, run: Run, query: list[str]) -> None:
+    """`log --by ''` on a path with no log made the log's tables (a new
+    file on SQLite), then refused (review): a mistyped path was left with a
+    log nothing asked for. Input judged without the log is refused before
+    it is opened: one line, and nothing made."""
+    refused = refused_in_one_line(run(*query))
+    assert "a new, empty one is made there" not in refused
+    if db_url.startswith("sqlite"):
+        assert not Path(db_url.removeprefix("sqlite:///")).exists()
+        return
+    engine = sa.create_engine(db_url)
+    try:
+        assert sa.inspect(engine).get_table_names() == []
+    finally:
+        engine.dispose()
+
+
 def test_a_view_named_as_a_table_of_the_log_is_refused_before_anything_is_made(
     db_url: str, run: Run
 ) -> None:

@@ -1476,6 +1476,31 @@ def test_watches_past_the_servers_limit_are_refused_until_one_ends(
     models.close()
 
 
+def test_a_watch_refused_as_asked_is_told_so_while_every_place_is_taken(
+    db_url: str, tmp_path: Path, make_models: Callable[..., Models]
+) -> None:
+    """`/events?by=` with every watch place taken answered 503 "try again
+    later", and a client that did was told the 422 only once a place was
+    free (review): what the request asks is judged before a place is taken."""
+    models = make_models(DECLARED_YAML)
+    tokens, token = tokens_for_roles(tmp_path / "tokens.json")
+    with (
+        serving(create_app(models, tokens, max_watches=1)) as url,
+        http_client(base_url=url, headers=bearer(token["read"])) as client,
+        client.stream("GET", "/events") as held,
+    ):
+        lines = held.iter_lines()  # read on: let go of, it ends the stream
+        assert next(lines) == ": watching"
+        assert refused(client.get("/events", params={"by": ""}), 422) == (
+            "by: the actor is empty; give an actor, or no actor filter"
+        )
+        assert refused(client.get("/events", params={"from": 99}), 422).startswith(
+            "revision 99 is beyond the head"
+        )
+        assert refused(client.get("/events"), 503).endswith("try again later")
+    models.close()
+
+
 def test_writes_past_the_ones_that_may_wait_are_refused_and_reads_go_on(
     db_url: str, tmp_path: Path, make_models: Callable[..., Models], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -517,6 +517,34 @@ def test_a_node_given_no_config_stops_writing_once_another_records_one(db_url: s
         models.close()
 
 
+def test_a_node_given_no_config_is_told_once_when_another_records_one(
+    db_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A server started with no config at all read on, over no declared
+    layer, without a word once another node recorded one; only its writes
+    answered (NoConfigGiven) (review). Its catch-up says so, once."""
+    (declared,) = _configs(1)
+    bare = Models(env={"CATALOG_ES_DB": db_url})
+    bare.add(_definition("a", []), by="ops")  # 1: no config recorded
+    deployed = Models(declared, env={"CATALOG_ES_DB": db_url})
+    deployed.scale("a", 0, 2, by="ops")  # 2 its config, 3
+
+    def told() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "no declared config" in r.getMessage()]
+
+    assert [m["name"] for m in bare.list_models()] == ["a"]  # base-0 left out
+    assert told() == [
+        "no declared config given (--config, $CATALOG_ES_CONFIG or ./catalog.yaml) as "
+        "this node started: another node recorded one at revision 2, and this node's "
+        "reads go without its models; restart it with that config"
+    ]
+    deployed.scale("a", 0, 3, by="ops")  # 4
+    bare.list_models()
+    assert len(told()) == 1
+    for models in (bare, deployed):
+        models.close()
+
+
 def _configs(count: int) -> list[DeclaredConfig]:
     """``count`` declared configs, each of a model of its own, its path its index."""
     return [

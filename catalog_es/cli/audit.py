@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, Unpack
+from typing import TYPE_CHECKING, Any, Unpack, cast
 
 import click
 
@@ -142,6 +142,16 @@ def _show_changes(rows: Iterable[dict[str, Any]], *, with_model: bool) -> Callab
     return human
 
 
+def _checked(settings: Settings, filters: ChangeFilters, query: str) -> None:
+    """``filters`` given ``--by``'s actor, and refused (:func:`check_filters`)
+    before the log is opened: on a path with no log, a refused query made
+    one first (review)."""
+    from catalog_es.audit import check_filters
+
+    filters["by"] = settings.by
+    check_filters(cast("Filters", filters), query)  # history's: no model among them
+
+
 @cli.command("history")
 @click.argument("name")
 @change_filters("history")
@@ -151,7 +161,7 @@ def history(settings: Settings, name: str, **filters: Unpack[ChangeFilters]) -> 
     """Every change to one model, oldest first, field by field (the config
     deploys that declared, changed or dropped it among them), filtered; --by
     names the actor."""
-    filters["by"] = settings.by
+    _checked(settings, filters, "history")  # before the log is opened
     rows = settings.models().history_rows(name, **filters)
     emit_rows(settings, rows, _show_changes(rows, with_model=False))
 
@@ -162,7 +172,7 @@ def history(settings: Settings, name: str, **filters: Unpack[ChangeFilters]) -> 
 @pass_settings
 def audit(settings: Settings, **filters: Unpack[Filters]) -> None:
     """Changes across the catalog, oldest first, filtered; --by names the actor."""
-    filters["by"] = settings.by
+    _checked(settings, filters, "audit")  # before the log is opened
     rows = settings.models().audit_rows(**filters)
     emit_rows(settings, rows, _show_changes(rows, with_model=True))
 
@@ -173,7 +183,7 @@ def audit(settings: Settings, **filters: Unpack[Filters]) -> None:
 @pass_settings
 def refusals(settings: Settings, **filters: Unpack[Filters]) -> None:
     """Commands that were refused: who tried what, and why. They changed nothing."""
-    filters["by"] = settings.by
+    _checked(settings, filters, "refusals")  # before the log is opened
     rows = settings.models().refusals(**filters)
     emit_rows(
         settings,

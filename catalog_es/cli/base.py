@@ -171,18 +171,16 @@ def _until_it_answers(probe: sa.Engine) -> None:
                 raise
 
 
-def _gone_without(recorded: DeclaredConfig | None) -> str:
-    """What a run given no config goes without of the config the log
-    recorded: its models, its engines (a config may declare engines alone,
-    for runtime models), or both; "it" where the record cannot be read."""
-    from catalog_es.spec import DEFAULT_ENGINES
+def check_query(*, model: str | None = None, by: str | None = None) -> None:
+    """A query's model and actor filters, refused by the service's own checks
+    before :meth:`Settings.models` opens the log: neither needs it, and on a
+    path with no log a refused query made one first (review)."""
+    from catalog_es.inputs import check_actor_filter
+    from catalog_es.spec import check_name
 
-    missed = []
-    if recorded is not None and recorded.models:
-        missed.append("models")
-    if recorded is not None and sorted(recorded.engines) != sorted(DEFAULT_ENGINES):
-        missed.append("engines")
-    return f"its {' and '.join(missed)}" if missed else "it"
+    if model is not None:
+        check_name(model)
+    check_actor_filter(by)
 
 
 class Settings:
@@ -240,12 +238,14 @@ class Settings:
                 # the nodes run (a read over the config recorded then goes
                 # without nothing). A write is refused (NoConfigGiven), and its
                 # warnings with it.
+                from catalog_es.configuration import gone_without
+
                 log.warning(
                     "no declared config given (%s): the log's nodes recorded one at "
                     "revision %d, and this run goes without %s",
                     bootstrap.CONFIG_GIVEN_BY,
                     recorded[1],
-                    _gone_without(self._recorded_config(recorded[1])),
+                    gone_without(self._recorded_config(recorded[1])),
                 )
             context = click.get_current_context(silent=True)
             if context is not None:

@@ -16,6 +16,7 @@ from catalog_es.cli.base import (
     REVISION,
     REVISION_OR_TIME,
     Settings,
+    check_query,
     cli,
     declared_then_option,
     emit,
@@ -329,6 +330,7 @@ def sources(settings: Settings, at: int | datetime | None, declared_then: bool) 
 def log_command(settings: Settings, model_name: str | None, after: int, limit: int | None) -> None:
     """The raw events with their revisions, who and when, oldest first; --by
     names the actor."""
+    check_query(model=model_name, by=settings.by)
     events = settings.models().log_events(
         after=after, limit=limit, model=model_name, by=settings.by
     )

@@ -12,6 +12,7 @@ from catalog_es.cli.base import (
     REVISION,
     REVISION_OR_TIME,
     Settings,
+    check_query,
     cli,
     declared_then_option,
     emit,
@@ -81,6 +82,7 @@ def diff_command(
     declared_then: bool,
 ) -> None:
     """What changed from one revision (or UTC time) to another, default now."""
+    check_query(model=model_name)
     diff = settings.models().diff(
         resolved(settings, since),
         None if until is None else resolved(settings, until),
@@ -167,6 +169,7 @@ def rollback_command(
 def watch_command(settings: Settings, after: int) -> None:
     """Every change after a revision, in order, then follow live; --by names
     the actor. Ctrl-C, SIGTERM or SIGHUP stops it."""
+    check_query(by=settings.by)
     with stopped_when_asked():
         changes = once_it_answers(
             settings, "watch", lambda: settings.models().watch(after, by=settings.by)

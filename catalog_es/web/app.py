@@ -1023,6 +1023,10 @@ def watch(
     tokens: TokenStore = request.app.state.tokens
     assert credentials is not None  # the caller was verified by it
     token = credentials.credentials
+    # Made before a place is taken (it holds nothing until read): a request
+    # it refuses (an empty actor, a revision past the head) is told so, not
+    # "try again later" while every place is taken, and takes no place.
+    changes = models.watch(after or 0, by=by)
     places: StreamPlaces = request.app.state.stream_places
     head = HEAD_ASKED in request.scope
     # A HEAD starts no watch: it takes no place.
@@ -1032,13 +1036,6 @@ def watch(
             f"{places.most} watches are open here, as many as this server serves "
             "(serve --max-watches); try again later"
         )
-    try:
-        changes = models.watch(after or 0, by=by)
-    except BaseException:
-        # Refused (past the head) or the database out: no stream holds the
-        # place, and one kept would be lost to every client until a restart.
-        give_back()
-        raise
     return event_stream(
         changes,
         request.app.state.closing,
@@ -1056,7 +1053,7 @@ def _nothing_to_give_back() -> None:
 
 
 def change_filters(
-    # No actor is empty (_check_filters), so neither is the filter.
+    # No actor is empty (check_filters), so neither is the filter.
     by: Annotated[
         str | None, Query(description="Only this actor's.", json_schema_extra=text(minLength=1))
     ] = None,
@@ -1096,7 +1093,7 @@ ChangeFilterParams = Annotated[ChangeFilters, Depends(change_filters)]
 
 def audit_filters(
     filters: ChangeFilterParams,
-    # Any name but an empty one (_check_filters): a poison record, written by
+    # Any name but an empty one (check_filters): a poison record, written by
     # hand, may name a model no command could, and the audit shows it.
     model: Annotated[
         str | None, Query(description="Only this model.", json_schema_extra=text(minLength=1))
