@@ -2149,6 +2149,45 @@ def test_serve_stopped_as_asked_says_stopped_and_exits_0(
     assert told.endswith(f"\n{STOPS_TOLD[stop]}") and "Aborted" not in told, told
 
 
+# ``catalog-es serve`` with a stop raised as uvicorn's run begins: after it
+# has made the coroutine it serves with, before its signal handlers are in.
+STOPPED_AS_UVICORN_RUNS = """
+import asyncio, signal
+from catalog_es.__main__ import main
+run = asyncio.Runner.run
+def stopped_first(self, coro, **kwargs):
+    asyncio.Runner.run = run
+    signal.raise_signal(signal.{stop})
+    return run(self, coro, **kwargs)
+asyncio.Runner.run = stopped_first
+main()
+"""
+
+
+@EVERY_STOP
+def test_serve_stopped_as_uvicorn_starts_says_stopped_and_nothing_else(
+    tmp_path: Path, config_file: str, stop: signal.Signals
+) -> None:
+    """A supervisor's stop sent as soon as ``serving ...`` is out (a rolling
+    deploy) came, 2 times in 30, as uvicorn made its coroutine and event
+    loop: ``stopped`` and 0, then a "never awaited" warning and an
+    "Exception ignored" traceback on stderr. Raised there, it is held until
+    uvicorn's handlers are in, and shut down on as any stop."""
+    db = f"sqlite:///{tmp_path}/serve.db"
+    tokens = tmp_path / "tokens.json"
+    TokenStore(tokens).add("ops", "read")
+    command = [sys.executable, "-c", STOPPED_AS_UVICORN_RUNS.format(stop=stop.name)]
+    command += ["--db", db, "--config", config_file]
+    command += ["serve", "--port", "0", "--tokens", str(tokens)]
+    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _, said = started(server)
+        out, err = server.communicate(timeout=20)
+    finally:
+        server.kill()
+    assert (server.returncode, out, err) == (0, "", STOPS_TOLD[stop]), said + err
+
+
 def test_serve_started_with_ctrl_c_ignored_keeps_ignoring_it(
     tmp_path: Path, config_file: str
 ) -> None:

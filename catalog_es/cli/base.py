@@ -738,8 +738,10 @@ def stopped_when_asked() -> StoppedWhenAsked:
     down gracefully on SIGINT and SIGTERM, then raises the signal again for
     the handler it found: Python's for SIGINT (a KeyboardInterrupt), this one
     for SIGTERM; a SIGHUP is made a SIGTERM, to be shut down on alike. One
-    ignored (``nohup``) stays so. Gives the stops asked, in the order they
-    came, for a handler that takes them in its place (uvicorn's) to add to."""
+    ignored (``nohup``) stays so. Gives itself: ``stops``, the stops asked in
+    the order they came, for a handler that takes them in its place
+    (uvicorn's) to add to, and :meth:`~StoppedWhenAsked.hold` for while that
+    handler is put in."""
     return StoppedWhenAsked()
 
 
@@ -752,6 +754,34 @@ class StoppedWhenAsked:
         self.stops: list[int] = []
         # What each stop had before the command started, put back once it is done.
         self._found: dict[int, Any] = {}
+        # How each stop is acted on; installed behind ``_take``.
+        self._handlers: dict[int, Callable[[int, FrameType | None], None]] = {}
+        # The stops that came while held (see ``hold``); None: not held.
+        self._held: list[int] | None = None
+
+    def _take(self, signum: int, frame: FrameType | None) -> None:
+        # The one handler installed, holding or not: uvicorn puts back the
+        # handler it found once it is done, and the stop it raises again
+        # then must be acted on, not held.
+        if self._held is None:
+            self._handlers[signum](signum, frame)
+        else:
+            self._held.append(signum)
+
+    def hold(self) -> None:
+        """Stops noted, not acted on, until :meth:`let_through`: for while a
+        library puts in handlers of its own. uvicorn's ``run`` makes its
+        coroutine and its event loop before it does: a stop raised in
+        between left them half made, and ``stopped`` was followed by "never
+        awaited" and "Exception ignored" tracebacks (2 starts in 30)."""
+        self._held = []
+
+    def let_through(self) -> None:
+        """The stops held raised again, for the handlers now in place."""
+        # Swapped first: one that comes as they are raised is taken at once.
+        held, self._held = self._held or [], None
+        for signum in held:
+            signal.raise_signal(signum)
 
     def _stop(self, signum: int, _frame: FrameType | None) -> None:
         self.stops.append(signum)
@@ -765,27 +795,27 @@ class StoppedWhenAsked:
         self.stops.append(signum)
         self._found[signal.SIGINT](signum, frame)
 
-    def __enter__(self) -> list[int]:
+    def __enter__(self) -> StoppedWhenAsked:
         if threading.current_thread() is not threading.main_thread():
-            return self.stops  # signals are the main thread's to handle
+            return self  # signals are the main thread's to handle
         self._found = {signum: early_stop.handler_found(signum) for signum in early_stop.STOPS}
-        handlers: dict[int, Callable[[int, FrameType | None], None]] = {signal.SIGTERM: self._stop}
+        self._handlers = {signal.SIGTERM: self._stop}
         if callable(self._found[signal.SIGINT]):
-            handlers[signal.SIGINT] = self._interrupt
+            self._handlers[signal.SIGINT] = self._interrupt
         if self._found[signal.SIGHUP] is not signal.SIG_IGN:
-            handlers[signal.SIGHUP] = self._hang_up
+            self._handlers[signal.SIGHUP] = self._hang_up
         try:
             # Installed in place of early_stop's noting, then what it noted
             # read: no stop comes in between to the handler found (death).
-            for signum, handler in handlers.items():
-                signal.signal(signum, handler)
+            for signum in self._handlers:
+                signal.signal(signum, self._take)
             asked = early_stop.take_over()
             if asked is not None:
                 # Asked as the command started (its imports): told as any
                 # stop, and it ends before it starts.
                 self.stops.insert(0, asked)
                 raise StopAsked
-            return self.stops
+            return self
         except BaseException as error:
             if self.__exit__(type(error), error, error.__traceback__):
                 raise click.exceptions.Exit(0) from None

@@ -120,7 +120,7 @@ def serve(
     # Listening first: a server that cannot (the port taken, a host that does
     # not resolve) is refused before it opens the database or records anything.
     sockets = _listening(host, port)
-    with stopped_when_asked() as stops, _closing(sockets):
+    with stopped_when_asked() as asked, _closing(sockets):
 
         def started() -> tuple[Models, int]:
             if not sockets:
@@ -156,6 +156,10 @@ def serve(
             f"(console /console/, API docs /docs)",
             err=True,
         )
+        # Until uvicorn's handlers are in (see Server.capture_signals): a
+        # supervisor's stop as soon as the line is out came as uvicorn made
+        # its coroutine and event loop, and left them half made.
+        asked.hold()
         # Logs on stderr, as every command's: uvicorn writes its access lines to stdout.
         log_config = copy.deepcopy(LOGGING_CONFIG)
         log_config["handlers"]["access"]["stream"] = "ext://sys.stderr"
@@ -175,10 +179,16 @@ def serve(
                 asyncio.get_running_loop().set_exception_handler(AcceptErrorsTold())
                 await super().serve(sockets)
 
+            @contextmanager
+            def capture_signals(self) -> Iterator[None]:
+                with super().capture_signals():
+                    asked.let_through()  # to uvicorn: shut down before it serves
+                    yield
+
             def handle_exit(self, sig: int, frame: FrameType | None) -> None:
                 if sig == signal.SIGINT and interrupt_ignored:
                     return
-                stops.append(sig)  # the first is told, whatever came after
+                asked.stops.append(sig)  # the first is told, whatever came after
                 # Watch streams never end by themselves: end them, or the
                 # shutdown waits for its grace period and then cancels them.
                 end_streams(app)
