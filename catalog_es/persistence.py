@@ -212,7 +212,7 @@ _TYPES_IN_THE_WAY = (
 )
 
 
-def _tables_found(conn: Connection, names: Sequence[str]) -> set[str]:
+def tables_found(conn: Connection, names: Sequence[str]) -> set[str]:
     """Which of the tables ``names`` this connection's queries find, in one
     statement: a start on PostgreSQL asked it table by table, a round trip
     each. Refused when another kind of object takes one's name (a view): a
@@ -1521,7 +1521,7 @@ class SQLRecorder(ProcessRecorder):
         names = [table.name for table in tables.sorted_tables]
         log = tables is metadata
         with self.engine.connect() as conn:
-            found = _tables_found(conn, names)
+            found = tables_found(conn, names)
             # Read every start a log is there (the unlinked check): no cost added.
             columns = _log_columns(conn) if log and events_table.name in found else None
             if columns is not None:
@@ -1532,7 +1532,7 @@ class SQLRecorder(ProcessRecorder):
         schema = self.log_schema() if self.dialect == "postgresql" else None
         # The events table may not exist yet to LOCK: an advisory lock instead.
         with self.locked("catalog_es.tables", schema=schema) as conn:
-            found = _tables_found(conn, names)
+            found = tables_found(conn, names)
             # Again under the lock: another node may have made it meanwhile.
             columns = _log_columns(conn) if log and events_table.name in found else None
             if columns is not None:
