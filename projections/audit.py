@@ -58,6 +58,7 @@ from catalog_es.persistence import (
     holds,
     milliseconds,
     release_to,
+    tables_found,
     within_bytes,
 )
 from catalog_es.spec import ModelSpec
@@ -492,27 +493,44 @@ class AuditView(TrackingRecorder):
             pass
         with self.store.locked("catalog_es.audit") as conn:
             # Another process may have made it since the read.
-            if sa.inspect(conn).has_table(self.table(application_name).name):
+            tables = self._found(conn, application_name)
+            if self.table(application_name).name in tables:
                 found = self._tracked_to(conn, application_name)
                 if found is not None:
                     tracked, end = found
                     if end <= tracked.position:
                         return tracked
                     behind = f"their position (revision {tracked.position}) is behind them"
-                    return self._made_again(conn, application_name, f"{behind} (up to {end})")
-            return self._make(conn, application_name)
+                    why = f"{behind} (up to {end})"
+                    return self._made_again(conn, application_name, why, tables)
+            return self._make(conn, application_name, tables)
 
-    def _made_again(self, conn: Connection, application_name: str, why: str) -> Tracked:
+    def _made_again(
+        self, conn: Connection, application_name: str, why: str, tables: set[str] | None = None
+    ) -> Tracked:
         """:meth:`_make`, for rows that were there, told ``why`` they went."""
         log.warning("audit rows made again from the log: %s", why)
-        return self._make(conn, application_name)
+        return self._make(conn, application_name, tables)
 
-    def _make(self, conn: Connection, application_name: str) -> Tracked:
+    def _found(self, conn: Connection, application_name: str) -> set[str]:
+        """Which of the tracking table and this config's table are there, in
+        one statement: SQLAlchemy's inspector asked it table by table, three
+        times in a row, a round trip each on PostgreSQL."""
+        return tables_found(conn, [tracking_table.name, self.table(application_name).name])
+
+    def _make(
+        self, conn: Connection, application_name: str, tables: set[str] | None = None
+    ) -> Tracked:
         """This config's table, made anew with its position at 0; those of
-        configs no longer in use go (:meth:`_drop_unused`)."""
-        metadata.create_all(conn)  # the tracking table, if dropped by hand since the start
+        configs no longer in use go (:meth:`_drop_unused`). ``tables``: what
+        :meth:`_found` said under this lock, when the caller asked it."""
+        if tables is None:
+            tables = self._found(conn, application_name)
+        if tracking_table.name not in tables:  # dropped by hand since the start
+            create(conn, metadata, [tracking_table])
         table = self.table(application_name)
-        table.drop(conn, checkfirst=True)
+        if table.name in tables:
+            table.drop(conn)
         create(conn, table.metadata, [table])  # with its indexes, in one round trip
         t = tracking_table.c
         conn.execute(

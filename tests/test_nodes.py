@@ -1104,6 +1104,30 @@ def test_a_lock_taken_in_two_steps_waits_one_wait_in_all(pg_url: str) -> None:
     node.close()
 
 
+def test_a_lock_taken_in_two_steps_takes_each_with_its_wait_in_one_round_trip(
+    pg_url: str,
+) -> None:
+    """Each lock goes to the server with the SET of its wait: a command that
+    writes the audit's rows or its use took five round trips to take the
+    lock (BEGIN, SET, lock, SET, lock), three now."""
+    node = Models(DeclaredConfig(), env={"CATALOG_ES_DB": pg_url})
+    node.store.log_schema()  # found once per process, before any lock
+    statements: list[str] = []
+
+    def seen(*args: Any) -> None:
+        statements.append(str(args[2]))
+
+    sa.event.listen(node.store.engine, "before_cursor_execute", seen)
+    try:
+        with node.store.locked("catalog_es.audit"):
+            pass
+    finally:
+        sa.event.remove(node.store.engine, "before_cursor_execute", seen)
+    assert len(statements) == 2, statements
+    assert all("lock_timeout" in s and "pg_advisory_xact_lock" in s for s in statements)
+    node.close()
+
+
 def test_a_previous_release_follower_still_hears_this_releases_writes(pg_url: str) -> None:
     """A 0.2.0 follower waits for a notification on the channel of the whole
     database, and has no other way to learn of a write (it does not look by
