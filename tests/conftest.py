@@ -3,6 +3,7 @@ service on this test's database, and test implementations of the ports."""
 
 from __future__ import annotations
 
+import gc
 import os
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -142,6 +143,18 @@ def _clean_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: os.PathLike[st
         if (key.startswith("CATALOG_") and key != PG_ENV) or key in _REFUSED_SETTINGS:
             monkeypatch.delenv(key)
     monkeypatch.chdir(tmp_path)
+
+
+@pytest.fixture(autouse=True)
+def _heap_left_thawed() -> Iterator[None]:
+    """No test leaves the heap frozen: ``serve`` freezes what it loaded, and a
+    start run in the test process froze a million objects for the rest of the
+    run, whose later tests then ran up to 20 times slower (60 s for one)."""
+    yield
+    frozen = gc.get_freeze_count()
+    if frozen:
+        gc.unfreeze()
+        pytest.fail(f"the test left {frozen:,} objects frozen (gc.freeze): thaw them")
 
 
 class RecordingApplier(Applier):
