@@ -723,19 +723,27 @@ def test_a_snapshot_from_before_names_the_unreadable_config_record_in_force(
     models.close()
 
 
+def _a_log_with_a_newer_record(tmp_path: Path, config: str) -> tuple[str, Path, int, str]:
+    """A SQLite log of one model over ``config`` (written in ``tmp_path``),
+    then a config record of a newer release's: the log's URL, the config's
+    path, the record's revision and why this release cannot read it."""
+    url = f"sqlite:///{tmp_path}/newer.db"
+    path = tmp_path / config
+    path.write_text(ROLLING)
+    writer = Models(load_config(str(path)), env={"CATALOG_ES_DB": url})
+    writer.add(model_spec("a"), by="x")
+    newer, why = plant_newer_declaration(writer)
+    writer.close()
+    return url, path, newer, why
+
+
 def test_an_unreadable_config_record_is_shown_as_one(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """In ``log --json``, as a config record (``ConfigDeclared``, ``model``
     null) with why it cannot be read; in the load's warning, as the declared
     config's record (it showed ``"model": ""``, ``Declared`` and ``model ''``)."""
-    url = f"sqlite:///{tmp_path}/shown.db"
-    path = tmp_path / "catalog.yaml"
-    path.write_text(ROLLING)
-    writer = Models(load_config(str(path)), env={"CATALOG_ES_DB": url})
-    writer.add(model_spec("a"), by="x")
-    newer, why = plant_newer_declaration(writer)
-    writer.close()
+    url, path, newer, why = _a_log_with_a_newer_record(tmp_path, "catalog.yaml")
     log = CliRunner().invoke(cli, ["--db", url, "--config", str(path), "log", "--json"])
     assert log.exit_code == 0, log.stderr
     shown = json.loads(log.stdout.splitlines()[newer - 1])
@@ -765,13 +773,7 @@ def test_a_run_given_no_config_over_an_unreadable_record_says_it_goes_without_it
     """Given no config, over a config record this release cannot read, a
     read was told it "goes without its models", which no one here can say
     (review): it goes without that config, said as such."""
-    url = f"sqlite:///{tmp_path}/newer.db"
-    path = tmp_path / "deploy.yaml"
-    path.write_text(ROLLING)
-    writer = Models(load_config(str(path)), env={"CATALOG_ES_DB": url})
-    writer.add(model_spec("a"), by="x")
-    newer, _ = plant_newer_declaration(writer)
-    writer.close()
+    url, _, newer, _ = _a_log_with_a_newer_record(tmp_path, "deploy.yaml")
     monkeypatch.chdir(tmp_path)  # no ./catalog.yaml
     monkeypatch.delenv("CATALOG_ES_CONFIG", raising=False)
     listed = CliRunner().invoke(cli, ["--db", url, "model", "list"])
