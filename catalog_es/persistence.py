@@ -292,9 +292,11 @@ def _check_log_columns(conn: Connection, columns: Sequence[str]) -> None:
 def _log_columns(conn: Connection) -> list[str]:
     """The columns of the log's table as found, in their order: read from the
     database's own catalog, as SQLAlchemy's reflection of the table on
-    PostgreSQL cost every start 13 ms (it reads types, defaults, comments...)."""
+    PostgreSQL cost every start 13 ms (it reads types, defaults, comments...).
+    On SQLite in lower case: its column names are the same in any case, so a
+    log's REVISION is its revision (one was refused as no log)."""
     if conn.dialect.name == "sqlite":
-        found = conn.exec_driver_sql("SELECT name FROM pragma_table_info('catalog_events')")
+        found = conn.exec_driver_sql("SELECT lower(name) FROM pragma_table_info('catalog_events')")
     else:
         found = conn.exec_driver_sql(
             "SELECT attname FROM pg_attribute WHERE attrelid = to_regclass('catalog_events')"

@@ -235,6 +235,36 @@ def test_a_postgresql_log_brought_over_keeps_an_append_only_trigger_working(
     engine.dispose()
 
 
+@pytest.mark.parametrize("layout", ["today's", "0.1.0's"])
+def test_a_sqlite_log_whose_columns_are_named_in_another_case_is_the_log(
+    tmp_path: Path, layout: str
+) -> None:
+    """SQLite's column names are the same in any case, as its queries read
+    them: a log whose columns were renamed REVISION, Topic... was refused as
+    a table without the log's columns, with the advice to drop it."""
+    url = f"sqlite:///{tmp_path}/cased.db"
+    load_fixture(url, LOGS[-1])
+    linked = links(url)
+    columns = ["revision", "originator_id", "originator_version", "topic", "state", "hash"]
+    if layout == "today's":
+        columns.append("stream_previous")
+    else:
+        unlink(url)
+    # Renamed to upper case and back in another, each in turn.
+    renames = [
+        f"ALTER TABLE catalog_events RENAME COLUMN {c} TO {c.upper() if i % 2 else c.title()}"
+        for i, c in enumerate(columns)
+    ]
+    engine = create_engine(url)
+    with engine.begin() as conn:
+        for rename in renames:
+            conn.exec_driver_sql(rename)
+    engine.dispose()
+    result = CliRunner().invoke(cli, ["--db", url, "verify"])
+    assert result.exit_code == 0, result.stderr
+    assert links(url) == linked
+
+
 def test_a_log_that_cannot_be_brought_over_is_one_line_and_left_as_it_was(
     tmp_path: Path,
 ) -> None:
