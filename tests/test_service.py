@@ -101,6 +101,18 @@ def test_a_service_refuses_its_log_set_empty_in_the_environment_as_the_command_l
     assert list(tmp_path.iterdir()) == [db]
 
 
+def test_a_service_given_its_log_empty_refuses_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A script passing its database URL as given, empty (``sys.argv[1]``
+    or ``$URL`` unset), had the service make and write ./catalog.db,
+    another log than meant, taking the empty URL for none given."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(InputError, match=r"^CATALOG_ES_DB is given empty: give a database URL"):
+        Models(DeclaredConfig(), env={"CATALOG_ES_DB": ""})
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("first", ["catalog_es.application", "projections.audit"])
 def test_a_script_builds_its_service_whatever_the_event_librarys_time_zone_says(
     tmp_path: Path, first: str
