@@ -1,6 +1,5 @@
 """``python -m catalog_es`` and the ``catalog-es`` console script."""
 
-import os
 import signal
 import sys
 
@@ -18,10 +17,6 @@ def main() -> None:
     does a Ctrl-C the command took as ``Aborted!``: see
     :func:`_forget_interrupted_exec`."""
     early_stop.note_stops(sys.argv[1:])
-    # The event library resolves it as it is imported, for timestamps
-    # catalog-es never takes (its events carry their own, in UTC): another
-    # app's, not importable here, failed every command that loads the log.
-    os.environ.pop("TZINFO_TOPIC", None)
     try:
         from catalog_es.cli import main as run_command_line
 

@@ -595,6 +595,10 @@ class Models(AuditTrail, Application[UUID]):
             url = from_env(Factory.URL, "a database URL")
             if url is not None:
                 given[Factory.URL] = url
+        elif given[Factory.URL] == "":
+            # A script's URL given empty (its $URL unset) was taken for none
+            # given: ./catalog.db, another log than meant.
+            raise InputError(f"{Factory.URL} is given empty: give a database URL, or leave it out")
         return Environment(name, given)
 
     def _load(self) -> Catalog:

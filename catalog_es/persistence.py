@@ -259,14 +259,18 @@ def create(conn: Connection, tables: sa.MetaData, missing: Sequence[sa.Table]) -
         conn.exec_driver_sql(";\n".join(statements))
 
 
+def _another_store(conn: Connection) -> str:
+    """What else ``--db`` can point at, said for an operator."""
+    return "database or schema" if conn.dialect.name == "postgresql" else "file"
+
+
 def _in_the_way(conn: Connection, what: str, name: str, where: str) -> DamagedLog:
     """The refusal of ``what`` (an object that is no table) named ``name``,
     ``where`` it is, taking the place of the catalog's table of that name."""
-    other = "database or schema" if conn.dialect.name == "postgresql" else "file"
     return DamagedLog(
         f"{what} named {name}{where} stands where the catalog keeps its table"
         f" of that name: nothing was read or made; drop or rename it, or point --db at"
-        f" another {other}"
+        f" another {_another_store(conn)}"
     )
 
 
@@ -275,7 +279,9 @@ def _check_log_columns(conn: Connection, columns: Sequence[str]) -> None:
     one every layout of the log has had (an operator's own table, a SQLite
     virtual table, a PostgreSQL foreign table): the other tables were made,
     then a read failed on `no such column: catalog_events.revision`, naming
-    neither the table nor what to do. Asked only when the table is there."""
+    neither the table nor what to do. Asked only when the table is there.
+    One with as many of the log's columns as it lacks is taken for a log
+    damaged by hand: the advice to drop it would destroy its history."""
     missing = [c.name for c in events_table.columns if c.name in _UNLINKED_COLUMNS - set(columns)]
     if not missing:
         return
@@ -285,6 +291,14 @@ def _check_log_columns(conn: Connection, columns: Sequence[str]) -> None:
             "SELECT ' in schema ' || relnamespace::regnamespace FROM pg_class"
             " WHERE oid = to_regclass('catalog_events')"
         ).scalar_one()
+    kept = [c.name for c in events_table.columns if c.name in columns]
+    if len(kept) >= len(missing):
+        raise DamagedLog(
+            f"the log's table {events_table.name}{where} lacks columns every release has made"
+            f" it with ({', '.join(missing)}): it was altered by hand; nothing was read or made;"
+            " do not drop it, it may hold the catalog's history: restore the log from a"
+            f" backup, or point --db at another {_another_store(conn)}"
+        )
     lacking = f"{where}, without the log's columns ({', '.join(missing)}),"
     raise _in_the_way(conn, "a table", events_table.name, lacking)
 
@@ -292,9 +306,11 @@ def _check_log_columns(conn: Connection, columns: Sequence[str]) -> None:
 def _log_columns(conn: Connection) -> list[str]:
     """The columns of the log's table as found, in their order: read from the
     database's own catalog, as SQLAlchemy's reflection of the table on
-    PostgreSQL cost every start 13 ms (it reads types, defaults, comments...)."""
+    PostgreSQL cost every start 13 ms (it reads types, defaults, comments...).
+    On SQLite in lower case: its column names are the same in any case, so a
+    log's REVISION is its revision (one was refused as no log)."""
     if conn.dialect.name == "sqlite":
-        found = conn.exec_driver_sql("SELECT name FROM pragma_table_info('catalog_events')")
+        found = conn.exec_driver_sql("SELECT lower(name) FROM pragma_table_info('catalog_events')")
     else:
         found = conn.exec_driver_sql(
             "SELECT attname FROM pg_attribute WHERE attrelid = to_regclass('catalog_events')"

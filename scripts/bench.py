@@ -703,6 +703,8 @@ def main() -> None:
     parser.add_argument("--postgres", metavar="URL", help="also measure on this PostgreSQL")
     parser.add_argument("--markdown", metavar="FILE", help="write the table and the machine")
     args = parser.parse_args()
+    if args.postgres == "":  # `--postgres "$URL"`, the variable unset: skipped, unsaid
+        parser.error("--postgres is empty: give a PostgreSQL URL, or leave --postgres out")
     scale = 10 if args.quick else 1
     events, models_n = 1_000_000 // scale, 10_000 // scale
     gc.collect()

@@ -119,6 +119,8 @@ def main() -> None:
     parser.add_argument("--actors", type=int, default=100)
     parser.add_argument("--runs", type=int, default=200, help="runs of each query")
     args = parser.parse_args()
+    if args.db == "":  # `--db "$URL"`, the variable unset: SQLite was measured instead
+        parser.error("--db is empty: give a database URL, or leave --db out")
     with tempfile.TemporaryDirectory() as tmp:
         url = args.db or f"sqlite:///{Path(tmp) / 'bench.db'}"
         started = time.perf_counter()

@@ -86,6 +86,8 @@ def main() -> None:
     parser.add_argument("--against", type=Path, help="another checkout, timed in turn")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.db == "":  # `--db "$URL"`, the variable unset: a traceback from each worker
+        parser.error("--db is empty: give 'sqlite' or a PostgreSQL URL, or leave --db out")
     if args.worker:
         worker(args.db, args.audit)
         return

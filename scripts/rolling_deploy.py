@@ -64,12 +64,16 @@ def node(config: str, db: str, number: int, seconds: float) -> collections.Count
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("db", nargs="?", help="database URL (default: a new SQLite file)")
+    parser.add_argument(
+        "db", nargs="?", metavar="DATABASE_URL", help="database URL (default: a new SQLite file)"
+    )
     parser.add_argument("--configs", type=int, default=2, help="declared configs at once")
     parser.add_argument("--nodes", type=int, default=4, help="processes, spread over them")
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--log", type=int, default=100_000, help="events written first")
     args = parser.parse_args()
+    if args.db == "":  # `"$URL"`, the variable unset: a new SQLite file was written instead
+        parser.error("DATABASE_URL is empty: give a database URL, or leave it out")
     folder = Path(tempfile.mkdtemp())
     configs = [folder / f"config{number}.yaml" for number in range(args.configs)]
     for number, config in enumerate(configs):

@@ -2870,23 +2870,35 @@ def test_a_view_named_as_a_table_of_the_log_is_refused_before_anything_is_made(
         engine.dispose()
 
 
+EVERY_LOG_COLUMN = "revision, originator_id, originator_version, topic, state, hash"
+
+
 @pytest.mark.parametrize(
-    "made",
+    ("made", "lacking"),
     [
-        "CREATE TABLE catalog_events (id integer, body text)",
-        "CREATE VIRTUAL TABLE catalog_events USING fts5(body)",
-        "CREATE FOREIGN TABLE catalog_events (x int) SERVER {server}"
-        " OPTIONS (filename '/dev/null')",
+        ("CREATE TABLE catalog_events (id integer, body text)", EVERY_LOG_COLUMN),
+        (
+            "CREATE TABLE catalog_events (id integer, topic text, state text)",
+            "revision, originator_id, originator_version, hash",
+        ),
+        ("CREATE VIRTUAL TABLE catalog_events USING fts5(body)", EVERY_LOG_COLUMN),
+        (
+            "CREATE FOREIGN TABLE catalog_events (x int) SERVER {server}"
+            " OPTIONS (filename '/dev/null')",
+            EVERY_LOG_COLUMN,
+        ),
     ],
 )
 def test_a_table_named_as_the_logs_that_is_not_the_log_is_refused_before_anything_is_made(
-    db_url: str, run: Run, made: str
+    db_url: str, run: Run, made: str, lacking: str
 ) -> None:
     """A table named catalog_events without the log's columns (an operator's
     own, a SQLite virtual table, a PostgreSQL foreign table) had a read make
     the other tables, then fail on `no such column: catalog_events.revision`,
     naming neither the table nor what to do. It is refused in one line that
-    does both, as a view in its place is, and the database left as it was."""
+    does both, as a view in its place is, and the database left as it was.
+    One sharing a few of the log's column names is no log either (a log
+    lacking fewer is refused as damaged: tests/test_upgrade.py)."""
     postgresql = db_url.startswith("postgresql")
     if ("VIRTUAL" in made and postgresql) or ("FOREIGN" in made and not postgresql):
         pytest.skip("SQLite's or PostgreSQL's own kind of table")
@@ -2915,7 +2927,6 @@ def test_a_table_named_as_the_logs_that_is_not_the_log_is_refused_before_anythin
         before = objects()
         where = f" in schema {schema_of(db_url)}" if postgresql else ""
         other = "database or schema" if postgresql else "file"
-        lacking = "revision, originator_id, originator_version, topic, state, hash"
         for command in (["model", "list"], ["model", "scale", "m", "--max", "2"]):
             assert refused_in_one_line(run(*command)) == (
                 f"error: a table named catalog_events{where}, without the log's columns"

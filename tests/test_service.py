@@ -4,6 +4,8 @@ what it writes, what it pushes to the applier, and its guards."""
 from __future__ import annotations
 
 import gc
+import os
+import subprocess
 import sys
 import threading
 import time
@@ -97,6 +99,50 @@ def test_a_service_refuses_its_log_set_empty_in_the_environment_as_the_command_l
     db = tmp_path / "named.db"
     Models(DeclaredConfig(), env={"CATALOG_ES_DB": f"sqlite:///{db}"}).close()
     assert list(tmp_path.iterdir()) == [db]
+
+
+def test_a_service_given_its_log_empty_refuses_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A script passing its database URL as given, empty (``sys.argv[1]``
+    or ``$URL`` unset), had the service make and write ./catalog.db,
+    another log than meant, taking the empty URL for none given."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(InputError, match=r"^CATALOG_ES_DB is given empty: give a database URL"):
+        Models(DeclaredConfig(), env={"CATALOG_ES_DB": ""})
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("first", ["catalog_es.application", "projections.audit"])
+def test_a_script_builds_its_service_whatever_the_event_librarys_time_zone_says(
+    tmp_path: Path, first: str
+) -> None:
+    """eventsourcing resolves $TZINFO_TOPIC as it is imported, for
+    timestamps catalog-es does not take: another app's, not importable
+    here, failed a script at ``import catalog_es.application`` (only the
+    command line dropped it), or at the read sides' own import of the
+    library. The script's own environment keeps it."""
+    script = (
+        f"import {first}\n"
+        "import os\n"
+        "from catalog_es.application import Models\n"
+        "from catalog_es.configuration import DeclaredConfig\n"
+        "from tests.helpers import spec\n"
+        "models = Models(DeclaredConfig(), env={'CATALOG_ES_DB': os.environ['DB']})\n"
+        "print(models.add(spec('m'), by='ops').revision, os.environ['TZINFO_TOPIC'])\n"
+        "models.close()\n"
+    )
+    topic = "elsewhere.clock:LOCAL"
+    ran = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        cwd=Path(__file__).parent.parent,
+        env={**os.environ, "DB": f"sqlite:///{tmp_path}/catalog.db", "TZINFO_TOPIC": topic},
+    )
+    assert (ran.returncode, ran.stdout) == (0, f"1 {topic}\n"), ran.stderr
 
 
 class NoCipher:

@@ -235,6 +235,75 @@ def test_a_postgresql_log_brought_over_keeps_an_append_only_trigger_working(
     engine.dispose()
 
 
+@pytest.mark.parametrize("layout", ["today's", "0.1.0's"])
+def test_a_sqlite_log_whose_columns_are_named_in_another_case_is_the_log(
+    tmp_path: Path, layout: str
+) -> None:
+    """SQLite's column names are the same in any case, as its queries read
+    them: a log whose columns were renamed REVISION, Topic... was refused as
+    a table without the log's columns, with the advice to drop it."""
+    url = f"sqlite:///{tmp_path}/cased.db"
+    load_fixture(url, LOGS[-1])
+    linked = links(url)
+    columns = ["revision", "originator_id", "originator_version", "topic", "state", "hash"]
+    if layout == "today's":
+        columns.append("stream_previous")
+    else:
+        unlink(url)
+    # Renamed to upper case and back in another, each in turn.
+    renames = [
+        f"ALTER TABLE catalog_events RENAME COLUMN {c} TO {c.upper() if i % 2 else c.title()}"
+        for i, c in enumerate(columns)
+    ]
+    engine = create_engine(url)
+    with engine.begin() as conn:
+        for rename in renames:
+            conn.exec_driver_sql(rename)
+    engine.dispose()
+    result = CliRunner().invoke(cli, ["--db", url, "verify"])
+    assert result.exit_code == 0, result.stderr
+    assert links(url) == linked
+
+
+@pytest.mark.parametrize("layout", ["today's", "0.1.0's"])
+def test_a_log_with_a_column_dropped_by_hand_is_refused_as_damaged_and_left_as_it_was(
+    db_url: str, layout: str
+) -> None:
+    """A log holding real events, a column dropped from it, was refused as
+    a table of another's in the way, with the advice to drop or rename it:
+    the catalog's history destroyed on the error's word (review). It is
+    refused as a damaged log, with advice that keeps it."""
+    load_fixture(db_url, LOGS[-1])
+    drop = "ALTER TABLE catalog_events DROP COLUMN hash"
+    engine = create_engine(db_url)
+    if layout == "0.1.0's":
+        unlink(db_url, drop)
+    else:
+        with engine.begin() as conn:
+            conn.exec_driver_sql(drop)
+
+    def stored() -> tuple[list[str], list[Any]]:
+        with engine.connect() as conn:
+            rows = conn.exec_driver_sql("SELECT * FROM catalog_events ORDER BY revision").all()
+            return sorted(sa.inspect(conn).get_table_names()), [tuple(row) for row in rows]
+
+    before = stored()
+    postgresql = db_url.startswith("postgresql")
+    where = f" in schema {schema_of(db_url)}" if postgresql else ""
+    other = "database or schema" if postgresql else "file"
+    for command in (["model", "list"], ["verify"], ["model", "remove", "m"]):
+        result = CliRunner().invoke(cli, ["--db", db_url, *command])
+        assert result.exit_code == 1
+        assert result.stderr.splitlines() == [
+            f"error: the log's table catalog_events{where} lacks columns every release has"
+            " made it with (hash): it was altered by hand; nothing was read or made; do not"
+            " drop it, it may hold the catalog's history: restore the log from a backup, or"
+            f" point --db at another {other}"
+        ]
+        assert stored() == before
+    engine.dispose()
+
+
 def test_a_log_that_cannot_be_brought_over_is_one_line_and_left_as_it_was(
     tmp_path: Path,
 ) -> None:
