@@ -137,14 +137,16 @@ def cut_short(text: str, limit: int) -> str:
 
 class TurnedOn(NamedTuple):
     """What the declared config decided of a refusal: that it declares each
-    of ``models`` (``declared``), or none of them. Another config that
-    decides it otherwise (the one the log's nodes last recorded, where a run
-    is given a stale one) explains the refusal, and the command line's
-    refusal says so (``Settings.another_config_explains``). ``named``: the
-    refusal is about that one model, and names it already."""
+    of ``models`` (``declared``), or none of them; or that it does not know
+    ``engine`` (its ``engines:``). Another config that decides it otherwise
+    (the one the log's nodes last recorded, where a run is given a stale
+    one) explains the refusal, and the command line's refusal says so
+    (``Settings.another_config_explains``). ``named``: the refusal is about
+    that one model, and names it already."""
 
     models: tuple[str, ...] = ()
     declared: bool = False
+    engine: str = ""
     named: bool = False
 
 

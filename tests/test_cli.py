@@ -2633,12 +2633,13 @@ def test_a_refusal_another_config_explains_says_so_in_its_line(
     declares, or told a model its config lacks is not in the catalog, with
     no word that the log's nodes recorded another config, which declares
     neither so (last session's notes). The line says so, only where the two
-    configs differ about the model refused, or about a model it names as a
-    fallback or is named a fallback by (those were told without it: notes
-    of the session after); it stays one line, and the log is left as it was."""
+    configs differ about the model refused, about a model it names as a
+    fallback or is named a fallback by, or about its engine (those were
+    told without it: notes of the session after); it stays one line, and
+    the log is left as it was."""
     first, stale, deployed = (tmp_path / f"{n}.yaml" for n in ("first", "stale", "deployed"))
     first.write_text(config_yaml(spec("base")))
-    stale.write_text(config_yaml(spec("base"), spec("gone")))
+    stale.write_text(config_yaml(spec("base"), spec("gone"), engines=["vllm", "sglang"]))
     # Declares 'c' too, which ran as a runtime model naming 'a' as its fallback.
     deployed.write_text(config_yaml(spec("base"), spec("new"), spec("c")))
     for config, name, fields in (
@@ -2650,6 +2651,8 @@ def test_a_refusal_another_config_explains_says_so_in_its_line(
         ok(run_told("--config", str(config), "model", "add", str(tmp_path / f"{name}.yaml")))
     for name, fallback in (("d", "new"), ("e", "nope")):
         (tmp_path / f"{name}.yaml").write_bytes(as_yaml(definition(name, fallbacks=[fallback])))
+    for name, engine in (("t", "tgi"), ("u", "nope")):
+        (tmp_path / f"{name}.yaml").write_bytes(as_yaml(definition(name, engine=engine)))
     recorded = "the config the log last recorded, at revision 4"
     changes = tmp_path / "changes.yaml"
     changes.write_text("- scale: {name: a, max: 2}\n- remove: new\n")
@@ -2694,6 +2697,12 @@ def test_a_refusal_another_config_explains_says_so_in_its_line(
             " in its fallbacks first (model show 'c' --json > FILE, edit it, model add FILE)"
             f" (model 'c' is declared in {recorded}, but not in this run's config ({stale}))",
         ),
+        (
+            stale,
+            ("model", "add", "t.yaml"),
+            "error: model 't': engine: 'tgi' is not a known engine (known: sglang, vllm)"
+            f" (engine 'tgi' is known in {recorded}, but not in this run's config ({stale}))",
+        ),
         # Where both declare it, or neither, the difference explains nothing.
         (
             stale,
@@ -2710,6 +2719,11 @@ def test_a_refusal_another_config_explains_says_so_in_its_line(
             stale,
             ("model", "add", "e.yaml"),
             "error: model 'e': fallbacks: names 'nope', which is not in the catalog",
+        ),
+        (
+            stale,
+            ("model", "add", "u.yaml"),
+            "error: model 'u': engine: 'nope' is not a known engine (known: sglang, vllm)",
         ),
         # Read over the config recorded then, which lacks it too, not over this run's.
         (

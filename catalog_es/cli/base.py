@@ -258,8 +258,8 @@ class Settings:
         refusal turned on (:class:`~catalog_es.errors.TurnedOn`): the model
         refused as declared is not declared in the log's; one not found,
         named as a fallback, or naming the model refused as one, is (a
-        change of a list's too). Nothing for any other refusal, which that
-        difference cannot explain."""
+        change of a list's too); an engine unknown here is known there.
+        Nothing for any other refusal, which that difference cannot explain."""
         models = self._models
         if (
             models is None
@@ -275,11 +275,15 @@ class Settings:
         theirs = self._recorded_config(recorded[1])
         if theirs is None:
             return ""
+        logs = f"the config the log last recorded, at revision {recorded[1]}"
+        ours = f"this run's config ({models.declared.path or 'none given'})"
+        if turned_on.engine:
+            if turned_on.engine not in theirs.engines:
+                return ""
+            return f" (engine {shown(turned_on.engine)} is known in {logs}, but not in {ours})"
         declared_in_theirs = {spec.name for spec in theirs.models}
         if any((name in declared_in_theirs) == turned_on.declared for name in turned_on.models):
             return ""
-        logs = f"the config the log last recorded, at revision {recorded[1]}"
-        ours = f"this run's config ({models.declared.path or 'none given'})"
         which = ""
         if not turned_on.named:
             names = ", ".join(shown(name, NAME_SHOWN_LENGTH) for name in turned_on.models)
