@@ -2633,10 +2633,10 @@ def test_a_refusal_another_config_explains_says_so_in_its_line(
     declares, or told a model its config lacks is not in the catalog, with
     no word that the log's nodes recorded another config, which declares
     neither so (last session's notes). The line says so, only where the two
-    configs differ about the model refused, about a model it names as a
-    fallback or is named a fallback by, or about its engine (those were
-    told without it: notes of the session after); it stays one line, and
-    the log is left as it was."""
+    configs differ about the model refused (one without runtime history to
+    roll back too), about a model it names as a fallback or is named a
+    fallback by, or about its engine (those were told without it: notes of
+    the session after); it stays one line, and the log is left as it was."""
     first, stale, deployed = (tmp_path / f"{n}.yaml" for n in ("first", "stale", "deployed"))
     first.write_text(config_yaml(spec("base")))
     stale.write_text(config_yaml(spec("base"), spec("gone"), engines=["vllm", "sglang"]))
@@ -2699,6 +2699,12 @@ def test_a_refusal_another_config_explains_says_so_in_its_line(
         ),
         (
             stale,
+            ("rollback", "--to", "2", "--model", "new"),
+            f"error: model 'new' has no runtime history to roll back (declared in {recorded}, but"
+            f" not in this run's config ({stale}))",
+        ),
+        (
+            stale,
             ("model", "add", "t.yaml"),
             "error: model 't': engine: 'tgi' is not a known engine (known: sglang, vllm)"
             f" (engine 'tgi' is known in {recorded}, but not in this run's config ({stale}))",
@@ -2719,6 +2725,11 @@ def test_a_refusal_another_config_explains_says_so_in_its_line(
             stale,
             ("model", "add", "e.yaml"),
             "error: model 'e': fallbacks: names 'nope', which is not in the catalog",
+        ),
+        (
+            stale,
+            ("rollback", "--to", "2", "--model", "nope", "--dry-run"),
+            "error: model 'nope' has no runtime history to roll back",
         ),
         (
             stale,
