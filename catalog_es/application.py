@@ -39,7 +39,6 @@ from catalog_es.collector import collector_paused
 from catalog_es.configuration import Configuration, DeclaredConfig, gone_without
 from catalog_es.errors import (
     UNSAFE_TEXT,
-    ChangeRefused,
     ConfigError,
     DamagedLog,
     InputError,
@@ -319,13 +318,14 @@ def _tell_standing_skips(catalog: Catalog) -> None:
         )
 
 
-def _refused_change(number: int, step: commands.Step, refusal: Refused) -> ChangeRefused:
+def _refused_change(number: int, step: commands.Step, refusal: Refused) -> Refused:
     """The refusal of a list of changes, for its change ``number``, ``step``
-    (a name longer than any model's cut short: its own refusal quotes it)."""
-    return ChangeRefused(
+    (a name longer than any model's cut short: its own refusal quotes it);
+    what the declared config decided of it is what it decided of the change."""
+    return Refused(
         f"change {number} ({step.verb} {cut_short(step.name, 128)}) refused, nothing applied:"
         f" {refusal}",
-        refusal,
+        refusal.turned_on,
     )
 
 

@@ -19,7 +19,7 @@ import msgspec
 
 from catalog_es.chain import ChainHead
 from catalog_es.configuration import Configuration
-from catalog_es.errors import DeclaredModelError, InvalidModel, ModelNotFound, Refused
+from catalog_es.errors import DeclaredModelError, InvalidModel, ModelNotFound, Refused, TurnedOn
 from catalog_es.model import DomainEvent, Model, model_key
 from catalog_es.names import CONFIG_DECLARED
 from catalog_es.spec import DEFAULT_ENGINES, EVERY_FIELD, ModelSpec, check_spec
@@ -219,6 +219,7 @@ class Catalog:
                     f"is a fallback of {', '.join(map(repr, others))}; add {which} again "
                     f"without {name!r} in {its} fallbacks first (model show {example} --json "
                     "> FILE, edit it, model add FILE)",
+                    TurnedOn(tuple(others)),
                 )
             return
         check_spec(new, self.engines, touches)
@@ -227,7 +228,10 @@ class Catalog:
         for target in new.fallbacks:
             if self.get(target) is None:
                 raise InvalidModel(
-                    name, "fallbacks", f"names {target!r}, which is not in the catalog"
+                    name,
+                    "fallbacks",
+                    f"names {target!r}, which is not in the catalog",
+                    TurnedOn((target,)),
                 )
         cycle = self._cycle_through(name, new)
         if cycle:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -135,12 +135,29 @@ def cut_short(text: str, limit: int) -> str:
     return text if len(text) <= limit else f"{text[:limit]}…"
 
 
-class Refused(Exception):
-    """A command was refused: nothing was written."""
+class TurnedOn(NamedTuple):
+    """What the declared config decided of a refusal: that it declares each
+    of ``models`` (``declared``), or none of them; or that it does not know
+    ``engine`` (its ``engines:``). Another config that decides it otherwise
+    (the one the log's nodes last recorded, where a run is given a stale
+    one) explains the refusal, and the command line's refusal says so
+    (``Settings.another_config_explains``). ``named``: the refusal is about
+    that one model, and names it already."""
 
-    def __init__(self, message: str) -> None:
+    models: tuple[str, ...] = ()
+    declared: bool = False
+    engine: str = ""
+    named: bool = False
+
+
+class Refused(Exception):
+    """A command was refused: nothing was written. ``turned_on``: what of it
+    the declared config decided, if anything."""
+
+    def __init__(self, message: str, turned_on: TurnedOn | None = None) -> None:
         super().__init__(message)
         self.message = message
+        self.turned_on = turned_on
 
     def __str__(self) -> str:
         return self.message
@@ -172,11 +189,13 @@ class OutcomeUnknown(Exception):
 class InvalidModel(Refused):
     """A model, or the catalog it would be part of, does not validate."""
 
-    def __init__(self, model: str, field: str, problem: str) -> None:
+    def __init__(
+        self, model: str, field: str, problem: str, turned_on: TurnedOn | None = None
+    ) -> None:
         self.model = model
         self.field = field
         self.problem = problem
-        super().__init__(f"model {shown(model, NAME_SHOWN_LENGTH)}: {field}: {problem}")
+        super().__init__(f"model {shown(model, NAME_SHOWN_LENGTH)}: {field}: {problem}", turned_on)
 
 
 class ModelNotFound(Refused):
@@ -184,7 +203,9 @@ class ModelNotFound(Refused):
 
     def __init__(self, name: str, detail: str = "is not in the catalog") -> None:
         self.name = name
-        super().__init__(f"model {shown(name, NAME_SHOWN_LENGTH)} {detail}")
+        super().__init__(
+            f"model {shown(name, NAME_SHOWN_LENGTH)} {detail}", TurnedOn((name,), named=True)
+        )
 
 
 class DeclaredInConfig(Refused):
@@ -192,16 +213,7 @@ class DeclaredInConfig(Refused):
 
     def __init__(self, name: str, message: str) -> None:
         self.name = name
-        super().__init__(message)
-
-
-class ChangeRefused(Refused):
-    """A change of a list refused, said with which one it was; ``refusal`` is
-    its own, kept for what a line adds of it (the model it names)."""
-
-    def __init__(self, message: str, refusal: Refused) -> None:
-        self.refusal = refusal
-        super().__init__(message)
+        super().__init__(message, TurnedOn((name,), declared=True, named=True))
 
 
 class RevisionConflict(Refused):

@@ -23,6 +23,7 @@ from catalog_es.errors import (
     InputError,
     InvalidModel,
     Refused,
+    TurnedOn,
     shown,
 )
 from catalog_es.model import Model
@@ -170,7 +171,8 @@ def plan_rollback(
             )
         if model not in names:
             raise Refused(
-                f"model {shown(model, NAME_SHOWN_LENGTH)} has no runtime history to roll back"
+                f"model {shown(model, NAME_SHOWN_LENGTH)} has no runtime history to roll back",
+                TurnedOn((model,), named=True),
             )
         names = [model]
     steps: list[Step] = []

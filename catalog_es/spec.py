@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 
 import msgspec
 
-from catalog_es.errors import InvalidModel, shown
+from catalog_es.errors import InvalidModel, TurnedOn, shown
 
 DEFAULT_ENGINES: tuple[str, ...] = ("vllm", "sglang", "llamacpp", "tgi")
 CLASSES: tuple[str, ...] = ("critical", "standard", "opportunistic")
@@ -184,7 +184,10 @@ def _engine(spec: ModelSpec, engines: frozenset[str]) -> None:
     if spec.engine not in engines:
         known = ", ".join(sorted(engines))
         raise InvalidModel(
-            spec.name, "engine", f"{shown(spec.engine)} is not a known engine (known: {known})"
+            spec.name,
+            "engine",
+            f"{shown(spec.engine)} is not a known engine (known: {known})",
+            TurnedOn(engine=spec.engine),
         )
 
 

@@ -2633,16 +2633,27 @@ def test_a_refusal_another_config_explains_says_so_in_its_line(
     declares, or told a model its config lacks is not in the catalog, with
     no word that the log's nodes recorded another config, which declares
     neither so (last session's notes). The line says so, only where the two
-    configs differ about the model refused; it stays one line, and the log
-    is left as it was."""
+    configs differ about the model refused (one without runtime history to
+    roll back too), about a model it names as a fallback or is named a
+    fallback by, or about its engine (those were told without it: notes of
+    the session after); it stays one line, and the log is left as it was."""
     first, stale, deployed = (tmp_path / f"{n}.yaml" for n in ("first", "stale", "deployed"))
     first.write_text(config_yaml(spec("base")))
-    stale.write_text(config_yaml(spec("base"), spec("gone")))
-    deployed.write_text(config_yaml(spec("base"), spec("new")))
-    for config, name in ((first, "a"), (deployed, "b")):  # 1 first, 2; 3 deployed, 4
-        (tmp_path / f"{name}.yaml").write_bytes(as_yaml(definition(name)))
+    stale.write_text(config_yaml(spec("base"), spec("gone"), engines=["vllm", "sglang"]))
+    # Declares 'c' too, which ran as a runtime model naming 'a' as its fallback.
+    deployed.write_text(config_yaml(spec("base"), spec("new"), spec("c")))
+    for config, name, fields in (
+        (first, "a", {}),  # 1 first, 2
+        (first, "c", {"fallbacks": ["a"]}),  # 3
+        (deployed, "b", {}),  # 4 deployed, 5
+    ):
+        (tmp_path / f"{name}.yaml").write_bytes(as_yaml(definition(name, **fields)))
         ok(run_told("--config", str(config), "model", "add", str(tmp_path / f"{name}.yaml")))
-    recorded = "the config the log last recorded, at revision 3"
+    for name, fallback in (("d", "new"), ("e", "nope")):
+        (tmp_path / f"{name}.yaml").write_bytes(as_yaml(definition(name, fallbacks=[fallback])))
+    for name, engine in (("t", "tgi"), ("u", "nope")):
+        (tmp_path / f"{name}.yaml").write_bytes(as_yaml(definition(name, engine=engine)))
+    recorded = "the config the log last recorded, at revision 4"
     changes = tmp_path / "changes.yaml"
     changes.write_text("- scale: {name: a, max: 2}\n- remove: new\n")
     cases: list[tuple[Path | None, tuple[str, ...], str]] = [
@@ -2672,6 +2683,32 @@ def test_a_refusal_another_config_explains_says_so_in_its_line(
             f"error: model 'new' is not in the catalog (declared in {recorded}, but not in this"
             " run's config (none given))",
         ),
+        # A model named as a fallback, or one naming it, is named.
+        (
+            stale,
+            ("model", "add", "d.yaml"),
+            "error: model 'd': fallbacks: names 'new', which is not in the catalog (model 'new'"
+            f" is declared in {recorded}, but not in this run's config ({stale}))",
+        ),
+        (
+            stale,
+            ("model", "remove", "a"),
+            "error: model 'a': fallbacks: is a fallback of 'c'; add that model again without 'a'"
+            " in its fallbacks first (model show 'c' --json > FILE, edit it, model add FILE)"
+            f" (model 'c' is declared in {recorded}, but not in this run's config ({stale}))",
+        ),
+        (
+            stale,
+            ("rollback", "--to", "2", "--model", "new"),
+            f"error: model 'new' has no runtime history to roll back (declared in {recorded}, but"
+            f" not in this run's config ({stale}))",
+        ),
+        (
+            stale,
+            ("model", "add", "t.yaml"),
+            "error: model 't': engine: 'tgi' is not a known engine (known: sglang, vllm)"
+            f" (engine 'tgi' is known in {recorded}, but not in this run's config ({stale}))",
+        ),
         # Where both declare it, or neither, the difference explains nothing.
         (
             stale,
@@ -2684,6 +2721,21 @@ def test_a_refusal_another_config_explains_says_so_in_its_line(
             ("model", "scale", "nope", "--max", "2"),
             "error: model 'nope' is not in the catalog",
         ),
+        (
+            stale,
+            ("model", "add", "e.yaml"),
+            "error: model 'e': fallbacks: names 'nope', which is not in the catalog",
+        ),
+        (
+            stale,
+            ("rollback", "--to", "2", "--model", "nope", "--dry-run"),
+            "error: model 'nope' has no runtime history to roll back",
+        ),
+        (
+            stale,
+            ("model", "add", "u.yaml"),
+            "error: model 'u': engine: 'nope' is not a known engine (known: sglang, vllm)",
+        ),
         # Read over the config recorded then, which lacks it too, not over this run's.
         (
             stale,
@@ -2694,7 +2746,7 @@ def test_a_refusal_another_config_explains_says_so_in_its_line(
     for given, args, told in cases:
         done = run_told(*(["--config", str(given)] if given else []), *args)
         assert (done.exit_code, done.stderr.splitlines()[-1]) == (1, told), args
-    assert count_events(db_url) == 4
+    assert count_events(db_url) == 5
 
 
 def test_a_deleted_last_event_is_told_by_every_command_until_a_write_goes_on(

@@ -768,6 +768,33 @@ def test_a_config_record_that_cannot_be_read_is_refused_by_a_read_over_it(
     assert models.list_models(5, declared_then=True) == models.list_models(5)
 
 
+def test_a_refused_diff_between_two_revisions_taken_as_others_tells_both(
+    open_models: Callable[..., Models], tmp_path: Path, config_file: Path, db_url: str
+) -> None:
+    """A diff whose ends are each inside a write reads each as the boundary
+    before it, and a refusal's one line tells both, in the order given
+    (untested: last session's notes), after the reason; nothing is written."""
+    models, _, _ = _a_deploy_declaring_a_trial(open_models, tmp_path)  # 4 and 5: one write
+    open_models().scale("other", 1, 2, by="carol")  # 6 the first config again, 7: one write
+    with models.store.write() as conn:
+        conn.execute(sa.update(events_table).where(events_table.c.revision == 1).values(state=b"{"))
+    with pytest.raises(Refused) as unreadable:  # 4, read as 3, is over revision 1's config
+        models.diff(3, 5, declared_then=True)
+    rows = count_events(db_url)
+    refused = CliRunner().invoke(
+        cli,
+        ["--db", db_url, "--config", str(config_file), "diff", "4", "6", "--declared-then"],
+    )
+    taken = [
+        f"no write ends at revision {inside} (a write of several changes lands whole): taken as"
+        f" revision {inside - 1}, the last one that does before it"
+        for inside in (4, 6)
+    ]
+    assert (refused.exit_code, refused.stdout) == (1, "")
+    assert refused.stderr == f"error: {unreadable.value}; {taken[0]}; {taken[1]}\n"
+    assert count_events(db_url) == rows
+
+
 def test_the_cli_reads_the_past_over_the_config_recorded_then(
     open_models: Callable[..., Models], tmp_path: Path, db_url: str
 ) -> None:

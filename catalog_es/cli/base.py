@@ -34,12 +34,10 @@ import click
 from catalog_es import bootstrap, early_stop
 from catalog_es.cli import tables
 from catalog_es.errors import (
+    NAME_SHOWN_LENGTH,
     UNSAFE_TEXT,
-    ChangeRefused,
     ConfigError,
-    DeclaredInConfig,
     InputError,
-    ModelNotFound,
     OutcomeUnknown,
     Refused,
     came_of_a_stop,
@@ -256,34 +254,43 @@ class Settings:
 
     def another_config_explains(self, refusal: Exception) -> str:
         """What a refusal's line adds when the declared config the log last
-        recorded is not this run's, and the two differ where ``refusal``
-        turned: the model refused as declared is not declared in the log's,
-        or the one not found is (a change of a list's too). Nothing for any
-        other refusal, which that difference cannot explain."""
-        if isinstance(refusal, ChangeRefused):
-            refusal = refusal.refusal
+        recorded is not this run's, and the two decide otherwise what the
+        refusal turned on (:class:`~catalog_es.errors.TurnedOn`): the model
+        refused as declared is not declared in the log's; one not found,
+        named as a fallback, or naming the model refused as one, is (a
+        change of a list's too); an engine unknown here is known there.
+        Nothing for any other refusal, which that difference cannot explain."""
         models = self._models
         if (
             models is None
             or self.declared_then
-            or not isinstance(refusal, DeclaredInConfig | ModelNotFound)
+            or not isinstance(refusal, Refused)
+            or refusal.turned_on is None
         ):
             return ""
+        turned_on = refusal.turned_on
         recorded = models.catalog.recorded_declaration
         if recorded is None or recorded[0] == models.declared.fingerprint:
             return ""
         theirs = self._recorded_config(recorded[1])
         if theirs is None:
             return ""
-        if any(spec.name == refusal.name for spec in theirs.models) != isinstance(
-            refusal, ModelNotFound
-        ):
-            return ""
         logs = f"the config the log last recorded, at revision {recorded[1]}"
         ours = f"this run's config ({models.declared.path or 'none given'})"
-        if isinstance(refusal, ModelNotFound):
-            return f" (declared in {logs}, but not in {ours})"
-        return f" (declared in {ours}, but not in {logs})"
+        if turned_on.engine:
+            if turned_on.engine not in theirs.engines:
+                return ""
+            return f" (engine {shown(turned_on.engine)} is known in {logs}, but not in {ours})"
+        declared_in_theirs = {spec.name for spec in theirs.models}
+        if any((name in declared_in_theirs) == turned_on.declared for name in turned_on.models):
+            return ""
+        which = ""
+        if not turned_on.named:
+            names = ", ".join(shown(name, NAME_SHOWN_LENGTH) for name in turned_on.models)
+            which = f"model {names} is " if len(turned_on.models) == 1 else f"models {names} are "
+        if turned_on.declared:
+            return f" ({which}declared in {ours}, but not in {logs})"
+        return f" ({which}declared in {logs}, but not in {ours})"
 
     def _recorded_config(self, revision: int) -> DeclaredConfig | None:
         """The declared config the log recorded at ``revision``; None when it
