@@ -64,7 +64,7 @@ from catalog_es.mapper import (
     decode_event,
     model_of_state,
     readable_declaration,
-    stored_forms,
+    spelling_marks,
 )
 from catalog_es.model import MAX_CLOCK_SKEW, DomainEvent, Model, model_id, utc_now, utc_text
 from catalog_es.names import APPLY, CONFIG_DECLARED, ROLLBACK
@@ -1737,7 +1737,7 @@ class Models(AuditTrail, Application[UUID]):
             check_name(model)
         check_actor_filter(by)
         if by is not None:
-            theirs = self._log_rows(after, None, model, stored_forms(by))
+            theirs = self._log_rows(after, None, model, spelling_marks(by))
             return islice(_event_views(theirs, model, by, max_bytes), limit)
         if max_bytes is None:
             return _event_views(self._log_rows(after, limit, model), model)

@@ -28,10 +28,13 @@ from types import FrameType
 from typing import Any
 
 import click
+import hypothesis
+import msgspec
 import pytest
 import sqlalchemy as sa
 import yaml
 from click.testing import CliRunner, Result
+from hypothesis import strategies as st
 
 from catalog_es import (
     application,
@@ -63,7 +66,7 @@ from catalog_es.errors import (
 )
 from catalog_es.inputs import DeclaredConfig, load_config, read_text
 from catalog_es.mapper import decode_event
-from catalog_es.persistence import PullingSubscription, database_unusable
+from catalog_es.persistence import PullingSubscription, database_unusable, events_table
 from catalog_es.spec import Adapter, Origin
 from tests.helpers import (
     CPU_NO_MEMORY,
@@ -2317,6 +2320,68 @@ def test_log_by_reads_a_page_at_a_time_what_the_database_finds_the_actor_in(
     assert len(list(models.log_events(by="zoé"))) == 11
     assert len(decoded) == 21
     models.close()
+
+
+# The ways JSON spells a character in a string: as this code writes it, as
+# a \u escape in lower or upper case (a pair of them past U+FFFF), and "/"
+# as "\/" (any other character as this code writes it).
+SPELLINGS = ("written", "lower", "upper", "slash")
+
+
+def _json_spelled(text: str, spellings: list[str]) -> bytes:
+    """``text`` as a JSON string, each character spelled its own way."""
+    out = []
+    for char, spelling in zip(text, spellings, strict=True):
+        if spelling in ("lower", "upper"):
+            units = char.encode("utf-16-be")
+            hexes = (units[i : i + 2].hex() for i in range(0, len(units), 2))
+            out.append("".join(f"\\u{h.upper() if spelling == 'upper' else h}" for h in hexes))
+        elif spelling == "slash" and char == "/":
+            out.append("\\/")
+        else:
+            out.append(msgspec.json.encode(char).decode()[1:-1])
+    return f'"{"".join(out)}"'.encode()
+
+
+@hypothesis.settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[
+        hypothesis.HealthCheck.function_scoped_fixture,
+        hypothesis.HealthCheck.too_slow,
+    ],
+)
+@hypothesis.given(
+    st.lists(
+        st.tuples(st.characters(exclude_categories=["Cs"]), st.sampled_from(SPELLINGS)),
+        min_size=1,
+        max_size=12,
+    )
+)
+def test_an_actor_filter_finds_the_actor_however_a_record_spells_it(
+    db_url: str, spelled: list[tuple[str, str]]
+) -> None:
+    """The database passed on only rows holding the actor as this code, or
+    Python's json, writes it: a record made by hand that spelled it another
+    way JSON allows (\\u00C9, \\u0061, \\/) was never shown by `log --by`
+    (nor /log's `by`), though it decodes to that actor."""
+    actor = "".join(char for char, _ in spelled)
+    stored = _json_spelled(actor, [spelling for _, spelling in spelled])
+    assert msgspec.json.decode(stored) == actor
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
+    try:
+        # An event of its own each example: the log is the test's, not the example's.
+        revision = models.add(spec("a"), by="placeholder").revision
+        row = events_table.c.revision == revision
+        with models.store.engine.begin() as conn:
+            state = conn.execute(sa.select(events_table.c.state).where(row)).scalar_one()
+            held = bytes(state).replace(b'"placeholder"', stored)
+            conn.execute(sa.update(events_table).where(row).values(state=held))
+        found = list(models.log_events(by=actor))
+        assert revision in [e["revision"] for e in found]
+        assert {e["by"] for e in found} == {actor}
+    finally:
+        models.close()
 
 
 def test_the_cli_writes_a_large_log_out_as_it_reads_it(
