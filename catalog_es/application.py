@@ -1619,6 +1619,9 @@ class Models(AuditTrail, Application[UUID]):
         notifications, every look; on PostgreSQL, those in case a
         notification never comes)."""
         check_actor_filter(by)
+        # As ``log --by`` reads them: the database passes on only the events
+        # whose bytes hold the actor, each then decoded to tell (_event_views).
+        containing = () if by is None else spelling_marks(by)
         with self.store.read() as conn:
             head = self.store.head(conn)
             given = self.store.hash_at(conn, after)
@@ -1634,7 +1637,7 @@ class Models(AuditTrail, Application[UUID]):
             with self.store.read() as conn:
                 if self.store.hash_at(conn, last) != given:
                     raise LogRewritten.at(last)
-            subscription = self.store.subscribe(gt=last, gt_hash=given)
+            subscription = self.store.subscribe(gt=last, gt_hash=given, containing=containing)
             if poll_interval is not None and isinstance(subscription, PullingSubscription):
                 subscription.interval = poll_interval
             return subscription

@@ -1992,10 +1992,17 @@ class SQLRecorder(ProcessRecorder):
         return rows[count - 1][0] if count else None
 
     def pull_page(
-        self, after: int, after_hash: str | None, limit: int, max_bytes: int, topics: Sequence[str]
-    ) -> list[ChainedNotification]:
+        self,
+        after: int,
+        after_hash: str | None,
+        limit: int,
+        max_bytes: int,
+        topics: Sequence[str],
+        containing: Sequence[bytes] = (),
+    ) -> PulledPage:
         """A follower's next page: the events after ``after`` of
-        :meth:`page_end`'s page, with their hashes, in one read. Given
+        :meth:`page_end`'s page, with their hashes, in one read; only those
+        holding one of ``containing`` (:func:`holds_bytes`), when given. Given
         ``after_hash``, the hash of the event at ``after`` as the follower
         gave it, the log must still hold that hash there, or it is no longer
         the one the follower gave (:class:`LogRewritten`): the chain vouches
@@ -2006,6 +2013,8 @@ class SQLRecorder(ProcessRecorder):
         ).where(t.revision > after)
         if topics:
             query = query.where(t.topic.in_(topics))
+        if containing:
+            query = query.where(holds_bytes(containing))
         with self.read() as conn:
             # The hash stored at the follower's last event, not that recomputed
             # from the next one's content: an event edited by hand (skipped,
@@ -2015,11 +2024,16 @@ class SQLRecorder(ProcessRecorder):
             # since were given to none (retest).
             if after_hash is not None and self.hash_at(conn, after) != after_hash:
                 raise LogRewritten.at(after)
-            end = self._page_end(conn, after, limit, max_bytes, topics)
+            end = self._page_end(conn, after, limit, max_bytes, topics, containing=containing)
             if end is None:
-                return []
+                # None up to the head holds them: the next read starts past
+                # them, rather than reading them all again (every look, for
+                # an actor who writes nothing).
+                head = self.head(conn) if containing else after
+                head_hash = self.hash_at(conn, head) if head > after else after_hash
+                return PulledPage([], head, head_hash)
             page = conn.execute(query.where(t.revision <= end).order_by(t.revision))
-            return [
+            notifications = [
                 ChainedNotification(
                     id=r[0],
                     originator_id=r[1],
@@ -2030,6 +2044,7 @@ class SQLRecorder(ProcessRecorder):
                 )
                 for r in page
             ]
+            return PulledPage(notifications, end, notifications[-1].hash)
 
     def max_notification_id(self) -> int | None:
         with self.read() as conn:
@@ -2558,13 +2573,18 @@ class SQLRecorder(ProcessRecorder):
             return self._listener
 
     def subscribe(
-        self, gt: int | None = None, topics: Sequence[str] = (), *, gt_hash: str | None = None
+        self,
+        gt: int | None = None,
+        topics: Sequence[str] = (),
+        *,
+        gt_hash: str | None = None,
+        containing: Sequence[bytes] = (),
     ) -> Subscription[ApplicationRecorder]:
         """``gt_hash``: the hash of the event at ``gt`` as the follower knows
-        it; given, each page read must follow on from the last event given."""
-        if self.dialect == "postgresql":
-            return ListenSubscription(self, gt=gt, topics=topics, gt_hash=gt_hash)
-        return PollingSubscription(self, gt=gt, topics=topics, gt_hash=gt_hash)
+        it; given, each page read must follow on from the last event given.
+        ``containing``: only the events holding one of those bytes."""
+        kind = ListenSubscription if self.dialect == "postgresql" else PollingSubscription
+        return kind(self, gt=gt, topics=topics, gt_hash=gt_hash, containing=containing)
 
     # -- tracking ----------------------------------------------------------------
 
@@ -2630,6 +2650,15 @@ class ChainedNotification(Notification):
     hash: Any
 
 
+class PulledPage(NamedTuple):
+    """A follower's page (:meth:`SQLRecorder.pull_page`), and the revision
+    its next read starts after, with the hash stored there."""
+
+    notifications: list[ChainedNotification]
+    read_to: int
+    read_to_hash: Any
+
+
 class PullingSubscription(Subscription[SQLRecorder]):
     """New notifications as they commit, pulled a page at a time on the thread
     that iterates, once it has used up the last page: an unread follower holds
@@ -2645,7 +2674,10 @@ class PullingSubscription(Subscription[SQLRecorder]):
     Given ``gt_hash``, the hash of the event at ``gt``, it checks each page
     follows on from the last event it gave (:meth:`SQLRecorder.pull_page`):
     a log replaced under it (a restored backup) ends it, rather than its
-    events after the last given being given as if they followed it."""
+    events after the last given being given as if they followed it.
+
+    Given ``containing``, only the events holding one of those bytes
+    (:func:`holds_bytes`) are read: the database passes the others over."""
 
     page = 500
     page_bytes = 1 << 20
@@ -2658,10 +2690,12 @@ class PullingSubscription(Subscription[SQLRecorder]):
         topics: Sequence[str] = (),
         *,
         gt_hash: str | None = None,
+        containing: Sequence[bytes] = (),
     ) -> None:
         super().__init__(recorder=recorder, gt=gt, topics=topics)
         self._buffer: deque[ChainedNotification] = deque()
         self._last_hash = gt_hash
+        self._containing = containing
         self._woken = threading.Event()
         self._error: BaseException | None = None
 
@@ -2700,12 +2734,19 @@ class PullingSubscription(Subscription[SQLRecorder]):
             # catching up at once kept a server's other requests waiting
             # seconds, each of their threads wanting the interpreter's lock.
             with _PULLING:
-                self._buffer.extend(
-                    self._recorder.pull_page(
-                        after, self._last_hash, self.page, self.page_bytes, self._topics
-                    )
+                pulled = self._recorder.pull_page(
+                    after,
+                    self._last_hash,
+                    self.page,
+                    self.page_bytes,
+                    self._topics,
+                    self._containing,
                 )
+            self._buffer.extend(pulled.notifications)
             if not self._buffer:
+                self._last_notification_id = pulled.read_to
+                if self._last_hash is not None:
+                    self._last_hash = pulled.read_to_hash
                 self._woken.wait(self.interval)
         notification = self._buffer.popleft()
         self._last_notification_id = notification.id
@@ -2738,8 +2779,11 @@ class ListenSubscription(PullingSubscription):
         topics: Sequence[str] = (),
         *,
         gt_hash: str | None = None,
+        containing: Sequence[bytes] = (),
     ) -> None:
-        super().__init__(recorder=recorder, gt=gt, topics=topics, gt_hash=gt_hash)
+        super().__init__(
+            recorder=recorder, gt=gt, topics=topics, gt_hash=gt_hash, containing=containing
+        )
         self._listener = recorder.listener()
         self._listener.add(self)
 

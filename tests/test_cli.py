@@ -18,6 +18,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import time
 import tracemalloc
 import uuid
 from collections.abc import Callable, Iterator
@@ -65,7 +66,7 @@ from catalog_es.errors import (
     json_line,
 )
 from catalog_es.inputs import DeclaredConfig, load_config, read_text
-from catalog_es.mapper import decode_event
+from catalog_es.mapper import decode_event, spelling_marks
 from catalog_es.persistence import PullingSubscription, database_unusable, events_table
 from catalog_es.spec import Adapter, Origin
 from tests.helpers import (
@@ -77,6 +78,7 @@ from tests.helpers import (
     config_yaml,
     count_events,
     definition,
+    following,
     log_rows,
     schema_of,
     spec,
@@ -2319,6 +2321,49 @@ def test_log_by_reads_a_page_at_a_time_what_the_database_finds_the_actor_in(
     # Those by zoé, and those by ops for a reason of that name: none else.
     assert len(list(models.log_events(by="zoé"))) == 11
     assert len(decoded) == 21
+    models.close()
+
+
+def test_watch_by_reads_what_the_database_finds_the_actor_in_as_log_by_does(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`watch --by` (and /events?by=) decoded every event of the log to keep
+    an actor's: catching up on 100,000 events, one of them the actor's, took
+    4 s (0.4 s now). It reads what `log --by` reads, the rows whose bytes
+    hold the actor, each decoded to tell; with none up to the head, its next
+    look starts there rather than reading the log again."""
+    monkeypatch.setattr(PullingSubscription, "page", 3)
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
+    models.add(spec("a"), by="ops")
+    models.add(spec("ops"), by="zoé", reason="ops")
+    scales = [commands.scale("ops" if i % 3 == 0 else "a", 0, 2 + i % 7) for i in range(30)]
+    models.apply_changes(scales[:10], by="ops", reason="zoé")
+    models.apply_changes(scales[10:20], by="zoé", reason='"ops"')
+    models.apply_changes(scales[20:], by="ops")
+    decoded = []
+
+    def decode(topic: str, state: bytes) -> Any:
+        decoded.append(topic)
+        return decode_event(topic, state)
+
+    monkeypatch.setattr(application, "decode_event", decode)
+    logged = list(models.log_events(by="zoé"))
+    assert (len(logged), len(decoded)) == (11, 21)  # and those by ops for a reason of that name
+    decoded.clear()
+    watch = models.watch(0, by="zoé")
+    changes = iter(watch)
+    assert [next(changes) for _ in logged] == logged
+    watch.stop()
+    assert len(decoded) == 21
+    decoded.clear()
+    nobody = models.watch(0, by="nobody", poll_interval=0.01)
+    thread, seen, ended = following(nobody)
+    time.sleep(0.3)
+    nobody.stop()
+    thread.join(10)
+    assert (seen, ended, decoded) == ([], [], [])
+    page = models.store.pull_page(0, None, 3, 1 << 20, (), spelling_marks("nobody"))
+    assert (page.notifications, page.read_to) == ([], models.revision)
     models.close()
 
 
