@@ -24,7 +24,7 @@ from uuid import UUID
 import msgspec
 import sqlalchemy as sa
 from eventsourcing.application import Application
-from eventsourcing.persistence import Subscription
+from eventsourcing.persistence import Notification, Subscription
 from eventsourcing.utils import Environment, EnvType, get_topic
 from sqlalchemy.engine import Connection
 
@@ -453,12 +453,16 @@ class Watch:
         self._by = by  # only this actor's changes are given
         self._stopped = threading.Event()
         self._subscription: Subscription[Any] | None = None
+        # Changes read already that ready() decoded, by revision: each as it
+        # is given, None for another actor's. Decoded once, given from here.
+        self._decoded: dict[int, dict[str, Any] | None] = {}
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         last, given, away = self._after, self._given, False
         try:
             while not self._stopped.is_set():
                 try:
+                    self._decoded.clear()  # a subscription of its own reads them again
                     self._subscription = subscription = self._subscribe(last, given)
                     if away:  # subscribing asks the database: it answered
                         away = False
@@ -469,7 +473,11 @@ class Watch:
                         for n in notifications:
                             # What the log's subscriptions give (SQLRecorder.subscribe).
                             last, given = n.id, cast(ChainedNotification, n).hash
-                            yield from _event_views([(n.id, n.topic, n.state)], None, self._by)
+                            view = (
+                                self._decoded.pop(n.id) if n.id in self._decoded else self._view(n)
+                            )
+                            if view is not None:
+                                yield view
                     return
                 except Exception as error:
                     if self._stopped.is_set():
@@ -505,8 +513,16 @@ class Watch:
         pulled = subscription.pulled()
         if self._by is None:
             return bool(pulled)
-        theirs = _event_views(((n.id, n.topic, n.state) for n in pulled), None, self._by)
-        return next(theirs, None) is not None
+        for n in pulled:
+            if n.id not in self._decoded:
+                self._decoded[n.id] = self._view(n)
+            if self._decoded[n.id] is not None:
+                return True
+        return False
+
+    def _view(self, n: Notification) -> dict[str, Any] | None:
+        """The change ``n`` is, as given; ``None`` for another actor's."""
+        return next(_event_views([(n.id, n.topic, n.state)], None, self._by), None)
 
 
 # The event library's settings that encrypt stored events (with the service's

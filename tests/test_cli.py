@@ -2367,6 +2367,37 @@ def test_watch_by_reads_what_the_database_finds_the_actor_in_as_log_by_does(
     models.close()
 
 
+def test_a_watch_by_an_actor_decodes_a_change_it_looked_ahead_at_once(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whether an actor's watch has their next change read already (what an
+    event stream asks before each change it adds to a batch) decoded the
+    changes read ahead, and giving them decoded each again."""
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
+    models.add(spec("a"), by="ops")  # 1
+    models.scale("a", 0, 2, by="ops", reason="zoé")  # 2: her name, not her change
+    models.scale("a", 0, 3, by="zoé")  # 3
+    models.scale("a", 0, 4, by="ops", reason="zoé")  # 4
+    models.scale("a", 0, 5, by="zoé")  # 5
+    models.scale("a", 0, 6, by="ops", reason="zoé")  # 6
+    decoded = []
+
+    def decode(topic: str, state: bytes) -> Any:
+        decoded.append(topic)
+        return decode_event(topic, state)
+
+    monkeypatch.setattr(application, "decode_event", decode)
+    watch = models.watch(0, by="zoé")
+    changes = iter(watch)
+    assert next(changes)["revision"] == 3
+    assert watch.ready()  # 5, after 4, another's
+    assert next(changes)["revision"] == 5
+    assert not watch.ready()  # 6 is another's
+    watch.stop()
+    assert len(decoded) == 5  # 2 to 6, once each
+    models.close()
+
+
 # The ways JSON spells a character in a string: as this code writes it, as
 # a \u escape in lower or upper case (a pair of them past U+FFFF), and "/"
 # as "\/" (any other character as this code writes it).
