@@ -398,14 +398,18 @@ class _Outage:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._waiting = 0
+        self._where = ""  # where the database waited for is (SQLRecorder.where)
 
-    def began(self, unusable: str) -> None:
+    def began(self, where: str, unusable: str) -> None:
         with self._lock:
             self._waiting += 1
             first = self._waiting == 1
+            if first:
+                self._where = where
         if first:
             log.warning(
-                "watch: the database could not be used (%s); following on once it can",
+                "watch: the database %s could not be used (%s); following on once it can",
+                where,
                 unusable,
             )
 
@@ -415,7 +419,7 @@ class _Outage:
             self._waiting -= 1
             last = self._waiting == 0
         if last and back:
-            log.warning("watch: the database is back; following on")
+            log.warning("watch: the database %s is back; following on", self._where)
 
 
 _outage = _Outage()
@@ -443,6 +447,8 @@ class Watch:
         after: int,
         given: Any,
         by: str | None = None,
+        *,
+        where: str,
     ) -> None:
         # Makes a subscription after a revision, the hash of the event given
         # there; it asks the database as it does, so one made means the
@@ -451,6 +457,7 @@ class Watch:
         self._after = after
         self._given = given
         self._by = by  # only this actor's changes are given
+        self._where = where  # where the database is, as a wait for it tells (SQLRecorder.where)
         self._stopped = threading.Event()
         self._subscription: Subscription[Any] | None = None
         # Changes read already that ready() decoded, by revision: each as it
@@ -491,7 +498,7 @@ class Watch:
                     _end_if_replaced(error, last)
                     if not away:
                         away = True
-                        _outage.began(unusable.said)
+                        _outage.began(self._where, unusable.said)
                     self._stopped.wait(self.retry_seconds)
         finally:
             if away:
@@ -1658,7 +1665,7 @@ class Models(AuditTrail, Application[UUID]):
                 subscription.interval = poll_interval
             return subscription
 
-        return Watch(subscribe, after, given, by)
+        return Watch(subscribe, after, given, by, where=self.store.where)
 
     def rebuild(
         self, progress: Callable[[int, int], None] | None = None, *, audit: bool = True

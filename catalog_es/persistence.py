@@ -63,6 +63,7 @@ from catalog_es.chain import (
     stored_head,
 )
 from catalog_es.errors import (
+    SHOWN_LENGTH,
     ConfigError,
     DamagedLog,
     LogRewritten,
@@ -638,7 +639,7 @@ def create_engine(url: str) -> Engine:
         engine = _settled_engine(parsed)
     except (ValueError, TypeError) as error:
         # A setting in the URL's query the driver cannot read (?timeout=abc).
-        told = shown(parsed.render_as_string(hide_password=True))
+        told = shown_url(parsed)
         raise ConfigError(f"the database URL {told}: {first_line(str(error))}") from None
     _forgotten_by_children(engine)
     return engine
@@ -655,6 +656,18 @@ _DRIVERS = {
 }
 
 
+def shown_url(url: sa.URL, limit: int = SHOWN_LENGTH) -> str:
+    """``url`` as a line quotes it, its password hidden."""
+    return shown(url.render_as_string(hide_password=True), limit)
+
+
+def url_where(url: sa.URL) -> str:
+    """Where the database at ``url`` is, said for an operator: "at URL",
+    whole as a deploy writes one (a schema's search_path and an application
+    name made one 160 characters), where a refusal of a URL quotes less."""
+    return f"at {shown_url(url, 512)}"
+
+
 def log_url(url: str) -> sa.URL:
     """``url`` as a URL the log can be kept at, or one line saying why not."""
     usage = "give sqlite:///FILE or postgresql+psycopg://USER@HOST/DATABASE"
@@ -664,7 +677,7 @@ def log_url(url: str) -> sa.URL:
     except (sa.exc.ArgumentError, ValueError):
         told = shown(re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", url))  # no password
         raise ConfigError(f"the database URL {told} is not a URL: {usage}") from None
-    told = shown(parsed.render_as_string(hide_password=True))
+    told = shown_url(parsed)
     driver = _DRIVERS.get(parsed.drivername)
     if driver is None:
         raise ConfigError(
@@ -1555,6 +1568,14 @@ class SQLRecorder(ProcessRecorder):
                 # A log's table made just now is today's: nothing to bring
                 # over, nor to read back (which cost every new database 20 ms).
                 self.log_made = self._made_where(schema)
+
+    @property
+    def where(self) -> str:
+        """Where the log's database is, said for an operator: "at FILE" on
+        SQLite, "at URL" (its password hidden) on PostgreSQL."""
+        if self._file is not None:
+            return self._file.where
+        return url_where(self.engine.url)
 
     def _made_where(self, schema: str | None) -> str:
         """Where the log's table made in ``schema`` is, said for an operator:

@@ -122,7 +122,7 @@ def once_it_answers(
     and is gone again as ``start()`` runs is waited for again."""
     import sqlalchemy as sa
 
-    from catalog_es.persistence import log_url
+    from catalog_es.persistence import log_url, url_where
 
     probe: sa.Engine | None = None
     try:
@@ -139,8 +139,8 @@ def once_it_answers(
                 waiting()
                 if probe is None:
                     say(
-                        f"warning: {command}: the database could not be used ({unusable}); "
-                        f"trying again every {START_RETRY_SECONDS:g} s",
+                        f"warning: {command}: the database {url_where(url)} could not be used "
+                        f"({unusable}); trying again every {START_RETRY_SECONDS:g} s",
                         err=True,
                     )
                     probe = sa.create_engine(url, poolclass=sa.pool.NullPool)
