@@ -1414,16 +1414,12 @@ class Models(AuditTrail, Application[UUID]):
             or not declaration_differs(self.catalog, self.declared)
         ):
             return
-        try:
-            theirs: DeclaredConfig | None = pointintime.declared_at(conn, recorded[1])
-        except Refused:
-            theirs = None  # a record this release cannot read: only the wording hangs on it
         log.warning(
             "no declared config given (%s) as this node started: another node recorded one "
             "at revision %d, and this node's reads go without %s; restart it with that config",
             CONFIG_GIVEN_BY,
             recorded[1],
-            gone_without(theirs),
+            gone_without(self.recorded_config(recorded[1], conn)),
         )
 
     def refresh(self) -> None:
@@ -1487,11 +1483,19 @@ class Models(AuditTrail, Application[UUID]):
             declared = self._declared_at(conn, revision, declared_then)
             return pointintime.catalog_at(self.store, conn, declared, revision)
 
-    def recorded_config(self, revision: int) -> DeclaredConfig:
-        """The declared config the log had recorded as in force at ``revision``
-        (refused when that record cannot be read)."""
-        with self.store.read() as conn:
+    def recorded_config(
+        self, revision: int, conn: Connection | None = None
+    ) -> DeclaredConfig | None:
+        """The declared config the log had recorded as in force at ``revision``,
+        read in ``conn``'s transaction when given; None for a record this
+        release cannot read: only a warning's or a hint's wording hangs on it."""
+        if conn is None:
+            with self.store.read() as conn:
+                return self.recorded_config(revision, conn)
+        try:
             return pointintime.declared_at(conn, revision)
+        except Refused:
+            return None
 
     def _declared_at(self, conn: Connection, revision: int, then: bool) -> DeclaredConfig:
         """The declared layer a read of the past is replayed over: today's, as

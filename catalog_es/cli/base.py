@@ -286,8 +286,7 @@ class Settings:
         return f" (declared in {ours}, but not in {logs})"
 
     def _recorded_config(self, revision: int) -> DeclaredConfig | None:
-        """The declared config the log recorded at ``revision``; None when it
-        cannot be read (a record this release cannot read, a database gone):
+        """:meth:`Models.recorded_config`; None too with the database gone:
         only a hint or a warning's wording hangs on it, and what it goes with
         is told all the same."""
         import sqlalchemy as sa  # loaded with the service
@@ -295,7 +294,7 @@ class Settings:
         assert self._models is not None
         try:
             return self._models.recorded_config(revision)
-        except (Refused, sa.exc.SQLAlchemyError):
+        except sa.exc.SQLAlchemyError:
             return None
 
     def tell_another_config_recorded(self) -> None:
