@@ -2440,7 +2440,8 @@ def test_an_actor_filter_finds_the_actor_however_a_record_spells_it(
     """The database passed on only rows holding the actor as this code, or
     Python's json, writes it: a record made by hand that spelled it another
     way JSON allows (\\u00C9, \\u0061, \\/) was never shown by `log --by`
-    (nor /log's `by`), though it decodes to that actor."""
+    (nor /log's `by`), though it decodes to that actor. A watch by the
+    actor (/events's `by`) reads what the log does, and finds it too."""
     actor = "".join(char for char, _ in spelled)
     stored = _json_spelled(actor, [spelling for _, spelling in spelled])
     assert msgspec.json.decode(stored) == actor
@@ -2456,6 +2457,14 @@ def test_an_actor_filter_finds_the_actor_however_a_record_spells_it(
         found = list(models.log_events(by=actor))
         assert revision in [e["revision"] for e in found]
         assert {e["by"] for e in found} == {actor}
+        watch = models.watch(revision - 1, by=actor)
+        thread, seen, ended = following(watch)
+        deadline = time.monotonic() + 10
+        while not seen and time.monotonic() < deadline:
+            time.sleep(0.01)
+        watch.stop()
+        thread.join(10)
+        assert (seen, ended) == ([revision], [])
     finally:
         models.close()
 
