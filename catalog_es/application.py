@@ -24,7 +24,7 @@ from uuid import UUID
 import msgspec
 import sqlalchemy as sa
 from eventsourcing.application import Application
-from eventsourcing.persistence import Subscription
+from eventsourcing.persistence import Notification, Subscription
 from eventsourcing.utils import Environment, EnvType, get_topic
 from sqlalchemy.engine import Connection
 
@@ -63,7 +63,7 @@ from catalog_es.mapper import (
     decode_event,
     model_of_state,
     readable_declaration,
-    stored_forms,
+    spelling_marks,
 )
 from catalog_es.model import MAX_CLOCK_SKEW, DomainEvent, Model, model_id, utc_now, utc_text
 from catalog_es.names import APPLY, CONFIG_DECLARED, ROLLBACK
@@ -398,14 +398,18 @@ class _Outage:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._waiting = 0
+        self._where = ""  # where the database waited for is (SQLRecorder.where)
 
-    def began(self, unusable: str) -> None:
+    def began(self, where: str, unusable: str) -> None:
         with self._lock:
             self._waiting += 1
             first = self._waiting == 1
+            if first:
+                self._where = where
         if first:
             log.warning(
-                "watch: the database could not be used (%s); following on once it can",
+                "watch: the database %s could not be used (%s); following on once it can",
+                where,
                 unusable,
             )
 
@@ -415,7 +419,7 @@ class _Outage:
             self._waiting -= 1
             last = self._waiting == 0
         if last and back:
-            log.warning("watch: the database is back; following on")
+            log.warning("watch: the database %s is back; following on", self._where)
 
 
 _outage = _Outage()
@@ -443,6 +447,8 @@ class Watch:
         after: int,
         given: Any,
         by: str | None = None,
+        *,
+        where: str,
     ) -> None:
         # Makes a subscription after a revision, the hash of the event given
         # there; it asks the database as it does, so one made means the
@@ -451,14 +457,19 @@ class Watch:
         self._after = after
         self._given = given
         self._by = by  # only this actor's changes are given
+        self._where = where  # where the database is, as a wait for it tells (SQLRecorder.where)
         self._stopped = threading.Event()
         self._subscription: Subscription[Any] | None = None
+        # Changes read already that ready() decoded, by revision: each as it
+        # is given, None for another actor's. Decoded once, given from here.
+        self._decoded: dict[int, dict[str, Any] | None] = {}
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         last, given, away = self._after, self._given, False
         try:
             while not self._stopped.is_set():
                 try:
+                    self._decoded.clear()  # a subscription of its own reads them again
                     self._subscription = subscription = self._subscribe(last, given)
                     if away:  # subscribing asks the database: it answered
                         away = False
@@ -469,7 +480,11 @@ class Watch:
                         for n in notifications:
                             # What the log's subscriptions give (SQLRecorder.subscribe).
                             last, given = n.id, cast(ChainedNotification, n).hash
-                            yield from _event_views([(n.id, n.topic, n.state)], None, self._by)
+                            view = (
+                                self._decoded.pop(n.id) if n.id in self._decoded else self._view(n)
+                            )
+                            if view is not None:
+                                yield view
                     return
                 except Exception as error:
                     if self._stopped.is_set():
@@ -483,7 +498,7 @@ class Watch:
                     _end_if_replaced(error, last)
                     if not away:
                         away = True
-                        _outage.began(unusable.said)
+                        _outage.began(self._where, unusable.said)
                     self._stopped.wait(self.retry_seconds)
         finally:
             if away:
@@ -505,8 +520,16 @@ class Watch:
         pulled = subscription.pulled()
         if self._by is None:
             return bool(pulled)
-        theirs = _event_views(((n.id, n.topic, n.state) for n in pulled), None, self._by)
-        return next(theirs, None) is not None
+        for n in pulled:
+            if n.id not in self._decoded:
+                self._decoded[n.id] = self._view(n)
+            if self._decoded[n.id] is not None:
+                return True
+        return False
+
+    def _view(self, n: Notification) -> dict[str, Any] | None:
+        """The change ``n`` is, as given; ``None`` for another actor's."""
+        return next(_event_views([(n.id, n.topic, n.state)], None, self._by), None)
 
 
 # The event library's settings that encrypt stored events (with the service's
@@ -1395,16 +1418,12 @@ class Models(AuditTrail, Application[UUID]):
             or not declaration_differs(self.catalog, self.declared)
         ):
             return
-        try:
-            theirs: DeclaredConfig | None = pointintime.declared_at(conn, recorded[1])
-        except Refused:
-            theirs = None  # a record this release cannot read: only the wording hangs on it
         log.warning(
             "no declared config given (%s) as this node started: another node recorded one "
             "at revision %d, and this node's reads go without %s; restart it with that config",
             CONFIG_GIVEN_BY,
             recorded[1],
-            gone_without(theirs),
+            gone_without(self.recorded_config(recorded[1], conn)),
         )
 
     def refresh(self) -> None:
@@ -1468,11 +1487,19 @@ class Models(AuditTrail, Application[UUID]):
             declared = self._declared_at(conn, revision, declared_then)
             return pointintime.catalog_at(self.store, conn, declared, revision)
 
-    def recorded_config(self, revision: int) -> DeclaredConfig:
-        """The declared config the log had recorded as in force at ``revision``
-        (refused when that record cannot be read)."""
-        with self.store.read() as conn:
+    def recorded_config(
+        self, revision: int, conn: Connection | None = None
+    ) -> DeclaredConfig | None:
+        """The declared config the log had recorded as in force at ``revision``,
+        read in ``conn``'s transaction when given; None for a record this
+        release cannot read: only a warning's or a hint's wording hangs on it."""
+        if conn is None:
+            with self.store.read() as conn:
+                return self.recorded_config(revision, conn)
+        try:
             return pointintime.declared_at(conn, revision)
+        except Refused:
+            return None
 
     def _declared_at(self, conn: Connection, revision: int, then: bool) -> DeclaredConfig:
         """The declared layer a read of the past is replayed over: today's, as
@@ -1623,6 +1650,9 @@ class Models(AuditTrail, Application[UUID]):
         notifications, every look; on PostgreSQL, those in case a
         notification never comes)."""
         check_actor_filter(by)
+        # As ``log --by`` reads them: the database passes on only the events
+        # whose bytes hold the actor, each then decoded to tell (_event_views).
+        containing = () if by is None else spelling_marks(by)
         with self.store.read() as conn:
             head = self.store.head(conn)
             given = self.store.hash_at(conn, after)
@@ -1638,12 +1668,12 @@ class Models(AuditTrail, Application[UUID]):
             with self.store.read() as conn:
                 if self.store.hash_at(conn, last) != given:
                     raise LogRewritten.at(last)
-            subscription = self.store.subscribe(gt=last, gt_hash=given)
+            subscription = self.store.subscribe(gt=last, gt_hash=given, containing=containing)
             if poll_interval is not None and isinstance(subscription, PullingSubscription):
                 subscription.interval = poll_interval
             return subscription
 
-        return Watch(subscribe, after, given, by)
+        return Watch(subscribe, after, given, by, where=self.store.where)
 
     def rebuild(
         self, progress: Callable[[int, int], None] | None = None, *, audit: bool = True
@@ -1741,7 +1771,7 @@ class Models(AuditTrail, Application[UUID]):
             check_name(model)
         check_actor_filter(by)
         if by is not None:
-            theirs = self._log_rows(after, None, model, stored_forms(by))
+            theirs = self._log_rows(after, None, model, spelling_marks(by))
             return islice(_event_views(theirs, model, by, max_bytes), limit)
         if max_bytes is None:
             return _event_views(self._log_rows(after, limit, model), model)

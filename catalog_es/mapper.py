@@ -11,7 +11,6 @@ report while it carries on.
 
 from __future__ import annotations
 
-import json
 from contextlib import suppress
 from typing import Any
 from uuid import UUID
@@ -59,14 +58,24 @@ def encode_event(event: DomainEvent) -> bytes:
         ) from None
 
 
-def stored_forms(text: str) -> list[bytes]:
-    """The bytes ``text`` is, as a JSON string in a stored event: as this code
-    encodes it, and with all but ASCII escaped (as Python's json writes it: a
-    record made by hand). One that no UTF-8 holds has only the second."""
-    forms = {json.dumps(text).encode()}
+# What a JSON string spelled otherwise than this code writes it holds: JSON
+# lets any character be a \u escape (in either case), and "/" be "\/";
+# this code writes neither but for a control character with no short escape.
+_ESCAPE = b"\\u"
+_ESCAPED_SLASH = b"\\/"
+
+
+def spelling_marks(text: str) -> list[bytes]:
+    """Bytes of which a stored event holding ``text`` as a JSON string holds
+    one, however it was spelled: as this code writes it (as json.dumps
+    without ensure_ascii, jq or PostgreSQL write it too), or with an escape
+    no such form has, which every other spelling has (json.dumps's
+    ``\\u00e9``, another writer's ``\\u00E9`` or ``\\/``: a record made
+    by hand). A row holding one is a candidate, which decoding it tells."""
+    marks = [_ESCAPE, _ESCAPED_SLASH] if "/" in text else [_ESCAPE]
     with suppress(UnicodeEncodeError):
-        forms.add(_encoder.encode(text))
-    return sorted(forms)
+        marks.append(_encoder.encode(text))
+    return marks
 
 
 _VERSIONS: dict[type[DomainEvent], int] = {cls: cls.current_version() for cls in _STORED}

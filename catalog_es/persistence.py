@@ -63,6 +63,7 @@ from catalog_es.chain import (
     stored_head,
 )
 from catalog_es.errors import (
+    SHOWN_LENGTH,
     ConfigError,
     DamagedLog,
     LogRewritten,
@@ -654,7 +655,7 @@ def create_engine(url: str) -> Engine:
         engine = _settled_engine(parsed)
     except (ValueError, TypeError) as error:
         # A setting in the URL's query the driver cannot read (?timeout=abc).
-        told = shown(parsed.render_as_string(hide_password=True))
+        told = shown_url(parsed)
         raise ConfigError(f"the database URL {told}: {first_line(str(error))}") from None
     _forgotten_by_children(engine)
     return engine
@@ -671,6 +672,18 @@ _DRIVERS = {
 }
 
 
+def shown_url(url: sa.URL, limit: int = SHOWN_LENGTH) -> str:
+    """``url`` as a line quotes it, its password hidden."""
+    return shown(url.render_as_string(hide_password=True), limit)
+
+
+def url_where(url: sa.URL) -> str:
+    """Where the database at ``url`` is, said for an operator: "at URL",
+    whole as a deploy writes one (a schema's search_path and an application
+    name made one 160 characters), where a refusal of a URL quotes less."""
+    return f"at {shown_url(url, 512)}"
+
+
 def log_url(url: str) -> sa.URL:
     """``url`` as a URL the log can be kept at, or one line saying why not."""
     usage = "give sqlite:///FILE or postgresql+psycopg://USER@HOST/DATABASE"
@@ -680,7 +693,7 @@ def log_url(url: str) -> sa.URL:
     except (sa.exc.ArgumentError, ValueError):
         told = shown(re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", url))  # no password
         raise ConfigError(f"the database URL {told} is not a URL: {usage}") from None
-    told = shown(parsed.render_as_string(hide_password=True))
+    told = shown_url(parsed)
     driver = _DRIVERS.get(parsed.drivername)
     if driver is None:
         raise ConfigError(
@@ -1572,6 +1585,14 @@ class SQLRecorder(ProcessRecorder):
                 # over, nor to read back (which cost every new database 20 ms).
                 self.log_made = self._made_where(schema)
 
+    @property
+    def where(self) -> str:
+        """Where the log's database is, said for an operator: "at FILE" on
+        SQLite, "at URL" (its password hidden) on PostgreSQL."""
+        if self._file is not None:
+            return self._file.where
+        return url_where(self.engine.url)
+
     def _made_where(self, schema: str | None) -> str:
         """Where the log's table made in ``schema`` is, said for an operator:
         its file on SQLite; on PostgreSQL its schema, database and server as
@@ -2008,10 +2029,17 @@ class SQLRecorder(ProcessRecorder):
         return rows[count - 1][0] if count else None
 
     def pull_page(
-        self, after: int, after_hash: str | None, limit: int, max_bytes: int, topics: Sequence[str]
-    ) -> list[ChainedNotification]:
+        self,
+        after: int,
+        after_hash: str | None,
+        limit: int,
+        max_bytes: int,
+        topics: Sequence[str],
+        containing: Sequence[bytes] = (),
+    ) -> PulledPage:
         """A follower's next page: the events after ``after`` of
-        :meth:`page_end`'s page, with their hashes, in one read. Given
+        :meth:`page_end`'s page, with their hashes, in one read; only those
+        holding one of ``containing`` (:func:`holds_bytes`), when given. Given
         ``after_hash``, the hash of the event at ``after`` as the follower
         gave it, the log must still hold that hash there, or it is no longer
         the one the follower gave (:class:`LogRewritten`): the chain vouches
@@ -2022,6 +2050,8 @@ class SQLRecorder(ProcessRecorder):
         ).where(t.revision > after)
         if topics:
             query = query.where(t.topic.in_(topics))
+        if containing:
+            query = query.where(holds_bytes(containing))
         with self.read() as conn:
             # The hash stored at the follower's last event, not that recomputed
             # from the next one's content: an event edited by hand (skipped,
@@ -2031,11 +2061,16 @@ class SQLRecorder(ProcessRecorder):
             # since were given to none (retest).
             if after_hash is not None and self.hash_at(conn, after) != after_hash:
                 raise LogRewritten.at(after)
-            end = self._page_end(conn, after, limit, max_bytes, topics)
+            end = self._page_end(conn, after, limit, max_bytes, topics, containing=containing)
             if end is None:
-                return []
+                # None up to the head holds them: the next read starts past
+                # them, rather than reading them all again (every look, for
+                # an actor who writes nothing).
+                head = self.head(conn) if containing else after
+                head_hash = self.hash_at(conn, head) if head > after else after_hash
+                return PulledPage([], head, head_hash)
             page = conn.execute(query.where(t.revision <= end).order_by(t.revision))
-            return [
+            notifications = [
                 ChainedNotification(
                     id=r[0],
                     originator_id=r[1],
@@ -2046,6 +2081,7 @@ class SQLRecorder(ProcessRecorder):
                 )
                 for r in page
             ]
+            return PulledPage(notifications, end, notifications[-1].hash)
 
     def max_notification_id(self) -> int | None:
         with self.read() as conn:
@@ -2574,13 +2610,18 @@ class SQLRecorder(ProcessRecorder):
             return self._listener
 
     def subscribe(
-        self, gt: int | None = None, topics: Sequence[str] = (), *, gt_hash: str | None = None
+        self,
+        gt: int | None = None,
+        topics: Sequence[str] = (),
+        *,
+        gt_hash: str | None = None,
+        containing: Sequence[bytes] = (),
     ) -> Subscription[ApplicationRecorder]:
         """``gt_hash``: the hash of the event at ``gt`` as the follower knows
-        it; given, each page read must follow on from the last event given."""
-        if self.dialect == "postgresql":
-            return ListenSubscription(self, gt=gt, topics=topics, gt_hash=gt_hash)
-        return PollingSubscription(self, gt=gt, topics=topics, gt_hash=gt_hash)
+        it; given, each page read must follow on from the last event given.
+        ``containing``: only the events holding one of those bytes."""
+        kind = ListenSubscription if self.dialect == "postgresql" else PollingSubscription
+        return kind(self, gt=gt, topics=topics, gt_hash=gt_hash, containing=containing)
 
     # -- tracking ----------------------------------------------------------------
 
@@ -2646,6 +2687,15 @@ class ChainedNotification(Notification):
     hash: Any
 
 
+class PulledPage(NamedTuple):
+    """A follower's page (:meth:`SQLRecorder.pull_page`), and the revision
+    its next read starts after, with the hash stored there."""
+
+    notifications: list[ChainedNotification]
+    read_to: int
+    read_to_hash: Any
+
+
 class PullingSubscription(Subscription[SQLRecorder]):
     """New notifications as they commit, pulled a page at a time on the thread
     that iterates, once it has used up the last page: an unread follower holds
@@ -2661,7 +2711,10 @@ class PullingSubscription(Subscription[SQLRecorder]):
     Given ``gt_hash``, the hash of the event at ``gt``, it checks each page
     follows on from the last event it gave (:meth:`SQLRecorder.pull_page`):
     a log replaced under it (a restored backup) ends it, rather than its
-    events after the last given being given as if they followed it."""
+    events after the last given being given as if they followed it.
+
+    Given ``containing``, only the events holding one of those bytes
+    (:func:`holds_bytes`) are read: the database passes the others over."""
 
     page = 500
     page_bytes = 1 << 20
@@ -2674,10 +2727,12 @@ class PullingSubscription(Subscription[SQLRecorder]):
         topics: Sequence[str] = (),
         *,
         gt_hash: str | None = None,
+        containing: Sequence[bytes] = (),
     ) -> None:
         super().__init__(recorder=recorder, gt=gt, topics=topics)
         self._buffer: deque[ChainedNotification] = deque()
         self._last_hash = gt_hash
+        self._containing = containing
         self._woken = threading.Event()
         self._error: BaseException | None = None
 
@@ -2716,12 +2771,19 @@ class PullingSubscription(Subscription[SQLRecorder]):
             # catching up at once kept a server's other requests waiting
             # seconds, each of their threads wanting the interpreter's lock.
             with _PULLING:
-                self._buffer.extend(
-                    self._recorder.pull_page(
-                        after, self._last_hash, self.page, self.page_bytes, self._topics
-                    )
+                pulled = self._recorder.pull_page(
+                    after,
+                    self._last_hash,
+                    self.page,
+                    self.page_bytes,
+                    self._topics,
+                    self._containing,
                 )
+            self._buffer.extend(pulled.notifications)
             if not self._buffer:
+                self._last_notification_id = pulled.read_to
+                if self._last_hash is not None:
+                    self._last_hash = pulled.read_to_hash
                 self._woken.wait(self.interval)
         notification = self._buffer.popleft()
         self._last_notification_id = notification.id
@@ -2754,8 +2816,11 @@ class ListenSubscription(PullingSubscription):
         topics: Sequence[str] = (),
         *,
         gt_hash: str | None = None,
+        containing: Sequence[bytes] = (),
     ) -> None:
-        super().__init__(recorder=recorder, gt=gt, topics=topics, gt_hash=gt_hash)
+        super().__init__(
+            recorder=recorder, gt=gt, topics=topics, gt_hash=gt_hash, containing=containing
+        )
         self._listener = recorder.listener()
         self._listener.add(self)
 

@@ -2834,7 +2834,11 @@ def test_a_watch_starting_while_the_database_is_away_waits_for_it(pg_url: str, d
         threading.Thread(target=lambda q=lines[name], s=stream: [q.put(x) for x in s]).start()
     try:
         told = lines["err"].get(timeout=30)
-        assert told.startswith("warning: watch: the database could not be used (")
+        # Named as the log's URL lines name it (the password hidden): the
+        # line named no database, the driver's words no more than a port.
+        named = sa.make_url(through).set(drivername="postgresql+psycopg")
+        shown = repr(named.render_as_string(hide_password=True))
+        assert told.startswith(f"warning: watch: the database at {shown} could not be used (")
         assert told.rstrip().endswith("trying again every 1 s")
         writer.scale("m", 0, 2, by="ops")  # while it cannot reach the database
         proxy.resume()
@@ -2885,7 +2889,8 @@ def _serve_started_while_the_database_is_away(
     try:
         assert server.stderr is not None
         told = server.stderr.readline()
-        assert told.startswith("warning: serve: the database could not be used ("), told
+        shown = repr(sa.make_url(through).render_as_string(hide_password=True))
+        assert told.startswith(f"warning: serve: the database at {shown} could not be used ("), told
         assert told.rstrip().endswith("trying again every 1 s")
         yield _Waiting(server, port, secret, proxy, writer)
     finally:
@@ -3015,6 +3020,10 @@ def test_a_watch_follows_on_after_the_database_came_back(
         assert not thread.is_alive()
     assert seen == [[1, 2, 3]] * 3
     assert told() == ["gone", "back", "gone", "back"]
+    shown = repr(sa.make_url(through).render_as_string(hide_password=True))
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("watch: ")]
+    assert said[0].startswith(f"watch: the database at {shown} could not be used (")
+    assert said[1] == f"watch: the database at {shown} is back; following on"
     follower.close()
     writer.close()
     proxy.cut()  # and its threads end: a later test forks, alone

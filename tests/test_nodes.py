@@ -37,7 +37,7 @@ from catalog_es.inputs import DeclaredConfig, load_config, model_from_data
 from catalog_es.mapper import decode_event
 from catalog_es.persistence import (
     LOCK_WAIT_ENV,
-    ChainedNotification,
+    PulledPage,
     SQLRecorder,
     create_engine,
     database_unusable,
@@ -1016,7 +1016,7 @@ def test_a_follower_is_not_woken_by_another_schemas_writes_and_hears_its_own_at_
     reads: list[int] = []
     pull_page = follower.store.pull_page
 
-    def counted(*args: Any, **kwargs: Any) -> list[ChainedNotification]:
+    def counted(*args: Any, **kwargs: Any) -> PulledPage:
         reads.append(1)
         return pull_page(*args, **kwargs)
 

@@ -2324,7 +2324,7 @@ def test_a_stop_the_driver_told_as_a_lost_connection_still_stops_a_watch() -> No
                 "SELECT 1", None, psycopg.OperationalError("consuming input failed")
             ) from None
 
-    watch = Watch(subscribe, 0, None)
+    watch = Watch(subscribe, 0, None, where="at the test's")
     watch.retry_seconds = 0.01
     with pytest.raises(sa.exc.OperationalError):
         list(watch)

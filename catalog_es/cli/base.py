@@ -120,7 +120,7 @@ def once_it_answers(
     and is gone again as ``start()`` runs is waited for again."""
     import sqlalchemy as sa
 
-    from catalog_es.persistence import log_url
+    from catalog_es.persistence import log_url, url_where
 
     probe: sa.Engine | None = None
     try:
@@ -137,8 +137,8 @@ def once_it_answers(
                 waiting()
                 if probe is None:
                     say(
-                        f"warning: {command}: the database could not be used ({unusable}); "
-                        f"trying again every {START_RETRY_SECONDS:g} s",
+                        f"warning: {command}: the database {url_where(url)} could not be used "
+                        f"({unusable}); trying again every {START_RETRY_SECONDS:g} s",
                         err=True,
                     )
                     probe = sa.create_engine(url, poolclass=sa.pool.NullPool)
@@ -293,8 +293,7 @@ class Settings:
         return f" ({which}declared in {logs}, but not in {ours})"
 
     def _recorded_config(self, revision: int) -> DeclaredConfig | None:
-        """The declared config the log recorded at ``revision``; None when it
-        cannot be read (a record this release cannot read, a database gone):
+        """:meth:`Models.recorded_config`; None too with the database gone:
         only a hint or a warning's wording hangs on it, and what it goes with
         is told all the same."""
         import sqlalchemy as sa  # loaded with the service
@@ -302,7 +301,7 @@ class Settings:
         assert self._models is not None
         try:
             return self._models.recorded_config(revision)
-        except (Refused, sa.exc.SQLAlchemyError):
+        except sa.exc.SQLAlchemyError:
             return None
 
     def tell_another_config_recorded(self) -> None:
