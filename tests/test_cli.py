@@ -2254,6 +2254,13 @@ def test_check_updates_help_says_it_completes_an_origin_given_in_part(run: Run) 
     assert "the origin of each runtime model that has none or only part of one" in shown
 
 
+def test_token_add_help_says_a_write_token_may_apply(run: Run) -> None:
+    """It said a write token may run the model commands, leaving out apply,
+    which it may run too (POST /apply)."""
+    shown = " ".join(ok(run("token", "add", "--help")).stdout.split())
+    assert "write: model commands and apply;" in shown
+
+
 def test_watch_by_gives_that_actors_changes_alone_then_follows_them_live(
     run: Run, write: Any, db_url: str
 ) -> None:
