@@ -2682,6 +2682,20 @@ def test_cli_verify_lists_skipped_events_either_way(models: Models, db: str, con
     assert "unknown event type 'x:Gone'" in result.stdout
 
 
+def test_cli_verify_counts_one_event_as_one(db: str, tmp_path: Path) -> None:
+    """Its line said "chain intact: 1 events" of a log of one."""
+    no_models = tmp_path / "none.yaml"
+    no_models.write_text("models: []\n")
+    definition = tmp_path / "a.yaml"
+    definition.write_text(
+        "name: a\nengine: vllm\nsource: hf://o/a\nprofiles: [{name: g, gpus: 1}]\n"
+    )
+    assert invoke(db, no_models, "model", "add", str(definition)).exit_code == 0
+    result = invoke(db, no_models, "verify")
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout.startswith("chain intact: 1 event, head at revision 1 (")
+
+
 def test_verify_names_the_snapshots_taken_over_an_edit(
     db: str, config: Path, clock: Clock, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -2252,6 +2252,20 @@ def test_log_and_watch_help_say_by_is_a_filter_there(run: Run) -> None:
         assert "--by names the actor" in shown
 
 
+def test_check_updates_help_says_it_completes_an_origin_given_in_part(run: Run) -> None:
+    """It said it records the origin of a model that has none, where it also
+    completes one given in part (a repository alone, no files)."""
+    shown = " ".join(ok(run("model", "check-updates", "--help")).stdout.split())
+    assert "the origin of each runtime model that has none or only part of one" in shown
+
+
+def test_token_add_help_says_a_write_token_may_apply(run: Run) -> None:
+    """It said a write token may run the model commands, leaving out apply,
+    which it may run too (POST /apply)."""
+    shown = " ".join(ok(run("token", "add", "--help")).stdout.split())
+    assert "write: model commands and apply;" in shown
+
+
 def test_watch_by_gives_that_actors_changes_alone_then_follows_them_live(
     run: Run, write: Any, db_url: str
 ) -> None:

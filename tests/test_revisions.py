@@ -2092,6 +2092,21 @@ def test_a_replay_whose_audit_is_refused_says_what_was_made_again(
     assert count_events(db_url) == rows
 
 
+def test_a_replay_counts_one_model_as_one(db_url: str, tmp_path: Path) -> None:
+    """Its line said "1 models in force" of a catalog of one model."""
+    definition = tmp_path / "a.yaml"
+    definition.write_text(
+        "name: a\nengine: vllm\nsource: hf://o/a\nprofiles: [{name: g, gpus: 1}]\n"
+    )
+    runner = CliRunner()
+    assert runner.invoke(cli, ["--db", db_url, "model", "add", str(definition)]).exit_code == 0
+    replay = runner.invoke(cli, ["--db", db_url, "replay"])
+    assert replay.exit_code == 0, replay.stderr
+    assert replay.stdout.splitlines() == [
+        "replayed to revision 1: 1 model in force, 0 snapshots, 0 events skipped"
+    ]
+
+
 def test_the_snapshot_interval_comes_from_the_environment(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -214,7 +214,7 @@ def verify(settings: Settings) -> None:
         head = report["head"]
         if report["ok"]:
             at = f", head at revision {head['revision']} ({head['hash']})" if head else ""
-            click.echo(f"chain intact: {report['events']} events{at}")
+            click.echo(f"chain intact: {counted(report['events'], 'event')}{at}")
         if report["skipped"]:
             click.echo("skipped on load:")
             table(["REV", "MODEL", "EVENT", "REASON"], _skipped_rows(report["skipped"]))

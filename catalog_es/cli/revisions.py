@@ -226,8 +226,10 @@ def replay_command(settings: Settings) -> None:
 
     def human() -> None:
         click.echo(
-            f"replayed to revision {summary['revision']}: {summary['models']} models in force, "
-            f"{summary['snapshots']} snapshots, {len(summary['skipped'])} events skipped"
+            f"replayed to revision {summary['revision']}: "
+            f"{counted(summary['models'], 'model')} in force, "
+            f"{counted(summary['snapshots'], 'snapshot')}, "
+            f"{counted(len(summary['skipped']), 'event')} skipped"
         )
         for s in summary["skipped"]:
             what = msgspec.convert(s, Skipped).what()  # as the load's warning names it

@@ -388,7 +388,7 @@ def token() -> None:
     type=click.Choice([r.name for r in Role]),
     default=Role.read.name,
     show_default=True,
-    help="read: queries; write: model commands; admin: rollback too.",
+    help="read: queries; write: model commands and apply; admin: rollback too.",
 )
 @tokens_option
 @shared_options

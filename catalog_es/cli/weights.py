@@ -106,8 +106,8 @@ def model_updates(settings: Settings, mirror: str | None, weights_dir: str | Non
 @pass_settings
 def model_check_updates(settings: Settings, mirror: str | None, weights_dir: str | None) -> None:
     """Like updates, and record what is new: the origin of each runtime model
-    that has none, and each upstream change not recorded before (once, so the
-    log shows when it was first seen)."""
+    that has none or only part of one, and each upstream change not recorded
+    before (once, so the log shows when it was first seen)."""
     report = _weights(settings, mirror, weights_dir).check_updates(**meta(settings))
 
     def human() -> None:
