@@ -38,7 +38,6 @@ from catalog_es.chain import ChainHead, DamagedHead, deleted_tail, stored_head
 from catalog_es.collector import collector_paused
 from catalog_es.configuration import Configuration, DeclaredConfig, gone_without
 from catalog_es.errors import (
-    UNSAFE_TEXT,
     ConfigError,
     DamagedLog,
     InputError,
@@ -56,7 +55,7 @@ from catalog_es.errors import (
     lost_events,
     shown,
 )
-from catalog_es.inputs import check_actor, check_actor_filter
+from catalog_es.inputs import check_actor_filter, check_meta
 from catalog_es.mapper import (
     EventMapper,
     UndecodableEvent,
@@ -107,7 +106,6 @@ log = logging.getLogger("catalog_es")
 
 # Who records what the system works out by itself (an origin, say).
 SYSTEM_ACTOR = "catalog-es"
-MAX_REASON_LENGTH = 1000
 # Events a write catches up with while it holds the log's write lock, which
 # every node's writes queue behind (2,000 scalings: 8 ms). A node further
 # behind (it served nothing while others wrote) lets go of the lock and
@@ -249,16 +247,6 @@ def _pages(items: list[T], spec_of: Callable[[T], ModelSpec | None]) -> Iterator
             page, weight = [], 0
     if page:
         yield page
-
-
-def _check_meta(by: str, reason: str) -> None:
-    check_actor(by)
-    # A line break is text in a reason; what else a terminal would act on is not.
-    if len(reason) > MAX_REASON_LENGTH or UNSAFE_TEXT.search(reason.replace("\n", " ")):
-        raise InputError(
-            f"reason: must be at most {MAX_REASON_LENGTH} characters, "
-            "and no control or bidi characters but line breaks"
-        )
 
 
 class InForce(Sequence[ModelSpec]):
@@ -757,7 +745,7 @@ class Models(AuditTrail, Application[UUID]):
         """Add a model, or replace the definition of a runtime one."""
         try:
             step = commands.add(spec)
-            _check_meta(by, reason)
+            check_meta(by, reason)
 
             def plan(batch: Batch) -> None:
                 step.decide(batch)
@@ -889,7 +877,7 @@ class Models(AuditTrail, Application[UUID]):
         change's item, as ``apply --json`` gives it) is an iterator, to be
         read once, that builds its items as it is read; ``replaced`` names
         the runtime models an ``add`` replaced."""
-        _check_meta(by, reason)
+        check_meta(by, reason)
         outcomes: list[Outcome] = []
         # The change a refusal is about: the one that could not go; none when
         # the list as a whole was refused (a stale ``expected_revision``).
@@ -1053,7 +1041,7 @@ class Models(AuditTrail, Application[UUID]):
         ``streams``: the models whose stream versions the plan will need;
         ``lock_left``: this is the write again, after catching up outside
         the lock (:class:`_FarBehind`), with that much of the lock wait left."""
-        _check_meta(by, reason)
+        check_meta(by, reason)
         for name in streams:
             # A name no model can have, refused (and kept in the refusals by
             # the command) before it takes the lock, a model id or a query.

@@ -84,11 +84,13 @@ def from_env(name: str, what: str) -> str | None:
 def actor(given: str | None = None) -> str:
     """``--by``, else ``CATALOG_ES_ACTOR``, else the OS user. A ``--by`` given
     empty is refused as a blank one is (by the command), not replaced: it
-    was said, and it names no one."""
+    was said, and it names no one; the variable set empty is refused too
+    (``CATALOG_ES_ACTOR=$DEPLOYER``, unset, recorded the OS user unsaid)."""
     if given is not None:
         return given
-    if os.environ.get(ACTOR_ENV):
-        return os.environ[ACTOR_ENV]
+    in_env = from_env(ACTOR_ENV, "an actor")
+    if in_env is not None:
+        return in_env
     try:
         return getpass.getuser()
     except (KeyError, OSError):

@@ -68,6 +68,7 @@ MAX_INPUT_BYTES = 1 << 20
 # The declared config: a hundred thousand models take about a third of this.
 MAX_CONFIG_BYTES = 64 << 20
 MAX_ACTOR_LENGTH = 128
+MAX_REASON_LENGTH = 1000
 # A model's name, as the API's schema says it (check_name refuses others, in
 # its own words): a client generated from the schema, or a fuzzer, sent any
 # text, told nothing until it was refused.
@@ -104,6 +105,17 @@ def check_actor(by: str) -> None:
         raise InputError(
             f"actor {by[:40]!r}: begins or ends with a space, which no one filtering by "
             "the name would match: leave the spaces out"
+        )
+
+
+def check_meta(by: str, reason: str) -> None:
+    """Who makes a change and why, as a command records them."""
+    check_actor(by)
+    # A line break is text in a reason; what else a terminal would act on is not.
+    if len(reason) > MAX_REASON_LENGTH or UNSAFE_TEXT.search(reason.replace("\n", " ")):
+        raise InputError(
+            f"reason: must be at most {MAX_REASON_LENGTH} characters, "
+            "and no control or bidi characters but line breaks"
         )
 
 

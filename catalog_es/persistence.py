@@ -640,7 +640,9 @@ def sqlite_synchronous() -> str:
     """SQLite's ``synchronous`` setting for the log, from ``CATALOG_ES_SQLITE_SYNC``.
     FULL (the default): a command reported as written survives a power cut.
     NORMAL: it survives the process being killed, not the machine losing power.
-    Set empty, it is unset, as every ``CATALOG_ES_`` variable is."""
+    Set empty, it is unset, as the snapshot interval is: a setting of speed
+    falls back to its default, where one saying which log, config or actor
+    is refused (``bootstrap.from_env``)."""
     given = os.environ.get(SYNC_ENV, "")
     synchronous = given.strip().upper() or "FULL"
     if synchronous not in ("FULL", "NORMAL"):

@@ -839,6 +839,7 @@ def test_an_option_given_empty_is_refused_not_taken_for_its_default(
         ("CATALOG_ES_TOKENS", ["token", "list"], "a tokens file"),
         ("CATALOG_ES_MIRROR", ["model", "updates"], "a mirror directory"),
         ("CATALOG_ES_WEIGHTS", ["model", "updates", "--mirror", "."], "a weights directory"),
+        ("CATALOG_ES_ACTOR", ["model", "scale", "runtime", "--max", "2"], "an actor"),
     ],
 )
 def test_a_variable_set_empty_is_refused_as_its_option_given_empty_is(
@@ -852,7 +853,8 @@ def test_a_variable_set_empty_is_refused_as_its_option_given_empty_is(
     """`CATALOG_ES_DB=$URL` with the variable unset was taken as unset: a
     read made ./catalog.db and listed it, and the config, tokens and weights
     fell back to the working directory's, where `--db ''` and the others are
-    refused (hostile test)."""
+    refused (hostile test); the actor fell back to the OS user, recorded
+    as who made the change."""
     monkeypatch.chdir(tmp_path)
     write("catalog.yaml", config_yaml(spec("declared")).encode())
     monkeypatch.setenv("CATALOG_ES_DB", f"sqlite:///{tmp_path}/from-env.db")
@@ -3023,7 +3025,7 @@ def test_a_new_postgresql_log_is_said_to_be_made(
     said_to_be_made_once(pg_schema_url(), pg_schema_url(), made_in)
 
 
-# Queries refused on their input alone: the log is not needed to judge them.
+# Commands refused on their input alone: the log is not needed to judge them.
 REFUSED_AS_GIVEN = [
     ("log", "--by", ""),
     ("log", "--model", ""),
@@ -3036,15 +3038,22 @@ REFUSED_AS_GIVEN = [
     ("refusals", "--model", ""),
     ("history", "m", "--by", ""),
     ("--by", "", "history", "m"),
+    # A write's actor and reason, judged by the service's own checks.
+    ("model", "scale", "m", "--max", "2", "--by", ""),
+    ("model", "remove", "m", "--by", " alice"),
+    ("--reason", "rang\a", "model", "owner", "m", "team:a"),
+    ("rollback", "--to", "0", "--dry-run", "--by", "\u202ealice"),
+    ("model", "check-updates", "--mirror", ".", "--by", ""),
 ]
 
 
 @pytest.mark.parametrize("query", REFUSED_AS_GIVEN, ids=" ".join)
-def test_a_query_refused_as_given_makes_no_log(db_url: str, run: Run, query: list[str]) -> None:
+def test_a_command_refused_as_given_makes_no_log(db_url: str, run: Run, query: list[str]) -> None:
     """`log --by ''` on a path with no log made the log's tables (a new
     file on SQLite), then refused (review): a mistyped path was left with a
-    log nothing asked for. Input judged without the log is refused before
-    it is opened: one line, and nothing made."""
+    log nothing asked for; so did a write's blank actor. Input judged
+    without the log is refused before it is opened: one line, and nothing
+    made."""
     refused = refused_in_one_line(run(*query))
     assert "a new, empty one is made there" not in refused
     if db_url.startswith("sqlite"):

@@ -68,10 +68,14 @@ def change_filters(query: str) -> Callable[[F], F]:
             "--since",
             metavar="TIME",
             callback=_time_option,
-            help="From this UTC time on (inclusive), e.g. 2026-11-30T12:00:00Z.",
+            help="From this UTC time on (inclusive), e.g. 2026-11-30T12:00:00Z; a date"
+            " alone is its midnight.",
         ),
         click.option(
-            "--until", metavar="TIME", callback=_time_option, help="Before this UTC time."
+            "--until",
+            metavar="TIME",
+            callback=_time_option,
+            help="Before this UTC time (a date alone: its midnight).",
         ),
         click.option("--limit", type=COUNT, metavar="N", help="Only the N most recent."),
     ]

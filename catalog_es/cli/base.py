@@ -356,7 +356,11 @@ def _set_expected_revision(ctx: click.Context, _param: click.Parameter, given: A
 
 
 def shared_options(
-    f: F, by_help: str = "Who is making the change (else $CATALOG_ES_ACTOR, else the OS user)."
+    f: F,
+    by_help: str = (
+        "Who is making the change, on a command that writes"
+        " (else $CATALOG_ES_ACTOR, else the OS user)."
+    ),
 ) -> F:
     """``--json``, ``--by``, ``--reason`` and ``--expected-revision``: accepted on
     the root and on every command alike."""
@@ -1000,6 +1004,12 @@ def cli(settings: Settings, db: str | None, config: str | None) -> None:
 
 
 def meta(settings: Settings) -> dict[str, Any]:
+    """Who makes a write, why, and at which revision, as the service takes
+    them: refused by its own checks here, so asked for before the log is
+    opened (a blank actor made a log first, on a path with none)."""
+    from catalog_es.inputs import check_meta
+
+    check_meta(settings.actor, settings.reason)
     return {
         "by": settings.actor,
         "reason": settings.reason,

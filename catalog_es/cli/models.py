@@ -118,7 +118,8 @@ def model_add(settings: Settings, file: str) -> None:
     from catalog_es.inputs import read_model
 
     spec = read_model(file)
-    result = settings.models().add(spec, **meta(settings))
+    said = meta(settings)
+    result = settings.models().add(spec, **said)
     emit_result(settings, result, "added")
 
 
@@ -128,7 +129,8 @@ def model_add(settings: Settings, file: str) -> None:
 @pass_settings
 def model_remove(settings: Settings, name: str) -> None:
     """Take a runtime model out of the catalog."""
-    emit_result(settings, settings.models().remove(name, **meta(settings)), "removed")
+    said = meta(settings)
+    emit_result(settings, settings.models().remove(name, **said), "removed")
 
 
 @model.command("scale")
@@ -141,7 +143,8 @@ def model_scale(settings: Settings, name: str, minimum: int | None, maximum: int
     """Change how many replicas a runtime model runs."""
     if minimum is None and maximum is None:
         raise click.UsageError("give --min, --max, or both")
-    result = settings.models().scale(name, minimum, maximum, **meta(settings))
+    said = meta(settings)
+    result = settings.models().scale(name, minimum, maximum, **said)
     emit_result(settings, result, "scaled")
 
 
@@ -165,8 +168,9 @@ def model_resources(
     # Given empty (``--profile "$P"``, the variable unset), it would change
     # every profile where one was meant.
     bootstrap.refuse_empty(profile, "--profile", "a profile's name")
+    said = meta(settings)
     result = settings.models().set_resources(
-        name, profile=profile, memory_gb=memory_gb, cpu_cores=cpu_cores, **meta(settings)
+        name, profile=profile, memory_gb=memory_gb, cpu_cores=cpu_cores, **said
     )
     emit_result(settings, result, "resources set on")
 
@@ -179,7 +183,8 @@ def model_resources(
 def model_class(settings: Settings, name: str, capacity_class: str) -> None:
     """Set the capacity class: critical, standard, opportunistic, or "" to go back
     to what the scaling implies."""
-    result = settings.models().set_class(name, capacity_class, **meta(settings))
+    said = meta(settings)
+    result = settings.models().set_class(name, capacity_class, **said)
     emit_result(settings, result, "class set on")
 
 
@@ -190,7 +195,8 @@ def model_class(settings: Settings, name: str, capacity_class: str) -> None:
 @pass_settings
 def model_owner(settings: Settings, name: str, owner: str) -> None:
     """Set the owner: org:ID, team:ID, project:ID, or "" for shared."""
-    result = settings.models().set_owner(name, owner, **meta(settings))
+    said = meta(settings)
+    result = settings.models().set_owner(name, owner, **said)
     emit_result(settings, result, "owner set on")
 
 
@@ -242,7 +248,8 @@ def model_adapters(
     from catalog_es.spec import Adapter  # after the usage error, which loads no service
 
     parsed = tuple(Adapter(name=k, source=v) for k, v in adapters)
-    result = settings.models().set_adapters(name, parsed, **meta(settings))
+    said = meta(settings)
+    result = settings.models().set_adapters(name, parsed, **said)
     emit_result(settings, result, "adapters set on")
 
 
@@ -283,7 +290,8 @@ def model_source(
             revision=revision or "",
             files=dict(files),
         )
-    result = settings.models().set_source(name, source, origin, **meta(settings))
+    said = meta(settings)
+    result = settings.models().set_source(name, source, origin, **said)
     emit_result(settings, result, "source set on")
 
 
@@ -394,7 +402,8 @@ def apply_command(settings: Settings, file: str) -> None:
     from catalog_es.inputs import read_changes
 
     changes = read_changes(file)  # refused before a log is opened, or made
-    result = settings.models().apply_changes(changes, **meta(settings))
+    said = meta(settings)
+    result = settings.models().apply_changes(changes, **said)
 
     if settings.json:
         head = {key: result[key] for key in ("revision", "changes")}

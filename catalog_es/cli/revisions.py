@@ -126,9 +126,8 @@ def rollback_command(
     compensating events in one transaction (the log is never rewritten)."""
     # Resolved by the service, so that a refusal records the revision or time
     # as given, as the HTTP API's does (doc audit).
-    result = settings.models().rollback(
-        to, model=model_name, only=only, dry_run=dry_run, **meta(settings)
-    )
+    said = meta(settings)
+    result = settings.models().rollback(to, model=model_name, only=only, dry_run=dry_run, **said)
     warn_if_taken_as_another(settings, to, result["to"])
 
     def human() -> None:

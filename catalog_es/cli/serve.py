@@ -50,7 +50,13 @@ tokens_option = click.option(
 
 @cli.command("serve")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
-@click.option("--port", type=WholeNumberRange(0, 65535), default=8080, show_default=True)
+@click.option(
+    "--port",
+    type=WholeNumberRange(0, 65535),
+    default=8080,
+    show_default=True,
+    help="Port to listen on; 0 takes a free one, said as the server starts.",
+)
 @click.option(
     "--access-log",
     is_flag=True,
@@ -129,8 +135,9 @@ def serve(
                 sockets.extend(_listening(host, port))
             # Before the warnings are let through: a start refused (a stale
             # --expected-revision) is one line, as any refusal.
+            said = meta(settings)
             models = settings.models()
-            return models, models.record_declaration(**meta(settings))
+            return models, models.record_declaration(**said)
 
         def not_listening() -> None:
             # While it waits for the database: a connection would sit in the

@@ -108,7 +108,8 @@ def model_check_updates(settings: Settings, mirror: str | None, weights_dir: str
     """Like updates, and record what is new: the origin of each runtime model
     that has none or only part of one, and each upstream change not recorded
     before (once, so the log shows when it was first seen)."""
-    report = _weights(settings, mirror, weights_dir).check_updates(**meta(settings))
+    said = meta(settings)
+    report = _weights(settings, mirror, weights_dir).check_updates(**said)
 
     def human() -> None:
         for origin in report["origins"]:
@@ -163,7 +164,8 @@ def model_update(
     """Move a runtime model to other weights of its repository: fetched beside
     the ones it runs, every checksum verified, then its replicas replaced one at
     a time. Refused, writing nothing, if any file is missing or differs."""
-    result = _weights(settings, mirror, weights_dir).update(name, revision, **meta(settings))
+    said = meta(settings)
+    result = _weights(settings, mirror, weights_dir).update(name, revision, **said)
     emit(settings, result, lambda: _show_move(result, "updated"))
 
 
@@ -187,5 +189,6 @@ def model_rollback(
 ) -> None:
     """Move a runtime model back to weights it ran before, with the checksums
     the log recorded for them, verified the same way as an update."""
-    result = _weights(settings, mirror, weights_dir).rollback(name, to, **meta(settings))
+    said = meta(settings)
+    result = _weights(settings, mirror, weights_dir).rollback(name, to, **said)
     emit(settings, result, lambda: _show_move(result, "rolled back"))

@@ -50,7 +50,7 @@ from starlette.requests import ClientDisconnect
 from starlette.routing import Match, Mount, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from catalog_es.application import MAX_REASON_LENGTH, CommandResult, Models
+from catalog_es.application import CommandResult, Models
 from catalog_es.errors import (
     DamagedLog,
     DamagedReadModel,
@@ -69,6 +69,7 @@ from catalog_es.inputs import (
     MAX_CHANGES,
     MAX_CHANGES_BYTES,
     MAX_INPUT_BYTES,
+    MAX_REASON_LENGTH,
     NAME_REGEX,
     NAME_SCHEMA,
     AdaptersChange,
