@@ -442,6 +442,10 @@ class AuditView(TrackingRecorder):
         self.engine: Engine = store.engine
         self.config = config
         self._tables: dict[str, sa.Table] = {}
+        # The applications whose table a read of this process last found
+        # missing: the next catch-up takes the lock to make it without
+        # reading it first (on PostgreSQL, a failed lock of four round trips).
+        self._missing: set[str] = set()
         # When this process last said it uses its table (monotonic), by application.
         self._used: dict[str, float] = {}
         store.create_tables(metadata)
@@ -484,14 +488,16 @@ class AuditView(TrackingRecorder):
         made, empty: the catch-up starts from 0. So does one whose position is
         behind its rows (set back by hand, the usual way to have a read model
         made again), from which a catch-up would write rows twice."""
-        try:
-            with self._reading(application_name) as conn:
-                found = self._tracked_to(conn, application_name)
-                if found is not None and found[1] <= found[0].position:
-                    return found[0]
-        except ViewMoved:  # the table is missing
-            pass
+        if application_name not in self._missing:
+            try:
+                with self._reading(application_name) as conn:
+                    found = self._tracked_to(conn, application_name)
+                    if found is not None and found[1] <= found[0].position:
+                        return found[0]
+            except ViewMoved:  # the table is missing
+                pass
         with self.store.locked("catalog_es.audit") as conn:
+            self._missing.discard(application_name)
             # Another process may have made it since the read.
             tables = self._found(conn, application_name)
             if self.table(application_name).name in tables:
@@ -766,6 +772,7 @@ class AuditView(TrackingRecorder):
             else:
                 there = sa.inspect(conn).has_table(name)
             if not there:
+                self._missing.add(application_name)
                 raise ViewMoved("the audit table of this config is missing: it will be made again")
             yield conn
 
