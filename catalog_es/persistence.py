@@ -1789,19 +1789,18 @@ class SQLRecorder(ProcessRecorder):
                         f" SET LOCAL idle_in_transaction_session_timeout = {idle};"
                         f" SET LOCAL tcp_user_timeout = {idle}"
                     )
-                    # The held writer is in autocommit mode: its transaction
+                    # Either connection is in autocommit mode: its transaction
                     # begins in the round trip that takes the lock, where
                     # psycopg would send a BEGIN of its own before it (one
                     # round trip of the five a command took); its commit()
                     # and rollback() end the transaction begun here.
-                    begin = "BEGIN; " if shared else ""
                     if params is None:
                         # One round trip for all six, on every command's path.
                         # The write's statements are the same each time, and
                         # psycopg prepares them: planned once, not per command
                         # (planning the append took 0.3 ms of a command's 1.1).
                         conn.exec_driver_sql(
-                            f"{begin}{timeout}; SET LOCAL plan_cache_mode = force_generic_plan;"
+                            f"BEGIN; {timeout}; SET LOCAL plan_cache_mode = force_generic_plan;"
                             f" {'; '.join(postgresql_locks)}"
                         )
                     else:
@@ -1813,7 +1812,7 @@ class SQLRecorder(ProcessRecorder):
                         raw = conn.connection.driver_connection
                         values = {k: sql.Literal(v).as_string(raw) for k, v in params.items()}
                         deadline = time.monotonic() + waiting
-                        setting = begin + timeout
+                        setting = f"BEGIN; {timeout}"
                         for postgresql_lock in postgresql_locks:
                             conn.exec_driver_sql(f"{setting}; {postgresql_lock % values}")
                             # lock_timeout bounds each wait, not all of them: the
@@ -1836,6 +1835,10 @@ class SQLRecorder(ProcessRecorder):
         with self.engine.connect() as conn, self._waiting(conn, wait):
             self._on_the_file()
             conn.execution_options(catalog_write=True)
+            if self.dialect == "postgresql":
+                # Its transaction is begun by hand, as the held writer's
+                # (:meth:`_locked`); the pool puts the mode back as it is returned.
+                conn.execution_options(isolation_level="AUTOCOMMIT")
             yield conn
 
     @contextmanager

@@ -44,7 +44,7 @@ from catalog_es.persistence import (
     prepared_elsewhere,
 )
 from catalog_es.web.tokens import TokenStore
-from tests.helpers import count_events, log_rows, model_data, put_back, schema_of
+from tests.helpers import count_events, log_rows, model_data, put_back, round_trips, schema_of
 from tests.serving import bearer, http_client, started
 
 CONFIG = """
@@ -1107,24 +1107,17 @@ def test_a_lock_taken_in_two_steps_waits_one_wait_in_all(pg_url: str) -> None:
 def test_a_lock_taken_in_two_steps_takes_each_with_its_wait_in_one_round_trip(
     pg_url: str,
 ) -> None:
-    """Each lock goes to the server with the SET of its wait: a command that
-    writes the audit's rows or its use took five round trips to take the
-    lock (BEGIN, SET, lock, SET, lock), three now."""
+    """Each lock goes to the server with the SET of its wait, the first with
+    the transaction's BEGIN: a command that writes the audit's rows or its
+    use took five round trips to take the lock (BEGIN, SET, lock, SET,
+    lock), three, then two (psycopg's BEGIN went alone)."""
     node = Models(DeclaredConfig(), env={"CATALOG_ES_DB": pg_url})
     node.store.log_schema()  # found once per process, before any lock
-    statements: list[str] = []
-
-    def seen(*args: Any) -> None:
-        statements.append(str(args[2]))
-
-    sa.event.listen(node.store.engine, "before_cursor_execute", seen)
-    try:
-        with node.store.locked("catalog_es.audit"):
-            pass
-    finally:
-        sa.event.remove(node.store.engine, "before_cursor_execute", seen)
-    assert len(statements) == 2, statements
-    assert all("lock_timeout" in s and "pg_advisory_xact_lock" in s for s in statements)
+    with round_trips(node.store.engine) as trips, node.store.locked("catalog_es.audit"):
+        pass
+    assert len(trips) == 3, trips  # the two locks, then COMMIT
+    assert trips[0][0].startswith('"BEGIN; '), trips
+    assert all("lock_timeout" in t[0] and "pg_advisory_xact_lock" in t[0] for t in trips[:2])
     node.close()
 
 
