@@ -893,12 +893,17 @@ def _settled_engine(url: sa.URL) -> Engine:
                 )
 
         return engine
-    # No column is an hstore: looking the type up cost each process's first
-    # connection three round trips more.
-    engine = sa.create_engine(url, pool_pre_ping=True, use_native_hstore=False)
+    engine = postgresql_engine(url, pool_pre_ping=True)
     _check_connection_settings(engine, url)
     _unprepared_behind_a_pooler(engine)
     return engine
+
+
+def postgresql_engine(url: sa.URL, **options: Any) -> Engine:
+    """An engine on the PostgreSQL database at ``url``, with ``options``. No
+    column is an hstore: SQLAlchemy looking the type up cost each engine's
+    first connection three round trips more."""
+    return sa.create_engine(url, use_native_hstore=False, **options)
 
 
 # SQLSTATEs of a prepared statement that is another session's, or that this

@@ -157,11 +157,13 @@ def count_events(url: str) -> int:
 
 
 @contextmanager
-def round_trips(engine: sa.Engine) -> Iterator[list[list[str]]]:
-    """The round trips to PostgreSQL of the connections ``engine`` hands out
-    inside the ``with`` (its pool's check before use aside), as libpq's
-    trace tells them, once the block ends: each what the client sent
-    before it waited for the server (the text of its statements, and
+def round_trips(engine: sa.Engine | type[sa.Engine]) -> Iterator[list[list[str]]]:
+    """The round trips to PostgreSQL of the connections ``engine`` (or every
+    engine: ``sa.Engine``) makes or hands out inside the ``with`` (its
+    pool's check before use aside; a connection made here from its first
+    statement, those SQLAlchemy asks of a new engine's among them), as
+    libpq's trace tells them, once the block ends: each what the client
+    sent before it waited for the server (the text of its statements, and
     ``Sync``). A BEGIN that psycopg sends of its own is one, as it costs."""
     # Here: the SQLite tests do not load libpq.
     from psycopg.pq import Trace
@@ -177,6 +179,13 @@ def round_trips(engine: sa.Engine) -> Iterator[list[list[str]]]:
             driver.pgconn.trace(traced[driver].fileno())
             driver.pgconn.set_trace_flags(Trace.SUPPRESS_TIMESTAMPS | Trace.REGRESS_MODE)
 
+    def connecting(dialect: Any, _record: Any, cargs: Any, cparams: Any) -> Any:
+        if dialect.name != "postgresql":
+            return None  # connected as it would be
+        driver = dialect.connect(*cargs, **cparams)
+        start(driver)
+        return driver
+
     def stop(driver: Any, *_: Any) -> None:
         trace = traced.pop(driver, None)
         if trace is None:
@@ -185,7 +194,8 @@ def round_trips(engine: sa.Engine) -> Iterator[list[list[str]]]:
         trace.seek(0)
         sending: list[str] | None = None
         for line in trace.read().splitlines():
-            direction, _length, kind, *said = [*line.split("\t"), ""]
+            # A message's line; a statement's text may go on over several.
+            direction, _length, kind, *said = [*line.split("\t"), "", "", ""]
             if direction == "F":
                 sending = sending or []
                 sending.append(said[0].strip() if kind in ("Query", "Parse") else kind)
@@ -193,13 +203,18 @@ def round_trips(engine: sa.Engine) -> Iterator[list[list[str]]]:
                 trips.append(sending)
                 sending = None
 
-    sa.event.listen(engine, "checkout", start)
-    sa.event.listen(engine, "checkin", stop)
+    listeners: dict[str, Callable[..., Any]] = {
+        "do_connect": connecting,
+        "checkout": start,
+        "checkin": stop,
+    }
+    for event, listener in listeners.items():
+        sa.event.listen(engine, event, listener)
     try:
         yield trips
     finally:
-        sa.event.remove(engine, "checkout", start)
-        sa.event.remove(engine, "checkin", stop)
+        for event, listener in listeners.items():
+            sa.event.remove(engine, event, listener)
         with files:
             for driver in list(traced):
                 stop(driver)

@@ -32,6 +32,7 @@ import sqlalchemy as sa
 
 from catalog_es import application, commands
 from catalog_es.application import Models
+from catalog_es.cli import base
 from catalog_es.errors import NoConfigGiven, Refused, StorageBusy
 from catalog_es.inputs import DeclaredConfig, load_config, model_from_data
 from catalog_es.mapper import decode_event
@@ -1119,6 +1120,55 @@ def test_a_lock_taken_in_two_steps_takes_each_with_its_wait_in_one_round_trip(
     assert trips[0][0].startswith('"BEGIN; '), trips
     assert all("lock_timeout" in t[0] and "pg_advisory_xact_lock" in t[0] for t in trips[:2])
     node.close()
+
+
+def test_a_first_postgresql_connection_does_not_look_up_hstore(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """SQLAlchemy looks the hstore type up on an engine's first connection,
+    three round trips, unless told not to (no column is one): the log's
+    engine is, and so is the one a command that runs until stopped makes to
+    wait for its database, which asked it on each start after an outage.
+    Either's first connection asks what SQLAlchemy must know of the server
+    (its version, schema, isolation and quoting) in four, with psycopg's
+    BEGIN and ROLLBACK around them."""
+    asked = [
+        '"select pg_catalog.version()"',
+        '"select current_schema()"',
+        '"show transaction isolation level"',
+        '"show standard_conforming_strings"',
+    ]
+
+    def first_connection(trips: list[list[str]]) -> list[list[str]]:
+        end = trips.index(['"ROLLBACK"']) + 1
+        assert trips[:end] == [['"BEGIN"'], *([s] for s in asked), ['"ROLLBACK"']], trips
+        return trips[:end]
+
+    engine = create_engine(pg_url)
+    with round_trips(engine) as trips, engine.connect():
+        pass
+    engine.dispose()
+    first_connection(trips)
+    monkeypatch.setattr(base, "START_RETRY_SECONDS", 0.01)
+    settings = base.Settings()
+    settings.db = pg_url
+    with socket.socket() as free:  # a port nothing answers on: an outage
+        free.bind(("127.0.0.1", 0))
+        nowhere = sa.make_url(pg_url).set(port=free.getsockname()[1])
+    away = sa.create_engine(nowhere, poolclass=sa.pool.NullPool)
+    tries: list[int] = []
+
+    def start() -> str:
+        tries.append(1)
+        if len(tries) == 1:
+            with away.connect():
+                pass
+        return "started"
+
+    with round_trips(sa.Engine) as trips:
+        assert base.once_it_answers(settings, "watch", start) == "started"
+    assert "trying again every" in capsys.readouterr().err
+    assert len(first_connection(trips)) == len(trips)  # the wait's engine's connection, alone
 
 
 def test_a_previous_release_follower_still_hears_this_releases_writes(pg_url: str) -> None:

@@ -122,7 +122,7 @@ def once_it_answers(
     and is gone again as ``start()`` runs is waited for again."""
     import sqlalchemy as sa
 
-    from catalog_es.persistence import log_url
+    from catalog_es.persistence import log_url, postgresql_engine
 
     probe: sa.Engine | None = None
     try:
@@ -143,7 +143,7 @@ def once_it_answers(
                         f"trying again every {START_RETRY_SECONDS:g} s",
                         err=True,
                     )
-                    probe = sa.create_engine(url, poolclass=sa.pool.NullPool)
+                    probe = postgresql_engine(url, poolclass=sa.pool.NullPool)
                 _until_it_answers(probe)
     finally:
         if probe is not None:
