@@ -212,29 +212,31 @@ _TYPES_IN_THE_WAY = (
 )
 
 
-def tables_found(conn: Connection, names: Sequence[str]) -> set[str]:
+def tables_found(conn: Connection, names: Sequence[str]) -> dict[str, str]:
     """Which of the tables ``names`` this connection's queries find, in one
     statement: a start on PostgreSQL asked it table by table, a round trip
     each. Refused when another kind of object takes one's name (a view): a
     read then made the other tables and failed on it, in a line that named
-    neither it nor what to do (last session's notes)."""
+    neither it nor what to do (last session's notes). Each found names its
+    schema on PostgreSQL (empty on SQLite)."""
     if conn.dialect.name == "sqlite":
         found = conn.exec_driver_sql(
             # SQLite's names are the same in any case: CATALOG_EVENTS is the table.
-            "SELECT name, type, '' FROM sqlite_master WHERE type IN ('table', 'view', 'index')"
+            "SELECT name, type, '', '' FROM sqlite_master WHERE type IN ('table', 'view', 'index')"
             f" AND name COLLATE NOCASE IN ({', '.join('?' * len(names))})",
             tuple(names),
         )
     else:
         found = conn.exec_driver_sql(
-            "SELECT relname, relkind::text, ' in schema ' || relnamespace::regnamespace"
-            " FROM pg_class WHERE relname = ANY(%(names)s) AND pg_table_is_visible(oid)",
+            "SELECT c.relname, c.relkind::text, ' in schema ' || c.relnamespace::regnamespace,"
+            " n.nspname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
+            " WHERE c.relname = ANY(%(names)s) AND pg_table_is_visible(c.oid)",
             {"names": list(names)},
         )
-    tables: set[str] = set()
-    for name, kind, where in found:
+    tables: dict[str, str] = {}
+    for name, kind, where, schema in found:
         if kind not in _NOT_TABLES:  # a table (on PostgreSQL, partitioned or foreign too)
-            tables.add(name.lower())
+            tables[name.lower()] = schema
             continue
         raise _in_the_way(conn, _NOT_TABLES[kind], name, where)
     return tables
@@ -1531,6 +1533,11 @@ class SQLRecorder(ProcessRecorder):
             columns = _log_columns(conn) if log and events_table.name in found else None
             if columns is not None:
                 _check_log_columns(conn, columns)
+                if self.dialect == "postgresql":
+                    # Where the log is, which :meth:`log_schema` asked next:
+                    # four round trips more a process that writes (the pool's
+                    # check, BEGIN, the query, ROLLBACK).
+                    self._log_schema = found[events_table.name]
             if len(found) == len(names) and not (columns is not None and _unlinked(columns)):
                 return
         # Asked here, the schema the log's table is made in when it is missing.

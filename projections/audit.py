@@ -25,7 +25,7 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import MAXYEAR, UTC, datetime, timedelta
 from typing import Any, TypedDict
@@ -512,20 +512,24 @@ class AuditView(TrackingRecorder):
             return self._make(conn, application_name, tables)
 
     def _made_again(
-        self, conn: Connection, application_name: str, why: str, tables: set[str] | None = None
+        self,
+        conn: Connection,
+        application_name: str,
+        why: str,
+        tables: Collection[str] | None = None,
     ) -> Tracked:
         """:meth:`_make`, for rows that were there, told ``why`` they went."""
         log.warning("audit rows made again from the log: %s", why)
         return self._make(conn, application_name, tables)
 
-    def _found(self, conn: Connection, application_name: str) -> set[str]:
+    def _found(self, conn: Connection, application_name: str) -> Collection[str]:
         """Which of the tracking table and this config's table are there, in
         one statement: SQLAlchemy's inspector asked it table by table, three
         times in a row, a round trip each on PostgreSQL."""
         return tables_found(conn, [tracking_table.name, self.table(application_name).name])
 
     def _make(
-        self, conn: Connection, application_name: str, tables: set[str] | None = None
+        self, conn: Connection, application_name: str, tables: Collection[str] | None = None
     ) -> Tracked:
         """This config's table, made anew with its position at 0; those of
         configs no longer in use go (:meth:`_drop_unused`). ``tables``: what

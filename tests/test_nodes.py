@@ -1122,6 +1122,29 @@ def test_a_lock_taken_in_two_steps_takes_each_with_its_wait_in_one_round_trip(
     node.close()
 
 
+def test_a_write_after_a_start_asks_nothing_more_of_where_the_log_is(
+    pg_schema_url: Callable[..., str],
+) -> None:
+    """A start on a log finds its schema with its tables: a process's first
+    write asked it again (its locks and notifications are the schema's),
+    three round trips more, a command's on the command line. Found along a
+    search path that names a missing schema before it, and a name that
+    needs quotes."""
+    schema = f"Team-{uuid.uuid4().hex[:8]}"
+    log_url = pg_schema_url(schema)
+    maker = Models(DeclaredConfig(), env={"CATALOG_ES_DB": log_url})
+    maker.add(_definition("a", []), by="setup")
+    maker.close()
+    path = f'-csearch_path=nowhere,"{schema}"'
+    url = sa.make_url(log_url).update_query_dict({"options": path})
+    node = Models(DeclaredConfig(), env={"CATALOG_ES_DB": url.render_as_string(False)})
+    with round_trips(node.store.engine) as trips:
+        node.scale("a", 0, 2, by="ops")
+    assert len(trips) == 4, trips  # the lock, where the log stands, the append, COMMIT
+    assert node.store.log_schema() == schema
+    node.close()
+
+
 def test_a_first_postgresql_connection_does_not_look_up_hstore(
     pg_url: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
