@@ -1049,22 +1049,26 @@ def _search_path_kept(engine: Engine, given: str, path: str) -> None:
 
     @sa.event.listens_for(engine, "connect")
     def _kept(dbapi_connection: Any, _record: Any) -> None:
+        # Asked in no transaction: one round trip, where psycopg's BEGIN and
+        # the ROLLBACK after took two more, each new connection's. (A
+        # connection this fails on is not used.)
+        dbapi_connection.autocommit = True
+        setting, source, found = dbapi_connection.execute(
+            f"SELECT setting, source, {_SCHEMAS_FOUND} FROM pg_settings WHERE name = 'search_path'"
+        ).fetchone()
+        dbapi_connection.autocommit = False
+        if source == "client":
+            return
         # Rolled back: the path is set only for the time it takes to ask
         # which schemas it finds, and no transaction is left open.
         with (
             dbapi_connection.transaction(force_rollback=True),
             dbapi_connection.cursor() as cursor,
         ):
-            cursor.execute(
-                f"SELECT setting, source, {_SCHEMAS_FOUND} FROM pg_settings"
-                " WHERE name = 'search_path'"
-            )
-            setting, source, found = cursor.fetchone()
-            if source != "client":
-                cursor.execute("SELECT set_config('search_path', %s, true)", (path,))
-                cursor.execute(f"SELECT {_SCHEMAS_FOUND}")
-                (asked,) = cursor.fetchone()
-        if source != "client" and asked != found:
+            cursor.execute("SELECT set_config('search_path', %s, true)", (path,))
+            cursor.execute(f"SELECT {_SCHEMAS_FOUND}")
+            (asked,) = cursor.fetchone()
+        if asked != found:
             raise psycopg.errors.InvalidSchemaName(
                 f"{given} sets the search path (options), but this session's is"
                 f" {setting!r}, from its {source or 'default'}: a connection pooler dropped"

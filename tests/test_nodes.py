@@ -386,6 +386,19 @@ def test_a_node_whose_pooler_dropped_the_urls_search_path_is_refused(pg_url: str
     engine.dispose()
 
 
+def test_a_new_connection_checks_the_urls_search_path_in_one_round_trip(pg_url: str) -> None:
+    """Each new connection of a node whose URL sets the search path asks
+    which schemas its session finds (above): in a transaction of its own,
+    psycopg's BEGIN and the ROLLBACK made that three round trips."""
+    engine = create_engine(pg_url)
+    with round_trips(engine) as trips, engine.connect():
+        pass
+    engine.dispose()
+    checked = trips[trips.index(['"ROLLBACK"']) + 1 :]  # past SQLAlchemy's first questions
+    assert len(checked) == 1, checked
+    assert "search_path" in checked[0][0]
+
+
 @pytest.mark.parametrize("kept", ["{schema}", '"$user", {schema}, pg_catalog'])
 def test_a_node_whose_pooler_dropped_a_search_path_its_role_also_has_uses_its_log(
     pg_url: str, kept: str
