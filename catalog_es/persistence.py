@@ -1532,6 +1532,11 @@ class SQLRecorder(ProcessRecorder):
         names = [table.name for table in tables.sorted_tables]
         log = tables is metadata
         with self.engine.connect() as conn:
+            if self.dialect == "postgresql":
+                # Reads of the server's catalog, which a transaction at its
+                # default isolation gives no one view of either: psycopg's
+                # BEGIN and the ROLLBACK cost each start two round trips.
+                conn.execution_options(isolation_level="AUTOCOMMIT")
             found = tables_found(conn, names)
             # Read every start a log is there (the unlinked check): no cost added.
             columns = _log_columns(conn) if log and events_table.name in found else None
