@@ -1305,17 +1305,27 @@ class Models(AuditTrail, Application[UUID]):
         there, as every write is, whether or not there is a config to record."""
         asked = {"fingerprint": self.declared.fingerprint}
         with self.refusals_recorded(CONFIG_DECLARED, "", by, reason, asked):
-            # One view of the log, so that a refusal tells of the log it read.
-            with self._state, self.store.read() as conn:
-                self._catch_up(conn)
+            with self._state:
+                if expected_revision is None:
+                    # Nothing to refuse: most starts find the log where the
+                    # load left it, which one statement tells (:meth:`refresh`),
+                    # where a read transaction cost two round trips more.
+                    self.refresh()
+                else:
+                    # One view of the log, so that a refusal tells of the log it read.
+                    with self.store.read() as conn:
+                        self._catch_up(conn)
+                        if expected_revision != self.catalog.revision:
+                            # Refused on what the read saw, not behind another
+                            # node's write: the log only moves on.
+                            raise self._revision_conflict(
+                                conn,
+                                expected_revision,
+                                self.catalog.revision,
+                                self.store.standing(conn),
+                            )
                 at = self.catalog.revision
                 differs = declaration_differs(self.catalog, self.declared)
-                if expected_revision is not None and expected_revision != at:
-                    # Refused on what the read saw, not behind another node's
-                    # write: the log only moves on.
-                    raise self._revision_conflict(
-                        conn, expected_revision, at, self.store.standing(conn)
-                    )
             if not differs:
                 return at
             revision, _ = self._write(

@@ -213,29 +213,31 @@ _TYPES_IN_THE_WAY = (
 )
 
 
-def tables_found(conn: Connection, names: Sequence[str]) -> set[str]:
+def tables_found(conn: Connection, names: Sequence[str]) -> dict[str, str]:
     """Which of the tables ``names`` this connection's queries find, in one
     statement: a start on PostgreSQL asked it table by table, a round trip
     each. Refused when another kind of object takes one's name (a view): a
     read then made the other tables and failed on it, in a line that named
-    neither it nor what to do (last session's notes)."""
+    neither it nor what to do (last session's notes). Each found names its
+    schema on PostgreSQL (empty on SQLite)."""
     if conn.dialect.name == "sqlite":
         found = conn.exec_driver_sql(
             # SQLite's names are the same in any case: CATALOG_EVENTS is the table.
-            "SELECT name, type, '' FROM sqlite_master WHERE type IN ('table', 'view', 'index')"
+            "SELECT name, type, '', '' FROM sqlite_master WHERE type IN ('table', 'view', 'index')"
             f" AND name COLLATE NOCASE IN ({', '.join('?' * len(names))})",
             tuple(names),
         )
     else:
         found = conn.exec_driver_sql(
-            "SELECT relname, relkind::text, ' in schema ' || relnamespace::regnamespace"
-            " FROM pg_class WHERE relname = ANY(%(names)s) AND pg_table_is_visible(oid)",
+            "SELECT c.relname, c.relkind::text, ' in schema ' || c.relnamespace::regnamespace,"
+            " n.nspname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
+            " WHERE c.relname = ANY(%(names)s) AND pg_table_is_visible(c.oid)",
             {"names": list(names)},
         )
-    tables: set[str] = set()
-    for name, kind, where in found:
+    tables: dict[str, str] = {}
+    for name, kind, where, schema in found:
         if kind not in _NOT_TABLES:  # a table (on PostgreSQL, partitioned or foreign too)
-            tables.add(name.lower())
+            tables[name.lower()] = schema
             continue
         raise _in_the_way(conn, _NOT_TABLES[kind], name, where)
     return tables
@@ -924,12 +926,17 @@ def _settled_engine(url: sa.URL) -> Engine:
                 )
 
         return engine
-    # No column is an hstore: looking the type up cost each process's first
-    # connection three round trips more.
-    engine = sa.create_engine(url, pool_pre_ping=True, use_native_hstore=False)
+    engine = postgresql_engine(url, pool_pre_ping=True)
     _check_connection_settings(engine, url)
     _unprepared_behind_a_pooler(engine)
     return engine
+
+
+def postgresql_engine(url: sa.URL, **options: Any) -> Engine:
+    """An engine on the PostgreSQL database at ``url``, with ``options``. No
+    column is an hstore: SQLAlchemy looking the type up cost each engine's
+    first connection three round trips more."""
+    return sa.create_engine(url, use_native_hstore=False, **options)
 
 
 # SQLSTATEs of a prepared statement that is another session's, or that this
@@ -1073,22 +1080,26 @@ def _search_path_kept(engine: Engine, given: str, path: str) -> None:
 
     @sa.event.listens_for(engine, "connect")
     def _kept(dbapi_connection: Any, _record: Any) -> None:
+        # Asked in no transaction: one round trip, where psycopg's BEGIN and
+        # the ROLLBACK after took two more, each new connection's. (A
+        # connection this fails on is not used.)
+        dbapi_connection.autocommit = True
+        setting, source, found = dbapi_connection.execute(
+            f"SELECT setting, source, {_SCHEMAS_FOUND} FROM pg_settings WHERE name = 'search_path'"
+        ).fetchone()
+        dbapi_connection.autocommit = False
+        if source == "client":
+            return
         # Rolled back: the path is set only for the time it takes to ask
         # which schemas it finds, and no transaction is left open.
         with (
             dbapi_connection.transaction(force_rollback=True),
             dbapi_connection.cursor() as cursor,
         ):
-            cursor.execute(
-                f"SELECT setting, source, {_SCHEMAS_FOUND} FROM pg_settings"
-                " WHERE name = 'search_path'"
-            )
-            setting, source, found = cursor.fetchone()
-            if source != "client":
-                cursor.execute("SELECT set_config('search_path', %s, true)", (path,))
-                cursor.execute(f"SELECT {_SCHEMAS_FOUND}")
-                (asked,) = cursor.fetchone()
-        if source != "client" and asked != found:
+            cursor.execute("SELECT set_config('search_path', %s, true)", (path,))
+            cursor.execute(f"SELECT {_SCHEMAS_FOUND}")
+            (asked,) = cursor.fetchone()
+        if asked != found:
             raise psycopg.errors.InvalidSchemaName(
                 f"{given} sets the search path (options), but this session's is"
                 f" {setting!r}, from its {source or 'default'}: a connection pooler dropped"
@@ -1552,11 +1563,21 @@ class SQLRecorder(ProcessRecorder):
         names = [table.name for table in tables.sorted_tables]
         log = tables is metadata
         with self.engine.connect() as conn:
+            if self.dialect == "postgresql":
+                # Reads of the server's catalog, which a transaction at its
+                # default isolation gives no one view of either: psycopg's
+                # BEGIN and the ROLLBACK cost each start two round trips.
+                conn.execution_options(isolation_level="AUTOCOMMIT")
             found = tables_found(conn, names)
             # Read every start a log is there (the unlinked check): no cost added.
             columns = _log_columns(conn) if log and events_table.name in found else None
             if columns is not None:
                 _check_log_columns(conn, columns)
+                if self.dialect == "postgresql":
+                    # Where the log is, which :meth:`log_schema` asked next:
+                    # four round trips more a process that writes (the pool's
+                    # check, BEGIN, the query, ROLLBACK).
+                    self._log_schema = found[events_table.name]
             if len(found) == len(names) and not (columns is not None and _unlinked(columns)):
                 return
         # Asked here, the schema the log's table is made in when it is missing.
@@ -1828,19 +1849,18 @@ class SQLRecorder(ProcessRecorder):
                         f" SET LOCAL idle_in_transaction_session_timeout = {idle};"
                         f" SET LOCAL tcp_user_timeout = {idle}"
                     )
-                    # The held writer is in autocommit mode: its transaction
+                    # Either connection is in autocommit mode: its transaction
                     # begins in the round trip that takes the lock, where
                     # psycopg would send a BEGIN of its own before it (one
                     # round trip of the five a command took); its commit()
                     # and rollback() end the transaction begun here.
-                    begin = "BEGIN; " if shared else ""
                     if params is None:
                         # One round trip for all six, on every command's path.
                         # The write's statements are the same each time, and
                         # psycopg prepares them: planned once, not per command
                         # (planning the append took 0.3 ms of a command's 1.1).
                         conn.exec_driver_sql(
-                            f"{begin}{timeout}; SET LOCAL plan_cache_mode = force_generic_plan;"
+                            f"BEGIN; {timeout}; SET LOCAL plan_cache_mode = force_generic_plan;"
                             f" {'; '.join(postgresql_locks)}"
                         )
                     else:
@@ -1852,7 +1872,7 @@ class SQLRecorder(ProcessRecorder):
                         raw = conn.connection.driver_connection
                         values = {k: sql.Literal(v).as_string(raw) for k, v in params.items()}
                         deadline = time.monotonic() + waiting
-                        setting = begin + timeout
+                        setting = f"BEGIN; {timeout}"
                         for postgresql_lock in postgresql_locks:
                             conn.exec_driver_sql(f"{setting}; {postgresql_lock % values}")
                             # lock_timeout bounds each wait, not all of them: the
@@ -1875,6 +1895,10 @@ class SQLRecorder(ProcessRecorder):
         with self.engine.connect() as conn, self._waiting(conn, wait):
             self._on_the_file()
             conn.execution_options(catalog_write=True)
+            if self.dialect == "postgresql":
+                # Its transaction is begun by hand, as the held writer's
+                # (:meth:`_locked`); the pool puts the mode back as it is returned.
+                conn.execution_options(isolation_level="AUTOCOMMIT")
             yield conn
 
     @contextmanager

@@ -25,7 +25,7 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import MAXYEAR, UTC, datetime, timedelta
 from typing import Any, TypedDict
@@ -442,6 +442,10 @@ class AuditView(TrackingRecorder):
         self.engine: Engine = store.engine
         self.config = config
         self._tables: dict[str, sa.Table] = {}
+        # The applications whose table a read of this process last found
+        # missing: the next catch-up takes the lock to make it without
+        # reading it first (on PostgreSQL, a failed lock of four round trips).
+        self._missing: set[str] = set()
         # When this process last said it uses its table (monotonic), by application.
         self._used: dict[str, float] = {}
         store.create_tables(metadata)
@@ -484,14 +488,16 @@ class AuditView(TrackingRecorder):
         made, empty: the catch-up starts from 0. So does one whose position is
         behind its rows (set back by hand, the usual way to have a read model
         made again), from which a catch-up would write rows twice."""
-        try:
-            with self._reading(application_name) as conn:
-                found = self._tracked_to(conn, application_name)
-                if found is not None and found[1] <= found[0].position:
-                    return found[0]
-        except ViewMoved:  # the table is missing
-            pass
+        if application_name not in self._missing:
+            try:
+                with self._reading(application_name) as conn:
+                    found = self._tracked_to(conn, application_name)
+                    if found is not None and found[1] <= found[0].position:
+                        return found[0]
+            except ViewMoved:  # the table is missing
+                pass
         with self.store.locked("catalog_es.audit") as conn:
+            self._missing.discard(application_name)
             # Another process may have made it since the read.
             tables = self._found(conn, application_name)
             if self.table(application_name).name in tables:
@@ -506,20 +512,24 @@ class AuditView(TrackingRecorder):
             return self._make(conn, application_name, tables)
 
     def _made_again(
-        self, conn: Connection, application_name: str, why: str, tables: set[str] | None = None
+        self,
+        conn: Connection,
+        application_name: str,
+        why: str,
+        tables: Collection[str] | None = None,
     ) -> Tracked:
         """:meth:`_make`, for rows that were there, told ``why`` they went."""
         log.warning("audit rows made again from the log: %s", why)
         return self._make(conn, application_name, tables)
 
-    def _found(self, conn: Connection, application_name: str) -> set[str]:
+    def _found(self, conn: Connection, application_name: str) -> Collection[str]:
         """Which of the tracking table and this config's table are there, in
         one statement: SQLAlchemy's inspector asked it table by table, three
         times in a row, a round trip each on PostgreSQL."""
         return tables_found(conn, [tracking_table.name, self.table(application_name).name])
 
     def _make(
-        self, conn: Connection, application_name: str, tables: set[str] | None = None
+        self, conn: Connection, application_name: str, tables: Collection[str] | None = None
     ) -> Tracked:
         """This config's table, made anew with its position at 0; those of
         configs no longer in use go (:meth:`_drop_unused`). ``tables``: what
@@ -766,6 +776,7 @@ class AuditView(TrackingRecorder):
             else:
                 there = sa.inspect(conn).has_table(name)
             if not there:
+                self._missing.add(application_name)
                 raise ViewMoved("the audit table of this config is missing: it will be made again")
             yield conn
 

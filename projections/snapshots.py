@@ -221,9 +221,13 @@ def _newest(
     newest_first = query.order_by(t.revision.desc())
 
     def candidates() -> Iterator[sa.Row[tuple[int, bytes]]]:
-        # Usually the newest serves; only a corrupt one costs a second round trip.
-        yield from conn.execute(newest_first.limit(1)).all()
-        yield from conn.execute(newest_first.offset(1).limit(2)).all()
+        # Usually the newest serves; only a corrupt one costs a second round
+        # trip. None at all (a log younger than the first snapshot) means no
+        # older ones either: asked anyway, every such start paid a round trip.
+        newest = conn.execute(newest_first.limit(1)).all()
+        yield from newest
+        if newest:
+            yield from conn.execute(newest_first.offset(1).limit(2)).all()
 
     # Each row's revision is told with %s: the column is no rowid, and SQLite
     # keeps whatever a hand edit puts there (text too), which %d told as a

@@ -10,11 +10,12 @@ import gc
 import hashlib
 import io
 import signal
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
-from typing import Any
+from contextlib import ExitStack, contextmanager
+from typing import IO, Any
 
 import msgspec
 import pytest
@@ -153,6 +154,70 @@ def count_events(url: str) -> int:
             return int(conn.execute(sa.text("SELECT count(*) FROM catalog_events")).scalar_one())
     finally:
         engine.dispose()
+
+
+@contextmanager
+def round_trips(engine: sa.Engine | type[sa.Engine]) -> Iterator[list[list[str]]]:
+    """The round trips to PostgreSQL of the connections ``engine`` (or every
+    engine: ``sa.Engine``) makes or hands out inside the ``with`` (its
+    pool's check before use aside; a connection made here from its first
+    statement, those SQLAlchemy asks of a new engine's among them), as
+    libpq's trace tells them, once the block ends: each what the client
+    sent before it waited for the server (the text of its statements, and
+    ``Sync``). A BEGIN that psycopg sends of its own is one, as it costs."""
+    # Here: the SQLite tests do not load libpq.
+    from psycopg.pq import Trace
+
+    traced: dict[Any, IO[str]] = {}
+    trips: list[list[str]] = []
+    files = ExitStack()
+
+    def start(driver: Any, *_: Any) -> None:
+        if driver not in traced:
+            trace = tempfile.TemporaryFile("w+")  # noqa: SIM115 (closed by ``files``)
+            traced[driver] = files.enter_context(trace)
+            driver.pgconn.trace(traced[driver].fileno())
+            driver.pgconn.set_trace_flags(Trace.SUPPRESS_TIMESTAMPS | Trace.REGRESS_MODE)
+
+    def connecting(dialect: Any, _record: Any, cargs: Any, cparams: Any) -> Any:
+        if dialect.name != "postgresql":
+            return None  # connected as it would be
+        driver = dialect.connect(*cargs, **cparams)
+        start(driver)
+        return driver
+
+    def stop(driver: Any, *_: Any) -> None:
+        trace = traced.pop(driver, None)
+        if trace is None:
+            return
+        driver.pgconn.untrace()  # flushes what libpq wrote
+        trace.seek(0)
+        sending: list[str] | None = None
+        for line in trace.read().splitlines():
+            # A message's line; a statement's text may go on over several.
+            direction, _length, kind, *said = [*line.split("\t"), "", "", ""]
+            if direction == "F":
+                sending = sending or []
+                sending.append(said[0].strip() if kind in ("Query", "Parse") else kind)
+            elif direction == "B" and sending is not None:
+                trips.append(sending)
+                sending = None
+
+    listeners: dict[str, Callable[..., Any]] = {
+        "do_connect": connecting,
+        "checkout": start,
+        "checkin": stop,
+    }
+    for event, listener in listeners.items():
+        sa.event.listen(engine, event, listener)
+    try:
+        yield trips
+    finally:
+        for event, listener in listeners.items():
+            sa.event.remove(engine, event, listener)
+        with files:
+            for driver in list(traced):
+                stop(driver)
 
 
 @contextmanager

@@ -1578,7 +1578,9 @@ def test_an_audit_table_made_again_asks_for_the_tables_once(
 ) -> None:
     """Made under the audit's lock, the table is looked for (with the tracking
     table) in one statement: SQLAlchemy's inspector asked three times in a
-    row, a round trip each on PostgreSQL (4 ms on a first read)."""
+    row, a round trip each on PostgreSQL (4 ms on a first read). Found
+    missing by the read, it is not read again before the lock (on
+    PostgreSQL a failed lock of the table, four round trips each)."""
     expected = scripted.audit()
     with scripted.store.engine.begin() as conn:
         conn.execute(sa.text(f"DROP TABLE {table_of(scripted)}"))
@@ -1587,7 +1589,7 @@ def test_an_audit_table_made_again_asks_for_the_tables_once(
     def seen(*args: Any) -> None:
         statements.append(str(args[2]))
 
-    real_locked = scripted.store.locked
+    real_locked, real_read = scripted.store.locked, scripted.store.read
 
     @contextmanager
     def locked(*args: Any, **kwargs: Any) -> Iterator[Connection]:
@@ -1595,7 +1597,14 @@ def test_an_audit_table_made_again_asks_for_the_tables_once(
             statements.append("locked")
             yield conn
 
+    @contextmanager
+    def read() -> Iterator[Connection]:
+        with real_read() as conn:
+            statements.append("read")
+            yield conn
+
     monkeypatch.setattr(scripted.store, "locked", locked)
+    monkeypatch.setattr(scripted.store, "read", read)
     sa.event.listen(scripted.store.engine, "before_cursor_execute", seen)
     try:
         assert scripted.audit() == expected
@@ -1605,6 +1614,7 @@ def test_an_audit_table_made_again_asks_for_the_tables_once(
     start = max(i for i, s in enumerate(statements[:made]) if s == "locked")
     lookups = [s for s in statements[start:made] if any(w in s for w in LOOKUPS)]
     assert len(lookups) == 1, lookups
+    assert statements[:start].count("read") == 1, statements[:start]
 
 
 # What a statement asking which tables there are says, on either backend.

@@ -75,6 +75,7 @@ from tests.helpers import (
     model_data,
     model_spec,
     newest_snapshot,
+    round_trips,
     schema_of,
 )
 
@@ -779,6 +780,28 @@ def test_a_server_restarting_on_the_recorded_config_starts_while_another_writes(
     assert changed.record_declaration(by="node") == rows + 1
     for models in (first, again, changed):
         models.close()
+
+
+def test_a_server_starting_on_the_recorded_config_asks_where_the_log_stands_in_one_statement(
+    pg_url: str, tmp_path: Path
+) -> None:
+    """On a log that has its config recorded, ``serve``'s start reads, after
+    its load, only whether the log moved since: in a read transaction, its
+    BEGIN and COMMIT were two round trips more. Moved by another node
+    meanwhile, it starts on what that node wrote."""
+    config = tmp_path / "recorded.yaml"
+    config.write_text(config_yaml(model_spec("declared")))
+    first = Models(load_config(str(config)), env={"CATALOG_ES_DB": pg_url})
+    first.add(model_spec("m"), by="setup")
+    node = Models(load_config(str(config)), env={"CATALOG_ES_DB": pg_url})
+    with round_trips(node.store.engine) as trips:
+        assert node.record_declaration(by="node") == first.revision
+    assert len(trips) == 1, trips
+    written = first.scale("m", 0, 2, by="elsewhere").revision
+    assert node.record_declaration(by="node") == written
+    assert node.get_model("m")["scaling"] == {"min": 0, "max": 2}
+    first.close()
+    node.close()
 
 
 class _AnotherWriterMeanwhile(Applier):

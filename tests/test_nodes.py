@@ -32,6 +32,7 @@ import sqlalchemy as sa
 
 from catalog_es import application, commands
 from catalog_es.application import Models
+from catalog_es.cli import base
 from catalog_es.errors import NoConfigGiven, Refused, StorageBusy
 from catalog_es.inputs import DeclaredConfig, load_config, model_from_data
 from catalog_es.mapper import decode_event
@@ -44,7 +45,7 @@ from catalog_es.persistence import (
     prepared_elsewhere,
 )
 from catalog_es.web.tokens import TokenStore
-from tests.helpers import count_events, log_rows, model_data, put_back, schema_of
+from tests.helpers import count_events, log_rows, model_data, put_back, round_trips, schema_of
 from tests.serving import bearer, http_client, started
 
 CONFIG = """
@@ -383,6 +384,19 @@ def test_a_node_whose_pooler_dropped_the_urls_search_path_is_refused(pg_url: str
         " 'public', from its session: a connection pooler dropped them"
     )
     engine.dispose()
+
+
+def test_a_new_connection_checks_the_urls_search_path_in_one_round_trip(pg_url: str) -> None:
+    """Each new connection of a node whose URL sets the search path asks
+    which schemas its session finds (above): in a transaction of its own,
+    psycopg's BEGIN and the ROLLBACK made that three round trips."""
+    engine = create_engine(pg_url)
+    with round_trips(engine) as trips, engine.connect():
+        pass
+    engine.dispose()
+    checked = trips[trips.index(['"ROLLBACK"']) + 1 :]  # past SQLAlchemy's first questions
+    assert len(checked) == 1, checked
+    assert "search_path" in checked[0][0]
 
 
 @pytest.mark.parametrize("kept", ["{schema}", '"$user", {schema}, pg_catalog'])
@@ -1107,25 +1121,90 @@ def test_a_lock_taken_in_two_steps_waits_one_wait_in_all(pg_url: str) -> None:
 def test_a_lock_taken_in_two_steps_takes_each_with_its_wait_in_one_round_trip(
     pg_url: str,
 ) -> None:
-    """Each lock goes to the server with the SET of its wait: a command that
-    writes the audit's rows or its use took five round trips to take the
-    lock (BEGIN, SET, lock, SET, lock), three now."""
+    """Each lock goes to the server with the SET of its wait, the first with
+    the transaction's BEGIN: a command that writes the audit's rows or its
+    use took five round trips to take the lock (BEGIN, SET, lock, SET,
+    lock), three, then two (psycopg's BEGIN went alone)."""
     node = Models(DeclaredConfig(), env={"CATALOG_ES_DB": pg_url})
     node.store.log_schema()  # found once per process, before any lock
-    statements: list[str] = []
-
-    def seen(*args: Any) -> None:
-        statements.append(str(args[2]))
-
-    sa.event.listen(node.store.engine, "before_cursor_execute", seen)
-    try:
-        with node.store.locked("catalog_es.audit"):
-            pass
-    finally:
-        sa.event.remove(node.store.engine, "before_cursor_execute", seen)
-    assert len(statements) == 2, statements
-    assert all("lock_timeout" in s and "pg_advisory_xact_lock" in s for s in statements)
+    with round_trips(node.store.engine) as trips, node.store.locked("catalog_es.audit"):
+        pass
+    assert len(trips) == 3, trips  # the two locks, then COMMIT
+    assert trips[0][0].startswith('"BEGIN; '), trips
+    assert all("lock_timeout" in t[0] and "pg_advisory_xact_lock" in t[0] for t in trips[:2])
     node.close()
+
+
+def test_a_write_after_a_start_asks_nothing_more_of_where_the_log_is(
+    pg_schema_url: Callable[..., str],
+) -> None:
+    """A start on a log finds its schema with its tables: a process's first
+    write asked it again (its locks and notifications are the schema's),
+    three round trips more, a command's on the command line. Found along a
+    search path that names a missing schema before it, and a name that
+    needs quotes."""
+    schema = f"Team-{uuid.uuid4().hex[:8]}"
+    log_url = pg_schema_url(schema)
+    maker = Models(DeclaredConfig(), env={"CATALOG_ES_DB": log_url})
+    maker.add(_definition("a", []), by="setup")
+    maker.close()
+    path = f'-csearch_path=nowhere,"{schema}"'
+    url = sa.make_url(log_url).update_query_dict({"options": path})
+    node = Models(DeclaredConfig(), env={"CATALOG_ES_DB": url.render_as_string(False)})
+    with round_trips(node.store.engine) as trips:
+        node.scale("a", 0, 2, by="ops")
+    assert len(trips) == 4, trips  # the lock, where the log stands, the append, COMMIT
+    assert node.store.log_schema() == schema
+    node.close()
+
+
+def test_a_first_postgresql_connection_does_not_look_up_hstore(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """SQLAlchemy looks the hstore type up on an engine's first connection,
+    three round trips, unless told not to (no column is one): the log's
+    engine is, and so is the one a command that runs until stopped makes to
+    wait for its database, which asked it on each start after an outage.
+    Either's first connection asks what SQLAlchemy must know of the server
+    (its version, schema, isolation and quoting) in four, with psycopg's
+    BEGIN and ROLLBACK around them."""
+    asked = [
+        '"select pg_catalog.version()"',
+        '"select current_schema()"',
+        '"show transaction isolation level"',
+        '"show standard_conforming_strings"',
+    ]
+
+    def first_connection(trips: list[list[str]]) -> list[list[str]]:
+        end = trips.index(['"ROLLBACK"']) + 1
+        assert trips[:end] == [['"BEGIN"'], *([s] for s in asked), ['"ROLLBACK"']], trips
+        return trips[:end]
+
+    engine = create_engine(pg_url)
+    with round_trips(engine) as trips, engine.connect():
+        pass
+    engine.dispose()
+    first_connection(trips)
+    monkeypatch.setattr(base, "START_RETRY_SECONDS", 0.01)
+    settings = base.Settings()
+    settings.db = pg_url
+    with socket.socket() as free:  # a port nothing answers on: an outage
+        free.bind(("127.0.0.1", 0))
+        nowhere = sa.make_url(pg_url).set(port=free.getsockname()[1])
+    away = sa.create_engine(nowhere, poolclass=sa.pool.NullPool)
+    tries: list[int] = []
+
+    def start() -> str:
+        tries.append(1)
+        if len(tries) == 1:
+            with away.connect():
+                pass
+        return "started"
+
+    with round_trips(sa.Engine) as trips:
+        assert base.once_it_answers(settings, "watch", start) == "started"
+    assert "trying again every" in capsys.readouterr().err
+    assert len(first_connection(trips)) == len(trips)  # the wait's engine's connection, alone
 
 
 def test_a_previous_release_follower_still_hears_this_releases_writes(pg_url: str) -> None:

@@ -848,6 +848,27 @@ def test_a_restart_resumes_from_the_newest_snapshot(
     assert again.catalog.revision == models.revision
 
 
+def test_a_start_on_a_log_without_snapshots_asks_for_them_once(
+    open_models: Callable[..., Models],
+) -> None:
+    """A log younger than its first snapshot has none older either: every
+    start on it asked twice (a round trip more on PostgreSQL, each command's)."""
+    open_models().add(spec("a"), by="x")
+    asked: list[str] = []
+
+    def seen(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+        if "catalog_snapshots" in statement:
+            asked.append(statement)
+
+    sa.event.listen(sa.Engine, "before_cursor_execute", seen)
+    try:
+        again = open_models()
+    finally:
+        sa.event.remove(sa.Engine, "before_cursor_execute", seen)
+    assert [r["name"] for r in runtime(again.list_models())] == ["a"]
+    assert len(asked) == 1, asked
+
+
 def test_a_replay_keeps_the_snapshots_of_nodes_on_other_configs(
     open_models: Callable[..., Models], tmp_path: Path
 ) -> None:

@@ -38,7 +38,7 @@ from catalog_es.persistence import SQLRecorder, create_engine, metadata, streams
 from catalog_es.spec import Scaling
 from projections import audit, pointintime, snapshots
 from projections.audit import AuditView, _declaration_at
-from tests.helpers import model_spec, schema_of
+from tests.helpers import model_spec, round_trips, schema_of
 
 FIXTURES = Path(__file__).parent / "fixtures"
 LOGS = sorted(path.name.removesuffix(".jsonl") for path in FIXTURES.glob("log-*.jsonl"))
@@ -443,6 +443,15 @@ def test_a_start_reads_the_tables_once_and_nothing_of_those_it_has_just_made(
     creating = next(i for i, s in enumerate(made) if s.startswith("CREATE TABLE"))
     assert [s for s in made[creating:] if not s.startswith("CREATE ")] == []
     assert len(statements_of_a_start(db_url)) == 2
+    if db_url.startswith("postgresql"):
+        # Each a round trip: in a transaction, BEGIN and ROLLBACK were two more.
+        engine = create_engine(db_url)
+        with engine.connect():
+            pass
+        with round_trips(engine) as trips:
+            SQLRecorder(engine).close()
+        engine.dispose()
+        assert len(trips) == 2, trips
 
 
 # What a schema holds, with the schema's name taken out: its tables'

@@ -120,7 +120,7 @@ def once_it_answers(
     and is gone again as ``start()`` runs is waited for again."""
     import sqlalchemy as sa
 
-    from catalog_es.persistence import log_url, url_where
+    from catalog_es.persistence import log_url, postgresql_engine, url_where
 
     probe: sa.Engine | None = None
     try:
@@ -141,7 +141,7 @@ def once_it_answers(
                         f"({unusable}); trying again every {START_RETRY_SECONDS:g} s",
                         err=True,
                     )
-                    probe = sa.create_engine(url, poolclass=sa.pool.NullPool)
+                    probe = postgresql_engine(url, poolclass=sa.pool.NullPool)
                 _until_it_answers(probe)
     finally:
         if probe is not None:
