@@ -3640,23 +3640,31 @@ def test_a_bare_postgresql_url_means_psycopg(pg_url: str) -> None:
     assert json.loads(result.stdout) == []
 
 
+@pytest.fixture(scope="module")
+def long_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A SQLite log of a thousand writes, made once for the module (3-7 s);
+    each test reads a copy of its own, which an audit may write to."""
+    path = tmp_path_factory.mktemp("long-log") / "catalog.db"
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": f"sqlite:///{path}"})
+    models.add(spec("m"), by="ops")
+    for maximum in range(2, 1000):  # far more than a pipe's buffer holds
+        models.scale("m", 0, maximum, by="ops")
+    models.close()  # its write-ahead log checkpointed into the file
+    return path
+
+
 @pytest.mark.parametrize(
     "command",
     [["log", "--json"], ["log"], ["audit", "--json"]],
     ids=["json-lines", "table", "json-document"],
 )
 def test_a_reader_that_goes_away_ends_the_command_quietly(
-    tmp_path: Path, command: list[str]
+    tmp_path: Path, long_log: Path, command: list[str]
 ) -> None:
     """`catalog-es log | head -c 100`: no error about the closed pipe, and 141.
     A table, or a JSON document, written in one go was cut short without a
     word, and exited 0 (review, hostile test)."""
-    db = f"sqlite:///{tmp_path}/catalog.db"
-    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db})
-    models.add(spec("m"), by="ops")
-    for maximum in range(2, 1000):  # far more than a pipe's buffer holds
-        models.scale("m", 0, maximum, by="ops")
-    models.close()
+    db = f"sqlite:///{shutil.copyfile(long_log, tmp_path / 'catalog.db')}"
     log = subprocess.Popen(
         [sys.executable, "-m", "catalog_es", "--db", db, *command],
         stdout=subprocess.PIPE,

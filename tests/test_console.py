@@ -27,7 +27,7 @@ from catalog_es.configuration import DeclaredConfig
 from catalog_es.inputs import load_config, model_from_data
 from catalog_es.web.app import create_app
 from tests.helpers import count_events, log_rows, put_back
-from tests.serving import serving, tokens_for_roles
+from tests.serving import SharedServer, tokens_for_roles
 
 # Two test workers and a browser on two cores: a page of a thousand rows can
 # take longer than Playwright's default of 5 s to come.
@@ -99,11 +99,13 @@ def screenshot(page: Page, name: str) -> None:
 
 @contextmanager
 def signed_in(
-    browser: BrowserContext, models: Models, tmp_path: Path, address: str
+    browser: BrowserContext, server: SharedServer, models: Models, tmp_path: Path, address: str
 ) -> Iterator[tuple[Page, str]]:
-    """A tab of the console served over ``models``, opened at ``address`` and
-    signed in with a read token; no script error may happen in it."""
-    with console_of(browser, create_app_for(models, tmp_path), address) as (page, url, _app):
+    """A tab of the console served over ``models`` on ``server``, opened at
+    ``address`` and signed in with a read token; no script error may happen
+    in it."""
+    served = create_app_for(models, tmp_path)
+    with console_of(browser, server, served, address) as (page, url, _app):
         yield page, url
 
 
@@ -118,17 +120,18 @@ def create_app_for(
 @contextmanager
 def console_of(
     browser: BrowserContext,
+    server: SharedServer,
     served: tuple[FastAPI, dict[str, str]],
     address: str,
     role: str = "read",
 ) -> Iterator[tuple[Page, str, FastAPI]]:
-    """A tab of the console of ``served``, opened at ``address`` and signed in
-    with a token of ``role``; no script error may happen in it."""
+    """A tab of the console of ``served`` on ``server``, opened at ``address``
+    and signed in with a token of ``role``; no script error may happen in it."""
     app, token = served
     page = browser.new_page()
     errors: list[str] = []
     page.on("pageerror", lambda error: errors.append(str(error)))
-    with serving(app) as url:
+    with server.serving(app) as url:
         page.goto(f"{url}{address}")
         page.fill("#token", token[role])
         page.click("#login button")
@@ -148,14 +151,14 @@ window.SwaggerUIBundle.presets = {};
 
 
 def test_the_api_docs_page_cannot_read_the_consoles_token(
-    browser: BrowserContext, tmp_path: Path
+    browser: BrowserContext, shared_server: SharedServer, tmp_path: Path
 ) -> None:
     """/docs runs Swagger UI from a CDN, at a version that floats, on the
     console's origin: opened in the tab after signing in, its scripts could
     read the token the console keeps (hostile test). Sandboxed, it has an
     origin of its own; the schema it shows is still served to it."""
     models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": f"sqlite:///{tmp_path}/d.db"})
-    with signed_in(browser, models, tmp_path, "/console/") as (page, url):
+    with signed_in(browser, shared_server, models, tmp_path, "/console/") as (page, url):
         page.wait_for_selector("#models")
         assert page.evaluate("() => sessionStorage.getItem('catalog-es-token')")
         page.route(
@@ -197,7 +200,7 @@ def _history(models: Models) -> None:
 
 
 def test_console_models_history_time_travel_and_rollback(
-    browser: BrowserContext, tmp_path: Path
+    browser: BrowserContext, shared_server: SharedServer, tmp_path: Path
 ) -> None:
     config = tmp_path / "catalog.yaml"
     config.write_text(DECLARED_YAML)
@@ -208,7 +211,7 @@ def test_console_models_history_time_travel_and_rollback(
     page = browser.new_page()
     errors: list[str] = []
     page.on("pageerror", lambda error: errors.append(str(error)))
-    with serving(create_app(models, tokens)) as url:
+    with shared_server.serving(create_app(models, tokens)) as url:
         # Signing in: a bad token is refused, a good one is kept for the tab.
         page.goto(f"{url}/")
         page.fill("#token", "ces_nope_nope")
@@ -413,7 +416,7 @@ def _catalog_of(models: Models, count: int) -> None:
 
 
 def test_console_keeps_up_with_a_busy_log_and_filters_a_large_catalog(
-    browser: BrowserContext, tmp_path: Path, pg_url: str
+    browser: BrowserContext, shared_server: SharedServer, tmp_path: Path, pg_url: str
 ) -> None:
     """On PostgreSQL, where each change reaches the page as it commits (on
     SQLite a watch polls, five times a second)."""
@@ -421,7 +424,7 @@ def test_console_keeps_up_with_a_busy_log_and_filters_a_large_catalog(
     config.write_text(DECLARED_YAML)
     models = Models(load_config(str(config)), env={"CATALOG_ES_DB": pg_url})
     _catalog_of(models, 600)
-    with signed_in(browser, models, tmp_path, "/") as (page, url):
+    with signed_in(browser, shared_server, models, tmp_path, "/") as (page, url):
         # A large catalog: the first rows by name are drawn, and it says so.
         rows = page.locator("#models tbody tr")
         expect(rows).to_have_count(500)
@@ -534,7 +537,7 @@ def test_console_keeps_up_with_a_busy_log_and_filters_a_large_catalog(
 
 
 def test_console_reads_the_past_over_the_config_recorded_then(
-    browser: BrowserContext, tmp_path: Path
+    browser: BrowserContext, shared_server: SharedServer, tmp_path: Path
 ) -> None:
     """A model tried at runtime, then declared by a deploy: at the revision
     it ran as a runtime model, the tick shows it so, and keeps showing the
@@ -558,7 +561,10 @@ def test_console_reads_the_past_over_the_config_recorded_then(
     )
     models = Models(load_config(str(deployed)), env={"CATALOG_ES_DB": db})
     models.set_class("tinyllama-cpu", "opportunistic", by="dave")  # 6: the deploy's config, 7
-    with signed_in(browser, models, tmp_path, "/console/#/models?at=3") as (page, url):
+    with signed_in(browser, shared_server, models, tmp_path, "/console/#/models?at=3") as (
+        page,
+        url,
+    ):
         qwen = page.locator('#models tr[data-model="qwen2.5-7b-instruct"]')
         expect(qwen).to_contain_text("declared")  # over today's config
         expect(qwen).to_contain_text("2..2")
@@ -609,7 +615,7 @@ def test_console_reads_the_past_over_the_config_recorded_then(
 
 
 def test_a_deploys_history_entry_links_to_the_model_as_the_deploy_left_it(
-    browser: BrowserContext, tmp_path: Path
+    browser: BrowserContext, shared_server: SharedServer, tmp_path: Path
 ) -> None:
     """A config record is the first event of its write (a command's events
     follow it), and the link of the model's Declared or Redeclared entry
@@ -639,7 +645,10 @@ def test_a_deploys_history_entry_links_to_the_model_as_the_deploy_left_it(
         ("Redeclared", 3, 4),
         ("Redeclared", 5, 6),
     ]
-    with signed_in(browser, models, tmp_path, f"/console/#/model/{llama}") as (page, url):
+    with signed_in(browser, shared_server, models, tmp_path, f"/console/#/model/{llama}") as (
+        page,
+        url,
+    ):
         expect(page.locator("#definition")).to_contain_text("2..3")
         links = page.locator("#history li.entry .when a")
         expect(links).to_have_count(3)
@@ -670,7 +679,10 @@ def _scale_often(models: Models, name: str, stop: threading.Event, pause: float)
 
 
 def test_a_model_whose_recent_history_is_past_an_answers_bytes_shows_what_fits(
-    browser: BrowserContext, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    browser: BrowserContext,
+    shared_server: SharedServer,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Its page was left blank, the API's refusal of a page of its history
     the only line on it (hostile test): the page asks for fewer until an
@@ -687,7 +699,10 @@ def test_a_model_whose_recent_history_is_past_an_answers_bytes_shows_what_fits(
     for maximum in (1, 2, 3):  # rows of 17–51 KB
         models.add(model_from_data({**definition, "scaling": {"max": maximum}}, "big"), by="ops")
     monkeypatch.setattr("catalog_es.web.app.MAX_ANSWER_BYTES", 40_000)
-    with signed_in(browser, models, tmp_path, "/console/#/model/big") as (page, _url):
+    with signed_in(browser, shared_server, models, tmp_path, "/console/#/model/big") as (
+        page,
+        _url,
+    ):
         expect(page.locator("#definition")).to_contain_text("1..3")
         expect(page.locator("#history li.entry")).to_have_count(1)
         expect(page.locator("#history")).to_contain_text(
@@ -719,7 +734,7 @@ def _fits_the_window(page: Page) -> None:
 
 
 def test_console_reads_a_revision_inside_a_write_as_the_server_does(
-    browser: BrowserContext, tmp_path: Path
+    browser: BrowserContext, shared_server: SharedServer, tmp_path: Path
 ) -> None:
     """A revision inside a write of several changes reads as the end of the
     write before it. The console kept the number from the address: "a at
@@ -732,7 +747,11 @@ def test_console_reads_a_revision_inside_a_write_as_the_server_does(
     models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db})
     _within_a_write(models)
     served = create_app_for(models, tmp_path)
-    with console_of(browser, served, "/console/#/model/a", role="admin") as (page, url, _app):
+    with console_of(browser, shared_server, served, "/console/#/model/a", role="admin") as (
+        page,
+        url,
+        _app,
+    ):
         # Each entry of the apply links to where the apply ends.
         expect(page.locator("#definition")).to_contain_text("1..9")
         links = page.locator("#history li.entry .when a")
@@ -814,7 +833,7 @@ def test_console_reads_a_revision_inside_a_write_as_the_server_does(
 
 
 def test_console_says_when_it_cannot_follow_the_log_or_the_log_went_back(
-    browser: BrowserContext, tmp_path: Path
+    browser: BrowserContext, shared_server: SharedServer, tmp_path: Path
 ) -> None:
     """A stream refused (all the server's watches taken) left the page stale,
     its dot still "following the log"; a log put back to an earlier head (a
@@ -830,7 +849,7 @@ def test_console_says_when_it_cannot_follow_the_log_or_the_log_went_back(
     models.scale("m", 0, 3, by="ops")
     models.scale("m", 0, 4, by="ops")  # 4
     served = create_app_for(models, tmp_path, max_watches=0)
-    with console_of(browser, served, "/console/#/models") as (page, _url, app):
+    with console_of(browser, shared_server, served, "/console/#/models") as (page, _url, app):
         heading = page.locator("#page h1 small")
         expect(heading).to_have_text("now, revision 4")
         dot, note = page.locator("#live"), page.locator("#live-note")
@@ -871,27 +890,27 @@ def test_console_says_when_it_cannot_follow_the_log_or_the_log_went_back(
 
 @contextmanager
 def _models_page_at_revision_5(
-    browser: BrowserContext, tmp_path: Path
+    browser: BrowserContext, server: SharedServer, tmp_path: Path
 ) -> Iterator[tuple[Models, Page, str]]:
     """The models page, signed in, at now: revision 5 of :func:`_history`."""
     config = tmp_path / "catalog.yaml"
     config.write_text(DECLARED_YAML)
     models = Models(load_config(str(config)), env={"CATALOG_ES_DB": f"sqlite:///{tmp_path}/c.db"})
     _history(models)
-    with signed_in(browser, models, tmp_path, "/console/#/models") as (page, url):
+    with signed_in(browser, server, models, tmp_path, "/console/#/models") as (page, url):
         expect(page.locator("#page h1 small")).to_have_text("now, revision 5")
         yield models, page, url
     models.close()
 
 
 def test_the_revision_picker_keeps_the_keyboards_focus_as_it_steps(
-    browser: BrowserContext, tmp_path: Path
+    browser: BrowserContext, shared_server: SharedServer, tmp_path: Path
 ) -> None:
     """Each step of the slider, the number box or the tick redraws the page:
     the control stepped on was replaced, the focus fell to the page, and a
     keyboard user's second arrow key did nothing (hostile test). The control
     keeps the focus, so the arrows walk through the past."""
-    with _models_page_at_revision_5(browser, tmp_path) as (_models, page, url):
+    with _models_page_at_revision_5(browser, shared_server, tmp_path) as (_models, page, url):
         page.focus("#revision")
         for at in (4, 3):
             page.keyboard.press("ArrowLeft")
@@ -914,14 +933,14 @@ def test_the_revision_picker_keeps_the_keyboards_focus_as_it_steps(
 
 
 def test_a_revision_half_typed_stays_typed_as_a_change_redraws_the_page(
-    browser: BrowserContext, tmp_path: Path
+    browser: BrowserContext, shared_server: SharedServer, tmp_path: Path
 ) -> None:
     """A change arriving while a revision was being typed into the number box
     redrew the page, and the box, replaced, told Chromium's change of what it
     held: the page went to the half-typed revision, 2 of a 25 being typed
     (found fixing a leftover). What was typed stays, with the focus, and
     Enter takes it."""
-    with _models_page_at_revision_5(browser, tmp_path) as (models, page, url):
+    with _models_page_at_revision_5(browser, shared_server, tmp_path) as (models, page, url):
         heading = page.locator("#page h1 small")
         page.focus("#revision-number")
         page.keyboard.press("Control+A")
@@ -936,13 +955,13 @@ def test_a_revision_half_typed_stays_typed_as_a_change_redraws_the_page(
 
 
 def test_a_change_arriving_as_the_slider_is_dragged_waits_for_the_release(
-    browser: BrowserContext, tmp_path: Path
+    browser: BrowserContext, shared_server: SharedServer, tmp_path: Path
 ) -> None:
     """A change arriving while the slider was dragged redrew the page under
     the pointer: the page went to the revision the drag was passing over, and
     the release, further on, was lost (review). The redraw waits for the
     release, and the release is taken."""
-    with _models_page_at_revision_5(browser, tmp_path) as (models, page, url):
+    with _models_page_at_revision_5(browser, shared_server, tmp_path) as (models, page, url):
         heading = page.locator("#page h1 small")
         track = page.locator("#revision").bounding_box()
         assert track is not None
@@ -969,14 +988,14 @@ def _a_proxys_page(status: int) -> Callable[[Route], None]:
 
 
 def test_an_answer_not_from_the_api_is_told_by_its_status(
-    browser: BrowserContext, tmp_path: Path
+    browser: BrowserContext, shared_server: SharedServer, tmp_path: Path
 ) -> None:
     """A proxy's error page was told by its status's text alone (none at all
     over HTTP/2: a blank page), and its sign-in page, a 200, was read as the
     catalog: "Cannot read properties of null (reading 'filter')" (hostile
     test). Both are told by their status, as not the API's answer."""
     models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": f"sqlite:///{tmp_path}/c.db"})
-    with signed_in(browser, models, tmp_path, "/console/#/models") as (page, _url):
+    with signed_in(browser, shared_server, models, tmp_path, "/console/#/models") as (page, _url):
         expect(page.locator("#models")).to_have_count(1)
         for status, told in ((502, "502 Bad Gateway"), (200, "200 OK")):
             page.route("**/models", _a_proxys_page(status))
@@ -989,13 +1008,13 @@ def test_an_answer_not_from_the_api_is_told_by_its_status(
 
 
 def test_a_server_that_cannot_be_reached_is_told_so(
-    browser: BrowserContext, tmp_path: Path
+    browser: BrowserContext, shared_server: SharedServer, tmp_path: Path
 ) -> None:
     """The server stopped while the page was open: a page then opened said
     only the browser's "Failed to fetch" (hostile test). It says the server
     did not answer."""
     models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": f"sqlite:///{tmp_path}/c.db"})
-    with signed_in(browser, models, tmp_path, "/console/#/models") as (page, _url):
+    with signed_in(browser, shared_server, models, tmp_path, "/console/#/models") as (page, _url):
         expect(page.locator("#models")).to_have_count(1)
         page.route("**/revision", lambda route: route.abort("connectionrefused"))
         page.evaluate("() => location.hash = '#/models?q=down'")
@@ -1004,7 +1023,7 @@ def test_a_server_that_cannot_be_reached_is_told_so(
 
 
 def test_a_revision_that_was_the_head_follows_the_log_once_it_moves(
-    browser: BrowserContext, tmp_path: Path
+    browser: BrowserContext, shared_server: SharedServer, tmp_path: Path
 ) -> None:
     """A model's newest history entry links to the head's revision, drawn as
     now: once the log moved on, the page kept saying "now, revision 5" over
@@ -1015,7 +1034,7 @@ def test_a_revision_that_was_the_head_follows_the_log_once_it_moves(
     models = Models(load_config(str(config)), env={"CATALOG_ES_DB": f"sqlite:///{tmp_path}/c.db"})
     _history(models)  # revisions 1–5, qwen's owner set last
     address = "/console/#/model/qwen2.5-7b-instruct"
-    with signed_in(browser, models, tmp_path, address) as (page, url):
+    with signed_in(browser, shared_server, models, tmp_path, address) as (page, url):
         page.locator('#history li[data-revision="5"] a').click()
         expect(page).to_have_url(f"{url}/console/#/model/qwen2.5-7b-instruct?at=5")
         heading = page.locator("#page h1 small")

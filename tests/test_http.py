@@ -589,7 +589,7 @@ def test_the_consoles_files_are_checked_with_the_server_before_each_use(api: Api
 
 
 def test_what_would_act_on_a_terminal_is_sent_escaped_as_the_cli_prints_it(
-    tmp_path: Path, make_models: Callable[..., Models]
+    tmp_path: Path, make_models: Callable[..., Models], shared_server: SharedServer
 ) -> None:
     """A declared source with an escape sequence and a bidi override went
     out raw to `curl` (hostile test); the CLI's JSON escapes both, and the
@@ -599,7 +599,7 @@ def test_what_would_act_on_a_terminal_is_sent_escaped_as_the_cli_prints_it(
     models.add(spec("runtime", source="hf://org/quoted’"), by="setup")
     tokens, token = tokens_for_roles(tmp_path / "tokens.json")
     with (
-        serving(create_app(models, tokens)) as url,
+        shared_server.serving(create_app(models, tokens)) as url,
         http_client(base_url=url, headers=bearer(token["read"])) as client,
     ):
         answers = [client.get(path) for path in ("/models", "/models/declared", "/log", "/sources")]
@@ -1088,7 +1088,7 @@ def test_an_if_match_on_a_revision_deleted_since_is_409_saying_so(
 
 
 def test_an_if_match_of_a_revision_the_log_skipped_is_409_saying_so(
-    pg_url: str, tmp_path: Path
+    pg_url: str, tmp_path: Path, shared_server: SharedServer
 ) -> None:
     """PostgreSQL skips the number a write that failed took, and no read
     gives it (one of it reads the revision before): an If-Match of it was
@@ -1099,7 +1099,7 @@ def test_an_if_match_of_a_revision_the_log_skipped_is_409_saying_so(
         conn.exec_driver_sql("SELECT nextval(pg_get_serial_sequence('catalog_events', 'revision'))")
     assert models.scale("m", 0, 2, by="setup").revision == 3
     tokens, token = tokens_for_roles(tmp_path / "tokens.json")
-    with serving(create_app(models, tokens)) as url:
+    with shared_server.serving(create_app(models, tokens)) as url:
 
         def scale(if_match: str) -> httpx.Response:
             headers = {**bearer(token["write"]), "If-Match": if_match}
@@ -1430,14 +1430,14 @@ def test_a_resume_point_that_is_no_revision_or_sent_twice_is_refused(api: Api) -
 
 
 def test_watches_past_the_servers_limit_are_refused_until_one_ends(
-    db_url: str, tmp_path: Path, make_models: Callable[..., Models]
+    db_url: str, tmp_path: Path, make_models: Callable[..., Models], shared_server: SharedServer
 ) -> None:
     """Each watch holds a thread: a thousand, opened and never read, held a
     server's CPU; five thousand stopped it answering (hostile test)."""
     models = make_models(DECLARED_YAML)
     tokens, token = tokens_for_roles(tmp_path / "tokens.json")
     with (
-        serving(create_app(models, tokens, max_watches=2)) as url,
+        shared_server.serving(create_app(models, tokens, max_watches=2)) as url,
         http_client(base_url=url, headers=bearer(token["read"])) as client,
         contextlib.ExitStack() as open_streams,
     ):
@@ -1477,7 +1477,7 @@ def test_watches_past_the_servers_limit_are_refused_until_one_ends(
 
 
 def test_a_watch_refused_as_asked_is_told_so_while_every_place_is_taken(
-    db_url: str, tmp_path: Path, make_models: Callable[..., Models]
+    db_url: str, tmp_path: Path, make_models: Callable[..., Models], shared_server: SharedServer
 ) -> None:
     """`/events?by=` with every watch place taken answered 503 "try again
     later", and a client that did was told the 422 only once a place was
@@ -1485,7 +1485,7 @@ def test_a_watch_refused_as_asked_is_told_so_while_every_place_is_taken(
     models = make_models(DECLARED_YAML)
     tokens, token = tokens_for_roles(tmp_path / "tokens.json")
     with (
-        serving(create_app(models, tokens, max_watches=1)) as url,
+        shared_server.serving(create_app(models, tokens, max_watches=1)) as url,
         http_client(base_url=url, headers=bearer(token["read"])) as client,
         client.stream("GET", "/events") as held,
     ):
@@ -1502,7 +1502,11 @@ def test_a_watch_refused_as_asked_is_told_so_while_every_place_is_taken(
 
 
 def test_writes_past_the_ones_that_may_wait_are_refused_and_reads_go_on(
-    db_url: str, tmp_path: Path, make_models: Callable[..., Models], monkeypatch: pytest.MonkeyPatch
+    db_url: str,
+    tmp_path: Path,
+    make_models: Callable[..., Models],
+    monkeypatch: pytest.MonkeyPatch,
+    shared_server: SharedServer,
 ) -> None:
     """Sixty writes waiting behind another process's write took every thread
     requests are served on: reads of the catalog answered once in ten seconds
@@ -1519,7 +1523,7 @@ def test_writes_past_the_ones_that_may_wait_are_refused_and_reads_go_on(
     written = count_events(db_url)
     tokens, token = tokens_for_roles(tmp_path / "tokens.json")
     answers: list[httpx.Response] = []
-    with serving(create_app(models, tokens)) as url, write_lock_held(db_url):
+    with shared_server.serving(create_app(models, tokens)) as url, write_lock_held(db_url):
 
         def scale() -> None:
             body = {"max": 3}
@@ -1574,14 +1578,17 @@ def test_a_body_still_arriving_holds_no_place_among_the_writes(api: Api) -> None
 
 
 def test_a_rollback_takes_a_place_among_the_writes_a_dry_run_does_not(
-    db_url: str, tmp_path: Path, make_models: Callable[..., Models]
+    db_url: str, tmp_path: Path, make_models: Callable[..., Models], shared_server: SharedServer
 ) -> None:
     models = make_models(DECLARED_YAML)
     models.add(spec("qwen"), by="setup")
     written = count_events(db_url)
     tokens, token = tokens_for_roles(tmp_path / "tokens.json")
     app = create_app(models, tokens)
-    with serving(app) as url, http_client(base_url=url, headers=bearer(token["admin"])) as client:
+    with (
+        shared_server.serving(app) as url,
+        http_client(base_url=url, headers=bearer(token["admin"])) as client,
+    ):
         places = app.state.write_places
         taken = 0
         while places.acquire(blocking=False):  # every place held, as by waiting writes
@@ -1601,7 +1608,7 @@ def test_a_rollback_takes_a_place_among_the_writes_a_dry_run_does_not(
 
 
 def test_large_bodies_read_at_once_are_bounded(
-    db_url: str, tmp_path: Path, make_models: Callable[..., Models]
+    db_url: str, tmp_path: Path, make_models: Callable[..., Models], shared_server: SharedServer
 ) -> None:
     """A list of changes of 59 MB of YAML took 420 MB while it was parsed,
     six at once 2.5 GB, with no bound on how many (hostile test). Past two
@@ -1614,7 +1621,7 @@ def test_large_bodies_read_at_once_are_bounded(
     # Two megabytes of YAML: a scale, and a comment that pads it.
     large = "- scale: {name: qwen, max: 3}\n" + "#" * (2 << 20) + "\n"
     headers = {**bearer(token["write"]), "Content-Type": "application/yaml"}
-    with serving(app) as url, http_client(base_url=url, headers=headers) as client:
+    with shared_server.serving(app) as url, http_client(base_url=url, headers=headers) as client:
         places = app.state.large_body_places
         assert places.acquire(blocking=False) and places.acquire(blocking=False)
         try:
@@ -1645,7 +1652,7 @@ def _sent_in_part(url: str, headers: dict[str, str], length: int, part: bytes) -
 
 
 def test_a_large_body_past_the_places_is_refused_as_it_grows_not_once_it_has_come(
-    db_url: str, tmp_path: Path, make_models: Callable[..., Models]
+    db_url: str, tmp_path: Path, make_models: Callable[..., Models], shared_server: SharedServer
 ) -> None:
     """Places were taken once a body had all come: sixteen clients each
     sending 60 MB were held in memory together, a gigabyte, before any was
@@ -1656,7 +1663,7 @@ def test_a_large_body_past_the_places_is_refused_as_it_grows_not_once_it_has_com
     app = create_app(models, tokens)
     headers = {**bearer(token["write"]), "Content-Type": "application/yaml"}
     two_megabytes = b"#" * (2 << 20)
-    with serving(app) as url:
+    with shared_server.serving(app) as url:
         holders = [_sent_in_part(url, headers, 60 << 20, two_megabytes) for _ in range(2)]
         try:
             # The two places are taken once each body passes a megabyte.
@@ -1677,7 +1684,7 @@ def test_a_large_body_past_the_places_is_refused_as_it_grows_not_once_it_has_com
 
 
 def test_a_large_body_holds_its_place_until_its_change_is_written(
-    db_url: str, tmp_path: Path, make_models: Callable[..., Models]
+    db_url: str, tmp_path: Path, make_models: Callable[..., Models], shared_server: SharedServer
 ) -> None:
     """Let go once parsed, lists of changes waiting for the write lock kept
     their memory past the two places: eight of 3.7 MB took a server to a
@@ -1688,7 +1695,10 @@ def test_a_large_body_holds_its_place_until_its_change_is_written(
     app = create_app(models, tokens)
     large = "- scale: {name: qwen, max: 3}\n" + "#" * (2 << 20) + "\n"
     headers = {**bearer(token["write"]), "Content-Type": "application/yaml"}
-    with serving(app) as url, http_client(base_url=url, headers=headers, timeout=60) as client:
+    with (
+        shared_server.serving(app) as url,
+        http_client(base_url=url, headers=headers, timeout=60) as client,
+    ):
         places = app.state.large_body_places
         answers: list[httpx.Response] = []
         with write_lock_held(db_url):
@@ -2454,7 +2464,7 @@ def test_serve_that_cannot_listen_is_refused_before_it_records_anything(
 
 
 def test_a_server_given_no_config_answers_500_once_another_node_records_one(
-    db_url: str, tmp_path: Path, config_file: str
+    db_url: str, tmp_path: Path, config_file: str, shared_server: SharedServer
 ) -> None:
     """A server started with no config on a log that recorded none writes on;
     once another node records a config, its writes are refused (they would
@@ -2463,7 +2473,7 @@ def test_a_server_given_no_config_answers_500_once_another_node_records_one(
     bare = Models(env={"CATALOG_ES_DB": db_url})
     tokens, token = tokens_for_roles(tmp_path / "tokens.json")
     with (
-        serving(create_app(bare, tokens)) as url,
+        shared_server.serving(create_app(bare, tokens)) as url,
         http_client(base_url=url, timeout=30, headers=bearer(token["write"])) as client,
     ):
         ok(client.post("/models", json=definition("a")))
@@ -2478,7 +2488,7 @@ def test_a_server_given_no_config_answers_500_once_another_node_records_one(
 
 
 def test_a_database_that_went_away_is_a_503_to_retry_and_nothing_is_written(
-    pg_url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    pg_url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture, shared_server: SharedServer
 ) -> None:
     """PostgreSQL restarting or failing over under a running server: each
     request answers JSON that says to try again, as a busy log does, not a
@@ -2492,7 +2502,10 @@ def test_a_database_that_went_away_is_a_503_to_retry_and_nothing_is_written(
     server_log = logging.getLogger("uvicorn.error")  # it does not propagate
     server_log.addHandler(caplog.handler)
     try:
-        with serving(create_app(models, tokens)) as url, http_client(base_url=url) as client:
+        with (
+            shared_server.serving(create_app(models, tokens)) as url,
+            http_client(base_url=url) as client,
+        ):
             assert client.get("/revision", headers=bearer(token["read"])).status_code == 200
             proxy.cut()
             rows = count_events(pg_url)
@@ -2517,6 +2530,7 @@ def test_a_role_without_the_logs_privileges_is_a_500_not_a_retry(
     read_only_url: Callable[[], str],
     tmp_path: Path,
     caplog: pytest.LogCaptureFixture,
+    shared_server: SharedServer,
 ) -> None:
     """A server whose role may only read, asked to write: 503 and Retry-After
     told clients to try again, forever (review). It is the operator's to mend."""
@@ -2524,7 +2538,10 @@ def test_a_role_without_the_logs_privileges_is_a_500_not_a_retry(
     models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": read_only_url()})
     tokens, token = tokens_for_roles(tmp_path / "tokens.json")
     rows = count_events(pg_url)
-    with serving(create_app(models, tokens)) as url, http_client(base_url=url) as client:
+    with (
+        shared_server.serving(create_app(models, tokens)) as url,
+        http_client(base_url=url) as client,
+    ):
         assert client.get("/models", headers=bearer(token["read"])).status_code == 200
         scaled = client.post("/models/m/scale", json={"max": 2}, headers=bearer(token["write"]))
     models.close()
@@ -2737,7 +2754,9 @@ def test_a_write_the_file_was_replaced_under_is_not_acknowledged(
     models.close()
 
 
-def test_a_session_ended_by_the_server_mid_query_is_a_503(pg_url: str, tmp_path: Path) -> None:
+def test_a_session_ended_by_the_server_mid_query_is_a_503(
+    pg_url: str, tmp_path: Path, shared_server: SharedServer
+) -> None:
     """A restart or a failover ends the sessions in a query with SQLSTATE
     57P01 (psycopg's AdminShutdown, a subclass of OperationalError): it was
     taken for an unexpected error, a 500 (review)."""
@@ -2746,7 +2765,7 @@ def test_a_session_ended_by_the_server_mid_query_is_a_503(pg_url: str, tmp_path:
     tokens, token = tokens_for_roles(tmp_path / "tokens.json")
     engine = sa.create_engine(pg_url)
     with (
-        serving(create_app(models, tokens)) as url,
+        shared_server.serving(create_app(models, tokens)) as url,
         engine.connect() as holder,
         holder.begin(),
     ):
@@ -3321,7 +3340,11 @@ def test_a_connection_refused_as_it_is_made_is_setup_or_an_outage_by_what_it_say
 
 
 def test_a_write_whose_session_ends_at_its_commit_answers_500_without_retry_after(
-    pg_url: str, pg_admin: sa.Engine, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    pg_url: str,
+    pg_admin: sa.Engine,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    shared_server: SharedServer,
 ) -> None:
     """Its outcome is unknown (the server may have committed): not 503 and
     Retry-After, which a client's retry takes as leave to send it again, and
@@ -3332,7 +3355,7 @@ def test_a_write_whose_session_ends_at_its_commit_answers_500_without_retry_afte
     answers: list[httpx.Response] = []
     try:
         with (
-            serving(create_app(models, tokens)) as url,
+            shared_server.serving(create_app(models, tokens)) as url,
             commits_held(pg_admin, pg_url) as ended_at_its_commit,
         ):
 
