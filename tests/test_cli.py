@@ -1726,7 +1726,7 @@ def test_a_bad_definition_on_standard_input_is_refused(
             "error: --revision is empty: give a commit, or leave --revision out",
             id="empty-revision",
         ),
-        pytest.param(["model", "show", TEN_KB_NAME[:200]], "is not in the catalog", id="show"),
+        pytest.param(["model", "show", TEN_KB_NAME[:200]], "is not a valid name", id="show"),
         pytest.param(
             ["rollback", "--to", "1", "--model", TEN_KB_NAME],
             f"error: model '{TEN_KB_NAME[:40]}…': name: '{TEN_KB_NAME[:39]}… is not a valid name",
@@ -2820,6 +2820,9 @@ REFUSED_AS_GIVEN = [
     ("refusals", "--model", ""),
     ("history", "m", "--by", ""),
     ("--by", "", "history", "m"),
+    ("history", ""),
+    ("model", "show", ""),
+    ("model", "show", "Bad Name!"),
 ]
 
 

@@ -161,6 +161,9 @@ def history(settings: Settings, name: str, **filters: Unpack[ChangeFilters]) -> 
     """Every change to one model, oldest first, field by field (the config
     deploys that declared, changed or dropped it among them), filtered; --by
     names the actor."""
+    from catalog_es.audit import check_history_name
+
+    check_history_name(name)
     _checked(settings, filters, "history")  # before the log is opened
     rows = settings.models().history_rows(name, **filters)
     emit_rows(settings, rows, _show_changes(rows, with_model=False))

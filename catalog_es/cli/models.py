@@ -103,6 +103,7 @@ def model_show(
     settings: Settings, name: str, at: int | datetime | None, declared_then: bool
 ) -> None:
     """One model as it will run (or as it was, with --at)."""
+    check_query(model=name)  # no model in force has a name it refuses
     revision = read_at(settings, at, declared_then)
     m = settings.models().get_model(name, revision, declared_then=declared_then)
     emit(settings, m, lambda: show_model(m))
