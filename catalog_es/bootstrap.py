@@ -101,8 +101,11 @@ def open_models(
     *,
     applier: Applier | None = None,
     pre_add_check: PreAddCheck | None = None,
+    make_log: bool = True,
 ) -> Models:
-    """The service on a database and a declared config, its log replayed."""
+    """The service on a database and a declared config, its log replayed.
+    ``make_log``: where there is no log, make one; if not, raise
+    :class:`~catalog_es.errors.NoLogYet`, having made nothing."""
     from catalog_es.application import Models
     from catalog_es.inputs import load_config
     from catalog_es.persistence import Factory
@@ -112,8 +115,22 @@ def open_models(
         applier=applier,
         pre_add_check=pre_add_check,
         snapshot_interval=snapshot_interval(),
-        env={Factory.URL: database_url(db)},
+        env={Factory.URL: database_url(db), **({} if make_log else {Factory.MAKE_LOG: "no"})},
     )
+
+
+def make_log_at(db: str | None = None) -> str | None:
+    """Make the log's tables at ``db`` where there is no log; where it was
+    made, if it was (as :attr:`SQLRecorder.log_made` says it)."""
+    from catalog_es.persistence import SQLRecorder, create_engine
+
+    engine = create_engine(database_url(db))
+    try:
+        store = SQLRecorder(engine)
+        store.close()
+        return store.log_made
+    finally:
+        engine.dispose()
 
 
 def snapshot_interval() -> int:

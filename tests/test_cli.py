@@ -18,6 +18,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import tempfile
 import tracemalloc
 import uuid
 from collections.abc import Callable, Iterator
@@ -2834,6 +2835,11 @@ def test_a_query_refused_as_given_makes_no_log(db_url: str, run: Run, query: lis
     it is opened: one line, and nothing made."""
     refused = refused_in_one_line(run(*query))
     assert "a new, empty one is made there" not in refused
+    assert_no_log_made(db_url)
+
+
+def assert_no_log_made(db_url: str) -> None:
+    """No file at a SQLite URL, no table in a PostgreSQL URL's schema."""
     if db_url.startswith("sqlite"):
         assert not Path(db_url.removeprefix("sqlite:///")).exists()
         return
@@ -2842,6 +2848,75 @@ def test_a_query_refused_as_given_makes_no_log(db_url: str, run: Run, query: lis
         assert sa.inspect(engine).get_table_names() == []
     finally:
         engine.dispose()
+
+
+# Reads refused for what the log holds: where there is no log, an empty one.
+REFUSED_ON_AN_EMPTY_LOG = [
+    ("model", "show", "absent"),
+    ("model", "show", "absent", "--at", "0"),
+    ("model", "list", "--at", "5"),
+    ("sources", "--at", "5"),
+    ("log", "--after", "5"),
+    ("history", "absent"),
+    ("history", "Bad Name!"),
+    ("diff", "5"),
+    ("diff", "0", "5", "--model", "absent"),
+    ("--json", "model", "show", "absent"),
+]
+
+
+@pytest.mark.parametrize("query", REFUSED_ON_AN_EMPTY_LOG, ids=" ".join)
+def test_a_read_refused_where_there_is_no_log_makes_none(
+    db_url: str, run: Run, query: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`model show absent`, `log --after 5` and the like, on a path with no
+    log, made one (a new file on SQLite, the tables on PostgreSQL), then
+    refused (review): a mistyped path was left with a log nothing asked
+    for. A read is answered from an empty log, made apart and removed, and
+    the log is made only once a read has answered."""
+    apart = tmp_path / "apart"
+    apart.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(apart))
+    refused = refused_in_one_line(run(*query))
+    if db_url.startswith("sqlite"):
+        where = f"at {db_url.removeprefix('sqlite:///')}"
+    else:
+        where = f"in schema {schema_of(db_url)} of database "
+    assert f" (no log is {where}" in refused and refused.endswith(": none was made)")
+    assert_no_log_made(db_url)
+    assert list(apart.iterdir()) == []
+
+
+def test_a_read_where_no_log_can_be_made_is_one_line_and_no_answer(
+    pg_url: str, read_only_url: Callable[[], str]
+) -> None:
+    """A read on a path with no log answers from an empty one, then makes
+    the log: where it cannot be (a role that may not create in the schema),
+    it is one line and exit 1, as when the log was made first, and its
+    answer is not written out before it."""
+    refused = refused_in_one_line(
+        CliRunner().invoke(cli, ["--db", read_only_url(), "model", "list"])
+    )
+    assert refused.startswith("error: the database could not be used: permission denied for ")
+    assert_no_log_made(pg_url)
+
+
+def test_a_read_refused_on_an_empty_file_leaves_it_empty(tmp_path: Path) -> None:
+    """An empty file (`touch typo.db`) holds no log either: a refused read
+    leaves it as it was, and a read that answers makes the log in it, as
+    one always has."""
+    typo = tmp_path / "typo.db"
+    typo.touch()
+    db = f"sqlite:///{typo}"
+    refused = refused_in_one_line(invoke_told(["--db", db, "log", "--after", "1"]))
+    assert refused == (
+        f"error: revision 1 is beyond the head of the log (0) (no log is at {typo}: none was made)"
+    )
+    assert typo.stat().st_size == 0
+    listed = invoke_told(["--db", db, "log", "--json"])
+    assert (listed.exit_code, listed.stdout) == (0, "")
+    assert listed.stderr == f"warning: no log at {typo} yet: a new one is made there\n"
+    assert count_events(db) == 0
 
 
 def test_a_view_named_as_a_table_of_the_log_is_refused_before_anything_is_made(

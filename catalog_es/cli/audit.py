@@ -24,6 +24,7 @@ from catalog_es.cli.base import (
     pass_settings,
     query_options,
     read_as_usage,
+    reads_only,
     shared_options,
     table,
 )
@@ -157,6 +158,7 @@ def _checked(settings: Settings, filters: ChangeFilters, query: str) -> None:
 @change_filters("history")
 @query_options
 @pass_settings
+@reads_only
 def history(settings: Settings, name: str, **filters: Unpack[ChangeFilters]) -> None:
     """Every change to one model, oldest first, field by field (the config
     deploys that declared, changed or dropped it among them), filtered; --by
@@ -173,6 +175,7 @@ def history(settings: Settings, name: str, **filters: Unpack[ChangeFilters]) -> 
 @audit_filters("audit")
 @query_options
 @pass_settings
+@reads_only
 def audit(settings: Settings, **filters: Unpack[Filters]) -> None:
     """Changes across the catalog, oldest first, filtered; --by names the actor."""
     _checked(settings, filters, "audit")  # before the log is opened
@@ -184,6 +187,7 @@ def audit(settings: Settings, **filters: Unpack[Filters]) -> None:
 @audit_filters("refusals")
 @query_options
 @pass_settings
+@reads_only
 def refusals(settings: Settings, **filters: Unpack[Filters]) -> None:
     """Commands that were refused: who tried what, and why. They changed nothing."""
     _checked(settings, filters, "refusals")  # before the log is opened
@@ -208,6 +212,7 @@ def _skipped_rows(skipped: Iterable[dict[str, Any]]) -> Iterable[list[str]]:
 @cli.command("verify")
 @shared_options
 @pass_settings
+@reads_only
 def verify(settings: Settings) -> None:
     """Check the hash chain over the log; exit 1 naming the first revision
     altered, removed or moved. Lists the events load skips either way."""
