@@ -119,20 +119,6 @@ def open_models(
     )
 
 
-def make_log_at(db: str | None = None) -> str | None:
-    """Make the log's tables at ``db`` where there is no log; where it was
-    made, if it was (as :attr:`SQLRecorder.log_made` says it)."""
-    from catalog_es.persistence import SQLRecorder, create_engine
-
-    engine = create_engine(database_url(db))
-    try:
-        store = SQLRecorder(engine)
-        store.close()
-        return store.log_made
-    finally:
-        engine.dispose()
-
-
 def snapshot_interval() -> int:
     """``CATALOG_ES_SNAPSHOT_EVERY``: revisions between projection snapshots.
     Fewer makes reads of the past faster and the database larger."""

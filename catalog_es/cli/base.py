@@ -200,16 +200,11 @@ class Settings:
         # database or schema mistaken makes a new, empty log, so the run says
         # so (after its answer, or on its refusal's line).
         self.new_log: str | None = None
-        # A command that writes nothing (:func:`reads_only`): where there is
-        # no log, it answers from an empty one made apart, and the log is
-        # made once it has answered, so that a refusal leaves nothing made;
-        # ``log_absent`` says where no log was.
+        # A command that writes nothing (:func:`reads_only`) makes no log:
+        # where there is none, it answers as an empty log would, and
+        # ``log_absent`` says where no log is.
         self.reads_only = False
         self.log_absent: str | None = None
-        # Such a command's answer, held until the log is made: a log that
-        # cannot be made (a folder not writable, a role that may not create)
-        # is told in one line, as before any answer, exit 1.
-        self._held_answer: HeldAnswer | None = None
         # Each revision given that was read as another, as told
         # (:func:`warn_if_taken_as_another`): diff resolves two.
         self.taken_as: list[str] = []
@@ -236,6 +231,8 @@ class Settings:
             self._models = self._opened()
             if self.new_log is not None:
                 log.warning("no log %s yet: a new one is made there", self.new_log)
+            elif self.log_absent is not None:
+                log.warning("no log %s: answered as an empty log; none was made", self.log_absent)
             recorded = self._models.catalog.recorded_declaration
             if (
                 not self._models.declared.given
@@ -265,9 +262,10 @@ class Settings:
         return self._models
 
     def _opened(self) -> Models:
-        """The service on the log, or for a command that writes nothing on a
-        path with no log, on an empty one in a folder of its own, removed
-        as the command ends."""
+        """The service on the log; for a command that writes nothing on a
+        path with no log, on an empty one in a folder of its own, removed as
+        the command ends: a read makes no log (the first write or a server
+        does), and a mistyped path or schema is left as it was."""
         if not self.reads_only:
             models = bootstrap.open_models(self.db, self.config)
             self.new_log = models.store.log_made
@@ -281,39 +279,11 @@ class Settings:
         except NoLogYet as absent:
             self.log_absent = absent.where
         folder = tempfile.TemporaryDirectory(prefix="catalog-es-empty-log-")
-        try:
-            models = bootstrap.open_models(f"sqlite:///{folder.name}/empty.db", self.config)
-        except BaseException:
-            folder.cleanup()
-            raise
         context = click.get_current_context(silent=True)
         if context is not None:
             # Before the service's close (models), so run after it.
             context.find_root().call_on_close(folder.cleanup)
-        self._held_answer = sys.stdout = HeldAnswer(sys.stdout)
-        return models
-
-    def make_log_found_absent(self) -> None:
-        """Once a command that writes nothing has answered where no log was,
-        make the log there, as such a read always has (README), then write
-        its answer out and say so."""
-        answer = self.drop_held_answer()
-        if answer is None:
-            return
-        # What refuses the making says where, as when a log was made first.
-        self.log_absent = None
-        self.new_log = bootstrap.make_log_at(self.db)
-        write_text([answer])
-        if self.new_log is not None:
-            log.warning("no log %s yet: a new one is made there", self.new_log)
-
-    def drop_held_answer(self) -> str | None:
-        """Standard output as it was, and what was held from it, if anything."""
-        held, self._held_answer = self._held_answer, None
-        if held is None:
-            return None
-        sys.stdout = held.out
-        return held.getvalue()
+        return bootstrap.open_models(f"sqlite:///{folder.name}/empty.db", self.config)
 
     def another_config_explains(self, refusal: Exception) -> str:
         """What a refusal's line adds when the declared config the log last
@@ -384,17 +354,6 @@ class Settings:
     @property
     def actor(self) -> str:
         return bootstrap.actor(self.by)
-
-
-class HeldAnswer(io.StringIO):
-    """An answer held back from standard output (``out``), made as for it."""
-
-    def __init__(self, out: TextIO) -> None:
-        super().__init__()
-        self.out = out
-
-    def isatty(self) -> bool:
-        return self.out.isatty()
 
 
 def _set(attribute: str) -> Callable[[click.Context, click.Parameter, Any], None]:
@@ -476,11 +435,10 @@ pass_settings = click.make_pass_decorator(Settings, ensure=True)
 
 
 def reads_only(f: F) -> F:
-    """For a command that writes nothing, under :data:`pass_settings`: on a
-    path with no log it is answered from an empty one, and the log is made
-    there only once it has answered (:meth:`Settings.models`). A refusal
-    (a revision beyond the head, a model not there) made the log first, and
-    left a new file, or new tables, that nothing asked for."""
+    """For a command that writes nothing, under :data:`pass_settings`: it
+    makes no log, answering on a path with none as an empty log would, and
+    says so (:meth:`Settings.models`). Reads made the log, and a mistyped
+    path or schema was left with one that nothing asked for."""
 
     @functools.wraps(f)
     def command(settings: Settings, *args: Any, **kwargs: Any) -> Any:
@@ -956,8 +914,6 @@ class CatalogGroup(click.Group):
         try:
             result = super().invoke(ctx)
             settings = ctx.find_object(Settings)
-            if settings is not None:
-                settings.make_log_found_absent()
             # Not after a server or a watch: they ran on their own config
             # by design, their log told what they met as it came.
             if settings is not None and ctx.invoked_subcommand not in early_stop.UNTIL_STOPPED:
@@ -1024,9 +980,6 @@ class CatalogGroup(click.Group):
             say(failure_line(error), err=True)
             self._exit(ctx, 1)
         finally:
-            settings = ctx.find_object(Settings)
-            if settings is not None:
-                settings.drop_held_answer()  # refused, or failed: nothing to write out
             self._done()
             _held.stop(told=told)
 

@@ -127,6 +127,7 @@ def rollback_command(
 ) -> None:
     """Make the runtime catalog what it was at a revision, by appending
     compensating events in one transaction (the log is never rewritten)."""
+    settings.reads_only = dry_run  # it writes nothing: nor does it make the log
     # Resolved by the service, so that a refusal records the revision or time
     # as given, as the HTTP API's does (doc audit).
     result = settings.models().rollback(
