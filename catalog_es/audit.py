@@ -99,16 +99,15 @@ class AuditTrail:
     def _history_views(
         self, name: str, filters: Filters, at_most_bytes: int | None = None
     ) -> list[str]:
-        # No name filters nothing: every row would be this "history".
-        if name:
-            views = self._views(filters, at_most_bytes, query="history")
-            # A name the rows do not mention was never in the log, nor in a
-            # config it recorded (a config record has a row for each model it
-            # declares anew): one indexed read, not the records read through.
-            declared = any(m.name == name for m in self.declared.models)
-            if views or declared or self._audit.view.mentions(self.name, name):
-                return views
-        raise ModelNotFound(name, "has no history: it was never in the log or the config")
+        check_history_name(name)
+        views = self._views(filters, at_most_bytes, query="history")
+        # A name the rows do not mention was never in the log, nor in a
+        # config it recorded (a config record has a row for each model it
+        # declares anew): one indexed read, not the records read through.
+        declared = any(m.name == name for m in self.declared.models)
+        if views or declared or self._audit.view.mentions(self.name, name):
+            return views
+        raise _no_history(name)
 
     def audit(self, **filters: Unpack[Filters]) -> list[dict[str, Any]]:
         """The audit rows matching every filter given (``model``, ``by``,
@@ -274,6 +273,18 @@ class AuditTrail:
             # sessions were ended (hostile test).
             said = first_line(str(getattr(error, "orig", None) or error))
             log.warning("could not record the refusal of %s for %r: %s", event, name, said)
+
+
+def _no_history(name: str) -> ModelNotFound:
+    return ModelNotFound(name, "has no history: it was never in the log or the config")
+
+
+def check_history_name(name: str) -> None:
+    """Refused, as no model's history, without the log: an empty name, which
+    filters nothing (every row would be its "history"). Any other is looked
+    for: a poison record, written by hand, may name a model no command could."""
+    if not name:
+        raise _no_history(name)
 
 
 def check_filters(filters: Filters, query: str) -> None:

@@ -103,8 +103,11 @@ def open_models(
     *,
     applier: Applier | None = None,
     pre_add_check: PreAddCheck | None = None,
+    make_log: bool = True,
 ) -> Models:
-    """The service on a database and a declared config, its log replayed."""
+    """The service on a database and a declared config, its log replayed.
+    ``make_log``: where there is no log, make one; if not, raise
+    :class:`~catalog_es.errors.NoLogYet`, having made nothing."""
     from catalog_es.application import Models
     from catalog_es.inputs import load_config
     from catalog_es.persistence import Factory
@@ -114,7 +117,7 @@ def open_models(
         applier=applier,
         pre_add_check=pre_add_check,
         snapshot_interval=snapshot_interval(),
-        env={Factory.URL: database_url(db)},
+        env={Factory.URL: database_url(db), **({} if make_log else {Factory.MAKE_LOG: "no"})},
     )
 
 

@@ -330,6 +330,16 @@ class UpgradeFailed(Refused):
     database refused a step; nothing was changed."""
 
 
+class NoLogYet(Exception):
+    """No log is at the database given (no SQLite file, an empty one, or no
+    log's table along the PostgreSQL search path), and it was opened not
+    to make one: ``where`` says where it would be made."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__(f"no log {where}")
+        self.where = where
+
+
 def came_of_a_stop(error: BaseException) -> bool:
     """Whether ``error`` is a Ctrl-C, or came of one: psycopg cancels the
     query a stop cuts off and tells it as its own error (the connection

@@ -67,6 +67,7 @@ from catalog_es.errors import (
     ConfigError,
     DamagedLog,
     LogRewritten,
+    NoLogYet,
     StorageBusy,
     UpgradeFailed,
     first_line,
@@ -821,6 +822,17 @@ class SQLiteFile:
             )
         return found.st_dev, found.st_ino
 
+    def holds_nothing(self) -> bool:
+        """Whether no database is at the path: no file, or an empty one
+        (``touch typo.db``), which a connection would make one in. One that
+        cannot be looked at is left for the connection to tell."""
+        try:
+            return self.path.stat().st_size == 0
+        except FileNotFoundError:
+            return True
+        except OSError:
+            return False
+
     def check(self) -> None:
         """Refused in one line unless the path still names the file this
         process opened, as :meth:`now` refuses. A file renamed over is not
@@ -1372,8 +1384,13 @@ def _is_busy(error: sa.exc.OperationalError) -> bool:
 class SQLRecorder(ProcessRecorder):
     """Events, notifications and tracking positions in one database."""
 
-    def __init__(self, engine: Engine, *, create_tables: bool = True) -> None:
+    def __init__(
+        self, engine: Engine, *, create_tables: bool = True, make_log: bool = True
+    ) -> None:
         self.engine = engine
+        # Whether the log's tables are made where there is no log; if not,
+        # :class:`NoLogYet` is raised there, and nothing is made.
+        self._make_log = make_log
         self.dialect = engine.dialect.name
         # The driver's errors, which statements made straight on it raise.
         self._dbapi_error: type[Exception] = engine.dialect.loaded_dbapi.Error
@@ -1562,6 +1579,8 @@ class SQLRecorder(ProcessRecorder):
         there is nothing to create."""
         names = [table.name for table in tables.sorted_tables]
         log = tables is metadata
+        if log and not self._make_log and self._file is not None and self._file.holds_nothing():
+            raise NoLogYet(self._file.where)  # before a connection makes the file
         with self.engine.connect() as conn:
             if self.dialect == "postgresql":
                 # Reads of the server's catalog, which a transaction at its
@@ -1598,6 +1617,10 @@ class SQLRecorder(ProcessRecorder):
                 ).first()
                 if in_the_way is not None:
                     raise _in_the_way(conn, "a type", *in_the_way)
+            # Where the log would be made (a search path naming no schema
+            # there is, its creation tells), once nothing stands in its way.
+            if log and not self._make_log and events_table.name not in found and schema != "":
+                raise NoLogYet(self._made_where(schema))  # rolled back: nothing made
             create(conn, tables, missing)
             if not log:
                 return
@@ -2959,15 +2982,22 @@ class Factory(InfrastructureFactory[TrackingRecorder]):
     The URL is the service's setting ``CATALOG_ES_DB`` (:meth:`Models.construct_env`)."""
 
     URL = "CATALOG_ES_DB"
+    # Set to "no": where there is no log, raise NoLogYet rather than make it.
+    MAKE_LOG = "CATALOG_ES_MAKE_LOG"
 
     def __init__(self, env: Environment) -> None:
         super().__init__(env)
         self.engine = create_engine(self.env.get(self.URL) or DEFAULT_URL)
+        self._make_log = self.env.get(self.MAKE_LOG) != "no"
         self._recorder: SQLRecorder | None = None
 
     def recorder(self) -> SQLRecorder:
         if self._recorder is None:
-            self._recorder = SQLRecorder(self.engine)
+            try:
+                self._recorder = SQLRecorder(self.engine, make_log=self._make_log)
+            except NoLogYet:
+                self.engine.dispose()  # no service is made to close it
+                raise
         return self._recorder
 
     def aggregate_recorder(self, purpose: str = "events") -> AggregateRecorder:

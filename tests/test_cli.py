@@ -18,6 +18,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import tempfile
 import time
 import tracemalloc
 import uuid
@@ -1733,7 +1734,7 @@ def test_a_bad_definition_on_standard_input_is_refused(
             "error: --revision is empty: give a commit, or leave --revision out",
             id="empty-revision",
         ),
-        pytest.param(["model", "show", TEN_KB_NAME[:200]], "is not in the catalog", id="show"),
+        pytest.param(["model", "show", TEN_KB_NAME[:200]], "is not a valid name", id="show"),
         pytest.param(
             ["rollback", "--to", "1", "--model", TEN_KB_NAME],
             f"error: model '{TEN_KB_NAME[:40]}…': name: '{TEN_KB_NAME[:39]}… is not a valid name",
@@ -2974,14 +2975,22 @@ def test_a_write_told_in_characters_the_terminal_lacks_still_exits_0(tmp_path: P
     assert count_events(db) == 1
 
 
-def said_to_be_made_once(db: str, other: str, made_in: Callable[[str], str]) -> None:
-    """A run that makes the log at ``db`` says where (``made_in``), after its
-    answer, and the next run on it nothing; a refusal on ``other``, with no
-    log either, stays one line, which says it."""
+def said_to_be_made_once(
+    db: str, other: str, made_in: Callable[[str], str], definition_file: Path
+) -> None:
+    """A read at ``db``, with no log there, makes none and says where
+    (``made_in``); the first write makes it and says so after its answer,
+    and the next run on it nothing; a refusal on ``other``, with no log
+    either, stays one line, which says it."""
     listing = ["--db", db, "model", "list", "--json"]
-    first = invoke_told(listing)
-    assert (first.exit_code, first.stdout) == (0, "[]\n")
-    assert first.stderr == f"warning: no log {made_in(db)} yet: a new one is made there\n"
+    read = invoke_told(listing)
+    assert (read.exit_code, read.stdout) == (0, "[]\n")
+    assert read.stderr == (
+        f"warning: no log {made_in(db)}: answered as an empty log; none was made\n"
+    )
+    added = invoke_told(["--db", db, "model", "add", str(definition_file)])  # the read made none
+    assert (added.exit_code, added.stdout.splitlines()[0]) == (0, "added m at revision 1")
+    assert added.stderr == f"warning: no log {made_in(db)} yet: a new one is made there\n"
     again = invoke_told(listing)
     assert (again.exit_code, again.stderr) == (0, "")
     refused = CliRunner().invoke(cli, ["--db", other, "model", "scale", "m", "--max", "2"])
@@ -3000,8 +3009,13 @@ def test_a_new_sqlite_log_is_said_to_be_made(tmp_path: Path, file: str) -> None:
     if file == "empty":
         (tmp_path / "typo.db").touch()
         (tmp_path / "other.db").touch()
+    definition_file = tmp_path / "m.yaml"
+    definition_file.write_bytes(as_yaml(definition("m")))
     said_to_be_made_once(
-        db, f"sqlite:///{tmp_path}/other.db", lambda url: f"at {url.removeprefix('sqlite:///')}"
+        db,
+        f"sqlite:///{tmp_path}/other.db",
+        lambda url: f"at {url.removeprefix('sqlite:///')}",
+        definition_file,
     )
     uri = f"sqlite:///file:{tmp_path}/typo.db?uri=true"  # the same file, named as a URI
     named = invoke_told(["--db", uri, "model", "list", "--json"])
@@ -3009,7 +3023,7 @@ def test_a_new_sqlite_log_is_said_to_be_made(tmp_path: Path, file: str) -> None:
 
 
 def test_a_new_postgresql_log_is_said_to_be_made(
-    pg_schema_url: Callable[..., str], pg_admin: sa.Engine
+    pg_schema_url: Callable[..., str], pg_admin: sa.Engine, tmp_path: Path
 ) -> None:
     """A node pointed at a schema with no log (a search path, a privilege or
     a database mistaken) made one there, answered an empty catalog and said
@@ -3022,7 +3036,9 @@ def test_a_new_postgresql_log_is_said_to_be_made(
         server = f"{url.host}:{url.port}" if url.port else url.host
         return f"in schema {schema_of(db)} of database {database} at {server}"
 
-    said_to_be_made_once(pg_schema_url(), pg_schema_url(), made_in)
+    definition_file = tmp_path / "m.yaml"
+    definition_file.write_bytes(as_yaml(definition("m")))
+    said_to_be_made_once(pg_schema_url(), pg_schema_url(), made_in, definition_file)
 
 
 # Commands refused on their input alone: the log is not needed to judge them.
@@ -3038,6 +3054,9 @@ REFUSED_AS_GIVEN = [
     ("refusals", "--model", ""),
     ("history", "m", "--by", ""),
     ("--by", "", "history", "m"),
+    ("history", ""),
+    ("model", "show", ""),
+    ("model", "show", "Bad Name!"),
     # A write's actor and reason, judged by the service's own checks.
     ("model", "scale", "m", "--max", "2", "--by", ""),
     ("model", "remove", "m", "--by", " alice"),
@@ -3056,6 +3075,11 @@ def test_a_command_refused_as_given_makes_no_log(db_url: str, run: Run, query: l
     made."""
     refused = refused_in_one_line(run(*query))
     assert "a new, empty one is made there" not in refused
+    assert_no_log_made(db_url)
+
+
+def assert_no_log_made(db_url: str) -> None:
+    """No file at a SQLite URL, no table in a PostgreSQL URL's schema."""
     if db_url.startswith("sqlite"):
         assert not Path(db_url.removeprefix("sqlite:///")).exists()
         return
@@ -3064,6 +3088,119 @@ def test_a_command_refused_as_given_makes_no_log(db_url: str, run: Run, query: l
         assert sa.inspect(engine).get_table_names() == []
     finally:
         engine.dispose()
+
+
+def no_log_at(db_url: str) -> str:
+    """How a line names where ``db_url`` holds no log, up to the database's
+    name on PostgreSQL."""
+    if db_url.startswith("sqlite"):
+        return f"no log at {db_url.removeprefix('sqlite:///')}"
+    return f"no log in schema {schema_of(db_url)} of database "
+
+
+@pytest.fixture
+def apart(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The folder temporary files are made in, for this test alone."""
+    folder = tmp_path / "apart"
+    folder.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(folder))
+    return folder
+
+
+# Commands that write nothing, answered where there is no log as from an empty one.
+ANSWERED_AS_AN_EMPTY_LOG = [
+    ("model", "list"),
+    ("--json", "model", "list"),
+    ("model", "list", "--at", "0"),
+    ("sources",),
+    ("log",),
+    ("audit", "--model", "m"),
+    ("refusals",),
+    ("verify",),
+    ("revision",),
+    ("diff", "0"),
+    ("rollback", "--to", "0", "--dry-run"),
+    ("model", "updates"),
+]
+
+
+@pytest.mark.parametrize("query", ANSWERED_AS_AN_EMPTY_LOG, ids=" ".join)
+def test_a_read_where_there_is_no_log_answers_and_makes_none(
+    db_url: str, query: list[str], apart: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read on a path with no log made one there (a new file on SQLite,
+    the tables on PostgreSQL), as did a dry run: a mistyped path or schema
+    was left with a log nothing asked for. Reads make nothing: they answer
+    as an empty log would, and say so in one warning."""
+    monkeypatch.setenv("CATALOG_ES_MIRROR", str(apart.parent))  # model updates: an empty one
+    done = invoke_told(["--db", db_url, *query])
+    assert done.exit_code == 0, done.stderr
+    assert done.stderr.startswith(f"warning: {no_log_at(db_url)}")
+    assert done.stderr.endswith(": answered as an empty log; none was made\n")
+    assert done.stderr.count("\n") == 1
+    assert_no_log_made(db_url)
+    assert list(apart.iterdir()) == []
+
+
+# Reads refused for what the log holds: where there is no log, an empty one.
+REFUSED_ON_AN_EMPTY_LOG = [
+    ("model", "show", "absent"),
+    ("model", "show", "absent", "--at", "0"),
+    ("model", "list", "--at", "5"),
+    ("sources", "--at", "5"),
+    ("log", "--after", "5"),
+    ("history", "absent"),
+    ("history", "Bad Name!"),
+    ("diff", "5"),
+    ("diff", "0", "5", "--model", "absent"),
+    ("--json", "model", "show", "absent"),
+    ("rollback", "--to", "5", "--dry-run"),
+]
+
+
+@pytest.mark.parametrize("query", REFUSED_ON_AN_EMPTY_LOG, ids=" ".join)
+def test_a_read_refused_where_there_is_no_log_makes_none(
+    db_url: str, run: Run, query: list[str], apart: Path
+) -> None:
+    """`model show absent`, `log --after 5` and the like, on a path with no
+    log, made one (a new file on SQLite, the tables on PostgreSQL), then
+    refused (review): a mistyped path was left with a log nothing asked
+    for. A read is answered from an empty log, made apart and removed."""
+    refused = refused_in_one_line(run(*query))
+    assert f" ({no_log_at(db_url).replace('no log', 'no log is')}" in refused
+    assert refused.endswith(": none was made)")
+    assert_no_log_made(db_url)
+    assert list(apart.iterdir()) == []
+
+
+def test_a_read_by_a_role_that_may_not_make_the_log_answers(
+    pg_url: str, read_only_url: Callable[[], str]
+) -> None:
+    """A read on a schema with no log, by a role that may only read there,
+    was refused (permission denied) as it made the log: it makes none, so
+    it answers as an empty log would."""
+    listed = invoke_told(["--db", read_only_url(), "--json", "model", "list"])
+    assert (listed.exit_code, listed.stdout) == (0, "[]\n")
+    assert listed.stderr.startswith(f"warning: {no_log_at(pg_url)}")
+    assert_no_log_made(pg_url)
+
+
+def test_a_read_on_an_empty_file_leaves_it_empty(tmp_path: Path) -> None:
+    """An empty file (`touch typo.db`) holds no log either: a read, refused
+    or answered, leaves it as it was."""
+    typo = tmp_path / "typo.db"
+    typo.touch()
+    db = f"sqlite:///{typo}"
+    refused = refused_in_one_line(invoke_told(["--db", db, "log", "--after", "1"]))
+    assert refused == (
+        f"error: revision 1 is beyond the head of the log (0) (no log is at {typo}: none was made)"
+    )
+    listed = invoke_told(["--db", db, "log", "--json"])
+    assert (listed.exit_code, listed.stdout) == (0, "")
+    assert listed.stderr == (
+        f"warning: no log at {typo}: answered as an empty log; none was made\n"
+    )
+    assert typo.stat().st_size == 0
 
 
 def test_a_view_named_as_a_table_of_the_log_is_refused_before_anything_is_made(
@@ -3448,7 +3585,7 @@ def test_a_database_that_cannot_be_written_says_which_files_must_be(tmp_path: Pa
     while the database could not be written leaves a -shm file no later
     writer may write (hostile test), and nothing said to look there."""
     url = f"sqlite:///{tmp_path}/catalog.db"
-    assert CliRunner().invoke(cli, ["--db", url, "revision"]).exit_code == 0
+    bootstrap.open_models(url).close()  # the log made, as a write makes it (a read makes none)
     with pytest.raises(sqlite3.Error) as raised:
         uri = f"file:{tmp_path}/catalog.db?mode=ro"
         sqlite3.connect(uri, uri=True).execute("DELETE FROM catalog_events")
@@ -3467,7 +3604,7 @@ def test_a_disk_with_no_room_for_the_shared_memory_file_is_said_to_be_full_or_fa
     if shutil.which("strace") is None:
         pytest.fail("this test makes the disk fail with strace: `apt-get install -y strace`")
     url = f"sqlite:///{tmp_path}/catalog.db"
-    assert CliRunner().invoke(cli, ["--db", url, "revision"]).exit_code == 0
+    bootstrap.open_models(url).close()  # the log made, as a write makes it (a read makes none)
     (tmp_path / "catalog.db-shm").unlink(missing_ok=True)
     no_room = ["strace", "-f", "-q", "-o", "/dev/null", "-e", "inject=ftruncate:error=ENOSPC"]
     failed = subprocess.run(

@@ -24,6 +24,7 @@ from catalog_es.cli.base import (
     pass_settings,
     query_options,
     read_as_usage,
+    reads_only,
     shared_options,
     table,
 )
@@ -161,10 +162,14 @@ def _checked(settings: Settings, filters: ChangeFilters, query: str) -> None:
 @change_filters("history")
 @query_options
 @pass_settings
+@reads_only
 def history(settings: Settings, name: str, **filters: Unpack[ChangeFilters]) -> None:
     """Every change to one model, oldest first, field by field (the config
     deploys that declared, changed or dropped it among them), filtered; --by
     names the actor."""
+    from catalog_es.audit import check_history_name
+
+    check_history_name(name)
     _checked(settings, filters, "history")  # before the log is opened
     rows = settings.models().history_rows(name, **filters)
     emit_rows(settings, rows, _show_changes(rows, with_model=False))
@@ -174,6 +179,7 @@ def history(settings: Settings, name: str, **filters: Unpack[ChangeFilters]) -> 
 @audit_filters("audit")
 @query_options
 @pass_settings
+@reads_only
 def audit(settings: Settings, **filters: Unpack[Filters]) -> None:
     """Changes across the catalog, oldest first, filtered; --by names the actor."""
     _checked(settings, filters, "audit")  # before the log is opened
@@ -185,6 +191,7 @@ def audit(settings: Settings, **filters: Unpack[Filters]) -> None:
 @audit_filters("refusals")
 @query_options
 @pass_settings
+@reads_only
 def refusals(settings: Settings, **filters: Unpack[Filters]) -> None:
     """Commands that were refused: who tried what, and why. They changed nothing."""
     _checked(settings, filters, "refusals")  # before the log is opened
@@ -209,6 +216,7 @@ def _skipped_rows(skipped: Iterable[dict[str, Any]]) -> Iterable[list[str]]:
 @cli.command("verify")
 @shared_options
 @pass_settings
+@reads_only
 def verify(settings: Settings) -> None:
     """Check the hash chain over the log; exit 1 naming the first revision
     altered, removed or moved. Lists the events load skips either way."""

@@ -13,6 +13,7 @@ of it (a third of a second).
 from __future__ import annotations
 
 import codecs
+import functools
 import io
 import logging
 import os
@@ -27,7 +28,7 @@ from contextlib import suppress
 from datetime import datetime
 from itertools import chain
 from types import FrameType, TracebackType
-from typing import TYPE_CHECKING, Any, NoReturn, TextIO, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TextIO, TypeVar, cast
 
 import click
 
@@ -197,6 +198,11 @@ class Settings:
         # database or schema mistaken makes a new, empty log, so the run says
         # so (after its answer, or on its refusal's line).
         self.new_log: str | None = None
+        # A command that writes nothing (:func:`reads_only`) makes no log:
+        # where there is none, it answers as an empty log would, and
+        # ``log_absent`` says where no log is.
+        self.reads_only = False
+        self.log_absent: str | None = None
         # Each revision given that was read as another, as told
         # (:func:`warn_if_taken_as_another`): diff resolves two.
         self.taken_as: list[str] = []
@@ -220,10 +226,11 @@ class Settings:
         held write connection and pool with it)."""
         if self._models is None:
             bootstrap.database_url(self.db)  # refused, loads no persistence
-            self._models = bootstrap.open_models(self.db, self.config)
-            self.new_log = self._models.store.log_made
+            self._models = self._opened()
             if self.new_log is not None:
                 log.warning("no log %s yet: a new one is made there", self.new_log)
+            elif self.log_absent is not None:
+                log.warning("no log %s: answered as an empty log; none was made", self.log_absent)
             recorded = self._models.catalog.recorded_declaration
             if (
                 not self._models.declared.given
@@ -251,6 +258,30 @@ class Settings:
                 # (CatalogGroup.invoke), not with the command's own.
                 context.find_root().call_on_close(self._models.close)
         return self._models
+
+    def _opened(self) -> Models:
+        """The service on the log; for a command that writes nothing on a
+        path with no log, on an empty one in a folder of its own, removed as
+        the command ends: a read makes no log (the first write or a server
+        does), and a mistyped path or schema is left as it was."""
+        if not self.reads_only:
+            models = bootstrap.open_models(self.db, self.config)
+            self.new_log = models.store.log_made
+            return models
+        import tempfile
+
+        from catalog_es.errors import NoLogYet
+
+        try:
+            return bootstrap.open_models(self.db, self.config, make_log=False)
+        except NoLogYet as absent:
+            self.log_absent = absent.where
+        folder = tempfile.TemporaryDirectory(prefix="catalog-es-empty-log-")
+        context = click.get_current_context(silent=True)
+        if context is not None:
+            # Before the service's close (models), so run after it.
+            context.find_root().call_on_close(folder.cleanup)
+        return bootstrap.open_models(f"sqlite:///{folder.name}/empty.db", self.config)
 
     def another_config_explains(self, refusal: Exception) -> str:
         """What a refusal's line adds when the declared config the log last
@@ -411,6 +442,20 @@ def query_options(f: F) -> F:
 
 
 pass_settings = click.make_pass_decorator(Settings, ensure=True)
+
+
+def reads_only(f: F) -> F:
+    """For a command that writes nothing, under :data:`pass_settings`: it
+    makes no log, answering on a path with none as an empty log would, and
+    says so (:meth:`Settings.models`). Reads made the log, and a mistyped
+    path or schema was left with one that nothing asked for."""
+
+    @functools.wraps(f)
+    def command(settings: Settings, *args: Any, **kwargs: Any) -> Any:
+        settings.reads_only = True
+        return f(settings, *args, **kwargs)
+
+    return cast(F, command)
 
 
 def _note_declared_then(ctx: click.Context, _param: click.Parameter, value: bool) -> bool:
@@ -893,6 +938,8 @@ class CatalogGroup(click.Group):
                 said += settings.another_config_explains(refusal)
                 if settings.new_log:
                     said += f" (no log was {settings.new_log}: a new, empty one is made there)"
+                elif settings.log_absent:
+                    said += f" (no log is {settings.log_absent}: none was made)"
             say(said, err=True)
             self._exit(ctx, 1)
         except OutcomeUnknown as unknown:

@@ -27,6 +27,7 @@ from catalog_es.cli.base import (
     query_options,
     read_as_usage,
     read_at,
+    reads_only,
     say,
     scaling_text,
     shared_options,
@@ -56,6 +57,7 @@ WARNED_NAMED = 5
 @declared_then_option
 @shared_options
 @pass_settings
+@reads_only
 def model_list(settings: Settings, at: int | datetime | None, declared_then: bool) -> None:
     """Every model in force, declared and runtime."""
     revision = read_at(settings, at, declared_then)
@@ -99,10 +101,12 @@ def model_list(settings: Settings, at: int | datetime | None, declared_then: boo
 @declared_then_option
 @shared_options
 @pass_settings
+@reads_only
 def model_show(
     settings: Settings, name: str, at: int | datetime | None, declared_then: bool
 ) -> None:
     """One model as it will run (or as it was, with --at)."""
+    check_query(model=name)  # no model in force has a name it refuses
     revision = read_at(settings, at, declared_then)
     m = settings.models().get_model(name, revision, declared_then=declared_then)
     emit(settings, m, lambda: show_model(m))
@@ -300,6 +304,7 @@ def model_source(
 @declared_then_option
 @shared_options
 @pass_settings
+@reads_only
 def sources(settings: Settings, at: int | datetime | None, declared_then: bool) -> None:
     """Each weights source in the catalog, and the models and adapters using it."""
     revision = read_at(settings, at, declared_then)
@@ -335,6 +340,7 @@ def sources(settings: Settings, at: int | datetime | None, declared_then: bool) 
 @click.option("--limit", type=COUNT, metavar="N", help="At most N events.")
 @query_options
 @pass_settings
+@reads_only
 def log_command(settings: Settings, model_name: str | None, after: int, limit: int | None) -> None:
     """The raw events with their revisions, who and when, oldest first; --by
     names the actor."""

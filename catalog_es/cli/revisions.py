@@ -21,6 +21,7 @@ from catalog_es.cli.base import (
     once_it_answers,
     pass_settings,
     query_options,
+    reads_only,
     resolved,
     say,
     shared_options,
@@ -61,6 +62,7 @@ def show_diff(diff: dict[str, Any]) -> None:
 @cli.command("revision")
 @shared_options
 @pass_settings
+@reads_only
 def revision(settings: Settings) -> None:
     """The head of the log: the revision of the last change (0: none yet)."""
     head = settings.models().revision
@@ -74,6 +76,7 @@ def revision(settings: Settings) -> None:
 @declared_then_option
 @shared_options
 @pass_settings
+@reads_only
 def diff_command(
     settings: Settings,
     since: int | datetime,
@@ -124,6 +127,7 @@ def rollback_command(
 ) -> None:
     """Make the runtime catalog what it was at a revision, by appending
     compensating events in one transaction (the log is never rewritten)."""
+    settings.reads_only = dry_run  # it writes nothing: nor does it make the log
     # Resolved by the service, so that a refusal records the revision or time
     # as given, as the HTTP API's does (doc audit).
     said = meta(settings)

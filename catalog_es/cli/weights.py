@@ -13,6 +13,7 @@ from catalog_es.cli.base import (
     emit,
     meta,
     pass_settings,
+    reads_only,
     say,
     shared_options,
     table,
@@ -93,6 +94,7 @@ def _show_updates(report: dict[str, Any]) -> None:
 @registry_options
 @shared_options
 @pass_settings
+@reads_only
 def model_updates(settings: Settings, mirror: str | None, weights_dir: str | None) -> None:
     """The models whose upstream (the registry's main branch) has other weights
     than they run: another commit, or other file checksums. Writes nothing."""
