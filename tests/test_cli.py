@@ -3155,6 +3155,7 @@ REFUSED_ON_AN_EMPTY_LOG = [
     ("diff", "0", "5", "--model", "absent"),
     ("--json", "model", "show", "absent"),
     ("rollback", "--to", "5", "--dry-run"),
+    ("watch", "--from", "5"),
 ]
 
 

@@ -173,6 +173,9 @@ def watch_command(settings: Settings, after: int) -> None:
     """Every change after a revision, in order, then follow live; --by names
     the actor. Ctrl-C, SIGTERM or SIGHUP stops it."""
     check_query(by=settings.by)
+    # A revision past an empty log's head is refused, as a read's: on a path
+    # with no log, making one first left it there (one from 0 waits on it).
+    settings.reads_only = after > 0
     with stopped_when_asked():
         changes = once_it_answers(
             settings, "watch", lambda: settings.models().watch(after, by=settings.by)
