@@ -938,7 +938,8 @@ def _settled_engine(url: sa.URL) -> Engine:
                 )
 
         return engine
-    engine = postgresql_engine(url, pool_pre_ping=True)
+    engine = postgresql_engine(url)
+    _asked_when_idle(engine)
     _check_connection_settings(engine, url)
     _unprepared_behind_a_pooler(engine)
     return engine
@@ -969,13 +970,46 @@ _CONNECTIONS: weakref.WeakKeyDictionary[Engine, weakref.WeakSet[Any]] = weakref.
 _PREPARING = threading.Lock()
 
 
+# In a pooled connection's record: when it was last handed back (time.monotonic()).
+_RETURNED_AT = "catalog_es.returned_at"
+
+
+def _asked_when_idle(engine: Engine) -> None:
+    """A connection ``engine``'s pool hands out is asked first whether it is
+    still connected, as the held writer is, only when it sat idle in the pool
+    more than :data:`IDLE_ASKED_SECONDS` or the server sent it something
+    meanwhile (:func:`_may_be_gone`); a connection made for this checkout is
+    not. SQLAlchemy's ``pool_pre_ping`` asked every time: a round trip more
+    each read, two each command-line write. One found gone has the pool's
+    other connections, older than it, made again (a restart or a failover
+    ended them all), and is replaced at once, the caller told nothing."""
+
+    @sa.event.listens_for(engine, "checkin")
+    def _returned(_dbapi_connection: Any, record: Any) -> None:
+        record.info[_RETURNED_AT] = time.monotonic()
+
+    @sa.event.listens_for(engine, "checkout")
+    def _lent(dbapi_connection: Any, record: Any, _proxy: Any) -> None:
+        returned = record.info.get(_RETURNED_AT)
+        if returned is None or not _may_be_gone(dbapi_connection, returned):
+            return  # made for this checkout (its record's info starts empty), or in use just now
+        try:
+            engine.dialect.do_ping(dbapi_connection)
+        except engine.dialect.loaded_dbapi.Error as error:
+            # Gone, or behind a pooler in transaction mode: made again (unprepared), unseen.
+            gone = engine.dialect.is_disconnect(error, dbapi_connection, None)
+            if gone or prepared_elsewhere(engine, error):
+                raise sa.exc.InvalidatePoolError(first_line(str(error))) from error
+            raise
+
+
 def _unprepared_behind_a_pooler(engine: Engine) -> None:
     """Once a statement of this engine meets a prepared statement of another
     session (:func:`prepared_elsewhere`), its connections, those in use, in
     the pool and made later, prepare none and use none they prepared.
-    Noticed on a connection's check before use (``pool_pre_ping``), that
-    connection is made again and no one is told; otherwise the statement's
-    error is an outage, retried."""
+    Noticed on a connection's check before use (:func:`_asked_when_idle`),
+    that connection is made again and no one is told; otherwise the
+    statement's error is an outage, retried."""
     connections: weakref.WeakSet[Any] = weakref.WeakSet()
     _CONNECTIONS[engine] = connections
 
@@ -988,9 +1022,7 @@ def _unprepared_behind_a_pooler(engine: Engine) -> None:
 
     @sa.event.listens_for(engine, "handle_error")
     def _met(context: sa.engine.ExceptionContext) -> None:
-        if prepared_elsewhere(engine, context.original_exception) and context.is_pre_ping:
-            # Its check before use: made again, unprepared, with no error.
-            context.is_disconnect = True
+        prepared_elsewhere(engine, context.original_exception)
 
 
 def prepared_elsewhere(engine: Engine, error: BaseException) -> bool:
@@ -1120,16 +1152,23 @@ def _search_path_kept(engine: Engine, given: str, path: str) -> None:
             )
 
 
-# Seconds a held PostgreSQL writer may sit idle before it is asked whether it
-# is still connected (one round trip): a restart or a failover ends sessions
-# at any moment, and the first write after it failed with a 503. Sooner, it
-# is asked when the server sent it something while it was idle
-# (:func:`_heard_from`).
-WRITER_IDLE_ASKED = 1.0
+# Seconds a PostgreSQL connection (the held writer, or one in the pool) may
+# sit idle before it is asked whether it is still connected (one round trip):
+# a restart or a failover ends sessions at any moment, and the first write
+# after it failed with a 503. Sooner, it is asked when the server sent it
+# something while it was idle (:func:`_heard_from`).
+IDLE_ASKED_SECONDS = 1.0
 
 
-def _heard_from(conn: Connection) -> bool:
-    """Whether the server sent the PostgreSQL connection ``conn``, idle in
+def _may_be_gone(driver: Any, used: float) -> bool:
+    """Whether the PostgreSQL connection ``driver``, last used at ``used``
+    (``time.monotonic()``), must be asked whether it is still connected
+    before it is relied on (:data:`IDLE_ASKED_SECONDS`)."""
+    return time.monotonic() - used > IDLE_ASKED_SECONDS or _heard_from(driver)
+
+
+def _heard_from(driver: Any) -> bool:
+    """Whether the server sent the PostgreSQL connection ``driver``, idle in
     no transaction, anything since its last statement: a server ending the
     session (a restart, a failover, ``pg_terminate_backend``) says so and
     closes it, which leaves its socket readable (one poll, no round trip). A
@@ -1137,7 +1176,6 @@ def _heard_from(conn: Connection) -> bool:
     write failed with a 503 where the others' went through (hostile test)."""
     try:
         poll = select.poll()  # not select(): a server's sockets pass 1,024
-        driver: Any = conn.connection.driver_connection
         poll.register(driver.fileno(), select.POLLIN)
         return bool(poll.poll(0))
     except Exception:
@@ -1443,10 +1481,7 @@ class SQLRecorder(ProcessRecorder):
             if (
                 self._writer is not None
                 and self.dialect != "sqlite"
-                and (
-                    time.monotonic() - self._writer_used > WRITER_IDLE_ASKED
-                    or _heard_from(self._writer)
-                )
+                and _may_be_gone(self._writer.connection.driver_connection, self._writer_used)
             ):
                 # Idle, or told something: the server may have closed it. Ask
                 # before relying on it.
