@@ -214,34 +214,57 @@ _TYPES_IN_THE_WAY = (
 )
 
 
-def tables_found(conn: Connection, names: Sequence[str]) -> dict[str, str]:
-    """Which of the tables ``names`` this connection's queries find, in one
-    statement: a start on PostgreSQL asked it table by table, a round trip
-    each. Refused when another kind of object takes one's name (a view): a
-    read then made the other tables and failed on it, in a line that named
-    neither it nor what to do (last session's notes). Each found names its
-    schema on PostgreSQL (empty on SQLite)."""
+class TablesFound(NamedTuple):
+    """What :func:`tables_found` found."""
+
+    # Each table found, by its name in lower case, and its schema on
+    # PostgreSQL (empty on SQLite).
+    tables: dict[str, str]
+    # The columns of the log's table, in their order, when it is among them
+    # (on SQLite in lower case: its column names are the same in any case,
+    # so a log's REVISION is its revision, one was refused as no log).
+    log_columns: list[str] | None
+
+
+def tables_found(conn: Connection, names: Sequence[str]) -> TablesFound:
+    """Which of the tables ``names`` this connection's queries find, with the
+    log's columns, in one statement on PostgreSQL: a start there asked table
+    by table, a round trip each, then the columns, one more. Refused when
+    another kind of object takes one's name (a view): a read then made the
+    other tables and failed on it, in a line that named neither it nor what
+    to do (last session's notes). The columns are read from the database's
+    own catalog: SQLAlchemy's reflection of the table on PostgreSQL cost
+    every start 13 ms (it reads types, defaults, comments...)."""
     if conn.dialect.name == "sqlite":
         found = conn.exec_driver_sql(
             # SQLite's names are the same in any case: CATALOG_EVENTS is the table.
-            "SELECT name, type, '', '' FROM sqlite_master WHERE type IN ('table', 'view', 'index')"
+            "SELECT name, type, '', '', NULL FROM sqlite_master"
+            " WHERE type IN ('table', 'view', 'index')"
             f" AND name COLLATE NOCASE IN ({', '.join('?' * len(names))})",
             tuple(names),
         )
     else:
         found = conn.exec_driver_sql(
             "SELECT c.relname, c.relkind::text, ' in schema ' || c.relnamespace::regnamespace,"
-            " n.nspname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
+            " n.nspname, CASE WHEN c.relname = 'catalog_events' THEN ARRAY(SELECT attname::text"
+            " FROM pg_attribute WHERE attrelid = c.oid AND attnum > 0 AND NOT attisdropped"
+            " ORDER BY attnum) END FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
             " WHERE c.relname = ANY(%(names)s) AND pg_table_is_visible(c.oid)",
             {"names": list(names)},
         )
     tables: dict[str, str] = {}
-    for name, kind, where, schema in found:
-        if kind not in _NOT_TABLES:  # a table (on PostgreSQL, partitioned or foreign too)
-            tables[name.lower()] = schema
-            continue
-        raise _in_the_way(conn, _NOT_TABLES[kind], name, where)
-    return tables
+    log_columns = None
+    for name, kind, where, schema, columns in found:
+        if kind in _NOT_TABLES:
+            raise _in_the_way(conn, _NOT_TABLES[kind], name, where)
+        # A table (on PostgreSQL, partitioned or foreign too).
+        tables[name.lower()] = schema
+        log_columns = columns if columns is not None else log_columns
+    if conn.dialect.name == "sqlite" and events_table.name in tables:
+        # Asked apart: SQLite's statements cost no round trip.
+        found = conn.exec_driver_sql("SELECT lower(name) FROM pragma_table_info('catalog_events')")
+        log_columns = list(found.scalars())
+    return TablesFound(tables, log_columns)
 
 
 def create(conn: Connection, tables: sa.MetaData, missing: Sequence[sa.Table]) -> None:
@@ -305,22 +328,6 @@ def _check_log_columns(conn: Connection, columns: Sequence[str]) -> None:
         )
     lacking = f"{where}, without the log's columns ({', '.join(missing)}),"
     raise _in_the_way(conn, "a table", events_table.name, lacking)
-
-
-def _log_columns(conn: Connection) -> list[str]:
-    """The columns of the log's table as found, in their order: read from the
-    database's own catalog, as SQLAlchemy's reflection of the table on
-    PostgreSQL cost every start 13 ms (it reads types, defaults, comments...).
-    On SQLite in lower case: its column names are the same in any case, so a
-    log's REVISION is its revision (one was refused as no log)."""
-    if conn.dialect.name == "sqlite":
-        found = conn.exec_driver_sql("SELECT lower(name) FROM pragma_table_info('catalog_events')")
-    else:
-        found = conn.exec_driver_sql(
-            "SELECT attname FROM pg_attribute WHERE attrelid = to_regclass('catalog_events')"
-            " AND attnum > 0 AND NOT attisdropped ORDER BY attnum"
-        )
-    return list(found.scalars())
 
 
 # The revision column's sequence on PostgreSQL (NULL if it has none, and the
@@ -1622,10 +1629,8 @@ class SQLRecorder(ProcessRecorder):
                 # default isolation gives no one view of either: psycopg's
                 # BEGIN and the ROLLBACK cost each start two round trips.
                 conn.execution_options(isolation_level="AUTOCOMMIT")
-            found = tables_found(conn, names)
-            # Read every start a log is there (the unlinked check): no cost added.
-            columns = _log_columns(conn) if log and events_table.name in found else None
-            if columns is not None:
+            found, columns = tables_found(conn, names)
+            if log and columns is not None:
                 _check_log_columns(conn, columns)
                 if self.dialect == "postgresql":
                     # Where the log is, which :meth:`log_schema` asked next:
@@ -1638,10 +1643,9 @@ class SQLRecorder(ProcessRecorder):
         schema = self.log_schema() if self.dialect == "postgresql" else None
         # The events table may not exist yet to LOCK: an advisory lock instead.
         with self.locked("catalog_es.tables", schema=schema) as conn:
-            found = tables_found(conn, names)
             # Again under the lock: another node may have made it meanwhile.
-            columns = _log_columns(conn) if log and events_table.name in found else None
-            if columns is not None:
+            found, columns = tables_found(conn, names)
+            if log and columns is not None:
                 _check_log_columns(conn, columns)
             missing = [table for table in tables.sorted_tables if table.name not in found]
             if missing and self.dialect == "postgresql":
