@@ -536,6 +536,18 @@ class Kept(NamedTuple):
     last_hash: Any
     hash: Any
 
+    @classmethod
+    def of(cls, rows: Iterable[Sequence[Any]], revision: int) -> Kept:
+        """From the rows (revision, hash, ...) of :data:`_KEPT` for ``revision``."""
+        hashes = {row[0]: row[1] for row in rows}
+        last = max(hashes, default=0)
+        return cls(last=int(last), last_hash=hashes.get(last), hash=hashes.get(revision))
+
+
+# What follows the SELECT of the columns of the event at the revision asked
+# about and of the log's last (SQLRecorder.kept).
+_KEPT = "FROM catalog_events WHERE revision IN (?, (SELECT max(revision) FROM catalog_events))"
+
 
 class AnswerTooLarge(Exception):
     """The rows that match hold more than an answer may: none was read."""
@@ -2200,16 +2212,23 @@ class SQLRecorder(ProcessRecorder):
         whether the log still holds the events a catalog at ``revision`` was
         built from. Through the driver, as every read asks it (and a write
         that catches up, inside its own transaction)."""
-        hashes = dict(
-            self._fetch(
-                conn,
-                "SELECT revision, hash FROM catalog_events WHERE revision"
-                " IN (?, (SELECT max(revision) FROM catalog_events))",
-                revision,
-            )
+        return Kept.of(self._fetch(conn, f"SELECT revision, hash {_KEPT}", revision), revision)
+
+    def kept_with_head(
+        self, conn: Connection, revision: int
+    ) -> tuple[Kept, ChainHead | DamagedHead | None]:
+        """:meth:`kept`, and the head of the hash chain as :meth:`chain_head`
+        reads it, in one statement: a load asked them one after the other, a
+        round trip each on PostgreSQL."""
+        rows = self._fetch(
+            conn,
+            # The last column tells the head's row from the log's.
+            f"SELECT revision, hash, 0 {_KEPT}"
+            " UNION ALL SELECT revision, hash, 1 FROM catalog_head WHERE id = 1",
+            revision,
         )
-        last = max(hashes, default=0)
-        return Kept(last=int(last), last_hash=hashes.get(last), hash=hashes.get(revision))
+        head = next((stored_head(row[0], row[1]) for row in rows if row[2]), None)
+        return Kept.of((row for row in rows if not row[2]), revision), head
 
     def kept_alone(self, revision: int) -> Kept | None:
         """:meth:`kept`, one statement consistent by itself, in no transaction

@@ -1193,6 +1193,36 @@ def test_a_lock_taken_in_two_steps_takes_each_with_its_wait_in_one_round_trip(
     node.close()
 
 
+def test_a_start_on_a_log_asks_the_server_in_seven_round_trips(
+    pg_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Past what a first connection asks: whether the session's search path
+    is the URL's, the tables with the log's columns (two round trips, then
+    one), and the load in its transaction: BEGIN, the snapshot, the events
+    after it, where the log stands with the head record (two, then one), and
+    COMMIT. A log whose every event was deleted, its head record left, is
+    still told as such at the start."""
+    maker = Models(DeclaredConfig(), env={"CATALOG_ES_DB": pg_url})
+    maker.add(_definition("a", []), by="setup")
+    maker.close()
+    with round_trips(sa.Engine) as trips:
+        node = Models(DeclaredConfig(), env={"CATALOG_ES_DB": pg_url})
+    node.close()
+    started = trips[trips.index(['"ROLLBACK"']) + 1 :]  # past SQLAlchemy's first questions
+    assert len(started) == 7, started
+    engine = create_engine(pg_url)
+    with engine.begin() as conn:
+        conn.exec_driver_sql("DELETE FROM catalog_events")
+    engine.dispose()
+    Models(DeclaredConfig(), env={"CATALOG_ES_DB": pg_url}).close()
+    told = [r.getMessage() for r in caplog.records if "were deleted" in r.getMessage()]
+    assert told == [
+        "revision 1 is missing: the head is at revision 1 but the log ends at 0, so the last"
+        " events were deleted (catalog-es verify); the next write is numbered after revision 1,"
+        " leaving the gap"
+    ]
+
+
 def test_a_write_after_a_start_asks_nothing_more_of_where_the_log_is(
     pg_schema_url: Callable[..., str],
 ) -> None:
