@@ -619,10 +619,10 @@ class Models(AuditTrail, Application[UUID]):
             catalog = self._restored(conn, upto=None)
             since = catalog.revision
             catch_up(catalog, self.store, conn, split=True)
-            kept = self.store.kept(conn, catalog.revision)
+            kept, head = self.store.kept_with_head(conn, catalog.revision)
             catalog.chain = _chain(catalog.revision, kept.hash)
             self._tell_undeclared(conn, catalog)
-            self._tell_deleted_tail(self.store.chain_head(conn), kept.last, "the next write")
+            self._tell_deleted_tail(head, kept.last, "the next write")
         if catalog.revision - since >= self.snapshot_interval:
             self._save_snapshot(catalog.revision, snapshots.encode(snapshots.state_of(catalog)))
         _tell_standing_skips(catalog)

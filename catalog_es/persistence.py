@@ -214,34 +214,57 @@ _TYPES_IN_THE_WAY = (
 )
 
 
-def tables_found(conn: Connection, names: Sequence[str]) -> dict[str, str]:
-    """Which of the tables ``names`` this connection's queries find, in one
-    statement: a start on PostgreSQL asked it table by table, a round trip
-    each. Refused when another kind of object takes one's name (a view): a
-    read then made the other tables and failed on it, in a line that named
-    neither it nor what to do (last session's notes). Each found names its
-    schema on PostgreSQL (empty on SQLite)."""
+class TablesFound(NamedTuple):
+    """What :func:`tables_found` found."""
+
+    # Each table found, by its name in lower case, and its schema on
+    # PostgreSQL (empty on SQLite).
+    tables: dict[str, str]
+    # The columns of the log's table, in their order, when it is among them
+    # (on SQLite in lower case: its column names are the same in any case,
+    # so a log's REVISION is its revision, one was refused as no log).
+    log_columns: list[str] | None
+
+
+def tables_found(conn: Connection, names: Sequence[str]) -> TablesFound:
+    """Which of the tables ``names`` this connection's queries find, with the
+    log's columns, in one statement on PostgreSQL: a start there asked table
+    by table, a round trip each, then the columns, one more. Refused when
+    another kind of object takes one's name (a view): a read then made the
+    other tables and failed on it, in a line that named neither it nor what
+    to do (last session's notes). The columns are read from the database's
+    own catalog: SQLAlchemy's reflection of the table on PostgreSQL cost
+    every start 13 ms (it reads types, defaults, comments...)."""
     if conn.dialect.name == "sqlite":
         found = conn.exec_driver_sql(
             # SQLite's names are the same in any case: CATALOG_EVENTS is the table.
-            "SELECT name, type, '', '' FROM sqlite_master WHERE type IN ('table', 'view', 'index')"
+            "SELECT name, type, '', '', NULL FROM sqlite_master"
+            " WHERE type IN ('table', 'view', 'index')"
             f" AND name COLLATE NOCASE IN ({', '.join('?' * len(names))})",
             tuple(names),
         )
     else:
         found = conn.exec_driver_sql(
             "SELECT c.relname, c.relkind::text, ' in schema ' || c.relnamespace::regnamespace,"
-            " n.nspname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
+            " n.nspname, CASE WHEN c.relname = 'catalog_events' THEN ARRAY(SELECT attname::text"
+            " FROM pg_attribute WHERE attrelid = c.oid AND attnum > 0 AND NOT attisdropped"
+            " ORDER BY attnum) END FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
             " WHERE c.relname = ANY(%(names)s) AND pg_table_is_visible(c.oid)",
             {"names": list(names)},
         )
     tables: dict[str, str] = {}
-    for name, kind, where, schema in found:
-        if kind not in _NOT_TABLES:  # a table (on PostgreSQL, partitioned or foreign too)
-            tables[name.lower()] = schema
-            continue
-        raise _in_the_way(conn, _NOT_TABLES[kind], name, where)
-    return tables
+    log_columns = None
+    for name, kind, where, schema, columns in found:
+        if kind in _NOT_TABLES:
+            raise _in_the_way(conn, _NOT_TABLES[kind], name, where)
+        # A table (on PostgreSQL, partitioned or foreign too).
+        tables[name.lower()] = schema
+        log_columns = columns if columns is not None else log_columns
+    if conn.dialect.name == "sqlite" and events_table.name in tables:
+        # Asked apart: SQLite's statements cost no round trip.
+        found = conn.exec_driver_sql("SELECT lower(name) FROM pragma_table_info('catalog_events')")
+        log_columns = list(found.scalars())
+    return TablesFound(tables, log_columns)
 
 
 def create(conn: Connection, tables: sa.MetaData, missing: Sequence[sa.Table]) -> None:
@@ -305,22 +328,6 @@ def _check_log_columns(conn: Connection, columns: Sequence[str]) -> None:
         )
     lacking = f"{where}, without the log's columns ({', '.join(missing)}),"
     raise _in_the_way(conn, "a table", events_table.name, lacking)
-
-
-def _log_columns(conn: Connection) -> list[str]:
-    """The columns of the log's table as found, in their order: read from the
-    database's own catalog, as SQLAlchemy's reflection of the table on
-    PostgreSQL cost every start 13 ms (it reads types, defaults, comments...).
-    On SQLite in lower case: its column names are the same in any case, so a
-    log's REVISION is its revision (one was refused as no log)."""
-    if conn.dialect.name == "sqlite":
-        found = conn.exec_driver_sql("SELECT lower(name) FROM pragma_table_info('catalog_events')")
-    else:
-        found = conn.exec_driver_sql(
-            "SELECT attname FROM pg_attribute WHERE attrelid = to_regclass('catalog_events')"
-            " AND attnum > 0 AND NOT attisdropped ORDER BY attnum"
-        )
-    return list(found.scalars())
 
 
 # The revision column's sequence on PostgreSQL (NULL if it has none, and the
@@ -528,6 +535,18 @@ class Kept(NamedTuple):
     last: int
     last_hash: Any
     hash: Any
+
+    @classmethod
+    def of(cls, rows: Iterable[Sequence[Any]], revision: int) -> Kept:
+        """From the rows (revision, hash, ...) of :data:`_KEPT` for ``revision``."""
+        hashes = {row[0]: row[1] for row in rows}
+        last = max(hashes, default=0)
+        return cls(last=int(last), last_hash=hashes.get(last), hash=hashes.get(revision))
+
+
+# What follows the SELECT of the columns of the event at the revision asked
+# about and of the log's last (SQLRecorder.kept).
+_KEPT = "FROM catalog_events WHERE revision IN (?, (SELECT max(revision) FROM catalog_events))"
 
 
 class AnswerTooLarge(Exception):
@@ -938,7 +957,8 @@ def _settled_engine(url: sa.URL) -> Engine:
                 )
 
         return engine
-    engine = postgresql_engine(url, pool_pre_ping=True)
+    engine = postgresql_engine(url)
+    _asked_when_idle(engine)
     _check_connection_settings(engine, url)
     _unprepared_behind_a_pooler(engine)
     return engine
@@ -969,13 +989,46 @@ _CONNECTIONS: weakref.WeakKeyDictionary[Engine, weakref.WeakSet[Any]] = weakref.
 _PREPARING = threading.Lock()
 
 
+# In a pooled connection's record: when it was last handed back (time.monotonic()).
+_RETURNED_AT = "catalog_es.returned_at"
+
+
+def _asked_when_idle(engine: Engine) -> None:
+    """A connection ``engine``'s pool hands out is asked first whether it is
+    still connected, as the held writer is, only when it sat idle in the pool
+    more than :data:`IDLE_ASKED_SECONDS` or the server sent it something
+    meanwhile (:func:`_may_be_gone`); a connection made for this checkout is
+    not. SQLAlchemy's ``pool_pre_ping`` asked every time: a round trip more
+    each read, two each command-line write. One found gone has the pool's
+    other connections, older than it, made again (a restart or a failover
+    ended them all), and is replaced at once, the caller told nothing."""
+
+    @sa.event.listens_for(engine, "checkin")
+    def _returned(_dbapi_connection: Any, record: Any) -> None:
+        record.info[_RETURNED_AT] = time.monotonic()
+
+    @sa.event.listens_for(engine, "checkout")
+    def _lent(dbapi_connection: Any, record: Any, _proxy: Any) -> None:
+        returned = record.info.get(_RETURNED_AT)
+        if returned is None or not _may_be_gone(dbapi_connection, returned):
+            return  # made for this checkout (its record's info starts empty), or in use just now
+        try:
+            engine.dialect.do_ping(dbapi_connection)
+        except engine.dialect.loaded_dbapi.Error as error:
+            # Gone, or behind a pooler in transaction mode: made again (unprepared), unseen.
+            gone = engine.dialect.is_disconnect(error, dbapi_connection, None)
+            if gone or prepared_elsewhere(engine, error):
+                raise sa.exc.InvalidatePoolError(first_line(str(error))) from error
+            raise
+
+
 def _unprepared_behind_a_pooler(engine: Engine) -> None:
     """Once a statement of this engine meets a prepared statement of another
     session (:func:`prepared_elsewhere`), its connections, those in use, in
     the pool and made later, prepare none and use none they prepared.
-    Noticed on a connection's check before use (``pool_pre_ping``), that
-    connection is made again and no one is told; otherwise the statement's
-    error is an outage, retried."""
+    Noticed on a connection's check before use (:func:`_asked_when_idle`),
+    that connection is made again and no one is told; otherwise the
+    statement's error is an outage, retried."""
     connections: weakref.WeakSet[Any] = weakref.WeakSet()
     _CONNECTIONS[engine] = connections
 
@@ -988,9 +1041,7 @@ def _unprepared_behind_a_pooler(engine: Engine) -> None:
 
     @sa.event.listens_for(engine, "handle_error")
     def _met(context: sa.engine.ExceptionContext) -> None:
-        if prepared_elsewhere(engine, context.original_exception) and context.is_pre_ping:
-            # Its check before use: made again, unprepared, with no error.
-            context.is_disconnect = True
+        prepared_elsewhere(engine, context.original_exception)
 
 
 def prepared_elsewhere(engine: Engine, error: BaseException) -> bool:
@@ -1120,16 +1171,23 @@ def _search_path_kept(engine: Engine, given: str, path: str) -> None:
             )
 
 
-# Seconds a held PostgreSQL writer may sit idle before it is asked whether it
-# is still connected (one round trip): a restart or a failover ends sessions
-# at any moment, and the first write after it failed with a 503. Sooner, it
-# is asked when the server sent it something while it was idle
-# (:func:`_heard_from`).
-WRITER_IDLE_ASKED = 1.0
+# Seconds a PostgreSQL connection (the held writer, or one in the pool) may
+# sit idle before it is asked whether it is still connected (one round trip):
+# a restart or a failover ends sessions at any moment, and the first write
+# after it failed with a 503. Sooner, it is asked when the server sent it
+# something while it was idle (:func:`_heard_from`).
+IDLE_ASKED_SECONDS = 1.0
 
 
-def _heard_from(conn: Connection) -> bool:
-    """Whether the server sent the PostgreSQL connection ``conn``, idle in
+def _may_be_gone(driver: Any, used: float) -> bool:
+    """Whether the PostgreSQL connection ``driver``, last used at ``used``
+    (``time.monotonic()``), must be asked whether it is still connected
+    before it is relied on (:data:`IDLE_ASKED_SECONDS`)."""
+    return time.monotonic() - used > IDLE_ASKED_SECONDS or _heard_from(driver)
+
+
+def _heard_from(driver: Any) -> bool:
+    """Whether the server sent the PostgreSQL connection ``driver``, idle in
     no transaction, anything since its last statement: a server ending the
     session (a restart, a failover, ``pg_terminate_backend``) says so and
     closes it, which leaves its socket readable (one poll, no round trip). A
@@ -1137,7 +1195,6 @@ def _heard_from(conn: Connection) -> bool:
     write failed with a 503 where the others' went through (hostile test)."""
     try:
         poll = select.poll()  # not select(): a server's sockets pass 1,024
-        driver: Any = conn.connection.driver_connection
         poll.register(driver.fileno(), select.POLLIN)
         return bool(poll.poll(0))
     except Exception:
@@ -1443,10 +1500,7 @@ class SQLRecorder(ProcessRecorder):
             if (
                 self._writer is not None
                 and self.dialect != "sqlite"
-                and (
-                    time.monotonic() - self._writer_used > WRITER_IDLE_ASKED
-                    or _heard_from(self._writer)
-                )
+                and _may_be_gone(self._writer.connection.driver_connection, self._writer_used)
             ):
                 # Idle, or told something: the server may have closed it. Ask
                 # before relying on it.
@@ -1587,10 +1641,8 @@ class SQLRecorder(ProcessRecorder):
                 # default isolation gives no one view of either: psycopg's
                 # BEGIN and the ROLLBACK cost each start two round trips.
                 conn.execution_options(isolation_level="AUTOCOMMIT")
-            found = tables_found(conn, names)
-            # Read every start a log is there (the unlinked check): no cost added.
-            columns = _log_columns(conn) if log and events_table.name in found else None
-            if columns is not None:
+            found, columns = tables_found(conn, names)
+            if log and columns is not None:
                 _check_log_columns(conn, columns)
                 if self.dialect == "postgresql":
                     # Where the log is, which :meth:`log_schema` asked next:
@@ -1603,10 +1655,9 @@ class SQLRecorder(ProcessRecorder):
         schema = self.log_schema() if self.dialect == "postgresql" else None
         # The events table may not exist yet to LOCK: an advisory lock instead.
         with self.locked("catalog_es.tables", schema=schema) as conn:
-            found = tables_found(conn, names)
             # Again under the lock: another node may have made it meanwhile.
-            columns = _log_columns(conn) if log and events_table.name in found else None
-            if columns is not None:
+            found, columns = tables_found(conn, names)
+            if log and columns is not None:
                 _check_log_columns(conn, columns)
             missing = [table for table in tables.sorted_tables if table.name not in found]
             if missing and self.dialect == "postgresql":
@@ -2161,16 +2212,23 @@ class SQLRecorder(ProcessRecorder):
         whether the log still holds the events a catalog at ``revision`` was
         built from. Through the driver, as every read asks it (and a write
         that catches up, inside its own transaction)."""
-        hashes = dict(
-            self._fetch(
-                conn,
-                "SELECT revision, hash FROM catalog_events WHERE revision"
-                " IN (?, (SELECT max(revision) FROM catalog_events))",
-                revision,
-            )
+        return Kept.of(self._fetch(conn, f"SELECT revision, hash {_KEPT}", revision), revision)
+
+    def kept_with_head(
+        self, conn: Connection, revision: int
+    ) -> tuple[Kept, ChainHead | DamagedHead | None]:
+        """:meth:`kept`, and the head of the hash chain as :meth:`chain_head`
+        reads it, in one statement: a load asked them one after the other, a
+        round trip each on PostgreSQL."""
+        rows = self._fetch(
+            conn,
+            # The last column tells the head's row from the log's.
+            f"SELECT revision, hash, 0 {_KEPT}"
+            " UNION ALL SELECT revision, hash, 1 FROM catalog_head WHERE id = 1",
+            revision,
         )
-        last = max(hashes, default=0)
-        return Kept(last=int(last), last_hash=hashes.get(last), hash=hashes.get(revision))
+        head = next((stored_head(row[0], row[1]) for row in rows if row[2]), None)
+        return Kept.of((row for row in rows if not row[2]), revision), head
 
     def kept_alone(self, revision: int) -> Kept | None:
         """:meth:`kept`, one statement consistent by itself, in no transaction

@@ -526,7 +526,7 @@ class AuditView(TrackingRecorder):
         """Which of the tracking table and this config's table are there, in
         one statement: SQLAlchemy's inspector asked it table by table, three
         times in a row, a round trip each on PostgreSQL."""
-        return tables_found(conn, [tracking_table.name, self.table(application_name).name])
+        return tables_found(conn, [tracking_table.name, self.table(application_name).name]).tables
 
     def _make(
         self, conn: Connection, application_name: str, tables: Collection[str] | None = None

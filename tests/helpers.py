@@ -159,12 +159,15 @@ def count_events(url: str) -> int:
 @contextmanager
 def round_trips(engine: sa.Engine | type[sa.Engine]) -> Iterator[list[list[str]]]:
     """The round trips to PostgreSQL of the connections ``engine`` (or every
-    engine: ``sa.Engine``) makes or hands out inside the ``with`` (its
-    pool's check before use aside; a connection made here from its first
-    statement, those SQLAlchemy asks of a new engine's among them), as
-    libpq's trace tells them, once the block ends: each what the client
-    sent before it waited for the server (the text of its statements, and
-    ``Sync``). A BEGIN that psycopg sends of its own is one, as it costs."""
+    engine: ``sa.Engine``) makes or hands out inside the ``with`` (a
+    connection made here from its first statement, those SQLAlchemy asks of
+    a new engine's among them; one handed out here, from then on, in the
+    pool too: its check before it is handed out again is counted, not that
+    before its first), as libpq's trace tells them, each once its
+    connection goes back to the pool or the block ends: each what the
+    client sent before it waited for the server (the text of its
+    statements, and ``Sync``). A BEGIN that psycopg sends of its own is
+    one, as it costs."""
     # Here: the SQLite tests do not load libpq.
     from psycopg.pq import Trace
 
@@ -203,10 +206,16 @@ def round_trips(engine: sa.Engine | type[sa.Engine]) -> Iterator[list[list[str]]
                 trips.append(sending)
                 sending = None
 
+    def returned(driver: Any, *_: Any) -> None:
+        if driver is not None:  # None: invalidated, closed (and told) already
+            stop(driver)
+            start(driver)  # traced on in the pool, for its next check
+
     listeners: dict[str, Callable[..., Any]] = {
         "do_connect": connecting,
         "checkout": start,
-        "checkin": stop,
+        "checkin": returned,
+        "close": stop,  # told before it closes
     }
     for event, listener in listeners.items():
         sa.event.listen(engine, event, listener)

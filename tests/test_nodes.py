@@ -257,6 +257,41 @@ def test_a_write_just_after_the_server_ended_its_session_still_lands(
     models.close()
 
 
+def test_a_read_just_after_the_server_ended_the_pooled_session_is_answered(
+    pg_url: str, pg_admin: sa.Engine
+) -> None:
+    """Reads go through the pool's connections, each asked whether it is
+    still connected, as the held writer is, only when it sat idle a second
+    or the server sent it something: one whose session the server ended (a
+    restart, a failover, pg_terminate_backend) just after it was handed
+    back is replaced, and the read answered, not failed."""
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": pg_url})
+    models.add(_definition("a", []), by="setup")
+    assert models.get_model("a")["name"] == "a"  # its connection back in the pool
+    _end_sessions(pg_admin, _sessions_of(pg_admin, pg_url))
+    assert models.get_model("a")["name"] == "a"
+    assert models.scale("a", 0, 2, by="ops").revision == models.revision
+    models.close()
+
+
+def test_a_read_just_after_another_asks_the_server_once(pg_url: str) -> None:
+    """A read of a log no one moved is one statement: the pool's check of
+    its connection before each use (SQLAlchemy's pre-ping) made it two round
+    trips. Its connection, idle a second, is still asked first."""
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": pg_url})
+    models.add(_definition("a", []), by="setup")
+    with round_trips(models.store.engine) as trips:
+        models.get_model("a")  # its connection handed back to the pool
+        before = len(trips)
+        models.get_model("a")
+        just_after = len(trips)
+        time.sleep(1.1)
+        models.get_model("a")
+    assert just_after - before == 1, trips
+    assert len(trips) - just_after == 2, trips  # the check, then the read
+    models.close()
+
+
 def _end_the_writers_session(models: Models, pg_admin: sa.Engine) -> None:
     """The server ends the session of ``models``' held write connection, as a
     restart or a failover does; back once it is gone."""
@@ -264,11 +299,34 @@ def _end_the_writers_session(models: Models, pg_admin: sa.Engine) -> None:
     assert writer is not None
     pid = writer.exec_driver_sql("SELECT pg_backend_pid()").scalar_one()
     writer.rollback()
+    _end_sessions(pg_admin, [pid])
+
+
+def _sessions_of(pg_admin: sa.Engine, url: str) -> list[int]:
+    """The server's sessions of the connections made with ``url`` (those of
+    its ``application_name``: a test's own, as ``pg_schema_url`` names them)."""
     with pg_admin.connect() as conn:
-        conn.execute(sa.text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+        return list(
+            conn.execute(
+                sa.text(
+                    "SELECT pid FROM pg_stat_activity"
+                    " WHERE application_name = :name AND pid <> pg_backend_pid()"
+                ),
+                {"name": sa.make_url(url).query["application_name"]},
+            ).scalars()
+        )
+
+
+def _end_sessions(pg_admin: sa.Engine, pids: list[int]) -> None:
+    """The server ends the sessions ``pids``, as a restart or a failover does;
+    back once they are gone."""
+    with pg_admin.connect() as conn:
+        for pid in pids:
+            conn.execute(sa.text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
         deadline = time.monotonic() + 5
         while conn.execute(
-            sa.text("SELECT count(*) FROM pg_stat_activity WHERE pid = :pid"), {"pid": pid}
+            sa.text("SELECT count(*) FROM pg_stat_activity WHERE pid = ANY(:pids)"),
+            {"pids": pids},
         ).scalar_one():
             assert time.monotonic() < deadline
             time.sleep(0.01)
@@ -1135,6 +1193,36 @@ def test_a_lock_taken_in_two_steps_takes_each_with_its_wait_in_one_round_trip(
     node.close()
 
 
+def test_a_start_on_a_log_asks_the_server_in_seven_round_trips(
+    pg_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Past what a first connection asks: whether the session's search path
+    is the URL's, the tables with the log's columns (two round trips, then
+    one), and the load in its transaction: BEGIN, the snapshot, the events
+    after it, where the log stands with the head record (two, then one), and
+    COMMIT. A log whose every event was deleted, its head record left, is
+    still told as such at the start."""
+    maker = Models(DeclaredConfig(), env={"CATALOG_ES_DB": pg_url})
+    maker.add(_definition("a", []), by="setup")
+    maker.close()
+    with round_trips(sa.Engine) as trips:
+        node = Models(DeclaredConfig(), env={"CATALOG_ES_DB": pg_url})
+    node.close()
+    started = trips[trips.index(['"ROLLBACK"']) + 1 :]  # past SQLAlchemy's first questions
+    assert len(started) == 7, started
+    engine = create_engine(pg_url)
+    with engine.begin() as conn:
+        conn.exec_driver_sql("DELETE FROM catalog_events")
+    engine.dispose()
+    Models(DeclaredConfig(), env={"CATALOG_ES_DB": pg_url}).close()
+    told = [r.getMessage() for r in caplog.records if "were deleted" in r.getMessage()]
+    assert told == [
+        "revision 1 is missing: the head is at revision 1 but the log ends at 0, so the last"
+        " events were deleted (catalog-es verify); the next write is numbered after revision 1,"
+        " leaving the gap"
+    ]
+
+
 def test_a_write_after_a_start_asks_nothing_more_of_where_the_log_is(
     pg_schema_url: Callable[..., str],
 ) -> None:
@@ -1261,7 +1349,6 @@ def test_nodes_writing_as_their_sessions_are_ended_write_on(
     each of six rounds). Now each goes through."""
     tokens = tmp_path / "tokens.json"
     secret = TokenStore(tokens).add("ops", "write")[1]
-    application = sa.make_url(pg_url).query["application_name"]
     setup = Models(DeclaredConfig(), env={"CATALOG_ES_DB": pg_url})
     setup.add(_definition("a", []), by="setup")
     setup.close()
@@ -1269,17 +1356,7 @@ def test_nodes_writing_as_their_sessions_are_ended_write_on(
         for n in range(2):
             for node in nodes:
                 assert http.post(f"{node}/models/a/scale", json={"max": 1 + n}).status_code == 200
-            with pg_admin.connect() as conn:
-                ended = sa.text(
-                    "SELECT pid FROM pg_stat_activity"
-                    " WHERE application_name = :name AND pid <> pg_backend_pid()"
-                )
-                for (pid,) in conn.execute(ended, {"name": application}).all():
-                    conn.execute(sa.text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
-                deadline = time.monotonic() + 5
-                while conn.execute(ended, {"name": application}).all():
-                    assert time.monotonic() < deadline
-                    time.sleep(0.01)
+            _end_sessions(pg_admin, _sessions_of(pg_admin, pg_url))
             for node in nodes:
                 answer = http.post(f"{node}/models/a/scale", json={"max": 2 + n})
                 assert answer.status_code == 200, answer.text
