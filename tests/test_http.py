@@ -1044,6 +1044,18 @@ def test_a_time_s_offset_whose_plus_the_query_read_as_a_space_is_told_so(api: Ap
     assert count_events(api.db) == before
 
 
+def test_a_time_window_closed_before_it_opens_is_refused(api: Api) -> None:
+    """since at or after until matched nothing, answered as an empty list, as
+    if nothing had changed in it (hostile test)."""
+    ok(api.post("/models", definition("qwen")))
+    before = count_events(api.db)
+    window = "since=2026-12-08&until=2026-12-07"
+    told = "since 2026-12-08T00:00:00Z is not before until 2026-12-07T00:00:00Z"
+    for path in ("/audit", "/history/qwen", "/refusals"):
+        assert refused(api.get(f"{path}?{window}"), 422).startswith(told)
+    assert count_events(api.db) == before
+
+
 def test_a_whole_number_in_a_query_is_digits_alone(api: Api) -> None:
     """pydantic read ``limit=5_0`` as 50, and ``after= 5``, ``+5`` (a space, in
     a query) and ``5%0A`` as 5, where ``?at=`` and If-Match refuse them (hostile
