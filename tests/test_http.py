@@ -2012,6 +2012,25 @@ def test_a_tokens_file_with_a_key_it_does_not_have_is_refused_not_written_back_w
     assert tokens.read_bytes() == edited
 
 
+def test_a_tokens_file_holding_an_entry_twice_is_refused_not_half_revoked(tmp_path: Path) -> None:
+    """An entry copied by hand: `token remove` revoked the first and said so,
+    and the server went on letting the token in by the copy (hostile test)."""
+    runner = CliRunner()
+    tokens = tmp_path / "t.json"
+    made = runner.invoke(cli, ["token", "add", "alice", "--role", "admin", "--tokens", str(tokens)])
+    assert made.exit_code == 0, made.stderr
+    kept = json.loads(tokens.read_text())
+    tokens.write_text(json.dumps({"tokens": kept["tokens"] * 2}))
+    edited = tokens.read_bytes()
+    token_id = kept["tokens"][0]["id"]
+    told = f"error: {tokens}: not a tokens file: token id {token_id!r} appears more than once\n"
+    for args in (["token", "list"], ["token", "add", "bob"], ["token", "remove", token_id]):
+        refused = runner.invoke(cli, [*args, "--tokens", str(tokens)])
+        assert (refused.exit_code, refused.stdout, refused.stderr) == (1, "", told), args
+    assert tokens.read_bytes() == edited
+    assert TokenStore(tokens).verify(made.stdout.strip()) is None
+
+
 def test_tokens_added_at_once_are_all_kept(tmp_path: Path) -> None:
     """Each add read the file and wrote it back: of 80 added by four threads,
     19 were kept, the others shown and never accepted (review)."""

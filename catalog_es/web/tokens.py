@@ -29,7 +29,7 @@ from typing import Any
 
 import msgspec
 
-from catalog_es.errors import InputError, missing_folder
+from catalog_es.errors import InputError, missing_folder, shown
 from catalog_es.files import replace_file
 from catalog_es.inputs import check_actor
 from catalog_es.model import utc_now, utc_text
@@ -107,9 +107,18 @@ class TokenStore:
         except OSError as error:
             raise _Unread(f"{self.path}: {error.strerror or error}") from None
         try:
-            return msgspec.json.decode(data, type=TokensFile)
+            content = msgspec.json.decode(data, type=TokensFile)
         except msgspec.MsgspecError as error:
             raise InputError(f"{self.path}: not a tokens file: {error}") from None
+        # An entry copied by hand: `token remove` revoked the first, and the
+        # server went on letting in the token by the other (hostile test).
+        seen: set[str] = set()
+        for entry in content.tokens:
+            if entry.id in seen:
+                twice = f"token id {shown(entry.id, 40)} appears more than once"
+                raise InputError(f"{self.path}: not a tokens file: {twice}")
+            seen.add(entry.id)
+        return content
 
     def _write(self, content: TokensFile) -> None:
         replace_file(self.path, msgspec.json.format(msgspec.json.encode(content)) + b"\n")
