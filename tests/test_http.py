@@ -756,6 +756,24 @@ def test_a_name_with_a_dot_segment_is_warned_of_and_reached_with_its_dots_encode
     assert ok(api.get("/models/qwen")).get("warnings") is None
 
 
+def test_a_command_s_verb_sent_inside_the_name_is_refused_not_taken_for_another_model(
+    api: Api,
+) -> None:
+    """A slash sent as %2F is the name's: a POST to ``/models/qwen%2Fscale``,
+    the model ``qwen/scale`` with no command, scaled ``qwen`` (hostile test)."""
+    ok(api.post("/models", definition("qwen")))
+    ok(api.post("/models", definition("qwen/scale")))
+    before = count_events(api.db)
+    for path in ("/models/qwen%2Fscale", "/models/qwen%2fscale", "/models/qwen/scale%2Fowner"):
+        told = refused(api.post(path, {"max": 3}), 422)
+        assert told.startswith("path: its /"), told
+    assert count_events(api.db) == before
+    assert ok(api.get("/models/qwen"))["scaling"]["max"] == 1
+    # Its own command, and a verb's letters escaped, still reach the model named.
+    assert ok(api.post("/models/qwen%2Fscale/scale", {"max": 3}))["model"]["name"] == "qwen/scale"
+    assert ok(api.post("/models/qwen/sc%61le", {"max": 2}))["model"]["scaling"]["max"] == 2
+
+
 def test_two_authorization_headers_are_refused_whichever_comes_first(api: Api) -> None:
     before = count_events(api.db)
     for first, second in [("admin", "bogus"), ("bogus", "admin")]:
