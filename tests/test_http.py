@@ -2049,6 +2049,25 @@ def test_a_tokens_file_holding_an_entry_twice_is_refused_not_half_revoked(tmp_pa
     assert TokenStore(tokens).verify(made.stdout.strip()) is None
 
 
+def test_a_token_revoked_through_a_link_to_the_tokens_file_is_revoked_in_it(
+    tmp_path: Path,
+) -> None:
+    """`token remove --tokens LINK` replaced the link with a file of its own:
+    the file it named, which a server read, kept the token, still let in
+    (hostile test). The file is changed, the link kept."""
+    runner = CliRunner()
+    (tmp_path / "real").mkdir()
+    tokens, link = tmp_path / "real" / "t.json", tmp_path / "t.json"
+    made = runner.invoke(cli, ["token", "add", "alice", "--tokens", str(tokens)])
+    assert made.exit_code == 0, made.stderr
+    link.symlink_to(tokens)
+    (entry,) = TokenStore(tokens).entries()
+    gone = runner.invoke(cli, ["token", "remove", entry.id, "--tokens", str(link)])
+    assert gone.exit_code == 0, gone.stderr
+    assert TokenStore(tokens).verify(made.stdout.strip()) is None
+    assert link.is_symlink() and link.resolve() == tokens
+
+
 def test_tokens_added_at_once_are_all_kept(tmp_path: Path) -> None:
     """Each add read the file and wrote it back: of 80 added by four threads,
     19 were kept, the others shown and never accepted (review)."""

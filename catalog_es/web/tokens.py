@@ -128,7 +128,10 @@ class TokenStore:
         """The file's content to change, written back when the ``with`` ends,
         under an exclusive lock on ``.NAME.lock`` beside it: no other change
         reads it in between."""
-        lock_path = self.path.with_name(f".{self.path.name}.lock")
+        # Beside the file a link names, as replace_file writes it: a change
+        # through the link and one through the file take the same lock.
+        written = Path(os.path.realpath(self.path))
+        lock_path = written.with_name(f".{written.name}.lock")
         folder = self.path.parent
         missing = missing_folder(folder)
         if missing is not None:
