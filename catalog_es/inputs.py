@@ -781,7 +781,7 @@ def _read_at_most(file: BinaryIO, limit: int) -> bytes | None:
     return b"".join(chunks)
 
 
-def _open_to_read(path: str) -> BinaryIO:
+def open_to_read(path: str) -> BinaryIO:
     """``path`` opened to read without waiting for a writer: opening a pipe
     (a FIFO) waits for one, and with none every command waited for good.
     Read, a pipe nothing writes to is empty; one with a writer (``<(…)``) is
@@ -810,7 +810,7 @@ def read_text(path: str, limit: int = MAX_INPUT_BYTES) -> tuple[str, str]:
         # Named as given, unless that would break the message's one line.
         where = path if path.isprintable() else shown(path)
         try:
-            with _open_to_read(path) as f:
+            with open_to_read(path) as f:
                 data = _read_at_most(f, limit)
         except OSError as error:
             raise InputError(f"{where}: {error.strerror or error}") from None
@@ -908,7 +908,7 @@ def load_config(path: str | None) -> DeclaredConfig:
         return DeclaredConfig(given=False)
     try:
         # Reviewed YAML, trusted but not unbounded.
-        with _open_to_read(path) as file:
+        with open_to_read(path) as file:
             raw = _read_at_most(file, MAX_CONFIG_BYTES)
         if raw is None:
             raise ConfigError(f"{path}: the config is larger than {MAX_CONFIG_BYTES >> 20} MiB")

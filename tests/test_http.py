@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 from urllib.parse import quote
 
 import httpx
@@ -50,10 +50,11 @@ from catalog_es.errors import (
     json_escaped,
     json_escaped_bytes,
 )
-from catalog_es.inputs import MAX_CHANGES, DeclaredConfig, load_config
+from catalog_es.inputs import MAX_CHANGES, DeclaredConfig, load_config, open_to_read
 from catalog_es.model import model_id
 from catalog_es.persistence import channel_of, database_unusable, refusals_table
 from catalog_es.web import app as web_app
+from catalog_es.web import tokens as web_tokens
 from catalog_es.web.app import create_app
 from catalog_es.web.events import BATCH_MESSAGES, WAKE_UP_SECONDS, _next_batch
 from catalog_es.web.tokens import TokenStore
@@ -836,17 +837,17 @@ def test_a_tokens_file_that_could_not_be_read_once_is_read_again_on_the_next_req
     the file again. Kept as read, the failure locked every token out until
     the file changed again (hostile test)."""
     api.tokens.add("dave", "read")  # changed: read again on the next request
-    real_read = Path.read_bytes
+    real_open = open_to_read
     failures = iter([OSError(errno.EMFILE, "Too many open files")])
 
-    def read_bytes(path: Path) -> bytes:
-        if path == api.tokens.path:
+    def failing_once(path: str) -> BinaryIO:
+        if path == str(api.tokens.path):
             failure = next(failures, None)
             if failure is not None:
                 raise failure
-        return real_read(path)
+        return real_open(path)
 
-    monkeypatch.setattr(Path, "read_bytes", read_bytes)
+    monkeypatch.setattr(web_tokens, "open_to_read", failing_once)
     assert refused(api.get("/me"), 401) == "the token is not valid (unknown or revoked)"
     assert ok(api.get("/me"))["actor"] == "read-user"
     assert ok(api.get("/me", role="admin"))["actor"] == "admin-user"
@@ -2066,6 +2067,27 @@ def test_a_token_revoked_through_a_link_to_the_tokens_file_is_revoked_in_it(
     assert gone.exit_code == 0, gone.stderr
     assert TokenStore(tokens).verify(made.stdout.strip()) is None
     assert link.is_symlink() and link.resolve() == tokens
+
+
+def test_a_tokens_file_that_is_a_pipe_nothing_writes_to_is_refused_not_waited_on(
+    tmp_path: Path,
+) -> None:
+    """Opening a pipe to read waits for a writer: every token command, and
+    serve, on a tokens file that was one hung for good (hostile test)."""
+    pipe = tmp_path / "t.json"
+    os.mkfifo(pipe)
+    for args in (["list"], ["add", "alice"], ["remove", "abc"]):
+        done = subprocess.run(
+            [sys.executable, "-m", "catalog_es", "token", *args, "--tokens", str(pipe)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+            cwd=Path(__file__).parents[1],  # this checkout's code, for `-m catalog_es`
+        )
+        assert (done.returncode, done.stdout) == (1, ""), args
+        assert done.stderr.startswith(f"error: {pipe}: not a tokens file"), args
+    assert pipe.is_fifo()
 
 
 def test_tokens_added_at_once_are_all_kept(tmp_path: Path) -> None:

@@ -31,7 +31,7 @@ import msgspec
 
 from catalog_es.errors import InputError, missing_folder, shown
 from catalog_es.files import replace_file
-from catalog_es.inputs import check_actor
+from catalog_es.inputs import check_actor, open_to_read
 from catalog_es.model import utc_now, utc_text
 from catalog_es.web import Role
 
@@ -101,7 +101,10 @@ class TokenStore:
 
     def _read(self) -> TokensFile:
         try:
-            data = self.path.read_bytes()
+            # Not waiting for a writer: a tokens file that is a pipe hung
+            # every token command, and serve (hostile test).
+            with open_to_read(str(self.path)) as file:
+                data = file.read()
         except FileNotFoundError:
             return TokensFile()
         except OSError as error:
