@@ -57,7 +57,7 @@ from catalog_es.web import app as web_app
 from catalog_es.web import tokens as web_tokens
 from catalog_es.web.app import create_app
 from catalog_es.web.events import BATCH_MESSAGES, WAKE_UP_SECONDS, _next_batch
-from catalog_es.web.tokens import TokenStore
+from catalog_es.web.tokens import MAX_TOKENS_BYTES, TokenStore
 from projections.audit import changes_table_for
 from tests.helpers import (
     EVERY_STOP,
@@ -2088,6 +2088,25 @@ def test_a_tokens_file_that_is_a_pipe_nothing_writes_to_is_refused_not_waited_on
         assert (done.returncode, done.stdout) == (1, ""), args
         assert done.stderr.startswith(f"error: {pipe}: not a tokens file"), args
     assert pipe.is_fifo()
+
+
+def test_a_tokens_file_past_its_bound_is_refused_unread(tmp_path: Path) -> None:
+    """Read whole, a path to a device (/dev/zero) or a large file took the
+    command, or the server, to the end of memory (hostile test). Past the
+    bound, even a well-formed file (spaces after its tokens) is refused."""
+    tokens = tmp_path / "t.json"
+    with tokens.open("wb") as file:
+        file.write(b'{"tokens": []}')
+        file.write(b" " * (MAX_TOKENS_BYTES + 1 - file.tell()))
+    runner = CliRunner()
+    for args in (["token", "list"], ["token", "add", "alice"]):
+        refused = runner.invoke(cli, [*args, "--tokens", str(tokens)])
+        assert (refused.exit_code, refused.stdout, refused.stderr) == (
+            1,
+            "",
+            f"error: {tokens}: not a tokens file: larger than {MAX_TOKENS_BYTES >> 20} MiB\n",
+        ), args
+    assert tokens.stat().st_size == MAX_TOKENS_BYTES + 1
 
 
 def test_tokens_added_at_once_are_all_kept(tmp_path: Path) -> None:

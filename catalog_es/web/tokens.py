@@ -31,13 +31,17 @@ import msgspec
 
 from catalog_es.errors import InputError, missing_folder, shown
 from catalog_es.files import replace_file
-from catalog_es.inputs import check_actor, open_to_read
+from catalog_es.inputs import check_actor, open_to_read, read_at_most
 from catalog_es.model import utc_now, utc_text
 from catalog_es.web import Role
 
 log = logging.getLogger(__name__)
 
 TOKEN_PREFIX = "ces"
+# An entry is about 300 bytes: a hundred thousand tokens take half of this.
+# Read without a bound, a path to a device or to another large file took
+# every command, and the server, to the end of memory (hostile test).
+MAX_TOKENS_BYTES = 64 << 20
 _ID_BYTES = 6
 _SECRET_BYTES = 32
 
@@ -104,11 +108,15 @@ class TokenStore:
             # Not waiting for a writer: a tokens file that is a pipe hung
             # every token command, and serve (hostile test).
             with open_to_read(str(self.path)) as file:
-                data = file.read()
+                data = read_at_most(file, MAX_TOKENS_BYTES)
         except FileNotFoundError:
             return TokensFile()
         except OSError as error:
             raise _Unread(f"{self.path}: {error.strerror or error}") from None
+        if data is None:
+            raise InputError(
+                f"{self.path}: not a tokens file: larger than {MAX_TOKENS_BYTES >> 20} MiB"
+            )
         try:
             content = msgspec.json.decode(data, type=TokensFile)
         except msgspec.MsgspecError as error:
