@@ -15,6 +15,7 @@ import os
 import queue
 import re
 import resource
+import shutil
 import signal
 import socket
 import sqlite3
@@ -2107,6 +2108,39 @@ def test_a_tokens_file_past_its_bound_is_refused_unread(tmp_path: Path) -> None:
             f"error: {tokens}: not a tokens file: larger than {MAX_TOKENS_BYTES >> 20} MiB\n",
         ), args
     assert tokens.stat().st_size == MAX_TOKENS_BYTES + 1
+
+
+def test_a_tokens_file_that_cannot_be_written_is_said_so_and_kept(tmp_path: Path) -> None:
+    """A full disk as `token add` wrote the file was told as "unexpected
+    OSError" (hostile test)."""
+    if shutil.which("strace") is None:
+        pytest.fail("this test makes the disk fail with strace: `apt-get install -y strace`")
+    tokens = tmp_path / "t.json"
+    made = CliRunner().invoke(cli, ["token", "add", "alice", "--tokens", str(tokens)])
+    assert made.exit_code == 0, made.stderr
+    kept = tokens.read_bytes()
+    no_room = ["strace", "-f", "-q", "-o", "/dev/null", "-e", "inject=fsync:error=ENOSPC"]
+    failed = subprocess.run(
+        [
+            *no_room,
+            sys.executable,
+            "-m",
+            "catalog_es",
+            "token",
+            "add",
+            "bob",
+            "--tokens",
+            str(tokens),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        cwd=Path(__file__).parents[1],  # this checkout's code, for `-m catalog_es`
+    )
+    assert (failed.returncode, failed.stdout) == (1, "")
+    assert failed.stderr == f"error: {tokens}: cannot be written: No space left on device\n"
+    assert tokens.read_bytes() == kept
 
 
 def test_tokens_added_at_once_are_all_kept(tmp_path: Path) -> None:

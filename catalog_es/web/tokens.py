@@ -132,7 +132,11 @@ class TokenStore:
         return content
 
     def _write(self, content: TokensFile) -> None:
-        replace_file(self.path, msgspec.json.format(msgspec.json.encode(content)) + b"\n")
+        try:
+            replace_file(self.path, msgspec.json.format(msgspec.json.encode(content)) + b"\n")
+        except OSError as error:
+            # A full disk, a folder made read-only: told as "unexpected" (hostile test).
+            raise InputError(f"{self.path}: cannot be written: {error.strerror or error}") from None
 
     @contextmanager
     def _changing(self) -> Iterator[TokensFile]:
