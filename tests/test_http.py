@@ -2006,8 +2006,13 @@ def test_a_mistyped_tokens_path_is_refused_not_taken_for_an_empty_file(tmp_path:
             lambda kept: {"tokens": [{**kept["tokens"][0], "expires": "2020-01-01T00:00:00Z"}]},
             "Object contains unknown field `expires` - at `$.tokens[0]`",
         ),
+        # Listed as Admin, its token refused as unknown or revoked (hostile test).
+        (
+            lambda kept: {"tokens": [{**kept["tokens"][0], "id": "abc", "role": "Admin"}]},
+            "token 'abc': role 'Admin': not a role (known: read, write, admin)",
+        ),
     ],
-    ids=["misspelt-key", "hand-added-field"],
+    ids=["misspelt-key", "hand-added-field", "unknown-role"],
 )
 def test_a_tokens_file_with_a_key_it_does_not_have_is_refused_not_written_back_without_it(
     tmp_path: Path, edit: Callable[[dict[str, Any]], dict[str, Any]], unknown: str

@@ -129,6 +129,14 @@ class TokenStore:
                 twice = f"token id {shown(entry.id, 40)} appears more than once"
                 raise InputError(f"{self.path}: not a tokens file: {twice}")
             seen.add(entry.id)
+            # A role edited by hand to one there is not ("Admin"): listed as
+            # such, its token refused as unknown or revoked (hostile test).
+            try:
+                parse_role(entry.role)
+            except InputError as error:
+                raise InputError(
+                    f"{self.path}: not a tokens file: token {shown(entry.id, 40)}: {error}"
+                ) from None
         return content
 
     def _write(self, content: TokensFile) -> None:
@@ -257,11 +265,7 @@ class TokenStore:
             return None
         if not hmac.compare_digest(expected, entry.sha256):
             return None
-        try:
-            role = parse_role(entry.role)
-        except InputError:
-            return None
-        return Caller(actor=entry.actor, role=role)
+        return Caller(actor=entry.actor, role=parse_role(entry.role))  # read, so a role
 
     def describe(self) -> list[dict[str, Any]]:
         """The entries without their hashes, for ``token list``."""
