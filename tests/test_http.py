@@ -2148,6 +2148,22 @@ def test_a_tokens_file_that_cannot_be_written_is_said_so_and_kept(tmp_path: Path
     assert tokens.read_bytes() == kept
 
 
+def test_a_revoked_token_s_actor_is_told_as_token_list_shows_it(tmp_path: Path) -> None:
+    """An actor edited by hand to hold a bidi override went out raw to the
+    terminal in `token remove`'s line, shown escaped by `token list` (hostile
+    test)."""
+    tokens = tmp_path / "t.json"
+    made = CliRunner().invoke(cli, ["token", "add", "alice", "--tokens", str(tokens)])
+    assert made.exit_code == 0, made.stderr
+    kept = json.loads(tokens.read_text())
+    tokens.write_text(json.dumps({"tokens": [{**kept["tokens"][0], "actor": "ali\u202ece"}]}))
+    token_id = kept["tokens"][0]["id"]
+    listed = CliRunner().invoke(cli, ["token", "list", "--tokens", str(tokens)])
+    assert "ali\\u202ece" in listed.stdout
+    gone = CliRunner().invoke(cli, ["token", "remove", token_id, "--tokens", str(tokens)])
+    assert (gone.exit_code, gone.stdout) == (0, f"revoked token {token_id} of ali\\u202ece\n")
+
+
 def test_tokens_added_at_once_are_all_kept(tmp_path: Path) -> None:
     """Each add read the file and wrote it back: of 80 added by four threads,
     19 were kept, the others shown and never accepted (review)."""
