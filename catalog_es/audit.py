@@ -301,6 +301,13 @@ def check_filters(filters: Filters, query: str) -> None:
         zoned(since, "since")
     if until is not None:
         zoned(until, "until")
+    # A window closed before it opens (the bounds swapped) matched nothing,
+    # said as if nothing had been done in it (hostile test).
+    if since is not None and until is not None and since >= until:
+        raise InputError(
+            f"since {utc_text(since)} is not before until {utc_text(until)}: no time lies "
+            "between them (since is inclusive, until exclusive)"
+        )
 
 
 def _rows(views: list[str]) -> list[dict[str, Any]]:

@@ -10,7 +10,7 @@ printable sources, origins a registry could name — is here.
 from __future__ import annotations
 
 import unicodedata
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from catalog_es.catalog import Catalog
 from catalog_es.errors import DeclaredInConfig, InvalidModel, ModelNotFound, Refused, shown
@@ -132,7 +132,26 @@ def _origin_problem(origin: Origin) -> tuple[str, str] | None:
         why = _refusal(relative_file, path)
         if why is not None:
             return f"origin.files[{shown(path)}]", why
-    return None
+    return _file_and_folder(origin.files)
+
+
+def _file_and_folder(paths: Collection[str]) -> tuple[str, str] | None:
+    """A file that another of ``paths`` lists as a folder (``x`` beside
+    ``x/y``): no revision holds both, so no update or rollback could fetch
+    them (hostile test)."""
+    folders: dict[str, str] = {}
+    for path in paths:
+        parts = path.split("/")
+        for end in range(1, len(parts)):
+            folders.setdefault("/".join(parts[:end]), path)
+    clash = next((path for path in paths if path in folders), None)
+    if clash is None:
+        return None
+    inside = folders[clash]
+    return (
+        f"origin.files[{shown(clash)}]",
+        f"is a file, and a folder of {shown(inside)}: no revision holds both",
+    )
 
 
 def _refusal(check: Callable[[str], object], value: str) -> str | None:

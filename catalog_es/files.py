@@ -14,7 +14,11 @@ def replace_file(path: Path, content: bytes) -> None:
     not an empty file; and the folder is synced once it has taken it, so the
     new is what a crash after the return leaves (a `token remove` told done
     could otherwise come back). Readable and writable by its owner alone
-    (0600), as :func:`tempfile.mkstemp` makes it."""
+    (0600), as :func:`tempfile.mkstemp` makes it. Through a link, the file
+    it names is replaced and the link kept: the link replaced, the file
+    others read was left as it was (a token revoked through a link to the
+    tokens file still let in; hostile test)."""
+    path = Path(os.path.realpath(path))
     fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
         with os.fdopen(fd, "wb") as f:

@@ -780,7 +780,7 @@ def _worded(error: ValueError) -> str:
     return f"holds a number of {digits} digits; a number may have at most {limit} digits"
 
 
-def _read_at_most(file: BinaryIO, limit: int) -> bytes | None:
+def read_at_most(file: BinaryIO, limit: int) -> bytes | None:
     """What ``file`` holds, or ``None`` if that is more than ``limit`` bytes:
     read a megabyte at a time, since one ``read(limit)`` takes ``limit`` of
     memory at once, and a path to a device or a runaway file has no end."""
@@ -793,7 +793,7 @@ def _read_at_most(file: BinaryIO, limit: int) -> bytes | None:
     return b"".join(chunks)
 
 
-def _open_to_read(path: str) -> BinaryIO:
+def open_to_read(path: str) -> BinaryIO:
     """``path`` opened to read without waiting for a writer: opening a pipe
     (a FIFO) waits for one, and with none every command waited for good.
     Read, a pipe nothing writes to is empty; one with a writer (``<(…)``) is
@@ -817,13 +817,13 @@ def read_text(path: str, limit: int = MAX_INPUT_BYTES) -> tuple[str, str]:
         where = "standard input"
         if sys.stdin is None:  # started with it closed (`<&-`)
             raise InputError(f"{where}: closed, there is nothing to read")
-        data = _read_at_most(sys.stdin.buffer, limit)
+        data = read_at_most(sys.stdin.buffer, limit)
     else:
         # Named as given, unless that would break the message's one line.
         where = path if path.isprintable() else shown(path)
         try:
-            with _open_to_read(path) as f:
-                data = _read_at_most(f, limit)
+            with open_to_read(path) as f:
+                data = read_at_most(f, limit)
         except OSError as error:
             raise InputError(f"{where}: {error.strerror or error}") from None
         except (ValueError, UnicodeEncodeError):
@@ -920,8 +920,8 @@ def load_config(path: str | None) -> DeclaredConfig:
         return DeclaredConfig(given=False)
     try:
         # Reviewed YAML, trusted but not unbounded.
-        with _open_to_read(path) as file:
-            raw = _read_at_most(file, MAX_CONFIG_BYTES)
+        with open_to_read(path) as file:
+            raw = read_at_most(file, MAX_CONFIG_BYTES)
         if raw is None:
             raise ConfigError(f"{path}: the config is larger than {MAX_CONFIG_BYTES >> 20} MiB")
         text = raw.decode("utf-8")

@@ -632,6 +632,11 @@ def test_time_bounds_answer_as_a_scan_of_every_row_would_whatever_the_clocks_did
                 models.audit(limit=1)
         every_row = models.audit()
         for since, until, limit, by in queries:
+            if since is not None and until is not None and since >= until:
+                # A window that holds no time is refused (check_filters).
+                with pytest.raises(InputError, match="is not before until"):
+                    models.audit(since=since, until=until, limit=limit, by=by)
+                continue
             matches = [
                 row
                 for row in every_row
@@ -2745,6 +2750,26 @@ def test_verify_names_the_snapshots_taken_over_an_edit(
         # No actor is empty: the filter matched nothing, as if there were nothing (hostile test).
         (("audit", "--by", ""), "error: by: the actor is empty"),
         (("refusals", "--by", ""), "error: by: the actor is empty"),
+        # A window closed before it opens: it matched nothing, as if there were nothing.
+        (
+            ("audit", "--since", "2026-12-08", "--until", "2026-12-07"),
+            "error: since 2026-12-08T00:00:00Z is not before until 2026-12-07T00:00:00Z",
+        ),
+        (
+            (
+                "history",
+                "m",
+                "--since",
+                "2026-12-07T13:00:00+01:00",
+                "--until",
+                "2026-12-07T12:00:00Z",
+            ),
+            "error: since 2026-12-07T12:00:00Z is not before until 2026-12-07T12:00:00Z",
+        ),
+        (
+            ("refusals", "--since", "2026-12-08", "--until", "2026-12-07"),
+            "error: since 2026-12-08T00:00:00Z is not before until",
+        ),
     ],
 )
 def test_cli_bad_input_is_one_error_line_and_exit_1(

@@ -440,6 +440,14 @@ NOT_A_PATH = "is not a plain path inside a revision"
             "longer than a weights folder holds",
             id="long-path",
         ),
+        # No revision holds x as a file and as a folder: no update or
+        # rollback could fetch them (hostile test).
+        pytest.param(
+            Origin(files={"x/y/z": DIGEST, "x-1": DIGEST, "x": DIGEST}),
+            "origin.files['x']",
+            "is a file, and a folder of 'x/y/z': no revision holds both",
+            id="file-and-folder",
+        ),
     ],
 )
 @pytest.mark.parametrize("how", ["add", "source"])
@@ -463,7 +471,9 @@ def test_an_origin_no_registry_could_name_is_refused(
     ["model\xa0v2.bin", "read\u200dme.md", "soft\xadhyphen.bin", "模型/权重.bin", "x" * 255],
 )
 def test_an_origin_file_name_a_file_system_holds_is_taken(path: str) -> None:
-    origin = Origin(repository="o/m", revision="1f3c9a0", files={path: DIGEST})
+    # Beside a folder whose name begins as the file's does, not a folder of it.
+    beside = f"{path[:200]}-/y"
+    origin = Origin(repository="o/m", revision="1f3c9a0", files={path: DIGEST, beside: DIGEST})
     assert when(given(), added(spec("a", origin=origin))) is not None
 
 

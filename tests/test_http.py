@@ -15,6 +15,7 @@ import os
 import queue
 import re
 import resource
+import shutil
 import signal
 import socket
 import sqlite3
@@ -26,7 +27,7 @@ from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 from urllib.parse import quote
 
 import httpx
@@ -50,13 +51,14 @@ from catalog_es.errors import (
     json_escaped,
     json_escaped_bytes,
 )
-from catalog_es.inputs import MAX_CHANGES, DeclaredConfig, load_config
+from catalog_es.inputs import MAX_CHANGES, DeclaredConfig, load_config, open_to_read
 from catalog_es.model import model_id
 from catalog_es.persistence import channel_of, database_unusable, refusals_table
 from catalog_es.web import app as web_app
+from catalog_es.web import tokens as web_tokens
 from catalog_es.web.app import create_app
 from catalog_es.web.events import BATCH_MESSAGES, WAKE_UP_SECONDS, _next_batch
-from catalog_es.web.tokens import TokenStore
+from catalog_es.web.tokens import MAX_TOKENS_BYTES, TokenStore
 from projections.audit import changes_table_for
 from tests.helpers import (
     EVERY_STOP,
@@ -756,6 +758,24 @@ def test_a_name_with_a_dot_segment_is_warned_of_and_reached_with_its_dots_encode
     assert ok(api.get("/models/qwen")).get("warnings") is None
 
 
+def test_a_command_s_verb_sent_inside_the_name_is_refused_not_taken_for_another_model(
+    api: Api,
+) -> None:
+    """A slash sent as %2F is the name's: a POST to ``/models/qwen%2Fscale``,
+    the model ``qwen/scale`` with no command, scaled ``qwen`` (hostile test)."""
+    ok(api.post("/models", definition("qwen")))
+    ok(api.post("/models", definition("qwen/scale")))
+    before = count_events(api.db)
+    for path in ("/models/qwen%2Fscale", "/models/qwen%2fscale", "/models/qwen/scale%2Fowner"):
+        told = refused(api.post(path, {"max": 3}), 422)
+        assert told.startswith("path: its /"), told
+    assert count_events(api.db) == before
+    assert ok(api.get("/models/qwen"))["scaling"]["max"] == 1
+    # Its own command, and a verb's letters escaped, still reach the model named.
+    assert ok(api.post("/models/qwen%2Fscale/scale", {"max": 3}))["model"]["name"] == "qwen/scale"
+    assert ok(api.post("/models/qwen/sc%61le", {"max": 2}))["model"]["scaling"]["max"] == 2
+
+
 def test_two_authorization_headers_are_refused_whichever_comes_first(api: Api) -> None:
     before = count_events(api.db)
     for first, second in [("admin", "bogus"), ("bogus", "admin")]:
@@ -818,17 +838,17 @@ def test_a_tokens_file_that_could_not_be_read_once_is_read_again_on_the_next_req
     the file again. Kept as read, the failure locked every token out until
     the file changed again (hostile test)."""
     api.tokens.add("dave", "read")  # changed: read again on the next request
-    real_read = Path.read_bytes
+    real_open = open_to_read
     failures = iter([OSError(errno.EMFILE, "Too many open files")])
 
-    def read_bytes(path: Path) -> bytes:
-        if path == api.tokens.path:
+    def failing_once(path: str) -> BinaryIO:
+        if path == str(api.tokens.path):
             failure = next(failures, None)
             if failure is not None:
                 raise failure
-        return real_read(path)
+        return real_open(path)
 
-    monkeypatch.setattr(Path, "read_bytes", read_bytes)
+    monkeypatch.setattr(web_tokens, "open_to_read", failing_once)
     assert refused(api.get("/me"), 401) == "the token is not valid (unknown or revoked)"
     assert ok(api.get("/me"))["actor"] == "read-user"
     assert ok(api.get("/me", role="admin"))["actor"] == "admin-user"
@@ -1041,6 +1061,18 @@ def test_a_time_s_offset_whose_plus_the_query_read_as_a_space_is_told_so(api: Ap
     # Sent as %2B it is the time, and a refusal with no offset has no hint.
     assert isinstance(ok(api.get(f"/audit?since={sent.replace('+', '%2B')}")), list)
     assert not refused(api.get("/models?at=yesterday"), 422).endswith(hint)
+    assert count_events(api.db) == before
+
+
+def test_a_time_window_closed_before_it_opens_is_refused(api: Api) -> None:
+    """since at or after until matched nothing, answered as an empty list, as
+    if nothing had changed in it (hostile test)."""
+    ok(api.post("/models", definition("qwen")))
+    before = count_events(api.db)
+    window = "since=2026-12-08&until=2026-12-07"
+    told = "since 2026-12-08T00:00:00Z is not before until 2026-12-07T00:00:00Z"
+    for path in ("/audit", "/history/qwen", "/refusals"):
+        assert refused(api.get(f"{path}?{window}"), 422).startswith(told)
     assert count_events(api.db) == before
 
 
@@ -1984,8 +2016,13 @@ def test_a_mistyped_tokens_path_is_refused_not_taken_for_an_empty_file(tmp_path:
             lambda kept: {"tokens": [{**kept["tokens"][0], "expires": "2020-01-01T00:00:00Z"}]},
             "Object contains unknown field `expires` - at `$.tokens[0]`",
         ),
+        # Listed as Admin, its token refused as unknown or revoked (hostile test).
+        (
+            lambda kept: {"tokens": [{**kept["tokens"][0], "id": "abc", "role": "Admin"}]},
+            "token 'abc': role 'Admin': not a role (known: read, write, admin)",
+        ),
     ],
-    ids=["misspelt-key", "hand-added-field"],
+    ids=["misspelt-key", "hand-added-field", "unknown-role"],
 )
 def test_a_tokens_file_with_a_key_it_does_not_have_is_refused_not_written_back_without_it(
     tmp_path: Path, edit: Callable[[dict[str, Any]], dict[str, Any]], unknown: str
@@ -2008,6 +2045,133 @@ def test_a_tokens_file_with_a_key_it_does_not_have_is_refused_not_written_back_w
             f"error: {tokens}: not a tokens file: {unknown}\n",
         ), args
     assert tokens.read_bytes() == edited
+
+
+def test_a_tokens_file_holding_an_entry_twice_is_refused_not_half_revoked(tmp_path: Path) -> None:
+    """An entry copied by hand: `token remove` revoked the first and said so,
+    and the server went on letting the token in by the copy (hostile test)."""
+    runner = CliRunner()
+    tokens = tmp_path / "t.json"
+    made = runner.invoke(cli, ["token", "add", "alice", "--role", "admin", "--tokens", str(tokens)])
+    assert made.exit_code == 0, made.stderr
+    kept = json.loads(tokens.read_text())
+    tokens.write_text(json.dumps({"tokens": kept["tokens"] * 2}))
+    edited = tokens.read_bytes()
+    token_id = kept["tokens"][0]["id"]
+    told = f"error: {tokens}: not a tokens file: token id {token_id!r} appears more than once\n"
+    for args in (["token", "list"], ["token", "add", "bob"], ["token", "remove", token_id]):
+        refused = runner.invoke(cli, [*args, "--tokens", str(tokens)])
+        assert (refused.exit_code, refused.stdout, refused.stderr) == (1, "", told), args
+    assert tokens.read_bytes() == edited
+    assert TokenStore(tokens).verify(made.stdout.strip()) is None
+
+
+def test_a_token_revoked_through_a_link_to_the_tokens_file_is_revoked_in_it(
+    tmp_path: Path,
+) -> None:
+    """`token remove --tokens LINK` replaced the link with a file of its own:
+    the file it named, which a server read, kept the token, still let in
+    (hostile test). The file is changed, the link kept."""
+    runner = CliRunner()
+    (tmp_path / "real").mkdir()
+    tokens, link = tmp_path / "real" / "t.json", tmp_path / "t.json"
+    made = runner.invoke(cli, ["token", "add", "alice", "--tokens", str(tokens)])
+    assert made.exit_code == 0, made.stderr
+    link.symlink_to(tokens)
+    (entry,) = TokenStore(tokens).entries()
+    gone = runner.invoke(cli, ["token", "remove", entry.id, "--tokens", str(link)])
+    assert gone.exit_code == 0, gone.stderr
+    assert TokenStore(tokens).verify(made.stdout.strip()) is None
+    assert link.is_symlink() and link.resolve() == tokens
+
+
+def test_a_tokens_file_that_is_a_pipe_nothing_writes_to_is_refused_not_waited_on(
+    tmp_path: Path,
+) -> None:
+    """Opening a pipe to read waits for a writer: every token command, and
+    serve, on a tokens file that was one hung for good (hostile test)."""
+    pipe = tmp_path / "t.json"
+    os.mkfifo(pipe)
+    for args in (["list"], ["add", "alice"], ["remove", "abc"]):
+        done = subprocess.run(
+            [sys.executable, "-m", "catalog_es", "token", *args, "--tokens", str(pipe)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+            cwd=Path(__file__).parents[1],  # this checkout's code, for `-m catalog_es`
+        )
+        assert (done.returncode, done.stdout) == (1, ""), args
+        assert done.stderr.startswith(f"error: {pipe}: not a tokens file"), args
+    assert pipe.is_fifo()
+
+
+def test_a_tokens_file_past_its_bound_is_refused_unread(tmp_path: Path) -> None:
+    """Read whole, a path to a device (/dev/zero) or a large file took the
+    command, or the server, to the end of memory (hostile test). Past the
+    bound, even a well-formed file (spaces after its tokens) is refused."""
+    tokens = tmp_path / "t.json"
+    with tokens.open("wb") as file:
+        file.write(b'{"tokens": []}')
+        file.write(b" " * (MAX_TOKENS_BYTES + 1 - file.tell()))
+    runner = CliRunner()
+    for args in (["token", "list"], ["token", "add", "alice"]):
+        refused = runner.invoke(cli, [*args, "--tokens", str(tokens)])
+        assert (refused.exit_code, refused.stdout, refused.stderr) == (
+            1,
+            "",
+            f"error: {tokens}: not a tokens file: larger than {MAX_TOKENS_BYTES >> 20} MiB\n",
+        ), args
+    assert tokens.stat().st_size == MAX_TOKENS_BYTES + 1
+
+
+def test_a_tokens_file_that_cannot_be_written_is_said_so_and_kept(tmp_path: Path) -> None:
+    """A full disk as `token add` wrote the file was told as "unexpected
+    OSError" (hostile test)."""
+    if shutil.which("strace") is None:
+        pytest.fail("this test makes the disk fail with strace: `apt-get install -y strace`")
+    tokens = tmp_path / "t.json"
+    made = CliRunner().invoke(cli, ["token", "add", "alice", "--tokens", str(tokens)])
+    assert made.exit_code == 0, made.stderr
+    kept = tokens.read_bytes()
+    no_room = ["strace", "-f", "-q", "-o", "/dev/null", "-e", "inject=fsync:error=ENOSPC"]
+    failed = subprocess.run(
+        [
+            *no_room,
+            sys.executable,
+            "-m",
+            "catalog_es",
+            "token",
+            "add",
+            "bob",
+            "--tokens",
+            str(tokens),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        cwd=Path(__file__).parents[1],  # this checkout's code, for `-m catalog_es`
+    )
+    assert (failed.returncode, failed.stdout) == (1, "")
+    assert failed.stderr == f"error: {tokens}: cannot be written: No space left on device\n"
+    assert tokens.read_bytes() == kept
+
+
+def test_a_revoked_token_s_actor_is_told_as_token_list_shows_it(tmp_path: Path) -> None:
+    """An actor edited by hand to hold a bidi override went out raw to the
+    terminal in `token remove`'s line, shown escaped by `token list` (hostile
+    test)."""
+    tokens = tmp_path / "t.json"
+    made = CliRunner().invoke(cli, ["token", "add", "alice", "--tokens", str(tokens)])
+    assert made.exit_code == 0, made.stderr
+    kept = json.loads(tokens.read_text())
+    tokens.write_text(json.dumps({"tokens": [{**kept["tokens"][0], "actor": "ali\u202ece"}]}))
+    token_id = kept["tokens"][0]["id"]
+    listed = CliRunner().invoke(cli, ["token", "list", "--tokens", str(tokens)])
+    assert "ali\\u202ece" in listed.stdout
+    gone = CliRunner().invoke(cli, ["token", "remove", token_id, "--tokens", str(tokens)])
+    assert (gone.exit_code, gone.stdout) == (0, f"revoked token {token_id} of ali\\u202ece\n")
 
 
 def test_tokens_added_at_once_are_all_kept(tmp_path: Path) -> None:

@@ -442,5 +442,6 @@ def token_remove(settings: Settings, token_id: str, tokens_file: str | None) -> 
     emit(
         settings,
         {"id": entry.id, "actor": entry.actor, "role": entry.role},
-        lambda: click.echo(f"revoked token {entry.id} of {entry.actor}"),
+        # A file edited by hand may hold what a terminal acts on (token list shows it so).
+        lambda: say(f"revoked token {entry.id} of {entry.actor}"),
     )

@@ -269,6 +269,7 @@ def _check_path_and_query(request: Request) -> None:
     route = scope.get("route")
     if not isinstance(route, APIRoute):
         return
+    _check_route_end(scope.get("raw_path") or b"", route.path_format)
     taken = _query_names(route)
     for key in request.query_params:
         if key not in taken:
@@ -276,6 +277,23 @@ def _check_path_and_query(request: Request) -> None:
             raise InputError(f"unknown query parameter {shown(key, 40)}; this path takes: {takes}")
         if len(request.query_params.getlist(key)) > 1:
             raise InputError(f"{key} is given more than once in the query: give it once")
+
+
+def _check_route_end(raw_path: bytes, path_format: str) -> None:
+    """Refuse a path whose route's end after the name (the ``/scale`` of
+    ``/models/{name}/scale``) came inside the name, its slash sent as %2F:
+    routed on the path as read, a POST to ``/models/x%2Fscale``, a model no
+    command takes that way, scaled the model ``x`` (hostile test)."""
+    end = path_format.rpartition("}")[2]
+    if "{" not in path_format or not end:
+        return
+    wanted = end.split("/")[1:]
+    given = raw_path.split(b"/")[-len(wanted) :]
+    if [unquote_to_bytes(part).decode("utf-8") for part in given] != wanted:
+        raise InputError(
+            f"path: its {end} is inside the name, its slash sent as %2F; a command on a "
+            f"model is sent to /models/NAME{end}"
+        )
 
 
 def _query_names(route: APIRoute) -> frozenset[str]:

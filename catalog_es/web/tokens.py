@@ -29,15 +29,19 @@ from typing import Any
 
 import msgspec
 
-from catalog_es.errors import InputError, missing_folder
+from catalog_es.errors import InputError, missing_folder, shown
 from catalog_es.files import replace_file
-from catalog_es.inputs import check_actor
+from catalog_es.inputs import check_actor, open_to_read, read_at_most
 from catalog_es.model import utc_now, utc_text
 from catalog_es.web import Role
 
 log = logging.getLogger(__name__)
 
 TOKEN_PREFIX = "ces"
+# An entry is about 300 bytes: a hundred thousand tokens take half of this.
+# Read without a bound, a path to a device or to another large file took
+# every command, and the server, to the end of memory (hostile test).
+MAX_TOKENS_BYTES = 64 << 20
 _ID_BYTES = 6
 _SECRET_BYTES = 32
 
@@ -101,25 +105,56 @@ class TokenStore:
 
     def _read(self) -> TokensFile:
         try:
-            data = self.path.read_bytes()
+            # Not waiting for a writer: a tokens file that is a pipe hung
+            # every token command, and serve (hostile test).
+            with open_to_read(str(self.path)) as file:
+                data = read_at_most(file, MAX_TOKENS_BYTES)
         except FileNotFoundError:
             return TokensFile()
         except OSError as error:
             raise _Unread(f"{self.path}: {error.strerror or error}") from None
+        if data is None:
+            raise InputError(
+                f"{self.path}: not a tokens file: larger than {MAX_TOKENS_BYTES >> 20} MiB"
+            )
         try:
-            return msgspec.json.decode(data, type=TokensFile)
+            content = msgspec.json.decode(data, type=TokensFile)
         except msgspec.MsgspecError as error:
             raise InputError(f"{self.path}: not a tokens file: {error}") from None
+        # An entry copied by hand: `token remove` revoked the first, and the
+        # server went on letting in the token by the other (hostile test).
+        seen: set[str] = set()
+        for entry in content.tokens:
+            if entry.id in seen:
+                twice = f"token id {shown(entry.id, 40)} appears more than once"
+                raise InputError(f"{self.path}: not a tokens file: {twice}")
+            seen.add(entry.id)
+            # A role edited by hand to one there is not ("Admin"): listed as
+            # such, its token refused as unknown or revoked (hostile test).
+            try:
+                parse_role(entry.role)
+            except InputError as error:
+                raise InputError(
+                    f"{self.path}: not a tokens file: token {shown(entry.id, 40)}: {error}"
+                ) from None
+        return content
 
     def _write(self, content: TokensFile) -> None:
-        replace_file(self.path, msgspec.json.format(msgspec.json.encode(content)) + b"\n")
+        try:
+            replace_file(self.path, msgspec.json.format(msgspec.json.encode(content)) + b"\n")
+        except OSError as error:
+            # A full disk, a folder made read-only: told as "unexpected" (hostile test).
+            raise InputError(f"{self.path}: cannot be written: {error.strerror or error}") from None
 
     @contextmanager
     def _changing(self) -> Iterator[TokensFile]:
         """The file's content to change, written back when the ``with`` ends,
         under an exclusive lock on ``.NAME.lock`` beside it: no other change
         reads it in between."""
-        lock_path = self.path.with_name(f".{self.path.name}.lock")
+        # Beside the file a link names, as replace_file writes it: a change
+        # through the link and one through the file take the same lock.
+        written = Path(os.path.realpath(self.path))
+        lock_path = written.with_name(f".{written.name}.lock")
         folder = self.path.parent
         missing = missing_folder(folder)
         if missing is not None:
@@ -230,11 +265,7 @@ class TokenStore:
             return None
         if not hmac.compare_digest(expected, entry.sha256):
             return None
-        try:
-            role = parse_role(entry.role)
-        except InputError:
-            return None
-        return Caller(actor=entry.actor, role=role)
+        return Caller(actor=entry.actor, role=parse_role(entry.role))  # read, so a role
 
     def describe(self) -> list[dict[str, Any]]:
         """The entries without their hashes, for ``token list``."""
