@@ -3121,6 +3121,7 @@ ANSWERED_AS_AN_EMPTY_LOG = [
     ("diff", "0"),
     ("rollback", "--to", "0", "--dry-run"),
     ("model", "updates"),
+    ("replay",),
 ]
 
 
