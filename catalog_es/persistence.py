@@ -28,7 +28,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager, suppress
+from contextlib import closing, contextmanager, suppress
 from dataclasses import dataclass
 from itertools import pairwise
 from pathlib import Path
@@ -790,6 +790,12 @@ class FileNotTheLog(sqlite3.OperationalError):
 _FILE_OF_ERROR = "catalog_es_where"
 
 
+# A SQLite file's header, and its bytes 18-19 (the file format's write and
+# read versions) in WAL mode.
+_SQLITE_HEADER_BYTES = 100
+_WAL_VERSIONS = b"\x02\x02"
+
+
 class SQLiteFile:
     """The file a SQLite log is kept in. A connection keeps the file it
     opened whatever then happens at the path: renamed over or removed, its
@@ -841,16 +847,35 @@ class SQLiteFile:
             )
         return found.st_dev, found.st_ino
 
-    def holds_nothing(self) -> bool:
-        """Whether no database is at the path: no file, or an empty one
-        (``touch typo.db``), which a connection would make one in. One that
-        cannot be looked at is left for the connection to tell."""
+    def holds_no_log(self, names: Sequence[str]) -> bool:
+        """Whether the path holds no log (no table named as one of ``names``),
+        told without a connection of the log's where one would change the
+        file: no file, an empty one (``touch typo.db``), which it would make a
+        database in, or another app's database, which it would turn to WAL
+        mode (a setting kept in the file), looked at read-only. One in WAL
+        mode already (every log is), which a connection leaves as it was,
+        and one that cannot be looked at, are left for the connection."""
         try:
-            return self.path.stat().st_size == 0
+            with self.path.open("rb") as file:
+                header = file.read(_SQLITE_HEADER_BYTES)
         except FileNotFoundError:
             return True
         except OSError:
             return False
+        if not header:
+            return True
+        if header[18:20] == _WAL_VERSIONS:
+            return False
+        try:
+            with closing(sqlite3.connect(f"{self.path.as_uri()}?mode=ro", uri=True)) as conn:
+                found = conn.execute(
+                    "SELECT 1 FROM sqlite_master"
+                    f" WHERE name COLLATE NOCASE IN ({', '.join('?' * len(names))})",
+                    tuple(names),
+                ).fetchone()
+        except sqlite3.Error:
+            return False
+        return found is None
 
     def check(self) -> None:
         """Refused in one line unless the path still names the file this
@@ -1633,8 +1658,8 @@ class SQLRecorder(ProcessRecorder):
         there is nothing to create."""
         names = [table.name for table in tables.sorted_tables]
         log = tables is metadata
-        if log and not self._make_log and self._file is not None and self._file.holds_nothing():
-            raise NoLogYet(self._file.where)  # before a connection makes the file
+        if log and not self._make_log and self._file is not None and self._file.holds_no_log(names):
+            raise NoLogYet(self._file.where)  # before a connection makes or changes the file
         with self.engine.connect() as conn:
             if self.dialect == "postgresql":
                 # Reads of the server's catalog, which a transaction at its

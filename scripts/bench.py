@@ -34,6 +34,11 @@ from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
+# Before the event library: catalog_es hides from its import what of the
+# environment it must not take ($TZINFO_TOPIC; catalog_es/__init__.py).
+import catalog_es  # noqa: F401
+
+# isort: split
 import sqlalchemy as sa
 from eventsourcing.domain import Aggregate
 from eventsourcing.persistence import JSONTranscoder, Mapper, StoredEvent

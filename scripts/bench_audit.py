@@ -21,6 +21,11 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+# Before the event library: catalog_es hides from its import what of the
+# environment it must not take ($TZINFO_TOPIC; catalog_es/__init__.py).
+import catalog_es  # noqa: F401
+
+# isort: split
 import msgspec
 from eventsourcing.persistence import StoredEvent
 

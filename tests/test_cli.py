@@ -3121,6 +3121,7 @@ ANSWERED_AS_AN_EMPTY_LOG = [
     ("diff", "0"),
     ("rollback", "--to", "0", "--dry-run"),
     ("model", "updates"),
+    ("replay",),
 ]
 
 
@@ -3202,6 +3203,28 @@ def test_a_read_on_an_empty_file_leaves_it_empty(tmp_path: Path) -> None:
         f"warning: no log at {typo}: answered as an empty log; none was made\n"
     )
     assert typo.stat().st_size == 0
+
+
+def test_a_read_on_another_apps_sqlite_file_leaves_it_as_it_was(tmp_path: Path) -> None:
+    """A read on a SQLite file of another app's (a mistyped path) found no
+    log there, and answered as an empty log, but its connection had turned
+    the file to WAL mode (review): a setting kept in the file, the other
+    app's to choose. The file is looked at read-only first, and left as it was."""
+    other = tmp_path / "other.db"
+    with closing(sqlite3.connect(other)) as conn:
+        conn.execute("CREATE TABLE notes (body TEXT)")
+        conn.commit()
+    before = other.read_bytes()
+    db = f"sqlite:///{other}"
+    refused = refused_in_one_line(invoke_told(["--db", db, "log", "--after", "1"]))
+    assert refused.endswith(f"(no log is at {other}: none was made)")
+    listed = invoke_told(["--db", db, "model", "list", "--json"])
+    assert (listed.exit_code, listed.stdout) == (0, "[]\n")
+    assert listed.stderr == (
+        f"warning: no log at {other}: answered as an empty log; none was made\n"
+    )
+    assert other.read_bytes() == before
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["other.db"]
 
 
 def test_a_view_named_as_a_table_of_the_log_is_refused_before_anything_is_made(

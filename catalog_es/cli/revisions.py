@@ -196,6 +196,7 @@ def watch_command(settings: Settings, after: int) -> None:
 @cli.command("replay")
 @shared_options
 @pass_settings
+@reads_only  # it rebuilds read models of the log: where there is none, it makes none
 def replay_command(settings: Settings) -> None:
     """Rebuild the read models (the catalog, its snapshots, the audit) from the log."""
     # Loaded only to replay: rich's progress bar was a tenth of every
