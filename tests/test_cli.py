@@ -3116,7 +3116,6 @@ ANSWERED_AS_AN_EMPTY_LOG = [
     ("log",),
     ("audit", "--model", "m"),
     ("refusals",),
-    ("verify",),
     ("revision",),
     ("diff", "0"),
     ("rollback", "--to", "0", "--dry-run"),
@@ -3157,6 +3156,8 @@ REFUSED_ON_AN_EMPTY_LOG = [
     ("--json", "model", "show", "absent"),
     ("rollback", "--to", "5", "--dry-run"),
     ("watch", "--from", "5"),
+    # A check that an empty log passes would pass on a mistyped path for good.
+    ("verify",),
 ]
 
 
