@@ -2296,14 +2296,9 @@ def test_watch_by_gives_that_actors_changes_alone_then_follows_them_live(
     assert (watch.returncode, out, err) == (0, "", "stopped\n")
 
 
-def test_log_by_reads_a_page_at_a_time_what_the_database_finds_the_actor_in(
-    db_url: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The actor is in no column, only in each event's stored form: the
-    database passes on only the rows whose bytes hold it, a page at a time,
-    so an actor no event has decodes none, however long the log. The answer
-    is that of the whole log filtered, paged or not (/log's), whatever the
-    other fields that hold the name."""
+def _log_of_actors_named_in_other_fields(db_url: str, monkeypatch: pytest.MonkeyPatch) -> Models:
+    """A log read three events a page, whose actors (ops, zoé) are also
+    models' names and reasons: 32 events, 11 of them zoé's."""
     monkeypatch.setattr(PullingSubscription, "page", 3)
     models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
     models.add(spec("a"), by="ops")
@@ -2312,6 +2307,30 @@ def test_log_by_reads_a_page_at_a_time_what_the_database_finds_the_actor_in(
     models.apply_changes(scales[:10], by="ops", reason="zoé")
     models.apply_changes(scales[10:20], by="zoé", reason='"ops"')
     models.apply_changes(scales[20:], by="ops")
+    return models
+
+
+def _decodes_counted(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The topics of the events the service decodes from now on, in order."""
+    decoded: list[str] = []
+
+    def decode(topic: str, state: bytes) -> Any:
+        decoded.append(topic)
+        return decode_event(topic, state)
+
+    monkeypatch.setattr(application, "decode_event", decode)
+    return decoded
+
+
+def test_log_by_reads_a_page_at_a_time_what_the_database_finds_the_actor_in(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The actor is in no column, only in each event's stored form: the
+    database passes on only the rows whose bytes hold it, a page at a time,
+    so an actor no event has decodes none, however long the log. The answer
+    is that of the whole log filtered, paged or not (/log's), whatever the
+    other fields that hold the name."""
+    models = _log_of_actors_named_in_other_fields(db_url, monkeypatch)
     every = list(models.log_events())
     for after in (0, 1, 7, len(every)):
         for limit in (None, 1, 3, 4, 10):
@@ -2326,13 +2345,7 @@ def test_log_by_reads_a_page_at_a_time_what_the_database_finds_the_actor_in(
                         after=after, limit=limit, model=model, by=by, max_bytes=1 << 30
                     )
                     assert list(paged) == list(whole) == expected, asked
-    decoded = []
-
-    def decode(topic: str, state: bytes) -> Any:
-        decoded.append(topic)
-        return decode_event(topic, state)
-
-    monkeypatch.setattr(application, "decode_event", decode)
+    decoded = _decodes_counted(monkeypatch)
     assert list(models.log_events(by="nobody")) == []
     assert decoded == []
     # Those by zoé, and those by ops for a reason of that name: none else.
@@ -2349,21 +2362,8 @@ def test_watch_by_reads_what_the_database_finds_the_actor_in_as_log_by_does(
     4 s (0.4 s now). It reads what `log --by` reads, the rows whose bytes
     hold the actor, each decoded to tell; with none up to the head, its next
     look starts there rather than reading the log again."""
-    monkeypatch.setattr(PullingSubscription, "page", 3)
-    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
-    models.add(spec("a"), by="ops")
-    models.add(spec("ops"), by="zoé", reason="ops")
-    scales = [commands.scale("ops" if i % 3 == 0 else "a", 0, 2 + i % 7) for i in range(30)]
-    models.apply_changes(scales[:10], by="ops", reason="zoé")
-    models.apply_changes(scales[10:20], by="zoé", reason='"ops"')
-    models.apply_changes(scales[20:], by="ops")
-    decoded = []
-
-    def decode(topic: str, state: bytes) -> Any:
-        decoded.append(topic)
-        return decode_event(topic, state)
-
-    monkeypatch.setattr(application, "decode_event", decode)
+    models = _log_of_actors_named_in_other_fields(db_url, monkeypatch)
+    decoded = _decodes_counted(monkeypatch)
     logged = list(models.log_events(by="zoé"))
     assert (len(logged), len(decoded)) == (11, 21)  # and those by ops for a reason of that name
     decoded.clear()
@@ -2397,13 +2397,7 @@ def test_a_watch_by_an_actor_decodes_a_change_it_looked_ahead_at_once(
     models.scale("a", 0, 4, by="ops", reason="zoé")  # 4
     models.scale("a", 0, 5, by="zoé")  # 5
     models.scale("a", 0, 6, by="ops", reason="zoé")  # 6
-    decoded = []
-
-    def decode(topic: str, state: bytes) -> Any:
-        decoded.append(topic)
-        return decode_event(topic, state)
-
-    monkeypatch.setattr(application, "decode_event", decode)
+    decoded = _decodes_counted(monkeypatch)
     watch = models.watch(0, by="zoé")
     changes = iter(watch)
     assert next(changes)["revision"] == 3
