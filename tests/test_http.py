@@ -2102,8 +2102,27 @@ def test_a_tokens_file_that_is_a_pipe_nothing_writes_to_is_refused_not_waited_on
             cwd=Path(__file__).parents[1],  # this checkout's code, for `-m catalog_es`
         )
         assert (done.returncode, done.stdout) == (1, ""), args
-        assert done.stderr.startswith(f"error: {pipe}: not a tokens file"), args
+        assert done.stderr == (
+            f"error: {pipe}: not a tokens file: it is empty; remove it, and token add makes one\n"
+        ), args
     assert pipe.is_fifo()
+
+
+def test_an_empty_tokens_file_is_said_to_be_empty_and_kept(tmp_path: Path) -> None:
+    """A tokens file left empty (`touch`, a copy that failed) was refused in
+    msgspec's words, "Input data was truncated" (hostile test's notes)."""
+    tokens = tmp_path / "t.json"
+    tokens.touch()
+    runner = CliRunner()
+    for args in (["token", "list"], ["token", "add", "alice"], ["token", "remove", "abc"]):
+        refused = runner.invoke(cli, [*args, "--tokens", str(tokens)])
+        assert (refused.exit_code, refused.stdout, refused.stderr) == (
+            1,
+            "",
+            f"error: {tokens}: not a tokens file: it is empty; remove it, and token add makes"
+            " one\n",
+        ), args
+    assert tokens.stat().st_size == 0
 
 
 def test_a_tokens_file_past_its_bound_is_refused_unread(tmp_path: Path) -> None:

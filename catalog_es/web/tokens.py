@@ -117,6 +117,12 @@ class TokenStore:
             raise InputError(
                 f"{self.path}: not a tokens file: larger than {MAX_TOKENS_BYTES >> 20} MiB"
             )
+        if not data:
+            # msgspec's own words for it ("Input data was truncated") said
+            # nothing an operator could act on (hostile test).
+            raise InputError(
+                f"{self.path}: not a tokens file: it is empty; remove it, and token add makes one"
+            )
         try:
             content = msgspec.json.decode(data, type=TokensFile)
         except msgspec.MsgspecError as error:
