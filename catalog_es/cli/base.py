@@ -1056,9 +1056,10 @@ def meta(settings: Settings) -> dict[str, Any]:
     opened (a blank actor made a log first, on a path with none)."""
     from catalog_es.inputs import check_meta
 
-    check_meta(settings.actor, settings.reason)
+    by = settings.actor  # the environment, else the OS user: asked once
+    check_meta(by, settings.reason)
     return {
-        "by": settings.actor,
+        "by": by,
         "reason": settings.reason,
         "expected_revision": settings.expected_revision,
     }
