@@ -25,6 +25,7 @@ from catalog_es import commands
 from catalog_es.application import Models
 from catalog_es.configuration import DeclaredConfig
 from catalog_es.inputs import load_config, model_from_data
+from catalog_es.spec import MAX_COUNT
 from catalog_es.web.app import create_app
 from tests.helpers import count_events, log_rows, put_back
 from tests.serving import SharedServer, tokens_for_roles
@@ -1044,4 +1045,84 @@ def test_a_revision_that_was_the_head_follows_the_log_once_it_moves(
         expect(page.locator("#definition")).to_contain_text("1..4")
         expect(page.locator("#diff")).to_contain_text('{"min":0,"max":9}')
         expect(page.locator("#now")).to_be_enabled()
+    models.close()
+
+
+# Counts past 2^53, where a double no longer holds every whole number (2^53 + 1
+# reads as 2^53), up to the largest a count may be (spec.MAX_COUNT).
+PAST_DOUBLES = 2**53 + 1
+BIG = {
+    "name": "big",
+    "engine": "vllm",
+    "source": "hf://org/big",
+    "profiles": [
+        {
+            "name": "huge",
+            "gpus": PAST_DOUBLES,
+            "gpu_memory_gb": PAST_DOUBLES + 2,
+            "min_memory_gb": MAX_COUNT,
+            "cpu_cores": 2**60 + 1,
+        }
+    ],
+    "scaling": {"min": PAST_DOUBLES, "max": MAX_COUNT},
+}
+
+
+def test_counts_past_2_53_are_shown_and_written_back_exactly(
+    browser: BrowserContext, shared_server: SharedServer, tmp_path: Path
+) -> None:
+    """The console read the API's JSON with JSON.parse, into doubles: a count
+    past 2^53 was shown rounded (scaling 9007199254740993..9223372036854775807
+    as 9007199254740992..9223372036854776000) in the list, the definition,
+    the history, the diff and a rollback's dry run, whose events, written
+    exactly, were not what it showed. Every count is shown as stored, and
+    the rollback to the revision typed writes its counts as they were, the
+    ones it does not change left as stored."""
+    db = f"sqlite:///{tmp_path}/console.db"
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db})
+    models.add(model_from_data(BIG, "big"), by="ops")  # 1
+    models.scale("big", 1, PAST_DOUBLES + 4, by="ops")  # 2
+    models.set_owner("big", "team:search", by="ops")  # 3
+    served = create_app_for(models, tmp_path)
+    with console_of(browser, shared_server, served, "/console/#/models", "admin") as (
+        page,
+        url,
+        _app,
+    ):
+        expect(page.locator('#models tr[data-model="big"]')).to_contain_text("1..9007199254740997")
+        page.goto(f"{url}/console/#/model/big")
+        definition = page.locator("#definition")
+        expect(definition).to_contain_text(
+            "huge (9007199254740993 GPU, 9007199254740995 GB GPU, "
+            "9223372036854775807 GB, 1152921504606846977 cores)"
+        )
+        expect(definition).to_contain_text("1..9007199254740997")
+        entries = page.locator("#history li.entry")
+        expect(entries.nth(0)).to_contain_text(
+            "defined: vllm hf://org/big, scaling 9007199254740993..9223372036854775807"
+        )
+        expect(entries.nth(1)).to_contain_text("scaling.min: 9007199254740993 → 1")
+        expect(entries.nth(1)).to_contain_text(
+            "scaling.max: 9223372036854775807 → 9007199254740997"
+        )
+
+        # Back to revision 1, typed: the diff, the dry run, and what is written.
+        page.fill("#revision-number", "1")
+        page.dispatch_event("#revision-number", "change")
+        expect(definition).to_contain_text("9007199254740993..9223372036854775807")
+        diff = page.locator("#diff")
+        expect(diff).to_contain_text('{"min":9007199254740993,"max":9223372036854775807}')
+        expect(diff).to_contain_text('{"min":1,"max":9007199254740997}')
+        page.click("#rollback-preview")
+        expect(page.locator("#rollback ul.events")).to_contain_text(
+            'big Scaled {"scaling":{"min":9007199254740993,"max":9223372036854775807}}'
+        )
+        page.click("#rollback-confirm")
+        expect(page.locator("#flash")).to_contain_text("Rolled back big to revision 1")
+        expect(definition).to_contain_text("9007199254740993..9223372036854775807")
+    # What the log holds after: the definition at revision 1, each count exact.
+    written = [(e["event"], e["fields"]) for e in models.log_events(after=3)]
+    assert written == [("Scaled", {"scaling": BIG["scaling"]}), ("OwnerSet", {"owner": ""})]
+    assert models.get_model("big") == models.get_model("big", 1)
+    assert models.get_model("big")["profiles"] == BIG["profiles"]
     models.close()
