@@ -36,8 +36,9 @@ from catalog_es.catalog import UNREADABLE_DECLARATION, Catalog, Skipped
 from catalog_es.catalog_lock import CatalogLock
 from catalog_es.chain import ChainHead, DamagedHead, deleted_tail, stored_head
 from catalog_es.collector import collector_paused
-from catalog_es.configuration import Configuration, DeclaredConfig, gone_without
+from catalog_es.configuration import Configuration, DeclaredConfig, gone_without, named_config
 from catalog_es.errors import (
+    NAME_SHOWN_LENGTH,
     ConfigError,
     DamagedLog,
     InputError,
@@ -564,6 +565,12 @@ class Models(AuditTrail, Application[UUID]):
         self._known = KnownVersions()
         # The head whose deleted events this node last told of.
         self._deleted_tail_told: int | None = None
+        # The declared configs (fingerprints) this node has nothing to tell
+        # of: its own, and each other it told of; and the revisions, after
+        # one and up to another, whose config records a catch-up met and no
+        # one has looked through yet (:meth:`_tell_other_configs`).
+        self._configs_known = {self.declared.fingerprint}
+        self._configs_unread: tuple[int, int] | None = None
         # The revision of this service's last committed write: what an
         # interrupt after it, as the answer is made or told, cannot undo.
         self.last_written: int | None = None
@@ -1201,6 +1208,7 @@ class Models(AuditTrail, Application[UUID]):
                 state.release()
                 if put_over is not None:
                     self._tell_config_put_back(put_over[1], revisions[0])
+                self._tell_other_configs()
                 if snapshot is not None:
                     self._save_snapshot(revision, snapshots.encode(snapshot))
             return revision, batch.changes
@@ -1377,7 +1385,7 @@ class Models(AuditTrail, Application[UUID]):
         node's writes queue behind, and leaves a long catch-up or a reload to
         be done outside it (:class:`_FarBehind`)."""
         catalog = self.catalog
-        recorded = catalog.recorded_declaration
+        recorded, before = catalog.recorded_declaration, catalog.revision
         kept = self.store.kept(conn, catalog.revision)
         lost = _lost(catalog, kept)
         if lost is None:
@@ -1402,6 +1410,9 @@ class Models(AuditTrail, Application[UUID]):
             self.catalog = catalog
         if catalog.recorded_declaration != recorded:
             self._tell_no_config_given(conn)
+            # Looked through once the log is let go: this may hold its write lock.
+            unread = self._configs_unread
+            self._configs_unread = (min(unread[0], before) if unread else before, catalog.revision)
 
     def _tell_no_config_given(self, conn: Connection) -> None:
         """Warn, as a catch-up first meets it, of a config another node
@@ -1424,6 +1435,44 @@ class Models(AuditTrail, Application[UUID]):
             gone_without(self.recorded_config(recorded[1], conn)),
         )
 
+    def _tell_other_configs(self) -> None:
+        """Warn of each declared config, other than this node's, that another
+        node recorded since this one started, the first time a catch-up meets
+        it (:meth:`_catch_up` notes where): nodes on two configs each record
+        theirs as they write, and the declared models go in and out of force,
+        which a server's operator learns from no refusal (its clients are
+        given no hint: they cannot mend its config). Once a config, for as
+        long as the node runs; one recorded before it started is not told (a
+        start, or the first write, records its own over it, and a node still
+        on that one records it again with its next write, told then). Only a
+        warning hangs on it, looked up with the log's write lock let go."""
+        if self._configs_unread is None:
+            return  # most calls: read without the catalog's lock, set under it
+        with self._state:
+            unread, self._configs_unread = self._configs_unread, None
+            if unread is None or not self.declared.given:
+                return  # a node given none is told so (_tell_no_config_given)
+            try:
+                with self.store.read() as conn:
+                    found = snapshots.configs_recorded_between(
+                        conn, *unread, besides=self._configs_known
+                    )
+            except (sa.exc.SQLAlchemyError, Refused) as error:
+                log.debug("the configs the log recorded were not looked through: %s", error)
+                return
+            for revision, record in found:
+                self._configs_known.add(record.fingerprint)
+                log.warning(
+                    "another node writes under another declared config, %s, recorded at "
+                    "revision %d by %s; this node's is %s: the nodes serve different declared "
+                    "layers, and the log records each in turn; run every node on one config "
+                    "(told once for each other config)",
+                    named_config(record.fingerprint, record.path),
+                    revision,
+                    shown(record.by, NAME_SHOWN_LENGTH),
+                    named_config(self.declared.fingerprint, self.declared.path),
+                )
+
     def refresh(self) -> None:
         """Apply what other writers appended since this service last looked.
         Most reads find the log where this node left it, which one statement
@@ -1431,13 +1480,13 @@ class Models(AuditTrail, Application[UUID]):
         with self._state:
             kept = self.store.kept_alone(self.catalog.revision)
             if (
-                kept is not None
-                and kept.last == self.catalog.revision
-                and _lost(self.catalog, kept) is None
+                kept is None
+                or kept.last != self.catalog.revision
+                or _lost(self.catalog, kept) is not None
             ):
-                return
-            with self.store.read() as conn:
-                self._catch_up(conn)
+                with self.store.read() as conn:
+                    self._catch_up(conn)
+        self._tell_other_configs()
 
     @property
     def revision(self) -> int:

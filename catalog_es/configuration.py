@@ -17,7 +17,9 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from catalog_es.errors import shown
 from catalog_es.model import DomainEvent
+from catalog_es.names import FINGERPRINT_SHOWN
 from catalog_es.spec import DEFAULT_ENGINES, ModelSpec
 
 if TYPE_CHECKING:
@@ -69,6 +71,14 @@ class DeclaredConfig(msgspec.Struct, frozen=True, dict=True):
         from catalog_es.catalog import Catalog  # which imports this module
 
         return Catalog(self.models, self.engines)
+
+
+def named_config(fingerprint: str, path: str) -> str:
+    """A declared config as a line names it: its fingerprint, cut short, and
+    the file it was read from, as the node that read it was given it (a path
+    a record holds written by hand quoted where it would break the line)."""
+    where = (path if path.isprintable() else shown(path)) or "no file"
+    return f"fingerprint {fingerprint[:FINGERPRINT_SHOWN]} ({where})"
 
 
 def gone_without(recorded: DeclaredConfig | None) -> str:

@@ -26,6 +26,9 @@ MODEL_EVENTS = (
 
 # What a declared-config record is called where events are listed by name.
 CONFIG_DECLARED = "ConfigDeclared"
+# The hex digits of a declared config's fingerprint shown where one is named
+# (the log's summary of a record, a warning): enough to tell configs apart.
+FINGERPRINT_SHOWN = 12
 # What a declared-config record did to one model's declared definition, as
 # the audit's row of that model says (a model's history shows them among its
 # runtime events): declared it anew, declared it otherwise, no longer declares it.

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Container, Iterator
 from datetime import datetime
 from typing import Protocol, TypeVar
 
@@ -303,11 +303,11 @@ def clear(conn: Connection, fingerprint: str) -> None:
 CONFIG_RECORDS = "the declared config's records"
 
 
-def config_records(upto: int | None = None) -> sa.Select[tuple[int, str, bytes]]:
+def config_records(upto: int | None = None, after: int = 0) -> sa.Select[tuple[int, str, bytes]]:
     """The declared config's records at or before ``upto`` (all of them,
-    without it), newest first: revision, topic and stored state, as read
-    for which config was in force at a revision, and what to do with one
-    that cannot be read left to the reader.
+    without it) and after ``after``, newest first: revision, topic and
+    stored state, as read for which config was in force at a revision, and
+    what to do with one that cannot be read left to the reader.
 
     Newest first because the recursive walk yields them so (stream_walk),
     and on purpose with no ORDER BY: one would read the whole walk, every
@@ -315,7 +315,7 @@ def config_records(upto: int | None = None) -> sa.Select[tuple[int, str, bytes]]
     take the last record at or before ``upto``) stops the walk there. The
     state is read for each row the walk yields, not joined, so that no plan
     can yield the rows in another order."""
-    stream = stream_walk(CONFIGURATION_ID)
+    stream = stream_walk(CONFIGURATION_ID, after)
     e = events_table.c
     state = sa.select(e.state).where(e.revision == stream.c.revision).scalar_subquery()
     records = sa.select(stream.c.revision, stream.c.topic, state)
@@ -373,6 +373,25 @@ def _config_rows(
         if len(rows) < asked:
             return
         read, page = read + asked, page * 8
+
+
+def configs_recorded_between(
+    conn: Connection, after: int, upto: int, *, besides: Container[str]
+) -> list[tuple[int, Configuration.Declared]]:
+    """The configs other than those ``besides`` names that the log recorded
+    after revision ``after`` and up to ``upto``, each once, with the revision
+    of its first record there, oldest first (a record that cannot be read is
+    passed over). Each fingerprint alone is decoded, then the record of a
+    config not met before."""
+    found: dict[str, tuple[int, Configuration.Declared]] = {}
+    for revision, topic, state in reversed(conn.execute(config_records(upto, after)).all()):
+        fingerprint = declared_fingerprint(topic, state)
+        if fingerprint is None or fingerprint in besides or fingerprint in found:
+            continue
+        record = readable_declaration(topic, state)
+        if record is not None:
+            found[fingerprint] = (int(revision), record)
+    return list(found.values())
 
 
 def recorded_configs(conn: Connection, count: int, *, besides: str) -> list[str]:

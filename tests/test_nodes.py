@@ -655,6 +655,49 @@ def test_a_config_recorded_several_deploys_back_is_told_when_it_comes_back(
         node.close()
 
 
+def test_a_node_is_told_once_of_each_config_others_recorded_since_it_started(
+    db_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A node catching up with several writes at once is told of each other
+    config among them, not only of the last record's (config 1, recorded,
+    then replaced by a node on this one's); not of one the log recorded
+    before it started, until another node records it again; and once."""
+    configs = _configs(3)
+    url = {"CATALOG_ES_DB": db_url}
+    early = Models(configs[2], env=url)
+    early.add(_definition("a", []), by="early")  # 1 config 2, 2
+    node = Models(configs[0], env=url)
+    assert node.record_declaration(by="node") == 3
+    others = [Models(configs[1], env=url)]
+    others[0].scale("a", 0, 2, by="other")  # 4 config 1, 5
+    # A node on this one's config, started after that (so told of nothing).
+    others.append(Models(configs[0], env=url))
+    others[1].scale("a", 0, 3, by="other")  # 6 config 0 again, 7
+    fingerprints = [c.fingerprint[:12] for c in configs]
+
+    def told() -> list[str]:
+        return [
+            r.getMessage()
+            for r in caplog.records
+            if f"; this node's is fingerprint {fingerprints[0]}" in r.getMessage()
+        ]
+
+    node.list_models()
+    early.scale("a", 0, 4, by="early")  # 8 config 2 again, 9
+    others[0].scale("a", 0, 5, by="other")  # 10 config 1 again, 11
+    node.scale("a", 0, 6, by="node")  # 12 config 0 again, 13
+    node.list_models()
+    assert told() == [
+        f"another node writes under another declared config, fingerprint {fingerprints[n]} "
+        f"({n}), recorded at revision {revision} by {by!r}; this node's is fingerprint "
+        f"{fingerprints[0]} (0): the nodes serve different declared layers, and the log "
+        "records each in turn; run every node on one config (told once for each other config)"
+        for n, revision, by in ((1, 4, "other"), (2, 8, "early"))
+    ]
+    for models in (early, node, *others):
+        models.close()
+
+
 def test_a_deploy_looks_up_the_configs_the_log_recorded_without_holding_its_writes(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -1318,26 +1361,102 @@ def test_a_previous_release_follower_still_hears_this_releases_writes(pg_url: st
 _CLI = [sys.executable, "-m", "catalog_es"]
 
 
+def _serve(url: str, tokens: Path, *options: str) -> subprocess.Popen[str]:
+    """A ``catalog-es serve`` process on ``url`` (``options``: the root's),
+    its stderr piped."""
+    command = [*_CLI, "--db", url, *options, "serve", "--port", "0", "--tokens", str(tokens)]
+    return subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+
+
+def _stopped(servers: list[subprocess.Popen[str]]) -> list[str]:
+    """Stop ``servers`` (SIGTERM; killed after 10 s); what each said on
+    stderr after its start (:func:`started`) up to its end."""
+    for server in servers:
+        server.terminate()
+    said = []
+    for server in servers:
+        try:
+            said.append(server.communicate(timeout=10)[1])
+        except subprocess.TimeoutExpired:
+            server.kill()
+            said.append(server.communicate()[1])
+    return said
+
+
 @contextmanager
 def _serving_nodes(url: str, tokens: Path, count: int) -> Iterator[list[str]]:
     """``count`` ``catalog-es serve`` processes on ``url``, started together;
     yields their base URLs, and stops them (SIGTERM) afterwards."""
-    command = [*_CLI, "--db", url, "serve", "--port", "0"]
-    servers = [
-        subprocess.Popen([*command, "--tokens", str(tokens)], stderr=subprocess.PIPE, text=True)
-        for _ in range(count)
-    ]
+    servers = [_serve(url, tokens) for _ in range(count)]
     try:
         yield [started(server)[0] for server in servers]
     finally:
-        for server in servers:
-            server.terminate()
-        for server in servers:
-            try:
-                server.communicate(timeout=10)
-            except subprocess.TimeoutExpired:
-                server.kill()
-                server.communicate()
+        _stopped(servers)
+
+
+def test_a_server_is_told_once_of_each_other_config_another_node_writes_under(
+    db_url: str, tmp_path: Path
+) -> None:
+    """Two ``serve`` nodes on two configs: each recorded its own as it wrote,
+    and the declared models went in and out of force, but a server whose
+    clients' writes were not the ones to record again said nothing, and
+    over HTTP no refusal hints at it (the client cannot mend the server's
+    config). A node is told in its log, once for each other config, as it
+    catches up with the first write under it: at a read, or a write."""
+    tokens = tmp_path / "tokens.json"
+    secret = TokenStore(tokens).add("ops", "write")[1]
+    paths = []
+    for name in ("a", "b"):
+        paths.append(tmp_path / f"{name}.yaml")
+        paths[-1].write_text(
+            f"models:\n- {{name: {name}, engine: vllm, source: hf://o/{name},"
+            " profiles: [{name: g, gpus: 1}]}\n"
+        )
+    configs = [load_config(str(path)) for path in paths]
+    setup = Models(configs[0], env={"CATALOG_ES_DB": db_url})
+    setup.add(_definition("m", []), by="setup")  # 1 config a, 2
+    setup.close()
+    servers = [_serve(db_url, tokens, "--config", str(paths[0]), "--by", "node-a")]
+    try:
+        first = started(servers[0])[0]
+        servers.append(_serve(db_url, tokens, "--config", str(paths[1]), "--by", "node-b"))
+        second = started(servers[1])[0]  # 3: config b, recorded as it starts
+        with http_client(headers=bearer(secret)) as http:
+
+            def asked(node: str, method: str, path: str, body: Any = None) -> None:
+                answer = http.request(method, f"{node}{path}", json=body)
+                assert answer.status_code == 200, answer.text
+
+            asked(first, "GET", "/models")  # told of b
+            asked(second, "POST", "/models/m/scale", {"max": 2})  # 4
+            asked(first, "GET", "/models")
+            asked(first, "POST", "/models/m/scale", {"max": 3})  # 5 config a again, 6
+            asked(second, "POST", "/models/m/scale", {"max": 4})  # told of a; 7 b again, 8
+            asked(first, "GET", "/revision")
+            asked(second, "GET", "/models")
+    finally:
+        said = _stopped(servers)
+    fingerprints = [c.fingerprint[:12] for c in configs]
+    told = [
+        [line for line in node_said.splitlines() if "another declared config" in line]
+        for node_said in said
+    ]
+    assert told == [
+        [
+            "warning: another node writes under another declared config, fingerprint "
+            f"{fingerprints[1]} ({paths[1]}), recorded at revision 3 by 'node-b'; this "
+            f"node's is fingerprint {fingerprints[0]} ({paths[0]}): the nodes serve "
+            "different declared layers, and the log records each in turn; run every node on "
+            "one config (told once for each other config)"
+        ],
+        [
+            "warning: another node writes under another declared config, fingerprint "
+            f"{fingerprints[0]} ({paths[0]}), recorded at revision 5 by 'ops'; this "
+            f"node's is fingerprint {fingerprints[1]} ({paths[1]}): the nodes serve "
+            "different declared layers, and the log records each in turn; run every node on "
+            "one config (told once for each other config)"
+        ],
+    ]
 
 
 def test_nodes_writing_as_their_sessions_are_ended_write_on(

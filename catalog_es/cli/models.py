@@ -38,6 +38,7 @@ from catalog_es.cli.base import (
 )
 from catalog_es.collector import collector_paused
 from catalog_es.errors import InputError, counted, json_line, shown
+from catalog_es.names import FINGERPRINT_SHOWN
 
 
 @cli.group()
@@ -388,7 +389,7 @@ def _summary(fields: dict[str, Any]) -> str:
     if "fingerprint" in fields:
         return (
             f"{len(fields['models'])} declared models, engines {','.join(fields['engines'])}, "
-            f"fingerprint {fields['fingerprint'][:12]}"
+            f"fingerprint {fields['fingerprint'][:FINGERPRINT_SHOWN]}"
         )
     return " ".join(f"{k}={json_line(v)}" for k, v in fields.items())
 

@@ -87,7 +87,8 @@ def serve(
     recorded as the token's actor. If the declared config differs from the
     one the log last recorded, it is recorded first, as --by (else
     $CATALOG_ES_ACTOR, else the OS user), with a warning if the log had
-    recorded it before another replaced it. With --expected-revision, it starts
+    recorded it before another replaced it; another node's writes under
+    another config are told once a config. With --expected-revision, it starts
     only on a log at that revision (a request gives its own, If-Match).
     """
     # Loaded only to serve.
