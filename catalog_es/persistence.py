@@ -1678,6 +1678,8 @@ class SQLRecorder(ProcessRecorder):
                 return
         # Asked here, the schema the log's table is made in when it is missing.
         schema = self.log_schema() if self.dialect == "postgresql" else None
+        if schema == "":
+            raise self._no_schema()
         # The events table may not exist yet to LOCK: an advisory lock instead.
         with self.locked("catalog_es.tables", schema=schema) as conn:
             # Again under the lock: another node may have made it meanwhile.
@@ -1693,9 +1695,8 @@ class SQLRecorder(ProcessRecorder):
                 ).first()
                 if in_the_way is not None:
                     raise _in_the_way(conn, "a type", *in_the_way)
-            # Where the log would be made (a search path naming no schema
-            # there is, its creation tells), once nothing stands in its way.
-            if log and not self._make_log and events_table.name not in found and schema != "":
+            # Where the log would be made, once nothing stands in its way.
+            if log and not self._make_log and events_table.name not in found:
                 raise NoLogYet(self._made_where(schema))  # rolled back: nothing made
             create(conn, tables, missing)
             if not log:
@@ -1724,9 +1725,31 @@ class SQLRecorder(ProcessRecorder):
             return self._file.where
         url = self.engine.url
         database = f" of database {url.database}" if url.database else ""
+        return f"in schema {schema}{database}{self._server}"
+
+    @property
+    def _server(self) -> str:
+        """The PostgreSQL server as the URL names it, if it does: " at HOST:PORT"."""
+        url = self.engine.url
         port = f":{url.port}" if url.port else ""
-        server = f" at {url.host}{port}" if url.host else ""
-        return f"in schema {schema}{database}{server}"
+        return f" at {url.host}{port}" if url.host else ""
+
+    def _no_schema(self) -> ConfigError:
+        """The refusal of a PostgreSQL search path that names no schema this
+        role can use (none there is, or none it has USAGE on), where the log's
+        tables are missing: none can be found or made. PostgreSQL's words (no
+        schema has been selected to create in) named neither the database nor
+        the path, and a read did not say it found no log."""
+        with self.engine.connect() as conn:
+            database, path = conn.exec_driver_sql(
+                "SELECT current_database(), current_setting('search_path')"
+            ).one()
+        return ConfigError(
+            f"no log in database {database}{self._server}: its search path {shown(path)}"
+            " names no schema there is (or none this role may use), so none can be found or"
+            " made there; nothing was made: create the schema, or name one there is in the"
+            " search path (the URL's options, or the role's)"
+        )
 
     def _link_streams(self, conn: Connection, columns: list[str], streams_kept: bool) -> None:
         """Bring a log written before ``catalog_streams`` to today's layout, in

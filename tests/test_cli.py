@@ -3682,16 +3682,32 @@ def test_a_bad_connect_timeout_in_libpqs_environment_is_not_blamed_on_the_url(
     assert line == "error: PGCONNECT_TIMEOUT: bad value for connect_timeout: 'abc'"
 
 
-def test_a_postgresql_schema_or_privilege_missing_is_one_line(
+def test_a_postgresql_search_path_naming_no_schema_is_said_to_hold_no_log(
+    pg_url: str, tmp_path: Path
+) -> None:
+    """A search_path naming no schema there is was told, to a read as to a
+    write, as `the database could not be used: no schema has been selected
+    to create in`: neither that no log is there, nor which database, nor
+    the path. One line names them, and says nothing was made."""
+    url = sa.make_url(pg_url)
+    no_schema = url.update_query_dict({"options": "-csearch_path=no_such_schema"})
+    told = (
+        f"error: no log in database {url.database} at {url.host}:{url.port}: its search path"
+        " 'no_such_schema' names no schema there is (or none this role may use), so none can"
+        " be found or made there; nothing was made: create the schema, or name one there is"
+        " in the search path (the URL's options, or the role's)"
+    )
+    (tmp_path / "m.yaml").write_bytes(as_yaml(definition("m")))
+    for command in (["model", "list"], ["revision"], ["verify"], ["model", "add", "m.yaml"]):
+        refused = CliRunner().invoke(cli, ["--db", no_schema.render_as_string(False), *command])
+        assert refused_in_one_line(refused) == told, command
+
+
+def test_a_postgresql_privilege_missing_is_one_line(
     pg_url: str, read_only_url: Callable[[], str], tmp_path: Path
 ) -> None:
-    """A search_path naming no schema, and a role that may only read asked to
-    write: each was told as an unexpected ProgrammingError (docs review)."""
-    no_schema = sa.make_url(pg_url).update_query_dict({"options": "-csearch_path=no_such_schema"})
-    line = refused_in_one_line(
-        CliRunner().invoke(cli, ["--db", no_schema.render_as_string(False), "model", "list"])
-    )
-    assert line.startswith("error: the database could not be used: no schema has been selected")
+    """A role that may only read asked to write was told as an unexpected
+    ProgrammingError (docs review)."""
     (tmp_path / "m.yaml").write_bytes(as_yaml(definition("m")))
     CliRunner().invoke(cli, ["--db", pg_url, "model", "add", str(tmp_path / "m.yaml")])
     as_reader = read_only_url()
