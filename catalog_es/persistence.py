@@ -1473,6 +1473,9 @@ class SQLRecorder(ProcessRecorder):
         # Whether the log's tables are made where there is no log; if not,
         # :class:`NoLogYet` is raised there, and nothing is made.
         self._make_log = make_log
+        # Whether a read (``make_log`` false) found the log without its head
+        # record's table: see :meth:`_to_make`.
+        self._head_table_missing = False
         self.dialect = engine.dialect.name
         # The driver's errors, which statements made straight on it raise.
         self._dbapi_error: type[Exception] = engine.dialect.loaded_dbapi.Error
@@ -1674,7 +1677,9 @@ class SQLRecorder(ProcessRecorder):
                     # four round trips more a process that writes (the pool's
                     # check, BEGIN, the query, ROLLBACK).
                     self._log_schema = found[events_table.name]
-            if len(found) == len(names) and not (columns is not None and _unlinked(columns)):
+            if not self._to_make(tables, found) and not (
+                columns is not None and _unlinked(columns)
+            ):
                 return
         # Asked here, the schema the log's table is made in when it is missing.
         schema = self.log_schema() if self.dialect == "postgresql" else None
@@ -1686,7 +1691,7 @@ class SQLRecorder(ProcessRecorder):
             found, columns = tables_found(conn, names)
             if log and columns is not None:
                 _check_log_columns(conn, columns)
-            missing = [table for table in tables.sorted_tables if table.name not in found]
+            missing = self._to_make(tables, found)
             if missing and self.dialect == "postgresql":
                 # Only a table to be made has a type in its way; asked with
                 # the lookup every start makes, it cost each start time.
@@ -1707,6 +1712,21 @@ class SQLRecorder(ProcessRecorder):
                 # A log's table made just now is today's: nothing to bring
                 # over, nor to read back (which cost every new database 20 ms).
                 self.log_made = self._made_where(schema)
+
+    def _to_make(self, tables: sa.MetaData, found: Mapping[str, str]) -> list[sa.Table]:
+        """Those of ``tables`` not ``found`` that are to be made. A read leaves
+        a log found without its head record's table (dropped by hand: every
+        release has made it with the log) as it is, and reads it as a log
+        whose head row was deleted (it made the table: a command that writes
+        nothing wrote). A write makes it, and is then refused as on a deleted
+        head row."""
+        if tables is metadata and not self._make_log and events_table.name in found:
+            self._head_table_missing = head_table.name not in found
+        return [
+            table
+            for table in tables.sorted_tables
+            if table.name not in found and not (table is head_table and self._head_table_missing)
+        ]
 
     @property
     def where(self) -> str:
@@ -2268,13 +2288,10 @@ class SQLRecorder(ProcessRecorder):
         """:meth:`kept`, and the head of the hash chain as :meth:`chain_head`
         reads it, in one statement: a load asked them one after the other, a
         round trip each on PostgreSQL."""
-        rows = self._fetch(
-            conn,
-            # The last column tells the head's row from the log's.
-            f"SELECT revision, hash, 0 {_KEPT}"
-            " UNION ALL SELECT revision, hash, 1 FROM catalog_head WHERE id = 1",
-            revision,
-        )
+        # The last column tells the head's row from the log's.
+        head_row = " UNION ALL SELECT revision, hash, 1 FROM catalog_head WHERE id = 1"
+        head_row = "" if self._head_table_missing else head_row
+        rows = self._fetch(conn, f"SELECT revision, hash, 0 {_KEPT}{head_row}", revision)
         head = next((stored_head(row[0], row[1]) for row in rows if row[2]), None)
         return Kept.of((row for row in rows if not row[2]), revision), head
 
@@ -2446,6 +2463,8 @@ class SQLRecorder(ProcessRecorder):
         event. The head record alone: a node that only reads may lack the
         privileges a write's read of where the log stands needs (on
         PostgreSQL, the revisions' sequence)."""
+        if self._head_table_missing:
+            return None
         row = conn.execute(
             sa.select(head_table.c.revision, head_table.c.hash).where(head_table.c.id == 1)
         ).first()
@@ -2486,12 +2505,17 @@ class SQLRecorder(ProcessRecorder):
         last event's and the last version of each of ``streams``, in one
         statement."""
         versions = ", (SELECT version FROM catalog_streams WHERE originator_id = ?)"
+        head = (
+            "NULL, NULL"
+            if self._head_table_missing
+            else "(SELECT revision FROM catalog_head WHERE id = 1),"
+            " (SELECT hash FROM catalog_head WHERE id = 1)"
+        )
         cursor = conn.connection.cursor()
         try:
             cursor.execute(
                 self._sql(
-                    "SELECT (SELECT revision FROM catalog_head WHERE id = 1),"
-                    " (SELECT hash FROM catalog_head WHERE id = 1), "
+                    f"SELECT {head}, "
                     + self._last_taken(cursor)
                     + ", (SELECT max(revision) FROM catalog_events)"
                     + versions * len(streams)

@@ -3222,6 +3222,44 @@ def test_a_read_on_another_apps_sqlite_file_leaves_it_as_it_was(tmp_path: Path) 
     assert sorted(path.name for path in tmp_path.iterdir()) == ["other.db"]
 
 
+def test_a_read_leaves_a_head_table_dropped_by_hand_as_it_was(
+    db_url: str, run_told: Run, tmp_path: Path
+) -> None:
+    """A read on a log without its catalog_head table (dropped by hand) made
+    the table: a command that writes nothing wrote. Reads leave it so, and
+    read the log as where the head's row is deleted (docs/audit.md): they
+    answer, and verify names the head missing; a write makes the table,
+    and is refused as there, nothing written."""
+    (tmp_path / "a.yaml").write_bytes(as_yaml(definition("a")))
+    ok(run_told("model", "add", "a.yaml"))
+    ok(run_told("model", "scale", "a", "--max", "2"))
+    engine = sa.create_engine(db_url)
+    with engine.begin() as conn:
+        conn.execute(sa.text("DROP TABLE catalog_head"))
+
+    def tables() -> list[str]:
+        return sorted(sa.inspect(engine).get_table_names())
+
+    dropped = tables()
+    assert "catalog_head" not in dropped
+    assert (run_told("revision").stdout, run_told("log", "--json").stdout.count("\n")) == ("2\n", 2)
+    listed = run_told("--json", "model", "show", "a")
+    assert (listed.exit_code, json.loads(listed.stdout)["scaling"]["max"]) == (0, 2)
+    verified = run_told("verify")
+    assert (verified.exit_code, verified.stderr.splitlines()[-1]) == (
+        1,
+        "error: chain broken at revision 3: the head record (catalog_head) is missing:"
+        " events after revision 2 may have been deleted",
+    )
+    missing = "error: the log's head record (catalog_head) is missing, but the log holds events"
+    assert refused_in_one_line(run_told("rollback", "--to", "1", "--dry-run")).startswith(missing)
+    assert tables() == dropped
+    assert refused_in_one_line(run_told("model", "scale", "a", "--max", "3")).startswith(missing)
+    assert tables() == sorted([*dropped, "catalog_head"])
+    assert count_events(db_url) == 2
+    engine.dispose()
+
+
 def test_a_view_named_as_a_table_of_the_log_is_refused_before_anything_is_made(
     db_url: str, run: Run
 ) -> None:
