@@ -2303,9 +2303,25 @@ class SQLRecorder(ProcessRecorder):
         connection more to check out is one more for an interrupt to strand)."""
         if self.dialect != "postgresql":
             return None
+        with self._in_no_transaction() as conn:
+            return self.kept(conn, revision)
+
+    def end_alone(self) -> tuple[Kept, ChainHead | DamagedHead | None]:
+        """:meth:`kept_with_head` of where the log ends, one statement
+        consistent by itself: on PostgreSQL in no transaction (a read
+        transaction's BEGIN and end cost two round trips more)."""
+        if self.dialect != "postgresql":
+            with self.read() as conn:
+                return self.kept_with_head(conn, 0)
+        with self._in_no_transaction() as conn:
+            return self.kept_with_head(conn, 0)
+
+    @contextmanager
+    def _in_no_transaction(self) -> Iterator[Connection]:
+        """A PostgreSQL connection whose statements run each in its own."""
         with self.engine.connect() as conn:
             conn.execution_options(isolation_level="AUTOCOMMIT")
-            return self.kept(conn, revision)
+            yield conn
 
     def _fetch(self, conn: Connection, sql: str, *params: Any) -> list[Any]:
         """The rows of one statement written with ``?`` marks, through the
