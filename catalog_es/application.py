@@ -1492,6 +1492,20 @@ class Models(AuditTrail, Application[UUID]):
     def revision(self) -> int:
         return self.catalog.revision
 
+    def head(self) -> int:
+        """The log's last revision, as ``catalog-es revision`` answers it,
+        read with the head record in one statement: refused while the head
+        is past it (the last events were deleted), which verify reports as a
+        break. Answered with a warning, exit 0, the revision before them
+        passed for the head of a log whole."""
+        kept, head = self.store.end_alone()
+        deleted = deleted_tail(head, kept.last) if isinstance(head, ChainHead) else None
+        if deleted is not None:
+            raise DamagedLog(
+                f"{deleted.problem}; revision {kept.last} is not the head (catalog-es verify)"
+            )
+        return kept.last
+
     def resolve(self, at: int | datetime) -> int:
         """The revision an ``at`` (a revision, or a UTC time) reads: a
         transaction boundary, refused when beyond the head."""

@@ -1473,6 +1473,9 @@ class SQLRecorder(ProcessRecorder):
         # Whether the log's tables are made where there is no log; if not,
         # :class:`NoLogYet` is raised there, and nothing is made.
         self._make_log = make_log
+        # Whether a read (``make_log`` false) found the log without its head
+        # record's table: see :meth:`_to_make`.
+        self._head_table_missing = False
         self.dialect = engine.dialect.name
         # The driver's errors, which statements made straight on it raise.
         self._dbapi_error: type[Exception] = engine.dialect.loaded_dbapi.Error
@@ -1674,17 +1677,21 @@ class SQLRecorder(ProcessRecorder):
                     # four round trips more a process that writes (the pool's
                     # check, BEGIN, the query, ROLLBACK).
                     self._log_schema = found[events_table.name]
-            if len(found) == len(names) and not (columns is not None and _unlinked(columns)):
+            if not self._to_make(tables, found) and not (
+                columns is not None and _unlinked(columns)
+            ):
                 return
         # Asked here, the schema the log's table is made in when it is missing.
         schema = self.log_schema() if self.dialect == "postgresql" else None
+        if schema == "":
+            raise self._no_schema()
         # The events table may not exist yet to LOCK: an advisory lock instead.
         with self.locked("catalog_es.tables", schema=schema) as conn:
             # Again under the lock: another node may have made it meanwhile.
             found, columns = tables_found(conn, names)
             if log and columns is not None:
                 _check_log_columns(conn, columns)
-            missing = [table for table in tables.sorted_tables if table.name not in found]
+            missing = self._to_make(tables, found)
             if missing and self.dialect == "postgresql":
                 # Only a table to be made has a type in its way; asked with
                 # the lookup every start makes, it cost each start time.
@@ -1693,9 +1700,8 @@ class SQLRecorder(ProcessRecorder):
                 ).first()
                 if in_the_way is not None:
                     raise _in_the_way(conn, "a type", *in_the_way)
-            # Where the log would be made (a search path naming no schema
-            # there is, its creation tells), once nothing stands in its way.
-            if log and not self._make_log and events_table.name not in found and schema != "":
+            # Where the log would be made, once nothing stands in its way.
+            if log and not self._make_log and events_table.name not in found:
                 raise NoLogYet(self._made_where(schema))  # rolled back: nothing made
             create(conn, tables, missing)
             if not log:
@@ -1706,6 +1712,21 @@ class SQLRecorder(ProcessRecorder):
                 # A log's table made just now is today's: nothing to bring
                 # over, nor to read back (which cost every new database 20 ms).
                 self.log_made = self._made_where(schema)
+
+    def _to_make(self, tables: sa.MetaData, found: Mapping[str, str]) -> list[sa.Table]:
+        """Those of ``tables`` not ``found`` that are to be made. A read leaves
+        a log found without its head record's table (dropped by hand: every
+        release has made it with the log) as it is, and reads it as a log
+        whose head row was deleted (it made the table: a command that writes
+        nothing wrote). A write makes it, and is then refused as on a deleted
+        head row."""
+        if tables is metadata and not self._make_log and events_table.name in found:
+            self._head_table_missing = head_table.name not in found
+        return [
+            table
+            for table in tables.sorted_tables
+            if table.name not in found and not (table is head_table and self._head_table_missing)
+        ]
 
     @property
     def where(self) -> str:
@@ -1724,9 +1745,31 @@ class SQLRecorder(ProcessRecorder):
             return self._file.where
         url = self.engine.url
         database = f" of database {url.database}" if url.database else ""
+        return f"in schema {schema}{database}{self._server}"
+
+    @property
+    def _server(self) -> str:
+        """The PostgreSQL server as the URL names it, if it does: " at HOST:PORT"."""
+        url = self.engine.url
         port = f":{url.port}" if url.port else ""
-        server = f" at {url.host}{port}" if url.host else ""
-        return f"in schema {schema}{database}{server}"
+        return f" at {url.host}{port}" if url.host else ""
+
+    def _no_schema(self) -> ConfigError:
+        """The refusal of a PostgreSQL search path that names no schema this
+        role can use (none there is, or none it has USAGE on), where the log's
+        tables are missing: none can be found or made. PostgreSQL's words (no
+        schema has been selected to create in) named neither the database nor
+        the path, and a read did not say it found no log."""
+        with self.engine.connect() as conn:
+            database, path = conn.exec_driver_sql(
+                "SELECT current_database(), current_setting('search_path')"
+            ).one()
+        return ConfigError(
+            f"no log in database {database}{self._server}: its search path {shown(path)}"
+            " names no schema there is (or none this role may use), so none can be found or"
+            " made there; nothing was made: create the schema, or name one there is in the"
+            " search path (the URL's options, or the role's)"
+        )
 
     def _link_streams(self, conn: Connection, columns: list[str], streams_kept: bool) -> None:
         """Bring a log written before ``catalog_streams`` to today's layout, in
@@ -2245,13 +2288,10 @@ class SQLRecorder(ProcessRecorder):
         """:meth:`kept`, and the head of the hash chain as :meth:`chain_head`
         reads it, in one statement: a load asked them one after the other, a
         round trip each on PostgreSQL."""
-        rows = self._fetch(
-            conn,
-            # The last column tells the head's row from the log's.
-            f"SELECT revision, hash, 0 {_KEPT}"
-            " UNION ALL SELECT revision, hash, 1 FROM catalog_head WHERE id = 1",
-            revision,
-        )
+        # The last column tells the head's row from the log's.
+        head_row = " UNION ALL SELECT revision, hash, 1 FROM catalog_head WHERE id = 1"
+        head_row = "" if self._head_table_missing else head_row
+        rows = self._fetch(conn, f"SELECT revision, hash, 0 {_KEPT}{head_row}", revision)
         head = next((stored_head(row[0], row[1]) for row in rows if row[2]), None)
         return Kept.of((row for row in rows if not row[2]), revision), head
 
@@ -2263,9 +2303,25 @@ class SQLRecorder(ProcessRecorder):
         connection more to check out is one more for an interrupt to strand)."""
         if self.dialect != "postgresql":
             return None
+        with self._in_no_transaction() as conn:
+            return self.kept(conn, revision)
+
+    def end_alone(self) -> tuple[Kept, ChainHead | DamagedHead | None]:
+        """:meth:`kept_with_head` of where the log ends, one statement
+        consistent by itself: on PostgreSQL in no transaction (a read
+        transaction's BEGIN and end cost two round trips more)."""
+        if self.dialect != "postgresql":
+            with self.read() as conn:
+                return self.kept_with_head(conn, 0)
+        with self._in_no_transaction() as conn:
+            return self.kept_with_head(conn, 0)
+
+    @contextmanager
+    def _in_no_transaction(self) -> Iterator[Connection]:
+        """A PostgreSQL connection whose statements run each in its own."""
         with self.engine.connect() as conn:
             conn.execution_options(isolation_level="AUTOCOMMIT")
-            return self.kept(conn, revision)
+            yield conn
 
     def _fetch(self, conn: Connection, sql: str, *params: Any) -> list[Any]:
         """The rows of one statement written with ``?`` marks, through the
@@ -2423,6 +2479,8 @@ class SQLRecorder(ProcessRecorder):
         event. The head record alone: a node that only reads may lack the
         privileges a write's read of where the log stands needs (on
         PostgreSQL, the revisions' sequence)."""
+        if self._head_table_missing:
+            return None
         row = conn.execute(
             sa.select(head_table.c.revision, head_table.c.hash).where(head_table.c.id == 1)
         ).first()
@@ -2463,12 +2521,17 @@ class SQLRecorder(ProcessRecorder):
         last event's and the last version of each of ``streams``, in one
         statement."""
         versions = ", (SELECT version FROM catalog_streams WHERE originator_id = ?)"
+        head = (
+            "NULL, NULL"
+            if self._head_table_missing
+            else "(SELECT revision FROM catalog_head WHERE id = 1),"
+            " (SELECT hash FROM catalog_head WHERE id = 1)"
+        )
         cursor = conn.connection.cursor()
         try:
             cursor.execute(
                 self._sql(
-                    "SELECT (SELECT revision FROM catalog_head WHERE id = 1),"
-                    " (SELECT hash FROM catalog_head WHERE id = 1), "
+                    f"SELECT {head}, "
                     + self._last_taken(cursor)
                     + ", (SELECT max(revision) FROM catalog_events)"
                     + versions * len(streams)

@@ -2916,7 +2916,10 @@ def test_a_deleted_last_event_is_told_by_every_command_until_a_write_goes_on(
     """The head is kept apart so that a deleted last event is noticed, but
     only verify and serve said so: `revision` answered the one before it, a
     read and a write said nothing (hostile test). Each command warns once;
-    a write goes on after the head, and verify names the gap it leaves."""
+    a write goes on after the head, and verify names the gap it leaves.
+    `revision`, whose answer is the head, is refused naming both: it
+    answered the revision before with a warning and exit 0, which a script
+    took for the head of a log whole, where verify exits 1."""
     for name in ("a", "b"):
         (tmp_path / f"{name}.yaml").write_bytes(as_yaml(definition(name)))
         ok(run_told("model", "add", f"{name}.yaml"))
@@ -2930,20 +2933,19 @@ def test_a_deleted_last_event_is_told_by_every_command_until_a_write_goes_on(
         "the last events were deleted (catalog-es verify); the next write is numbered after "
         "revision 2, leaving the gap\n"
     )
-    assert [
-        (done.stdout, done.stderr)
-        for done in (run_told("revision"), run_told("--json", "revision"))
-    ] == [
-        ("1\n", told),
-        ('{"revision": 1}\n', told),
-    ]
+    no_head = (
+        "error: revision 2 is missing: the head is at revision 2 but the log ends at 1, so the"
+        " last events were deleted; revision 1 is not the head (catalog-es verify)"
+    )
+    for asked in (run_told("revision"), run_told("--json", "revision")):
+        assert refused_in_one_line(asked) == no_head
     assert run_told("model", "list", "--json").stderr == told
     refused = run_told("model", "scale", "b", "--max", "2")  # b's Added was the event deleted
     assert (refused.exit_code, refused.stderr) == (1, "error: model 'b' is not in the catalog\n")
     scaled = run_told("model", "scale", "a", "--max", "2")
     assert (scaled.exit_code, scaled.stderr) == (0, told)
     assert scaled.stdout.startswith("scaled a at revision 3\n")
-    assert run_told("revision").stderr == ""
+    assert (run_told("revision").stdout, run_told("revision").stderr) == ("3\n", "")
     verified = run_told("verify")
     assert verified.exit_code == 1
     assert verified.stderr.startswith("error: chain broken at revision 2: revision 2 is missing")
@@ -3220,6 +3222,44 @@ def test_a_read_on_another_apps_sqlite_file_leaves_it_as_it_was(tmp_path: Path) 
     )
     assert other.read_bytes() == before
     assert sorted(path.name for path in tmp_path.iterdir()) == ["other.db"]
+
+
+def test_a_read_leaves_a_head_table_dropped_by_hand_as_it_was(
+    db_url: str, run_told: Run, tmp_path: Path
+) -> None:
+    """A read on a log without its catalog_head table (dropped by hand) made
+    the table: a command that writes nothing wrote. Reads leave it so, and
+    read the log as where the head's row is deleted (docs/audit.md): they
+    answer, and verify names the head missing; a write makes the table,
+    and is refused as there, nothing written."""
+    (tmp_path / "a.yaml").write_bytes(as_yaml(definition("a")))
+    ok(run_told("model", "add", "a.yaml"))
+    ok(run_told("model", "scale", "a", "--max", "2"))
+    engine = sa.create_engine(db_url)
+    with engine.begin() as conn:
+        conn.execute(sa.text("DROP TABLE catalog_head"))
+
+    def tables() -> list[str]:
+        return sorted(sa.inspect(engine).get_table_names())
+
+    dropped = tables()
+    assert "catalog_head" not in dropped
+    assert (run_told("revision").stdout, run_told("log", "--json").stdout.count("\n")) == ("2\n", 2)
+    listed = run_told("--json", "model", "show", "a")
+    assert (listed.exit_code, json.loads(listed.stdout)["scaling"]["max"]) == (0, 2)
+    verified = run_told("verify")
+    assert (verified.exit_code, verified.stderr.splitlines()[-1]) == (
+        1,
+        "error: chain broken at revision 3: the head record (catalog_head) is missing:"
+        " events after revision 2 may have been deleted",
+    )
+    missing = "error: the log's head record (catalog_head) is missing, but the log holds events"
+    assert refused_in_one_line(run_told("rollback", "--to", "1", "--dry-run")).startswith(missing)
+    assert tables() == dropped
+    assert refused_in_one_line(run_told("model", "scale", "a", "--max", "3")).startswith(missing)
+    assert tables() == sorted([*dropped, "catalog_head"])
+    assert count_events(db_url) == 2
+    engine.dispose()
 
 
 def test_a_view_named_as_a_table_of_the_log_is_refused_before_anything_is_made(
@@ -3682,16 +3722,32 @@ def test_a_bad_connect_timeout_in_libpqs_environment_is_not_blamed_on_the_url(
     assert line == "error: PGCONNECT_TIMEOUT: bad value for connect_timeout: 'abc'"
 
 
-def test_a_postgresql_schema_or_privilege_missing_is_one_line(
+def test_a_postgresql_search_path_naming_no_schema_is_said_to_hold_no_log(
+    pg_url: str, tmp_path: Path
+) -> None:
+    """A search_path naming no schema there is was told, to a read as to a
+    write, as `the database could not be used: no schema has been selected
+    to create in`: neither that no log is there, nor which database, nor
+    the path. One line names them, and says nothing was made."""
+    url = sa.make_url(pg_url)
+    no_schema = url.update_query_dict({"options": "-csearch_path=no_such_schema"})
+    told = (
+        f"error: no log in database {url.database} at {url.host}:{url.port}: its search path"
+        " 'no_such_schema' names no schema there is (or none this role may use), so none can"
+        " be found or made there; nothing was made: create the schema, or name one there is"
+        " in the search path (the URL's options, or the role's)"
+    )
+    (tmp_path / "m.yaml").write_bytes(as_yaml(definition("m")))
+    for command in (["model", "list"], ["revision"], ["verify"], ["model", "add", "m.yaml"]):
+        refused = CliRunner().invoke(cli, ["--db", no_schema.render_as_string(False), *command])
+        assert refused_in_one_line(refused) == told, command
+
+
+def test_a_postgresql_privilege_missing_is_one_line(
     pg_url: str, read_only_url: Callable[[], str], tmp_path: Path
 ) -> None:
-    """A search_path naming no schema, and a role that may only read asked to
-    write: each was told as an unexpected ProgrammingError (docs review)."""
-    no_schema = sa.make_url(pg_url).update_query_dict({"options": "-csearch_path=no_such_schema"})
-    line = refused_in_one_line(
-        CliRunner().invoke(cli, ["--db", no_schema.render_as_string(False), "model", "list"])
-    )
-    assert line.startswith("error: the database could not be used: no schema has been selected")
+    """A role that may only read asked to write was told as an unexpected
+    ProgrammingError (docs review)."""
     (tmp_path / "m.yaml").write_bytes(as_yaml(definition("m")))
     CliRunner().invoke(cli, ["--db", pg_url, "model", "add", str(tmp_path / "m.yaml")])
     as_reader = read_only_url()

@@ -65,7 +65,7 @@ def show_diff(diff: dict[str, Any]) -> None:
 @reads_only
 def revision(settings: Settings) -> None:
     """The head of the log: the revision of the last change (0: none yet)."""
-    head = settings.models().revision
+    head = settings.models().head()
     emit(settings, {"revision": head}, lambda: click.echo(head))
 
 
