@@ -1390,6 +1390,13 @@ def commit_may_have_stood(error: BaseException) -> bool:
 
 
 _POSTGRESQL_SETUP = ("28", "3D", "3F", "42501", "42P01", "42703")
+# What PostgreSQL's words leave out: a search path naming no schema there is
+# (one not yet made, a typo) is told "no schema has been selected to create
+# in", naming neither the path nor what to do.
+_POSTGRESQL_HINTS = {
+    "3F000": " (no schema the search path names is there: create it first, CREATE SCHEMA,"
+    " or mend the search path, the URL's options or the role's)",
+}
 _CLIENT_FAILURES = {"OperationalError", "InterfaceError", "DatabaseError"}
 # A server that refuses a connection as it is made says why with FATAL and,
 # through libpq, no SQLSTATE: setup (no such role or database, a password),
@@ -1454,7 +1461,7 @@ def database_unusable(error: BaseException) -> Unusable | None:
     if state.startswith(_POSTGRESQL_OUTAGES) or state in _PREPARED_ELSEWHERE:
         return Unusable(said, lasting=False)
     if state.startswith(_POSTGRESQL_SETUP):
-        return Unusable(said, lasting=True)
+        return Unusable(said + _POSTGRESQL_HINTS.get(state, ""), lasting=True)
     return None
 
 

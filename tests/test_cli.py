@@ -3686,12 +3686,18 @@ def test_a_postgresql_schema_or_privilege_missing_is_one_line(
     pg_url: str, read_only_url: Callable[[], str], tmp_path: Path
 ) -> None:
     """A search_path naming no schema, and a role that may only read asked to
-    write: each was told as an unexpected ProgrammingError (docs review)."""
+    write: each was told as an unexpected ProgrammingError (docs review). The
+    first says what to do: PostgreSQL's words name neither the path nor the
+    schema (an operator following the README, its schema not yet made)."""
     no_schema = sa.make_url(pg_url).update_query_dict({"options": "-csearch_path=no_such_schema"})
     line = refused_in_one_line(
         CliRunner().invoke(cli, ["--db", no_schema.render_as_string(False), "model", "list"])
     )
-    assert line.startswith("error: the database could not be used: no schema has been selected")
+    assert line == (
+        "error: the database could not be used: no schema has been selected to create in"
+        " (no schema the search path names is there: create it first, CREATE SCHEMA,"
+        " or mend the search path, the URL's options or the role's)"
+    )
     (tmp_path / "m.yaml").write_bytes(as_yaml(definition("m")))
     CliRunner().invoke(cli, ["--db", pg_url, "model", "add", str(tmp_path / "m.yaml")])
     as_reader = read_only_url()
