@@ -83,11 +83,13 @@ def test_a_script_runs_with_another_apps_time_zone_in_the_environment(script: st
     assert ran.stdout.startswith("usage: ")
 
 
-def test_the_demo_runs_and_shows_each_command_as_it_can_be_typed_again(tmp_path: Path) -> None:
+def test_the_demo_runs_on_its_own_config_and_shows_commands_as_typed(tmp_path: Path) -> None:
     """The README's first command, on a copy of the repository whose .venv
     runs this code. Each command was shown with its arguments joined by
     spaces, ``--reason trying Qwen for search``: typed again as shown, a
-    usage error (unexpected extra arguments)."""
+    usage error (unexpected extra arguments). A shell whose environment names
+    another config (a node's, or one gone) ran the demo over that config,
+    or ended it at its first command."""
     repo = tmp_path / "repo"
     (repo / "scripts").mkdir(parents=True)
     shutil.copy(ROOT / "scripts" / "demo.sh", repo / "scripts")
@@ -102,7 +104,12 @@ def test_the_demo_runs_and_shows_each_command_as_it_can_be_typed_again(tmp_path:
         text=True,
         timeout=300,
         check=False,
-        env={**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": str(ROOT)},
+        env={
+            **os.environ,
+            "TMPDIR": str(tmp_path),
+            "PYTHONPATH": str(ROOT),
+            "CATALOG_ES_CONFIG": str(tmp_path / "gone.yaml"),
+        },
     )
     assert ran.returncode == 0, ran.stderr
     shown = [shlex.split(line[2:]) for line in ran.stderr.splitlines() if line.startswith("$ ")]
