@@ -15,8 +15,11 @@ work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 cd "$work"
 cp "$here/catalog.yaml" .
-export CATALOG_ES_DB="sqlite:///$work/catalog.db" CATALOG_ES_ACTOR=demo
-ces() { echo "\$ catalog-es $*" >&2; "$here/.venv/bin/catalog-es" "$@"; echo >&2; }
+# Its own log and config, whatever the shell's environment names.
+export CATALOG_ES_DB="sqlite:///$work/catalog.db" CATALOG_ES_CONFIG="$work/catalog.yaml"
+export CATALOG_ES_ACTOR=demo
+# Each command is shown as it can be typed again, its arguments quoted.
+ces() { printf '$ catalog-es%s\n' "$(printf ' %q' "$@")" >&2; "$here/.venv/bin/catalog-es" "$@"; echo >&2; }
 
 cat > qwen.yaml <<'EOF'
 name: qwen2.5-7b-instruct

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -79,3 +81,38 @@ def test_a_script_runs_with_another_apps_time_zone_in_the_environment(script: st
     )
     assert (ran.returncode, ran.stderr) == (0, "")
     assert ran.stdout.startswith("usage: ")
+
+
+def test_the_demo_runs_on_its_own_config_and_shows_commands_as_typed(tmp_path: Path) -> None:
+    """The README's first command, on a copy of the repository whose .venv
+    runs this code. Each command was shown with its arguments joined by
+    spaces, ``--reason trying Qwen for search``: typed again as shown, a
+    usage error (unexpected extra arguments). A shell whose environment names
+    another config (a node's, or one gone) ran the demo over that config,
+    or ended it at its first command."""
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    shutil.copy(ROOT / "scripts" / "demo.sh", repo / "scripts")
+    shutil.copy(ROOT / "catalog.yaml", repo)
+    command = repo / ".venv" / "bin" / "catalog-es"
+    command.parent.mkdir(parents=True)
+    command.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -m catalog_es "$@"\n')
+    command.chmod(0o755)
+    ran = subprocess.run(
+        ["bash", str(repo / "scripts" / "demo.sh")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env={
+            **os.environ,
+            "TMPDIR": str(tmp_path),
+            "PYTHONPATH": str(ROOT),
+            "CATALOG_ES_CONFIG": str(tmp_path / "gone.yaml"),
+        },
+    )
+    assert ran.returncode == 0, ran.stderr
+    shown = [shlex.split(line[2:]) for line in ran.stderr.splitlines() if line.startswith("$ ")]
+    add = ["catalog-es", "model", "add", "qwen.yaml", "--reason", "trying Qwen for search"]
+    assert add in shown
+    assert "rolled back to revision 2: 2 events, now at revision 6" in ran.stdout
