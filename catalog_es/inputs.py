@@ -117,6 +117,10 @@ def check_meta(by: str, reason: str) -> None:
             f"reason: must be at most {MAX_REASON_LENGTH} characters, "
             "and no control or bidi characters but line breaks"
         )
+    # None is no reason; one given says something, as an actor must: spaces
+    # alone ("$WHY" of a template, blank) were recorded as a reason no one reads.
+    if reason and not any(map(_seen, reason)):
+        raise InputError("reason: nothing visible in it: say why, or give no reason")
 
 
 def check_actor_filter(by: str | None) -> None:

@@ -1773,6 +1773,19 @@ def test_a_refused_command_is_one_line_and_writes_nothing(
     assert rows() == 2
 
 
+def test_a_blank_reason_is_refused_and_none_is_no_reason(
+    seeded: Run, rows: Callable[[], int]
+) -> None:
+    """A reason of spaces (`--reason "$WHY"`, WHY blank) was recorded, as
+    an actor of spaces is not: given, a reason holds something to see."""
+    for blank in ("   ", "\n \n", "\u200b\u3164"):
+        line = refused_in_one_line(seeded("model", "scale", "m", "--max", "3", "--reason", blank))
+        assert line == "error: reason: nothing visible in it: say why, or give no reason"
+    assert rows() == 2
+    ok(seeded("model", "scale", "m", "--max", "3", "--reason", ""))
+    assert rows() == 3
+
+
 def test_a_long_fallback_cycle_is_refused_in_one_short_line(
     run: Run, write: Any, rows: Callable[[], int]
 ) -> None:
@@ -3106,6 +3119,7 @@ REFUSED_AS_GIVEN = [
     ("model", "scale", "m", "--max", "2", "--by", ""),
     ("model", "remove", "m", "--by", " alice"),
     ("--reason", "rang\a", "model", "owner", "m", "team:a"),
+    ("model", "owner", "m", "team:a", "--reason", "  "),
     ("rollback", "--to", "0", "--dry-run", "--by", "\u202ealice"),
     ("model", "check-updates", "--mirror", ".", "--by", ""),
 ]

@@ -1208,6 +1208,10 @@ def test_a_stale_if_match_is_409_and_writes_nothing(api: Api) -> None:
             f"/models/qwen/scale?{query}", json={"max": 5}, headers=api.as_("write")
         )
         assert refused(odd, 422) == "query: not UTF-8 text once its %-escapes are read", query
+    blank = api.client.post(
+        "/models/qwen/scale?reason=%20%0A%20", json={"max": 5}, headers=api.as_("write")
+    )
+    assert refused(blank, 422) == "reason: nothing visible in it: say why, or give no reason"
     odd = api.client.post("/models/qw%FFen/scale", json={"max": 5}, headers=api.as_("write"))
     assert refused(odd, 422) == "path: not UTF-8 text once its %-escapes are read"
     assert count_events(api.db) == before + 2
