@@ -2143,6 +2143,20 @@ def test_a_folder_refused_as_a_file_leaves_no_descriptor_open(tmp_path: Path) ->
     assert len(list(opened.iterdir())) == before
 
 
+def run_in_bash(db_url: str, config: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """The command line on ``db_url`` with ``--config config`` as bash reads
+    it (``<(…)``: a pipe that is read once)."""
+    command = f"exec {sys.executable} -m catalog_es --db '{db_url}' --config {config} "
+    return subprocess.run(
+        ["bash", "-c", command + " ".join(args)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+        cwd=Path(__file__).parents[1],  # this checkout's code, for `-m catalog_es`
+    )
+
+
 def test_a_config_that_is_a_pipe_nothing_writes_to_is_refused_not_waited_on(
     db_url: str, tmp_path: Path, rows: Callable[[], int]
 ) -> None:
@@ -2152,21 +2166,8 @@ def test_a_config_that_is_a_pipe_nothing_writes_to_is_refused_not_waited_on(
     writer, as `--config <(…)` gives, is still read."""
     pipe = tmp_path / "catalog.yaml"
     os.mkfifo(pipe)
-    cli_command = f"{sys.executable} -m catalog_es --db '{db_url}'"
-
-    def run(config: str, *args: str) -> subprocess.CompletedProcess[str]:
-        command = f"exec {cli_command} --config {config} {' '.join(args)}"
-        return subprocess.run(
-            ["bash", "-c", command],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=False,
-            cwd=Path(__file__).parents[1],  # this checkout's code, for `-m catalog_es`
-        )
-
     for args in (["model", "list"], ["model", "scale", "d", "--max", "2"]):
-        refused = run(str(pipe), *args)
+        refused = run_in_bash(db_url, str(pipe), *args)
         assert (refused.returncode, refused.stdout) == (1, "")
         assert refused.stderr == (
             f"error: {pipe}: empty: to declare no models, write `models: []`\n"
@@ -2177,9 +2178,23 @@ def test_a_config_that_is_a_pipe_nothing_writes_to_is_refused_not_waited_on(
     # The log made first, as the run below is not the one to say it makes
     # one (on PostgreSQL it would; the SQLite file is there, left by rows()).
     bootstrap.open_models(db_url, str(declared)).close()
-    piped = run(f"<(cat {declared})", "model", "list")
+    piped = run_in_bash(db_url, f"<(cat {declared})", "model", "list")
     assert (piped.returncode, piped.stderr) == (0, "")
     assert piped.stdout.splitlines()[1].split()[:2] == ["d", "declared"]
+
+
+def test_a_read_on_a_path_with_no_log_reads_the_config_once(db_url: str, tmp_path: Path) -> None:
+    """A read on a path with no log opens the log, finds none, and answers
+    from an empty one: each open read the config again, so one given as a
+    pipe (`--config <(…)`, read once) was empty the second time, and the
+    read was refused as of an empty config."""
+    declared = tmp_path / "declared.yaml"
+    declared.write_text(config_yaml(spec("d")))
+    piped = run_in_bash(db_url, f"<(cat {declared})", "model", "list")
+    assert piped.returncode == 0, piped.stderr
+    assert piped.stdout.splitlines()[1].split()[:2] == ["d", "declared"]
+    assert "answered as an empty log; none was made" in piped.stderr
+    assert_no_log_made(db_url)
 
 
 def test_a_declared_cpu_model_without_memory_shows_with_a_warning(run: Run, write: Any) -> None:
