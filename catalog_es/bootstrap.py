@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
 
     from catalog_es.application import Models
+    from catalog_es.configuration import DeclaredConfig
     from catalog_es.ports import Applier, PreAddCheck
     from catalog_es.web.tokens import TokenStore
     from catalog_es.weights import Weights
@@ -97,23 +98,31 @@ def actor(given: str | None = None) -> str:
         return "unknown"
 
 
+def declared_config(given: str | None = None) -> DeclaredConfig:
+    """The declared config at ``--config`` (:func:`config_path`), loaded."""
+    from catalog_es.inputs import load_config
+
+    return load_config(config_path(given))
+
+
 def open_models(
     db: str | None = None,
-    config: str | None = None,
+    config: str | DeclaredConfig | None = None,
     *,
     applier: Applier | None = None,
     pre_add_check: PreAddCheck | None = None,
     make_log: bool = True,
 ) -> Models:
-    """The service on a database and a declared config, its log replayed.
-    ``make_log``: where there is no log, make one; if not, raise
-    :class:`~catalog_es.errors.NoLogYet`, having made nothing."""
+    """The service on a database and a declared config (``--config``, or one
+    already loaded), its log replayed. ``make_log``: where there is no log,
+    make one; if not, raise :class:`~catalog_es.errors.NoLogYet`, having
+    made nothing."""
     from catalog_es.application import Models
-    from catalog_es.inputs import load_config
+    from catalog_es.configuration import DeclaredConfig
     from catalog_es.persistence import Factory
 
     return Models(
-        load_config(config_path(config)),
+        config if isinstance(config, DeclaredConfig) else declared_config(config),
         applier=applier,
         pre_add_check=pre_add_check,
         snapshot_interval=snapshot_interval(),

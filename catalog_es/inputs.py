@@ -117,6 +117,10 @@ def check_meta(by: str, reason: str) -> None:
             f"reason: must be at most {MAX_REASON_LENGTH} characters, "
             "and no control or bidi characters but line breaks"
         )
+    # None is no reason; one given says something, as an actor must: spaces
+    # alone ("$WHY" of a template, blank) were recorded as a reason no one reads.
+    if reason and not any(map(_seen, reason)):
+        raise InputError("reason: nothing visible in it: say why, or give no reason")
 
 
 def check_actor_filter(by: str | None) -> None:
@@ -333,7 +337,37 @@ def _location(loc: tuple[int | str, ...]) -> str:
             # line break or a terminal escape in it cannot break the one line,
             # nor a key like "a[0].b" pass for a path.
             out += f"[{shown(part)}]"
-    return out or "(top level)"
+    return out
+
+
+def _got(value: Any) -> str:
+    """A value refused, as a YAML or JSON file spells it (``null``, not
+    Python's ``None``; a list or a mapping by its kind, not all of it)."""
+    if isinstance(value, dict | list):
+        return type(value).__name__
+    if value is None or isinstance(value, bool):
+        return json.dumps(value)
+    return cut_short(repr(value), 40)
+
+
+def expected(what: str, value: Any) -> str:
+    """``value`` refused for not being ``what``, as every input says it: a
+    definition, a list of changes, the config, the tokens file, a body."""
+    return f"expected {what} (got {_got(value)})"
+
+
+def empty_document(where: str, content: str, instead: str) -> InputError:
+    """A document with nothing in it (no byte, only whitespace, only
+    comments or a bare ``---``), as every input says it: which one, and what
+    to give ``instead``. YAML reads it as null, and each input told that
+    otherwise, a definition as a null it was never given ("got null")."""
+    if not content:
+        held = ""
+    elif content.isspace():
+        held = " but for whitespace"
+    else:
+        held = " but for comments" if "#" in content else " but for `---`"
+    return InputError(f"{where}: empty{held}: {instead}")
 
 
 def _problem(error: ErrorDetails) -> str:
@@ -344,23 +378,18 @@ def _problem(error: ErrorDetails) -> str:
     if error["type"] == "empty_origin":
         return error["msg"]  # names the field given empty: "(got dict)" says nothing more
     value = error.get("input")
-    if isinstance(value, dict | list):
-        got = type(value).__name__
-    elif value is None or isinstance(value, bool):
-        got = json.dumps(value)  # as a YAML or JSON file spells it, not Python's True
-    elif isinstance(value, date):  # a datetime too
+    if isinstance(value, date):  # a datetime too
         # As written, not datetime.date(2026, 1, 1): YAML took unquoted text for one.
         quote = ": quote it" if error["type"] == "string_type" else ""
         return f"{error['msg']} (got {value.isoformat()}, which YAML reads as a date{quote})"
-    elif isinstance(value, int | float) and error["type"] == "string_type":
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if number and error["type"] == "string_type":
         # A short commit id or a numeric name, unquoted: YAML and JSON read a number.
         return f'{error["msg"]} (got {value!r}, a number: write it quoted, "{value!r}")'
-    else:
-        got = repr(value)
     if error["type"] == "model_type":
         # pydantic's message names this module's class, which says nothing to an operator.
-        return f"expected a mapping of fields (got {cut_short(got, 40)})"
-    return f"{error['msg']} (got {cut_short(got, 40)})"
+        return expected("a mapping of fields", value)
+    return f"{error['msg']} (got {_got(value)})"
 
 
 def one_of(what: str) -> WrapValidator:
@@ -389,7 +418,9 @@ def describe_problems(
     """``describe`` for a list of pydantic error dicts (what a web framework
     hands over once it has validated a query string)."""
     first = problems[0]
-    line = f"{_location(prefix + tuple(first['loc']))}: {_problem(first)}"
+    # The whole document of the wrong kind is said as every input says it, no place named.
+    location = _location(prefix + tuple(first["loc"]))
+    line = f"{location}: {_problem(first)}" if location else _problem(first)
     if at:
         line += f" {at}"
     if len(problems) > 1:
@@ -435,6 +466,7 @@ class _NotAccepted(yaml.MarkedYAMLError):
 
 
 _CORE_TAG = "tag:yaml.org,2002:"
+_NULL_TAG = f"{_CORE_TAG}null"
 _MERGE_TAG = f"{_CORE_TAG}merge"
 _KIND_NAME = {yaml.ScalarNode: "scalar", yaml.SequenceNode: "sequence", yaml.MappingNode: "mapping"}
 # The kind of node each tag the loader makes is for.
@@ -628,7 +660,7 @@ class _InputLoader(_StrictLoader):
         finally:
             self._depth -= 1
         if parent is None and node is not None and node.tag == _BLANK_TAG:
-            node.tag = f"{_CORE_TAG}null"  # a document of nothing: as an empty file
+            node.tag = _NULL_TAG  # a document of nothing: as an empty file
         if not isinstance(node, yaml.CollectionNode) or _made_by_its_parent(parent):
             return node
         return yaml.ScalarNode(
@@ -704,26 +736,38 @@ def _refuse_surrogates(data: Any, where: str) -> None:
             stack.extend([*item.keys(), *item.values()] if isinstance(item, dict) else item)
 
 
+class _NoDocument(Exception):
+    """YAML that holds no document: comments alone, or ``---`` and nothing."""
+
+
 def _load(text: str, loader_class: type[_StrictLoader]) -> Any:
     loader = loader_class(text)
     try:
-        return loader.get_single_data()
+        node = loader.get_single_node()
+        blank = isinstance(node, yaml.ScalarNode) and node.tag == _NULL_TAG and not node.style
+        if node is None or (blank and node.value == ""):
+            raise _NoDocument
+        return loader.construct_document(node)
     finally:
         loader.dispose()
 
 
 def parse_document(
-    text: str, where: str, *, untrusted: bool = True, limit: int = MAX_INPUT_BYTES
+    text: str, where: str, *, instead: str, untrusted: bool = True, limit: int = MAX_INPUT_BYTES
 ) -> Any:
     """YAML or JSON to plain data. Text that starts like JSON is read as JSON
     (stricter: no NaN); if it is not JSON, as YAML, whose flow style looks the
-    same (``{name: m, …}``), and a failure then is worded as JSON's."""
+    same (``{name: m, …}``), and a failure then is worded as JSON's. A
+    document with nothing in it is refused, saying what to give ``instead``."""
     if untrusted and len(text.encode("utf-8", "surrogatepass")) > limit:
         raise InputError(f"{where}: larger than {limit // 1024} KiB")
     loader = _InputLoader if untrusted else _StrictLoader
     # A byte order mark says nothing about the format: JSON with one is JSON.
     text = text.removeprefix("\ufeff")
     stripped = text.lstrip()
+    if not stripped:
+        # Before YAML, which refuses a tab where a token could start.
+        raise empty_document(where, text, instead)
     try:
         if stripped[:1] in ("{", "["):
             try:
@@ -749,6 +793,8 @@ def parse_document(
     except (ValueError, RecursionError) as error:
         problem = "nested too deeply" if isinstance(error, RecursionError) else _worded(error)
         raise InputError(f"{where}: {problem}") from None
+    except _NoDocument:
+        raise empty_document(where, text, instead) from None
     _refuse_surrogates(data, where)
     return data
 
@@ -844,10 +890,16 @@ def model_from_data(data: Any, where: str) -> ModelSpec:
         raise InputError(f"{where}: {describe(error)}") from None
 
 
+# What to give in place of an empty file.
+GIVE_A_DEFINITION = "give a model definition (YAML or JSON)"
+GIVE_CHANGES = "give a list of changes (YAML or JSON)"
+DECLARE_NONE = "to declare no models, write `models: []`"
+
+
 def read_model(path: str) -> ModelSpec:
     """A model definition from a YAML or JSON file, or ``-`` for standard input."""
     text, where = read_text(path)
-    return model_from_data(parse_document(text, where), where)
+    return model_from_data(parse_document(text, where, instead=GIVE_A_DEFINITION), where)
 
 
 # -- the declared config -----------------------------------------------------------
@@ -932,16 +984,14 @@ def load_config(path: str | None) -> DeclaredConfig:
     except UnicodeDecodeError:
         raise ConfigError(f"{path}: cannot read the config: not UTF-8 text") from None
     try:
-        data = parse_document(text, path, untrusted=False)
-    except InputError as error:
-        raise ConfigError(str(error)) from None
-    if data is None:
         # An empty file is more often a deploy cut short than a decision: read
         # as declaring nothing, it took every declared model out of force.
-        raise ConfigError(f"{path}: the config is empty; to declare no models, write `models: []`")
+        data = parse_document(text, path, instead=DECLARE_NONE, untrusted=False)
+    except InputError as error:
+        raise ConfigError(str(error)) from None
     if isinstance(data, dict) and "models" not in data:
         # Optional before 0.2.0: a config of engines alone declared nothing.
-        raise ConfigError(f"{path}: no `models:`; to declare no models, write `models: []`")
+        raise ConfigError(f"{path}: no `models:`; {DECLARE_NONE}")
     try:
         parsed = ConfigInput.model_validate(data)
     except ValidationError as error:
@@ -1086,7 +1136,7 @@ def read_changes(path: str) -> list[commands.Step]:
     """A list of changes from YAML or JSON: each item one key, the kind of
     change (``add``, ``remove``, ``scale``…), holding what it takes."""
     text, where = read_text(path, limit=MAX_CHANGES_BYTES)
-    return changes_from_data(parse_changes(text, where), where)
+    return changes_from_data(parse_changes(text, where, instead=GIVE_CHANGES), where)
 
 
 # A JSON list of changes, counted before it is parsed: json.loads, which can
@@ -1096,7 +1146,7 @@ def read_changes(path: str) -> list[commands.Step]:
 _JSON_CHANGES = msgspec.json.Decoder(list[msgspec.Raw] | dict[str, list[msgspec.Raw]])
 
 
-def parse_changes(text: str, where: str, *, limit: int = MAX_CHANGES_BYTES) -> Any:
+def parse_changes(text: str, where: str, *, instead: str, limit: int = MAX_CHANGES_BYTES) -> Any:
     """``parse_document`` for a list of changes, or ``{"changes": [...]}``."""
     try:
         found = _JSON_CHANGES.decode(text.removeprefix("\ufeff"))
@@ -1106,7 +1156,7 @@ def parse_changes(text: str, where: str, *, limit: int = MAX_CHANGES_BYTES) -> A
         changes = found.get("changes", ()) if isinstance(found, dict) else found
         if len(changes) > MAX_CHANGES:
             raise InputError(f"{where}: {_TOO_MANY_CHANGES}")
-    return parse_document(text, where, limit=limit)
+    return parse_document(text, where, instead=instead, limit=limit)
 
 
 def changes_from_data(data: Any, where: str) -> list[commands.Step]:
@@ -1118,8 +1168,10 @@ def changes_from_data(data: Any, where: str) -> list[commands.Step]:
                 f"{where}: {shown(others[0])} beside 'changes': the list of changes comes alone"
             )
         data = data["changes"]
-    if not isinstance(data, list) or not data:
-        raise InputError(f"{where}: expected a non-empty list of changes")
+    if not isinstance(data, list):
+        raise InputError(f"{where}: {expected('a list of changes', data)}")
+    if not data:
+        raise InputError(f"{where}: the list of changes is empty: give at least one change")
     if len(data) > MAX_CHANGES:
         raise InputError(f"{where}: {_TOO_MANY_CHANGES}")
     steps = []

@@ -75,7 +75,7 @@ def test_one_refused_change_refuses_them_all(db_url: str, tmp_path: Path) -> Non
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("[]", "expected a non-empty list of changes"),
+        ("[]", "the list of changes is empty: give at least one change"),
         ("- frobnicate: {name: a}\n", "change 1: expected one of add, remove"),
         ("- scale: {name: a, min: x}\n", "change 1 (scale): min: Input should be a valid integer"),
         ("- scale: {name: a}\n", "change 1 (scale): say what to set"),

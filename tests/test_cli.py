@@ -456,14 +456,10 @@ def test_a_key_with_nothing_after_it_is_refused_not_left_out(
         line = refused_in_one_line(run(*command.split(), path))
         assert line == f"error: {path}: {blank} (line {place})", text
     # A document of nothing is told as an empty file is, not as a blank value.
-    for command, told in (("apply", ""), ("model add", "(top level): ")):
-        for text in ("", "---\n"):
+    for command, given in (("apply", "a list of changes"), ("model add", "a model definition")):
+        for text, said in (("", "empty"), ("---\n", "empty but for `---`")):
             line = refused_in_one_line(run(*command.split(), write("given.yaml", text.encode())))
-            assert line.endswith(
-                f": {told}expected a non-empty list of changes"
-                if command == "apply"
-                else f": {told}expected a mapping of fields (got null)"
-            ), (command, text)
+            assert line.endswith(f": {said}: give {given} (YAML or JSON)"), (command, text)
     assert rows() == before
     # Written null, a field is left out, as before.
     for null in ("null", "~"):
@@ -1646,8 +1642,10 @@ BAD_FILES = [
         id="yaml-nan",
     ),
     pytest.param("name: ünïcode\n".encode("latin-1"), "not UTF-8 text", id="not-utf8"),
-    pytest.param(b"", "(top level)", id="empty-file"),
-    pytest.param(b"- just\n- a list\n", "(top level)", id="not-a-mapping"),
+    pytest.param(b"", ": empty: give a model definition", id="empty-file"),
+    pytest.param(
+        b"- just\n- a list\n", ": expected a mapping of fields (got list)", id="not-a-mapping"
+    ),
     pytest.param(
         as_yaml(_with(profiles=[{"name": "cpu", "gpus": 0, "cpu_cores": 4}])),
         "declares no memory",
@@ -1773,6 +1771,19 @@ def test_a_refused_command_is_one_line_and_writes_nothing(
 ) -> None:
     assert message in refused_in_one_line(seeded(*args))
     assert rows() == 2
+
+
+def test_a_blank_reason_is_refused_and_none_is_no_reason(
+    seeded: Run, rows: Callable[[], int]
+) -> None:
+    """A reason of spaces (`--reason "$WHY"`, WHY blank) was recorded, as
+    an actor of spaces is not: given, a reason holds something to see."""
+    for blank in ("   ", "\n \n", "\u200b\u3164"):
+        line = refused_in_one_line(seeded("model", "scale", "m", "--max", "3", "--reason", blank))
+        assert line == "error: reason: nothing visible in it: say why, or give no reason"
+    assert rows() == 2
+    ok(seeded("model", "scale", "m", "--max", "3", "--reason", ""))
+    assert rows() == 3
 
 
 def test_a_long_fallback_cycle_is_refused_in_one_short_line(
@@ -1904,10 +1915,12 @@ def test_an_empty_config_is_refused_not_read_as_declaring_nothing(
     force with no word (operator walkthrough). Declaring none is said so."""
     empty = write("empty.yaml", content)
     line = refused_in_one_line(run("--config", empty, "model", "scale", "m", "--max", "3"))
-    assert line in (
-        f"error: {empty}: the config is empty; to declare no models, write `models: []`",
-        f"error: {empty}: no `models:`; to declare no models, write `models: []`",
-    )
+    told = {
+        b"": "empty:",
+        b"# models: moved to another file\n": "empty but for comments:",
+        b"---\n": "empty but for `---`:",
+    }.get(content, "no `models:`;")
+    assert line == f"error: {empty}: {told} to declare no models, write `models: []`"
     assert rows() == 2
     none = write("none.yaml", b"models: []\n")
     ok(run("--config", none, "model", "scale", "m", "--max", "3"))
@@ -1921,12 +1934,63 @@ def test_input_that_is_not_a_mapping_is_told_in_the_operators_words(
     or instance of ConfigInput"), which say nothing to an operator (hostile test)."""
     listed = write("listed.yaml", b"- a\n")
     line = refused_in_one_line(run("--config", listed, "model", "scale", "m", "--max", "3"))
-    assert line == f"error: {listed}: (top level): expected a mapping of fields (got list)"
-    line = refused_in_one_line(run("model", "add", "-", input=b""))
-    assert line == "error: standard input: (top level): expected a mapping of fields (got null)"
+    assert line == f"error: {listed}: expected a mapping of fields (got list)"
+    line = refused_in_one_line(run("model", "add", "-", input=b"null\n"))
+    assert line == "error: standard input: expected a mapping of fields (got null)"
     profile = write("p.yaml", as_yaml(definition("p", profiles=[3])))
     line = refused_in_one_line(run("model", "add", profile))
     assert line == f"error: {profile}: profiles[0]: expected a mapping of fields (got 3)"
+    assert rows() == 2
+
+
+def test_every_input_says_an_empty_or_misshapen_document_alike(
+    seeded: Run, run: Run, write: Any, rows: Callable[[], int]
+) -> None:
+    """An empty definition was told as a null it was never given ("got null"),
+    an empty list of changes "expected a non-empty list", a null config "the
+    config is empty", a tokens file of blank lines "Input data was
+    truncated", and one blank line holding a tab a YAML scanner's error. Each
+    input, a file or standard input, now says it one way, and what to give."""
+    definition = "give a model definition (YAML or JSON)"
+    changes = "give a list of changes (YAML or JSON)"
+    no_models = "to declare no models, write `models: []`"
+    for content, said in (
+        (b"", "empty"),
+        (b"  \n\t\n", "empty but for whitespace"),
+        (b"# to be written\n\n", "empty but for comments"),
+    ):
+        path = write("given.yaml", content)
+        for args, instead in (
+            (["model", "add", path], definition),
+            (["apply", path], changes),
+            (["--config", path, "model", "scale", "m", "--max", "3"], no_models),
+            (["model", "add", "-"], definition),
+            (["apply", "-"], changes),
+        ):
+            where = "standard input" if "-" in args else path
+            line = refused_in_one_line(run(*args, input=content))
+            assert line == f"error: {where}: {said}: {instead}", args
+    tokens = write("tokens.json", b"  \n\t\n")
+    line = refused_in_one_line(run("token", "list", "--tokens", tokens))
+    assert line == f"error: {tokens}: empty but for whitespace: remove it, and token add makes one"
+    # A document there, of the wrong kind: the kind wanted, and the kind given.
+    for content, got in ((b"null\n", "null"), (b'"text"\n', "'text'"), (b"[1]\n", "list")):
+        path = write("given.yaml", content)
+        for args, wanted in (
+            (["model", "add", path], f"{path}: expected a mapping of fields"),
+            (["--config", path, "model", "list"], f"{path}: expected a mapping of fields"),
+            (
+                ["token", "list", "--tokens", path],
+                f"{path}: not a tokens file: expected a mapping of fields",
+            ),
+            (["apply", path], f"{path}: expected a list of changes"),
+        ):
+            if got == "list" and args[0] == "apply":
+                continue  # a list is what apply takes
+            assert refused_in_one_line(run(*args)) == f"error: {wanted} (got {got})", args
+    path = write("given.yaml", b"{}\n")
+    line = refused_in_one_line(run("apply", path))
+    assert line == f"error: {path}: expected a list of changes (got dict)"
     assert rows() == 2
 
 
@@ -2079,6 +2143,20 @@ def test_a_folder_refused_as_a_file_leaves_no_descriptor_open(tmp_path: Path) ->
     assert len(list(opened.iterdir())) == before
 
 
+def run_in_bash(db_url: str, config: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """The command line on ``db_url`` with ``--config config`` as bash reads
+    it (``<(…)``: a pipe that is read once)."""
+    command = f"exec {sys.executable} -m catalog_es --db '{db_url}' --config {config} "
+    return subprocess.run(
+        ["bash", "-c", command + " ".join(args)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+        cwd=Path(__file__).parents[1],  # this checkout's code, for `-m catalog_es`
+    )
+
+
 def test_a_config_that_is_a_pipe_nothing_writes_to_is_refused_not_waited_on(
     db_url: str, tmp_path: Path, rows: Callable[[], int]
 ) -> None:
@@ -2088,24 +2166,11 @@ def test_a_config_that_is_a_pipe_nothing_writes_to_is_refused_not_waited_on(
     writer, as `--config <(…)` gives, is still read."""
     pipe = tmp_path / "catalog.yaml"
     os.mkfifo(pipe)
-    cli_command = f"{sys.executable} -m catalog_es --db '{db_url}'"
-
-    def run(config: str, *args: str) -> subprocess.CompletedProcess[str]:
-        command = f"exec {cli_command} --config {config} {' '.join(args)}"
-        return subprocess.run(
-            ["bash", "-c", command],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=False,
-            cwd=Path(__file__).parents[1],  # this checkout's code, for `-m catalog_es`
-        )
-
     for args in (["model", "list"], ["model", "scale", "d", "--max", "2"]):
-        refused = run(str(pipe), *args)
+        refused = run_in_bash(db_url, str(pipe), *args)
         assert (refused.returncode, refused.stdout) == (1, "")
         assert refused.stderr == (
-            f"error: {pipe}: the config is empty; to declare no models, write `models: []`\n"
+            f"error: {pipe}: empty: to declare no models, write `models: []`\n"
         )
     assert rows() == 0
     declared = tmp_path / "declared.yaml"
@@ -2113,9 +2178,23 @@ def test_a_config_that_is_a_pipe_nothing_writes_to_is_refused_not_waited_on(
     # The log made first, as the run below is not the one to say it makes
     # one (on PostgreSQL it would; the SQLite file is there, left by rows()).
     bootstrap.open_models(db_url, str(declared)).close()
-    piped = run(f"<(cat {declared})", "model", "list")
+    piped = run_in_bash(db_url, f"<(cat {declared})", "model", "list")
     assert (piped.returncode, piped.stderr) == (0, "")
     assert piped.stdout.splitlines()[1].split()[:2] == ["d", "declared"]
+
+
+def test_a_read_on_a_path_with_no_log_reads_the_config_once(db_url: str, tmp_path: Path) -> None:
+    """A read on a path with no log opens the log, finds none, and answers
+    from an empty one: each open read the config again, so one given as a
+    pipe (`--config <(…)`, read once) was empty the second time, and the
+    read was refused as of an empty config."""
+    declared = tmp_path / "declared.yaml"
+    declared.write_text(config_yaml(spec("d")))
+    piped = run_in_bash(db_url, f"<(cat {declared})", "model", "list")
+    assert piped.returncode == 0, piped.stderr
+    assert piped.stdout.splitlines()[1].split()[:2] == ["d", "declared"]
+    assert "answered as an empty log; none was made" in piped.stderr
+    assert_no_log_made(db_url)
 
 
 def test_a_declared_cpu_model_without_memory_shows_with_a_warning(run: Run, write: Any) -> None:
@@ -3057,6 +3136,7 @@ REFUSED_AS_GIVEN = [
     ("model", "scale", "m", "--max", "2", "--by", ""),
     ("model", "remove", "m", "--by", " alice"),
     ("--reason", "rang\a", "model", "owner", "m", "team:a"),
+    ("model", "owner", "m", "team:a", "--reason", "  "),
     ("rollback", "--to", "0", "--dry-run", "--by", "\u202ealice"),
     ("model", "check-updates", "--mirror", ".", "--by", ""),
 ]

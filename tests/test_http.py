@@ -803,7 +803,8 @@ def test_a_tokens_file_spoiled_while_serving_refuses_every_token_and_says_nothin
     for role in ("read", "admin"):
         message = refused(api.get("/me", role=role), 401)
         assert message == "the token is not valid (unknown or revoked)"
-    assert "not a tokens file" in caplog.text
+    told = "empty: remove it" if not spoiled else "not a tokens file"
+    assert f"{api.tokens.path}: {told}" in caplog.text
     api.tokens.path.write_bytes(kept)
     assert ok(api.get("/me"))["actor"] == "read-user"
 
@@ -898,7 +899,7 @@ def test_bad_bodies_are_422_with_the_clis_message_and_write_nothing(
         cli_message = run.stderr.strip().removeprefix("error: ")
         assert message == cli_message.replace(str(path), "request body"), number
     for raw, expected in [
-        (b"", "request body: empty; send a JSON (or YAML) document"),
+        (b"", "request body: empty: send a JSON (or YAML) document"),
         (b"{", "request body: not valid JSON"),
         (b'{"a": 1, "a": 2}', "request body: duplicate key 'a'"),
         (b"\xff", "request body: not UTF-8 text"),
@@ -911,7 +912,26 @@ def test_bad_bodies_are_422_with_the_clis_message_and_write_nothing(
     assert refused(api.post("/models/base/scale", {}), 422) == (
         "say what to set: the minimum, the maximum, or both"
     )
-    assert refused(api.post("/models/base/scale", [1]), 422).startswith("request body: ")
+    assert refused(api.post("/models/base/scale", [1]), 422) == (
+        "request body: expected a mapping of fields (got list)"
+    )
+    # A body with nothing in it, or of another kind than the route takes, is
+    # said as every input says it (a comment alone was "got null").
+    send = "send a JSON (or YAML) document"
+    for route, kind in (
+        ("/models", "a mapping of fields"),
+        ("/models/base/scale", "a mapping of fields"),
+        ("/rollback", "a mapping of fields"),
+        ("/apply", "a list of changes"),
+    ):
+        for raw, said in (
+            (b" \n\t\n", f"empty but for whitespace: {send}"),
+            (b"# later\n", f"empty but for comments: {send}"),
+            (b"null", f"expected {kind} (got null)"),
+            (b'"text"', f"expected {kind} (got 'text')"),
+        ):
+            response = api.client.post(route, content=raw, headers=api.as_("admin"))
+            assert refused(response, 422) == f"request body: {said}", (route, raw)
     # Said empty, a profile would be every profile (review: only the CLI refused it).
     empty_profile = "the profile is empty: name one, or leave it out for every profile"
     assert refused(api.post("/models/qwen/resources", {"profile": "", "memory_gb": 8}), 422) == (
@@ -922,7 +942,7 @@ def test_bad_bodies_are_422_with_the_clis_message_and_write_nothing(
         f"request body: change 1 (resources): {empty_profile}"
     )
     assert refused(api.post("/apply", []), 422) == (
-        "request body: expected a non-empty list of changes"
+        "request body: the list of changes is empty: give at least one change"
     )
     assert refused(api.post("/apply", {"changes": [{"remove": "qwen"}], "dry_run": True}), 422) == (
         "request body: 'dry_run' beside 'changes': the list of changes comes alone"
@@ -1188,6 +1208,10 @@ def test_a_stale_if_match_is_409_and_writes_nothing(api: Api) -> None:
             f"/models/qwen/scale?{query}", json={"max": 5}, headers=api.as_("write")
         )
         assert refused(odd, 422) == "query: not UTF-8 text once its %-escapes are read", query
+    blank = api.client.post(
+        "/models/qwen/scale?reason=%20%0A%20", json={"max": 5}, headers=api.as_("write")
+    )
+    assert refused(blank, 422) == "reason: nothing visible in it: say why, or give no reason"
     odd = api.client.post("/models/qw%FFen/scale", json={"max": 5}, headers=api.as_("write"))
     assert refused(odd, 422) == "path: not UTF-8 text once its %-escapes are read"
     assert count_events(api.db) == before + 2
@@ -2102,9 +2126,7 @@ def test_a_tokens_file_that_is_a_pipe_nothing_writes_to_is_refused_not_waited_on
             cwd=Path(__file__).parents[1],  # this checkout's code, for `-m catalog_es`
         )
         assert (done.returncode, done.stdout) == (1, ""), args
-        assert done.stderr == (
-            f"error: {pipe}: not a tokens file: it is empty; remove it, and token add makes one\n"
-        ), args
+        assert done.stderr == (f"error: {pipe}: empty: remove it, and token add makes one\n"), args
     assert pipe.is_fifo()
 
 
@@ -2119,8 +2141,7 @@ def test_an_empty_tokens_file_is_said_to_be_empty_and_kept(tmp_path: Path) -> No
         assert (refused.exit_code, refused.stdout, refused.stderr) == (
             1,
             "",
-            f"error: {tokens}: not a tokens file: it is empty; remove it, and token add makes"
-            " one\n",
+            f"error: {tokens}: empty: remove it, and token add makes one\n",
         ), args
     assert tokens.stat().st_size == 0
 

@@ -272,8 +272,11 @@ class Settings:
 
         from catalog_es.errors import NoLogYet
 
+        # Loaded once for both opens: read again, a config given as a pipe
+        # (`--config <(…)`) was empty the second time, and refused so.
+        declared = bootstrap.declared_config(self.config)
         try:
-            return bootstrap.open_models(self.db, self.config, make_log=False)
+            return bootstrap.open_models(self.db, declared, make_log=False)
         except NoLogYet as absent:
             self.log_absent = absent.where
         folder = tempfile.TemporaryDirectory(prefix="catalog-es-empty-log-")
@@ -281,7 +284,7 @@ class Settings:
         if context is not None:
             # Before the service's close (models), so run after it.
             context.find_root().call_on_close(folder.cleanup)
-        return bootstrap.open_models(f"sqlite:///{folder.name}/empty.db", self.config)
+        return bootstrap.open_models(f"sqlite:///{folder.name}/empty.db", declared)
 
     def another_config_explains(self, refusal: Exception) -> str:
         """What a refusal's line adds when the declared config the log last

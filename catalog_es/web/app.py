@@ -105,6 +105,8 @@ log = logging.getLogger("catalog_es")
 
 REVISION_HEADER = "X-Catalog-Revision"
 BODY = "request body"
+# What to send in place of an empty body.
+SEND_A_DOCUMENT = "send a JSON (or YAML) document"
 
 # Writes waiting at once, at most: each waits in one of the threads every
 # request is served on, for the write lock, up to its bounded wait; sixty
@@ -462,7 +464,7 @@ DeclaredThen = Annotated[bool, Depends(declared_then_value)]
 
 
 class _Parser(Protocol):
-    def __call__(self, text: str, where: str, *, limit: int) -> Any: ...
+    def __call__(self, text: str, where: str, *, instead: str, limit: int) -> Any: ...
 
 
 def document(limit: int, parse: _Parser) -> Callable[..., Any]:
@@ -504,15 +506,13 @@ def document(limit: int, parse: _Parser) -> Callable[..., Any]:
                     f"{BODY}: over {MAX_INPUT_BYTES // 1024} KiB, it did not all come within "
                     f"{LARGE_BODY_SECONDS:g} s"
                 )
-            if not raw.strip():
-                raise InputError(f"{BODY}: empty; send a JSON (or YAML) document")
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError:
                 raise InputError(f"{BODY}: not UTF-8 text") from None
             # In a thread: YAML is read in Python, seconds for a megabyte, and on
             # the event loop that held up every other request (hostile test).
-            yield await run_in_threadpool(parse, text, BODY, limit=limit)
+            yield await run_in_threadpool(parse, text, BODY, instead=SEND_A_DOCUMENT, limit=limit)
         finally:
             if large:
                 places.release()

@@ -31,7 +31,7 @@ import msgspec
 
 from catalog_es.errors import InputError, missing_folder, shown
 from catalog_es.files import replace_file
-from catalog_es.inputs import check_actor, open_to_read, read_at_most
+from catalog_es.inputs import check_actor, empty_document, expected, open_to_read, read_at_most
 from catalog_es.model import utc_now, utc_text
 from catalog_es.web import Role
 
@@ -87,6 +87,20 @@ def parse_role(text: str) -> Role:
 _NEVER_READ = (-1, -1, -1)
 
 
+def _problem(data: bytes, error: msgspec.MsgspecError) -> str:
+    """msgspec's words for what is not a tokens file, but for JSON whose
+    whole is no mapping (``null``, a list): said as every input says it."""
+    if isinstance(error, msgspec.ValidationError):
+        try:
+            # Decoded again: refused as it was read, the rest went unread.
+            found = msgspec.json.decode(data)
+        except msgspec.DecodeError as malformed:
+            return str(malformed)
+        if not isinstance(found, dict):
+            return expected("a mapping of fields", found)
+    return str(error)
+
+
 class TokenStore:
     """The tokens file: create, list, revoke, and verify a presented token."""
 
@@ -117,16 +131,15 @@ class TokenStore:
             raise InputError(
                 f"{self.path}: not a tokens file: larger than {MAX_TOKENS_BYTES >> 20} MiB"
             )
-        if not data:
+        if not data.strip():
             # msgspec's own words for it ("Input data was truncated") said
             # nothing an operator could act on (hostile test).
-            raise InputError(
-                f"{self.path}: not a tokens file: it is empty; remove it, and token add makes one"
-            )
+            instead = "remove it, and token add makes one"
+            raise empty_document(str(self.path), data.decode(), instead)
         try:
             content = msgspec.json.decode(data, type=TokensFile)
         except msgspec.MsgspecError as error:
-            raise InputError(f"{self.path}: not a tokens file: {error}") from None
+            raise InputError(f"{self.path}: not a tokens file: {_problem(data, error)}") from None
         # An entry copied by hand: `token remove` revoked the first, and the
         # server went on letting in the token by the other (hostile test).
         seen: set[str] = set()
