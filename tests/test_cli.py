@@ -1332,6 +1332,30 @@ def test_a_stop_before_the_commit_rolls_the_write_back_and_says_aborted(
     assert count_events(db_url) == 0
 
 
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGHUP], ids=["sigterm", "sighup"])
+def test_a_read_stopped_on_a_path_with_no_log_leaves_no_empty_log_behind(
+    tmp_path: Path, stop: signal.Signals
+) -> None:
+    """A read on a path with no log answers from an empty log made in a
+    folder of the system's temporary folder: a SIGTERM or a SIGHUP as it
+    answered killed it, and that folder stayed (hostile test)."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    argv = ["catalog-es", "--db", f"sqlite:///{tmp_path}/typo.db", "model", "list"]
+    told = subprocess.run(
+        [sys.executable, *with_a_stop(argv, "writing-the-answer", stop)],
+        cwd=Path(__file__).parent.parent,
+        env={**os.environ, "TMPDIR": str(scratch)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert list(scratch.iterdir()) == []
+    assert (told.returncode, told.stdout, told.stderr) == (-stop, "", "\nAborted!\n")
+    assert not (tmp_path / "typo.db").exists()
+
+
 def test_ctrl_c_as_the_log_closes_after_an_answer_that_could_not_be_written_leaves_74(
     db_url: str, tmp_path: Path
 ) -> None:

@@ -276,6 +276,12 @@ class Settings:
             return bootstrap.open_models(self.db, self.config, make_log=False)
         except NoLogYet as absent:
             self.log_absent = absent.where
+        # Removed as the command ends, stopped too: a SIGTERM or a SIGHUP
+        # stops it as Ctrl-C does, and the process ends by it once this is
+        # closed (CatalogGroup.main). A SIGKILL, which no process can act on,
+        # or a second stop, acted on at once, leaves the folder (an empty
+        # log, nothing in it read again) to the temporary folder's own
+        # cleaning: a reboot, or systemd-tmpfiles' age limit.
         folder = tempfile.TemporaryDirectory(prefix="catalog-es-empty-log-")
         context = click.get_current_context(silent=True)
         if context is not None:
