@@ -261,33 +261,22 @@ class Settings:
 
     def _opened(self) -> Models:
         """The service on the log; for a command that writes nothing on a
-        path with no log, on an empty one in a folder of its own, removed as
-        the command ends: a read makes no log (the first write or a server
-        does), and a mistyped path or schema is left as it was."""
+        path with no log, on an empty one in memory, gone with the command:
+        a read makes no log (the first write or a server does), and a
+        mistyped path or schema is left as it was. Nothing of it outlives the
+        process, however it ends (a file for it, in a temporary folder, stayed
+        behind a read killed; hostile test)."""
         if not self.reads_only:
             models = bootstrap.open_models(self.db, self.config)
             self.new_log = models.store.log_made
             return models
-        import tempfile
-
         from catalog_es.errors import NoLogYet
 
         try:
             return bootstrap.open_models(self.db, self.config, make_log=False)
         except NoLogYet as absent:
             self.log_absent = absent.where
-        # Removed as the command ends, stopped too: a SIGTERM or a SIGHUP
-        # stops it as Ctrl-C does, and the process ends by it once this is
-        # closed (CatalogGroup.main). A SIGKILL, which no process can act on,
-        # or a second stop, acted on at once, leaves the folder (an empty
-        # log, nothing in it read again) to the temporary folder's own
-        # cleaning: a reboot, or systemd-tmpfiles' age limit.
-        folder = tempfile.TemporaryDirectory(prefix="catalog-es-empty-log-")
-        context = click.get_current_context(silent=True)
-        if context is not None:
-            # Before the service's close (models), so run after it.
-            context.find_root().call_on_close(folder.cleanup)
-        return bootstrap.open_models(f"sqlite:///{folder.name}/empty.db", self.config)
+        return bootstrap.open_models(self.db, self.config, in_memory=True)
 
     def another_config_explains(self, refusal: Exception) -> str:
         """What a refusal's line adds when the declared config the log last
