@@ -112,21 +112,28 @@ def open_models(
     applier: Applier | None = None,
     pre_add_check: PreAddCheck | None = None,
     make_log: bool = True,
+    in_memory: bool = False,
 ) -> Models:
     """The service on a database and a declared config (``--config``, or one
     already loaded), its log replayed. ``make_log``: where there is no log,
     make one; if not, raise :class:`~catalog_es.errors.NoLogYet`, having
-    made nothing."""
+    made nothing. ``in_memory``: on a new, empty log in memory, gone with the
+    service, in place of ``db``'s."""
     from catalog_es.application import Models
     from catalog_es.configuration import DeclaredConfig
     from catalog_es.persistence import Factory
 
+    env = {Factory.URL: database_url(db)}
+    if not make_log:
+        env[Factory.MAKE_LOG] = "no"
+    if in_memory:
+        env[Factory.IN_MEMORY] = "yes"
     return Models(
         config if isinstance(config, DeclaredConfig) else declared_config(config),
         applier=applier,
         pre_add_check=pre_add_check,
         snapshot_interval=snapshot_interval(),
-        env={Factory.URL: database_url(db), **({} if make_log else {Factory.MAKE_LOG: "no"})},
+        env=env,
     )
 
 

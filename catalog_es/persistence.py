@@ -915,9 +915,24 @@ def sqlite_file_of(engine: Engine) -> SQLiteFile | None:
     return _SQLITE_FILES.get(engine)
 
 
+def empty_log_engine() -> Engine:
+    """An engine on a SQLite database in memory: for an empty log that this
+    process alone reads and nothing outlives, a SIGKILL included (the command
+    line's answer on a path with no log; a file for it, in a temporary
+    folder, stayed behind a process killed). One connection, shared by the
+    writer the log's tables are made with and every read, on any thread:
+    each connection would open a database of its own. So no write can begin
+    inside a read, as a replay's snapshot of a revision past 0 does: an
+    empty log, only read, has none to make."""
+    engine = sa.create_engine(
+        "sqlite://", poolclass=sa.pool.StaticPool, connect_args={"check_same_thread": False}
+    )
+    _settle_sqlite(engine, None, lock_wait_seconds())
+    return engine
+
+
 def _settled_engine(url: sa.URL) -> Engine:
     if url.drivername == "sqlite":
-        synchronous = sqlite_synchronous()
         wait = lock_wait_seconds()
         engine = sa.create_engine(url, connect_args={"timeout": wait})
         file = _SQLITE_FILES[engine] = SQLiteFile(Path(_sqlite_file(url)).absolute())
@@ -935,58 +950,66 @@ def _settled_engine(url: sa.URL) -> Engine:
             # Its opening's too (a folder, a file not SQLite's).
             file.name_in(context.original_exception)
 
-        @sa.event.listens_for(engine, "connect")
-        def _connect(dbapi_connection: Any, _record: Any) -> None:
-            # Let us issue BEGIN ourselves (pysqlite's own is deferred and late).
-            dbapi_connection.isolation_level = None
-            cursor = dbapi_connection.cursor()
-            _into_wal(cursor, wait)
-            cursor.execute(f"PRAGMA synchronous={synchronous}")
-            # A batch of a thousand changes rewrites most pages of catalog_streams
-            # (and, before it, of an index with an entry per event): at SQLite's
-            # default (a checkpoint once the WAL holds 1,000 pages) a run of
-            # batches paid a checkpoint every few, copying and syncing the same
-            # pages into the file each time. At 4,000 pages (16 MB) they are
-            # copied fewer times a run.
-            cursor.execute(f"PRAGMA wal_autocheckpoint={WAL_CHECKPOINT_PAGES}")
-            cursor.execute(f"PRAGMA journal_size_limit={WAL_SIZE_LIMIT_BYTES}")
-            cursor.close()
-            if file.opened is None:
-                # Stat after the open: a rename between the two has the new
-                # file taken for this process's (a window of microseconds).
-                file.opened = file.now()
-
-        @sa.event.listens_for(engine, "begin")
-        def _begin(connection: Connection) -> None:
-            driver = connection.connection.driver_connection
-            if connection.info.get(_OPEN_WRITE):
-                if _in_transaction(driver):
-                    # A statement made through SQLAlchemy inside a write begun on
-                    # the driver (:func:`_on_the_driver`) joins that transaction.
-                    return
-                # A second transaction, which the block's end would commit.
-                raise sa.exc.InvalidRequestError(
-                    "this write was rolled back inside its block: end the block"
-                )
-            write = connection.get_execution_options().get("catalog_write", False)
-            # On the driver: through exec_driver_sql this statement cost a
-            # command more than its insert did.
-            _driver(driver, "BEGIN IMMEDIATE" if write else "BEGIN")
-
-        @sa.event.listens_for(engine, "commit")
-        def _commit(connection: Connection) -> None:
-            if connection.info.get(_OPEN_WRITE):
-                # Committing part of a write would let go of the lock inside it.
-                raise sa.exc.InvalidRequestError(
-                    "a write is committed when its block ends, not inside it"
-                )
-
+        _settle_sqlite(engine, file, wait)
         return engine
     engine = postgresql_engine(url)
     _asked_when_idle(engine)
     _check_connection_settings(engine, url)
     _unprepared_behind_a_pooler(engine)
     return engine
+
+
+def _settle_sqlite(engine: Engine, file: SQLiteFile | None, wait: float) -> None:
+    """The settings and transactions the log relies on, on a SQLite engine:
+    ``file``, the one it keeps the log in (none in memory); ``wait``, its
+    lock wait."""
+    synchronous = sqlite_synchronous()
+
+    @sa.event.listens_for(engine, "connect")
+    def _connect(dbapi_connection: Any, _record: Any) -> None:
+        # Let us issue BEGIN ourselves (pysqlite's own is deferred and late).
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        _into_wal(cursor, wait)
+        cursor.execute(f"PRAGMA synchronous={synchronous}")
+        # A batch of a thousand changes rewrites most pages of catalog_streams
+        # (and, before it, of an index with an entry per event): at SQLite's
+        # default (a checkpoint once the WAL holds 1,000 pages) a run of
+        # batches paid a checkpoint every few, copying and syncing the same
+        # pages into the file each time. At 4,000 pages (16 MB) they are
+        # copied fewer times a run.
+        cursor.execute(f"PRAGMA wal_autocheckpoint={WAL_CHECKPOINT_PAGES}")
+        cursor.execute(f"PRAGMA journal_size_limit={WAL_SIZE_LIMIT_BYTES}")
+        cursor.close()
+        if file is not None and file.opened is None:
+            # Stat after the open: a rename between the two has the new
+            # file taken for this process's (a window of microseconds).
+            file.opened = file.now()
+
+    @sa.event.listens_for(engine, "begin")
+    def _begin(connection: Connection) -> None:
+        driver = connection.connection.driver_connection
+        if connection.info.get(_OPEN_WRITE):
+            if _in_transaction(driver):
+                # A statement made through SQLAlchemy inside a write begun on
+                # the driver (:func:`_on_the_driver`) joins that transaction.
+                return
+            # A second transaction, which the block's end would commit.
+            raise sa.exc.InvalidRequestError(
+                "this write was rolled back inside its block: end the block"
+            )
+        write = connection.get_execution_options().get("catalog_write", False)
+        # On the driver: through exec_driver_sql this statement cost a
+        # command more than its insert did.
+        _driver(driver, "BEGIN IMMEDIATE" if write else "BEGIN")
+
+    @sa.event.listens_for(engine, "commit")
+    def _commit(connection: Connection) -> None:
+        if connection.info.get(_OPEN_WRITE):
+            # Committing part of a write would let go of the lock inside it.
+            raise sa.exc.InvalidRequestError(
+                "a write is committed when its block ends, not inside it"
+            )
 
 
 def postgresql_engine(url: sa.URL, **options: Any) -> Engine:
@@ -3130,10 +3153,15 @@ class Factory(InfrastructureFactory[TrackingRecorder]):
     URL = "CATALOG_ES_DB"
     # Set to "no": where there is no log, raise NoLogYet rather than make it.
     MAKE_LOG = "CATALOG_ES_MAKE_LOG"
+    # Set to "yes": a new, empty log in memory (empty_log_engine), not the URL's.
+    IN_MEMORY = "CATALOG_ES_IN_MEMORY"
 
     def __init__(self, env: Environment) -> None:
         super().__init__(env)
-        self.engine = create_engine(self.env.get(self.URL) or DEFAULT_URL)
+        if self.env.get(self.IN_MEMORY) == "yes":
+            self.engine = empty_log_engine()
+        else:
+            self.engine = create_engine(self.env.get(self.URL) or DEFAULT_URL)
         self._make_log = self.env.get(self.MAKE_LOG) != "no"
         self._recorder: SQLRecorder | None = None
 

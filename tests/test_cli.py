@@ -1197,10 +1197,23 @@ def test_ctrl_c_in_an_exec_as_the_service_loads_leaves_1_not_death_by_sigint(
     assert told.stderr.endswith("\nAborted!\n") and "Traceback" not in told.stderr
 
 
-# A Ctrl-C sent as the answer is written, as the log is closed (an engine
+# A stop (Ctrl-C, SIGTERM, SIGHUP; ``STOP``) sent as the commit begins or
+# returns, as the answer is written, as the log is closed (an engine
 # disposed, a WAL checkpoint), and once the command line has returned (in
 # the interpreter's shutdown).
-CTRL_C_WHEN = {
+STOP_WHEN = {
+    # SQLite's COMMIT about to be sent: the write is rolled back.
+    "as-the-commit-begins": (
+        "from catalog_es import persistence\n"
+        "end = persistence._end\n"
+        "def interrupted(conn, driver, *, commit):\n"
+        "    if commit:\n"
+        "        os.kill(os.getpid(), STOP)\n"
+        "        time.sleep(5)\n"
+        "    end(conn, driver, commit=commit)\n"
+        "persistence._end = interrupted\n"
+        "main()\n"
+    ),
     # SQLite's COMMIT returned, the write not yet told done.
     "as-the-commit-returns": (
         "from catalog_es import persistence\n"
@@ -1208,7 +1221,7 @@ CTRL_C_WHEN = {
         "def interrupted(conn, driver, *, commit):\n"
         "    end(conn, driver, commit=commit)\n"
         "    if commit:\n"
-        "        os.kill(os.getpid(), signal.SIGINT)\n"
+        "        os.kill(os.getpid(), STOP)\n"
         "        time.sleep(5)\n"
         "persistence._end = interrupted\n"
         "main()\n"
@@ -1216,7 +1229,7 @@ CTRL_C_WHEN = {
     "writing-the-answer": (
         "from catalog_es.cli import base\n"
         "def interrupted(lines):\n"
-        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    os.kill(os.getpid(), STOP)\n"
         "    time.sleep(5)\n"
         "base.write_out = interrupted\n"
         "main()\n"
@@ -1225,40 +1238,55 @@ CTRL_C_WHEN = {
         "from catalog_es.application import Models\n"
         "close = Models.close\n"
         "def interrupted(models):\n"
-        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    os.kill(os.getpid(), STOP)\n"
         "    time.sleep(0.2)\n"
         "    close(models)\n"
         "Models.close = interrupted\n"
         "main()\n"
     ),
     "shutting-down": (
-        "try:\n    main()\nfinally:\n    os.kill(os.getpid(), signal.SIGINT)\n    time.sleep(0.2)\n"
+        "try:\n    main()\nfinally:\n    os.kill(os.getpid(), STOP)\n    time.sleep(0.2)\n"
     ),
 }
 
 
-def adding_with_ctrl_c(db_url: str, tmp_path: Path, when: str, *options: str) -> list[str]:
-    """Python's arguments to run the command line adding a model, ``options``
-    before the command, with a Ctrl-C sent ``when``."""
-    config = tmp_path / "catalog.yaml"
-    config.write_text("models: []\n")
-    argv = ["catalog-es", "--db", db_url, "--config", str(config), *options, "model", "add", "-"]
+def with_a_stop(argv: list[str], when: str, stop: signal.Signals = signal.SIGINT) -> list[str]:
+    """Python's arguments to run the command line ``argv`` with ``stop``
+    sent ``when``."""
     return [
         "-c",
         f"import os, signal, sys, time\nfrom catalog_es.__main__ import main\nsys.argv = {argv!r}\n"
-        + CTRL_C_WHEN[when],
+        f"STOP = signal.{stop.name}\n" + STOP_WHEN[when],
     ]
 
 
+def adding_with_a_stop(
+    db_url: str, tmp_path: Path, when: str, *options: str, stop: signal.Signals = signal.SIGINT
+) -> list[str]:
+    """Python's arguments to run the command line adding a model, ``options``
+    before the command, with ``stop`` sent ``when``."""
+    config = tmp_path / "catalog.yaml"
+    config.write_text("models: []\n")
+    argv = ["catalog-es", "--db", db_url, "--config", str(config), *options, "model", "add", "-"]
+    return with_a_stop(argv, when, stop)
+
+
+# The status of a command a stop ended: 130 for Ctrl-C, as documented; death
+# by SIGTERM or SIGHUP, as a supervisor expects of the stop it sent.
+STOPPED_STATUS = {signal.SIGINT: 130, **{stop: -stop for stop in (signal.SIGTERM, signal.SIGHUP)}}
+
+
+@EVERY_STOP
 @pytest.mark.parametrize("when", ["closing-the-log", "shutting-down"])
-def test_ctrl_c_once_a_write_is_told_leaves_its_exit_status_0(
-    db_url: str, tmp_path: Path, when: str
+def test_a_stop_once_a_write_is_told_leaves_its_exit_status_0(
+    db_url: str, tmp_path: Path, when: str, stop: signal.Signals
 ) -> None:
     """The answer printed, the change committed, a Ctrl-C that followed
     killed the process in its shutdown (status 130, in a fifth of the runs
     of a hostile test), or said `Aborted!` and 1 as it closed the log
-    (review): a script would make the change again. It is let be."""
-    told = python(*adding_with_ctrl_c(db_url, tmp_path, when))
+    (review): a script would make the change again. It is let be, and so
+    are a SIGTERM and a SIGHUP, which killed it (143, 129)."""
+    told = python(*adding_with_a_stop(db_url, tmp_path, when, stop=stop))
     out, err = told.communicate(yaml.safe_dump(definition("m")), timeout=60)
     assert told.returncode == 0
     assert "KeyboardInterrupt" not in err and "Aborted" not in err
@@ -1266,19 +1294,67 @@ def test_ctrl_c_once_a_write_is_told_leaves_its_exit_status_0(
     assert count_events(db_url) == 1
 
 
+@EVERY_STOP
 @pytest.mark.parametrize("when", ["as-the-commit-returns", "writing-the-answer"])
-def test_ctrl_c_after_the_commit_before_the_answer_is_told_says_the_change_stands(
-    tmp_path: Path, when: str
+def test_a_stop_after_the_commit_before_the_answer_is_told_says_the_change_stands(
+    tmp_path: Path, when: str, stop: signal.Signals
 ) -> None:
     """Cut off as its commit returned, or as its answer was made or written
     (a large apply's, a rollback's), a command said `Aborted!` and 1, which
-    says nothing was written, of a change committed (hostile tests)."""
+    says nothing was written, of a change committed (hostile tests). A
+    SIGTERM (a supervisor's, a script's timeout, a CI job cancelled), or a
+    SIGHUP, killed it without a word (143, 129): each says what stands, as
+    Ctrl-C does, and the process then ends by it."""
     db_url = f"sqlite:///{tmp_path}/catalog.db"
-    told = python(*adding_with_ctrl_c(db_url, tmp_path, when, "--json"))
+    told = python(*adding_with_a_stop(db_url, tmp_path, when, "--json", stop=stop))
     out, err = told.communicate(yaml.safe_dump(definition("m")), timeout=60)
     stopped = "stopped: what it wrote stands, up to revision 1\n"
-    assert (told.returncode, out, err) == (130, "", stopped)
+    assert (told.returncode, out, err) == (STOPPED_STATUS[stop], "", stopped)
     assert count_events(db_url) == 1
+
+
+@EVERY_STOP
+def test_a_stop_before_the_commit_rolls_the_write_back_and_says_aborted(
+    tmp_path: Path, stop: signal.Signals
+) -> None:
+    """Cut off as it was about to commit, a write is rolled back and the
+    command says `Aborted!`: with 1 of a Ctrl-C; a SIGTERM or a SIGHUP
+    still ends the process by it, as it did without a word."""
+    db_url = f"sqlite:///{tmp_path}/catalog.db"
+    told = python(*adding_with_a_stop(db_url, tmp_path, "as-the-commit-begins", stop=stop))
+    out, err = told.communicate(yaml.safe_dump(definition("m")), timeout=60)
+    status = 1 if stop == signal.SIGINT else -stop
+    assert (told.returncode, out, err) == (status, "", "\nAborted!\n")
+    assert count_events(db_url) == 0
+
+
+@pytest.mark.parametrize(
+    "stop", [signal.SIGTERM, signal.SIGHUP, signal.SIGKILL], ids=["sigterm", "sighup", "sigkill"]
+)
+def test_a_read_stopped_on_a_path_with_no_log_leaves_no_empty_log_behind(
+    tmp_path: Path, stop: signal.Signals
+) -> None:
+    """A read on a path with no log answered from an empty log made in a
+    folder of the system's temporary folder: a SIGTERM or a SIGHUP as it
+    answered killed it, and that folder stayed (hostile test), as it still
+    would of a SIGKILL, which no process can act on. The empty log is in
+    memory: nothing of it outlives the process."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    argv = ["catalog-es", "--db", f"sqlite:///{tmp_path}/typo.db", "model", "list"]
+    told = subprocess.run(
+        [sys.executable, *with_a_stop(argv, "writing-the-answer", stop)],
+        cwd=Path(__file__).parent.parent,
+        env={**os.environ, "TMPDIR": str(scratch)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert list(scratch.iterdir()) == []
+    said = "" if stop == signal.SIGKILL else "\nAborted!\n"
+    assert (told.returncode, told.stdout, told.stderr) == (-stop, "", said)
+    assert list(tmp_path.iterdir()) == [scratch]
 
 
 def test_ctrl_c_as_the_log_closes_after_an_answer_that_could_not_be_written_leaves_74(
@@ -1288,7 +1364,7 @@ def test_ctrl_c_as_the_log_closes_after_an_answer_that_could_not_be_written_leav
     could not be written out) became `Aborted!` and 1 (review)."""
     with Path("/dev/full").open("w") as full:
         told = subprocess.run(
-            [sys.executable, *adding_with_ctrl_c(db_url, tmp_path, "closing-the-log")],
+            [sys.executable, *adding_with_a_stop(db_url, tmp_path, "closing-the-log")],
             cwd=Path(__file__).parent.parent,
             input=yaml.safe_dump(definition("m")),
             stdout=full,

@@ -38,5 +38,5 @@ def main() -> None:
         if isinstance(stream, io.TextIOWrapper):
             stream.reconfigure(errors="backslashreplace")
     logging.basicConfig(level=logging.WARNING, handlers=[warnings_to(sys.stderr)])
-    cli.ignores_interrupts_when_done = True
+    cli.owns_the_stops = True
     cli(prog_name="catalog-es")

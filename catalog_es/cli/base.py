@@ -261,15 +261,15 @@ class Settings:
 
     def _opened(self) -> Models:
         """The service on the log; for a command that writes nothing on a
-        path with no log, on an empty one in a folder of its own, removed as
-        the command ends: a read makes no log (the first write or a server
-        does), and a mistyped path or schema is left as it was."""
+        path with no log, on an empty one in memory, gone with the command:
+        a read makes no log (the first write or a server does), and a
+        mistyped path or schema is left as it was. Nothing of it outlives the
+        process, however it ends (a file for it, in a temporary folder, stayed
+        behind a read killed; hostile test)."""
         if not self.reads_only:
             models = bootstrap.open_models(self.db, self.config)
             self.new_log = models.store.log_made
             return models
-        import tempfile
-
         from catalog_es.errors import NoLogYet
 
         # Loaded once for both opens: read again, a config given as a pipe
@@ -279,12 +279,7 @@ class Settings:
             return bootstrap.open_models(self.db, declared, make_log=False)
         except NoLogYet as absent:
             self.log_absent = absent.where
-        folder = tempfile.TemporaryDirectory(prefix="catalog-es-empty-log-")
-        context = click.get_current_context(silent=True)
-        if context is not None:
-            # Before the service's close (models), so run after it.
-            context.find_root().call_on_close(folder.cleanup)
-        return bootstrap.open_models(f"sqlite:///{folder.name}/empty.db", declared)
+        return bootstrap.open_models(self.db, declared, in_memory=True)
 
     def another_config_explains(self, refusal: Exception) -> str:
         """What a refusal's line adds when the declared config the log last
@@ -900,6 +895,16 @@ def let_warnings_through() -> None:
     _held.stop(told=True)
 
 
+# The stops a command takes as Ctrl-C's (Python's own KeyboardInterrupt).
+_STOPS_TAKEN = tuple(signum for signum in early_stop.STOPS if signum != signal.SIGINT)
+
+
+def _ended_by(signum: int) -> None:
+    """The process ended by ``signum``, as if it had not been handled."""
+    signal.signal(signum, signal.SIG_DFL)
+    signal.raise_signal(signum)
+
+
 # 128 + SIGPIPE.
 EXIT_PIPE_CLOSED = 141
 # 128 + SIGINT, as for any process Ctrl-C ends: after a write committed.
@@ -915,15 +920,49 @@ EXIT_OUTCOME_UNKNOWN = 3
 class CatalogGroup(click.Group):
     """Maps domain errors to one line on stderr and exit code 1, for every command."""
 
-    # The console script's: once a command is done, a Ctrl-C changes nothing
-    # of what it told (it cut closing the log short with `Aborted!` and 1,
-    # which says nothing was written, after a write was told; review). Not
-    # in-process callers' (tests), whose own Ctrl-C it would take away.
-    ignores_interrupts_when_done = False
+    # The console script's: the process's stops are its own (not in-process
+    # callers', tests', whose own it would take away). SIGTERM and SIGHUP
+    # stop a command as Ctrl-C does, told alike (:meth:`_stop`). Once it is
+    # done, none changes what it told (a Ctrl-C cut closing the log short
+    # with `Aborted!` and 1, which says nothing was written, after a write
+    # was told; review).
+    owns_the_stops = False
+    # The stop (SIGTERM, SIGHUP) that stopped the command: the process ends
+    # by it (:meth:`main`).
+    stopped_by: int | None = None
+
+    def main(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().main(*args, **kwargs)
+        finally:
+            if self.stopped_by is not None:
+                # Told, and the log closed: the status a supervisor expects
+                # of its stop is death by it (systemd counts it a clean stop,
+                # where it takes an exit status of 143 for a failure).
+                for stream in (sys.stdout, sys.stderr):
+                    with suppress(OSError, ValueError):
+                        stream.flush()
+                _ended_by(self.stopped_by)
+
+    def _stop(self, signum: int, _frame: FrameType | None) -> None:
+        """A SIGTERM or SIGHUP, raised as Ctrl-C is: a write under way rolled
+        back, one committed told as standing (it exited 143 silently, after
+        its commit too; hostile test). Asked twice (the stopping may hang:
+        a slow database), the second is acted on at once, as early_stop's."""
+        if self.stopped_by is not None:
+            _ended_by(self.stopped_by)
+        self.stopped_by = signum
+        raise StopAsked
 
     def invoke(self, ctx: click.Context) -> Any:
         _held.hold()
         told = False
+        if self.owns_the_stops:
+            # Those still at their default: serve and watch have had theirs
+            # noted from the first line (early_stop), and one ignored stays so.
+            for signum in _STOPS_TAKEN:
+                if signal.getsignal(signum) is signal.SIG_DFL:
+                    signal.signal(signum, self._stop)
         try:
             result = super().invoke(ctx)
             settings = ctx.find_object(Settings)
@@ -997,10 +1036,11 @@ class CatalogGroup(click.Group):
             _held.stop(told=told)
 
     def _done(self) -> None:
-        """The command's status is said (told, refused, 74, 141): from here a
-        Ctrl-C changes nothing, as its log closes or the interpreter ends."""
-        if self.ignores_interrupts_when_done:
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        """The command's status is said (told, refused, 74, 141): from here no
+        stop changes it, as its log closes or the interpreter ends."""
+        if self.owns_the_stops:
+            for signum in early_stop.STOPS:
+                signal.signal(signum, signal.SIG_IGN)
 
     def _exit(self, ctx: click.Context, code: int) -> NoReturn:
         # Click closes the context, and the log with it, before it exits.
