@@ -205,12 +205,10 @@ VIEWS_PAGE = 64
 VIEWS_PAGE_WEIGHT = 256
 
 
-Outcome = tuple[Model.Event, ModelSpec | None, bool]  # the event, the model it leaves, replaced
-
 T = TypeVar("T")
 
 
-def _applied(outcomes: list[Outcome]) -> Iterator[dict[str, Any]]:
+def _applied(outcomes: list[commands.Outcome]) -> Iterator[dict[str, Any]]:
     """An apply's answer items, one per change, each with the model as that
     change left it, built a page at a time as they are read: a list of
     5,000 changes to one model with a hundred adapters answered 58 MB, and a
@@ -878,7 +876,7 @@ class Models(AuditTrail, Application[UUID]):
         read once, that builds its items as it is read; ``replaced`` names
         the runtime models an ``add`` replaced."""
         check_meta(by, reason)
-        outcomes: list[Outcome] = []
+        outcomes: list[commands.Outcome] = []
         # The change a refusal is about: the one that could not go; none when
         # the list as a whole was refused (a stale ``expected_revision``).
         current: commands.Step | None = None
@@ -969,7 +967,7 @@ class Models(AuditTrail, Application[UUID]):
         self, step: commands.Step, by: str, reason: str, expected_revision: int | None
     ) -> CommandResult:
         """Decide and append one change."""
-        outcome: list[tuple[Model.Event, ModelSpec | None, bool]] = []
+        outcome: list[commands.Outcome] = []
 
         def plan(batch: Batch) -> None:
             outcome.append(step.decide(batch))

@@ -19,6 +19,8 @@ from catalog_es.model import Model
 from catalog_es.spec import Adapter, ModelSpec, Origin, Scaling
 
 Derive = Callable[[ModelSpec | None], dict[str, Any]]
+# A step decided: its event, the definition it leaves, whether it replaced one.
+Outcome = tuple[Model.Event, ModelSpec | None, bool]
 
 
 class Step(msgspec.Struct, frozen=True):
@@ -44,7 +46,7 @@ class Step(msgspec.Struct, frozen=True):
         """The command's name, as ``apply`` files and the CLI spell it."""
         return _VERBS[self.event_class]
 
-    def decide(self, batch: Batch) -> tuple[Model.Event, ModelSpec | None, bool]:
+    def decide(self, batch: Batch) -> Outcome:
         """Decide into ``batch``: the event, the definition it puts in force, and
         whether it replaced a runtime definition (one load skipped included:
         the add heals it). A command's name is checked before
