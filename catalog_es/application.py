@@ -14,7 +14,7 @@ import os
 import threading
 import time
 from bisect import bisect_right
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext, suppress
 from datetime import datetime, timedelta
 from itertools import islice
@@ -450,7 +450,7 @@ class Watch:
         # is given, None for another actor's. Decoded once, given from here.
         self._decoded: dict[int, dict[str, Any] | None] = {}
 
-    def __iter__(self) -> Iterator[dict[str, Any]]:
+    def __iter__(self) -> Generator[dict[str, Any], None, None]:
         last, given, away = self._after, self._given, False
         try:
             while not self._stopped.is_set():
