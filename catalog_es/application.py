@@ -18,13 +18,13 @@ from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext, suppress
 from datetime import datetime, timedelta
 from itertools import islice
-from typing import Any, ClassVar, TypeVar, cast, overload
+from typing import Any, ClassVar, TypeVar, overload
 from uuid import UUID
 
 import msgspec
 import sqlalchemy as sa
 from eventsourcing.application import Application
-from eventsourcing.persistence import Notification, Subscription
+from eventsourcing.persistence import Notification
 from eventsourcing.utils import Environment, EnvType, get_topic
 from sqlalchemy.engine import Connection
 
@@ -69,7 +69,6 @@ from catalog_es.names import APPLY, CONFIG_DECLARED, ROLLBACK
 from catalog_es.persistence import (
     AnswerTooLarge,
     Appended,
-    ChainedNotification,
     Factory,
     FileNotTheLog,
     Kept,
@@ -429,7 +428,7 @@ class Watch:
 
     def __init__(
         self,
-        subscribe: Callable[[int, Any], Subscription[Any]],
+        subscribe: Callable[[int, Any], PullingSubscription],
         after: int,
         given: Any,
         by: str | None = None,
@@ -445,7 +444,7 @@ class Watch:
         self._by = by  # only this actor's changes are given
         self._where = where  # where the database is, as a wait for it tells (SQLRecorder.where)
         self._stopped = threading.Event()
-        self._subscription: Subscription[Any] | None = None
+        self._subscription: PullingSubscription | None = None
         # Changes read already that ready() decoded, by revision: each as it
         # is given, None for another actor's. Decoded once, given from here.
         self._decoded: dict[int, dict[str, Any] | None] = {}
@@ -464,8 +463,7 @@ class Watch:
                         subscription.stop()  # stopped while it was made: it ends at once
                     with subscription as notifications:
                         for n in notifications:
-                            # What the log's subscriptions give (SQLRecorder.subscribe).
-                            last, given = n.id, cast(ChainedNotification, n).hash
+                            last, given = n.id, n.hash
                             view = (
                                 self._decoded.pop(n.id) if n.id in self._decoded else self._view(n)
                             )
@@ -501,7 +499,7 @@ class Watch:
         theirs is: the others' read before it are passed over at once, but
         with none of theirs read, the next waits for a commit."""
         subscription = self._subscription
-        if not isinstance(subscription, PullingSubscription) or self._stopped.is_set():
+        if subscription is None or self._stopped.is_set():
             return False
         pulled = subscription.pulled()
         if self._by is None:
@@ -1655,7 +1653,7 @@ class Models(AuditTrail, Application[UUID]):
         if after < 0 or after > head:
             raise Refused(f"revision {after} is beyond the head of the log ({head})")
 
-        def subscribe(last: int, given: Any) -> Subscription[Any]:
+        def subscribe(last: int, given: Any) -> PullingSubscription:
             # Asked first, so that a watch knows the database answers (the
             # subscription reads only once it is iterated); and whether the
             # log still holds what it gave last (its hash, that of the log up
@@ -1665,7 +1663,7 @@ class Models(AuditTrail, Application[UUID]):
                 if self.store.hash_at(conn, last) != given:
                     raise LogRewritten.at(last)
             subscription = self.store.subscribe(gt=last, gt_hash=given, containing=containing)
-            if poll_interval is not None and isinstance(subscription, PullingSubscription):
+            if poll_interval is not None:
                 subscription.interval = poll_interval
             return subscription
 
