@@ -39,9 +39,8 @@ from sqlalchemy.engine import Connection, Engine
 
 from catalog_es.catalog import Catalog, Skipped
 from catalog_es.collector import collector_paused
-from catalog_es.configuration import CONFIGS_KEPT, Configuration
+from catalog_es.configuration import CONFIGS_KEPT, Configuration, DeclaredConfig
 from catalog_es.errors import StorageBusy, first_line, lost_events
-from catalog_es.inputs import DeclaredConfig
 from catalog_es.mapper import (
     UndecodableEvent,
     decode_event,
