@@ -1224,6 +1224,7 @@ class Models(AuditTrail, Application[UUID]):
             expected_revision=expected_revision,
             rollback_to=rollback_to,
             several=several,
+            dry_run=dry_run,
             records_only=records_only,
             streams=streams,
             lock_left=max(lock_left, 0.001),
