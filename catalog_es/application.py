@@ -14,17 +14,17 @@ import os
 import threading
 import time
 from bisect import bisect_right
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext, suppress
 from datetime import datetime, timedelta
 from itertools import islice
-from typing import Any, ClassVar, TypeVar, cast, overload
+from typing import Any, ClassVar, TypeVar, overload
 from uuid import UUID
 
 import msgspec
 import sqlalchemy as sa
 from eventsourcing.application import Application
-from eventsourcing.persistence import Notification, Subscription
+from eventsourcing.persistence import Notification
 from eventsourcing.utils import Environment, EnvType, get_topic
 from sqlalchemy.engine import Connection
 
@@ -70,7 +70,6 @@ from catalog_es.names import APPLY, CONFIG_DECLARED, ROLLBACK
 from catalog_es.persistence import (
     AnswerTooLarge,
     Appended,
-    ChainedNotification,
     Factory,
     FileNotTheLog,
     Kept,
@@ -206,12 +205,10 @@ VIEWS_PAGE = 64
 VIEWS_PAGE_WEIGHT = 256
 
 
-Outcome = tuple[Model.Event, ModelSpec | None, bool]  # the event, the model it leaves, replaced
-
 T = TypeVar("T")
 
 
-def _applied(outcomes: list[Outcome]) -> Iterator[dict[str, Any]]:
+def _applied(outcomes: list[commands.Outcome]) -> Iterator[dict[str, Any]]:
     """An apply's answer items, one per change, each with the model as that
     change left it, built a page at a time as they are read: a list of
     5,000 changes to one model with a hundred adapters answered 58 MB, and a
@@ -432,7 +429,7 @@ class Watch:
 
     def __init__(
         self,
-        subscribe: Callable[[int, Any], Subscription[Any]],
+        subscribe: Callable[[int, Any], PullingSubscription],
         after: int,
         given: Any,
         by: str | None = None,
@@ -448,12 +445,12 @@ class Watch:
         self._by = by  # only this actor's changes are given
         self._where = where  # where the database is, as a wait for it tells (SQLRecorder.where)
         self._stopped = threading.Event()
-        self._subscription: Subscription[Any] | None = None
+        self._subscription: PullingSubscription | None = None
         # Changes read already that ready() decoded, by revision: each as it
         # is given, None for another actor's. Decoded once, given from here.
         self._decoded: dict[int, dict[str, Any] | None] = {}
 
-    def __iter__(self) -> Iterator[dict[str, Any]]:
+    def __iter__(self) -> Generator[dict[str, Any], None, None]:
         last, given, away = self._after, self._given, False
         try:
             while not self._stopped.is_set():
@@ -467,8 +464,7 @@ class Watch:
                         subscription.stop()  # stopped while it was made: it ends at once
                     with subscription as notifications:
                         for n in notifications:
-                            # What the log's subscriptions give (SQLRecorder.subscribe).
-                            last, given = n.id, cast(ChainedNotification, n).hash
+                            last, given = n.id, n.hash
                             view = (
                                 self._decoded.pop(n.id) if n.id in self._decoded else self._view(n)
                             )
@@ -504,7 +500,7 @@ class Watch:
         theirs is: the others' read before it are passed over at once, but
         with none of theirs read, the next waits for a commit."""
         subscription = self._subscription
-        if not isinstance(subscription, PullingSubscription) or self._stopped.is_set():
+        if subscription is None or self._stopped.is_set():
             return False
         pulled = subscription.pulled()
         if self._by is None:
@@ -885,7 +881,7 @@ class Models(AuditTrail, Application[UUID]):
         read once, that builds its items as it is read; ``replaced`` names
         the runtime models an ``add`` replaced."""
         check_meta(by, reason)
-        outcomes: list[Outcome] = []
+        outcomes: list[commands.Outcome] = []
         # The change a refusal is about: the one that could not go; none when
         # the list as a whole was refused (a stale ``expected_revision``).
         current: commands.Step | None = None
@@ -976,7 +972,7 @@ class Models(AuditTrail, Application[UUID]):
         self, step: commands.Step, by: str, reason: str, expected_revision: int | None
     ) -> CommandResult:
         """Decide and append one change."""
-        outcome: list[tuple[Model.Event, ModelSpec | None, bool]] = []
+        outcome: list[commands.Outcome] = []
 
         def plan(batch: Batch) -> None:
             outcome.append(step.decide(batch))
@@ -1236,6 +1232,7 @@ class Models(AuditTrail, Application[UUID]):
             expected_revision=expected_revision,
             rollback_to=rollback_to,
             several=several,
+            dry_run=dry_run,
             records_only=records_only,
             streams=streams,
             lock_left=max(lock_left, 0.001),
@@ -1720,7 +1717,7 @@ class Models(AuditTrail, Application[UUID]):
         if after < 0 or after > head:
             raise Refused(f"revision {after} is beyond the head of the log ({head})")
 
-        def subscribe(last: int, given: Any) -> Subscription[Any]:
+        def subscribe(last: int, given: Any) -> PullingSubscription:
             # Asked first, so that a watch knows the database answers (the
             # subscription reads only once it is iterated); and whether the
             # log still holds what it gave last (its hash, that of the log up
@@ -1730,7 +1727,7 @@ class Models(AuditTrail, Application[UUID]):
                 if self.store.hash_at(conn, last) != given:
                     raise LogRewritten.at(last)
             subscription = self.store.subscribe(gt=last, gt_hash=given, containing=containing)
-            if poll_interval is not None and isinstance(subscription, PullingSubscription):
+            if poll_interval is not None:
                 subscription.interval = poll_interval
             return subscription
 

@@ -19,6 +19,7 @@ import sqlalchemy as sa
 
 from catalog_es.chain import check_chain
 from catalog_es.collector import collector_paused
+from catalog_es.configuration import DeclaredConfig
 from catalog_es.errors import (
     DamagedLog,
     DamagedReadModel,
@@ -29,7 +30,7 @@ from catalog_es.errors import (
     cut_short,
     first_line,
 )
-from catalog_es.inputs import DeclaredConfig, check_actor_filter
+from catalog_es.inputs import check_actor_filter
 from catalog_es.model import Model, utc_now, utc_text
 from catalog_es.names import carried
 from catalog_es.persistence import AnswerTooLarge, SQLRecorder, refusals_table

@@ -2834,7 +2834,7 @@ class SQLRecorder(ProcessRecorder):
         *,
         gt_hash: str | None = None,
         containing: Sequence[bytes] = (),
-    ) -> Subscription[ApplicationRecorder]:
+    ) -> PullingSubscription:
         """``gt_hash``: the hash of the event at ``gt`` as the follower knows
         it; given, each page read must follow on from the last event given.
         ``containing``: only the events holding one of those bytes."""
@@ -2973,7 +2973,7 @@ class PullingSubscription(Subscription[SQLRecorder]):
         super().stop()
         self._woken.set()
 
-    def __next__(self) -> Notification:
+    def __next__(self) -> ChainedNotification:
         while True:
             # Cleared before the stop is looked at and before the read: a stop
             # or a wake-up after this sets it again, and the wait ends at once.

@@ -13,8 +13,8 @@ tried again until nothing more can go.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable
-from typing import Any
 
+from catalog_es import commands
 from catalog_es.batch import Batch
 from catalog_es.catalog import Catalog, Skipped
 from catalog_es.errors import (
@@ -29,35 +29,34 @@ from catalog_es.errors import (
 from catalog_es.model import Model
 from catalog_es.spec import ModelSpec
 
-Step = tuple[type[Model.Event], str, dict[str, Any]]
-_Planner = Callable[[ModelSpec, ModelSpec], list[Step]]
+_Planner = Callable[[ModelSpec, ModelSpec], list[commands.Step]]
 
 
 def _one_field(event_class: type[Model.Event], attribute: str) -> _Planner:
     """The planner of a dimension one event sets whole, under the same name."""
 
-    def plan(now: ModelSpec, then: ModelSpec) -> list[Step]:
+    def plan(now: ModelSpec, then: ModelSpec) -> list[commands.Step]:
         value = getattr(then, attribute)
         if getattr(now, attribute) == value:
             return []
-        return [(event_class, then.name, {attribute: value})]
+        return [commands.Step(event_class, then.name, {attribute: value})]
 
     return plan
 
 
-def _source(now: ModelSpec, then: ModelSpec) -> list[Step]:
+def _source(now: ModelSpec, then: ModelSpec) -> list[commands.Step]:
     if (now.source, now.origin) == (then.source, then.origin):
         return []
-    return [(Model.SourceSet, then.name, {"source": then.source, "origin": then.origin})]
+    return [commands.source(then.name, then.source, then.origin)]
 
 
-def _resources(now: ModelSpec, then: ModelSpec) -> list[Step]:
+def _resources(now: ModelSpec, then: ModelSpec) -> list[commands.Step]:
     """One ``ResourcesSet`` per profile of both whose memory or cores differ.
     A profile only one of them has takes a re-add (:func:`_steps_for`), or,
     under ``--only resources``, is left as it is, with a note."""
     profiles_now = {p.name: p for p in now.profiles}
     return [
-        (
+        commands.Step(
             Model.ResourcesSet,
             then.name,
             {"profile": b.name, "memory_gb": b.min_memory_gb, "cpu_cores": b.cpu_cores},
@@ -118,9 +117,9 @@ DIMENSIONS: dict[str, _Planner] = {
 }
 
 
-def _apply_steps(spec: ModelSpec, steps: list[Step], batch: Batch) -> ModelSpec:
-    for event_class, name, fields in steps:
-        evolved = batch.event(event_class, name, **fields).evolve(spec)
+def _apply_steps(spec: ModelSpec, steps: list[commands.Step], batch: Batch) -> ModelSpec:
+    for step in steps:
+        evolved = batch.event(step.event_class, step.name, **step.fields).evolve(spec)
         assert evolved is not None
         spec = evolved
     return spec
@@ -128,7 +127,7 @@ def _apply_steps(spec: ModelSpec, steps: list[Step], batch: Batch) -> ModelSpec:
 
 def _steps_for(
     now: ModelSpec | None, then: ModelSpec | None, only: str | None, batch: Batch
-) -> list[Step]:
+) -> list[commands.Step]:
     if now == then:
         return []
     if only is not None:
@@ -137,14 +136,14 @@ def _steps_for(
         return DIMENSIONS[only](now, then)
     if then is None:
         assert now is not None
-        return [(Model.Removed, now.name, {})]
+        return [commands.remove(now.name)]
     if now is None:
-        return [(Model.Added, then.name, {"spec": then})]
+        return [commands.add(then)]
     steps = [step for planner in DIMENSIONS.values() for step in planner(now, then)]
     if _apply_steps(now, steps, batch) != then:
         # It differs where no dimension event reaches (engine, fallbacks,
         # profiles): the whole definition, as it was, replaces it.
-        return [(Model.Added, then.name, {"spec": then})]
+        return [commands.add(then)]
     return steps
 
 
@@ -175,7 +174,7 @@ def plan_rollback(
                 TurnedOn((model,), named=True),
             )
         names = [model]
-    steps: list[Step] = []
+    steps: list[commands.Step] = []
     batch.prefetch(names)
     for name in names:
         if current.is_declared(name):
@@ -204,7 +203,7 @@ def plan_rollback(
                 f"revision {cause.revision} does not load over today's config ({cause.reason}), "
                 f"and was not at revision {target.revision}"
             )
-            steps.append((Model.Removed, name, {}))
+            steps.append(commands.remove(name))
             continue
         if then is None and target.was_skipped(name):
             # Today's config cannot take what it was then: said, not passed over.
@@ -233,7 +232,7 @@ def _last_skip(catalog: Catalog, name: str) -> Skipped:
     return next(s for s in reversed(catalog.skipped) if s.model == name)
 
 
-def _decide_in_a_valid_order(batch: Batch, steps: list[Step], revision: int) -> None:
+def _decide_in_a_valid_order(batch: Batch, steps: list[commands.Step], revision: int) -> None:
     # Removals first, then changes, then additions: what usually lets the rest
     # go. A removal goes after those of the models naming it, an addition after
     # those of the models its fallbacks lead to, by way of others too (what it
@@ -241,8 +240,8 @@ def _decide_in_a_valid_order(batch: Batch, steps: list[Step], revision: int) -> 
     # name order instead, a chain of fallbacks went a link a pass, quadratic
     # in its length, the log locked throughout.
     catalog = batch.catalog
-    removals = {step[1]: step for step in steps if step[0] is Model.Removed}
-    additions = {step[1]: step for step in steps if step[0] is Model.Added}
+    removals = {step.name: step for step in steps if step.event_class is Model.Removed}
+    additions = {step.name: step for step in steps if step.event_class is Model.Added}
 
     def naming_now(name: str) -> list[str]:
         # In name order: a set's changes from one process to the next, and so
@@ -251,27 +250,27 @@ def _decide_in_a_valid_order(batch: Batch, steps: list[Step], revision: int) -> 
 
     def fallbacks_then(name: str) -> tuple[str, ...]:
         if name in additions:
-            spec: ModelSpec = additions[name][2]["spec"]
+            spec: ModelSpec = additions[name].fields["spec"]
             return spec.fallbacks
         now = catalog.get(name)
         return now.fallbacks if now is not None else ()
 
     pending = [
         *(removals[name] for name in _ordered(removals, naming_now)),
-        *(step for step in steps if step[0] not in (Model.Removed, Model.Added)),
+        *(step for step in steps if step.event_class not in (Model.Removed, Model.Added)),
         *(additions[name] for name in _ordered(additions, fallbacks_then, through=True)),
     ]
     # What the order above cannot settle (a swap of fallbacks, a cycle cut
     # short) is tried again while anything is left that can go.
     while pending:
         refusal: Refused | None = None
-        left: list[Step] = []
-        for event_class, name, fields in pending:
+        left: list[commands.Step] = []
+        for step in pending:
             try:
-                batch.decide(batch.event(event_class, name, **fields))
+                step.decide(batch)
             except Refused as error:
                 refusal = refusal or error
-                left.append((event_class, name, fields))
+                left.append(step)
         if refusal is not None and len(left) == len(pending):
             raise Refused(
                 f"rolling back to revision {revision} would make the catalog invalid: {refusal}"

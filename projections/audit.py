@@ -39,9 +39,8 @@ from sqlalchemy.engine import Connection, Engine
 
 from catalog_es.catalog import Catalog, Skipped
 from catalog_es.collector import collector_paused
-from catalog_es.configuration import CONFIGS_KEPT, Configuration
+from catalog_es.configuration import CONFIGS_KEPT, Configuration, DeclaredConfig
 from catalog_es.errors import StorageBusy, first_line, lost_events
-from catalog_es.inputs import DeclaredConfig
 from catalog_es.mapper import (
     UndecodableEvent,
     decode_event,
@@ -62,7 +61,7 @@ from catalog_es.persistence import (
     within_bytes,
 )
 from catalog_es.spec import ModelSpec
-from catalog_es.views import definition_view, event_fields
+from catalog_es.views import definition_view, event_fields, event_name
 from projections import pointintime, snapshots
 
 log = logging.getLogger("catalog_es.audit")
@@ -905,6 +904,22 @@ def read_record(topic: str, state: bytes) -> DomainEvent | Unreadable:
         return Unreadable(model=model_of_state(state), event=topic_name(topic), error=str(error))
 
 
+def _own_row(event: DomainEvent) -> dict[str, Any]:
+    """The row of a stored event that reads, as :meth:`AuditProjection._stage`
+    takes it: its model and type as ``log --json`` has them (a config
+    record's model null; the filter column's is "")."""
+    return {
+        "time": stored_time(event.timestamp),
+        "actor": event.by,
+        "model": event.model if isinstance(event, Model.Event) else None,
+        "event": event_name(event),
+        "class_version": event.class_version,
+        "reason": event.reason,
+        "rollback_to": event.rollback_to,
+        "fields": event_fields(event),
+    }
+
+
 class AuditProjection(Projection[AuditView]):
     """Turns each stored event into an audit row. Rows are staged by
     :meth:`process_event` and written, with the position they cover, by
@@ -1144,16 +1159,7 @@ class AuditProjection(Projection[AuditView]):
         if revision <= self.recorded:
             return
         after = self.catalog.get(event.model)
-        row = {
-            "time": stored_time(event.timestamp),
-            "actor": event.by,
-            "model": event.model,
-            "event": type(event).__name__,
-            "class_version": event.class_version,
-            "reason": event.reason,
-            "rollback_to": event.rollback_to,
-            "fields": event_fields(event),
-        }
+        row = _own_row(event)
         self._stage(tracking, row, before, after, outcome)
         # The models a removal took out of force with it, each in a row of its
         # own: their history ended here, though no event of theirs says so.
@@ -1170,16 +1176,7 @@ class AuditProjection(Projection[AuditView]):
         before, self.declared_then = self.declared_then, event
         if revision <= self.recorded:
             return  # its rows are written: the layers are compared for rows alone
-        row = {
-            "time": stored_time(event.timestamp),
-            "actor": event.by,
-            "model": None,  # as log --json has it; the filter column's is ""
-            "event": CONFIG_DECLARED,
-            "class_version": event.class_version,
-            "reason": event.reason,
-            "rollback_to": event.rollback_to,
-            "fields": event_fields(event),
-        }
+        row = _own_row(event)
         changes = field_changes(_declared_layer(before), _declared_layer(event))
         ends = self._record_write_end
         self._stage(tracking, row, None, None, None, changes=changes, write_end=ends)

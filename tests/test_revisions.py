@@ -1819,7 +1819,7 @@ def test_a_follower_far_behind_holds_one_page_of_the_log_not_ten(
     finally:
         tracemalloc.stop()
     for watch in watches:
-        watch.close()  # type: ignore[attr-defined]
+        watch.close()
     # A page of 500 small changes is about 300 KB; ten pages each were 30 MB.
     assert held < 10 * 1_000_000
 

@@ -24,9 +24,9 @@ import asyncio
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable, Generator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, cast
+from typing import Any
 
 from fastapi.responses import Response, StreamingResponse
 
@@ -110,8 +110,8 @@ async def _messages(
 ) -> AsyncIterator[str]:
     loop = asyncio.get_running_loop()
     worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="catalog-es-watch")
-    # ``Watch.__iter__`` is a generator function: it can be closed.
-    events = cast(Generator[dict[str, Any], None, None], iter(watch))
+    # A generator (``Watch.__iter__``): it can be closed.
+    events = iter(watch)
     pending: asyncio.Future[str | None] | None = None
     asked = time.monotonic()
 
