@@ -2910,6 +2910,64 @@ def test_a_refusal_another_config_explains_says_so_in_its_line(
     assert count_events(db_url) == 5
 
 
+@pytest.mark.parametrize(
+    ("on_cycle", "declared_there", "hint"),
+    [
+        pytest.param(2, ("m2",), "model 'm2' is", id="one"),
+        pytest.param(2, ("m1", "m2"), "models 'm1', 'm2' are", id="two"),
+        pytest.param(
+            7,
+            ("m1", "m2", "m3", "m4", "m5", "m6", "m7"),
+            "models 'm1', 'm2', 'm3', 'm4', 'm5' and 2 more are",
+            id="many",
+        ),
+        # A model off the cycle, or the one refused (refused there as declared), breaks nothing.
+        pytest.param(2, ("other",), "", id="off-the-cycle"),
+        pytest.param(2, ("a",), "", id="the-model-refused"),
+    ],
+)
+def test_a_fallback_cycle_another_config_breaks_says_so_in_its_line(
+    run_told: Run,
+    db_url: str,
+    tmp_path: Path,
+    on_cycle: int,
+    declared_there: tuple[str, ...],
+    hint: str,
+) -> None:
+    """A runtime model given a fallback that closed a cycle (a -> m1 -> … ->
+    a), on a stale config, was refused with no word that the config the log
+    last recorded declares a model on it, which breaks it there (a declared
+    model names only declared ones): left open at stop 51. Any one such
+    model does, where a model named or naming needs each: the line names
+    those it declares (five, and how many more), and says nothing where it
+    declares none of them. One line, exit 1, the log left as it was."""
+    stale, deployed = tmp_path / "stale.yaml", tmp_path / "deployed.yaml"
+    stale.write_text(config_yaml(spec("base")))
+    deployed.write_text(config_yaml(spec("base"), *map(spec, declared_there)))
+    chain = [f"m{n}" for n in range(1, on_cycle + 1)]
+    # a, then each model on the chain from its end, naming the one after it.
+    named = zip(reversed(chain), ["a", *reversed(chain[1:])], strict=True)
+    adds = [definition("a"), *(definition(m, fallbacks=[f]) for m, f in named)]
+    (tmp_path / "chain.yaml").write_bytes(as_yaml([{"add": d} for d in adds]))
+    (tmp_path / "a.yaml").write_bytes(as_yaml(definition("a", fallbacks=["m1"])))
+    (tmp_path / "z.yaml").write_bytes(as_yaml(definition("z")))
+    ok(run_told("--config", str(stale), "apply", "chain.yaml"))  # 1 stale, 2…
+    ok(run_told("--config", str(deployed), "model", "add", "z.yaml"))  # deployed, z
+    written = count_events(db_url)
+    shown_cycle = " -> ".join(
+        ["a", *chain, "a"] if on_cycle < 6 else ["a", *chain[:4], "… (3 more)", "a"]
+    )
+    told = f"error: model 'a': fallbacks: form a cycle: {shown_cycle}"
+    if hint:
+        told += (
+            f" ({hint} declared in the config the log last recorded, at revision {written - 1},"
+            f" but not in this run's config ({stale}))"
+        )
+    done = run_told("--config", str(stale), "model", "add", "a.yaml")
+    assert refused_in_one_line(done) == told
+    assert count_events(db_url) == written
+
+
 def test_a_deleted_last_event_is_told_by_every_command_until_a_write_goes_on(
     run_told: Run, db_url: str, tmp_path: Path
 ) -> None:
