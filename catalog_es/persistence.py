@@ -179,6 +179,10 @@ tracking_table = sa.Table(
 
 # The columns of the log's table before its events named their stream's last.
 _UNLINKED_COLUMNS = {"revision", "originator_id", "originator_version", "topic", "state", "hash"}
+# The log's columns that eventsourcing's own stored events have none of:
+# another application of the library named Catalog keeps its events in a
+# table named as the log's, with each of the others.
+_LOG_OWN_COLUMNS = {"revision", "hash", "stream_previous"}
 
 
 def _unlinked(columns: Sequence[str]) -> bool:
@@ -307,8 +311,10 @@ def _check_log_columns(conn: Connection, columns: Sequence[str]) -> None:
     virtual table, a PostgreSQL foreign table): the other tables were made,
     then a read failed on `no such column: catalog_events.revision`, naming
     neither the table nor what to do. Asked only when the table is there.
-    One with as many of the log's columns as it lacks is taken for a log
-    damaged by hand: the advice to drop it would destroy its history."""
+    One with a column only the log has, and as many of the log's columns as
+    it lacks, is taken for a log damaged by hand: the advice to drop it
+    would destroy its history. Without one, it is no log, though it has
+    every other (another eventsourcing application's events)."""
     missing = [c.name for c in events_table.columns if c.name in _UNLINKED_COLUMNS - set(columns)]
     if not missing:
         return
@@ -319,7 +325,7 @@ def _check_log_columns(conn: Connection, columns: Sequence[str]) -> None:
             " WHERE oid = to_regclass('catalog_events')"
         ).scalar_one()
     kept = [c.name for c in events_table.columns if c.name in columns]
-    if len(kept) >= len(missing):
+    if _LOG_OWN_COLUMNS.intersection(kept) and len(kept) >= len(missing):
         raise DamagedLog(
             f"the log's table {events_table.name}{where} lacks columns every release has made"
             f" it with ({', '.join(missing)}): it was altered by hand; nothing was read or made;"

@@ -36,6 +36,10 @@ import pytest
 import sqlalchemy as sa
 import yaml
 from click.testing import CliRunner, Result
+from eventsourcing.application import Application
+from eventsourcing.domain import Aggregate
+from eventsourcing.persistence import StoredEvent
+from eventsourcing.sqlite import SQLiteApplicationRecorder, SQLiteDatastore
 from hypothesis import strategies as st
 
 from catalog_es import (
@@ -3377,6 +3381,139 @@ def test_a_table_named_as_the_logs_that_is_not_the_log_is_refused_before_anythin
         if "FOREIGN" in made:
             with engine.begin() as conn:
                 conn.execute(sa.text(f"DROP SERVER IF EXISTS {server} CASCADE"))
+        engine.dispose()
+
+
+class Catalog(Application[uuid.UUID]):
+    """Another application of the event library, whose name makes its
+    events' table the log's: ``catalog_events``."""
+
+
+def _another_apps_events(db_url: str) -> None:
+    """Catalog's events kept in ``db_url`` by eventsourcing_sqlalchemy."""
+    other = Catalog(
+        env={"PERSISTENCE_MODULE": "eventsourcing_sqlalchemy", "SQLALCHEMY_URL": db_url}
+    )
+    other.save(Aggregate())
+    other.close()
+
+
+def _another_apps_events_in_sqlite(db_url: str) -> None:
+    """The same on SQLite by the library's own recorder (its factory names
+    the table stored_events; an application can name it as it likes)."""
+    datastore = SQLiteDatastore(sa.make_url(db_url).database or "")
+    recorder = SQLiteApplicationRecorder(datastore, events_table_name="catalog_events")
+    recorder.create_table()
+    recorder.insert_events([StoredEvent(uuid.uuid4(), 1, "other_app:Made", b"{}")])
+    datastore.close()
+
+
+def _made_by(statement: str) -> Callable[[str], None]:
+    def make(db_url: str) -> None:
+        engine = sa.create_engine(db_url)
+        with engine.begin() as conn:
+            conn.exec_driver_sql(statement)
+        engine.dispose()
+
+    return make
+
+
+def _a_log_with_a_column_dropped(db_url: str) -> None:
+    definition_file = Path("m.yaml")  # in the test's own folder, where it runs
+    definition_file.write_bytes(as_yaml(definition("m")))
+    ok(invoke_told(["--db", db_url, "model", "add", str(definition_file)]))
+    _made_by("ALTER TABLE catalog_events DROP COLUMN state")(db_url)
+
+
+IN_THE_WAY = (
+    "a table named catalog_events{where}, without the log's columns ({lacking}), stands where"
+    " the catalog keeps its table of that name: nothing was read or made; drop or rename it,"
+    " or point --db at another {other}"
+)
+
+
+@pytest.mark.parametrize(
+    ("make", "told", "only_on"),
+    [
+        pytest.param(
+            _another_apps_events,
+            IN_THE_WAY.replace("{lacking}", "revision, hash"),
+            "",
+            id="eventsourcing-sqlalchemy",
+        ),
+        pytest.param(
+            _another_apps_events_in_sqlite,
+            IN_THE_WAY.replace("{lacking}", "revision, hash"),
+            "sqlite",
+            id="eventsourcing-sqlite",
+        ),
+        # As eventsourcing.postgres makes it (not imported: it needs
+        # psycopg_pool, which this project does not install).
+        pytest.param(
+            _made_by(
+                "CREATE TABLE catalog_events (originator_id uuid NOT NULL, originator_version"
+                " bigint NOT NULL, topic text, state bytea, notification_id bigserial,"
+                " PRIMARY KEY (originator_id, originator_version))"
+            ),
+            IN_THE_WAY.replace("{lacking}", "revision, hash"),
+            "postgresql",
+            id="eventsourcing-postgres",
+        ),
+        # A column or two only the log has do not make a log.
+        pytest.param(
+            _made_by("CREATE TABLE catalog_events (id integer, revision integer, hash text)"),
+            IN_THE_WAY.replace("{lacking}", "originator_id, originator_version, topic, state"),
+            "",
+            id="unrelated",
+        ),
+        pytest.param(
+            _a_log_with_a_column_dropped,
+            "the log's table catalog_events{where} lacks columns every release has made it with"
+            " (state): it was altered by hand; nothing was read or made; do not drop it, it may"
+            " hold the catalog's history: restore the log from a backup, or point --db at"
+            " another {other}",
+            "",
+            id="damaged-log",
+        ),
+    ],
+)
+def test_another_event_stores_table_named_as_the_log_is_in_the_way_not_a_damaged_log(
+    db_url: str, make: Callable[[str], None], told: str, only_on: str
+) -> None:
+    """Another eventsourcing application's events, in a table named as the
+    log's (an application named Catalog: the library's own layout, the
+    log's columns but revision and hash), was refused as the log damaged by
+    hand, to be restored from a backup: it held as many of the log's
+    columns as it lacked. A table is taken for the log only with a column
+    that the log alone has, and as many of its columns as it lacks; else
+    it is in the way. Each refused in one line, exit 1, the database left
+    as it was."""
+    if not db_url.startswith(only_on):
+        pytest.skip(f"{only_on}'s own")
+    postgresql = db_url.startswith("postgresql")
+    make(db_url)
+    engine = sa.create_engine(db_url)
+
+    def stored() -> tuple[list[str], list[tuple[Any, ...]]]:
+        listed = (
+            "SELECT relname FROM pg_class WHERE relnamespace = current_schema()::regnamespace"
+            if postgresql
+            else "SELECT name FROM sqlite_master"
+        )
+        with engine.connect() as conn:
+            objects = sorted(conn.exec_driver_sql(listed).scalars())
+            rows = conn.exec_driver_sql("SELECT * FROM catalog_events ORDER BY 1, 2").all()
+            return objects, [tuple(row) for row in rows]
+
+    before = stored()
+    where = f" in schema {schema_of(db_url)}" if postgresql else ""
+    other = "database or schema" if postgresql else "file"
+    try:
+        for command in (["model", "list"], ["model", "scale", "m", "--max", "2"]):
+            refused = CliRunner().invoke(cli, ["--db", db_url, *command])
+            assert refused_in_one_line(refused) == "error: " + told.format(where=where, other=other)
+            assert stored() == before
+    finally:
         engine.dispose()
 
 
