@@ -873,7 +873,10 @@ class SQLiteFile:
         if header[18:20] == _WAL_VERSIONS:
             return False
         try:
-            with closing(sqlite3.connect(f"{self.path.as_uri()}?mode=ro", uri=True)) as conn:
+            # Not waited on: a file another writer holds is the connection's
+            # to wait for, and to say so.
+            uri = f"{self.path.as_uri()}?mode=ro"
+            with closing(sqlite3.connect(uri, uri=True, timeout=0)) as conn:
                 found = conn.execute(
                     "SELECT 1 FROM sqlite_master"
                     f" WHERE name COLLATE NOCASE IN ({', '.join('?' * len(names))})",
