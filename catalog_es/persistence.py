@@ -28,7 +28,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from contextlib import closing, contextmanager, suppress
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from itertools import pairwise
 from pathlib import Path
@@ -334,6 +334,15 @@ def _check_log_columns(conn: Connection, columns: Sequence[str]) -> None:
         )
     lacking = f"{where}, without the log's columns ({', '.join(missing)}),"
     raise _in_the_way(conn, "a table", events_table.name, lacking)
+
+
+def _log_tables_found(conn: Connection, names: Sequence[str]) -> TablesFound:
+    """:func:`tables_found`, refused where the log's table is no log, or a
+    damaged one (:func:`_check_log_columns`)."""
+    found = tables_found(conn, names)
+    if found.log_columns is not None:
+        _check_log_columns(conn, found.log_columns)
+    return found
 
 
 # The revision column's sequence on PostgreSQL (NULL if it has none, and the
@@ -853,38 +862,42 @@ class SQLiteFile:
             )
         return found.st_dev, found.st_ino
 
-    def holds_no_log(self, names: Sequence[str]) -> bool:
-        """Whether the path holds no log (no table named as one of ``names``),
-        told without a connection of the log's where one would change the
-        file: no file, an empty one (``touch typo.db``), which it would make a
-        database in, or another app's database, which it would turn to WAL
-        mode (a setting kept in the file), looked at read-only. One in WAL
-        mode already (every log is), which a connection leaves as it was,
-        and one that cannot be looked at, are left for the connection."""
+    def looked_at(self, names: Sequence[str]) -> TablesFound | None:
+        """Which of the tables ``names`` the path holds (:func:`_log_tables_found`,
+        refused as it refuses), told without a connection of the log's where
+        one would change the file: no file, an empty one (``touch typo.db``),
+        which it would make a database in, or another app's database, which
+        it would turn to WAL mode (a setting kept in the file), looked at
+        read-only: even one it refuses (a table of its own in the log's
+        place). None for one in WAL mode already (every log is), which a
+        connection leaves as it was, and one that cannot be looked at: left
+        for the connection."""
         try:
             with self.path.open("rb") as file:
                 header = file.read(_SQLITE_HEADER_BYTES)
         except FileNotFoundError:
-            return True
+            return TablesFound({}, None)
         except OSError:
-            return False
+            return None
         if not header:
-            return True
+            return TablesFound({}, None)
         if header[18:20] == _WAL_VERSIONS:
-            return False
-        try:
+            return None
+        uri = f"{self.path.as_uri()}?mode=ro"
+        engine = sa.create_engine(
+            "sqlite://",
             # Not waited on: a file another writer holds is the connection's
             # to wait for, and to say so.
-            uri = f"{self.path.as_uri()}?mode=ro"
-            with closing(sqlite3.connect(uri, uri=True, timeout=0)) as conn:
-                found = conn.execute(
-                    "SELECT 1 FROM sqlite_master"
-                    f" WHERE name COLLATE NOCASE IN ({', '.join('?' * len(names))})",
-                    tuple(names),
-                ).fetchone()
-        except sqlite3.Error:
-            return False
-        return found is None
+            creator=lambda: sqlite3.connect(uri, uri=True, timeout=0),
+            poolclass=sa.pool.NullPool,
+        )
+        try:
+            with engine.connect() as conn:
+                return _log_tables_found(conn, names)
+        except sa.exc.DBAPIError:
+            return None
+        finally:
+            engine.dispose()
 
     def check(self) -> None:
         """Refused in one line unless the path still names the file this
@@ -1667,22 +1680,23 @@ class SQLRecorder(ProcessRecorder):
         there is nothing to create."""
         names = [table.name for table in tables.sorted_tables]
         log = tables is metadata
-        if log and not self._make_log and self._file is not None and self._file.holds_no_log(names):
-            raise NoLogYet(self._file.where)  # before a connection makes or changes the file
+        if log and self._file is not None:
+            # Before a connection makes or changes the file.
+            looked = self._file.looked_at(names)
+            if looked is not None and not looked.tables and not self._make_log:
+                raise NoLogYet(self._file.where)
         with self.engine.connect() as conn:
             if self.dialect == "postgresql":
                 # Reads of the server's catalog, which a transaction at its
                 # default isolation gives no one view of either: psycopg's
                 # BEGIN and the ROLLBACK cost each start two round trips.
                 conn.execution_options(isolation_level="AUTOCOMMIT")
-            found, columns = tables_found(conn, names)
-            if log and columns is not None:
-                _check_log_columns(conn, columns)
-                if self.dialect == "postgresql":
-                    # Where the log is, which :meth:`log_schema` asked next:
-                    # four round trips more a process that writes (the pool's
-                    # check, BEGIN, the query, ROLLBACK).
-                    self._log_schema = found[events_table.name]
+            found, columns = _log_tables_found(conn, names)
+            if columns is not None and self.dialect == "postgresql":
+                # Where the log is, which :meth:`log_schema` asked next:
+                # four round trips more a process that writes (the pool's
+                # check, BEGIN, the query, ROLLBACK).
+                self._log_schema = found[events_table.name]
             if len(found) == len(names) and not (columns is not None and _unlinked(columns)):
                 return
         # Asked here, the schema the log's table is made in when it is missing.
@@ -1690,9 +1704,7 @@ class SQLRecorder(ProcessRecorder):
         # The events table may not exist yet to LOCK: an advisory lock instead.
         with self.locked("catalog_es.tables", schema=schema) as conn:
             # Again under the lock: another node may have made it meanwhile.
-            found, columns = tables_found(conn, names)
-            if log and columns is not None:
-                _check_log_columns(conn, columns)
+            found, columns = _log_tables_found(conn, names)
             missing = [table for table in tables.sorted_tables if table.name not in found]
             if missing and self.dialect == "postgresql":
                 # Only a table to be made has a type in its way; asked with

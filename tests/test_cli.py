@@ -3487,14 +3487,15 @@ def test_another_event_stores_table_named_as_the_log_is_in_the_way_not_a_damaged
     columns as it lacked. A table is taken for the log only with a column
     that the log alone has, and as many of its columns as it lacks; else
     it is in the way. Each refused in one line, exit 1, the database left
-    as it was."""
+    as it was: a SQLite file not in WAL mode (no log is), too, which was
+    turned to it before the refusal."""
     if not db_url.startswith(only_on):
         pytest.skip(f"{only_on}'s own")
     postgresql = db_url.startswith("postgresql")
     make(db_url)
     engine = sa.create_engine(db_url)
 
-    def stored() -> tuple[list[str], list[tuple[Any, ...]]]:
+    def stored() -> tuple[list[str], list[tuple[Any, ...]], bytes]:
         listed = (
             "SELECT relname FROM pg_class WHERE relnamespace = current_schema()::regnamespace"
             if postgresql
@@ -3503,7 +3504,9 @@ def test_another_event_stores_table_named_as_the_log_is_in_the_way_not_a_damaged
         with engine.connect() as conn:
             objects = sorted(conn.exec_driver_sql(listed).scalars())
             rows = conn.exec_driver_sql("SELECT * FROM catalog_events ORDER BY 1, 2").all()
-            return objects, [tuple(row) for row in rows]
+        # A SQLite file whole: its journal mode too, another app's to choose.
+        file = b"" if postgresql else Path(sa.make_url(db_url).database or "").read_bytes()
+        return objects, [tuple(row) for row in rows], file
 
     before = stored()
     where = f" in schema {schema_of(db_url)}" if postgresql else ""
@@ -3529,19 +3532,20 @@ def test_an_object_named_as_a_table_of_the_log_in_another_case_is_refused_too(
 ) -> None:
     """SQLite's names are the same in any case: a view named CATALOG_EVENTS
     was not found as one, and the table's creation failed on it, in a line
-    that named neither it nor what to do (hostile test)."""
+    that named neither it nor what to do (hostile test). The file, another
+    app's, is left as it was, in its journal mode too."""
     file = tmp_path / "catalog.db"
-    with sqlite3.connect(file) as conn:
+    with closing(sqlite3.connect(file)) as conn:
         conn.executescript(f"CREATE TABLE other (x); {made}")
 
     def objects() -> list[tuple[str, str]]:
-        with sqlite3.connect(file) as conn:
+        with closing(sqlite3.connect(file)) as conn:
             return sorted(conn.execute("SELECT type, name FROM sqlite_master").fetchall())
 
-    before = objects()
+    before = objects(), file.read_bytes()
     result = CliRunner().invoke(cli, ["--db", f"sqlite:///{file}", "model", "list"])
     assert refused_in_one_line(result).startswith(f"error: {told} stands where the catalog")
-    assert objects() == before
+    assert (objects(), file.read_bytes()) == before
 
 
 @pytest.mark.parametrize(
