@@ -235,7 +235,15 @@ class Catalog:
                 )
         cycle = self._cycle_through(name, new)
         if cycle:
-            raise InvalidModel(name, "fallbacks", f"form a cycle: {_cycle_text(cycle)}")
+            # Each model on it names a runtime one (the next, up to this one),
+            # so each is runtime: one declared instead, which names only
+            # declared models, breaks it.
+            raise InvalidModel(
+                name,
+                "fallbacks",
+                f"form a cycle: {_cycle_text(cycle)}",
+                TurnedOn(tuple(cycle[1:-1]), any_of=True),
+            )
 
     def _cycle_through(self, name: str, new: ModelSpec) -> list[str]:
         """A fallback path from ``name`` back to itself, if the change makes one.

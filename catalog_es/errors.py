@@ -141,13 +141,16 @@ class TurnedOn(NamedTuple):
     ``engine`` (its ``engines:``). Another config that decides it otherwise
     (the one the log's nodes last recorded, where a run is given a stale
     one) explains the refusal, and the command line's refusal says so
-    (``Settings.another_config_explains``). ``named``: the refusal is about
-    that one model, and names it already."""
+    (``Settings.another_config_explains``): otherwise for every one of
+    ``models``, or, with ``any_of``, for any one (a fallback cycle, which
+    one declared model on it breaks). ``named``: the refusal is about that
+    one model, and names it already."""
 
     models: tuple[str, ...] = ()
     declared: bool = False
     engine: str = ""
     named: bool = False
+    any_of: bool = False
 
 
 class Refused(Exception):

@@ -28,7 +28,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from contextlib import closing, contextmanager, suppress
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from itertools import pairwise
 from pathlib import Path
@@ -179,6 +179,10 @@ tracking_table = sa.Table(
 
 # The columns of the log's table before its events named their stream's last.
 _UNLINKED_COLUMNS = {"revision", "originator_id", "originator_version", "topic", "state", "hash"}
+# The log's columns that eventsourcing's own stored events have none of:
+# another application of the library named Catalog keeps its events in a
+# table named as the log's, with each of the others.
+_LOG_OWN_COLUMNS = {"revision", "hash", "stream_previous"}
 
 
 def _unlinked(columns: Sequence[str]) -> bool:
@@ -307,8 +311,10 @@ def _check_log_columns(conn: Connection, columns: Sequence[str]) -> None:
     virtual table, a PostgreSQL foreign table): the other tables were made,
     then a read failed on `no such column: catalog_events.revision`, naming
     neither the table nor what to do. Asked only when the table is there.
-    One with as many of the log's columns as it lacks is taken for a log
-    damaged by hand: the advice to drop it would destroy its history."""
+    One with a column only the log has, and as many of the log's columns as
+    it lacks, is taken for a log damaged by hand: the advice to drop it
+    would destroy its history. Without one, it is no log, though it has
+    every other (another eventsourcing application's events)."""
     missing = [c.name for c in events_table.columns if c.name in _UNLINKED_COLUMNS - set(columns)]
     if not missing:
         return
@@ -319,7 +325,7 @@ def _check_log_columns(conn: Connection, columns: Sequence[str]) -> None:
             " WHERE oid = to_regclass('catalog_events')"
         ).scalar_one()
     kept = [c.name for c in events_table.columns if c.name in columns]
-    if len(kept) >= len(missing):
+    if _LOG_OWN_COLUMNS.intersection(kept) and len(kept) >= len(missing):
         raise DamagedLog(
             f"the log's table {events_table.name}{where} lacks columns every release has made"
             f" it with ({', '.join(missing)}): it was altered by hand; nothing was read or made;"
@@ -328,6 +334,15 @@ def _check_log_columns(conn: Connection, columns: Sequence[str]) -> None:
         )
     lacking = f"{where}, without the log's columns ({', '.join(missing)}),"
     raise _in_the_way(conn, "a table", events_table.name, lacking)
+
+
+def _log_tables_found(conn: Connection, names: Sequence[str]) -> TablesFound:
+    """:func:`tables_found`, refused where the log's table is no log, or a
+    damaged one (:func:`_check_log_columns`)."""
+    found = tables_found(conn, names)
+    if found.log_columns is not None:
+        _check_log_columns(conn, found.log_columns)
+    return found
 
 
 # The revision column's sequence on PostgreSQL (NULL if it has none, and the
@@ -847,35 +862,42 @@ class SQLiteFile:
             )
         return found.st_dev, found.st_ino
 
-    def holds_no_log(self, names: Sequence[str]) -> bool:
-        """Whether the path holds no log (no table named as one of ``names``),
-        told without a connection of the log's where one would change the
-        file: no file, an empty one (``touch typo.db``), which it would make a
-        database in, or another app's database, which it would turn to WAL
-        mode (a setting kept in the file), looked at read-only. One in WAL
-        mode already (every log is), which a connection leaves as it was,
-        and one that cannot be looked at, are left for the connection."""
+    def looked_at(self, names: Sequence[str]) -> TablesFound | None:
+        """Which of the tables ``names`` the path holds (:func:`_log_tables_found`,
+        refused as it refuses), told without a connection of the log's where
+        one would change the file: no file, an empty one (``touch typo.db``),
+        which it would make a database in, or another app's database, which
+        it would turn to WAL mode (a setting kept in the file), looked at
+        read-only: even one it refuses (a table of its own in the log's
+        place). None for one in WAL mode already (every log is), which a
+        connection leaves as it was, and one that cannot be looked at: left
+        for the connection."""
         try:
             with self.path.open("rb") as file:
                 header = file.read(_SQLITE_HEADER_BYTES)
         except FileNotFoundError:
-            return True
+            return TablesFound({}, None)
         except OSError:
-            return False
+            return None
         if not header:
-            return True
+            return TablesFound({}, None)
         if header[18:20] == _WAL_VERSIONS:
-            return False
+            return None
+        uri = f"{self.path.as_uri()}?mode=ro"
+        engine = sa.create_engine(
+            "sqlite://",
+            # Not waited on: a file another writer holds is the connection's
+            # to wait for, and to say so.
+            creator=lambda: sqlite3.connect(uri, uri=True, timeout=0),
+            poolclass=sa.pool.NullPool,
+        )
         try:
-            with closing(sqlite3.connect(f"{self.path.as_uri()}?mode=ro", uri=True)) as conn:
-                found = conn.execute(
-                    "SELECT 1 FROM sqlite_master"
-                    f" WHERE name COLLATE NOCASE IN ({', '.join('?' * len(names))})",
-                    tuple(names),
-                ).fetchone()
-        except sqlite3.Error:
-            return False
-        return found is None
+            with engine.connect() as conn:
+                return _log_tables_found(conn, names)
+        except sa.exc.DBAPIError:
+            return None
+        finally:
+            engine.dispose()
 
     def check(self) -> None:
         """Refused in one line unless the path still names the file this
@@ -1684,22 +1706,23 @@ class SQLRecorder(ProcessRecorder):
         there is nothing to create."""
         names = [table.name for table in tables.sorted_tables]
         log = tables is metadata
-        if log and not self._make_log and self._file is not None and self._file.holds_no_log(names):
-            raise NoLogYet(self._file.where)  # before a connection makes or changes the file
+        if log and self._file is not None:
+            # Before a connection makes or changes the file.
+            looked = self._file.looked_at(names)
+            if looked is not None and not looked.tables and not self._make_log:
+                raise NoLogYet(self._file.where)
         with self.engine.connect() as conn:
             if self.dialect == "postgresql":
                 # Reads of the server's catalog, which a transaction at its
                 # default isolation gives no one view of either: psycopg's
                 # BEGIN and the ROLLBACK cost each start two round trips.
                 conn.execution_options(isolation_level="AUTOCOMMIT")
-            found, columns = tables_found(conn, names)
-            if log and columns is not None:
-                _check_log_columns(conn, columns)
-                if self.dialect == "postgresql":
-                    # Where the log is, which :meth:`log_schema` asked next:
-                    # four round trips more a process that writes (the pool's
-                    # check, BEGIN, the query, ROLLBACK).
-                    self._log_schema = found[events_table.name]
+            found, columns = _log_tables_found(conn, names)
+            if columns is not None and self.dialect == "postgresql":
+                # Where the log is, which :meth:`log_schema` asked next:
+                # four round trips more a process that writes (the pool's
+                # check, BEGIN, the query, ROLLBACK).
+                self._log_schema = found[events_table.name]
             if not self._to_make(tables, found) and not (
                 columns is not None and _unlinked(columns)
             ):
@@ -1711,9 +1734,7 @@ class SQLRecorder(ProcessRecorder):
         # The events table may not exist yet to LOCK: an advisory lock instead.
         with self.locked("catalog_es.tables", schema=schema) as conn:
             # Again under the lock: another node may have made it meanwhile.
-            found, columns = tables_found(conn, names)
-            if log and columns is not None:
-                _check_log_columns(conn, columns)
+            found, columns = _log_tables_found(conn, names)
             missing = self._to_make(tables, found)
             if missing and self.dialect == "postgresql":
                 # Only a table to be made has a type in its way; asked with

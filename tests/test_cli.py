@@ -36,6 +36,10 @@ import pytest
 import sqlalchemy as sa
 import yaml
 from click.testing import CliRunner, Result
+from eventsourcing.application import Application
+from eventsourcing.domain import Aggregate
+from eventsourcing.persistence import StoredEvent
+from eventsourcing.sqlite import SQLiteApplicationRecorder, SQLiteDatastore
 from hypothesis import strategies as st
 
 from catalog_es import (
@@ -3065,6 +3069,64 @@ def test_a_refusal_another_config_explains_says_so_in_its_line(
     assert count_events(db_url) == 5
 
 
+@pytest.mark.parametrize(
+    ("on_cycle", "declared_there", "hint"),
+    [
+        pytest.param(2, ("m2",), "model 'm2' is", id="one"),
+        pytest.param(2, ("m1", "m2"), "models 'm1', 'm2' are", id="two"),
+        pytest.param(
+            7,
+            ("m1", "m2", "m3", "m4", "m5", "m6", "m7"),
+            "models 'm1', 'm2', 'm3', 'm4', 'm5' and 2 more are",
+            id="many",
+        ),
+        # A model off the cycle, or the one refused (refused there as declared), breaks nothing.
+        pytest.param(2, ("other",), "", id="off-the-cycle"),
+        pytest.param(2, ("a",), "", id="the-model-refused"),
+    ],
+)
+def test_a_fallback_cycle_another_config_breaks_says_so_in_its_line(
+    run_told: Run,
+    db_url: str,
+    tmp_path: Path,
+    on_cycle: int,
+    declared_there: tuple[str, ...],
+    hint: str,
+) -> None:
+    """A runtime model given a fallback that closed a cycle (a -> m1 -> … ->
+    a), on a stale config, was refused with no word that the config the log
+    last recorded declares a model on it, which breaks it there (a declared
+    model names only declared ones): left open at stop 51. Any one such
+    model does, where a model named or naming needs each: the line names
+    those it declares (five, and how many more), and says nothing where it
+    declares none of them. One line, exit 1, the log left as it was."""
+    stale, deployed = tmp_path / "stale.yaml", tmp_path / "deployed.yaml"
+    stale.write_text(config_yaml(spec("base")))
+    deployed.write_text(config_yaml(spec("base"), *map(spec, declared_there)))
+    chain = [f"m{n}" for n in range(1, on_cycle + 1)]
+    # a, then each model on the chain from its end, naming the one after it.
+    named = zip(reversed(chain), ["a", *reversed(chain[1:])], strict=True)
+    adds = [definition("a"), *(definition(m, fallbacks=[f]) for m, f in named)]
+    (tmp_path / "chain.yaml").write_bytes(as_yaml([{"add": d} for d in adds]))
+    (tmp_path / "a.yaml").write_bytes(as_yaml(definition("a", fallbacks=["m1"])))
+    (tmp_path / "z.yaml").write_bytes(as_yaml(definition("z")))
+    ok(run_told("--config", str(stale), "apply", "chain.yaml"))  # 1 stale, 2…
+    ok(run_told("--config", str(deployed), "model", "add", "z.yaml"))  # deployed, z
+    written = count_events(db_url)
+    shown_cycle = " -> ".join(
+        ["a", *chain, "a"] if on_cycle < 6 else ["a", *chain[:4], "… (3 more)", "a"]
+    )
+    told = f"error: model 'a': fallbacks: form a cycle: {shown_cycle}"
+    if hint:
+        told += (
+            f" ({hint} declared in the config the log last recorded, at revision {written - 1},"
+            f" but not in this run's config ({stale}))"
+        )
+    done = run_told("--config", str(stale), "model", "add", "a.yaml")
+    assert refused_in_one_line(done) == told
+    assert count_events(db_url) == written
+
+
 def test_a_deleted_last_event_is_told_by_every_command_until_a_write_goes_on(
     run_told: Run, db_url: str, tmp_path: Path
 ) -> None:
@@ -3518,6 +3580,142 @@ def test_a_table_named_as_the_logs_that_is_not_the_log_is_refused_before_anythin
         engine.dispose()
 
 
+class Catalog(Application[uuid.UUID]):
+    """Another application of the event library, whose name makes its
+    events' table the log's: ``catalog_events``."""
+
+
+def _another_apps_events(db_url: str) -> None:
+    """Catalog's events kept in ``db_url`` by eventsourcing_sqlalchemy."""
+    other = Catalog(
+        env={"PERSISTENCE_MODULE": "eventsourcing_sqlalchemy", "SQLALCHEMY_URL": db_url}
+    )
+    other.save(Aggregate())
+    other.close()
+
+
+def _another_apps_events_in_sqlite(db_url: str) -> None:
+    """The same on SQLite by the library's own recorder (its factory names
+    the table stored_events; an application can name it as it likes)."""
+    datastore = SQLiteDatastore(sa.make_url(db_url).database or "")
+    recorder = SQLiteApplicationRecorder(datastore, events_table_name="catalog_events")
+    recorder.create_table()
+    recorder.insert_events([StoredEvent(uuid.uuid4(), 1, "other_app:Made", b"{}")])
+    datastore.close()
+
+
+def _made_by(statement: str) -> Callable[[str], None]:
+    def make(db_url: str) -> None:
+        engine = sa.create_engine(db_url)
+        with engine.begin() as conn:
+            conn.exec_driver_sql(statement)
+        engine.dispose()
+
+    return make
+
+
+def _a_log_with_a_column_dropped(db_url: str) -> None:
+    definition_file = Path("m.yaml")  # in the test's own folder, where it runs
+    definition_file.write_bytes(as_yaml(definition("m")))
+    ok(invoke_told(["--db", db_url, "model", "add", str(definition_file)]))
+    _made_by("ALTER TABLE catalog_events DROP COLUMN state")(db_url)
+
+
+IN_THE_WAY = (
+    "a table named catalog_events{where}, without the log's columns ({lacking}), stands where"
+    " the catalog keeps its table of that name: nothing was read or made; drop or rename it,"
+    " or point --db at another {other}"
+)
+
+
+@pytest.mark.parametrize(
+    ("make", "told", "only_on"),
+    [
+        pytest.param(
+            _another_apps_events,
+            IN_THE_WAY.replace("{lacking}", "revision, hash"),
+            "",
+            id="eventsourcing-sqlalchemy",
+        ),
+        pytest.param(
+            _another_apps_events_in_sqlite,
+            IN_THE_WAY.replace("{lacking}", "revision, hash"),
+            "sqlite",
+            id="eventsourcing-sqlite",
+        ),
+        # As eventsourcing.postgres makes it (not imported: it needs
+        # psycopg_pool, which this project does not install).
+        pytest.param(
+            _made_by(
+                "CREATE TABLE catalog_events (originator_id uuid NOT NULL, originator_version"
+                " bigint NOT NULL, topic text, state bytea, notification_id bigserial,"
+                " PRIMARY KEY (originator_id, originator_version))"
+            ),
+            IN_THE_WAY.replace("{lacking}", "revision, hash"),
+            "postgresql",
+            id="eventsourcing-postgres",
+        ),
+        # A column or two only the log has do not make a log.
+        pytest.param(
+            _made_by("CREATE TABLE catalog_events (id integer, revision integer, hash text)"),
+            IN_THE_WAY.replace("{lacking}", "originator_id, originator_version, topic, state"),
+            "",
+            id="unrelated",
+        ),
+        pytest.param(
+            _a_log_with_a_column_dropped,
+            "the log's table catalog_events{where} lacks columns every release has made it with"
+            " (state): it was altered by hand; nothing was read or made; do not drop it, it may"
+            " hold the catalog's history: restore the log from a backup, or point --db at"
+            " another {other}",
+            "",
+            id="damaged-log",
+        ),
+    ],
+)
+def test_another_event_stores_table_named_as_the_log_is_in_the_way_not_a_damaged_log(
+    db_url: str, make: Callable[[str], None], told: str, only_on: str
+) -> None:
+    """Another eventsourcing application's events, in a table named as the
+    log's (an application named Catalog: the library's own layout, the
+    log's columns but revision and hash), was refused as the log damaged by
+    hand, to be restored from a backup: it held as many of the log's
+    columns as it lacked. A table is taken for the log only with a column
+    that the log alone has, and as many of its columns as it lacks; else
+    it is in the way. Each refused in one line, exit 1, the database left
+    as it was: a SQLite file not in WAL mode (no log is), too, which was
+    turned to it before the refusal."""
+    if not db_url.startswith(only_on):
+        pytest.skip(f"{only_on}'s own")
+    postgresql = db_url.startswith("postgresql")
+    make(db_url)
+    engine = sa.create_engine(db_url)
+
+    def stored() -> tuple[list[str], list[tuple[Any, ...]], bytes]:
+        listed = (
+            "SELECT relname FROM pg_class WHERE relnamespace = current_schema()::regnamespace"
+            if postgresql
+            else "SELECT name FROM sqlite_master"
+        )
+        with engine.connect() as conn:
+            objects = sorted(conn.exec_driver_sql(listed).scalars())
+            rows = conn.exec_driver_sql("SELECT * FROM catalog_events ORDER BY 1, 2").all()
+        # A SQLite file whole: its journal mode too, another app's to choose.
+        file = b"" if postgresql else Path(sa.make_url(db_url).database or "").read_bytes()
+        return objects, [tuple(row) for row in rows], file
+
+    before = stored()
+    where = f" in schema {schema_of(db_url)}" if postgresql else ""
+    other = "database or schema" if postgresql else "file"
+    try:
+        for command in (["model", "list"], ["model", "scale", "m", "--max", "2"]):
+            refused = CliRunner().invoke(cli, ["--db", db_url, *command])
+            assert refused_in_one_line(refused) == "error: " + told.format(where=where, other=other)
+            assert stored() == before
+    finally:
+        engine.dispose()
+
+
 @pytest.mark.parametrize(
     ("made", "told"),
     [
@@ -3530,19 +3728,20 @@ def test_an_object_named_as_a_table_of_the_log_in_another_case_is_refused_too(
 ) -> None:
     """SQLite's names are the same in any case: a view named CATALOG_EVENTS
     was not found as one, and the table's creation failed on it, in a line
-    that named neither it nor what to do (hostile test)."""
+    that named neither it nor what to do (hostile test). The file, another
+    app's, is left as it was, in its journal mode too."""
     file = tmp_path / "catalog.db"
-    with sqlite3.connect(file) as conn:
+    with closing(sqlite3.connect(file)) as conn:
         conn.executescript(f"CREATE TABLE other (x); {made}")
 
     def objects() -> list[tuple[str, str]]:
-        with sqlite3.connect(file) as conn:
+        with closing(sqlite3.connect(file)) as conn:
             return sorted(conn.execute("SELECT type, name FROM sqlite_master").fetchall())
 
-    before = objects()
+    before = objects(), file.read_bytes()
     result = CliRunner().invoke(cli, ["--db", f"sqlite:///{file}", "model", "list"])
     assert refused_in_one_line(result).startswith(f"error: {told} stands where the catalog")
-    assert objects() == before
+    assert (objects(), file.read_bytes()) == before
 
 
 @pytest.mark.parametrize(

@@ -920,6 +920,34 @@ def test_a_locked_file_not_yet_in_wal_mode_is_reported_busy(tmp_path: Path) -> N
     holder.close()
 
 
+def test_a_read_of_a_locked_file_not_yet_in_wal_mode_waits_the_bounded_wait_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read on such a file looked at it read-only first (to leave another
+    app's file as it was), and that look waited out SQLite's own 5 s on the
+    lock before the bounded wait began: refused as locked "for 0.5 s" after
+    5.5. The look does not wait; in process, with no start-up to count."""
+    path = tmp_path / "older.db"
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("CREATE TABLE theirs (a)")
+    holder.execute("BEGIN EXCLUSIVE")
+    monkeypatch.setenv(LOCK_WAIT_ENV, "0.5")
+    try:
+        started = time.monotonic()
+        refused = CliRunner().invoke(cli, ["--db", f"sqlite:///{path}", "model", "list"])
+        took = time.monotonic() - started
+    finally:
+        holder.close()
+    assert (refused.exit_code, refused.stderr.splitlines()) == (
+        1,
+        [
+            "error: the database stayed locked by another process for 0.5 s, before it could"
+            " be put in WAL mode; nothing was read or written, try again"
+        ],
+    )
+    assert took < 3
+
+
 @pytest.mark.parametrize(("sync", "level"), [(None, 2), ("NORMAL", 1), ("full", 2)])
 def test_every_connection_to_a_file_keeps_the_settings_the_log_relies_on(
     sync: str | None, level: int, monkeypatch: pytest.MonkeyPatch, tmp_path: Path

@@ -97,6 +97,9 @@ T = TypeVar("T")
 log = logging.getLogger("catalog_es")
 
 
+# The models a stale-config hint names before it says how many more there are.
+HINT_MODELS_SHOWN = 5
+
 # Seconds between tries of a command that runs until stopped (watch, serve),
 # starting while the database cannot be used.
 START_RETRY_SECONDS = 1.0
@@ -287,7 +290,8 @@ class Settings:
         refusal turned on (:class:`~catalog_es.errors.TurnedOn`): the model
         refused as declared is not declared in the log's; one not found,
         named as a fallback, or naming the model refused as one, is (a
-        change of a list's too); an engine unknown here is known there.
+        change of a list's too), as is one on a fallback cycle refused (that
+        one breaks it); an engine unknown here is known there.
         Nothing for any other refusal, which that difference cannot explain."""
         models = self._models
         if (
@@ -311,12 +315,22 @@ class Settings:
                 return ""
             return f" (engine {shown(turned_on.engine)} is known in {logs}, but not in {ours})"
         declared_in_theirs = {spec.name for spec in theirs.models}
-        if any((name in declared_in_theirs) == turned_on.declared for name in turned_on.models):
+        decided_otherwise = [
+            name for name in turned_on.models if (name in declared_in_theirs) != turned_on.declared
+        ]
+        if not decided_otherwise or (
+            not turned_on.any_of and len(decided_otherwise) < len(turned_on.models)
+        ):
             return ""
         which = ""
         if not turned_on.named:
-            names = ", ".join(shown(name, NAME_SHOWN_LENGTH) for name in turned_on.models)
-            which = f"model {names} is " if len(turned_on.models) == 1 else f"models {names} are "
+            # A cycle through a thousand models may have them all declared there.
+            names = ", ".join(
+                shown(name, NAME_SHOWN_LENGTH) for name in decided_otherwise[:HINT_MODELS_SHOWN]
+            )
+            if len(decided_otherwise) > HINT_MODELS_SHOWN:
+                names += f" and {len(decided_otherwise) - HINT_MODELS_SHOWN:,} more"
+            which = f"model {names} is " if len(decided_otherwise) == 1 else f"models {names} are "
         if turned_on.declared:
             return f" ({which}declared in {ours}, but not in {logs})"
         return f" ({which}declared in {logs}, but not in {ours})"
