@@ -300,8 +300,8 @@ def _in_the_way(conn: Connection, what: str, name: str, where: str) -> DamagedLo
     ``where`` it is, taking the place of the catalog's table of that name."""
     return DamagedLog(
         f"{what} named {name}{where} stands where the catalog keeps its table"
-        f" of that name: nothing was read or made; drop or rename it, or point --db at"
-        f" another {_another_store(conn)}"
+        f" of that name: nothing was read or made; point --db at another"
+        f" {_another_store(conn)}, or rename it (it may hold another application's data)"
     )
 
 

@@ -3501,8 +3501,8 @@ def test_a_view_named_as_a_table_of_the_log_is_refused_before_anything_is_made(
         other = "database or schema" if where else "file"
         assert refused_in_one_line(run("model", "list")) == (
             f"error: a view named catalog_events{where} stands where the catalog keeps its"
-            " table of that name: nothing was read or made; drop or rename it, or point --db"
-            f" at another {other}"
+            " table of that name: nothing was read or made; point --db at another"
+            f" {other}, or rename it (it may hold another application's data)"
         )
         assert objects() == before == ["catalog_events"]
     finally:
@@ -3570,7 +3570,8 @@ def test_a_table_named_as_the_logs_that_is_not_the_log_is_refused_before_anythin
             assert refused_in_one_line(run(*command)) == (
                 f"error: a table named catalog_events{where}, without the log's columns"
                 f" ({lacking}), stands where the catalog keeps its table of that name: nothing"
-                f" was read or made; drop or rename it, or point --db at another {other}"
+                f" was read or made; point --db at another {other}, or rename it (it may hold"
+                " another application's data)"
             )
             assert objects() == before
     finally:
@@ -3623,8 +3624,8 @@ def _a_log_with_a_column_dropped(db_url: str) -> None:
 
 IN_THE_WAY = (
     "a table named catalog_events{where}, without the log's columns ({lacking}), stands where"
-    " the catalog keeps its table of that name: nothing was read or made; drop or rename it,"
-    " or point --db at another {other}"
+    " the catalog keeps its table of that name: nothing was read or made; point --db at"
+    " another {other}, or rename it (it may hold another application's data)"
 )
 
 
@@ -3780,8 +3781,8 @@ def test_a_type_named_as_a_table_of_the_log_is_refused_before_anything_is_made(
         result = CliRunner().invoke(cli, ["--db", pg_url, "model", "list"])
         assert refused_in_one_line(result) == (
             f"error: a type named {name} in schema {schema} stands where the catalog keeps its"
-            " table of that name: nothing was read or made; drop or rename it, or point --db"
-            " at another database or schema"
+            " table of that name: nothing was read or made; point --db at another"
+            " database or schema, or rename it (it may hold another application's data)"
         )
         assert objects() == before
     finally:
