@@ -1023,6 +1023,45 @@ def test_a_server_that_cannot_be_reached_is_told_so(
     models.close()
 
 
+def test_a_log_whose_last_events_were_deleted_is_told_until_a_write_goes_on(
+    browser: BrowserContext, shared_server: SharedServer, tmp_path: Path
+) -> None:
+    """The last events deleted by hand (docs/audit.md): `/revision`, whose
+    answer is the head, is refused naming both, and the page says so, open
+    as they went (its stream refused as past the log's end, every 2 s, the
+    page still at the revision deleted) or opened since (where it drew the
+    revision before them as now). A write goes on past the gap, and the
+    page follows the log again."""
+    db = f"sqlite:///{tmp_path}/c.db"
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db})
+    cpu = [{"name": "cpu", "min_memory_gb": 4}]
+    tiny = {"name": "m", "engine": "llamacpp", "source": "hf://org/m-GGUF", "profiles": cpu}
+    for name in ("m", "n"):  # 1, 2
+        models.add(model_from_data({**tiny, "name": name}, name), by="ops")
+    no_head = (
+        "revision 2 is missing: the head is at revision 2 but the log ends at 1, so the last"
+        " events were deleted; revision 1 is not the head (catalog-es verify)"
+    )
+    served = create_app_for(models, tmp_path)
+    with console_of(browser, shared_server, served, "/console/#/models") as (page, _url, app):
+        heading, error = page.locator("#page h1 small"), page.locator("#error")
+        expect(heading).to_have_text("now, revision 2")
+        with models.store.engine.begin() as conn:
+            conn.exec_driver_sql("DELETE FROM catalog_events WHERE revision = 2")
+        app.state.closing.set()  # its stream ends, as at a restart
+        expect(page.locator("#live")).not_to_have_class("live on")
+        app.state.closing.clear()
+        expect(error).to_have_text(no_head)
+        page.reload()
+        expect(error).to_have_text(no_head)
+        expect(page.locator("#models")).to_have_count(0)
+        models.scale("m", 0, 3, by="ops")  # 3, after the head
+        expect(heading).to_have_text("now, revision 3")
+        expect(page.locator('#models tr[data-model="m"]')).to_contain_text("0..3")
+        expect(error).to_have_text("")
+    models.close()
+
+
 def test_a_revision_that_was_the_head_follows_the_log_once_it_moves(
     browser: BrowserContext, shared_server: SharedServer, tmp_path: Path
 ) -> None:

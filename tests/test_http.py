@@ -1139,6 +1139,33 @@ def test_an_if_match_on_a_revision_deleted_since_is_409_saying_so(
     assert count_events(api.db) == before
 
 
+def test_revision_with_the_logs_last_events_deleted_is_refused_naming_both(api: Api) -> None:
+    """The last events deleted by hand (docs/audit.md): `GET /revision`
+    answered the revision before them, 200, where `catalog-es revision` is
+    refused and verify names the break: a monitor polling it took it for the
+    head of a log whole. It is refused as the command line is, 500 as a log
+    edited by hand is; reads go on, and once a write goes on past the gap it
+    answers the head again."""
+    for name in ("qwen", "llama"):
+        ok(api.post("/models", definition(name)))
+    with api.models.store.engine.begin() as conn:
+        conn.execute(sa.text("DELETE FROM catalog_events WHERE revision = 3"))
+    before = count_events(api.db)
+    refusal = api.get("/revision")
+    assert refused(refusal, 500) == (
+        "revision 3 is missing: the head is at revision 3 but the log ends at 2, so the last"
+        " events were deleted; revision 2 is not the head (catalog-es verify)"
+    )
+    assert "ETag" not in refusal.headers
+    read = api.get("/models")  # reads go on, tagged with the revision they read
+    assert read.headers["ETag"] == '"2"'
+    assert count_events(api.db) == before
+    # Sent back, it is taken: the write is numbered after the head, past the gap.
+    ok(api.post("/models/qwen/scale", {"max": 3}, **{"If-Match": read.headers["ETag"]}))
+    answer = api.get("/revision")
+    assert (ok(answer), answer.headers["ETag"]) == ({"revision": 4}, '"4"')
+
+
 def test_an_if_match_of_a_revision_the_log_skipped_is_409_saying_so(
     pg_url: str, tmp_path: Path, shared_server: SharedServer
 ) -> None:

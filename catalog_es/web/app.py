@@ -658,9 +658,13 @@ def who_am_i(caller: Reader) -> Response:
 
 @route.get("/revision", tags=["queries"])
 def head(caller: Reader, models: Service) -> Response:
-    """The head of the log: the revision of the last change."""
+    """The head of the log: the revision of the last change; refused (500)
+    while the log's last events are deleted, as `catalog-es revision` is."""
+    # Caught up first, as every read is: the node tells what it finds in the
+    # log (another config's writes, a log gone back) at a request.
     models.refresh()
-    return respond({"revision": models.revision}, models.revision)
+    revision = models.head()
+    return respond({"revision": revision}, revision)
 
 
 def _head_or(models: Models, past: int | None) -> int:

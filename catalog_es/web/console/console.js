@@ -289,9 +289,12 @@ async function follow() {
       live(false, `the server refused the stream (${response.status}: ${why})`);
       // Refused as past the head: the log went back under the page (422
       // "revision 4 is beyond the head of the log (2)", every 2 s, while the
-      // page showed the lost catalog). Follow it down, and say so.
-      if (response.status === 422 && (await readHead().catch(() => false))) {
-        await render();
+      // page showed the lost catalog). Follow it down, and say so. A head
+      // the server will not name (the log's last events deleted by hand) is
+      // told by the redraw, as every page tells it, over the page it kept.
+      const wentBack = response.status === 422 && (await readHead().catch(() => null));
+      if (wentBack !== false) await render();
+      if (wentBack) {
         if (state.follow === controller) setTimeout(() => state.follow === controller && follow(), 0);
         return;
       }
