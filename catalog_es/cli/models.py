@@ -36,7 +36,6 @@ from catalog_es.cli.base import (
     write_json_list,
     write_out,
 )
-from catalog_es.collector import collector_paused
 from catalog_es.errors import InputError, counted, json_line, shown
 from catalog_es.names import FINGERPRINT_SHOWN
 
@@ -354,25 +353,22 @@ def log_command(settings: Settings, model_name: str | None, after: int, limit: i
         write_out(json_line(e) for e in events)
         return
     # A table's columns are as wide as their widest cell, so it is written
-    # once every row is read: only the cells' text is kept until then. The
-    # collector paused: it went over the cells kept so far as each page was
-    # read (1.2 s of 7.5 for 200,000 events).
-    with collector_paused():
-        table(
-            ["REV", "TIME", "BY", "MODEL", "EVENT", "CHANGE", "REASON"],
-            (
-                [
-                    str(e["revision"]),
-                    e["time"] or "?",
-                    e["by"] or "?",
-                    e["model"] or "-",
-                    e["event"],
-                    e.get("error") or _summary(e["fields"]),
-                    _why(e),
-                ]
-                for e in events
-            ),
-        )
+    # once every row is read: only each row's text is kept until then.
+    table(
+        ["REV", "TIME", "BY", "MODEL", "EVENT", "CHANGE", "REASON"],
+        (
+            [
+                str(e["revision"]),
+                e["time"] or "?",
+                e["by"] or "?",
+                e["model"] or "-",
+                e["event"],
+                e.get("error") or _summary(e["fields"]),
+                _why(e),
+            ]
+            for e in events
+        ),
+    )
 
 
 def _why(event: dict[str, Any]) -> str:
