@@ -571,6 +571,9 @@ class Models(AuditTrail, Application[UUID]):
         # one has looked through yet (:meth:`_tell_other_configs`).
         self._configs_known = {self.declared.fingerprint}
         self._configs_unread: tuple[int, int] | None = None
+        # Set while a start records this node's config: what its catch-ups
+        # meet was recorded before the node started.
+        self._starting = False
         # The revision of this service's last committed write: what an
         # interrupt after it, as the answer is made or told, cannot undo.
         self.last_written: int | None = None
@@ -1312,6 +1315,20 @@ class Models(AuditTrail, Application[UUID]):
         ``expected_revision``: refused, nothing written, unless the log is
         there, as every write is, whether or not there is a config to record."""
         asked = {"fingerprint": self.declared.fingerprint}
+        self._starting = True
+        try:
+            return self._record_declaration(by, reason, expected_revision, asked)
+        finally:
+            with self._state:
+                # Recorded before this start, which records its own over them
+                # (another node's configs met as it loaded and recorded; a
+                # node still on one records it again, told then).
+                self._configs_unread = None
+                self._starting = False
+
+    def _record_declaration(
+        self, by: str, reason: str, expected_revision: int | None, asked: dict[str, Any]
+    ) -> int:
         with self.refusals_recorded(CONFIG_DECLARED, "", by, reason, asked):
             with self._state:
                 if expected_revision is None:
@@ -1446,7 +1463,7 @@ class Models(AuditTrail, Application[UUID]):
         start, or the first write, records its own over it, and a node still
         on that one records it again with its next write, told then). Only a
         warning hangs on it, looked up with the log's write lock let go."""
-        if self._configs_unread is None:
+        if self._configs_unread is None or self._starting:
             return  # most calls: read without the catalog's lock, set under it
         with self._state:
             unread, self._configs_unread = self._configs_unread, None

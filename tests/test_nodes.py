@@ -698,6 +698,39 @@ def test_a_node_is_told_once_of_each_config_others_recorded_since_it_started(
         models.close()
 
 
+def test_a_config_recorded_as_a_node_starts_is_not_told(
+    db_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A config another node records between a server's load and its start's
+    record is one recorded before it started: the start records its own over
+    it, and is not told of it (stress test: a node restarted under load told
+    of one), until that node records it again."""
+    configs = _configs(2)
+    url = {"CATALOG_ES_DB": db_url}
+    node = Models(configs[0], env=url)  # loaded, as a server's start does first
+    other = Models(configs[1], env=url)
+    other.add(_definition("a", []), by="other")  # 1 config 1, 2
+    assert node.record_declaration(by="node") == 3
+    node.list_models()
+
+    def told() -> list[str]:
+        return [
+            r.getMessage().split(";")[0]
+            for r in caplog.records
+            if f"; this node's is fingerprint {configs[0].fingerprint[:12]}" in r.getMessage()
+        ]
+
+    assert told() == []
+    other.scale("a", 0, 2, by="other")  # 4 config 1 again, 5
+    node.list_models()
+    assert told() == [
+        f"another node writes under another declared config, fingerprint "
+        f"{configs[1].fingerprint[:12]} (1), recorded at revision 4 by 'other'"
+    ]
+    for models in (node, other):
+        models.close()
+
+
 def test_a_deploy_looks_up_the_configs_the_log_recorded_without_holding_its_writes(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
