@@ -9,6 +9,7 @@ in the log, and replay would skip it.
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import random
@@ -728,6 +729,26 @@ def test_a_config_recorded_as_a_node_starts_is_not_told(
         f"{configs[1].fingerprint[:12]} (1), recorded at revision 4 by 'other'"
     ]
     for models in (node, other):
+        models.close()
+
+
+def test_a_command_is_not_told_of_a_config_recorded_as_it_ran(
+    db_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A command's run (loaded, then one write) is told of another config
+    only as the docs say: its write warns when it records a config the log
+    had recorded before another replaced it. The server's warning of
+    another node writing under another config was told too, by a write
+    whose catch-up met a record made after its load (stress test: a
+    command-line write under load), and by none that met it at its load."""
+    configs = _configs(2)
+    url = {"CATALOG_ES_DB": db_url}
+    command = Models(configs[0], env=url)  # loaded, as a command's run does first
+    other = Models(configs[1], env=url)
+    other.add(_definition("a", []), by="other")  # 1 config 1, 2
+    command.scale("a", 0, 2, by="ops")  # 3 config 0 (a deploy), 4
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    for models in (command, other):
         models.close()
 
 
