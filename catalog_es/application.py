@@ -567,6 +567,10 @@ class Models(AuditTrail, Application[UUID]):
         # one has looked through yet (:meth:`_tell_other_configs`).
         self._configs_known = {self.declared.fingerprint}
         self._configs_unread: tuple[int, int] | None = None
+        # Whether this node started as a server does (:meth:`record_declaration`):
+        # only one running on tells of the configs others write under; what a
+        # catch-up met before was recorded before it started.
+        self._started = False
         # The revision of this service's last committed write: what an
         # interrupt after it, as the answer is made or told, cannot undo.
         self.last_written: int | None = None
@@ -1331,16 +1335,20 @@ class Models(AuditTrail, Application[UUID]):
                             )
                 at = self.catalog.revision
                 differs = declaration_differs(self.catalog, self.declared)
-            if not differs:
-                return at
-            revision, _ = self._write(
-                lambda _batch: None,
-                by=by,
-                reason=reason,
-                expected_revision=expected_revision,
-                records_only=True,
-            )
-        return revision
+            if differs:
+                at, _ = self._write(
+                    lambda _batch: None,
+                    by=by,
+                    reason=reason,
+                    expected_revision=expected_revision,
+                    records_only=True,
+                )
+        with self._state:
+            # Recorded before this start, which records its own over them (a
+            # node still on one records it again, told then).
+            self._configs_unread = None
+            self._started = True
+        return at
 
     def _push(self) -> None:
         """Hand the catalog to the applier, with the revision it is at. The
@@ -1439,11 +1447,13 @@ class Models(AuditTrail, Application[UUID]):
         theirs as they write, and the declared models go in and out of force,
         which a server's operator learns from no refusal (its clients are
         given no hint: they cannot mend its config). Once a config, for as
-        long as the node runs; one recorded before it started is not told (a
-        start, or the first write, records its own over it, and a node still
-        on that one records it again with its next write, told then). Only a
+        long as the node runs; one recorded before it started
+        (:meth:`record_declaration`) is not told (its start records its own
+        over it, and a node still on that one records it again with its next
+        write, told then). A service not started so, a command's run, tells
+        none: its write warns of a config put back, as the docs say. Only a
         warning hangs on it, looked up with the log's write lock let go."""
-        if self._configs_unread is None:
+        if self._configs_unread is None or not self._started:
             return  # most calls: read without the catalog's lock, set under it
         with self._state:
             unread, self._configs_unread = self._configs_unread, None

@@ -9,6 +9,7 @@ in the log, and replay would skip it.
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import random
@@ -695,6 +696,59 @@ def test_a_node_is_told_once_of_each_config_others_recorded_since_it_started(
         for n, revision, by in ((1, 4, "other"), (2, 8, "early"))
     ]
     for models in (early, node, *others):
+        models.close()
+
+
+def test_a_config_recorded_as_a_node_starts_is_not_told(
+    db_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A config another node records between a server's load and its start's
+    record is one recorded before it started: the start records its own over
+    it, and is not told of it (stress test: a node restarted under load told
+    of one), until that node records it again."""
+    configs = _configs(2)
+    url = {"CATALOG_ES_DB": db_url}
+    node = Models(configs[0], env=url)  # loaded, as a server's start does first
+    other = Models(configs[1], env=url)
+    other.add(_definition("a", []), by="other")  # 1 config 1, 2
+    assert node.record_declaration(by="node") == 3
+    node.list_models()
+
+    def told() -> list[str]:
+        return [
+            r.getMessage().split(";")[0]
+            for r in caplog.records
+            if f"; this node's is fingerprint {configs[0].fingerprint[:12]}" in r.getMessage()
+        ]
+
+    assert told() == []
+    other.scale("a", 0, 2, by="other")  # 4 config 1 again, 5
+    node.list_models()
+    assert told() == [
+        f"another node writes under another declared config, fingerprint "
+        f"{configs[1].fingerprint[:12]} (1), recorded at revision 4 by 'other'"
+    ]
+    for models in (node, other):
+        models.close()
+
+
+def test_a_command_is_not_told_of_a_config_recorded_as_it_ran(
+    db_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A command's run (loaded, then one write) is told of another config
+    only as the docs say: its write warns when it records a config the log
+    had recorded before another replaced it. The server's warning of
+    another node writing under another config was told too, by a write
+    whose catch-up met a record made after its load (stress test: a
+    command-line write under load), and by none that met it at its load."""
+    configs = _configs(2)
+    url = {"CATALOG_ES_DB": db_url}
+    command = Models(configs[0], env=url)  # loaded, as a command's run does first
+    other = Models(configs[1], env=url)
+    other.add(_definition("a", []), by="other")  # 1 config 1, 2
+    command.scale("a", 0, 2, by="ops")  # 3 config 0 (a deploy), 4
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    for models in (command, other):
         models.close()
 
 
