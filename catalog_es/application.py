@@ -277,6 +277,22 @@ class _FarBehind(Exception):
     :data:`CATCH_UP_HELD` events behind, or on events the log lost."""
 
 
+class _WriteAsked(msgspec.Struct, frozen=True):
+    """What a write was asked (:meth:`Models._write`), built once: made
+    again after catching up (:class:`_FarBehind`), it is asked the same."""
+
+    plan: Callable[[Batch], None]
+    by: str
+    reason: str
+    expected_revision: int | None
+    rollback_to: int | None
+    several: bool
+    dry_run: bool
+    records_only: bool
+    # The ids of the models whose stream versions the plan will need.
+    streams: list[UUID]
+
+
 def _tell_skipped(skipped: Sequence[Skipped]) -> None:
     """A warning for each record a replay left out, ten at most and then a count."""
     for skip in skipped[:10]:
@@ -553,6 +569,10 @@ class Models(AuditTrail, Application[UUID]):
         # Serialises commands in this process, held while one waits for the
         # database; the write transaction serialises them across processes.
         self._lock = threading.RLock()
+        # The lock wait, and the refusal of a write that waited it out for
+        # that lock: worded once a wait, not by every write in case it is
+        # refused (3,000 instructions, 0.6% of a scale command's).
+        self._lock_busy: tuple[float | None, str] = (None, "")
         # Guards the catalog in force, which commands change in place. A
         # command takes it only once it holds the database, so a read (an
         # HTTP server's) never waits on a write that waits for another process;
@@ -1036,7 +1056,6 @@ class Models(AuditTrail, Application[UUID]):
         dry_run: bool = False,
         records_only: bool = False,
         streams: Sequence[str] = (),
-        lock_left: float | None = None,
     ) -> tuple[int, list[Change]]:
         """Read the log to its head, plan the events against the catalog in
         force and append them, in one write transaction; then put them in force
@@ -1045,25 +1064,53 @@ class Models(AuditTrail, Application[UUID]):
         plans and decides everything, then writes nothing, and refuses what
         the write would (it checks one before slow work); ``records_only``
         writes the declared-config record even with no change planned;
-        ``streams``: the models whose stream versions the plan will need;
-        ``lock_left``: this is the write again, after catching up outside
-        the lock (:class:`_FarBehind`), with that much of the lock wait left."""
+        ``streams``: the models whose stream versions the plan will need.
+        A write that lets go of the lock to catch up (:class:`_FarBehind`)
+        is made again as it was asked, once caught up."""
         check_meta(by, reason)
         for name in streams:
             # A name no model can have, refused (and kept in the refusals by
             # the command) before it takes the lock, a model id or a query.
             check_name(name)
+        asked = _WriteAsked(
+            plan,
+            by=by,
+            reason=reason,
+            expected_revision=expected_revision,
+            rollback_to=rollback_to,
+            several=several,
+            dry_run=dry_run,
+            records_only=records_only,
+            streams=[model_id(name) for name in streams],
+        )
+        started = time.monotonic()
+        lock_left: float | None = None
+        while True:
+            try:
+                return self._write_once(asked, lock_left)
+            except _FarBehind:
+                pass  # nothing was planned or written: caught up with below, then again
+            # The lock wait bounds the two takes of the lock together, not the catch-up.
+            lock_left = max(self.store.lock_wait - (time.monotonic() - started), 0.001)
+            self.refresh()
+
+    def _write_once(self, asked: _WriteAsked, lock_left: float | None) -> tuple[int, list[Change]]:
+        """One try at the write :meth:`_write` describes: take the locks,
+        decide the plan and append it (:meth:`_decide`), then put it in force
+        (:meth:`_after_commit`), and let go of the locks however it ends.
+        ``lock_left``: the write again, after catching up outside the lock,
+        with that much of the lock wait left; before then, a write holding
+        the lock that finds its node far behind raises :class:`_FarBehind`,
+        having planned and written nothing."""
         # A dry run reads one view of the log and writes nothing: it neither
         # waits for writers nor holds them up (a reader's dry-run rollback of
         # a large catalog held every node's writes for seconds).
-        locked = not dry_run
-        started = time.monotonic()
+        locked = not asked.dry_run
         known, state = self._known, self._state
         # What this thread holds of the catalog's lock and of the write lock
         # on coming in: all it takes beyond that is let go on the way out,
         # however it leaves (an interrupt as the write lock's wait ends).
         entered, held = state.depth(), holds(self._lock)
-        snapshot: snapshots.SnapshotState | None = None
         try:
             wait = self._take_write_lock(lock_left) if locked else None
             if wait is None:
@@ -1085,65 +1132,12 @@ class Models(AuditTrail, Application[UUID]):
                         # the log's lock (:class:`CatalogLock`).
                         state.acquire(write=locked)
                         try:
-                            # One read says whether another writer moved the log since
-                            # this service last looked, what to chain onto, and the
-                            # versions of the streams the plan names that it does not know.
-                            ids = [model_id(name) for name in streams]
-                            wanted = known.unknown(ids)
-                            standing = self.store.standing(conn, wanted)
-                            if standing.last != known.at:
-                                # Moved by another writer: what this service knew may not hold.
-                                known.forget()
-                                if len(wanted) < len(ids):
-                                    standing = self.store.standing(conn, ids)
-                            # The log moved since this node wrote or read it, or is
-                            # no longer the one it read: its head is not where this
-                            # node's catalog and chain are.
-                            chain, at = self.catalog.chain, self.catalog.revision
-                            if (
-                                standing.head != chain
-                                or standing.last != at
-                                or (chain is not None and chain.revision != at)
-                            ):
-                                self._catch_up(conn, held=locked and lock_left is None)
-                            head = self.catalog.revision
-                            if expected_revision is not None and expected_revision != head:
-                                raise self._revision_conflict(
-                                    conn, expected_revision, head, standing
-                                )
-                            batch = Batch(
-                                self.store,
-                                conn,
-                                self.catalog.copy() if several else self.catalog,
-                                by=by,
-                                reason=reason,
-                                timestamp=self._next_timestamp(),
-                                rollback_to=rollback_to,
-                                tentative=several,
-                                versions=standing.versions,
-                                known=known.versions,
+                            batch, standing, head, replaced = self._decide(
+                                conn, asked, held=locked and lock_left is None
                             )
-                            replaced = batch.catalog.recorded_declaration
-                            if (
-                                not self.declared.given
-                                and replaced is not None
-                                and declaration_differs(batch.catalog, self.declared)
-                            ):
-                                # Decided here, under the log's lock, for every
-                                # entrypoint: another node may have recorded one
-                                # since this service loaded.
-                                raise NoConfigGiven(replaced[1], CONFIG_GIVEN_BY)
-                            batch.record_declaration(self.declared)
-                            if several:
-                                # The plan works on its own copy, and no other writer
-                                # can move the log while this one holds it: reads go
-                                # on meanwhile (a large apply takes seconds), and the
-                                # lock is taken again to put the result in force.
-                                state.release()
-                            plan(batch)
-                            if dry_run:
+                            if asked.dry_run:
                                 return head, batch.changes
-                            if not (batch.changes or (records_only and batch.records)):
+                            if not (batch.changes or (asked.records_only and batch.records)):
                                 self.store.end_unwritten(conn)
                                 return head, batch.changes
                         except Refused:
@@ -1187,33 +1181,8 @@ class Models(AuditTrail, Application[UUID]):
                 # Told by the write that went on, not one refused or with
                 # nothing to write, which would use the telling up.
                 self._tell_deleted_tail(standing.head, standing.ends, "this write")
-                if state.depth() == entered:
-                    state.acquire(write=True)
-                revision = revisions[-1]
-                known.learn(batch.versions, revision, appended.last_revisions)
-                if self.catalog.revision == head:
-                    self._put_in_force(batch, appended, several)
-                # Else a read caught up with the log between the commit and the
-                # lock (it is let go while a batch is planned): these changes,
-                # and perhaps another writer's after them, are in force already,
-                # and the batch's own catalog would put it back.
-                self._push()
-                if (
-                    revision // self.snapshot_interval > head // self.snapshot_interval
-                    and self.catalog.revision == revision
-                ):
-                    snapshot = snapshots.state_of(self.catalog)
-                # Encoded and written with the catalog let go: another process
-                # may hold the database by then, and reads must not wait for it.
-                state.release()
-                if put_over is not None:
-                    self._tell_config_put_back(put_over[1], revisions[0])
-                self._tell_other_configs()
-                if snapshot is not None:
-                    self._save_snapshot(revision, snapshots.encode(snapshot))
-            return revision, batch.changes
-        except _FarBehind:
-            pass  # nothing was planned or written: caught up with below, then again
+                self._after_commit(batch, appended, head, put_over, asked.several, entered)
+            return revisions[-1], batch.changes
         finally:
             # Both let go down to what this thread held coming in. An
             # interrupt lands as a call begins or returns, these included:
@@ -1226,21 +1195,112 @@ class Models(AuditTrail, Application[UUID]):
                 state.release_to(entered)
                 release_to(self._lock, held)
                 raise
-        # The lock wait bounds the two takes of the lock together, not the catch-up.
-        lock_left = self.store.lock_wait - (time.monotonic() - started)
-        self.refresh()
-        return self._write(
-            plan,
-            by=by,
-            reason=reason,
-            expected_revision=expected_revision,
-            rollback_to=rollback_to,
-            several=several,
-            dry_run=dry_run,
-            records_only=records_only,
-            streams=streams,
-            lock_left=max(lock_left, 0.001),
+
+    def _decide(
+        self, conn: Connection, asked: _WriteAsked, *, held: bool
+    ) -> tuple[Batch, Standing, int, tuple[str, int] | None]:
+        """The batch ``asked``'s plan decides in ``conn``'s write transaction,
+        against the catalog in force caught up with the log (``held``: the
+        log's write lock, which a catch-up too long for it leaves,
+        :meth:`_catch_up`); with where the log stood, its head, and the
+        config the log recorded last."""
+        known, state = self._known, self._state
+        # One read says whether another writer moved the log since
+        # this service last looked, what to chain onto, and the
+        # versions of the streams the plan names that it does not know.
+        ids = asked.streams
+        wanted = known.unknown(ids)
+        standing = self.store.standing(conn, wanted)
+        if standing.last != known.at:
+            # Moved by another writer: what this service knew may not hold.
+            known.forget()
+            if len(wanted) < len(ids):
+                standing = self.store.standing(conn, ids)
+        # The log moved since this node wrote or read it, or is
+        # no longer the one it read: its head is not where this
+        # node's catalog and chain are.
+        chain, at = self.catalog.chain, self.catalog.revision
+        if (
+            standing.head != chain
+            or standing.last != at
+            or (chain is not None and chain.revision != at)
+        ):
+            self._catch_up(conn, held=held)
+        head = self.catalog.revision
+        if asked.expected_revision is not None and asked.expected_revision != head:
+            raise self._revision_conflict(conn, asked.expected_revision, head, standing)
+        batch = Batch(
+            self.store,
+            conn,
+            self.catalog.copy() if asked.several else self.catalog,
+            by=asked.by,
+            reason=asked.reason,
+            timestamp=self._next_timestamp(),
+            rollback_to=asked.rollback_to,
+            tentative=asked.several,
+            versions=standing.versions,
+            known=known.versions,
         )
+        replaced = batch.catalog.recorded_declaration
+        if (
+            not self.declared.given
+            and replaced is not None
+            and declaration_differs(batch.catalog, self.declared)
+        ):
+            # Decided here, under the log's lock, for every
+            # entrypoint: another node may have recorded one
+            # since this service loaded.
+            raise NoConfigGiven(replaced[1], CONFIG_GIVEN_BY)
+        batch.record_declaration(self.declared)
+        if asked.several:
+            # The plan works on its own copy, and no other writer
+            # can move the log while this one holds it: reads go
+            # on meanwhile (a large apply takes seconds), and the
+            # lock is taken again to put the result in force.
+            state.release()
+        asked.plan(batch)
+        return batch, standing, head, replaced
+
+    def _after_commit(
+        self,
+        batch: Batch,
+        appended: Appended,
+        head: int,
+        put_over: tuple[str, int] | None,
+        several: bool,
+        entered: int,
+    ) -> None:
+        """Put ``batch``, committed as ``appended`` over the log at ``head``, in
+        force and push it to the applier, under the catalog's lock (taken
+        again if the plan let go of it, down to ``entered``); then, that lock
+        let go, tell what the write met (``put_over``: the config it recorded
+        its own over) and save a snapshot when one is due."""
+        state = self._state
+        if state.depth() == entered:
+            state.acquire(write=True)
+        revision = appended.revisions[-1]
+        self._known.learn(batch.versions, revision, appended.last_revisions)
+        if self.catalog.revision == head:
+            self._put_in_force(batch, appended, several)
+        # Else a read caught up with the log between the commit and the
+        # lock (it is let go while a batch is planned): these changes,
+        # and perhaps another writer's after them, are in force already,
+        # and the batch's own catalog would put it back.
+        self._push()
+        snapshot: snapshots.SnapshotState | None = None
+        if (
+            revision // self.snapshot_interval > head // self.snapshot_interval
+            and self.catalog.revision == revision
+        ):
+            snapshot = snapshots.state_of(self.catalog)
+        # Encoded and written with the catalog let go: another process
+        # may hold the database by then, and reads must not wait for it.
+        state.release()
+        if put_over is not None:
+            self._tell_config_put_back(put_over[1], appended.revisions[0])
+        self._tell_other_configs()
+        if snapshot is not None:
+            self._save_snapshot(revision, snapshots.encode(snapshot))
 
     def written(self) -> int | None:
         """The revision this service's last committed write answers, if it
@@ -1295,12 +1355,14 @@ class Models(AuditTrail, Application[UUID]):
     def _take_write_lock(self, bound: float | None = None) -> float | None:
         """Take this process's write lock (:func:`acquire_within`), waiting
         ``lock_wait`` seconds or ``bound``."""
-        return acquire_within(
-            self._lock,
-            self.store.lock_wait if bound is None else bound,
-            f"the log stayed locked by another write for {self.store.lock_wait:g} s; "
-            "nothing was written, try again",
-        )
+        lock_wait = self.store.lock_wait
+        if self._lock_busy[0] != lock_wait:
+            self._lock_busy = (
+                lock_wait,
+                f"the log stayed locked by another write for {lock_wait:g} s; "
+                "nothing was written, try again",
+            )
+        return acquire_within(self._lock, lock_wait if bound is None else bound, self._lock_busy[1])
 
     def record_declaration(
         self, *, by: str, reason: str = "", expected_revision: int | None = None

@@ -455,6 +455,41 @@ def test_a_server_waiting_for_another_writer_still_answers_reads_and_refuses_in_
     models.close()
 
 
+def test_a_write_queued_in_the_process_is_refused_naming_the_lock_wait(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A command waiting for this process's write lock, which another
+    thread's write holds, is refused past the lock wait in words that name
+    that wait, as it is set when the command waits (the words are made once
+    a wait, not by every write)."""
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": f"sqlite:///{tmp_path / 'c.db'}"})
+    models.add(model_spec("m"), by="setup")
+    rows = count_events(f"sqlite:///{tmp_path / 'c.db'}")
+    planning, planned = threading.Event(), threading.Event()
+
+    def slow_plan(_batch: Any) -> None:
+        planning.set()
+        planned.wait(10)
+
+    writer = threading.Thread(target=models.write_plan, args=(slow_plan,), kwargs={"by": "slow"})
+    writer.start()
+    try:
+        assert planning.wait(10)
+        for lock_wait in (0.1, 0.2):
+            monkeypatch.setattr(models.store, "lock_wait", lock_wait)
+            with pytest.raises(StorageBusy) as refused:
+                models.scale("m", 0, 3, by="ops")
+            assert str(refused.value) == (
+                f"the log stayed locked by another write for {lock_wait:g} s; "
+                "nothing was written, try again"
+            )
+    finally:
+        planned.set()
+        writer.join()
+    assert count_events(f"sqlite:///{tmp_path / 'c.db'}") == rows
+    models.close()
+
+
 def test_a_dry_run_rollback_neither_waits_for_nor_holds_up_writers(
     db_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
