@@ -1736,6 +1736,13 @@ class SQLRecorder(ProcessRecorder):
             # Again under the lock: another node may have made it meanwhile.
             found, columns = _log_tables_found(conn, names)
             missing = self._to_make(tables, found)
+            if missing and columns is not None and self.dialect == "postgresql":
+                # Made beside the log's table: made unqualified, they went to
+                # the first schema of the search path, wherever the log was.
+                conn.exec_driver_sql(
+                    "SELECT set_config('search_path', quote_ident(%(schema)s), true)",
+                    {"schema": found[events_table.name]},
+                )
             if missing and self.dialect == "postgresql":
                 # Only a table to be made has a type in its way; asked with
                 # the lookup every start makes, it cost each start time.
