@@ -2074,6 +2074,26 @@ def test_every_input_says_an_empty_or_misshapen_document_alike(
     assert rows() == 2
 
 
+def test_a_null_written_or_a_doubled_byte_order_mark_is_not_told_as_a_bare_document_marker(
+    seeded: Run, run: Run, write: Any, rows: Callable[[], int]
+) -> None:
+    """A document of a null written with a tag (`!!null`) or an anchor alone
+    (`&a`), and a file of two byte order marks (a tool adding one to a file
+    that had one), were told "empty but for `---`", which none of them
+    holds. The null is told as `null` and `~` are; the marks say nothing,
+    as one does."""
+    for content, said in (
+        (b"!!null\n", "expected a mapping of fields (got null)"),
+        (b"--- &a\n", "expected a mapping of fields (got null)"),
+        (b"\xef\xbb\xbf\xef\xbb\xbf", "empty: give a model definition (YAML or JSON)"),
+    ):
+        path = write("given.yaml", content)
+        assert refused_in_one_line(run("model", "add", path)) == f"error: {path}: {said}", content
+    line = refused_in_one_line(run("apply", write("given.yaml", b"!!null\n")))
+    assert line.endswith(": expected a list of changes (got null)")
+    assert rows() == 2
+
+
 @pytest.mark.parametrize(
     ("entry", "said"),
     [
