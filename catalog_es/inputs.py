@@ -744,8 +744,11 @@ def _load(text: str, loader_class: type[_StrictLoader]) -> Any:
     loader = loader_class(text)
     try:
         node = loader.get_single_node()
-        blank = isinstance(node, yaml.ScalarNode) and node.tag == _NULL_TAG and not node.style
-        if node is None or (blank and node.value == ""):
+        # Nothing written where the document is: a null given with a tag
+        # (`!!null`) or an anchor alone (`&a`) spans what was written, and
+        # is a null, as `~` is.
+        blank = node is not None and node.start_mark.index == node.end_mark.index
+        if node is None or (blank and node.tag == _NULL_TAG):
             raise _NoDocument
         return loader.construct_document(node)
     finally:
@@ -763,7 +766,8 @@ def parse_document(
         raise InputError(f"{where}: larger than {limit // 1024} KiB")
     loader = _InputLoader if untrusted else _StrictLoader
     # A byte order mark says nothing about the format: JSON with one is JSON.
-    text = text.removeprefix("\ufeff")
+    # Nor do two (a tool adding one to a file that had one).
+    text = text.lstrip("\ufeff")
     stripped = text.lstrip()
     if not stripped:
         # Before YAML, which refuses a tab where a token could start.

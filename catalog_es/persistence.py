@@ -367,6 +367,10 @@ _LOG_SCHEMA = (
     " LEFT JOIN pg_namespace n ON n.oid = c.relnamespace"
 )
 
+# The schemas PostgreSQL makes for each session's temporary tables, and drops
+# them from as it ends (a name no schema made by hand may have: pg_ is reserved).
+_TEMPORARY_SCHEMA = "pg_temp_"
+
 # The events' columns on PostgreSQL, as append lays each row out.
 _EVENT_TYPES = ("bigint", "uuid", "bigint", "text", "bytea", "text", "bigint")
 
@@ -1731,12 +1735,23 @@ class SQLRecorder(ProcessRecorder):
         schema = self.log_schema() if self.dialect == "postgresql" else None
         if schema == "":
             raise self._no_schema()
+        if schema is not None and schema.startswith(_TEMPORARY_SCHEMA):
+            raise self._temporary_schema(schema)
         # The events table may not exist yet to LOCK: an advisory lock instead.
         with self.locked("catalog_es.tables", schema=schema) as conn:
             # Again under the lock: another node may have made it meanwhile.
             found, columns = _log_tables_found(conn, names)
             missing = self._to_make(tables, found)
             if missing and self.dialect == "postgresql":
+                # Made beside the log's table, or a new log's where its lock
+                # is: made unqualified, they went to the first schema of the
+                # search path, wherever the log was, and a new log to the
+                # session's temporary schema when the path named pg_temp
+                # first, one not there yet (current_schema() passes it over).
+                conn.exec_driver_sql(
+                    "SELECT set_config('search_path', quote_ident(%(schema)s), true)",
+                    {"schema": found.get(events_table.name, schema)},
+                )
                 # Only a table to be made has a type in its way; asked with
                 # the lookup every start makes, it cost each start time.
                 in_the_way = conn.exec_driver_sql(
@@ -1804,15 +1819,33 @@ class SQLRecorder(ProcessRecorder):
         tables are missing: none can be found or made. PostgreSQL's words (no
         schema has been selected to create in) named neither the database nor
         the path, and a read did not say it found no log."""
+        return self._search_path_refused(
+            "names no schema there is (or none this role may use), so none can be found or"
+            " made there",
+            "create the schema, or name one there is in the search path",
+        )
+
+    def _temporary_schema(self, schema: str) -> ConfigError:
+        """The refusal of a PostgreSQL search path that names the session's
+        temporary schema first (pg_temp), where the log's tables are missing:
+        made there, the server dropped them as the session ended, and a write
+        told as done was lost as the command exited."""
+        return self._search_path_refused(
+            f"names first the session's temporary schema ({schema}), which the server drops"
+            " as the session ends, and a log made there with it",
+            "name the log's schema first in the search path",
+        )
+
+    def _search_path_refused(self, problem: str, advice: str) -> ConfigError:
+        """No log where the search path leads: the database and the path, the
+        ``problem`` with the path, and the ``advice``."""
         with self.engine.connect() as conn:
             database, path = conn.exec_driver_sql(
                 "SELECT current_database(), current_setting('search_path')"
             ).one()
         return ConfigError(
             f"no log in database {database}{self._server}: its search path {shown(path)}"
-            " names no schema there is (or none this role may use), so none can be found or"
-            " made there; nothing was made: create the schema, or name one there is in the"
-            " search path (the URL's options, or the role's)"
+            f" {problem}; nothing was made: {advice} (the URL's options, or the role's)"
         )
 
     def _link_streams(self, conn: Connection, columns: list[str], streams_kept: bool) -> None:

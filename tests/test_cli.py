@@ -72,7 +72,12 @@ from catalog_es.errors import (
 )
 from catalog_es.inputs import DeclaredConfig, load_config, read_text
 from catalog_es.mapper import decode_event, spelling_marks
-from catalog_es.persistence import PullingSubscription, database_unusable, events_table
+from catalog_es.persistence import (
+    PullingSubscription,
+    SQLRecorder,
+    database_unusable,
+    events_table,
+)
 from catalog_es.spec import Adapter, Origin
 from tests.helpers import (
     CPU_NO_MEMORY,
@@ -2071,6 +2076,26 @@ def test_every_input_says_an_empty_or_misshapen_document_alike(
     path = write("given.yaml", b"{}\n")
     line = refused_in_one_line(run("apply", path))
     assert line == f"error: {path}: expected a list of changes (got dict)"
+    assert rows() == 2
+
+
+def test_a_null_written_or_a_doubled_byte_order_mark_is_not_told_as_a_bare_document_marker(
+    seeded: Run, run: Run, write: Any, rows: Callable[[], int]
+) -> None:
+    """A document of a null written with a tag (`!!null`) or an anchor alone
+    (`&a`), and a file of two byte order marks (a tool adding one to a file
+    that had one), were told "empty but for `---`", which none of them
+    holds. The null is told as `null` and `~` are; the marks say nothing,
+    as one does."""
+    for content, said in (
+        (b"!!null\n", "expected a mapping of fields (got null)"),
+        (b"--- &a\n", "expected a mapping of fields (got null)"),
+        (b"\xef\xbb\xbf\xef\xbb\xbf", "empty: give a model definition (YAML or JSON)"),
+    ):
+        path = write("given.yaml", content)
+        assert refused_in_one_line(run("model", "add", path)) == f"error: {path}: {said}", content
+    line = refused_in_one_line(run("apply", write("given.yaml", b"!!null\n")))
+    assert line.endswith(": expected a list of changes (got null)")
     assert rows() == 2
 
 
@@ -4097,6 +4122,53 @@ def test_a_postgresql_search_path_naming_no_schema_is_said_to_hold_no_log(
     for command in (["model", "list"], ["revision"], ["verify"], ["model", "add", "m.yaml"]):
         refused = CliRunner().invoke(cli, ["--db", no_schema.render_as_string(False), *command])
         assert refused_in_one_line(refused) == told, command
+
+
+def test_a_log_is_not_made_in_the_sessions_temporary_schema(
+    pg_schema_url: Callable[..., str], tmp_path: Path
+) -> None:
+    """A search path naming pg_temp first (`-csearch_path=pg_temp,team_a`)
+    made a new log in the session's temporary schema, which the server
+    drops as the session ends: the write was told, `added m at revision 1`,
+    exit 0, and lost as the command exited, the next command finding no
+    log. The log is made in the schema its lock is taken in, the first one
+    there is of the path (the session's temporary schema is there once the
+    session has made a temporary table): one that is the session's own is
+    refused in one line, nothing made."""
+
+    def temporary_first(schema_url: str) -> str:
+        url = sa.make_url(schema_url)
+        path = f"-csearch_path=pg_temp,{schema_of(schema_url)}"
+        return url.update_query_dict({"options": path}).render_as_string(False)
+
+    pg_url = pg_schema_url()
+    temporary = temporary_first(pg_url)
+    (tmp_path / "m.yaml").write_bytes(as_yaml(definition("m")))
+    added = CliRunner().invoke(cli, ["--db", temporary, "model", "add", str(tmp_path / "m.yaml")])
+    listed = invoke_told(["--db", pg_url, "model", "list", "--json"])
+    # Told written, it is in the log; else refused (the session's temporary
+    # schema there, as below), and nothing made.
+    names = [model["name"] for model in json.loads(listed.stdout)]
+    assert (added.exit_code, names) in ((0, ["m"]), (1, [])), added.output
+    # A session whose temporary schema is there: the log would be made in it.
+    other_url = pg_schema_url()
+    engine = sa.create_engine(temporary_first(other_url), pool_size=1, max_overflow=0)
+    with engine.connect() as conn:
+        conn.exec_driver_sql("CREATE TEMPORARY TABLE notes (body text)")
+        conn.commit()
+        own = conn.exec_driver_sql("SELECT current_schema()").scalar()
+    assert own is not None and own.startswith("pg_temp_")
+    with pytest.raises(ConfigError) as refused:
+        SQLRecorder(engine)
+    engine.dispose()
+    url = sa.make_url(other_url)
+    assert str(refused.value) == (
+        f"no log in database {url.database} at {url.host}:{url.port}: its search path"
+        f" 'pg_temp,{schema_of(other_url)}' names first the session's temporary schema"
+        f" ({own}), which the server drops as the session ends, and a log made there with it;"
+        " nothing was made: name the log's schema first in the search path (the URL's"
+        " options, or the role's)"
+    )
 
 
 def test_a_postgresql_privilege_missing_is_one_line(

@@ -1711,3 +1711,34 @@ def test_two_nodes_behind_pgbouncer_in_transaction_mode_answer_every_request(
             )
             conn.execute(sa.text(f"DROP OWNED BY {role}"))
             conn.execute(sa.text(f"DROP ROLE {role}"))
+
+
+def test_a_head_table_dropped_is_made_again_beside_the_log_not_first_on_the_path(
+    pg_schema_url: Callable[..., str], pg_admin: sa.Engine
+) -> None:
+    """A log's catalog_head dropped by hand is made again by the next write
+    (docs/audit.md), which is then refused. Found along a search path whose
+    first schema is another one, it was made there, in the first schema of
+    the path, apart from the log: the log's own schema went on missing it,
+    and a node on that path read the stray table as the log's head."""
+    log_url = pg_schema_url()
+    schema = schema_of(log_url)
+    first = schema_of(pg_schema_url())
+    maker = Models(DeclaredConfig(), env={"CATALOG_ES_DB": log_url})
+    maker.add(_definition("a", []), by="setup")
+    maker.close()
+    with pg_admin.connect() as conn:
+        conn.execute(sa.text(f"DROP TABLE {schema}.catalog_head"))
+    path = f"-csearch_path={first},{schema}"
+    url = sa.make_url(log_url).update_query_dict({"options": path})
+    node = Models(DeclaredConfig(), env={"CATALOG_ES_DB": url.render_as_string(False)})
+    with pytest.raises(Refused, match=r"head record \(catalog_head\) is missing"):
+        node.scale("a", 0, 2, by="ops")
+    node.close()
+    with pg_admin.connect() as conn:
+        made = conn.execute(
+            sa.text("SELECT table_schema FROM information_schema.tables WHERE table_name = :t"),
+            {"t": "catalog_head"},
+        ).scalars()
+        assert [s for s in made if s in (schema, first)] == [schema]
+    assert count_events(log_url) == 1
