@@ -1165,3 +1165,32 @@ def test_counts_past_2_53_are_shown_and_written_back_exactly(
     assert models.get_model("big") == models.get_model("big", 1)
     assert models.get_model("big")["profiles"] == BIG["profiles"]
     models.close()
+
+
+# A browser without JSON.parse's source text (before Chromium 114, Firefox
+# 135): its reviver is given no context, and JSON.rawJSON is not there.
+WITHOUT_SOURCE_TEXT = """
+const parse = JSON.parse;
+JSON.parse = (text, reviver) =>
+  parse(text, reviver && function (key, value) { return reviver.call(this, key, value); });
+delete JSON.rawJSON;
+"""
+
+
+def test_counts_past_2_53_leave_the_page_working_on_a_browser_without_source_text(
+    browser: BrowserContext, shared_server: SharedServer, tmp_path: Path
+) -> None:
+    """The reviver read each number's source text from a context such a
+    browser does not give: every answer holding a count past 2^53 threw in
+    it, and the list and the model's page said only that no answer came,
+    where they showed the counts as JSON.parse reads them. They show the
+    model again, its counts as that browser can hold them."""
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": f"sqlite:///{tmp_path}/old.db"})
+    models.add(model_from_data(BIG, "big"), by="ops")
+    browser.add_init_script(WITHOUT_SOURCE_TEXT)
+    with signed_in(browser, shared_server, models, tmp_path, "/console/#/models") as (page, url):
+        expect(page.locator('#models tr[data-model="big"]')).to_contain_text("vllm")
+        page.goto(f"{url}/console/#/model/big")
+        expect(page.locator("#definition")).to_contain_text("hf://org/big")
+        expect(page.locator("#error")).to_have_text("")
+    models.close()

@@ -39,11 +39,14 @@ const $ = (selector) => document.querySelector(selector);
 // BigInt, and written back as the same digits. The reviver reads a list of
 // 20,000 models (9 MB) ten times as slowly as JSON.parse alone (0.4 s, not
 // 0.04 s): it is used only on text holding 16 digits in a row, as any number
-// past 2^53 does.
+// past 2^53 does, and only where the browser gives a reviver the source text
+// (with JSON.rawJSON: Chromium 114, Firefox 135): elsewhere the reviver threw
+// on every such answer, and the page showed none.
+const SOURCE_TEXT = typeof JSON.rawJSON === "function";
 const exactNumber = (key, value, context) =>
   typeof value === "number" && !Number.isSafeInteger(value) && /^-?[0-9]+$/.test(context.source) ? BigInt(context.source) : value;
 const exactDigits = (key, value) => (typeof value === "bigint" ? JSON.rawJSON(String(value)) : value);
-const parsed = (text) => (/[0-9]{16}/.test(text) ? JSON.parse(text, exactNumber) : JSON.parse(text));
+const parsed = (text) => (SOURCE_TEXT && /[0-9]{16}/.test(text) ? JSON.parse(text, exactNumber) : JSON.parse(text));
 const show = (value) => JSON.stringify(value, exactDigits);
 const short = (text, length = 12) => (text && text.length > length ? text.slice(0, length) + "…" : text || "—");
 const scaling = (m) => `${m.scaling.min}..${m.scaling.max}`;
