@@ -1742,3 +1742,35 @@ def test_a_head_table_dropped_is_made_again_beside_the_log_not_first_on_the_path
         ).scalars()
         assert [s for s in made if s in (schema, first)] == [schema]
     assert count_events(log_url) == 1
+
+
+@pytest.mark.parametrize("removed", ["DELETE FROM catalog_head", "DROP TABLE catalog_head"])
+def test_a_server_started_on_a_log_whose_head_is_missing_says_writes_are_refused(
+    db_url: str, tmp_path: Path, removed: str
+) -> None:
+    """``serve`` on a log whose head record was deleted, or its table dropped
+    (which the server, a writer, makes again), started without a word: its
+    operator learnt of it only as the first write was refused. Its start
+    says so in one line, and writes nothing."""
+    tokens = tmp_path / "tokens.json"
+    TokenStore(tokens).add("ops", "write")
+    setup = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
+    setup.add(_definition("a", []), by="setup")
+    setup.close()
+    engine = sa.create_engine(db_url)
+    with engine.begin() as conn:
+        conn.execute(sa.text(removed))
+    engine.dispose()
+    events = count_events(db_url)
+    server = _serve(db_url, tokens)
+    try:
+        said = started(server)[1]
+    finally:
+        said += _stopped([server])[0]
+    told = [line for line in said.splitlines() if "catalog_head" in line]
+    assert told == [
+        "warning: the log's head record (catalog_head) is missing, but the log holds events up"
+        f" to revision {events}, and maybe held more: every write will be refused until it is"
+        " put back (catalog-es verify; docs/audit.md says how to put the head back)"
+    ]
+    assert count_events(db_url) == events
