@@ -581,6 +581,9 @@ class Models(AuditTrail, Application[UUID]):
         self._known = KnownVersions()
         # The head whose deleted events this node last told of.
         self._deleted_tail_told: int | None = None
+        # The log's last revision when the load found events but no head
+        # record: every write is refused until it is put back.
+        self._headless_at: int | None = None
         # The declared configs (fingerprints) this node has nothing to tell
         # of: its own, and each other it told of; and the revisions, after
         # one and up to another, whose config records a catch-up met and no
@@ -650,6 +653,7 @@ class Models(AuditTrail, Application[UUID]):
             catalog.chain = _chain(catalog.revision, kept.hash)
             self._tell_undeclared(conn, catalog)
             self._tell_deleted_tail(head, kept.last, "the next write")
+            self._headless_at = kept.last if head is None and kept.last else None
         if catalog.revision - since >= self.snapshot_interval:
             self._save_snapshot(catalog.revision, snapshots.encode(snapshots.state_of(catalog)))
         _tell_standing_skips(catalog)
@@ -1410,6 +1414,15 @@ class Models(AuditTrail, Application[UUID]):
             # node still on one records it again, told then).
             self._configs_unread = None
             self._started = True
+        if self._headless_at is not None:
+            # A server would otherwise start without a word, and its
+            # operator learn of it only as the first write is refused.
+            log.warning(
+                "the log's head record (catalog_head) is missing, but the log holds events up"
+                " to revision %d, and maybe held more: every write will be refused until it is"
+                " put back (catalog-es verify; docs/audit.md says how to put the head back)",
+                self._headless_at,
+            )
         return at
 
     def _push(self) -> None:

@@ -336,6 +336,50 @@ def _check_log_columns(conn: Connection, columns: Sequence[str]) -> None:
     raise _in_the_way(conn, "a table", events_table.name, lacking)
 
 
+def _check_split(conn: Connection, found: Mapping[str, str]) -> None:
+    """Where the log's tables ``found`` are in more than one schema of the
+    PostgreSQL search path (each is read and written where it is found
+    first, a table earlier on the path shadowing the log's own), refused
+    when one of them lacks the columns of the log's table of its name
+    (another application's: every command then failed on a missing
+    column), else warned of. Not refused then: 0.2.0 made a table missing
+    beside a log (catalog_streams, as it brought 0.1.0's over) first on the
+    path, and a log so split is read and written whole by every node on it."""
+    by_schema: dict[str, list[str]] = {}  # in the order of their tables' names
+    for name, schema in sorted(found.items()):
+        by_schema.setdefault(schema, []).append(name)
+    if len(by_schema) < 2:
+        return
+    where = "; ".join(
+        f"{', '.join(names)} in schema {schema}" for schema, names in by_schema.items()
+    )
+    split = f"the log's tables are found in more than one schema of the search path ({where})"
+    advice = "or fix the search path (the URL's options, or the role's)"
+    columns = conn.exec_driver_sql(
+        "SELECT relname, ARRAY(SELECT attname::text FROM pg_attribute WHERE attrelid = c.oid"
+        " AND attnum > 0 AND NOT attisdropped) FROM pg_class c"
+        " WHERE relname = ANY(%(names)s) AND pg_table_is_visible(c.oid)",
+        {"names": list(found)},
+    )
+    for name, has in columns:
+        # The log's table may be 0.1.0's, brought over at this start.
+        needs = _UNLINKED_COLUMNS if name == events_table.name else metadata.tables[name].c.keys()
+        lacking = [column for column in needs if column not in has]
+        if lacking:
+            raise DamagedLog(
+                f"{split}, and {name} in schema {found[name]} is not the log's (it lacks"
+                f" {', '.join(sorted(lacking))}): nothing was read or made; move or drop that"
+                f" table (it may hold another application's data), {advice}"
+            )
+    log.warning(
+        "%s: each is read and written where it is found first, which may be a stray table"
+        " an older release made first on the path; move the log's into one schema (ALTER"
+        " TABLE ... SET SCHEMA) and drop the stray one, %s",
+        split,
+        advice,
+    )
+
+
 def _log_tables_found(conn: Connection, names: Sequence[str]) -> TablesFound:
     """:func:`tables_found`, refused where the log's table is no log, or a
     damaged one (:func:`_check_log_columns`)."""
@@ -1722,6 +1766,8 @@ class SQLRecorder(ProcessRecorder):
                 # BEGIN and the ROLLBACK cost each start two round trips.
                 conn.execution_options(isolation_level="AUTOCOMMIT")
             found, columns = _log_tables_found(conn, names)
+            if log:
+                _check_split(conn, found)
             if columns is not None and self.dialect == "postgresql":
                 # Where the log is, which :meth:`log_schema` asked next:
                 # four round trips more a process that writes (the pool's

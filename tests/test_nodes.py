@@ -1742,3 +1742,113 @@ def test_a_head_table_dropped_is_made_again_beside_the_log_not_first_on_the_path
         ).scalars()
         assert [s for s in made if s in (schema, first)] == [schema]
     assert count_events(log_url) == 1
+
+
+def _split_log(
+    pg_schema_url: Callable[..., str], pg_admin: sa.Engine, split: str
+) -> tuple[str, str, str]:
+    """A log of one event in a schema of its own, then ``split`` run with
+    ``{log}`` and ``{first}`` named (another schema): the log's URL, a URL on
+    the search path ``first,log``, and ``first``."""
+    log_url = pg_schema_url()
+    first = schema_of(pg_schema_url())
+    maker = Models(DeclaredConfig(), env={"CATALOG_ES_DB": log_url})
+    maker.add(_definition("a", []), by="setup")
+    maker.close()
+    with pg_admin.begin() as conn:
+        conn.execute(sa.text(split.format(log=schema_of(log_url), first=first)))
+    path = f"-csearch_path={first},{schema_of(log_url)}"
+    url = sa.make_url(log_url).update_query_dict({"options": path}).render_as_string(False)
+    return log_url, url, first
+
+
+def test_a_table_of_another_first_on_the_path_shadowing_the_logs_is_refused(
+    pg_schema_url: Callable[..., str], pg_admin: sa.Engine
+) -> None:
+    """A table named as one of the log's, of another layout, in a schema
+    before the log's on the search path was found first: every command
+    failed on PostgreSQL's 'column "revision" does not exist'. Refused in
+    one line naming each table and its schema, nothing read or made."""
+    log_url, url, first = _split_log(
+        pg_schema_url, pg_admin, "CREATE TABLE {first}.catalog_head (id int, note text)"
+    )
+    saved = log_rows(log_url)
+    for command in (["revision"], ["model", "scale", "a", "--max", "2", "--by", "ops"]):
+        done = subprocess.run([*_CLI, "--db", url, *command], capture_output=True, text=True)
+        assert (done.returncode, done.stdout) == (1, "")
+        log_schema = schema_of(log_url)
+        assert done.stderr == (
+            "error: the log's tables are found in more than one schema of the search path"
+            " (catalog_events, catalog_refusals, catalog_snapshots, catalog_streams,"
+            f" catalog_tracking in schema {log_schema}; catalog_head in schema {first}),"
+            f" and catalog_head in schema {first} is not the log's (it lacks hash, revision):"
+            " nothing was read or made; move or drop that table (it may hold another"
+            " application's data), or fix the search path (the URL's options, or the role's)\n"
+        )
+    assert log_rows(log_url) == saved
+    with pg_admin.connect() as conn:
+        made = conn.execute(
+            sa.text("SELECT table_name FROM information_schema.tables WHERE table_schema = :s"),
+            {"s": first},
+        ).scalars()
+        assert list(made) == ["catalog_head"]
+
+
+def test_a_log_table_an_older_release_made_first_on_the_path_is_told(
+    pg_schema_url: Callable[..., str], pg_admin: sa.Engine
+) -> None:
+    """0.2.0, bringing a 0.1.0 log over along a search path whose first
+    schema is another, made catalog_streams there, apart from the log; such
+    a log is read and written whole by the nodes on that path, so it is not
+    refused, but it was used without a word, as a stray table of the log's
+    layout left first on the path would be. Each command tells it."""
+    log_url, url, first = _split_log(
+        pg_schema_url, pg_admin, "ALTER TABLE {log}.catalog_streams SET SCHEMA {first}"
+    )
+    command = ["model", "scale", "a", "--max", "2", "--by", "ops"]
+    done = subprocess.run([*_CLI, "--db", url, *command], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    told = [line for line in done.stderr.splitlines() if "more than one schema" in line]
+    assert told == [
+        "warning: the log's tables are found in more than one schema of the search path"
+        " (catalog_events, catalog_head, catalog_refusals, catalog_snapshots,"
+        f" catalog_tracking in schema {schema_of(log_url)}; catalog_streams in schema {first}):"
+        " each is read"
+        " and written where it is found first, which may be a stray table an older release"
+        " made first on the path; move the log's into one schema (ALTER TABLE ... SET"
+        " SCHEMA) and drop the stray one, or fix the search path (the URL's options, or the"
+        " role's)"
+    ]
+    assert count_events(log_url) == 2
+
+
+@pytest.mark.parametrize("removed", ["DELETE FROM catalog_head", "DROP TABLE catalog_head"])
+def test_a_server_started_on_a_log_whose_head_is_missing_says_writes_are_refused(
+    db_url: str, tmp_path: Path, removed: str
+) -> None:
+    """``serve`` on a log whose head record was deleted, or its table dropped
+    (which the server, a writer, makes again), started without a word: its
+    operator learnt of it only as the first write was refused. Its start
+    says so in one line, and writes nothing."""
+    tokens = tmp_path / "tokens.json"
+    TokenStore(tokens).add("ops", "write")
+    setup = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
+    setup.add(_definition("a", []), by="setup")
+    setup.close()
+    engine = sa.create_engine(db_url)
+    with engine.begin() as conn:
+        conn.execute(sa.text(removed))
+    engine.dispose()
+    events = count_events(db_url)
+    server = _serve(db_url, tokens)
+    try:
+        said = started(server)[1]
+    finally:
+        said += _stopped([server])[0]
+    told = [line for line in said.splitlines() if "catalog_head" in line]
+    assert told == [
+        "warning: the log's head record (catalog_head) is missing, but the log holds events up"
+        f" to revision {events}, and maybe held more: every write will be refused until it is"
+        " put back (catalog-es verify; docs/audit.md says how to put the head back)"
+    ]
+    assert count_events(db_url) == events
