@@ -86,6 +86,11 @@ CHANNEL_OF_0_2 = "catalog_events"
 # command is refused with a clear error rather than "database is locked".
 LOCK_WAIT_SECONDS = 10.0
 LOCK_WAIT_ENV = "CATALOG_ES_LOCK_WAIT"
+# The longest SQLite's busy handler waits at a time for another process's
+# lock (the write lock, a file not yet WAL): it sleeps in C, where no signal
+# handler runs, so a Ctrl-C or SIGTERM acts only as a wait returns. The lock
+# wait is waited out in slices this long.
+LOCK_SLICE_SECONDS = 0.1
 # How long a PostgreSQL write may sit idle in its transaction, the log's lock
 # held, before the server ends its session: a node stopped mid-write (a paused
 # VM, SIGSTOP, a stuck process) held it for as long as it stayed stopped, and
@@ -673,11 +678,21 @@ def _into_wal(cursor: sqlite3.Cursor, wait: float) -> None:
     """WAL mode, which the file keeps once set. Setting it on a new file takes
     the file for itself, and SQLite answers "database is locked" at once,
     busy timeout or not, while other processes are opening it too (nodes
-    starting together): so that is waited for here, as the write lock is."""
+    starting together): so that is waited for here, as the write lock is. An
+    attempt waits in SQLite's busy handler for a slice at most (the
+    connection's busy timeout, ``LOCK_SLICE_SECONDS``): another program's
+    writer holds off even a read of its file (not yet WAL), and one wait of
+    ``wait`` there took a stop all of it to act. Then the connection's reads
+    wait ``wait`` in one, as before."""
     deadline = time.monotonic() + wait
     delay = 0.001
-    retried = False
+    timeout = LOCK_SLICE_SECONDS
     while True:
+        left = deadline - time.monotonic()
+        if left < timeout:
+            # An attempt waits in the busy handler only for what is left.
+            timeout = left
+            cursor.execute(f"PRAGMA busy_timeout = {milliseconds(left)}")
         try:
             cursor.execute("PRAGMA journal_mode=WAL")
             break
@@ -694,11 +709,7 @@ def _into_wal(cursor: sqlite3.Cursor, wait: float) -> None:
                 ) from None
         time.sleep(min(delay, left))
         delay = min(2 * delay, 0.05)
-        # An attempt may also wait in the busy handler: only for what is left.
-        cursor.execute(f"PRAGMA busy_timeout = {milliseconds(left)}")
-        retried = True
-    if retried:
-        cursor.execute(f"PRAGMA busy_timeout = {milliseconds(wait)}")
+    cursor.execute(f"PRAGMA busy_timeout = {milliseconds(wait)}")
 
 
 # A stream's row in catalog_streams names its last event: the write it
@@ -1004,7 +1015,8 @@ def empty_log_engine() -> Engine:
 def _settled_engine(url: sa.URL) -> Engine:
     if url.drivername == "sqlite":
         wait = lock_wait_seconds()
-        engine = sa.create_engine(url, connect_args={"timeout": wait})
+        # Each connection's first wait, for WAL mode, goes in slices (_into_wal).
+        engine = sa.create_engine(url, connect_args={"timeout": LOCK_SLICE_SECONDS})
         file = _SQLITE_FILES[engine] = SQLiteFile(Path(_sqlite_file(url)).absolute())
 
         @sa.event.listens_for(engine, "do_connect")
@@ -1068,10 +1080,13 @@ def _settle_sqlite(engine: Engine, file: SQLiteFile | None, wait: float) -> None
             raise sa.exc.InvalidRequestError(
                 "this write was rolled back inside its block: end the block"
             )
-        write = connection.get_execution_options().get("catalog_write", False)
+        options = connection.get_execution_options()
         # On the driver: through exec_driver_sql this statement cost a
         # command more than its insert did.
-        _driver(driver, "BEGIN IMMEDIATE" if write else "BEGIN")
+        if options.get("catalog_write", False):
+            _begin_write(driver, options.get(_LOCK_WAIT_OPTION, wait))
+        else:
+            _driver(driver, "BEGIN")
 
     @sa.event.listens_for(engine, "commit")
     def _commit(connection: Connection) -> None:
@@ -1319,6 +1334,34 @@ def _heard_from(driver: Any) -> bool:
         return True  # closed, or no socket to poll: asked, and let go if broken
 
 
+def _begin_write(driver: Any, wait: float) -> None:
+    """``BEGIN IMMEDIATE`` on the sqlite3 connection ``driver``, whose busy
+    timeout is ``LOCK_SLICE_SECONDS``, waiting at most ``wait`` seconds for
+    another process's write lock: a slice at a time, tried again from here, so
+    that a stop is acted on between two (within 0.1 s, where one wait of
+    ``wait`` took all of it). The last slice is cut to what is left of
+    ``wait``, by the clock: SQLite counts the sleeps it asked for, which a
+    signal cuts short. The refusal is the last attempt's "database is locked"."""
+    deadline = time.monotonic() + wait
+    timeout = LOCK_SLICE_SECONDS
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left < timeout:
+                timeout = left
+                _driver(driver, f"PRAGMA busy_timeout = {milliseconds(left)}")
+            try:
+                _driver(driver, "BEGIN IMMEDIATE")
+                return
+            except sa.exc.OperationalError as error:
+                if not _is_busy(error) or time.monotonic() >= deadline:
+                    raise
+    finally:
+        if timeout < LOCK_SLICE_SECONDS:
+            with suppress(sa.exc.SQLAlchemyError):  # the first error is the one to tell
+                _driver(driver, f"PRAGMA busy_timeout = {milliseconds(LOCK_SLICE_SECONDS)}")
+
+
 def _driver(driver: Any, statement: str) -> None:
     """``statement`` (BEGIN, COMMIT, ROLLBACK or a PRAGMA) on the sqlite3 connection
     itself. Its errors are wrapped as SQLAlchemy wraps them, with their own
@@ -1332,6 +1375,10 @@ def _driver(driver: Any, statement: str) -> None:
 
 # In a held writer's ``info`` while a write begun on its driver is open.
 _OPEN_WRITE = "catalog_es.open_write"
+# A SQLite connection's execution option: the seconds its write transactions
+# wait for the lock (a command queued behind another in this process has
+# less than the lock wait left).
+_LOCK_WAIT_OPTION = "catalog_lock_wait"
 
 
 def _in_transaction(driver: Any) -> bool:
@@ -1344,16 +1391,17 @@ def _in_transaction(driver: Any) -> bool:
 
 
 @contextmanager
-def _on_the_driver(conn: Connection) -> Iterator[None]:
+def _on_the_driver(conn: Connection, wait: float) -> Iterator[None]:
     """A write transaction begun and ended on the driver of SQLite connection
-    ``conn``: SQLAlchemy's own, around the same two statements, cost a command
-    10 µs more (about 8% of one with the sync left to checkpoints). A statement
-    made through SQLAlchemy inside joins it; ending it then is SQLAlchemy's.
-    Whatever interrupts it, BEGIN and COMMIT included (a signal's exception
-    lands just after a statement), rolls it back."""
+    ``conn``, waiting ``wait`` seconds for the lock: SQLAlchemy's own, around
+    the same two statements, cost a command 10 µs more (about 8% of one with
+    the sync left to checkpoints). A statement made through SQLAlchemy inside
+    joins it; ending it then is SQLAlchemy's. Whatever interrupts it, BEGIN
+    and COMMIT included (a signal's exception lands just after a statement),
+    rolls it back."""
     driver = conn.connection.driver_connection
     try:
-        _driver(driver, "BEGIN IMMEDIATE")
+        _begin_write(driver, wait)
         conn.info[_OPEN_WRITE] = True
         yield
         conn.info[_OPEN_WRITE] = False
@@ -1644,6 +1692,8 @@ class SQLRecorder(ProcessRecorder):
                     # this connection: readers pass over pages once.
                     cursor = self._writer.connection.cursor()
                     cursor.execute(f"PRAGMA cache_size = -{WRITER_CACHE_KIB}")
+                    # Its writes wait for the lock a slice at a time (_begin_write).
+                    cursor.execute(f"PRAGMA busy_timeout = {milliseconds(LOCK_SLICE_SECONDS)}")
                     cursor.close()
                 self._writer_pid = os.getpid()
             self._writer_used = time.monotonic()
@@ -2096,8 +2146,7 @@ class SQLRecorder(ProcessRecorder):
                 # Every command's transaction.
                 with (
                     self._writer_connection() as conn,
-                    self._waiting(conn, wait),
-                    _on_the_driver(conn),
+                    _on_the_driver(conn, self.lock_wait if wait is None else wait),
                 ):
                     yield conn
                 return
@@ -2156,10 +2205,11 @@ class SQLRecorder(ProcessRecorder):
     @contextmanager
     def _own_connection(self, wait: float | None = None) -> Iterator[Connection]:
         """A pooled connection whose transactions take the write lock as the
-        held one's do, waiting for it as :meth:`_waiting` says."""
-        with self.engine.connect() as conn, self._waiting(conn, wait):
+        held one's do, waiting for it ``wait`` seconds, or ``lock_wait``."""
+        with self.engine.connect() as conn, self._sliced(conn):
             self._on_the_file()
-            conn.execution_options(catalog_write=True)
+            waiting = self.lock_wait if wait is None else wait
+            conn.execution_options(catalog_write=True, **{_LOCK_WAIT_OPTION: waiting})
             if self.dialect == "postgresql":
                 # Its transaction is begun by hand, as the held writer's
                 # (:meth:`_locked`); the pool puts the mode back as it is returned.
@@ -2167,14 +2217,14 @@ class SQLRecorder(ProcessRecorder):
             yield conn
 
     @contextmanager
-    def _waiting(self, conn: Connection, wait: float | None) -> Iterator[None]:
-        """On SQLite, ``conn`` waits ``wait`` seconds for the write lock, if
-        given, rather than ``lock_wait``, until the block ends (the held
-        connection and the pool's keep theirs for the next transaction)."""
-        if wait is None or self.dialect != "sqlite":
+    def _sliced(self, conn: Connection) -> Iterator[None]:
+        """On SQLite, the pooled ``conn`` waits for the write lock a slice at a
+        time (:func:`_begin_write`) until the block ends; then, back in the
+        pool, its reads wait in one ``lock_wait`` again, as every one's do."""
+        if self.dialect != "sqlite":
             yield
             return
-        _busy_timeout(conn, wait)
+        _busy_timeout(conn, LOCK_SLICE_SECONDS)
         try:
             yield
         finally:

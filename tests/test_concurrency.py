@@ -286,6 +286,121 @@ def test_a_held_write_lock_refuses_a_command_after_the_bounded_wait(db_url: str)
     assert count_events(db_url) == rows + 1
 
 
+# The command line (its arguments after the script's), saying on stderr that
+# it is about to wait for another process's lock: {waiting} names the call
+# that waits, as persistence has it.
+WAITING = """
+import sys
+from catalog_es import persistence
+from catalog_es.__main__ import main
+waiting = persistence.{waiting}
+def told(*args, **kwargs):
+    print("waiting", file=sys.stderr, flush=True)
+    return waiting(*args, **kwargs)
+persistence.{waiting} = told
+sys.argv = ["catalog-es", *sys.argv[1:]]
+main()
+"""
+STOPS = pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+
+
+def stopped_while_waiting(waiting: str, stop: signal.Signals, *args: str) -> None:
+    """The command line ``args``, sent ``stop`` half a second into its wait
+    for another process's lock (30 s at most), stops within a second, saying
+    `Aborted!`: with 1 of a Ctrl-C; a SIGTERM ends the process by it."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CATALOG_ES_")}
+    command = subprocess.Popen(
+        [sys.executable, "-c", WAITING.format(waiting=waiting), *args],
+        env={**env, LOCK_WAIT_ENV: "30"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert command.stderr is not None
+    assert command.stderr.readline() == "waiting\n"
+    time.sleep(0.5)  # well inside the wait
+    stopped = time.monotonic()
+    command.send_signal(stop)
+    out, err = command.communicate(timeout=60)
+    took = time.monotonic() - stopped
+    status = 1 if stop == signal.SIGINT else -stop
+    assert (command.returncode, out, err) == (status, "", "\nAborted!\n")
+    assert took < 1, f"the stop took {took:.1f} s to act"
+
+
+@STOPS
+def test_a_stop_while_a_write_waits_for_the_lock_acts_at_once(
+    db_url: str, stop: signal.Signals
+) -> None:
+    """A Ctrl-C, or a supervisor's SIGTERM, sent to a command waiting for
+    another process's write lock on SQLite acted only once the whole wait was
+    over (7.7 s of the default 10 measured): SQLite's busy handler sleeps in C,
+    where no signal handler runs. The wait goes in slices of 0.1 s, and the
+    stop acts between two, as on PostgreSQL; nothing is written."""
+    Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url}).add(model_spec("m"), by="setup")
+    rows = count_events(db_url)
+    with write_lock_held(db_url):
+        scale = ["--db", db_url, "model", "scale", "m", "--max", "3"]
+        stopped_while_waiting("SQLRecorder.write", stop, *scale)
+    assert count_events(db_url) == rows
+
+
+@STOPS
+def test_a_stop_while_waiting_for_a_locked_file_not_yet_in_wal_mode_acts_at_once(
+    tmp_path: Path, stop: signal.Signals
+) -> None:
+    """Another program's file (not yet WAL), its writer holding it: a command
+    on it waits to put it in WAL mode, and a stop acted only once the wait
+    was over; the file is left as it was."""
+    path = tmp_path / "older.db"
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("CREATE TABLE theirs (a)")
+    holder.execute("BEGIN EXCLUSIVE")
+    try:
+        stopped_while_waiting("_into_wal", stop, "--db", f"sqlite:///{path}", "model", "list")
+    finally:
+        holder.execute("ROLLBACK")
+    assert holder.execute("PRAGMA journal_mode").fetchone() == ("delete",)
+    holder.close()
+
+
+def test_a_write_waits_out_its_whole_bound_in_slices_that_let_signal_handlers_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The wait for a SQLite write lock ends, refused with the same line,
+    once the bound is past by the clock (0.35 s: three slices and a half),
+    and signal handlers run meanwhile (a timer's, every 20 ms), where one
+    wait in SQLite's busy handler ran none until it was over, and ended
+    after 0.18 s: SQLite counts the sleeps it asked for, which the signals
+    cut short. The upper bound leaves room for a loaded machine."""
+    monkeypatch.setenv(LOCK_WAIT_ENV, "0.35")
+    url = f"sqlite:///{tmp_path}/catalog.db"
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": url})
+    models.add(model_spec("m"), by="setup")
+    handled: list[float] = []
+    previous = signal.signal(signal.SIGALRM, lambda *_: handled.append(time.monotonic()))
+    try:
+        with write_lock_held(url):
+            started = time.monotonic()
+            signal.setitimer(signal.ITIMER_REAL, 0.02, 0.02)
+            try:
+                with pytest.raises(StorageBusy) as refused:
+                    models.scale("m", 0, 3, by="ops")
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+            took = time.monotonic() - started
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+    assert str(refused.value) == (
+        "the database stayed locked by another writer for 0.35 s; nothing was written, try again"
+    )
+    assert 0.35 <= took < 1, f"refused after {took:.3f} s"
+    during = [t - started for t in handled if t - started < 0.3]
+    assert len(during) >= 2, f"signal handlers ran at {during} s of the wait alone"
+    assert count_events(url) == 1
+    models.close()
+
+
 @pytest.mark.parametrize("stopped_when", ["deciding", "appended"])
 def test_a_postgresql_node_stopped_mid_write_lets_go_of_the_lock_within_a_bound(
     pg_url: str, stopped_when: str, monkeypatch: pytest.MonkeyPatch
