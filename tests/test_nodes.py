@@ -23,6 +23,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,7 @@ from catalog_es.persistence import (
     prepared_elsewhere,
 )
 from catalog_es.web.tokens import TokenStore
+from projections import snapshots
 from tests.helpers import count_events, log_rows, model_data, put_back, round_trips, schema_of
 from tests.serving import bearer, http_client, started
 
@@ -749,6 +751,69 @@ def test_a_command_is_not_told_of_a_config_recorded_as_it_ran(
     command.scale("a", 0, 2, by="ops")  # 3 config 0 (a deploy), 4
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
     for models in (command, other):
+        models.close()
+
+
+@pytest.mark.parametrize("meets", ["read", "write"])
+def test_a_server_looks_up_another_config_holding_up_no_read_or_write(
+    db_url: str, meets: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A server whose read or write met another config's record looked the
+    log's config records up holding the catalog's lock (a write's, the write
+    lock too): every read and write of the process waited for that read
+    (review). They go on meanwhile; and threads meeting another record of
+    that config at once, as the lookup goes on, tell it no more: once, at
+    its first record."""
+    configs = _configs(2)
+    url = {"CATALOG_ES_DB": db_url}
+    node = Models(configs[0], env=url)
+    node.add(_definition("a", []), by="node")  # 1 config 0, 2
+    assert node.record_declaration(by="node") == 2
+    other = Models(configs[1], env=url)
+    other.scale("a", 0, 2, by="other")  # 3 config 1, 4
+    looking, go_on = threading.Event(), threading.Event()
+    looked_up = snapshots.configs_recorded_between
+
+    def held_up(*args: Any, **kwargs: Any) -> Any:
+        if not looking.is_set():
+            looking.set()
+            go_on.wait(30)
+        return looked_up(*args, **kwargs)
+
+    def read_and_write() -> None:
+        node.list_models()
+        node.scale("a", 0, 4, by="node")  # config 0 again
+
+    monkeypatch.setattr(snapshots, "configs_recorded_between", held_up)
+    threads = ThreadPoolExecutor(10)  # the first, held up, and 8 at once
+    try:
+        first = threads.submit(
+            node.list_models if meets == "read" else lambda: node.scale("a", 0, 3, by="node")
+        )
+        assert looking.wait(10)  # its lookup held up: reads and writes go on
+        threads.submit(read_and_write).result(timeout=5)
+        other.scale("a", 0, 5, by="other")  # config 1 again
+        at_once = threading.Barrier(8)
+
+        def refresh() -> None:
+            at_once.wait(5)
+            node.refresh()
+
+        refreshes = [threads.submit(refresh) for _ in range(8)]
+        for refreshed in refreshes:
+            refreshed.result(timeout=10)
+    finally:
+        go_on.set()
+        threads.shutdown()
+    first.result()
+    node.refresh()
+    assert [
+        r.getMessage().split(";")[0] for r in caplog.records if "another node" in r.getMessage()
+    ] == [
+        f"another node writes under another declared config, fingerprint "
+        f"{configs[1].fingerprint[:12]} (1), recorded at revision 3 by 'other'"
+    ]
+    for models in (node, other):
         models.close()
 
 
