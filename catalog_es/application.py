@@ -590,10 +590,11 @@ class Models(AuditTrail, Application[UUID]):
         self._configs_known = {self.declared.fingerprint}
         self._configs_unread: tuple[int, int] | None = None
         self._configs_looking = False
-        # Whether this node started as a server does (:meth:`record_declaration`):
-        # only one running on tells of the configs others write under; what a
-        # catch-up met before was recorded before it started.
-        self._started = False
+        # The revision this node started at, as a server does
+        # (:meth:`record_declaration`): only one running on tells of the
+        # configs others write under; what a catch-up met before was
+        # recorded before it started.
+        self._started_at: int | None = None
         # The revision of this service's last committed write: what an
         # interrupt after it, as the answer is made or told, cannot undo.
         self.last_written: int | None = None
@@ -1415,7 +1416,7 @@ class Models(AuditTrail, Application[UUID]):
             # Recorded before this start, which records its own over them (a
             # node still on one records it again, told then).
             self._configs_unread = None
-            self._started = True
+            self._started_at = self.catalog.revision
         return at
 
     def _push(self) -> None:
@@ -1483,7 +1484,13 @@ class Models(AuditTrail, Application[UUID]):
             self.catalog = catalog
         if catalog.recorded_declaration != recorded:
             self._tell_no_config_given(conn)
-            # Looked through once the log is let go: this may hold its write lock.
+        if catalog.recorded_declaration != recorded or lost is not None:
+            # Looked through once the log is let go: this may hold its write
+            # lock. A log that went back is looked through from where this
+            # node started: it may hold records made since, numbered below
+            # the revision the node was at (the configs told are not again).
+            if lost is not None and self._started_at is not None:
+                before = min(before, self._started_at)
             unread = self._configs_unread
             self._configs_unread = (min(unread[0], before) if unread else before, catalog.revision)
 
@@ -1524,7 +1531,7 @@ class Models(AuditTrail, Application[UUID]):
         process's locks held, which every read and write of a server would
         wait for: a call holding one (a read, inside :meth:`_reading`)
         leaves the lookup to the call made once it lets go."""
-        if self._configs_unread is None or not self._started:
+        if self._configs_unread is None or self._started_at is None:
             return  # most calls: read without the catalog's lock, set under it
         if self._state.depth() or holds(self._lock):
             return  # told by this thread's call once it lets go of them

@@ -817,6 +817,42 @@ def test_a_server_looks_up_another_config_holding_up_no_read_or_write(
         models.close()
 
 
+@pytest.mark.parametrize("regrown", [1, 3])
+def test_a_server_whose_log_went_back_is_told_of_the_configs_recorded_in_it_since(
+    db_url: str, regrown: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A log that went back under a server (a backup restored, then a node on
+    another config wrote): the server loaded it again, and was told nothing
+    of that config, its records numbered below the revision it had been at
+    (review). It is told, once, as of a config recorded since it started."""
+    configs = _configs(2)
+    url = {"CATALOG_ES_DB": db_url}
+    node = Models(configs[0], env=url)
+    node.add(_definition("a", []), by="node")  # 1 config 0, 2
+    assert node.record_declaration(by="node") == 2
+    saved = log_rows(db_url)
+    for replicas in (3, 4, 5):
+        node.scale("a", 0, replicas, by="node")  # 3, 4, 5: lost
+    put_back(db_url, saved)
+    other = Models(configs[1], env=url)
+    for replicas in range(regrown):
+        other.scale("a", 0, 6 + replicas, by="other")  # 3 config 1, 4; then 5, 6
+        if replicas == 0:
+            recorded = other.revision - 1  # PostgreSQL numbers on from 6: its sequence kept
+    node.list_models()
+    other.scale("a", 0, 9, by="other")
+    node.list_models()
+    assert "loading the catalog from the log" in caplog.text
+    assert [
+        r.getMessage().split(";")[0] for r in caplog.records if "another node" in r.getMessage()
+    ] == [
+        f"another node writes under another declared config, fingerprint "
+        f"{configs[1].fingerprint[:12]} (1), recorded at revision {recorded} by 'other'"
+    ]
+    for models in (node, other):
+        models.close()
+
+
 def test_a_deploy_looks_up_the_configs_the_log_recorded_without_holding_its_writes(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
