@@ -1491,8 +1491,16 @@ class Models(AuditTrail, Application[UUID]):
             # the revision the node was at (the configs told are not again).
             if lost is not None and self._started_at is not None:
                 before = min(before, self._started_at)
-            unread = self._configs_unread
-            self._configs_unread = (min(unread[0], before) if unread else before, catalog.revision)
+            self._note_unread(before, catalog.revision)
+
+    def _note_unread(self, after: int, upto: int) -> None:
+        """Note the revisions after ``after`` and up to ``upto`` as to be
+        looked through for other configs, with those noted already (under
+        the catalog's lock)."""
+        unread = self._configs_unread
+        self._configs_unread = (
+            (min(unread[0], after), max(unread[1], upto)) if unread else (after, upto)
+        )
 
     def _tell_no_config_given(self, conn: Connection) -> None:
         """Warn, as a catch-up first meets it, of a config another node
@@ -1549,7 +1557,10 @@ class Models(AuditTrail, Application[UUID]):
                         conn, *unread, besides=self._configs_known
                     )
             except (sa.exc.SQLAlchemyError, Refused) as error:
-                log.debug("the configs the log recorded were not looked through: %s", error)
+                # Kept for the next call: dropped, its configs were never told.
+                with self._state:
+                    self._note_unread(*unread)
+                log.debug("the configs the log recorded were not looked through, yet: %s", error)
                 return
             self._configs_known.update(record.fingerprint for _, record in found)
         finally:

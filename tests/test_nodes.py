@@ -853,6 +853,41 @@ def test_a_server_whose_log_went_back_is_told_of_the_configs_recorded_in_it_sinc
         models.close()
 
 
+def test_a_server_whose_lookup_of_another_config_failed_looks_again(
+    db_url: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A server's lookup of the configs another node recorded failed (the
+    database away for that read): those configs were never told (review).
+    They are looked up again at the next read, and told then."""
+    configs = _configs(2)
+    url = {"CATALOG_ES_DB": db_url}
+    node = Models(configs[0], env=url)
+    node.add(_definition("a", []), by="node")  # 1 config 0, 2
+    assert node.record_declaration(by="node") == 2
+    other = Models(configs[1], env=url)
+    other.scale("a", 0, 2, by="other")  # 3 config 1, 4
+
+    def failed(*_: Any, **__: Any) -> Any:
+        raise sa.exc.OperationalError("SELECT", {}, Exception("the server closed the connection"))
+
+    def told() -> list[str]:
+        return [
+            r.getMessage().split(";")[0] for r in caplog.records if "another node" in r.getMessage()
+        ]
+
+    monkeypatch.setattr(snapshots, "configs_recorded_between", failed)
+    node.list_models()
+    assert told() == []
+    monkeypatch.undo()
+    node.list_models()
+    assert told() == [
+        f"another node writes under another declared config, fingerprint "
+        f"{configs[1].fingerprint[:12]} (1), recorded at revision 3 by 'other'"
+    ]
+    for models in (node, other):
+        models.close()
+
+
 def test_a_deploy_looks_up_the_configs_the_log_recorded_without_holding_its_writes(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
