@@ -587,13 +587,17 @@ class Models(AuditTrail, Application[UUID]):
         # The declared configs (fingerprints) this node has nothing to tell
         # of: its own, and each other it told of; and the revisions, after
         # one and up to another, whose config records a catch-up met and no
-        # one has looked through yet (:meth:`_tell_other_configs`).
+        # one has looked through yet (:meth:`_tell_other_configs`); and
+        # whether a thread is looking through some (one at a time, so that
+        # a config is told once, at its first record).
         self._configs_known = {self.declared.fingerprint}
         self._configs_unread: tuple[int, int] | None = None
-        # Whether this node started as a server does (:meth:`record_declaration`):
-        # only one running on tells of the configs others write under; what a
-        # catch-up met before was recorded before it started.
-        self._started = False
+        self._configs_looking = False
+        # The revision this node started at, as a server does
+        # (:meth:`record_declaration`): only one running on tells of the
+        # configs others write under; what a catch-up met before was
+        # recorded before it started.
+        self._started_at: int | None = None
         # The revision of this service's last committed write: what an
         # interrupt after it, as the answer is made or told, cannot undo.
         self.last_written: int | None = None
@@ -1091,9 +1095,12 @@ class Models(AuditTrail, Application[UUID]):
         lock_left: float | None = None
         while True:
             try:
-                return self._write_once(asked, lock_left)
+                written = self._write_once(asked, lock_left)
             except _FarBehind:
                 pass  # nothing was planned or written: caught up with below, then again
+            else:
+                self._tell_other_configs()  # what its catch-up met, the locks let go
+                return written
             # The lock wait bounds the two takes of the lock together, not the catch-up.
             lock_left = max(self.store.lock_wait - (time.monotonic() - started), 0.001)
             self.refresh()
@@ -1278,7 +1285,8 @@ class Models(AuditTrail, Application[UUID]):
         force and push it to the applier, under the catalog's lock (taken
         again if the plan let go of it, down to ``entered``); then, that lock
         let go, tell what the write met (``put_over``: the config it recorded
-        its own over) and save a snapshot when one is due."""
+        its own over) and save a snapshot when one is due. The other configs
+        its catch-up met are told by :meth:`_write`, the write lock let go."""
         state = self._state
         if state.depth() == entered:
             state.acquire(write=True)
@@ -1302,7 +1310,6 @@ class Models(AuditTrail, Application[UUID]):
         state.release()
         if put_over is not None:
             self._tell_config_put_back(put_over[1], appended.revisions[0])
-        self._tell_other_configs()
         if snapshot is not None:
             self._save_snapshot(revision, snapshots.encode(snapshot))
 
@@ -1413,7 +1420,7 @@ class Models(AuditTrail, Application[UUID]):
             # Recorded before this start, which records its own over them (a
             # node still on one records it again, told then).
             self._configs_unread = None
-            self._started = True
+            self._started_at = self.catalog.revision
         if self._headless_at is not None:
             # A server would otherwise start without a word, and its
             # operator learn of it only as the first write is refused.
@@ -1490,9 +1497,23 @@ class Models(AuditTrail, Application[UUID]):
             self.catalog = catalog
         if catalog.recorded_declaration != recorded:
             self._tell_no_config_given(conn)
-            # Looked through once the log is let go: this may hold its write lock.
-            unread = self._configs_unread
-            self._configs_unread = (min(unread[0], before) if unread else before, catalog.revision)
+        if catalog.recorded_declaration != recorded or lost is not None:
+            # Looked through once the log is let go: this may hold its write
+            # lock. A log that went back is looked through from where this
+            # node started: it may hold records made since, numbered below
+            # the revision the node was at (the configs told are not again).
+            if lost is not None and self._started_at is not None:
+                before = min(before, self._started_at)
+            self._note_unread(before, catalog.revision)
+
+    def _note_unread(self, after: int, upto: int) -> None:
+        """Note the revisions after ``after`` and up to ``upto`` as to be
+        looked through for other configs, with those noted already (under
+        the catalog's lock)."""
+        unread = self._configs_unread
+        self._configs_unread = (
+            (min(unread[0], after), max(unread[1], upto)) if unread else (after, upto)
+        )
 
     def _tell_no_config_given(self, conn: Connection) -> None:
         """Warn, as a catch-up first meets it, of a config another node
@@ -1527,33 +1548,47 @@ class Models(AuditTrail, Application[UUID]):
         over it, and a node still on that one records it again with its next
         write, told then). A service not started so, a command's run, tells
         none: its write warns of a config put back, as the docs say. Only a
-        warning hangs on it, looked up with the log's write lock let go."""
-        if self._configs_unread is None or not self._started:
+        warning hangs on it, so the log is read with neither of this
+        process's locks held, which every read and write of a server would
+        wait for: a call holding one (a read, inside :meth:`_reading`)
+        leaves the lookup to the call made once it lets go."""
+        if self._configs_unread is None or self._started_at is None:
             return  # most calls: read without the catalog's lock, set under it
+        if self._state.depth() or holds(self._lock):
+            return  # told by this thread's call once it lets go of them
         with self._state:
+            if self._configs_looking:
+                return  # left to the next call, once that thread has told its own
             unread, self._configs_unread = self._configs_unread, None
             if unread is None or not self.declared.given:
                 return  # a node given none is told so (_tell_no_config_given)
+            self._configs_looking = True
+        try:
             try:
                 with self.store.read() as conn:
                     found = snapshots.configs_recorded_between(
                         conn, *unread, besides=self._configs_known
                     )
             except (sa.exc.SQLAlchemyError, Refused) as error:
-                log.debug("the configs the log recorded were not looked through: %s", error)
+                # Kept for the next call: dropped, its configs were never told.
+                with self._state:
+                    self._note_unread(*unread)
+                log.debug("the configs the log recorded were not looked through, yet: %s", error)
                 return
-            for revision, record in found:
-                self._configs_known.add(record.fingerprint)
-                log.warning(
-                    "another node writes under another declared config, %s, recorded at "
-                    "revision %d by %s; this node's is %s: the nodes serve different declared "
-                    "layers, and the log records each in turn; run every node on one config "
-                    "(told once for each other config)",
-                    named_config(record.fingerprint, record.path),
-                    revision,
-                    shown(record.by, NAME_SHOWN_LENGTH),
-                    named_config(self.declared.fingerprint, self.declared.path),
-                )
+            self._configs_known.update(record.fingerprint for _, record in found)
+        finally:
+            self._configs_looking = False
+        for revision, record in found:
+            log.warning(
+                "another node writes under another declared config, %s, recorded at "
+                "revision %d by %s; this node's is %s: the nodes serve different declared "
+                "layers, and the log records each in turn; run every node on one config "
+                "(told once for each other config)",
+                named_config(record.fingerprint, record.path),
+                revision,
+                shown(record.by, NAME_SHOWN_LENGTH),
+                named_config(self.declared.fingerprint, self.declared.path),
+            )
 
     def refresh(self) -> None:
         """Apply what other writers appended since this service last looked.
@@ -1614,6 +1649,7 @@ class Models(AuditTrail, Application[UUID]):
             with self._state:
                 self.refresh()
                 yield self.catalog
+            self._tell_other_configs()  # what the refresh met, the catalog let go
         else:
             yield self.catalog_at(at, declared_then=declared_then)
 

@@ -23,6 +23,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,7 @@ from catalog_es.persistence import (
     prepared_elsewhere,
 )
 from catalog_es.web.tokens import TokenStore
+from projections import snapshots
 from tests.helpers import count_events, log_rows, model_data, put_back, round_trips, schema_of
 from tests.serving import bearer, http_client, started
 
@@ -749,6 +751,140 @@ def test_a_command_is_not_told_of_a_config_recorded_as_it_ran(
     command.scale("a", 0, 2, by="ops")  # 3 config 0 (a deploy), 4
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
     for models in (command, other):
+        models.close()
+
+
+@pytest.mark.parametrize("meets", ["read", "write"])
+def test_a_server_looks_up_another_config_holding_up_no_read_or_write(
+    db_url: str, meets: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A server whose read or write met another config's record looked the
+    log's config records up holding the catalog's lock (a write's, the write
+    lock too): every read and write of the process waited for that read
+    (review). They go on meanwhile; and threads meeting another record of
+    that config at once, as the lookup goes on, tell it no more: once, at
+    its first record."""
+    configs = _configs(2)
+    url = {"CATALOG_ES_DB": db_url}
+    node = Models(configs[0], env=url)
+    node.add(_definition("a", []), by="node")  # 1 config 0, 2
+    assert node.record_declaration(by="node") == 2
+    other = Models(configs[1], env=url)
+    other.scale("a", 0, 2, by="other")  # 3 config 1, 4
+    looking, go_on = threading.Event(), threading.Event()
+    looked_up = snapshots.configs_recorded_between
+
+    def held_up(*args: Any, **kwargs: Any) -> Any:
+        if not looking.is_set():
+            looking.set()
+            go_on.wait(30)
+        return looked_up(*args, **kwargs)
+
+    def read_and_write() -> None:
+        node.list_models()
+        node.scale("a", 0, 4, by="node")  # config 0 again
+
+    monkeypatch.setattr(snapshots, "configs_recorded_between", held_up)
+    threads = ThreadPoolExecutor(10)  # the first, held up, and 8 at once
+    try:
+        first = threads.submit(
+            node.list_models if meets == "read" else lambda: node.scale("a", 0, 3, by="node")
+        )
+        assert looking.wait(10)  # its lookup held up: reads and writes go on
+        threads.submit(read_and_write).result(timeout=5)
+        other.scale("a", 0, 5, by="other")  # config 1 again
+        at_once = threading.Barrier(8)
+
+        def refresh() -> None:
+            at_once.wait(5)
+            node.refresh()
+
+        refreshes = [threads.submit(refresh) for _ in range(8)]
+        for refreshed in refreshes:
+            refreshed.result(timeout=10)
+    finally:
+        go_on.set()
+        threads.shutdown()
+    first.result()
+    node.refresh()
+    assert [
+        r.getMessage().split(";")[0] for r in caplog.records if "another node" in r.getMessage()
+    ] == [
+        f"another node writes under another declared config, fingerprint "
+        f"{configs[1].fingerprint[:12]} (1), recorded at revision 3 by 'other'"
+    ]
+    for models in (node, other):
+        models.close()
+
+
+@pytest.mark.parametrize("regrown", [1, 3])
+def test_a_server_whose_log_went_back_is_told_of_the_configs_recorded_in_it_since(
+    db_url: str, regrown: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A log that went back under a server (a backup restored, then a node on
+    another config wrote): the server loaded it again, and was told nothing
+    of that config, its records numbered below the revision it had been at
+    (review). It is told, once, as of a config recorded since it started."""
+    configs = _configs(2)
+    url = {"CATALOG_ES_DB": db_url}
+    node = Models(configs[0], env=url)
+    node.add(_definition("a", []), by="node")  # 1 config 0, 2
+    assert node.record_declaration(by="node") == 2
+    saved = log_rows(db_url)
+    for replicas in (3, 4, 5):
+        node.scale("a", 0, replicas, by="node")  # 3, 4, 5: lost
+    put_back(db_url, saved)
+    other = Models(configs[1], env=url)
+    for replicas in range(regrown):
+        other.scale("a", 0, 6 + replicas, by="other")  # 3 config 1, 4; then 5, 6
+        if replicas == 0:
+            recorded = other.revision - 1  # PostgreSQL numbers on from 6: its sequence kept
+    node.list_models()
+    other.scale("a", 0, 9, by="other")
+    node.list_models()
+    assert "loading the catalog from the log" in caplog.text
+    assert [
+        r.getMessage().split(";")[0] for r in caplog.records if "another node" in r.getMessage()
+    ] == [
+        f"another node writes under another declared config, fingerprint "
+        f"{configs[1].fingerprint[:12]} (1), recorded at revision {recorded} by 'other'"
+    ]
+    for models in (node, other):
+        models.close()
+
+
+def test_a_server_whose_lookup_of_another_config_failed_looks_again(
+    db_url: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A server's lookup of the configs another node recorded failed (the
+    database away for that read): those configs were never told (review).
+    They are looked up again at the next read, and told then."""
+    configs = _configs(2)
+    url = {"CATALOG_ES_DB": db_url}
+    node = Models(configs[0], env=url)
+    node.add(_definition("a", []), by="node")  # 1 config 0, 2
+    assert node.record_declaration(by="node") == 2
+    other = Models(configs[1], env=url)
+    other.scale("a", 0, 2, by="other")  # 3 config 1, 4
+
+    def failed(*_: Any, **__: Any) -> Any:
+        raise sa.exc.OperationalError("SELECT", {}, Exception("the server closed the connection"))
+
+    def told() -> list[str]:
+        return [
+            r.getMessage().split(";")[0] for r in caplog.records if "another node" in r.getMessage()
+        ]
+
+    monkeypatch.setattr(snapshots, "configs_recorded_between", failed)
+    node.list_models()
+    assert told() == []
+    monkeypatch.undo()
+    node.list_models()
+    assert told() == [
+        f"another node writes under another declared config, fingerprint "
+        f"{configs[1].fingerprint[:12]} (1), recorded at revision 3 by 'other'"
+    ]
+    for models in (node, other):
         models.close()
 
 
