@@ -633,6 +633,24 @@ def _told_put_back(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if "every node should run" in r.getMessage()]
 
 
+def _told_other_configs(caplog: pytest.LogCaptureFixture) -> list[str]:
+    """The warnings of another node writing under another config, up to
+    where they name this node's."""
+    return [
+        r.getMessage().split(";")[0]
+        for r in caplog.records
+        if "another node writes under" in r.getMessage()
+    ]
+
+
+def _other_config(config: DeclaredConfig, revision: int, by: str) -> str:
+    """How that warning names ``config``, recorded at ``revision`` by ``by``."""
+    return (
+        f"another node writes under another declared config, fingerprint "
+        f"{config.fingerprint[:12]} ({config.path}), recorded at revision {revision} by {by!r}"
+    )
+
+
 def test_a_config_recorded_several_deploys_back_is_told_when_it_comes_back(
     db_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -716,20 +734,10 @@ def test_a_config_recorded_as_a_node_starts_is_not_told(
     assert node.record_declaration(by="node") == 3
     node.list_models()
 
-    def told() -> list[str]:
-        return [
-            r.getMessage().split(";")[0]
-            for r in caplog.records
-            if f"; this node's is fingerprint {configs[0].fingerprint[:12]}" in r.getMessage()
-        ]
-
-    assert told() == []
+    assert _told_other_configs(caplog) == []
     other.scale("a", 0, 2, by="other")  # 4 config 1 again, 5
     node.list_models()
-    assert told() == [
-        f"another node writes under another declared config, fingerprint "
-        f"{configs[1].fingerprint[:12]} (1), recorded at revision 4 by 'other'"
-    ]
+    assert _told_other_configs(caplog) == [_other_config(configs[1], 4, "other")]
     for models in (node, other):
         models.close()
 
@@ -807,12 +815,7 @@ def test_a_server_looks_up_another_config_holding_up_no_read_or_write(
         threads.shutdown()
     first.result()
     node.refresh()
-    assert [
-        r.getMessage().split(";")[0] for r in caplog.records if "another node" in r.getMessage()
-    ] == [
-        f"another node writes under another declared config, fingerprint "
-        f"{configs[1].fingerprint[:12]} (1), recorded at revision 3 by 'other'"
-    ]
+    assert _told_other_configs(caplog) == [_other_config(configs[1], 3, "other")]
     for models in (node, other):
         models.close()
 
@@ -843,12 +846,7 @@ def test_a_server_whose_log_went_back_is_told_of_the_configs_recorded_in_it_sinc
     other.scale("a", 0, 9, by="other")
     node.list_models()
     assert "loading the catalog from the log" in caplog.text
-    assert [
-        r.getMessage().split(";")[0] for r in caplog.records if "another node" in r.getMessage()
-    ] == [
-        f"another node writes under another declared config, fingerprint "
-        f"{configs[1].fingerprint[:12]} (1), recorded at revision {recorded} by 'other'"
-    ]
+    assert _told_other_configs(caplog) == [_other_config(configs[1], recorded, "other")]
     for models in (node, other):
         models.close()
 
@@ -870,20 +868,12 @@ def test_a_server_whose_lookup_of_another_config_failed_looks_again(
     def failed(*_: Any, **__: Any) -> Any:
         raise sa.exc.OperationalError("SELECT", {}, Exception("the server closed the connection"))
 
-    def told() -> list[str]:
-        return [
-            r.getMessage().split(";")[0] for r in caplog.records if "another node" in r.getMessage()
-        ]
-
     monkeypatch.setattr(snapshots, "configs_recorded_between", failed)
     node.list_models()
-    assert told() == []
+    assert _told_other_configs(caplog) == []
     monkeypatch.undo()
     node.list_models()
-    assert told() == [
-        f"another node writes under another declared config, fingerprint "
-        f"{configs[1].fingerprint[:12]} (1), recorded at revision 3 by 'other'"
-    ]
+    assert _told_other_configs(caplog) == [_other_config(configs[1], 3, "other")]
     for models in (node, other):
         models.close()
 
