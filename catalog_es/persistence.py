@@ -2233,6 +2233,23 @@ class SQLRecorder(ProcessRecorder):
                 _busy_timeout(conn, self.lock_wait)
 
     @contextmanager
+    def write_beside(self) -> Iterator[Connection]:
+        """A transaction that writes beside the log (a refused command's
+        record), taking none of the log's locks: on PostgreSQL a plain one;
+        on SQLite, where any write takes the database's one lock, on a pooled
+        connection that waits for it as a write does (:func:`_begin_write`),
+        a slice at a time, so that a stop acts between two, where an INSERT
+        in a deferred transaction waited ``lock_wait`` in one."""
+        if self.dialect != "sqlite":
+            with self.engine.begin() as conn:
+                yield conn
+            return
+        with self.engine.connect() as conn, self._sliced(conn):
+            conn.execution_options(catalog_write=True)
+            with conn.begin():
+                yield conn
+
+    @contextmanager
     def read(self) -> Iterator[Connection]:
         """A read transaction: one consistent view of the log. On PostgreSQL that
         takes REPEATABLE READ (its default, READ COMMITTED, lets each statement
