@@ -34,7 +34,7 @@ from catalog_es.batch import Batch, Change, KnownVersions, declaration_differs
 from catalog_es.bootstrap import CONFIG_GIVEN_BY, from_env
 from catalog_es.catalog import UNREADABLE_DECLARATION, Catalog, Skipped
 from catalog_es.catalog_lock import CatalogLock
-from catalog_es.chain import ChainHead, DamagedHead, deleted_tail, stored_head
+from catalog_es.chain import ChainHead, DamagedHead, UnwritableHead, deleted_tail, stored_head
 from catalog_es.collector import collector_paused
 from catalog_es.configuration import Configuration, DeclaredConfig, gone_without, named_config
 from catalog_es.errors import (
@@ -581,9 +581,10 @@ class Models(AuditTrail, Application[UUID]):
         self._known = KnownVersions()
         # The head whose deleted events this node last told of.
         self._deleted_tail_told: int | None = None
-        # The log's last revision when the load found events but no head
-        # record: every write is refused until it is put back.
-        self._headless_at: int | None = None
+        # What the load found wrong with the head record (missing while the
+        # log holds events, or damaged): every write is refused until it is
+        # put back.
+        self._unwritable_head: UnwritableHead | None = None
         # The declared configs (fingerprints) this node has nothing to tell
         # of: its own, and each other it told of; and the revisions, after
         # one and up to another, whose config records a catch-up met and no
@@ -657,7 +658,7 @@ class Models(AuditTrail, Application[UUID]):
             catalog.chain = _chain(catalog.revision, kept.hash)
             self._tell_undeclared(conn, catalog)
             self._tell_deleted_tail(head, kept.last, "the next write")
-            self._headless_at = kept.last if head is None and kept.last else None
+            self._unwritable_head = UnwritableHead.of(head, kept.last)
         if catalog.revision - since >= self.snapshot_interval:
             self._save_snapshot(catalog.revision, snapshots.encode(snapshots.state_of(catalog)))
         _tell_standing_skips(catalog)
@@ -1421,15 +1422,10 @@ class Models(AuditTrail, Application[UUID]):
             # node still on one records it again, told then).
             self._configs_unread = None
             self._started_at = self.catalog.revision
-        if self._headless_at is not None:
+        if self._unwritable_head is not None:
             # A server would otherwise start without a word, and its
             # operator learn of it only as the first write is refused.
-            log.warning(
-                "the log's head record (catalog_head) is missing, but the log holds events up"
-                " to revision %d, and maybe held more: every write will be refused until it is"
-                " put back (catalog-es verify; docs/audit.md says how to put the head back)",
-                self._headless_at,
-            )
+            log.warning("%s", self._unwritable_head.warning())
         return at
 
     def _push(self) -> None:

@@ -264,7 +264,7 @@ class AuditTrail:
             "fields": _kept_fields(fields),
         }
         try:
-            with self.store.engine.begin() as conn:
+            with self.store.write_beside() as conn:
                 conn.execute(sa.insert(refusals_table).values(row))
         except sa.exc.SQLAlchemyError as error:
             # The refusal itself must reach the operator even if its record

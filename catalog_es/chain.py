@@ -43,6 +43,49 @@ class DamagedHead(msgspec.Struct, frozen=True):
     problem: str
 
 
+class UnwritableHead(msgspec.Struct, frozen=True):
+    """A head record no write can append after: what is wrong with it, and
+    where to look. A write is refused in these words; ``serve`` warns in
+    them as it starts, every write to come being refused."""
+
+    problem: str
+    advice: str
+
+    @classmethod
+    def damaged(cls, head: DamagedHead) -> UnwritableHead:
+        return cls(
+            f"the log's head record (catalog_head) is damaged: {head.problem}",
+            "catalog-es verify tells what else was edited",
+        )
+
+    @classmethod
+    def missing(cls, last: int) -> UnwritableHead:
+        # What the log's last revision was went with it: written on, the
+        # chain would start afresh and, on SQLite, a deleted last revision
+        # be handed out again, which a reader that saw it skips.
+        return cls(
+            "the log's head record (catalog_head) is missing, but the log holds events"
+            f" up to revision {last}, and maybe held more",
+            "catalog-es verify; docs/audit.md says how to put the head back",
+        )
+
+    @classmethod
+    def of(cls, head: ChainHead | DamagedHead | None, last: int) -> UnwritableHead | None:
+        """Why no write may follow ``head`` on a log whose last event is at
+        ``last``, if none may."""
+        if isinstance(head, DamagedHead):
+            return cls.damaged(head)
+        if head is None and last:
+            return cls.missing(last)
+        return None
+
+    def refusal(self) -> str:
+        return f"{self.problem}; nothing was written ({self.advice})"
+
+    def warning(self) -> str:
+        return f"{self.problem}: every write will be refused until it is put back ({self.advice})"
+
+
 def stored_head(revision: object, hash_: object) -> ChainHead | DamagedHead | None:
     """The head from its stored columns (``None`` when there is no head row),
     which SQLite keeps of whatever type a hand edit gave them."""

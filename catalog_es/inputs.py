@@ -358,16 +358,23 @@ def expected(what: str, value: Any) -> str:
 
 def empty_document(where: str, content: str, instead: str) -> InputError:
     """A document with nothing in it (no byte, only whitespace, only
-    comments or a bare ``---``), as every input says it: which one, and what
-    to give ``instead``. YAML reads it as null, and each input told that
-    otherwise, a definition as a null it was never given ("got null")."""
+    comments or bare document markers, ``---`` and ``...``), as every input
+    says it: which one, and what to give ``instead``. YAML reads it as null,
+    and each input told that otherwise, a definition as a null it was never
+    given ("got null")."""
     if not content:
         held = ""
     elif content.isspace():
         held = " but for whitespace"
+    elif "#" in content:
+        held = " but for comments"
     else:
-        held = " but for comments" if "#" in content else " but for `---`"
+        held = " but for " + " and ".join(f"`{m}`" for m in _DOCUMENT_MARKERS if m in content)
     return InputError(f"{where}: empty{held}: {instead}")
+
+
+# A document's start and end, all an empty document may hold but comments.
+_DOCUMENT_MARKERS = ("---", "...")
 
 
 def _problem(error: ErrorDetails) -> str:
@@ -737,13 +744,38 @@ def _refuse_surrogates(data: Any, where: str) -> None:
 
 
 class _NoDocument(Exception):
-    """YAML that holds no document: comments alone, or ``---`` and nothing."""
+    """YAML that holds no document: comments alone, or document markers and
+    nothing."""
+
+
+_MARKER_TOKENS = (
+    yaml.StreamStartToken,
+    yaml.StreamEndToken,
+    yaml.DocumentStartToken,
+    yaml.DocumentEndToken,
+)
+
+
+def _markers_alone(text: str) -> bool:
+    """Whether ``text`` holds document markers and nothing else (comments
+    aside): asked of YAML the parser refused, which refuses a document end
+    before any document (``...`` alone), a stream YAML 1.2 reads as holding
+    no document."""
+    try:
+        return all(isinstance(t, _MARKER_TOKENS) for t in yaml.scan(text, yaml.CSafeLoader))
+    except yaml.YAMLError:
+        return False
 
 
 def _load(text: str, loader_class: type[_StrictLoader]) -> Any:
     loader = loader_class(text)
     try:
-        node = loader.get_single_node()
+        try:
+            node = loader.get_single_node()
+        except yaml.parser.ParserError:
+            if _markers_alone(text):
+                raise _NoDocument from None
+            raise
         # Nothing written where the document is: a null given with a tag
         # (`!!null`) or an anchor alone (`&a`) spans what was written, and
         # is a null, as `~` is.

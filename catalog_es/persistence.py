@@ -59,6 +59,7 @@ from catalog_es.chain import (
     ChainHead,
     ChainRow,
     DamagedHead,
+    UnwritableHead,
     link,
     stored_head,
 )
@@ -2232,6 +2233,23 @@ class SQLRecorder(ProcessRecorder):
                 _busy_timeout(conn, self.lock_wait)
 
     @contextmanager
+    def write_beside(self) -> Iterator[Connection]:
+        """A transaction that writes beside the log (a refused command's
+        record), taking none of the log's locks: on PostgreSQL a plain one;
+        on SQLite, where any write takes the database's one lock, on a pooled
+        connection that waits for it as a write does (:func:`_begin_write`),
+        a slice at a time, so that a stop acts between two, where an INSERT
+        in a deferred transaction waited ``lock_wait`` in one."""
+        if self.dialect != "sqlite":
+            with self.engine.begin() as conn:
+                yield conn
+            return
+        with self.engine.connect() as conn, self._sliced(conn):
+            conn.execution_options(catalog_write=True)
+            with conn.begin():
+                yield conn
+
+    @contextmanager
     def read(self) -> Iterator[Connection]:
         """A read transaction: one consistent view of the log. On PostgreSQL that
         takes REPEATABLE READ (its default, READ COMMITTED, lets each statement
@@ -2666,20 +2684,10 @@ class SQLRecorder(ProcessRecorder):
         revision, hash_, (taken, ends, *found) = self._read_standing(conn, streams)
         head = stored_head(revision, hash_)
         if isinstance(head, DamagedHead):
-            raise DamagedLog(
-                f"the log's head record (catalog_head) is damaged: {head.problem}; "
-                "nothing was written (catalog-es verify tells what else was edited)"
-            )
+            raise DamagedLog(UnwritableHead.damaged(head).refusal())
         _check_whole((taken, ends, *found))
         if head is None and ends:
-            # What the log's last revision was went with it: written on, the
-            # chain would start afresh and, on SQLite, a deleted last revision
-            # be handed out again, which a reader that saw it skips.
-            raise DamagedLog(
-                "the log's head record (catalog_head) is missing, but the log holds events"
-                f" up to revision {ends}, and maybe held more; nothing was written"
-                " (catalog-es verify; docs/audit.md says how to put the head back)"
-            )
+            raise DamagedLog(UnwritableHead.missing(ends).refusal())
         return Standing(
             head=head,
             last=max(head.revision if head is not None else 0, taken or 0),

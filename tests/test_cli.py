@@ -2034,7 +2034,8 @@ def test_every_input_says_an_empty_or_misshapen_document_alike(
     """An empty definition was told as a null it was never given ("got null"),
     an empty list of changes "expected a non-empty list", a null config "the
     config is empty", a tokens file of blank lines "Input data was
-    truncated", and one blank line holding a tab a YAML scanner's error. Each
+    truncated", one blank line holding a tab a YAML scanner's error, and a
+    document end (`...`) alone its parser's. Each
     input, a file or standard input, now says it one way, and what to give."""
     definition = "give a model definition (YAML or JSON)"
     changes = "give a list of changes (YAML or JSON)"
@@ -2043,6 +2044,10 @@ def test_every_input_says_an_empty_or_misshapen_document_alike(
         (b"", "empty"),
         (b"  \n\t\n", "empty but for whitespace"),
         (b"# to be written\n\n", "empty but for comments"),
+        # A document end alone, which YAML 1.2 reads as no document (libyaml
+        # refused it: "did not find expected node content").
+        (b"...\n", "empty but for `...`"),
+        (b"---\n...\n", "empty but for `---` and `...`"),
     ):
         path = write("given.yaml", content)
         for args, instead in (

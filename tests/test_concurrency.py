@@ -287,41 +287,51 @@ def test_a_held_write_lock_refuses_a_command_after_the_bounded_wait(db_url: str)
 
 
 # The command line (its arguments after the script's), saying on stderr that
-# it is about to wait for another process's lock: {waiting} names the call
-# that waits, as persistence has it.
+# it is about to wait for another process's lock, and waiting for a line on
+# stdin, the test's go, before it does: {waiting} names the call that waits,
+# in its module of catalog_es.
 WAITING = """
 import sys
-from catalog_es import persistence
+from catalog_es import audit, persistence
 from catalog_es.__main__ import main
-waiting = persistence.{waiting}
+waiting = {waiting}
 def told(*args, **kwargs):
     print("waiting", file=sys.stderr, flush=True)
+    sys.stdin.readline()
     return waiting(*args, **kwargs)
-persistence.{waiting} = told
+{waiting} = told
 sys.argv = ["catalog-es", *sys.argv[1:]]
 main()
 """
 STOPS = pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 
 
-def stopped_while_waiting(waiting: str, stop: signal.Signals, *args: str) -> None:
+def stopped_while_waiting(
+    waiting: str, stop: signal.Signals, *args: str, held: Callable[[], Any] = contextlib.nullcontext
+) -> None:
     """The command line ``args``, sent ``stop`` half a second into its wait
     for another process's lock (30 s at most), stops within a second, saying
-    `Aborted!`: with 1 of a Ctrl-C; a SIGTERM ends the process by it."""
+    `Aborted!`: with 1 of a Ctrl-C; a SIGTERM ends the process by it.
+    ``held``: the lock taken as the command is about to wait, not before."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("CATALOG_ES_")}
     command = subprocess.Popen(
         [sys.executable, "-c", WAITING.format(waiting=waiting), *args],
         env={**env, LOCK_WAIT_ENV: "30"},
+        stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
     assert command.stderr is not None
+    assert command.stdin is not None
     assert command.stderr.readline() == "waiting\n"
-    time.sleep(0.5)  # well inside the wait
-    stopped = time.monotonic()
-    command.send_signal(stop)
-    out, err = command.communicate(timeout=60)
+    with held():
+        command.stdin.write("\n")
+        command.stdin.flush()
+        time.sleep(0.5)  # well inside the wait
+        stopped = time.monotonic()
+        command.send_signal(stop)
+        out, err = command.communicate(timeout=60)
     took = time.monotonic() - stopped
     status = 1 if stop == signal.SIGINT else -stop
     assert (command.returncode, out, err) == (status, "", "\nAborted!\n")
@@ -341,7 +351,7 @@ def test_a_stop_while_a_write_waits_for_the_lock_acts_at_once(
     rows = count_events(db_url)
     with write_lock_held(db_url):
         scale = ["--db", db_url, "model", "scale", "m", "--max", "3"]
-        stopped_while_waiting("SQLRecorder.write", stop, *scale)
+        stopped_while_waiting("persistence.SQLRecorder.write", stop, *scale)
     assert count_events(db_url) == rows
 
 
@@ -357,11 +367,36 @@ def test_a_stop_while_waiting_for_a_locked_file_not_yet_in_wal_mode_acts_at_once
     holder.execute("CREATE TABLE theirs (a)")
     holder.execute("BEGIN EXCLUSIVE")
     try:
-        stopped_while_waiting("_into_wal", stop, "--db", f"sqlite:///{path}", "model", "list")
+        stopped_while_waiting(
+            "persistence._into_wal", stop, "--db", f"sqlite:///{path}", "model", "list"
+        )
     finally:
         holder.execute("ROLLBACK")
     assert holder.execute("PRAGMA journal_mode").fetchone() == ("delete",)
     holder.close()
+
+
+@STOPS
+def test_a_stop_while_a_refusals_record_waits_for_the_lock_acts_at_once(
+    tmp_path: Path, stop: signal.Signals
+) -> None:
+    """A refused command records its refusal in a transaction of its own,
+    after the refused one let go of the lock: another process taking the
+    lock between the two held the record's INSERT in SQLite's busy handler,
+    where a stop acted only once the whole wait was over. The record waits
+    as a write does, in slices, and the stop acts between two; nothing is
+    recorded."""
+    url = f"sqlite:///{tmp_path}/catalog.db"
+    Models(DeclaredConfig(), env={"CATALOG_ES_DB": url}).add(model_spec("m"), by="setup")
+    scale = ["--db", url, "model", "scale", "nope", "--max", "3"]
+    stopped_while_waiting(
+        "audit.AuditTrail.record_refusal", stop, *scale, held=lambda: write_lock_held(url)
+    )
+    engine = sa.create_engine(url)
+    with engine.connect() as conn:
+        assert conn.exec_driver_sql("SELECT count(*) FROM catalog_refusals").scalar() == 0
+    engine.dispose()
+    assert count_events(url) == 1
 
 
 def test_a_write_waits_out_its_whole_bound_in_slices_that_let_signal_handlers_run(

@@ -1948,14 +1948,39 @@ def test_a_log_table_an_older_release_made_first_on_the_path_is_told(
     assert count_events(log_url) == 2
 
 
-@pytest.mark.parametrize("removed", ["DELETE FROM catalog_head", "DROP TABLE catalog_head"])
-def test_a_server_started_on_a_log_whose_head_is_missing_says_writes_are_refused(
-    db_url: str, tmp_path: Path, removed: str
+# Hand edits of the head record every write refuses (the log holding
+# revision 1): what is wrong with it and where to look, as the refusal says.
+_MISSING = (
+    "is missing, but the log holds events up to revision 1, and maybe held more",
+    "catalog-es verify; docs/audit.md says how to put the head back",
+)
+_DAMAGED = "catalog-es verify tells what else was edited"
+_UNWRITABLE_HEADS = {
+    "DELETE FROM catalog_head": _MISSING,
+    "DROP TABLE catalog_head": _MISSING,
+    "UPDATE catalog_head SET hash = '123'": (
+        "is damaged: its hash is '123', not a sha256 digest in hex",
+        _DAMAGED,
+    ),
+    # Text in an integer column: SQLite keeps it, PostgreSQL refuses the edit.
+    "UPDATE catalog_head SET revision = 'eight'": (
+        "is damaged: its revision is 'eight', not a whole number",
+        _DAMAGED,
+    ),
+}
+
+
+@pytest.mark.parametrize("edit", _UNWRITABLE_HEADS)
+def test_a_server_started_on_a_log_whose_head_is_missing_or_damaged_says_writes_are_refused(
+    db_url: str, tmp_path: Path, edit: str
 ) -> None:
     """``serve`` on a log whose head record was deleted, or its table dropped
-    (which the server, a writer, makes again), started without a word: its
-    operator learnt of it only as the first write was refused. Its start
-    says so in one line, and writes nothing."""
+    (which the server, a writer, makes again), or whose head record was
+    damaged, started without a word: its operator learnt of it only as the
+    first write was refused. Its start says so in one line, worded as the
+    refusal, and writes nothing."""
+    if "'eight'" in edit and not db_url.startswith("sqlite"):
+        pytest.skip("PostgreSQL keeps no text in an integer column")
     tokens = tmp_path / "tokens.json"
     TokenStore(tokens).add("ops", "write")
     setup = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
@@ -1963,18 +1988,19 @@ def test_a_server_started_on_a_log_whose_head_is_missing_says_writes_are_refused
     setup.close()
     engine = sa.create_engine(db_url)
     with engine.begin() as conn:
-        conn.execute(sa.text(removed))
+        conn.execute(sa.text(edit))
     engine.dispose()
     events = count_events(db_url)
+    assert events == 1
     server = _serve(db_url, tokens)
     try:
         said = started(server)[1]
     finally:
         said += _stopped([server])[0]
+    problem, advice = _UNWRITABLE_HEADS[edit]
     told = [line for line in said.splitlines() if "catalog_head" in line]
     assert told == [
-        "warning: the log's head record (catalog_head) is missing, but the log holds events up"
-        f" to revision {events}, and maybe held more: every write will be refused until it is"
-        " put back (catalog-es verify; docs/audit.md says how to put the head back)"
+        f"warning: the log's head record (catalog_head) {problem}: every write will be"
+        f" refused until it is put back ({advice})"
     ]
     assert count_events(db_url) == events
