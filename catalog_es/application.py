@@ -71,25 +71,19 @@ from catalog_es.persistence import (
     AnswerTooLarge,
     Appended,
     Factory,
-    FileNotTheLog,
     Kept,
     PullingSubscription,
     SQLRecorder,
     Standing,
-    acquire_within,
-    check_walk_end,
-    commit_may_have_stood,
-    database_unusable,
-    events_table,
-    holds,
-    holds_bytes,
-    release_to,
-    stream_walk,
     within_bytes,
 )
 from catalog_es.ports import AcceptAll, Applier, NoApplier, PreAddCheck
 from catalog_es.rollback import plan_rollback
 from catalog_es.spec import Adapter, ModelSpec, Origin, check_name
+from catalog_es.storage.engines import commit_may_have_stood, database_unusable
+from catalog_es.storage.schema import check_walk_end, events_table, holds_bytes, stream_walk
+from catalog_es.storage.sqlite_file import FileNotTheLog
+from catalog_es.storage.waits import acquire_within, holds, release_to
 from catalog_es.values import zoned
 from catalog_es.views import (
     event_fields,

@@ -33,7 +33,8 @@ from catalog_es.errors import (
 from catalog_es.inputs import check_actor_filter
 from catalog_es.model import Model, utc_now, utc_text
 from catalog_es.names import carried
-from catalog_es.persistence import AnswerTooLarge, SQLRecorder, refusals_table
+from catalog_es.persistence import AnswerTooLarge, SQLRecorder
+from catalog_es.storage.schema import refusals_table
 from catalog_es.values import zoned
 from catalog_es.views import refused_fields
 from projections.audit import (

@@ -47,7 +47,6 @@ from catalog_es.errors import (
 from catalog_es.mapper import UndecodableEvent, decode_event, topic_of
 from catalog_es.model import Model, model_id
 from catalog_es.names import CHECK_UPDATES
-from catalog_es.persistence import check_walk, events_table, stream_walk
 from catalog_es.registry import (
     DEFAULT_BRANCH,
     Registry,
@@ -62,6 +61,7 @@ from catalog_es.registry import (
     verify,
 )
 from catalog_es.spec import ModelSpec, Origin
+from catalog_es.storage.schema import check_walk, events_table, stream_walk
 from catalog_es.views import event_view, model_view
 from projections import pointintime
 

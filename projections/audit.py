@@ -49,18 +49,10 @@ from catalog_es.mapper import (
 )
 from catalog_es.model import DomainEvent, Model, utc_text
 from catalog_es.names import CONFIG_DECLARED, DECLARED, REDECLARED, UNDECLARED
-from catalog_es.persistence import (
-    Kept,
-    SQLRecorder,
-    acquire_within,
-    create,
-    holds,
-    milliseconds,
-    release_to,
-    tables_found,
-    within_bytes,
-)
+from catalog_es.persistence import Kept, SQLRecorder, within_bytes
 from catalog_es.spec import ModelSpec
+from catalog_es.storage.schema import create, tables_found
+from catalog_es.storage.waits import acquire_within, holds, milliseconds, release_to
 from catalog_es.views import definition_view, event_fields, event_name
 from projections import pointintime, snapshots
 

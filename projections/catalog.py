@@ -40,8 +40,9 @@ from catalog_es.mapper import (
     topic_name,
 )
 from catalog_es.model import DomainEvent, Model, model_id
-from catalog_es.persistence import SQLRecorder, create_engine, in_memory, stream_parity
+from catalog_es.persistence import SQLRecorder, stream_parity
 from catalog_es.spec import EVERY_FIELD, ModelSpec
+from catalog_es.storage.engines import create_engine, in_memory
 
 Progress = Callable[[int], None]
 Page = list[tuple[int, str, bytes]]

@@ -22,8 +22,9 @@ from catalog_es.configuration import CONFIGURATION_ID, Configuration, DeclaredCo
 from catalog_es.errors import ConfigError, Refused
 from catalog_es.mapper import UNREADABLE, UndecodableEvent, decode_event
 from catalog_es.model import MAX_CLOCK_SKEW, UtcTime, utc_now, utc_text
-from catalog_es.persistence import SQLRecorder, check_walk, events_table
+from catalog_es.persistence import SQLRecorder
 from catalog_es.spec import EVERY_FIELD, ModelSpec
+from catalog_es.storage.schema import check_walk, events_table
 from projections import snapshots
 from projections.catalog import catch_up
 

@@ -28,8 +28,8 @@ from catalog_es.configuration import CONFIGS_KEPT, CONFIGURATION_ID, Configurati
 from catalog_es.errors import lost_events
 from catalog_es.mapper import UNREADABLE, declared_fingerprint, readable_declaration
 from catalog_es.model import Model
-from catalog_es.persistence import BIGINT, check_walk, events_table, metadata, stream_walk
 from catalog_es.spec import ModelSpec
+from catalog_es.storage.schema import BIGINT, check_walk, events_table, metadata, stream_walk
 
 log = logging.getLogger("catalog_es.snapshots")
 

@@ -50,13 +50,10 @@ from catalog_es.collector import collector_paused
 from catalog_es.configuration import DeclaredConfig
 from catalog_es.mapper import EventMapper, decode_event
 from catalog_es.model import Model, model_id
-from catalog_es.persistence import (
-    WAL_CHECKPOINT_PAGES,
-    SQLRecorder,
-    create_engine,
-    sqlite_synchronous,
-)
+from catalog_es.persistence import SQLRecorder
 from catalog_es.spec import ModelSpec, Profile, Scaling
+from catalog_es.storage.engines import create_engine
+from catalog_es.storage.sqlite_file import WAL_CHECKPOINT_PAGES, sqlite_synchronous
 from projections.catalog import catch_up
 
 

@@ -34,7 +34,8 @@ WARM = 3  # samples left out: the first imports and connections
 
 def sample(db: str, audit: bool) -> tuple[float, float]:
     """One new log made on ``db``: (whole, recorder's part) in ms."""
-    from catalog_es.persistence import SQLRecorder, create_engine
+    from catalog_es.persistence import SQLRecorder
+    from catalog_es.storage.engines import create_engine
     from projections.audit import AuditView
 
     admin, schema, folder = None, "", ""

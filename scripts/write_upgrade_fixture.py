@@ -33,8 +33,8 @@ from catalog_es.application import Models
 from catalog_es.batch import Batch
 from catalog_es.inputs import load_config, model_from_data
 from catalog_es.model import Model
-from catalog_es.persistence import events_table
 from catalog_es.spec import Adapter, ModelSpec, Origin
+from catalog_es.storage.schema import events_table
 
 FIRST_CONFIG = """\
 models:

@@ -27,8 +27,8 @@ from catalog_es.catalog import Catalog
 from catalog_es.cli.base import HUNG_UP
 from catalog_es.inputs import model_from_data
 from catalog_es.model import Model, model_id, utc_now
-from catalog_es.persistence import events_table, head_table, streams_table
 from catalog_es.spec import DEFAULT_ENGINES, ModelSpec, Profile
+from catalog_es.storage.schema import events_table, head_table, streams_table
 from projections.snapshots import snapshots_table, taken_since
 
 GPU = Profile(name="gpu", gpus=1, gpu_memory_gb=24, min_memory_gb=32, cpu_cores=4)

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from catalog_es.persistence import holds
+from catalog_es.storage.waits import holds
 
 
 @pytest.fixture(autouse=True)

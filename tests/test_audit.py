@@ -52,15 +52,11 @@ from catalog_es.errors import (
 from catalog_es.inputs import load_config
 from catalog_es.mapper import EventMapper
 from catalog_es.model import Model, model_id
-from catalog_es.persistence import (
-    SQLRecorder,
-    create_engine,
-    events_table,
-    head_table,
-    streams_table,
-)
+from catalog_es.persistence import SQLRecorder
 from catalog_es.ports import PreAddCheck
 from catalog_es.spec import DEFAULT_ENGINES, Adapter, ModelSpec, Origin, Profile, Scaling
+from catalog_es.storage.engines import create_engine
+from catalog_es.storage.schema import events_table, head_table, streams_table
 from projections import pointintime
 from projections.audit import (
     ANY_CHANGES_TABLE,

@@ -72,13 +72,10 @@ from catalog_es.errors import (
 )
 from catalog_es.inputs import DeclaredConfig, load_config, read_text
 from catalog_es.mapper import decode_event, spelling_marks
-from catalog_es.persistence import (
-    PullingSubscription,
-    SQLRecorder,
-    database_unusable,
-    events_table,
-)
+from catalog_es.persistence import PullingSubscription, SQLRecorder
 from catalog_es.spec import Adapter, Origin
+from catalog_es.storage.engines import database_unusable
+from catalog_es.storage.schema import events_table
 from tests.helpers import (
     CPU_NO_MEMORY,
     EVERY_STOP,
@@ -1213,26 +1210,26 @@ def test_ctrl_c_in_an_exec_as_the_service_loads_leaves_1_not_death_by_sigint(
 STOP_WHEN = {
     # SQLite's COMMIT about to be sent: the write is rolled back.
     "as-the-commit-begins": (
-        "from catalog_es import persistence\n"
-        "end = persistence._end\n"
+        "from catalog_es.storage import engines\n"
+        "end = engines._end\n"
         "def interrupted(conn, driver, *, commit):\n"
         "    if commit:\n"
         "        os.kill(os.getpid(), STOP)\n"
         "        time.sleep(5)\n"
         "    end(conn, driver, commit=commit)\n"
-        "persistence._end = interrupted\n"
+        "engines._end = interrupted\n"
         "main()\n"
     ),
     # SQLite's COMMIT returned, the write not yet told done.
     "as-the-commit-returns": (
-        "from catalog_es import persistence\n"
-        "end = persistence._end\n"
+        "from catalog_es.storage import engines\n"
+        "end = engines._end\n"
         "def interrupted(conn, driver, *, commit):\n"
         "    end(conn, driver, commit=commit)\n"
         "    if commit:\n"
         "        os.kill(os.getpid(), STOP)\n"
         "        time.sleep(5)\n"
-        "persistence._end = interrupted\n"
+        "engines._end = interrupted\n"
         "main()\n"
     ),
     "writing-the-answer": (

@@ -49,23 +49,19 @@ from catalog_es.errors import (
 )
 from catalog_es.inputs import DeclaredConfig, load_config
 from catalog_es.model import Model, model_id, utc_now
-from catalog_es.persistence import (
-    LOCK_WAIT_ENV,
-    LOCK_WAIT_SECONDS,
-    SYNC_ENV,
-    WAL_CHECKPOINT_PAGES,
-    WAL_SIZE_LIMIT_BYTES,
-    WRITE_IDLE_ENV,
-    WRITER_CACHE_KIB,
-    SQLRecorder,
-    create_engine,
-    database_unusable,
-    events_table,
-    holds,
-)
+from catalog_es.persistence import WRITE_IDLE_ENV, SQLRecorder
 from catalog_es.ports import Applier, NoApplier
 from catalog_es.rollback import plan_rollback
 from catalog_es.spec import ModelSpec, Scaling
+from catalog_es.storage.engines import create_engine, database_unusable
+from catalog_es.storage.schema import events_table
+from catalog_es.storage.sqlite_file import (
+    SYNC_ENV,
+    WAL_CHECKPOINT_PAGES,
+    WAL_SIZE_LIMIT_BYTES,
+    WRITER_CACHE_KIB,
+)
+from catalog_es.storage.waits import LOCK_WAIT_ENV, LOCK_WAIT_SECONDS, holds
 from projections import snapshots
 from tests.helpers import (
     PUT_THE_HEAD_BACK,
@@ -289,10 +285,11 @@ def test_a_held_write_lock_refuses_a_command_after_the_bounded_wait(db_url: str)
 # The command line (its arguments after the script's), saying on stderr that
 # it is about to wait for another process's lock, and waiting for a line on
 # stdin, the test's go, before it does: {waiting} names the call that waits,
-# in its module of catalog_es.
+# as the module calling it (audit, persistence or engines) has it.
 WAITING = """
 import sys
 from catalog_es import audit, persistence
+from catalog_es.storage import engines
 from catalog_es.__main__ import main
 waiting = {waiting}
 def told(*args, **kwargs):
@@ -368,7 +365,7 @@ def test_a_stop_while_waiting_for_a_locked_file_not_yet_in_wal_mode_acts_at_once
     holder.execute("BEGIN EXCLUSIVE")
     try:
         stopped_while_waiting(
-            "persistence._into_wal", stop, "--db", f"sqlite:///{path}", "model", "list"
+            "engines._into_wal", stop, "--db", f"sqlite:///{path}", "model", "list"
         )
     finally:
         holder.execute("ROLLBACK")

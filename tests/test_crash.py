@@ -38,7 +38,8 @@ from catalog_es.errors import OutcomeUnknown
 from catalog_es.inputs import DeclaredConfig, load_config
 from catalog_es.mapper import decode_event
 from catalog_es.model import DomainEvent, Model
-from catalog_es.persistence import SQLRecorder, commit_may_have_stood, create_engine
+from catalog_es.persistence import SQLRecorder
+from catalog_es.storage.engines import commit_may_have_stood, create_engine
 from projections.catalog import catch_up
 from tests.crash_writer import APPLY_REASON, APPLY_SIZE, EVENT_OF_KIND, catalog_digest
 from tests.helpers import commits_held, model_data, model_spec, newest_snapshot

@@ -39,8 +39,9 @@ from catalog_es.cli import cli
 from catalog_es.inputs import MAX_CHANGES, MAX_INPUT_BYTES, load_config
 from catalog_es.mapper import EVENT_CLASSES, UndecodableEvent, decode_event, topic_of
 from catalog_es.model import DomainEvent, Model, model_id, utc_now
-from catalog_es.persistence import SQLRecorder, create_engine
+from catalog_es.persistence import SQLRecorder
 from catalog_es.spec import Adapter, Origin, Scaling, check_spec
+from catalog_es.storage.engines import create_engine
 from catalog_es.views import model_view
 from projections.catalog import catch_up
 from tests.helpers import model_data, model_spec

@@ -53,7 +53,8 @@ from catalog_es.errors import (
 )
 from catalog_es.inputs import MAX_CHANGES, DeclaredConfig, load_config, open_to_read
 from catalog_es.model import model_id
-from catalog_es.persistence import channel_of, database_unusable, refusals_table
+from catalog_es.storage.engines import database_unusable
+from catalog_es.storage.schema import channel_of, refusals_table
 from catalog_es.web import app as web_app
 from catalog_es.web import tokens as web_tokens
 from catalog_es.web.app import create_app

@@ -38,14 +38,9 @@ from catalog_es.cli import base
 from catalog_es.errors import NoConfigGiven, Refused, StorageBusy
 from catalog_es.inputs import DeclaredConfig, load_config, model_from_data
 from catalog_es.mapper import decode_event
-from catalog_es.persistence import (
-    LOCK_WAIT_ENV,
-    PulledPage,
-    SQLRecorder,
-    create_engine,
-    database_unusable,
-    prepared_elsewhere,
-)
+from catalog_es.persistence import PulledPage, SQLRecorder
+from catalog_es.storage.engines import create_engine, database_unusable, prepared_elsewhere
+from catalog_es.storage.waits import LOCK_WAIT_ENV
 from catalog_es.web.tokens import TokenStore
 from projections import snapshots
 from tests.helpers import count_events, log_rows, model_data, put_back, round_trips, schema_of

@@ -39,8 +39,8 @@ from catalog_es.errors import DeclaredInConfig, ModelNotFound
 from catalog_es.inputs import load_config
 from catalog_es.mapper import topic_of
 from catalog_es.model import Model, model_id, utc_now
-from catalog_es.persistence import events_table
 from catalog_es.spec import Scaling
+from catalog_es.storage.schema import events_table
 from tests.helpers import model_spec
 
 DECLARED = """

@@ -28,8 +28,8 @@ from catalog_es.configuration import DeclaredConfig
 from catalog_es.errors import DeclaredInConfig, InvalidModel, ModelNotFound
 from catalog_es.inputs import load_config
 from catalog_es.model import Model
-from catalog_es.persistence import events_table
 from catalog_es.spec import DEFAULT_ENGINES, Origin, Scaling
+from catalog_es.storage.schema import events_table
 from tests.helpers import ACTOR, config_yaml, spec
 
 MakeModels = Callable[..., Models]

@@ -54,8 +54,8 @@ from catalog_es.errors import (
 from catalog_es.inputs import load_config
 from catalog_es.mapper import EventMapper
 from catalog_es.model import Model, model_id, utc_now
-from catalog_es.persistence import events_table
 from catalog_es.spec import ModelSpec, Origin, Scaling
+from catalog_es.storage.schema import channel_of, events_table
 from catalog_es.values import revision_or_time, utc_time
 from catalog_es.views import model_view
 from projections.catalog import catch_up
@@ -2319,7 +2319,6 @@ def test_a_postgresql_watch_that_hears_no_notification_still_follows(
     writer = Models(load_config(None), env={"CATALOG_ES_DB": pg_url})
     writer.add(spec("a"), by="x")
     follower = Models(load_config(None), env={"CATALOG_ES_DB": pg_url})
-    channel_of = persistence.channel_of
     monkeypatch.setattr(persistence, "channel_of", lambda schema: "nobody_notifies_this")
     seen: list[int] = []
 

@@ -34,8 +34,10 @@ from catalog_es.errors import Refused
 from catalog_es.inputs import DeclaredConfig, load_config
 from catalog_es.mapper import EVENT_CLASSES, encode_event, topic_of
 from catalog_es.model import DomainEvent, Model, Upcaster, model_id, utc_now
-from catalog_es.persistence import SQLRecorder, create_engine, metadata, streams_table
+from catalog_es.persistence import SQLRecorder
 from catalog_es.spec import Scaling
+from catalog_es.storage.engines import create_engine
+from catalog_es.storage.schema import metadata, streams_table
 from projections import audit, pointintime, snapshots
 from projections.audit import AuditView, _declaration_at
 from tests.helpers import model_spec, round_trips, schema_of

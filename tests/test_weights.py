@@ -37,10 +37,10 @@ from catalog_es.errors import DeclaredInConfig, NoConfigGiven, Refused
 from catalog_es.inputs import load_config
 from catalog_es.mapper import encode_event, topic_of
 from catalog_es.model import Model, model_id, utc_now
-from catalog_es.persistence import LOCK_WAIT_ENV
 from catalog_es.ports import Applier, JsonFileApplier, NoApplier
 from catalog_es.registry import MirrorRegistry, Registry, RegistryError, checksums, verify
 from catalog_es.spec import ModelSpec, Origin
+from catalog_es.storage.waits import LOCK_WAIT_ENV
 from catalog_es.weights import VerificationFailed, Weights, WeightsStore
 from tests.helpers import parsed as spec
 

@@ -124,7 +124,7 @@ def once_it_answers(
     and is gone again as ``start()`` runs is waited for again."""
     import sqlalchemy as sa
 
-    from catalog_es.persistence import log_url, postgresql_engine, url_where
+    from catalog_es.storage.engines import log_url, postgresql_engine, url_where
 
     probe: sa.Engine | None = None
     try:
@@ -154,7 +154,7 @@ def once_it_answers(
 
 def _passing(error: sa.exc.DBAPIError) -> str | None:
     """What the driver said, when ``error`` is an outage to wait out."""
-    from catalog_es.persistence import database_unusable
+    from catalog_es.storage.engines import database_unusable
 
     unusable = database_unusable(error)
     return None if unusable is None or unusable.lasting else unusable.said
@@ -1078,8 +1078,8 @@ def failure_line(error: Exception) -> str:
     (SQLAlchemy's) run on over several lines; the first says what went wrong."""
     # Only a command that opened the log meets the database's errors: one
     # that did not is spared loading it, which fails too out of descriptors.
-    persistence = sys.modules.get("catalog_es.persistence")
-    unusable = None if persistence is None else persistence.database_unusable(error)
+    engines = sys.modules.get("catalog_es.storage.engines")
+    unusable = None if engines is None else engines.database_unusable(error)
     if unusable is not None:
         return f"error: {unusable.told}"
     return f"error: unexpected {type(error).__name__}: {first_line(str(error))}"

@@ -94,7 +94,8 @@ from catalog_es.inputs import (
     parse_document,
 )
 from catalog_es.names import event_type
-from catalog_es.persistence import AnswerTooLarge, database_unusable
+from catalog_es.persistence import AnswerTooLarge
+from catalog_es.storage.engines import database_unusable
 from catalog_es.values import MAX_REVISION, in_digits, revision_or_time, utc_time, whole_number
 from catalog_es.web import MAX_WATCHES, Role
 from catalog_es.web.events import StreamPlaces, event_stream

@@ -1,0 +1,1 @@
+"""The log's storage beneath :mod:`catalog_es.persistence` (its recorder)."""
