@@ -364,11 +364,12 @@ class SQLRecorder(ProcessRecorder):
 
     def _on_the_file(self) -> None:
         """On SQLite, refused when the path no longer names the file this
-        process opened (:class:`SQLiteFile`). Asked once a connection is in
-        hand, inside the block that gives it back: asked as the pool hands
-        it out, an interrupt there stranded connections until the pool ran
-        dry (the interrupt test, once in a clean-clone CI run). A connection
-        opened afresh is checked as it opens."""
+        process opened (:class:`~catalog_es.storage.sqlite_file.SQLiteFile`).
+        Asked once a connection is in hand, inside the block that gives it
+        back: asked as the pool hands it out, an interrupt there stranded
+        connections until the pool ran dry (the interrupt test, once in a
+        clean-clone CI run). A connection opened afresh is checked as it
+        opens."""
         if self._file is None:
             return
         try:
@@ -845,8 +846,9 @@ class SQLRecorder(ProcessRecorder):
     @contextmanager
     def _sliced(self, conn: Connection) -> Iterator[None]:
         """On SQLite, the pooled ``conn`` waits for the write lock a slice at a
-        time (:func:`_begin_write`) until the block ends; then, back in the
-        pool, its reads wait in one ``lock_wait`` again, as every one's do."""
+        time (:func:`~catalog_es.storage.engines._begin_write`) until the
+        block ends; then, back in the pool, its reads wait in one
+        ``lock_wait`` again, as every one's do."""
         if self.dialect != "sqlite":
             yield
             return
@@ -862,9 +864,10 @@ class SQLRecorder(ProcessRecorder):
         """A transaction that writes beside the log (a refused command's
         record), taking none of the log's locks: on PostgreSQL a plain one;
         on SQLite, where any write takes the database's one lock, on a pooled
-        connection that waits for it as a write does (:func:`_begin_write`),
-        a slice at a time, so that a stop acts between two, where an INSERT
-        in a deferred transaction waited ``lock_wait`` in one."""
+        connection that waits for it as a write does
+        (:func:`~catalog_es.storage.engines._begin_write`), a slice at a time,
+        so that a stop acts between two, where an INSERT in a deferred
+        transaction waited ``lock_wait`` in one."""
         if self.dialect != "sqlite":
             with self.engine.begin() as conn:
                 yield conn

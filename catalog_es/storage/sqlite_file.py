@@ -132,8 +132,9 @@ class SQLiteFile:
 
     def name_in(self, error: BaseException) -> None:
         """Have ``error``, the driver's, name this file when it is told
-        (:func:`database_unusable`): SQLite's "unable to open database file"
-        or "file is not a database" named none."""
+        (:func:`~catalog_es.storage.engines.database_unusable`): SQLite's
+        "unable to open database file" or "file is not a database" named
+        none."""
         setattr(error, _FILE_OF_ERROR, self.where)
 
     def now(self) -> tuple[int, int]:
