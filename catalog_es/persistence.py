@@ -61,44 +61,49 @@ from catalog_es.errors import (
     shown,
 )
 from catalog_es.storage.engines import (
-    _LOCK_WAIT_OPTION,
-    _busy_timeout,
-    _end,
-    _in_transaction,
-    _is_busy,
-    _may_be_gone,
-    _on_the_driver,
+    LOCK_WAIT_OPTION,
+    busy_timeout,
     create_engine,
+    driver_in_transaction,
     empty_log_engine,
+    end_transaction,
+    is_busy,
+    may_be_gone,
+    on_the_driver,
     prepared_elsewhere,
     url_where,
 )
 from catalog_es.storage.listener import Listener
 from catalog_es.storage.schema import (
-    _EVENT_TYPES,
-    _LOG_SCHEMA,
-    _REVISION_SEQUENCE,
-    _TEMPORARY_SCHEMA,
-    _TYPES_IN_THE_WAY,
-    _UNLINKED_COLUMNS,
+    EVENT_TYPES,
+    LOG_SCHEMA,
+    REVISION_SEQUENCE,
+    TEMPORARY_SCHEMA,
+    TYPES_IN_THE_WAY,
+    UNLINKED_COLUMNS,
     WRITERS_UPGRADED,
-    _check_split,
-    _in_the_way,
-    _log_tables_found,
-    _postgresql_rows,
-    _unlinked,
     channel_of,
+    check_split,
     create,
     events_table,
     head_table,
     holds_bytes,
+    log_tables_found,
     metadata,
+    postgresql_rows,
+    refusal_in_the_way,
     stream_walk,
     streams_table,
     tracking_table,
+    unlinked,
 )
 from catalog_es.storage.sqlite_file import WRITER_CACHE_KIB, FileNotTheLog, sqlite_file_of
-from catalog_es.storage.waits import LOCK_SLICE_SECONDS, _seconds, lock_wait_seconds, milliseconds
+from catalog_es.storage.waits import (
+    LOCK_SLICE_SECONDS,
+    lock_wait_seconds,
+    milliseconds,
+    seconds_from_env,
+)
 from catalog_es.values import MAX_REVISION
 
 DEFAULT_URL = "sqlite:///catalog.db"
@@ -247,7 +252,7 @@ class SQLRecorder(ProcessRecorder):
         # The driver's errors, which statements made straight on it raise.
         self._dbapi_error: type[Exception] = engine.dialect.loaded_dbapi.Error
         self.lock_wait = lock_wait_seconds()
-        self.write_idle = _seconds(WRITE_IDLE_ENV, WRITE_IDLE_SECONDS)
+        self.write_idle = seconds_from_env(WRITE_IDLE_ENV, WRITE_IDLE_SECONDS)
         # The connection writes go through, held between them (see _writer_connection).
         self._writer: Connection | None = None
         self._writer_pid = 0
@@ -295,7 +300,7 @@ class SQLRecorder(ProcessRecorder):
             if (
                 self._writer is not None
                 and self.dialect != "sqlite"
-                and _may_be_gone(self._writer.connection.driver_connection, self._writer_used)
+                and may_be_gone(self._writer.connection.driver_connection, self._writer_used)
             ):
                 # Idle, or told something: the server may have closed it. Ask
                 # before relying on it.
@@ -328,7 +333,7 @@ class SQLRecorder(ProcessRecorder):
             except sa.exc.SQLAlchemyError as error:
                 # Waiting out another writer broke nothing: the connection, and
                 # its cache, stay for the next write.
-                busy = isinstance(error, sa.exc.OperationalError) and _is_busy(error)
+                busy = isinstance(error, sa.exc.OperationalError) and is_busy(error)
                 if not (busy and self._writer_is_idle()):
                     self._discard_writer()
                 raise
@@ -398,7 +403,7 @@ class SQLRecorder(ProcessRecorder):
         try:
             if writer.in_transaction():
                 return False
-            return self.dialect != "sqlite" or not _in_transaction(
+            return self.dialect != "sqlite" or not driver_in_transaction(
                 writer.connection.driver_connection
             )
         except sa.exc.SQLAlchemyError:
@@ -442,28 +447,26 @@ class SQLRecorder(ProcessRecorder):
                 # default isolation gives no one view of either: psycopg's
                 # BEGIN and the ROLLBACK cost each start two round trips.
                 conn.execution_options(isolation_level="AUTOCOMMIT")
-            found, columns = _log_tables_found(conn, names)
+            found, columns = log_tables_found(conn, names)
             if log:
-                _check_split(conn, found)
+                check_split(conn, found)
             if columns is not None and self.dialect == "postgresql":
                 # Where the log is, which :meth:`log_schema` asked next:
                 # four round trips more a process that writes (the pool's
                 # check, BEGIN, the query, ROLLBACK).
                 self._log_schema = found[events_table.name]
-            if not self._to_make(tables, found) and not (
-                columns is not None and _unlinked(columns)
-            ):
+            if not self._to_make(tables, found) and not (columns is not None and unlinked(columns)):
                 return
         # Asked here, the schema the log's table is made in when it is missing.
         schema = self.log_schema() if self.dialect == "postgresql" else None
         if schema == "":
             raise self._no_schema()
-        if schema is not None and schema.startswith(_TEMPORARY_SCHEMA):
+        if schema is not None and schema.startswith(TEMPORARY_SCHEMA):
             raise self._temporary_schema(schema)
         # The events table may not exist yet to LOCK: an advisory lock instead.
         with self.locked("catalog_es.tables", schema=schema) as conn:
             # Again under the lock: another node may have made it meanwhile.
-            found, columns = _log_tables_found(conn, names)
+            found, columns = log_tables_found(conn, names)
             missing = self._to_make(tables, found)
             if missing and self.dialect == "postgresql":
                 # Made beside the log's table, or a new log's where its lock
@@ -478,10 +481,10 @@ class SQLRecorder(ProcessRecorder):
                 # Only a table to be made has a type in its way; asked with
                 # the lookup every start makes, it cost each start time.
                 in_the_way = conn.exec_driver_sql(
-                    _TYPES_IN_THE_WAY, {"names": [table.name for table in missing]}
+                    TYPES_IN_THE_WAY, {"names": [table.name for table in missing]}
                 ).first()
                 if in_the_way is not None:
-                    raise _in_the_way(conn, "a type", *in_the_way)
+                    raise refusal_in_the_way(conn, "a type", *in_the_way)
             # Where the log would be made, once nothing stands in its way.
             if log and not self._make_log and events_table.name not in found:
                 raise NoLogYet(self._made_where(schema))  # rolled back: nothing made
@@ -589,7 +592,7 @@ class SQLRecorder(ProcessRecorder):
         # could not make it again with its constraints (CHECK, COLLATE,
         # REFERENCES): refused before anything is made, the log left as it
         # was (a catalog_streams made empty beside it was never filled).
-        added = [c for c in columns if c not in _UNLINKED_COLUMNS]
+        added = [c for c in columns if c not in UNLINKED_COLUMNS]
         if added and self.dialect == "sqlite":
             named = ", ".join(added)
             raise UpgradeFailed(
@@ -714,7 +717,7 @@ class SQLRecorder(ProcessRecorder):
         node may make them in another schema of the path."""
         if self._log_schema is None:
             with self.engine.connect() as conn:
-                schema, found = conn.exec_driver_sql(_LOG_SCHEMA).one()
+                schema, found = conn.exec_driver_sql(LOG_SCHEMA).one()
             if not found:
                 return str(schema)
             self._log_schema = str(schema)
@@ -740,7 +743,7 @@ class SQLRecorder(ProcessRecorder):
         SQLite may be the driver's alone, where ``conn.rollback()`` would not
         reach it."""
         if self.dialect == "sqlite":
-            _end(conn, conn.connection.driver_connection, commit=False)
+            end_transaction(conn, conn.connection.driver_connection, commit=False)
         else:
             conn.rollback()
 
@@ -773,7 +776,7 @@ class SQLRecorder(ProcessRecorder):
                 # Every command's transaction.
                 with (
                     self._writer_connection() as conn,
-                    _on_the_driver(conn, self.lock_wait if wait is None else wait),
+                    on_the_driver(conn, self.lock_wait if wait is None else wait),
                 ):
                     yield conn
                 return
@@ -822,7 +825,7 @@ class SQLRecorder(ProcessRecorder):
                             setting = f"SET LOCAL lock_timeout = '{left}ms'"
                 yield conn
         except sa.exc.OperationalError as error:
-            if _is_busy(error):
+            if is_busy(error):
                 raise StorageBusy(
                     f"the database stayed locked by another writer for {self.lock_wait:g} s; "
                     "nothing was written, try again"
@@ -836,7 +839,7 @@ class SQLRecorder(ProcessRecorder):
         with self.engine.connect() as conn, self._sliced(conn):
             self._on_the_file()
             waiting = self.lock_wait if wait is None else wait
-            conn.execution_options(catalog_write=True, **{_LOCK_WAIT_OPTION: waiting})
+            conn.execution_options(catalog_write=True, **{LOCK_WAIT_OPTION: waiting})
             if self.dialect == "postgresql":
                 # Its transaction is begun by hand, as the held writer's
                 # (:meth:`_locked`); the pool puts the mode back as it is returned.
@@ -852,12 +855,12 @@ class SQLRecorder(ProcessRecorder):
         if self.dialect != "sqlite":
             yield
             return
-        _busy_timeout(conn, LOCK_SLICE_SECONDS)
+        busy_timeout(conn, LOCK_SLICE_SECONDS)
         try:
             yield
         finally:
             with suppress(self._dbapi_error, sa.exc.SQLAlchemyError):
-                _busy_timeout(conn, self.lock_wait)
+                busy_timeout(conn, self.lock_wait)
 
     @contextmanager
     def write_beside(self) -> Iterator[Connection]:
@@ -1367,7 +1370,7 @@ class SQLRecorder(ProcessRecorder):
         if self.dialect == "postgresql":
             return (
                 "greatest((SELECT max(revision) FROM catalog_events),"
-                f" pg_sequence_last_value({_REVISION_SEQUENCE}))"
+                f" pg_sequence_last_value({REVISION_SEQUENCE}))"
             )
         if self._sequence_kept is None:
             cursor.execute(
@@ -1515,7 +1518,7 @@ class SQLRecorder(ProcessRecorder):
     def _append_postgresql(
         self, cursor: Any, rows: list[tuple[Any, ...]], streams: dict[Any, list[Any]], chained: str
     ) -> int:
-        """The events in chunks of a thousand (``_postgresql_rows``): one
+        """The events in chunks of a thousand (``postgresql_rows``): one
         round trip each, and never one statement so large it stalls the
         driver. The last moves the streams and the head in the same round
         trip, and tells followers: delivered at commit, so a follower never
@@ -1532,8 +1535,8 @@ class SQLRecorder(ProcessRecorder):
             # (one row) was a tenth slower for a thousand.
             cursor.execute("SET LOCAL plan_cache_mode = auto")
         for start in range(0, len(rows), 1000):
-            events, params = _postgresql_rows(
-                _EVENT_TYPES,
+            events, params = postgresql_rows(
+                EVENT_TYPES,
                 rows[start : start + 1000],
                 "e (revision, originator_id, originator_version, topic, state, hash, previous)",
             )
@@ -1543,7 +1546,7 @@ class SQLRecorder(ProcessRecorder):
             # Each stream moves only where it is still at the version (and the
             # revision, where given) the write followed; a new one only where
             # it is still missing.
-            wanted, more = _postgresql_rows(
+            wanted, more = postgresql_rows(
                 ("uuid", "bigint", "bigint", "bigint", "bigint"),
                 [(stored_id, *stream) for stored_id, stream in streams.items()],
                 "w (originator_id, followed, version, revision, previous)",
@@ -1570,7 +1573,7 @@ class SQLRecorder(ProcessRecorder):
                 " hash = excluded.hash WHERE catalog_head.revision < excluded.revision"
                 " RETURNING (SELECT count(*) FROM updated) + (SELECT count(*) FROM created),"
                 f" pg_notify('{channel_of(self.log_schema())}', ''),"
-                f" pg_notify('{CHANNEL_OF_0_2}', ''), setval({_REVISION_SEQUENCE}, %s)",
+                f" pg_notify('{CHANNEL_OF_0_2}', ''), setval({REVISION_SEQUENCE}, %s)",
                 params,
             )
             row = cursor.fetchone()

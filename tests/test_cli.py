@@ -1211,25 +1211,25 @@ STOP_WHEN = {
     # SQLite's COMMIT about to be sent: the write is rolled back.
     "as-the-commit-begins": (
         "from catalog_es.storage import engines\n"
-        "end = engines._end\n"
+        "end = engines.end_transaction\n"
         "def interrupted(conn, driver, *, commit):\n"
         "    if commit:\n"
         "        os.kill(os.getpid(), STOP)\n"
         "        time.sleep(5)\n"
         "    end(conn, driver, commit=commit)\n"
-        "engines._end = interrupted\n"
+        "engines.end_transaction = interrupted\n"
         "main()\n"
     ),
     # SQLite's COMMIT returned, the write not yet told done.
     "as-the-commit-returns": (
         "from catalog_es.storage import engines\n"
-        "end = engines._end\n"
+        "end = engines.end_transaction\n"
         "def interrupted(conn, driver, *, commit):\n"
         "    end(conn, driver, commit=commit)\n"
         "    if commit:\n"
         "        os.kill(os.getpid(), STOP)\n"
         "        time.sleep(5)\n"
-        "engines._end = interrupted\n"
+        "engines.end_transaction = interrupted\n"
         "main()\n"
     ),
     "writing-the-answer": (

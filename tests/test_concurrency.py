@@ -365,7 +365,7 @@ def test_a_stop_while_waiting_for_a_locked_file_not_yet_in_wal_mode_acts_at_once
     holder.execute("BEGIN EXCLUSIVE")
     try:
         stopped_while_waiting(
-            "engines._into_wal", stop, "--db", f"sqlite:///{path}", "model", "list"
+            "engines.into_wal", stop, "--db", f"sqlite:///{path}", "model", "list"
         )
     finally:
         holder.execute("ROLLBACK")

@@ -32,13 +32,13 @@ from catalog_es.errors import (
     shown,
 )
 from catalog_es.storage.sqlite_file import (
-    _FILE_OF_ERROR,
-    _SQLITE_FILES,
+    FILE_OF_ERROR,
+    SQLITE_FILES,
     WAL_CHECKPOINT_PAGES,
     WAL_SIZE_LIMIT_BYTES,
     FileNotTheLog,
     SQLiteFile,
-    _into_wal,
+    into_wal,
     sqlite_synchronous,
 )
 from catalog_es.storage.waits import LOCK_SLICE_SECONDS, lock_wait_seconds, milliseconds
@@ -166,9 +166,9 @@ def empty_log_engine() -> Engine:
 def _settled_engine(url: sa.URL) -> Engine:
     if url.drivername == "sqlite":
         wait = lock_wait_seconds()
-        # Each connection's first wait, for WAL mode, goes in slices (_into_wal).
+        # Each connection's first wait, for WAL mode, goes in slices (into_wal).
         engine = sa.create_engine(url, connect_args={"timeout": LOCK_SLICE_SECONDS})
-        file = _SQLITE_FILES[engine] = SQLiteFile(Path(_sqlite_file(url)).absolute())
+        file = SQLITE_FILES[engine] = SQLiteFile(Path(_sqlite_file(url)).absolute())
 
         @sa.event.listens_for(engine, "do_connect")
         def _opening(
@@ -203,7 +203,7 @@ def _settle_sqlite(engine: Engine, file: SQLiteFile | None, wait: float) -> None
         # Let us issue BEGIN ourselves (pysqlite's own is deferred and late).
         dbapi_connection.isolation_level = None
         cursor = dbapi_connection.cursor()
-        _into_wal(cursor, wait)
+        into_wal(cursor, wait)
         cursor.execute(f"PRAGMA synchronous={synchronous}")
         # A batch of a thousand changes rewrites most pages of catalog_streams
         # (and, before it, of an index with an entry per event): at SQLite's
@@ -223,9 +223,9 @@ def _settle_sqlite(engine: Engine, file: SQLiteFile | None, wait: float) -> None
     def _begin(connection: Connection) -> None:
         driver = connection.connection.driver_connection
         if connection.info.get(_OPEN_WRITE):
-            if _in_transaction(driver):
+            if driver_in_transaction(driver):
                 # A statement made through SQLAlchemy inside a write begun on
-                # the driver (:func:`_on_the_driver`) joins that transaction.
+                # the driver (:func:`on_the_driver`) joins that transaction.
                 return
             # A second transaction, which the block's end would commit.
             raise sa.exc.InvalidRequestError(
@@ -235,7 +235,7 @@ def _settle_sqlite(engine: Engine, file: SQLiteFile | None, wait: float) -> None
         # On the driver: through exec_driver_sql this statement cost a
         # command more than its insert did.
         if options.get("catalog_write", False):
-            _begin_write(driver, options.get(_LOCK_WAIT_OPTION, wait))
+            _begin_write(driver, options.get(LOCK_WAIT_OPTION, wait))
         else:
             _driver(driver, "BEGIN")
 
@@ -281,7 +281,7 @@ def _asked_when_idle(engine: Engine) -> None:
     """A connection ``engine``'s pool hands out is asked first whether it is
     still connected, as the held writer is, only when it sat idle in the pool
     more than :data:`IDLE_ASKED_SECONDS` or the server sent it something
-    meanwhile (:func:`_may_be_gone`); a connection made for this checkout is
+    meanwhile (:func:`may_be_gone`); a connection made for this checkout is
     not. SQLAlchemy's ``pool_pre_ping`` asked every time: a round trip more
     each read, two each command-line write. One found gone has the pool's
     other connections, older than it, made again (a restart or a failover
@@ -294,7 +294,7 @@ def _asked_when_idle(engine: Engine) -> None:
     @sa.event.listens_for(engine, "checkout")
     def _lent(dbapi_connection: Any, record: Any, _proxy: Any) -> None:
         returned = record.info.get(_RETURNED_AT)
-        if returned is None or not _may_be_gone(dbapi_connection, returned):
+        if returned is None or not may_be_gone(dbapi_connection, returned):
             return  # made for this checkout (its record's info starts empty), or in use just now
         try:
             engine.dialect.do_ping(dbapi_connection)
@@ -463,7 +463,7 @@ def _search_path_kept(engine: Engine, given: str, path: str) -> None:
 IDLE_ASKED_SECONDS = 1.0
 
 
-def _may_be_gone(driver: Any, used: float) -> bool:
+def may_be_gone(driver: Any, used: float) -> bool:
     """Whether the PostgreSQL connection ``driver``, last used at ``used``
     (``time.monotonic()``), must be asked whether it is still connected
     before it is relied on (:data:`IDLE_ASKED_SECONDS`)."""
@@ -505,7 +505,7 @@ def _begin_write(driver: Any, wait: float) -> None:
                 _driver(driver, "BEGIN IMMEDIATE")
                 return
             except sa.exc.OperationalError as error:
-                if not _is_busy(error) or time.monotonic() >= deadline:
+                if not is_busy(error) or time.monotonic() >= deadline:
                     raise
     finally:
         if timeout < LOCK_SLICE_SECONDS:
@@ -529,10 +529,10 @@ _OPEN_WRITE = "catalog_es.open_write"
 # A SQLite connection's execution option: the seconds its write transactions
 # wait for the lock (a command queued behind another in this process has
 # less than the lock wait left).
-_LOCK_WAIT_OPTION = "catalog_lock_wait"
+LOCK_WAIT_OPTION = "catalog_lock_wait"
 
 
-def _in_transaction(driver: Any) -> bool:
+def driver_in_transaction(driver: Any) -> bool:
     """Whether the sqlite3 connection is in a transaction; the error of a closed
     one wrapped as :func:`_driver` wraps them, so the writer lets it go."""
     try:
@@ -542,7 +542,7 @@ def _in_transaction(driver: Any) -> bool:
 
 
 @contextmanager
-def _on_the_driver(conn: Connection, wait: float) -> Iterator[None]:
+def on_the_driver(conn: Connection, wait: float) -> Iterator[None]:
     """A write transaction begun and ended on the driver of SQLite connection
     ``conn``, waiting ``wait`` seconds for the lock: SQLAlchemy's own, around
     the same two statements, cost a command 10 µs more (about 8% of one with
@@ -556,7 +556,7 @@ def _on_the_driver(conn: Connection, wait: float) -> Iterator[None]:
         conn.info[_OPEN_WRITE] = True
         yield
         conn.info[_OPEN_WRITE] = False
-        _end(conn, driver, commit=True)
+        end_transaction(conn, driver, commit=True)
     except BaseException:
         # Invalidated (an interrupt in a driver call), its transaction went
         # with its connection; touched, it would connect afresh, and the held
@@ -564,21 +564,21 @@ def _on_the_driver(conn: Connection, wait: float) -> Iterator[None]:
         if not conn.invalidated:
             with suppress(sa.exc.SQLAlchemyError):  # the first error is the one to tell
                 conn.info[_OPEN_WRITE] = False
-                _end(conn, driver, commit=False)
+                end_transaction(conn, driver, commit=False)
         raise
 
 
-def _end(conn: Connection, driver: Any, *, commit: bool) -> None:
+def end_transaction(conn: Connection, driver: Any, *, commit: bool) -> None:
     if conn.in_transaction():
         if commit:
             conn.commit()
         else:
             conn.rollback()
-    elif _in_transaction(driver):
+    elif driver_in_transaction(driver):
         _driver(driver, "COMMIT" if commit else "ROLLBACK")
 
 
-def _busy_timeout(conn: Connection, seconds: float) -> None:
+def busy_timeout(conn: Connection, seconds: float) -> None:
     """How long SQLite's busy handler waits on ``conn`` for another writer."""
     _driver(conn.connection.driver_connection, f"PRAGMA busy_timeout = {milliseconds(seconds)}")
 
@@ -692,7 +692,7 @@ def database_unusable(error: BaseException) -> Unusable | None:
         code = (getattr(driver, "sqlite_errorname", None) or "").removeprefix("SQLITE_")
         hint = _SQLITE_HINTS.get(code.split("_")[0], "")
         lasting = code.split("_")[0] not in _SQLITE_OUTAGES
-        return Unusable(said + hint, lasting, str(getattr(driver, _FILE_OF_ERROR, "")))
+        return Unusable(said + hint, lasting, str(getattr(driver, FILE_OF_ERROR, "")))
     if package != "psycopg":
         return None
     state: str | None = getattr(driver, "sqlstate", None)
@@ -708,6 +708,6 @@ def database_unusable(error: BaseException) -> Unusable | None:
     return None
 
 
-def _is_busy(error: sa.exc.OperationalError) -> bool:
+def is_busy(error: sa.exc.OperationalError) -> bool:
     text = str(error.orig).lower()
     return "database is locked" in text or "database is busy" in text or "lock timeout" in text

@@ -103,19 +103,19 @@ tracking_table = sa.Table(
 
 
 # The columns of the log's table before its events named their stream's last.
-_UNLINKED_COLUMNS = {"revision", "originator_id", "originator_version", "topic", "state", "hash"}
+UNLINKED_COLUMNS = {"revision", "originator_id", "originator_version", "topic", "state", "hash"}
 # The log's columns that eventsourcing's own stored events have none of:
 # another application of the library named Catalog keeps its events in a
 # table named as the log's, with each of the others.
 _LOG_OWN_COLUMNS = {"revision", "hash", "stream_previous"}
 
 
-def _unlinked(columns: Sequence[str]) -> bool:
+def unlinked(columns: Sequence[str]) -> bool:
     """Whether the log's table, of these ``columns``, is 0.1.0's, unlinked
     (no ``stream_previous``), though every table of today's is there: one
     made beside it by a release that did not bring it over (an operator's
     column on it stopped that)."""
-    return set(columns) >= _UNLINKED_COLUMNS and "stream_previous" not in columns
+    return set(columns) >= UNLINKED_COLUMNS and "stream_previous" not in columns
 
 
 # What the objects that could stand where a table of the catalog is made
@@ -136,7 +136,7 @@ _NOT_TABLES = {
 # On PostgreSQL a table's name is its row type's too: the types of no
 # relation (an enum, a domain) named ``names`` in the schema a table is made in
 # (quoted: to_regnamespace reads an identifier, and 'Team-B' is none unquoted).
-_TYPES_IN_THE_WAY = (
+TYPES_IN_THE_WAY = (
     "SELECT typname, ' in schema ' || typnamespace::regnamespace FROM pg_type"
     " WHERE typname = ANY(%(names)s) AND typrelid = 0"
     " AND typnamespace = to_regnamespace(quote_ident(current_schema()))"
@@ -185,7 +185,7 @@ def tables_found(conn: Connection, names: Sequence[str]) -> TablesFound:
     log_columns = None
     for name, kind, where, schema, columns in found:
         if kind in _NOT_TABLES:
-            raise _in_the_way(conn, _NOT_TABLES[kind], name, where)
+            raise refusal_in_the_way(conn, _NOT_TABLES[kind], name, where)
         # A table (on PostgreSQL, partitioned or foreign too).
         tables[name.lower()] = schema
         log_columns = columns if columns is not None else log_columns
@@ -220,7 +220,7 @@ def _another_store(conn: Connection) -> str:
     return "database or schema" if conn.dialect.name == "postgresql" else "file"
 
 
-def _in_the_way(conn: Connection, what: str, name: str, where: str) -> DamagedLog:
+def refusal_in_the_way(conn: Connection, what: str, name: str, where: str) -> DamagedLog:
     """The refusal of ``what`` (an object that is no table) named ``name``,
     ``where`` it is, taking the place of the catalog's table of that name."""
     return DamagedLog(
@@ -240,7 +240,7 @@ def _check_log_columns(conn: Connection, columns: Sequence[str]) -> None:
     it lacks, is taken for a log damaged by hand: the advice to drop it
     would destroy its history. Without one, it is no log, though it has
     every other (another eventsourcing application's events)."""
-    missing = [c.name for c in events_table.columns if c.name in _UNLINKED_COLUMNS - set(columns)]
+    missing = [c.name for c in events_table.columns if c.name in UNLINKED_COLUMNS - set(columns)]
     if not missing:
         return
     where = ""
@@ -258,10 +258,10 @@ def _check_log_columns(conn: Connection, columns: Sequence[str]) -> None:
             f" backup, or point --db at another {_another_store(conn)}"
         )
     lacking = f"{where}, without the log's columns ({', '.join(missing)}),"
-    raise _in_the_way(conn, "a table", events_table.name, lacking)
+    raise refusal_in_the_way(conn, "a table", events_table.name, lacking)
 
 
-def _check_split(conn: Connection, found: Mapping[str, str]) -> None:
+def check_split(conn: Connection, found: Mapping[str, str]) -> None:
     """Where the log's tables ``found`` are in more than one schema of the
     PostgreSQL search path (each is read and written where it is found
     first, a table earlier on the path shadowing the log's own), refused
@@ -288,7 +288,7 @@ def _check_split(conn: Connection, found: Mapping[str, str]) -> None:
     )
     for name, has in columns:
         # The log's table may be 0.1.0's, brought over at this start.
-        needs = _UNLINKED_COLUMNS if name == events_table.name else metadata.tables[name].c.keys()
+        needs = UNLINKED_COLUMNS if name == events_table.name else metadata.tables[name].c.keys()
         lacking = [column for column in needs if column not in has]
         if lacking:
             raise DamagedLog(
@@ -305,7 +305,7 @@ def _check_split(conn: Connection, found: Mapping[str, str]) -> None:
     )
 
 
-def _log_tables_found(conn: Connection, names: Sequence[str]) -> TablesFound:
+def log_tables_found(conn: Connection, names: Sequence[str]) -> TablesFound:
     """:func:`tables_found`, refused where the log's table is no log, or a
     damaged one (:func:`_check_log_columns`)."""
     found = tables_found(conn, names)
@@ -317,7 +317,7 @@ def _log_tables_found(conn: Connection, names: Sequence[str]) -> TablesFound:
 # The revision column's sequence on PostgreSQL (NULL if it has none, and the
 # functions given it answer NULL): older releases numbered from it, and it is
 # kept past every revision written, so none is handed out twice.
-_REVISION_SEQUENCE = "pg_get_serial_sequence('catalog_events', 'revision')::regclass"
+REVISION_SEQUENCE = "pg_get_serial_sequence('catalog_events', 'revision')::regclass"
 
 
 def channel_of(schema: str) -> str:
@@ -330,7 +330,7 @@ def channel_of(schema: str) -> str:
 # The schema the log's table is found in along the search path, or else the
 # one tables are made in (empty when the path names no schema there is), and
 # whether the table was found.
-_LOG_SCHEMA = (
+LOG_SCHEMA = (
     "SELECT coalesce(n.nspname, current_schema(), ''), n.nspname IS NOT NULL"
     " FROM (SELECT 1) AS one LEFT JOIN pg_class c ON c.oid = to_regclass('catalog_events')"
     " LEFT JOIN pg_namespace n ON n.oid = c.relnamespace"
@@ -338,13 +338,13 @@ _LOG_SCHEMA = (
 
 # The schemas PostgreSQL makes for each session's temporary tables, and drops
 # them from as it ends (a name no schema made by hand may have: pg_ is reserved).
-_TEMPORARY_SCHEMA = "pg_temp_"
+TEMPORARY_SCHEMA = "pg_temp_"
 
 # The events' columns on PostgreSQL, as append lays each row out.
-_EVENT_TYPES = ("bigint", "uuid", "bigint", "text", "bytea", "text", "bigint")
+EVENT_TYPES = ("bigint", "uuid", "bigint", "text", "bytea", "text", "bigint")
 
 
-def _postgresql_rows(
+def postgresql_rows(
     types: Sequence[str], rows: Sequence[Sequence[Any]], named: str
 ) -> tuple[str, list[Any]]:
     """``rows`` as a FROM item called ``named``, and its parameters, in

@@ -21,7 +21,7 @@ from catalog_es.errors import (
     StorageBusy,
     shown,
 )
-from catalog_es.storage.schema import TablesFound, _log_tables_found
+from catalog_es.storage.schema import TablesFound, log_tables_found
 from catalog_es.storage.waits import LOCK_SLICE_SECONDS, milliseconds
 
 SYNC_ENV = "CATALOG_ES_SQLITE_SYNC"
@@ -35,7 +35,7 @@ WAL_SIZE_LIMIT_BYTES = 2 * WAL_CHECKPOINT_PAGES * 4096
 WRITER_CACHE_KIB = 16 * 1024
 
 
-def _into_wal(cursor: sqlite3.Cursor, wait: float) -> None:
+def into_wal(cursor: sqlite3.Cursor, wait: float) -> None:
     """WAL mode, which the file keeps once set. Setting it on a new file takes
     the file for itself, and SQLite answers "database is locked" at once,
     busy timeout or not, while other processes are opening it too (nodes
@@ -101,7 +101,7 @@ class FileNotTheLog(sqlite3.OperationalError):
 
 
 # The attribute SQLiteFile.name_in gives a driver's error: where its file is.
-_FILE_OF_ERROR = "catalog_es_where"
+FILE_OF_ERROR = "catalog_es_where"
 
 
 # A SQLite file's header, and its bytes 18-19 (the file format's write and
@@ -135,7 +135,7 @@ class SQLiteFile:
         (:func:`~catalog_es.storage.engines.database_unusable`): SQLite's
         "unable to open database file" or "file is not a database" named
         none."""
-        setattr(error, _FILE_OF_ERROR, self.where)
+        setattr(error, FILE_OF_ERROR, self.where)
 
     def now(self) -> tuple[int, int]:
         """The file at the path (device, inode); refused in one line when it
@@ -163,7 +163,7 @@ class SQLiteFile:
         return found.st_dev, found.st_ino
 
     def looked_at(self, names: Sequence[str]) -> TablesFound | None:
-        """Which of the tables ``names`` the path holds (:func:`_log_tables_found`,
+        """Which of the tables ``names`` the path holds (:func:`log_tables_found`,
         refused as it refuses), told without a connection of the log's where
         one would change the file: no file, an empty one (``touch typo.db``),
         which it would make a database in, or another app's database, which
@@ -193,7 +193,7 @@ class SQLiteFile:
         )
         try:
             with engine.connect() as conn:
-                return _log_tables_found(conn, names)
+                return log_tables_found(conn, names)
         except sa.exc.DBAPIError:
             return None
         finally:
@@ -229,9 +229,9 @@ class SQLiteFile:
 
 
 # Each SQLite engine's file, for its recorder's held writer to check.
-_SQLITE_FILES: weakref.WeakKeyDictionary[Engine, SQLiteFile] = weakref.WeakKeyDictionary()
+SQLITE_FILES: weakref.WeakKeyDictionary[Engine, SQLiteFile] = weakref.WeakKeyDictionary()
 
 
 def sqlite_file_of(engine: Engine) -> SQLiteFile | None:
     """The file a SQLite engine made here keeps its log in; ``None`` otherwise."""
-    return _SQLITE_FILES.get(engine)
+    return SQLITE_FILES.get(engine)

@@ -28,7 +28,7 @@ LOCK_SLICE_SECONDS = 0.1
 def lock_wait_seconds() -> float:
     """The bounded wait for the write lock: ``CATALOG_ES_LOCK_WAIT`` seconds,
     else ``LOCK_WAIT_SECONDS``."""
-    return _seconds(LOCK_WAIT_ENV, LOCK_WAIT_SECONDS)
+    return seconds_from_env(LOCK_WAIT_ENV, LOCK_WAIT_SECONDS)
 
 
 def milliseconds(seconds: float) -> int:
@@ -37,7 +37,7 @@ def milliseconds(seconds: float) -> int:
     return max(1, int(seconds * 1000))
 
 
-def _seconds(variable: str, default: float) -> float:
+def seconds_from_env(variable: str, default: float) -> float:
     """Seconds from environment ``variable``, else ``default``; empty is unset."""
     text = os.environ.get(variable, "").strip()
     if not text:
