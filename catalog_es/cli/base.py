@@ -352,10 +352,11 @@ class Settings:
         declared config than this run's, and the run did not record its own
         (it wrote nothing): it read the catalog over a layer the nodes that
         recorded theirs do not run. Not said of a write, which records this
-        run's, as a deploy does; the service warns of one that records a
-        config the log had replaced (:meth:`Models._write`). A run given no
-        config is told so as it opens the log (:meth:`models`). Nor of a read
-        ``--declared-then``, over the config the log recorded then."""
+        run's, as a deploy does; the service itself warns, once a write is
+        committed, of one that records again a config the log had replaced. A
+        run given no config is told so as it opens the log (:meth:`models`).
+        Nor of a read ``--declared-then``, over the config the log recorded
+        then."""
         models = self._models
         if models is None or not models.declared.path or self.declared_then:
             return
