@@ -336,9 +336,9 @@ class Settings:
         return f" ({which}declared in {logs}, but not in {ours})"
 
     def _recorded_config(self, revision: int) -> DeclaredConfig | None:
-        """:meth:`Models.recorded_config`; None too with the database gone:
-        only a hint or a warning's wording hangs on it, and what it goes with
-        is told all the same."""
+        """:meth:`~catalog_es.application.Models.recorded_config`; None too
+        with the database gone: only a hint or a warning's wording hangs on it,
+        and what it goes with is told all the same."""
         import sqlalchemy as sa  # loaded with the service
 
         assert self._models is not None
