@@ -147,7 +147,8 @@ class AuditTrail:
         query: str = "audit",
     ) -> list[str]:
         """Each matching row as the JSON it is stored as; ``query``: which
-        (:data:`QUERY_TYPES`), for the event types its rows carry."""
+        (:data:`~catalog_es.names.QUERY_TYPES`), for the event types its rows
+        carry."""
         check_filters(filters, query)
         try:
             return self._audit.answer(self.store, self.name, filters, at_most_bytes)

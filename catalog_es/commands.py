@@ -50,8 +50,8 @@ class Step(msgspec.Struct, frozen=True):
         """Decide into ``batch``: the event, the definition it puts in force, and
         whether it replaced a runtime definition (one load skipped included:
         the add heals it). A command's name is checked before
-        (:func:`check_name`), as the command that carries it is recorded; a
-        rollback's names are those of the log."""
+        (:func:`~catalog_es.spec.check_name`), as the command that carries it
+        is recorded; a rollback's names are those of the log."""
         current = batch.catalog.get(self.name)
         # Asked before deciding: a batch's catalog forgets the skip once decided.
         replaces = self.event_class is Model.Added and batch.catalog.holds(self.name)

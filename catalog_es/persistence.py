@@ -323,7 +323,9 @@ class SQLRecorder(ProcessRecorder):
                     # this connection: readers pass over pages once.
                     cursor = self._writer.connection.cursor()
                     cursor.execute(f"PRAGMA cache_size = -{WRITER_CACHE_KIB}")
-                    # Its writes wait for the lock a slice at a time (_begin_write).
+                    # Its writes wait for the lock a slice at a time: the engine
+                    # tries each one's BEGIN IMMEDIATE again, a slice each, until
+                    # its wait is spent.
                     cursor.execute(f"PRAGMA busy_timeout = {milliseconds(LOCK_SLICE_SECONDS)}")
                     cursor.close()
                 self._writer_pid = os.getpid()
@@ -849,9 +851,9 @@ class SQLRecorder(ProcessRecorder):
     @contextmanager
     def _sliced(self, conn: Connection) -> Iterator[None]:
         """On SQLite, the pooled ``conn`` waits for the write lock a slice at a
-        time (:func:`~catalog_es.storage.engines._begin_write`) until the
-        block ends; then, back in the pool, its reads wait in one
-        ``lock_wait`` again, as every one's do."""
+        time until the block ends (the engine tries a write's BEGIN IMMEDIATE
+        again after each slice, until its wait is spent); then, back in the
+        pool, its reads wait in one ``lock_wait`` again, as every one's do."""
         if self.dialect != "sqlite":
             yield
             return
@@ -867,10 +869,9 @@ class SQLRecorder(ProcessRecorder):
         """A transaction that writes beside the log (a refused command's
         record), taking none of the log's locks: on PostgreSQL a plain one;
         on SQLite, where any write takes the database's one lock, on a pooled
-        connection that waits for it as a write does
-        (:func:`~catalog_es.storage.engines._begin_write`), a slice at a time,
-        so that a stop acts between two, where an INSERT in a deferred
-        transaction waited ``lock_wait`` in one."""
+        connection that waits for it as a write does (its BEGIN IMMEDIATE
+        tried again a slice at a time), so that a stop acts between two, where
+        an INSERT in a deferred transaction waited ``lock_wait`` in one."""
         if self.dialect != "sqlite":
             with self.engine.begin() as conn:
                 yield conn
@@ -1838,7 +1839,8 @@ class ListenSubscription(PullingSubscription):
 
 class Factory(InfrastructureFactory[TrackingRecorder]):
     """eventsourcing's way in: ``PERSISTENCE_MODULE=catalog_es.persistence``.
-    The URL is the service's setting ``CATALOG_ES_DB`` (:meth:`Models.construct_env`)."""
+    The URL is the service's setting ``CATALOG_ES_DB``
+    (:meth:`~catalog_es.application.Models.construct_env`)."""
 
     URL = "CATALOG_ES_DB"
     # Set to "no": where there is no log, raise NoLogYet rather than make it.

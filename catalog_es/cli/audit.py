@@ -48,8 +48,8 @@ def _query_type(value: str, query: str) -> str:
 
 def change_filters(query: str) -> Callable[[F], F]:
     """The filters ``history``, ``audit`` and ``refusals`` share (``--by`` is a
-    shared option), for ``query`` (a key of :data:`QUERY_TYPES`, the event
-    types its rows carry)."""
+    shared option), for ``query`` (a key of
+    :data:`~catalog_es.names.QUERY_TYPES`, the event types its rows carry)."""
 
     def event_option(ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
         return None if value is None else read_as_usage(ctx, _query_type, value, query)
@@ -148,9 +148,9 @@ def _show_changes(rows: Iterable[dict[str, Any]], *, with_model: bool) -> Callab
 
 
 def _checked(settings: Settings, filters: ChangeFilters, query: str) -> None:
-    """``filters`` given ``--by``'s actor, and refused (:func:`check_filters`)
-    before the log is opened: on a path with no log, a refused query made
-    one first (review)."""
+    """``filters`` given ``--by``'s actor, and refused
+    (:func:`~catalog_es.audit.check_filters`) before the log is opened: on a
+    path with no log, a refused query made one first (review)."""
     from catalog_es.audit import check_filters
 
     filters["by"] = settings.by

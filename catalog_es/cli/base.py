@@ -336,9 +336,9 @@ class Settings:
         return f" ({which}declared in {logs}, but not in {ours})"
 
     def _recorded_config(self, revision: int) -> DeclaredConfig | None:
-        """:meth:`Models.recorded_config`; None too with the database gone:
-        only a hint or a warning's wording hangs on it, and what it goes with
-        is told all the same."""
+        """:meth:`~catalog_es.application.Models.recorded_config`; None too
+        with the database gone: only a hint or a warning's wording hangs on it,
+        and what it goes with is told all the same."""
         import sqlalchemy as sa  # loaded with the service
 
         assert self._models is not None
@@ -352,10 +352,11 @@ class Settings:
         declared config than this run's, and the run did not record its own
         (it wrote nothing): it read the catalog over a layer the nodes that
         recorded theirs do not run. Not said of a write, which records this
-        run's, as a deploy does; the service warns of one that records a
-        config the log had replaced (:meth:`Models._write`). A run given no
-        config is told so as it opens the log (:meth:`models`). Nor of a read
-        ``--declared-then``, over the config the log recorded then."""
+        run's, as a deploy does; the service itself warns, once a write is
+        committed, of one that records again a config the log had replaced. A
+        run given no config is told so as it opens the log (:meth:`models`).
+        Nor of a read ``--declared-then``, over the config the log recorded
+        then."""
         models = self._models
         if models is None or not models.declared.path or self.declared_then:
             return

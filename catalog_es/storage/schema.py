@@ -35,7 +35,7 @@ events_table = sa.Table(
     # last stored row, so none is reused even after the last row is deleted
     # (which verify must be able to notice). On SQLite AUTOINCREMENT promised
     # the same at the cost of a sqlite_sequence page in every command; logs
-    # made with it keep it, and its sequence is read too (_last_taken); on
+    # made with it keep it, and the recorder reads its sequence too; on
     # PostgreSQL the column's sequence, which older releases numbered from, is
     # read and moved on with every write.
     sa.Column("revision", BIGINT, primary_key=True, autoincrement=True),
