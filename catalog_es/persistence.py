@@ -62,6 +62,7 @@ from catalog_es.errors import (
 )
 from catalog_es.storage.engines import (
     LOCK_WAIT_OPTION,
+    WRITE_OPTION,
     busy_timeout,
     create_engine,
     driver_in_transaction,
@@ -311,7 +312,7 @@ class SQLRecorder(ProcessRecorder):
                     self._discard_writer()
             if self._writer is None:
                 self._writer = self.engine.connect()
-                self._writer.execution_options(catalog_write=True)
+                self._writer.execution_options(**{WRITE_OPTION: True})
                 if self.dialect == "postgresql":
                     # Its transactions are begun by hand (:meth:`_locked`).
                     self._writer.execution_options(isolation_level="AUTOCOMMIT")
@@ -841,7 +842,7 @@ class SQLRecorder(ProcessRecorder):
         with self.engine.connect() as conn, self._sliced(conn):
             self._on_the_file()
             waiting = self.lock_wait if wait is None else wait
-            conn.execution_options(catalog_write=True, **{LOCK_WAIT_OPTION: waiting})
+            conn.execution_options(**{WRITE_OPTION: True, LOCK_WAIT_OPTION: waiting})
             if self.dialect == "postgresql":
                 # Its transaction is begun by hand, as the held writer's
                 # (:meth:`_locked`); the pool puts the mode back as it is returned.
@@ -877,7 +878,7 @@ class SQLRecorder(ProcessRecorder):
                 yield conn
             return
         with self.engine.connect() as conn, self._sliced(conn):
-            conn.execution_options(catalog_write=True)
+            conn.execution_options(**{WRITE_OPTION: True})
             with conn.begin():
                 yield conn
 

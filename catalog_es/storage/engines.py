@@ -234,7 +234,7 @@ def _settle_sqlite(engine: Engine, file: SQLiteFile | None, wait: float) -> None
         options = connection.get_execution_options()
         # On the driver: through exec_driver_sql this statement cost a
         # command more than its insert did.
-        if options.get("catalog_write", False):
+        if options.get(WRITE_OPTION, False):
             _begin_write(driver, options.get(LOCK_WAIT_OPTION, wait))
         else:
             _driver(driver, "BEGIN")
@@ -526,6 +526,9 @@ def _driver(driver: Any, statement: str) -> None:
 
 # In a held writer's ``info`` while a write begun on its driver is open.
 _OPEN_WRITE = "catalog_es.open_write"
+# The writer connection's execution option: on SQLite, its transactions begin
+# with BEGIN IMMEDIATE (the lock taken at once, not at the first write).
+WRITE_OPTION = "catalog_write"
 # A SQLite connection's execution option: the seconds its write transactions
 # wait for the lock (a command queued behind another in this process has
 # less than the lock wait left).
