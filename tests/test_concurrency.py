@@ -1146,6 +1146,39 @@ def test_writers_do_not_wait_for_a_snapshot_another_write_of_the_process_saves(
     models.close()
 
 
+def test_writers_do_not_wait_for_the_lookup_of_a_config_put_back(
+    service: Callable[..., Models],
+    write_config: Callable[..., str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A write recording its config over another's looks up whether the log
+    recorded it before (to warn of a config put back): it looked holding
+    this process's write lock, every other writer of the process waiting
+    for it. It looks once that lock is let go now."""
+    monkeypatch.setenv(LOCK_WAIT_ENV, "1")  # refused after that, were it to wait
+    service(write_config(config_yaml(model_spec("base")))).add(model_spec("m"), by="a node")
+    models = service(write_config(config_yaml(model_spec("base"), model_spec("extra"))))
+    looking, written = threading.Event(), threading.Event()
+    last_replaced = snapshots.last_replaced
+
+    def held_lookup(conn: sa.Connection, fingerprint: str, *, upto: int) -> tuple[int, int] | None:
+        looking.set()
+        written.wait(10)  # until the other write below is done
+        return last_replaced(conn, fingerprint, upto=upto)
+
+    monkeypatch.setattr(snapshots, "last_replaced", held_lookup)
+    # Its config recorded at 3, over the other node's at 1; its change at 4.
+    command = threading.Thread(target=lambda: models.scale("m", 0, 3, by="ops"))
+    command.start()
+    try:
+        assert looking.wait(10)
+        assert models.scale("m", 1, 3, by="another thread").revision == 5
+    finally:
+        written.set()
+        command.join()
+    assert models.get_model("m")["scaling"] == {"min": 1, "max": 3}
+
+
 def test_a_locked_file_not_yet_in_wal_mode_is_reported_busy(tmp_path: Path) -> None:
     # A file made by another program, in SQLite's default journal mode, whose
     # writer holds it: putting it in WAL mode needs the whole file.
