@@ -196,6 +196,8 @@ class Settings:
         self.reason = ""
         self.expected_revision: int | None = None
         self._models: Models | None = None
+        # The declared config, loaded once a run (see :meth:`_opened`).
+        self._declared: DeclaredConfig | None = None
         # Where this run made a new log, there being none ("at FILE" on
         # SQLite, "in schema S of database D at HOST" on PostgreSQL): a path,
         # database or schema mistaken makes a new, empty log, so the run says
@@ -269,15 +271,19 @@ class Settings:
         mistyped path or schema is left as it was. Nothing of it outlives the
         process, however it ends (a file for it, in a temporary folder, stayed
         behind a read killed; hostile test)."""
+        # Loaded once a run: read again, a config given as a pipe (`--config
+        # <(…)`) was empty the second time, and refused so: a read's second
+        # open, on a path with no log, and a start's next try once the
+        # database it waited for was back (once_it_answers).
+        if self._declared is None:
+            self._declared = bootstrap.declared_config(self.config)
+        declared = self._declared
         if not self.reads_only:
-            models = bootstrap.open_models(self.db, self.config)
+            models = bootstrap.open_models(self.db, declared)
             self.new_log = models.store.log_made
             return models
         from catalog_es.errors import NoLogYet
 
-        # Loaded once for both opens: read again, a config given as a pipe
-        # (`--config <(…)`) was empty the second time, and refused so.
-        declared = bootstrap.declared_config(self.config)
         try:
             return bootstrap.open_models(self.db, declared, make_log=False)
         except NoLogYet as absent:
