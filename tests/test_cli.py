@@ -3507,6 +3507,34 @@ def test_a_read_leaves_a_head_table_dropped_by_hand_as_it_was(
     engine.dispose()
 
 
+def test_a_watch_leaves_a_head_table_dropped_by_hand_as_it_was(
+    db_url: str, run_told: Run, tmp_path: Path
+) -> None:
+    """A watch from the start made the log's catalog_head table, dropped by
+    hand, as every read did before (a command that writes nothing wrote; a
+    follower's role that may only read could not start). It follows the log
+    and leaves the table missing; on a path with no log it still makes one,
+    to follow."""
+    (tmp_path / "a.yaml").write_bytes(as_yaml(definition("a")))
+    ok(run_told("model", "add", "a.yaml"))
+    engine = sa.create_engine(db_url)
+    with engine.begin() as conn:
+        conn.execute(sa.text("DROP TABLE catalog_head"))
+    dropped = sorted(sa.inspect(engine).get_table_names())
+    watch = python("-m", "catalog_es", "--db", db_url, "watch", "--json")
+    try:
+        assert watch.stdout is not None
+        assert select.select([watch.stdout], [], [], 30)[0], "watch gave nothing in 30 s"
+        assert json.loads(watch.stdout.readline())["model"] == "a"
+        watch.send_signal(signal.SIGTERM)
+        _, err = watch.communicate(timeout=30)
+    finally:
+        watch.kill()
+    assert (watch.returncode, err) == (0, "stopped\n")
+    assert sorted(sa.inspect(engine).get_table_names()) == dropped
+    engine.dispose()
+
+
 def test_a_view_named_as_a_table_of_the_log_is_refused_before_anything_is_made(
     db_url: str, run: Run
 ) -> None:
