@@ -3507,6 +3507,34 @@ def test_a_read_leaves_a_head_table_dropped_by_hand_as_it_was(
     engine.dispose()
 
 
+def test_a_watch_leaves_a_head_table_dropped_by_hand_as_it_was(
+    db_url: str, run_told: Run, tmp_path: Path
+) -> None:
+    """A watch from the start made the log's catalog_head table, dropped by
+    hand, as every read did before (a command that writes nothing wrote; a
+    follower's role that may only read could not start). It follows the log
+    and leaves the table missing; on a path with no log it still makes one,
+    to follow."""
+    (tmp_path / "a.yaml").write_bytes(as_yaml(definition("a")))
+    ok(run_told("model", "add", "a.yaml"))
+    engine = sa.create_engine(db_url)
+    with engine.begin() as conn:
+        conn.execute(sa.text("DROP TABLE catalog_head"))
+    dropped = sorted(sa.inspect(engine).get_table_names())
+    watch = python("-m", "catalog_es", "--db", db_url, "watch", "--json")
+    try:
+        assert watch.stdout is not None
+        assert select.select([watch.stdout], [], [], 30)[0], "watch gave nothing in 30 s"
+        assert json.loads(watch.stdout.readline())["model"] == "a"
+        watch.send_signal(signal.SIGTERM)
+        _, err = watch.communicate(timeout=30)
+    finally:
+        watch.kill()
+    assert (watch.returncode, err) == (0, "stopped\n")
+    assert sorted(sa.inspect(engine).get_table_names()) == dropped
+    engine.dispose()
+
+
 def test_a_view_named_as_a_table_of_the_log_is_refused_before_anything_is_made(
     db_url: str, run: Run
 ) -> None:
@@ -4250,6 +4278,32 @@ def test_a_ctrl_c_a_library_logged_on_its_way_out_adds_no_traceback() -> None:
 
 def _raise_a_ctrl_c() -> None:
     raise KeyboardInterrupt
+
+
+def test_a_stop_that_cut_a_pipeline_short_adds_no_warning(pg_url: str) -> None:
+    """A stop (Ctrl-C, SIGTERM) as the audit's catch-up wrote its rows in
+    psycopg's pipeline left psycopg to end the pipeline on its way out, and
+    what that failed on it logged with no traceback, so that the line was
+    told before ``Aborted!`` (1 stop in 9 of a hostile test): `warning: error
+    ignored terminating <psycopg.Pipeline [INERROR, pipeline=ON] (host=…) at
+    0x…>: canceling statement due to user request`."""
+    said = io.StringIO()
+    told = warnings_to(said)
+    psycopg_log = logging.getLogger("psycopg")
+    psycopg_log.addHandler(told)
+    engine = sa.create_engine(pg_url)
+    try:
+        with engine.connect() as conn:
+            raw = conn.connection.driver_connection
+            assert raw is not None
+            with pytest.raises(KeyboardInterrupt), raw.pipeline():
+                raw.execute("SELECT 1/0")  # fails as the pipeline ends, as a cancelled one does
+                _raise_a_ctrl_c()
+            conn.rollback()
+    finally:
+        psycopg_log.removeHandler(told)
+        engine.dispose()
+    assert said.getvalue() == ""
 
 
 def test_a_warning_is_escaped_with_no_descriptor_to_spare() -> None:

@@ -3104,6 +3104,47 @@ def test_a_watch_starting_while_the_database_is_away_waits_for_it(pg_url: str, d
     assert lines["err"].get(timeout=10).strip() == "stopped"
 
 
+def test_a_watch_waiting_for_the_database_reads_a_piped_config_once(pg_url: str) -> None:
+    """A start that waits for its database (a replica as PostgreSQL fails
+    over) tried again reading the declared config again: one given as a
+    pipe (`--config <(…)`, read once) was empty the second time, and the
+    start refused as of an empty config once the database was back."""
+    direct = sa.make_url(pg_url)
+    writer = Models(DeclaredConfig(), env={"CATALOG_ES_DB": pg_url})
+    writer.add(spec("m"), by="setup")
+    proxy = Proxy((direct.host or "127.0.0.1", direct.port or 5432))
+    through = direct.set(port=proxy.port).render_as_string(hide_password=False)
+    proxy.cut()
+    read_end, write_end = os.pipe()
+    with os.fdopen(write_end, "w") as piped:
+        piped.write(config_yaml(spec("d")))
+    command = [sys.executable, "-m", "catalog_es", "--db", through]
+    command += ["--config", f"/dev/fd/{read_end}", "watch", "--json"]
+    watching = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        pass_fds=[read_end],
+        cwd=Path(__file__).parents[1],  # this checkout's code, for `-m catalog_es`
+    )
+    os.close(read_end)
+    try:
+        assert watching.stderr is not None and watching.stdout is not None
+        told = watching.stderr.readline()
+        assert told.rstrip().endswith("trying again every 1 s"), told
+        writer.scale("m", 0, 2, by="ops")  # while it cannot reach the database
+        proxy.resume()
+        given = [watching.stdout.readline() for _ in range(2)]
+        assert [json.loads(line)["revision"] for line in given if line] == [1, 2]
+    finally:
+        watching.send_signal(signal.SIGTERM)
+        out, err = watching.communicate(timeout=30)
+        writer.close()
+        proxy.cut()
+    assert (watching.returncode, err) == (0, "stopped\n"), out
+
+
 @dataclass
 class _Waiting:
     """A ``catalog-es serve`` started while its database is away (a proxy to

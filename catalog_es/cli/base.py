@@ -196,6 +196,8 @@ class Settings:
         self.reason = ""
         self.expected_revision: int | None = None
         self._models: Models | None = None
+        # The declared config, loaded once a run (see :meth:`_opened`).
+        self._declared: DeclaredConfig | None = None
         # Where this run made a new log, there being none ("at FILE" on
         # SQLite, "in schema S of database D at HOST" on PostgreSQL): a path,
         # database or schema mistaken makes a new, empty log, so the run says
@@ -206,6 +208,10 @@ class Settings:
         # ``log_absent`` says where no log is.
         self.reads_only = False
         self.log_absent: str | None = None
+        # A command that writes nothing but follows the log (watch from its
+        # start): it makes a log to follow where there is none, and nothing
+        # where there is one (a catalog_head dropped by hand stays so).
+        self.follows = False
         # Each revision given that was read as another, as told
         # (:func:`warn_if_taken_as_another`): diff resolves two.
         self.taken_as: list[str] = []
@@ -268,21 +274,27 @@ class Settings:
         a read makes no log (the first write or a server does), and a
         mistyped path or schema is left as it was. Nothing of it outlives the
         process, however it ends (a file for it, in a temporary folder, stayed
-        behind a read killed; hostile test)."""
-        if not self.reads_only:
-            models = bootstrap.open_models(self.db, self.config)
-            self.new_log = models.store.log_made
-            return models
-        from catalog_es.errors import NoLogYet
+        behind a read killed; hostile test). One that follows the log
+        (``follows``) is on a log made there, to follow."""
+        # Loaded once a run: read again, a config given as a pipe (`--config
+        # <(…)`) was empty the second time, and refused so: a read's second
+        # open, on a path with no log, and a start's next try once the
+        # database it waited for was back (once_it_answers).
+        if self._declared is None:
+            self._declared = bootstrap.declared_config(self.config)
+        declared = self._declared
+        if self.reads_only or self.follows:
+            from catalog_es.errors import NoLogYet
 
-        # Loaded once for both opens: read again, a config given as a pipe
-        # (`--config <(…)`) was empty the second time, and refused so.
-        declared = bootstrap.declared_config(self.config)
-        try:
-            return bootstrap.open_models(self.db, declared, make_log=False)
-        except NoLogYet as absent:
-            self.log_absent = absent.where
-        return bootstrap.open_models(self.db, declared, in_memory=True)
+            try:
+                return bootstrap.open_models(self.db, declared, make_log=False)
+            except NoLogYet as absent:
+                if self.reads_only:
+                    self.log_absent = absent.where
+                    return bootstrap.open_models(self.db, declared, in_memory=True)
+        models = bootstrap.open_models(self.db, declared)
+        self.new_log = models.store.log_made
+        return models
 
     def another_config_explains(self, refusal: Exception) -> str:
         """What a refusal's line adds when the declared config the log last
@@ -602,7 +614,10 @@ def warnings_to(stream: TextIO) -> logging.Handler:
 
 
 def _not_an_interrupt(record: logging.LogRecord) -> bool:
-    error = record.exc_info[1] if record.exc_info else None
+    # Without a traceback, the error being handled as it was logged: psycopg
+    # ending a pipeline a stop cut short logs what that failed on so
+    # ("error ignored terminating <psycopg.Pipeline …>"; hostile test).
+    error = record.exc_info[1] if record.exc_info else sys.exc_info()[1]
     ours = record.name == "catalog_es" or record.name.startswith("catalog_es.")
     return error is None or ours or not came_of_a_stop(error)
 

@@ -176,6 +176,7 @@ def watch_command(settings: Settings, after: int) -> None:
     # A revision past an empty log's head is refused, as a read's: on a path
     # with no log, making one first left it there (one from 0 waits on it).
     settings.reads_only = after > 0
+    settings.follows = True
     with stopped_when_asked():
         changes = once_it_answers(
             settings, "watch", lambda: settings.models().watch(after, by=settings.by)
