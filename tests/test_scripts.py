@@ -116,3 +116,16 @@ def test_the_demo_runs_on_its_own_config_and_shows_commands_as_typed(tmp_path: P
     add = ["catalog-es", "model", "add", "qwen.yaml", "--reason", "trying Qwen for search"]
     assert add in shown
     assert "rolled back to revision 2: 2 events, now at revision 6" in ran.stdout
+
+
+def test_the_processes_a_test_starts_run_this_checkout_s_code() -> None:
+    # The editable install may name another worktree of the repository: a
+    # test of a fix there ran the code without it in its subprocesses.
+    checkout = Path(__file__).resolve().parents[1]
+    found = subprocess.run(
+        [sys.executable, "-c", "import catalog_es; print(catalog_es.__file__)"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    assert Path(found).resolve().is_relative_to(checkout)
