@@ -21,7 +21,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
@@ -1293,6 +1293,43 @@ class SQLRecorder(ProcessRecorder):
         result = conn.execute(query)
         try:
             return [value for (value,) in result.cursor.fetchall()]
+        except self._dbapi_error as error:
+            raise self._as_sqlalchemys(error) from None
+        finally:
+            result.close()
+
+    def column_pages(
+        self, conn: Connection, query: sa.Select[Any], page_bytes: int
+    ) -> Generator[Sequence[Any]]:
+        """:meth:`column_values` of a text column, a page of about
+        ``page_bytes`` of text at a time, no more held at once: the first of
+        one value, each after it of as many as the one before it held of
+        that size (at least one). On PostgreSQL off a server-side cursor
+        (psycopg's own holds every row before the first is given), planned
+        as a read of all of them (a cursor's plan is otherwise made for its
+        first tenth), a round trip a page; SQLite's steps through them as
+        they are fetched, and they are read off it as :meth:`column_values`
+        reads them (as SQLAlchemy's rows, 200,000 views took 0.70 s, not 0.23)."""
+        fetch: Callable[[int], Sequence[Any]]
+        if self.dialect == "postgresql":
+            conn.exec_driver_sql("SET LOCAL cursor_tuple_fraction = 1")
+            # SQLAlchemy's own reading of the server-side cursor: it reads
+            # ahead of what it gives, a row read off the driver's would skip.
+            result = conn.execute(query.execution_options(stream_results=True))
+            fetch = result.scalars().fetchmany
+        else:
+            result = conn.execute(query)
+            driver_rows = result.cursor.fetchmany
+
+            def fetch(count: int) -> list[Any]:
+                return [value for (value,) in driver_rows(count)]
+
+        try:
+            count = 1
+            while page := fetch(count):
+                yield page
+                held = sum(len(value) for value in page if isinstance(value, str | bytes))
+                count = max(1, page_bytes * len(page) // max(held, 1))
         except self._dbapi_error as error:
             raise self._as_sqlalchemys(error) from None
         finally:

@@ -25,10 +25,10 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import MAXYEAR, UTC, datetime, timedelta
-from typing import Any, TypedDict
+from typing import Any, TypedDict, TypeVar
 
 import msgspec
 import sqlalchemy as sa
@@ -250,6 +250,27 @@ def select_rows(
     return rows
 
 
+Answer = TypeVar("Answer")
+# What reads the values of the matching rows' one column into an answer, in
+# the read's transaction: given the store, the connection, the query and
+# whether it reads them newest first (a limit's: its last N, without a sort)
+# rather than oldest first, as the answer has them.
+ValuesReader = Callable[[SQLRecorder, Connection, sa.Select[Any], bool], Answer]
+
+
+def listed(
+    store: SQLRecorder, conn: Connection, query: sa.Select[Any], newest_first: bool
+) -> list[Any]:
+    """A :data:`ValuesReader`: the values in one list, oldest first, as the
+    driver gives them (:meth:`SQLRecorder.column_values`), read at once: the
+    driver's fastest read, for an answer held whole anyway (the library's
+    lists) or bounded before it is read (the HTTP API's)."""
+    values = store.column_values(conn, query)
+    if newest_first:
+        values.reverse()
+    return values
+
+
 def select_values(
     store: SQLRecorder,
     conn: Connection,
@@ -257,15 +278,13 @@ def select_values(
     order: Sequence[sa.Column[Any]],
     filters: Filters,
     column: sa.Column[Any],
+    into: ValuesReader[Answer],
     within: tuple[int | None, int | None] = (None, None),
-) -> list[Any]:
+) -> Answer:
     """:func:`select_rows` of one ``column`` the dialect does not convert, its
-    values as the driver gives them (:meth:`SQLRecorder.column_values`)."""
+    values read by ``into``."""
     query, newest_first = _matching(table, order, filters, [column], within)
-    values = store.column_values(conn, query)
-    if newest_first:
-        values.reverse()
-    return values
+    return into(store, conn, query, newest_first)
 
 
 def _matching(
@@ -697,12 +716,13 @@ class AuditView(TrackingRecorder):
         application_name: str,
         position: int,
         generation: str,
+        into: ValuesReader[Answer],
         max_bytes: int | None = None,
-    ) -> list[str]:
-        """The stored views of the matching rows, each a row as JSON, from the
-        table at ``position`` or past it in ``generation``: not from one another
-        process is making anew (:class:`ViewMoved`). ``max_bytes``: what the
-        views may hold in all (:func:`within_bytes`)."""
+    ) -> Answer:
+        """The stored views of the matching rows, each a row as JSON, read by
+        ``into``, from the table at ``position`` or past it in ``generation``:
+        not from one another process is making anew (:class:`ViewMoved`).
+        ``max_bytes``: what the views may hold in all (:func:`within_bytes`)."""
         # Paused, and the rows made and freed inside: otherwise the young
         # collections walk them, as they are fetched and as the pause ends,
         # and promote them to the oldest generation, which brings on a full
@@ -711,13 +731,17 @@ class AuditView(TrackingRecorder):
             tracked = self._tracked(conn, application_name)
             if tracked is None or tracked.generation != generation or tracked.position < position:
                 raise ViewMoved("the audit tables are being rebuilt by another process")
-            views = self._matching(conn, filters, application_name, tracked, max_bytes)
+            views = self._matching(conn, filters, application_name, tracked, into, max_bytes)
         self._still_used(application_name)
         return views
 
     def current_changes(
-        self, filters: Filters, application_name: str, max_bytes: int | None = None
-    ) -> list[str] | None:
+        self,
+        filters: Filters,
+        application_name: str,
+        into: ValuesReader[Answer],
+        max_bytes: int | None = None,
+    ) -> Answer | None:
         """:meth:`changes`, when the table is at the head of the log in the
         read, and the log still holds there what the rows were built from;
         ``None`` otherwise: a catch-up is due (it tells which)."""
@@ -729,7 +753,7 @@ class AuditView(TrackingRecorder):
                 kept = self.store.kept(conn, tracked.position)
                 if kept.last != tracked.position or stored_hash(kept.hash) != tracked.log_hash:
                     return None
-                views = self._matching(conn, filters, application_name, tracked, max_bytes)
+                views = self._matching(conn, filters, application_name, tracked, into, max_bytes)
         except ViewMoved:
             return None
         self._still_used(application_name)
@@ -777,15 +801,18 @@ class AuditView(TrackingRecorder):
         filters: Filters,
         application_name: str,
         tracked: Tracked,
+        into: ValuesReader[Answer],
         max_bytes: int | None,
-    ) -> list[str]:
+    ) -> Answer:
         table = self.table(application_name)
         within = self._revisions(conn, filters, table, tracked)
         order = (table.c.revision, table.c.place)
         if max_bytes is not None:
-            sizes = select_values(self.store, conn, table, order, filters, table.c.size, within)
+            sizes = select_values(
+                self.store, conn, table, order, filters, table.c.size, listed, within
+            )
             within_bytes(sizes, max_bytes)
-        return select_values(self.store, conn, table, order, filters, table.c.view, within)
+        return select_values(self.store, conn, table, order, filters, table.c.view, into, within)
 
     def _revisions(
         self, conn: Connection, filters: Filters, table: sa.Table, tracked: Tracked
@@ -1003,30 +1030,38 @@ class AuditProjection(Projection[AuditView]):
         recorder: SQLRecorder,
         application_name: str,
         filters: Filters,
+        into: ValuesReader[Answer],
         max_bytes: int | None = None,
-    ) -> list[str]:
-        """The views of the rows matching ``filters`` once caught up: read
-        again after catching up again if another process rebuilt the tables
-        between the catch-up and the read. Tables already at the head are read
-        at once: queries at the same moment would otherwise each wait for the
-        lock in turn, to find nothing to catch up (four of forty were refused).
+    ) -> Answer:
+        """The views of the rows matching ``filters`` once caught up, read by
+        ``into``: read again after catching up again if another process
+        rebuilt the tables between the catch-up and the read (found before
+        any view is read). Tables already at the head are read at once:
+        queries at the same moment would otherwise each wait for the lock in
+        turn, to find nothing to catch up (four of forty were refused).
         ``max_bytes``: what the views may hold in all (:func:`within_bytes`)."""
-        views = self.view.current_changes(filters, application_name, max_bytes)
+        views = self.view.current_changes(filters, application_name, into, max_bytes)
         if views is not None:
             return views
         for _ in range(RETRIES - 1):
             self.catch_up(recorder, application_name)
             try:
-                return self._changes(application_name, filters, max_bytes)
+                return self._changes(application_name, filters, into, max_bytes)
             except ViewMoved:
                 continue
         self.catch_up(recorder, application_name)
-        return self._changes(application_name, filters, max_bytes)
+        return self._changes(application_name, filters, into, max_bytes)
 
-    def _changes(self, application_name: str, filters: Filters, max_bytes: int | None) -> list[str]:
+    def _changes(
+        self,
+        application_name: str,
+        filters: Filters,
+        into: ValuesReader[Answer],
+        max_bytes: int | None,
+    ) -> Answer:
         """The matching rows of the table this process caught up."""
         return self.view.changes(
-            filters, application_name, self.recorded, self.generation, max_bytes
+            filters, application_name, self.recorded, self.generation, into, max_bytes
         )
 
     def rebuild(self, recorder: SQLRecorder, application_name: str) -> None:

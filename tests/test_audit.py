@@ -65,6 +65,7 @@ from projections.audit import (
     TimeOrder,
     Tracked,
     changes_table_for,
+    listed,
     read_record,
     stored_time,
     tracking_table,
@@ -783,8 +784,11 @@ def test_the_cli_writes_a_large_audit_out_a_row_at_a_time(
     and 1.3 GB for the table, every row decoded and held, then the whole
     array dumped as one string (these 1,000 rows, 12 MB of JSON: 80 MB and
     67 MB beyond their stored views). Beyond the views the rows are read
-    from, it now holds a row at a time, or a piece of 64 as JSON (and the
-    table's cells, their text): 2 MB and 0.4 MB."""
+    from, it then held a row at a time, or a piece of 64 as JSON (and the
+    table's cells, their text): 2 MB and 0.4 MB. Nor are the views all held
+    now (13 MB in all, then; 7.2 MB): what the spool keeps in memory, and a
+    page of them as it is written to it (three times: read, joined and
+    encoded)."""
     db = f"sqlite:///{tmp_path}/catalog.db"
     models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db})
     adapters = [{"name": f"ad{i}", "source": f"s3://adapters/wide/ad{i}"} for i in range(100)]
@@ -810,7 +814,8 @@ def test_the_cli_writes_a_large_audit_out_a_row_at_a_time(
         )
     else:
         assert out.lines > 1_000  # the header, a line a scaling, several for the add
-    assert peak < stored + answer / 4, (peak, stored, answer)
+    spooled = catalog_es.audit.SPOOLED_IN_MEMORY + 3 * catalog_es.audit.SPOOLED_PAGE_BYTES
+    assert peak < spooled + answer / 8 < stored, (peak, stored, answer)
 
 
 def test_skipped_events_are_in_the_audit_with_why(models: Models) -> None:
@@ -1483,7 +1488,7 @@ def test_nodes_declaring_different_configs_each_keep_their_own_audit(
         other.audit()
         scripted.audit()
         for node in (scripted, other):
-            assert node._audit.view.current_changes({}, node.name) is not None
+            assert node._audit.view.current_changes({}, node.name, listed) is not None
     assert scripted.audit() == rebuilt_audit(db_url, config)
     assert other.audit() == rebuilt_audit(db_url, declares_chat)
     assert audit_tables(db_url) == {table_of(scripted), table_of(other)}
@@ -1808,16 +1813,33 @@ def test_an_audit_position_set_behind_its_rows_has_them_made_again(
 
 @pytest.mark.parametrize(
     "query",
-    [["history", "chat"], ["history", "chat", "--json"], ["audit"], ["audit", "--json"]],
+    [
+        ["history", "chat"],
+        ["history", "chat", "--json"],
+        ["audit"],
+        ["audit", "--json"],
+        ["audit", "--json", "--limit", "7"],
+    ],
     ids=" ".join,
 )
+@pytest.mark.parametrize(
+    "page_bytes", [catalog_es.audit.SPOOLED_PAGE_BYTES, 1], ids=["pages of 1 MiB", "a row a page"]
+)
 def test_an_audit_row_damaged_by_hand_is_one_error_naming_replay(
-    scripted: Models, db_url: str, config: Path, query: list[str]
+    scripted: Models,
+    db_url: str,
+    config: Path,
+    query: list[str],
+    page_bytes: int,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Its view no longer JSON: an unexpected DecodeError. The rows are a
     read model, which replay makes again. The row is well into the answer,
     the rows before it sound: ``--json``, written as it is decoded, had
-    written ``[`` (and the rows before it, past a piece) by then."""
+    written ``[`` (and the rows before it, past a piece) by then. Read and
+    checked a page at a time, the row is past the first page (the last
+    rows' page, read first, of a limit), which the spool holds by then."""
+    monkeypatch.setattr(catalog_es.audit, "SPOOLED_PAGE_BYTES", page_bytes)
     expected = scripted.history("chat")
     table = sa.table(table_of(scripted), sa.column("revision"), sa.column("view"))
     with scripted.store.engine.begin() as conn:
@@ -1831,6 +1853,35 @@ def test_an_audit_row_damaged_by_hand_is_one_error_naming_replay(
     )
     assert invoke(db_url, config, "replay").exit_code == 0
     assert scripted.history("chat") == expected
+
+
+@pytest.mark.parametrize(
+    "filters",
+    [{}, {"limit": 5}, {"by": "bob"}, {"by": "alice", "limit": 3}],
+    ids=str,
+)
+def test_an_answer_read_a_page_at_a_time_is_the_one_read_at_once(
+    scripted: Models,
+    db_url: str,
+    config: Path,
+    filters: dict[str, Any],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What the CLI writes out, read a page at a time into a spool (a page of
+    one row, then of two or more; a file past the first of them), is the
+    answer read whole: in order, a limit's last rows too, which are read
+    newest first."""
+    assert scripted.audit()  # the rows are made
+    table = sa.table(table_of(scripted), sa.column("size"))
+    with scripted.store.read() as conn:
+        largest = conn.execute(sa.select(sa.func.max(table.c.size))).scalar_one()
+    monkeypatch.setattr(catalog_es.audit, "SPOOLED_PAGE_BYTES", 2 * largest)
+    monkeypatch.setattr(catalog_es.audit, "SPOOLED_IN_MEMORY", 1000)
+    options = [text for key, value in filters.items() for text in (f"--{key}", str(value))]
+    audit = invoke(db_url, config, "audit", "--json", *options)
+    assert json.loads(audit.stdout) == scripted.audit(**filters)
+    history = invoke(db_url, config, "history", "chat", "--json", *options)
+    assert json.loads(history.stdout) == scripted.history("chat", **filters)
 
 
 def test_an_audit_row_made_a_blob_by_hand_is_the_same_error(
