@@ -2141,10 +2141,10 @@ def test_the_cli_says_what_an_already_running_model_had_fetched(
     told = CliRunner().invoke(cli, [*base, "model", "update", "m", *where])
     assert (told.exit_code, told.stdout) == (
         0,
-        f"m already runs org/m@{c2}: nothing written (3 files fetched into its folder)\n",
+        f"m already runs org/m@{c2[:12]}: nothing written (3 files fetched into its folder)\n",
     )
     told = CliRunner().invoke(cli, [*base, "model", "update", "m", *where])
-    assert told.stdout == f"m already runs org/m@{c2}: nothing written\n"
+    assert told.stdout == f"m already runs org/m@{c2[:12]}: nothing written\n"
 
 
 def test_update_takes_the_first_digits_of_a_commit_as_updates_shows_them(

@@ -130,7 +130,8 @@ def _show_move(result: dict[str, Any], verb: str) -> None:
     name = result["model"]["name"]
     before, after = result["from"], result["to"]
     if not result["written"]:
-        where = f"{after['repository']}@{after['revision']}"
+        # Its first digits, as the line of a move shows them (--json has all).
+        where = f"{after['repository']}@{_short(after['revision'])}"
         # Its folder was checked, and what was missing from it fetched.
         fetched = result["fetched"]
         again = f" ({counted(len(fetched), 'file')} fetched into its folder)" if fetched else ""
