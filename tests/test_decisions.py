@@ -388,8 +388,8 @@ def test_a_cpu_only_profile_without_memory_is_refused(command: Model.Event) -> N
     "command",
     [
         pytest.param(
-            event(Model.ResourcesSet, "legacy", profile="cpu", memory_gb=16),
-            id="resources-fixes-it",
+            event(Model.ResourcesSet, "legacy", profile="cpu", memory_gb=1),
+            id="resources-fixes-it-with-the-least",
         ),
         pytest.param(
             event(Model.ResourcesSet, "legacy", profile="gpu", cpu_cores=8),
@@ -597,7 +597,27 @@ def test_origins_are_checked_only_as_new_input() -> None:
         pytest.param({"scaling": Scaling(min=0, max=0)}, "scaling", "max >= 1", id="max-zero"),
         pytest.param({"source": ""}, "source", "must not be empty", id="empty-source"),
         pytest.param({"source": "hf://a b"}, "source", "white space", id="source-space"),
-        pytest.param({"source": "s3://" + "x" * 2048}, "source", "longer than", id="source-long"),
+        pytest.param(
+            {"source": "s3://" + "x" * 2044}, "source", "longer than 2048", id="source-2049-long"
+        ),
+        pytest.param(
+            {"profiles": (Profile(name="g", gpus=2**63),)},
+            "profiles[0].gpus",
+            "is larger than 2^63 - 1 (9223372036854775807)",
+            id="gpus-past-64-bits",
+        ),
+        pytest.param(
+            {"scaling": Scaling(min=2**63, max=2**63)},
+            "scaling.min",
+            "is larger than 2^63 - 1",
+            id="scaling-min-past-64-bits",
+        ),
+        pytest.param(
+            {"scaling": Scaling(min=1, max=2**63)},
+            "scaling.max",
+            "is larger than 2^63 - 1",
+            id="scaling-max-past-64-bits",
+        ),
         pytest.param(
             {"adapters": (Adapter(name="-x", source="s3://a"),)},
             "adapters[0].name",
@@ -633,14 +653,61 @@ def test_a_bad_name_is_refused(name: str) -> None:
     assert "\n" not in str(refusal.value)  # one line, whatever the name holds
 
 
+@pytest.mark.parametrize(
+    ("name", "as_shown"),
+    [
+        pytest.param("-" + "x" * 39, "-" + "x" * 39, id="40-whole"),
+        pytest.param("-" + "x" * 40, "-" + "x" * 39 + "…", id="41-cut"),
+    ],
+)
+def test_a_bad_name_is_named_whole_up_to_40_characters(name: str, as_shown: str) -> None:
+    with pytest.raises(InvalidModel) as refusal:
+        when(given(), added(spec(name)))
+    assert refusal.value.model == as_shown
+    assert str(refusal.value).startswith(f"model {as_shown!r}: name: ")
+
+
 @pytest.mark.parametrize("name", ["a", "Qwen/Qwen2.5-0.5B:q4_k_m", "x" * 128, "7b"])
 def test_a_good_name_is_accepted(name: str) -> None:
     assert when(given(), added(spec(name))) == spec(name)
 
 
+def test_the_largest_counts_and_the_longest_source_are_accepted() -> None:
+    # The bounds are inclusive: 2^63 - 1 is a 64-bit integer's, 2048 characters a source's.
+    most = 2**63 - 1
+    largest = Profile(name="g", gpus=most, gpu_memory_gb=most, min_memory_gb=most, cpu_cores=most)
+    model = spec(
+        "m", source="s3://" + "x" * 2043, profiles=(largest,), scaling=Scaling(min=most, max=most)
+    )
+    assert len(model.source) == 2048
+    assert when(given(), added(model)) == model
+
+
 def test_resources_for_an_unknown_profile_are_refused() -> None:
     with pytest.raises(InvalidModel, match="has no profile 'nope' \\(it has: gpu, cpu\\)"):
         when(given(added(BASE)), event(Model.ResourcesSet, "base", profile="nope", memory_gb=4))
+
+
+@pytest.mark.parametrize(
+    ("change", "field", "problem"),
+    [
+        pytest.param(
+            {"memory_gb": -1}, "profiles[0].min_memory_gb", "cannot be negative", id="mem"
+        ),
+        pytest.param({"cpu_cores": -1}, "profiles[0].cpu_cores", "cannot be negative", id="cores"),
+        pytest.param(
+            {"cpu_cores": 2**63}, "profiles[0].cpu_cores", "is larger than 2^63 - 1", id="huge"
+        ),
+    ],
+)
+def test_resources_out_of_range_are_refused(
+    change: dict[str, int], field: str, problem: str
+) -> None:
+    # On a GPU profile, which the memory rule leaves alone.
+    with pytest.raises(InvalidModel) as refusal:
+        when(given(added(BASE)), event(Model.ResourcesSet, "base", profile="gpu", **change))
+    assert refusal.value.field == field
+    assert problem in refusal.value.problem
 
 
 # -- engines -------------------------------------------------------------------------
