@@ -17,7 +17,7 @@ import tracemalloc
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +51,7 @@ from catalog_es.errors import (
 )
 from catalog_es.inputs import load_config
 from catalog_es.mapper import EventMapper
-from catalog_es.model import Model, model_id
+from catalog_es.model import Model, model_id, utc_text
 from catalog_es.persistence import SQLRecorder
 from catalog_es.ports import PreAddCheck
 from catalog_es.spec import DEFAULT_ENGINES, Adapter, ModelSpec, Origin, Profile, Scaling
@@ -569,6 +569,30 @@ def test_history_of_a_name_never_there_reads_no_config_record(
 )
 def test_audit_filters(models: Models, query: dict[str, Any], revisions: list[int]) -> None:
     assert [r["revision"] for r in models.audit(**query)] == revisions
+
+
+@pytest.mark.parametrize(
+    ("moment", "text"),
+    [
+        pytest.param(datetime(2026, 11, 30, 12, tzinfo=UTC), "2026-11-30T12:00:00Z", id="utc"),
+        pytest.param(datetime(2026, 11, 30, 12), "2026-11-30T12:00:00Z", id="naive-is-utc"),
+        pytest.param(
+            datetime(2026, 11, 30, 13, tzinfo=timezone(timedelta(hours=1))),
+            "2026-11-30T12:00:00Z",
+            id="offset-in-utc",
+        ),
+        # UTC cannot hold it: written in its own zone rather than refused.
+        pytest.param(
+            datetime(9999, 12, 31, 23, 30, tzinfo=timezone(timedelta(hours=-1))),
+            "9999-12-31T23:30:00-01:00",
+            id="past-utc",
+        ),
+    ],
+)
+def test_every_time_is_written_in_utc_unless_utc_cannot_hold_it(
+    moment: datetime, text: str
+) -> None:
+    assert utc_text(moment) == text
 
 
 def test_the_audit_keeps_whether_times_went_up_with_revisions(models: Models, clock: Clock) -> None:

@@ -18,7 +18,7 @@ from catalog_es.errors import (
     ModelNotFound,
     shown,
 )
-from catalog_es.model import Model, model_id
+from catalog_es.model import EVENT_TYPES, Model, model_id
 from catalog_es.spec import Adapter, Origin, Profile, Scaling
 from tests.helpers import (
     CPU,
@@ -109,6 +109,18 @@ def test_each_command_puts_its_change_in_force(
     assert result == (None if expected is None else msgspec.structs.replace(BASE, **expected))
 
 
+def test_events_and_definitions_cannot_be_changed_in_place() -> None:
+    # The catalog shares them between revisions, snapshots and readers: one
+    # changed in place would change history.
+    events = [e for e, _ in DECLARED_ADVICE] + [upstream_moved("x")]
+    assert {type(e) for e in events} == set(EVENT_TYPES)
+    values = [*events, Model.new("x"), BASE, GPU, BASE.scaling, BASE.adapters[0], ORIGIN]
+    for value in values:
+        field = msgspec.structs.fields(value)[0].name
+        with pytest.raises(AttributeError):
+            setattr(value, field, getattr(value, field))
+
+
 def test_re_adding_a_runtime_name_replaces_its_definition() -> None:
     catalog = given(added(spec("a", owner="team:x")))
     replacement = spec("a", source="s3://other/a")
@@ -123,6 +135,14 @@ def test_remove_then_re_add_continues_the_same_stream() -> None:
     next_add = candidate(catalog, added(spec("a")))
     assert (next_add.originator_id, next_add.originator_version) == (model_id("a"), 3)
     assert decide(catalog, next_add) == spec("a")
+
+
+def test_a_skipped_event_still_advances_its_stream() -> None:
+    # Its record holds the version: the next command must follow it, not reuse it.
+    catalog = given(added(spec("x", engine="gone")), event(Model.Scaled, "x", scaling=Scaling()))
+    assert [s.revision for s in catalog.skipped] == [1, 2]
+    assert catalog.aggregate("x").version == 2
+    assert candidate(catalog, added(spec("x"))).originator_version == 3
 
 
 @pytest.mark.parametrize(
@@ -141,6 +161,15 @@ def test_a_removed_model_cannot_be_changed(command: Model.Event) -> None:
 def test_a_name_never_added_cannot_be_changed() -> None:
     with pytest.raises(ModelNotFound, match="'ghost'"):
         when(given(), event(Model.Scaled, "ghost", scaling=Scaling()))
+
+
+def test_an_added_definition_must_bear_the_name_it_is_added_under() -> None:
+    # A record written by hand, or by a bug: the stream is the name's, and
+    # would hold a definition that answers to another.
+    mismatched = msgspec.structs.replace(added(spec("b")), model="a", originator_id=model_id("a"))
+    with pytest.raises(InvalidModel) as refusal:
+        when(given(), mismatched)
+    assert str(refusal.value) == "model 'a': name: the definition is named 'b'"
 
 
 # -- configuration wins -------------------------------------------------------------
@@ -200,6 +229,35 @@ def test_a_declared_name_is_refused_even_when_the_runtime_definition_is_valid() 
     with pytest.raises(DeclaredInConfig):
         when(catalog, added(spec("declared", engine="vllm")))
     assert catalog.get("declared") == spec("declared", engine="tgi")
+
+
+# -- observations ----------------------------------------------------------------------
+
+
+def upstream_moved(name: str) -> Model.Event:
+    """What ``check-updates`` records of ``name``: upstream moved off its commit."""
+    upstream = Origin(repository=f"org/{name}", revision="b" * 40, files={"m.gguf": SHA})
+    return event(Model.UpstreamChanged, name, ref="main", revision="a" * 40, upstream=upstream)
+
+
+def test_an_observation_leaves_the_definition_in_force_declared_or_not() -> None:
+    # A record of what was seen, not a change: configuration does not refuse it.
+    catalog = given(added(BASE), declared=[DECLARED])
+    assert when(catalog, upstream_moved("base")) == BASE
+    assert when(catalog, upstream_moved("declared")) == DECLARED
+
+
+@pytest.mark.parametrize(
+    "history",
+    [
+        pytest.param([], id="never-added"),
+        pytest.param([added(spec("x")), removed("x")], id="removed"),
+        pytest.param([added(spec("x", engine="gone"))], id="skipped"),
+    ],
+)
+def test_an_observation_of_a_model_out_of_force_is_refused(history: list[Model.Event]) -> None:
+    with pytest.raises(ModelNotFound, match="'x' is not in the catalog"):
+        when(given(*history), upstream_moved("x"))
 
 
 # -- fallbacks ---------------------------------------------------------------------
@@ -330,8 +388,8 @@ def test_a_cpu_only_profile_without_memory_is_refused(command: Model.Event) -> N
     "command",
     [
         pytest.param(
-            event(Model.ResourcesSet, "legacy", profile="cpu", memory_gb=16),
-            id="resources-fixes-it",
+            event(Model.ResourcesSet, "legacy", profile="cpu", memory_gb=1),
+            id="resources-fixes-it-with-the-least",
         ),
         pytest.param(
             event(Model.ResourcesSet, "legacy", profile="gpu", cpu_cores=8),
@@ -539,7 +597,27 @@ def test_origins_are_checked_only_as_new_input() -> None:
         pytest.param({"scaling": Scaling(min=0, max=0)}, "scaling", "max >= 1", id="max-zero"),
         pytest.param({"source": ""}, "source", "must not be empty", id="empty-source"),
         pytest.param({"source": "hf://a b"}, "source", "white space", id="source-space"),
-        pytest.param({"source": "s3://" + "x" * 2048}, "source", "longer than", id="source-long"),
+        pytest.param(
+            {"source": "s3://" + "x" * 2044}, "source", "longer than 2048", id="source-2049-long"
+        ),
+        pytest.param(
+            {"profiles": (Profile(name="g", gpus=2**63),)},
+            "profiles[0].gpus",
+            "is larger than 2^63 - 1 (9223372036854775807)",
+            id="gpus-past-64-bits",
+        ),
+        pytest.param(
+            {"scaling": Scaling(min=2**63, max=2**63)},
+            "scaling.min",
+            "is larger than 2^63 - 1",
+            id="scaling-min-past-64-bits",
+        ),
+        pytest.param(
+            {"scaling": Scaling(min=1, max=2**63)},
+            "scaling.max",
+            "is larger than 2^63 - 1",
+            id="scaling-max-past-64-bits",
+        ),
         pytest.param(
             {"adapters": (Adapter(name="-x", source="s3://a"),)},
             "adapters[0].name",
@@ -575,14 +653,61 @@ def test_a_bad_name_is_refused(name: str) -> None:
     assert "\n" not in str(refusal.value)  # one line, whatever the name holds
 
 
+@pytest.mark.parametrize(
+    ("name", "as_shown"),
+    [
+        pytest.param("-" + "x" * 39, "-" + "x" * 39, id="40-whole"),
+        pytest.param("-" + "x" * 40, "-" + "x" * 39 + "…", id="41-cut"),
+    ],
+)
+def test_a_bad_name_is_named_whole_up_to_40_characters(name: str, as_shown: str) -> None:
+    with pytest.raises(InvalidModel) as refusal:
+        when(given(), added(spec(name)))
+    assert refusal.value.model == as_shown
+    assert str(refusal.value).startswith(f"model {as_shown!r}: name: ")
+
+
 @pytest.mark.parametrize("name", ["a", "Qwen/Qwen2.5-0.5B:q4_k_m", "x" * 128, "7b"])
 def test_a_good_name_is_accepted(name: str) -> None:
     assert when(given(), added(spec(name))) == spec(name)
 
 
+def test_the_largest_counts_and_the_longest_source_are_accepted() -> None:
+    # The bounds are inclusive: 2^63 - 1 is a 64-bit integer's, 2048 characters a source's.
+    most = 2**63 - 1
+    largest = Profile(name="g", gpus=most, gpu_memory_gb=most, min_memory_gb=most, cpu_cores=most)
+    model = spec(
+        "m", source="s3://" + "x" * 2043, profiles=(largest,), scaling=Scaling(min=most, max=most)
+    )
+    assert len(model.source) == 2048
+    assert when(given(), added(model)) == model
+
+
 def test_resources_for_an_unknown_profile_are_refused() -> None:
     with pytest.raises(InvalidModel, match="has no profile 'nope' \\(it has: gpu, cpu\\)"):
         when(given(added(BASE)), event(Model.ResourcesSet, "base", profile="nope", memory_gb=4))
+
+
+@pytest.mark.parametrize(
+    ("change", "field", "problem"),
+    [
+        pytest.param(
+            {"memory_gb": -1}, "profiles[0].min_memory_gb", "cannot be negative", id="mem"
+        ),
+        pytest.param({"cpu_cores": -1}, "profiles[0].cpu_cores", "cannot be negative", id="cores"),
+        pytest.param(
+            {"cpu_cores": 2**63}, "profiles[0].cpu_cores", "is larger than 2^63 - 1", id="huge"
+        ),
+    ],
+)
+def test_resources_out_of_range_are_refused(
+    change: dict[str, int], field: str, problem: str
+) -> None:
+    # On a GPU profile, which the memory rule leaves alone.
+    with pytest.raises(InvalidModel) as refusal:
+        when(given(added(BASE)), event(Model.ResourcesSet, "base", profile="gpu", **change))
+    assert refusal.value.field == field
+    assert problem in refusal.value.problem
 
 
 # -- engines -------------------------------------------------------------------------
