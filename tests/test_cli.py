@@ -2031,8 +2031,8 @@ def test_every_input_says_an_empty_or_misshapen_document_alike(
     """An empty definition was told as a null it was never given ("got null"),
     an empty list of changes "expected a non-empty list", a null config "the
     config is empty", a tokens file of blank lines "Input data was
-    truncated", one blank line holding a tab a YAML scanner's error, and a
-    document end (`...`) alone its parser's. Each
+    truncated", one blank line holding a tab, or a comment after a tab, a
+    YAML scanner's error, and a document end (`...`) alone its parser's. Each
     input, a file or standard input, now says it one way, and what to give."""
     definition = "give a model definition (YAML or JSON)"
     changes = "give a list of changes (YAML or JSON)"
@@ -2041,6 +2041,11 @@ def test_every_input_says_an_empty_or_misshapen_document_alike(
         (b"", "empty"),
         (b"  \n\t\n", "empty but for whitespace"),
         (b"# to be written\n\n", "empty but for comments"),
+        # A tab before a comment, or on a blank line, is white space to YAML
+        # (libyaml refused it: "found character that cannot start any token").
+        (b"\t# c", "empty but for comments"),
+        (b"# c\n\t\n", "empty but for comments"),
+        (b"---\n\t# c\n", "empty but for comments"),
         # A document end alone, which YAML 1.2 reads as no document (libyaml
         # refused it: "did not find expected node content").
         (b"...\n", "empty but for `...`"),
