@@ -4094,6 +4094,56 @@ def test_a_disk_with_no_room_for_the_shared_memory_file_is_said_to_be_full_or_fa
     )
 
 
+# The CLI with a spool that is a file past its first byte, written a row at
+# a time, in the folder TMPDIR names: taken as gettempdir would take it, but
+# without its probe's write, so that the spool's own writes are the
+# process's first.
+_SPOOLED_IN_A_FILE = """
+import os, tempfile
+import catalog_es.audit
+from catalog_es.__main__ import main
+catalog_es.audit.SPOOLED_IN_MEMORY = catalog_es.audit.SPOOLED_PAGE_BYTES = 1
+tempfile.tempdir = os.environ["TMPDIR"]
+main()
+"""
+
+
+@pytest.mark.parametrize(
+    "query", [["audit", "--json"], ["history", "m", "--json"], ["audit"]], ids=" ".join
+)
+def test_a_temporary_folder_with_no_room_for_an_answer_says_what_to_do(
+    tmp_path: Path, query: list[str]
+) -> None:
+    """audit and history hold the rows they check in a spool, a file in the
+    temporary folder once past what it keeps in memory: a full folder was
+    told "unexpected OSError: [Errno 28] No space left on device" (review)."""
+    if shutil.which("strace") is None:
+        pytest.fail("this test makes the disk fail with strace: `apt-get install -y strace`")
+    url = f"sqlite:///{tmp_path}/catalog.db"
+    with closing(bootstrap.open_models(url)) as models:
+        models.add(spec("m"), by="ops")
+        models.apply_changes([commands.scale("m", 0, 2 + i % 3) for i in range(5)], by="ops")
+    log = log_rows(url)
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    # The first row is written as the spool becomes a file; the second,
+    # smaller than the file's buffer, finds no room.
+    no_room = ["strace", "-f", "-q", "-o", "/dev/null", "-e", "inject=write:error=ENOSPC:when=2"]
+    failed = subprocess.run(
+        [*no_room, sys.executable, "-c", _SPOOLED_IN_A_FILE, "--db", url, *query],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "TMPDIR": str(spool)},
+    )
+    assert (failed.returncode, failed.stdout) == (1, ""), failed.stderr
+    assert failed.stderr == (
+        f"error: the answer could not be held in the temporary folder {spool} while its rows "
+        "were checked: No space left on device; free room there, point TMPDIR at a folder "
+        "with room, or narrow the query (--limit, the filters)\n"
+    )
+    assert log_rows(url) == log
+
+
 @pytest.mark.parametrize(
     ("url", "message"),
     [
