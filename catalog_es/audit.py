@@ -8,6 +8,7 @@ never change the catalog.
 
 from __future__ import annotations
 
+import errno
 import logging
 import tempfile
 from collections.abc import Iterator, Sequence, Sized
@@ -465,9 +466,15 @@ class Spooled:
 
     def _add(self, views: Sequence[str]) -> None:
         start = self._file.tell()
-        # Each page oldest first, whichever way it was read; joined, as a
-        # write a view took three times as long.
-        self._file.write(_APART.join(reversed(views) if self._newest_first else views).encode())
+        try:
+            # Each page oldest first, whichever way it was read; joined, as a
+            # write a view took three times as long.
+            self._file.write(_APART.join(reversed(views) if self._newest_first else views).encode())
+            # Written through: a folder that has no room for it is told as the
+            # views are read, not once rows are written out.
+            self._file.flush()
+        except OSError as error:
+            raise _not_held(error) from None
         self._pages.append((start, self._file.tell()))
         self._count += len(views)
 
@@ -482,6 +489,22 @@ class Spooled:
             for start, end in pages:
                 self._file.seek(start)
                 yield from _decoded(self._file.read(end - start).split(_APART.encode()))
+
+
+def _not_held(error: OSError) -> Refused:
+    """The spool's file could not be written (a full disk, most often): what
+    happened and what to do, not "unexpected OSError"."""
+    # Found as the file was made; none when no folder would take one.
+    folder = tempfile.tempdir
+    where = f"the temporary folder {folder}" if folder else "a temporary folder"
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        instead = "free room there, point TMPDIR at a folder with room"
+    else:
+        instead = "point TMPDIR at another folder"
+    return Refused(
+        f"the answer could not be held in {where} while its rows were checked: "
+        f"{error.strerror or error}; {instead}, or narrow the query (--limit, the filters)"
+    )
 
 
 # A refused name can be anything the caller sent (a valid one is at most 128

@@ -748,23 +748,20 @@ class _NoDocument(Exception):
     nothing."""
 
 
-_MARKER_TOKENS = (
-    yaml.StreamStartToken,
-    yaml.StreamEndToken,
-    yaml.DocumentStartToken,
-    yaml.DocumentEndToken,
-)
+# A line of a document that holds none: blank, a comment (after spaces or
+# tabs), or a document's start or end marker (a comment may follow it).
+_NOTHING_WRITTEN = re.compile(r"(?:---|\.\.\.)(?:[ \t]+(?:#.*)?)?|[ \t]*(?:#.*)?")
+# What YAML breaks lines at.
+_LINE_BREAK = re.compile(r"\r\n|[\r\n\x85\u2028\u2029]")
 
 
-def _markers_alone(text: str) -> bool:
-    """Whether ``text`` holds document markers and nothing else (comments
-    aside): asked of YAML the parser refused, which refuses a document end
-    before any document (``...`` alone), a stream YAML 1.2 reads as holding
-    no document."""
-    try:
-        return all(isinstance(t, _MARKER_TOKENS) for t in yaml.scan(text, yaml.CSafeLoader))
-    except yaml.YAMLError:
-        return False
+def _nothing_written(text: str) -> bool:
+    """Whether ``text`` holds no document, only blank lines, comments and
+    document markers: asked of YAML libyaml refused, which refuses a tab
+    before a comment, or on a blank line, where a token could start (YAML
+    allows it there, as white space), and a document end before any
+    document (``...`` alone), a stream YAML 1.2 reads as holding no document."""
+    return all(_NOTHING_WRITTEN.fullmatch(line) for line in _LINE_BREAK.split(text))
 
 
 def _load(text: str, loader_class: type[_StrictLoader]) -> Any:
@@ -772,8 +769,8 @@ def _load(text: str, loader_class: type[_StrictLoader]) -> Any:
     try:
         try:
             node = loader.get_single_node()
-        except yaml.parser.ParserError:
-            if _markers_alone(text):
+        except (yaml.parser.ParserError, yaml.scanner.ScannerError):
+            if _nothing_written(text):
                 raise _NoDocument from None
             raise
         # Nothing written where the document is: a null given with a tag
@@ -801,9 +798,6 @@ def parse_document(
     # Nor do two (a tool adding one to a file that had one).
     text = text.lstrip("\ufeff")
     stripped = text.lstrip()
-    if not stripped:
-        # Before YAML, which refuses a tab where a token could start.
-        raise empty_document(where, text, instead)
     try:
         if stripped[:1] in ("{", "["):
             try:

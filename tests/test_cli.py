@@ -2031,8 +2031,8 @@ def test_every_input_says_an_empty_or_misshapen_document_alike(
     """An empty definition was told as a null it was never given ("got null"),
     an empty list of changes "expected a non-empty list", a null config "the
     config is empty", a tokens file of blank lines "Input data was
-    truncated", one blank line holding a tab a YAML scanner's error, and a
-    document end (`...`) alone its parser's. Each
+    truncated", one blank line holding a tab, or a comment after a tab, a
+    YAML scanner's error, and a document end (`...`) alone its parser's. Each
     input, a file or standard input, now says it one way, and what to give."""
     definition = "give a model definition (YAML or JSON)"
     changes = "give a list of changes (YAML or JSON)"
@@ -2041,6 +2041,11 @@ def test_every_input_says_an_empty_or_misshapen_document_alike(
         (b"", "empty"),
         (b"  \n\t\n", "empty but for whitespace"),
         (b"# to be written\n\n", "empty but for comments"),
+        # A tab before a comment, or on a blank line, is white space to YAML
+        # (libyaml refused it: "found character that cannot start any token").
+        (b"\t# c", "empty but for comments"),
+        (b"# c\n\t\n", "empty but for comments"),
+        (b"---\n\t# c\n", "empty but for comments"),
         # A document end alone, which YAML 1.2 reads as no document (libyaml
         # refused it: "did not find expected node content").
         (b"...\n", "empty but for `...`"),
@@ -4066,6 +4071,42 @@ def test_a_database_that_cannot_be_written_says_which_files_must_be(tmp_path: Pa
     )
 
 
+@pytest.mark.parametrize(
+    ("setting", "log_there"),
+    [("nolock=1", False), ("vfs=unix-dotfile", False), ("immutable=1", True)],
+    ids=["nolock", "dotfile", "immutable"],
+)
+def test_a_url_that_keeps_sqlite_out_of_wal_mode_is_refused_at_open(
+    tmp_path: Path, setting: str, log_there: bool
+) -> None:
+    """SQLite keeps a file out of WAL mode when the URL opens it without
+    locking or shared memory, and PRAGMA journal_mode=WAL said so unread:
+    a new log was then told "empty (truncated while this process ran?)",
+    and an immutable read answered a revision behind the log's, reading
+    none of the -wal file (review). Writes rely on WAL too: a reader never
+    holds off their commit, which waits a slice (0.1 s) at most."""
+    path = tmp_path / "catalog.db"
+    plain = f"sqlite:///{path}"
+    definition_file = tmp_path / "m.yaml"
+    definition_file.write_bytes(as_yaml(definition("m")))
+    add = ["model", "add", str(definition_file)]
+    if log_there:
+        ok(CliRunner().invoke(cli, ["--db", plain, *add]))
+    log = log_rows(plain) if log_there else None
+    url = f"sqlite:///file:{path}?uri=true&{setting}"
+    command = ["revision"] if log_there else add
+    line = refused_in_one_line(CliRunner().invoke(cli, ["--db", url, *command]))
+    assert line == (
+        f"error: the database at {path}: SQLite keeps it in delete journal mode as the "
+        "URL opens it, not in WAL mode, which the log needs (readers that neither hold "
+        "off a write nor miss one): give the URL without its vfs, nolock or immutable setting"
+    )
+    if log_there:
+        assert log_rows(plain) == log
+    else:
+        assert path.stat().st_size == 0  # no database made in it
+
+
 def test_a_disk_with_no_room_for_the_shared_memory_file_is_said_to_be_full_or_failing(
     tmp_path: Path,
 ) -> None:
@@ -4087,6 +4128,56 @@ def test_a_disk_with_no_room_for_the_shared_memory_file_is_said_to_be_full_or_fa
         f"error: the database at {tmp_path}/catalog.db could not be used: disk I/O error"
         " (a full disk, or a failing one?)\n"
     )
+
+
+# The CLI with a spool that is a file past its first byte, written a row at
+# a time, in the folder TMPDIR names: taken as gettempdir would take it, but
+# without its probe's write, so that the spool's own writes are the
+# process's first.
+_SPOOLED_IN_A_FILE = """
+import os, tempfile
+import catalog_es.audit
+from catalog_es.__main__ import main
+catalog_es.audit.SPOOLED_IN_MEMORY = catalog_es.audit.SPOOLED_PAGE_BYTES = 1
+tempfile.tempdir = os.environ["TMPDIR"]
+main()
+"""
+
+
+@pytest.mark.parametrize(
+    "query", [["audit", "--json"], ["history", "m", "--json"], ["audit"]], ids=" ".join
+)
+def test_a_temporary_folder_with_no_room_for_an_answer_says_what_to_do(
+    tmp_path: Path, query: list[str]
+) -> None:
+    """audit and history hold the rows they check in a spool, a file in the
+    temporary folder once past what it keeps in memory: a full folder was
+    told "unexpected OSError: [Errno 28] No space left on device" (review)."""
+    if shutil.which("strace") is None:
+        pytest.fail("this test makes the disk fail with strace: `apt-get install -y strace`")
+    url = f"sqlite:///{tmp_path}/catalog.db"
+    with closing(bootstrap.open_models(url)) as models:
+        models.add(spec("m"), by="ops")
+        models.apply_changes([commands.scale("m", 0, 2 + i % 3) for i in range(5)], by="ops")
+    log = log_rows(url)
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    # The first row is written as the spool becomes a file; the second,
+    # smaller than the file's buffer, finds no room.
+    no_room = ["strace", "-f", "-q", "-o", "/dev/null", "-e", "inject=write:error=ENOSPC:when=2"]
+    failed = subprocess.run(
+        [*no_room, sys.executable, "-c", _SPOOLED_IN_A_FILE, "--db", url, *query],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "TMPDIR": str(spool)},
+    )
+    assert (failed.returncode, failed.stdout) == (1, ""), failed.stderr
+    assert failed.stderr == (
+        f"error: the answer could not be held in the temporary folder {spool} while its rows "
+        "were checked: No space left on device; free room there, point TMPDIR at a folder "
+        "with room, or narrow the query (--limit, the filters)\n"
+    )
+    assert log_rows(url) == log
 
 
 @pytest.mark.parametrize(

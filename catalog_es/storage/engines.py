@@ -203,7 +203,18 @@ def _settle_sqlite(engine: Engine, file: SQLiteFile | None, wait: float) -> None
         # Let us issue BEGIN ourselves (pysqlite's own is deferred and late).
         dbapi_connection.isolation_level = None
         cursor = dbapi_connection.cursor()
-        into_wal(cursor, wait)
+        mode = into_wal(cursor, wait)
+        if file is not None and mode != "wal":
+            # The writer's busy timeout is short (LOCK_SLICE_SECONDS) as, in
+            # WAL, no reader holds off its commit; nolock lets two writers in
+            # at once; immutable reads skip the commits in the -wal file.
+            dbapi_connection.close()  # refused: no pool takes it to close
+            raise ConfigError(
+                f"the database {file.where}: SQLite keeps it in {mode} journal mode as "
+                "the URL opens it, not in WAL mode, which the log needs (readers that "
+                "neither hold off a write nor miss one): give the URL without its "
+                "vfs, nolock or immutable setting"
+            )
         cursor.execute(f"PRAGMA synchronous={synchronous}")
         # A batch of a thousand changes rewrites most pages of catalog_streams
         # (and, before it, of an index with an entry per event): at SQLite's

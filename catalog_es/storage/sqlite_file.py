@@ -35,8 +35,11 @@ WAL_SIZE_LIMIT_BYTES = 2 * WAL_CHECKPOINT_PAGES * 4096
 WRITER_CACHE_KIB = 16 * 1024
 
 
-def into_wal(cursor: sqlite3.Cursor, wait: float) -> None:
-    """WAL mode, which the file keeps once set. Setting it on a new file takes
+def into_wal(cursor: sqlite3.Cursor, wait: float) -> str:
+    """WAL mode, which the file keeps once set; the journal mode SQLite
+    answers, which is another where the URL opens the file so that WAL
+    cannot be used (``nolock``, ``immutable``, a VFS without shared memory),
+    and for a database in memory. Setting it on a new file takes
     the file for itself, and SQLite answers "database is locked" at once,
     busy timeout or not, while other processes are opening it too (nodes
     starting together): so that is waited for here, as the write lock is. An
@@ -55,7 +58,7 @@ def into_wal(cursor: sqlite3.Cursor, wait: float) -> None:
             timeout = left
             cursor.execute(f"PRAGMA busy_timeout = {milliseconds(left)}")
         try:
-            cursor.execute("PRAGMA journal_mode=WAL")
+            (mode,) = cursor.execute("PRAGMA journal_mode=WAL").fetchone()
             break
         except sqlite3.OperationalError as error:
             left = deadline - time.monotonic()
@@ -71,6 +74,7 @@ def into_wal(cursor: sqlite3.Cursor, wait: float) -> None:
         time.sleep(min(delay, left))
         delay = min(2 * delay, 0.05)
     cursor.execute(f"PRAGMA busy_timeout = {milliseconds(wait)}")
+    return str(mode)
 
 
 def sqlite_synchronous() -> str:
