@@ -2619,13 +2619,6 @@ def invoke(db: str, config: Path, *args: str) -> Any:
     return CliRunner().invoke(cli, ["--db", db, "--config", str(config), *args])
 
 
-@pytest.fixture(autouse=True)
-def _clean_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    for name in ("CATALOG_ES_DB", "CATALOG_ES_CONFIG", "CATALOG_ES_ACTOR", "CATALOG_ES_DEBUG"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.chdir(tmp_path)
-
-
 def test_cli_history_table_shows_field_changes(models: Models, db: str, config: Path) -> None:
     result = invoke(db, config, "history", "embed")
     assert result.exit_code == 0, result.stderr
