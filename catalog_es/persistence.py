@@ -21,10 +21,10 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, cast
 from uuid import UUID
 
 import sqlalchemy as sa
@@ -1301,35 +1301,37 @@ class SQLRecorder(ProcessRecorder):
     def column_pages(
         self, conn: Connection, query: sa.Select[Any], page_bytes: int
     ) -> Generator[Sequence[Any]]:
-        """:meth:`column_values` of a text column, a page of about
-        ``page_bytes`` of text at a time, no more held at once: the first of
-        one value, each after it of as many as the one before it held of
-        that size (at least one). On PostgreSQL off a server-side cursor
-        (psycopg's own holds every row before the first is given), planned
-        as a read of all of them (a cursor's plan is otherwise made for its
-        first tenth), a round trip a page; SQLite's steps through them as
-        they are fetched, and they are read off it as :meth:`column_values`
-        reads them (as SQLAlchemy's rows, 200,000 views took 0.70 s, not 0.23)."""
-        fetch: Callable[[int], Sequence[Any]]
+        """:meth:`column_values` of a text column, a page at a time: each of
+        as many values as reach ``page_bytes`` characters of text (at least
+        one), no more held at once (pages sized from the rows before them
+        held thousands of large rows after a first of small ones; review).
+        On PostgreSQL off a server-side cursor (psycopg's own holds every row
+        before the first is given), planned as a read of all of them (a
+        cursor's plan is otherwise made for its first tenth), which SQLAlchemy
+        reads ahead of what it gives, up to 1,000 rows a round trip;
+        SQLite's steps through them as they are read off it, as
+        :meth:`column_values` reads them (as SQLAlchemy's rows, 200,000 views
+        took 0.70 s, not 0.23)."""
+        values: Iterable[Any]
         if self.dialect == "postgresql":
             conn.exec_driver_sql("SET LOCAL cursor_tuple_fraction = 1")
-            # SQLAlchemy's own reading of the server-side cursor: it reads
-            # ahead of what it gives, a row read off the driver's would skip.
             result = conn.execute(query.execution_options(stream_results=True))
-            fetch = result.scalars().fetchmany
+            values = result.scalars()
         else:
             result = conn.execute(query)
-            driver_rows = result.cursor.fetchmany
-
-            def fetch(count: int) -> list[Any]:
-                return [value for (value,) in driver_rows(count)]
-
+            # The sqlite3 cursor, iterated a row at a time (typed as a DBAPI one).
+            values = (value for (value,) in cast("Iterable[tuple[Any]]", result.cursor))
         try:
-            count = 1
-            while page := fetch(count):
+            page: list[Any] = []
+            held = 0
+            for value in values:
+                page.append(value)
+                held += len(value) if isinstance(value, str | bytes) else 0
+                if held >= page_bytes:
+                    yield page
+                    page, held = [], 0
+            if page:
                 yield page
-                held = sum(len(value) for value in page if isinstance(value, str | bytes))
-                count = max(1, page_bytes * len(page) // max(held, 1))
         except self._dbapi_error as error:
             raise self._as_sqlalchemys(error) from None
         finally:

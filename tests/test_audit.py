@@ -1835,6 +1835,31 @@ def test_an_audit_position_set_behind_its_rows_has_them_made_again(
     )
 
 
+def test_a_page_holds_its_bytes_whatever_rows_came_before_it(db_url: str) -> None:
+    """Pages were sized from the rows of the page before: one small row, then
+    large ones, made a second page of 50 rows of 100,000 characters where
+    1 MiB was asked (of thousands, had there been as many; review). Each
+    page now ends once it holds the bytes asked for."""
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
+    views = sa.Table(
+        "probe_views",
+        sa.MetaData(),
+        sa.Column("id", sa.Integer, primary_key=True),
+        sa.Column("view", sa.Text),
+    )
+    rows = ["x" * 300] + ["y" * 100_000] * 50
+    with models.store.engine.begin() as conn:
+        views.create(conn)
+        conn.execute(sa.insert(views), [{"id": i, "view": view} for i, view in enumerate(rows)])
+    with models.store.read() as conn:
+        query = sa.select(views.c.view).order_by(views.c.id)
+        pages = [list(page) for page in models.store.column_pages(conn, query, 250_000)]
+    assert [view for page in pages for view in page] == rows
+    # Each ends with the row that brings it to 250,000 characters.
+    assert [len(page) for page in pages] == [4, *[3] * 15, 2]
+    models.close()
+
+
 @pytest.mark.parametrize(
     "query",
     [
