@@ -798,6 +798,10 @@ def parse_document(
     # Nor do two (a tool adding one to a file that had one).
     text = text.lstrip("\ufeff")
     stripped = text.lstrip()
+    if not stripped:
+        # Before YAML, which refuses some of Python's white space as text (a
+        # no-break space) or as a control character (a form feed).
+        raise empty_document(where, text, instead)
     try:
         if stripped[:1] in ("{", "["):
             try:

@@ -2040,6 +2040,10 @@ def test_every_input_says_an_empty_or_misshapen_document_alike(
     for content, said in (
         (b"", "empty"),
         (b"  \n\t\n", "empty but for whitespace"),
+        # Python's white space that YAML reads as text or refuses as a control
+        # character (review).
+        ("\u00a0\n".encode(), "empty but for whitespace"),
+        (b"\x0c\n", "empty but for whitespace"),
         (b"# to be written\n\n", "empty but for comments"),
         # A tab before a comment, or on a blank line, is white space to YAML
         # (libyaml refused it: "found character that cannot start any token").
