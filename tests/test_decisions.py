@@ -265,6 +265,28 @@ def test_fallbacks_must_name_other_models_without_a_cycle(
     assert problem in str(refusal.value)
 
 
+@pytest.mark.parametrize(
+    ("length", "told"),
+    [
+        # One model left out would be said by its name: told whole.
+        (6, "m6 -> m1 -> m2 -> m3 -> m4 -> m5 -> m6"),
+        (7, "m7 -> m1 -> m2 -> m3 -> m4 -> … (2 more) -> m7"),
+    ],
+)
+def test_a_cycle_is_told_whole_up_to_six_models_then_by_its_first_five(
+    length: int, told: str
+) -> None:
+    # Given a chain m1 -> m2 -> ... -> m<length>
+    last = f"m{length}"
+    chain = [added(spec(last))] + [
+        added(spec(f"m{i}", fallbacks=(f"m{i + 1}",))) for i in range(length - 1, 0, -1)
+    ]
+    # When its last model names the first, then the cycle is told so.
+    with pytest.raises(InvalidModel) as refusal:
+        when(given(*chain), added(spec(last, fallbacks=("m1",))))
+    assert str(refusal.value) == f"model {last!r}: fallbacks: form a cycle: {told}"
+
+
 def test_removing_a_fallback_target_is_refused_until_no_model_names_it() -> None:
     catalog = given(
         added(spec("small")),
@@ -608,6 +630,17 @@ def test_configured_engines_replace_the_default_list() -> None:
             [spec("a", fallbacks=("b",)), spec("b", fallbacks=("a",))],
             "form a cycle",
             id="cycle",
+        ),
+        pytest.param(
+            [spec("a", fallbacks=("b",)), spec("b", fallbacks=("c",)), spec("c", fallbacks=("a",))],
+            "^model 'a': fallbacks: form a cycle: a -> b -> c -> a$",
+            id="cycle-told-from-its-first-model",
+        ),
+        pytest.param(
+            # The search passes 'c' before it reaches the cycle through 'b'.
+            [spec("c"), spec("a", fallbacks=("b",)), spec("b", fallbacks=("c", "a"))],
+            "^model 'a': fallbacks: form a cycle: a -> b -> a$",
+            id="cycle-naming-a-model-off-it",
         ),
         pytest.param([spec("a"), spec("a")], "'a' is declared more than once", id="duplicate"),
         pytest.param([spec("a", engine="triton")], "not a known engine", id="engine"),
