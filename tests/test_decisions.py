@@ -757,3 +757,39 @@ def test_a_removal_of_a_name_the_config_now_declares_hides_nothing() -> None:
         declared=declared,
     )
     assert [(s.revision, s.event) for s in hidden.standing_skips()] == [(4, "Scaled")]
+
+
+def test_changes_to_a_name_never_added_are_told_by_the_latest() -> None:
+    """Records of a model the log never added (written by hand): each is
+    skipped as "not in the catalog", none took it out, and the one told is
+    its latest change."""
+    catalog = given(
+        event(Model.Scaled, "ghost", scaling=Scaling(0, 2)),
+        event(Model.Scaled, "ghost", scaling=Scaling(0, 3)),
+    )
+    assert [(s.revision, s.reason) for s in catalog.skipped] == [
+        (1, "model 'ghost' is not in the catalog"),
+        (2, "model 'ghost' is not in the catalog"),
+    ]
+    assert catalog.taken_out_by("ghost") == catalog.skipped[1]
+    assert catalog.standing_skips() == [catalog.skipped[1]]
+
+
+def test_a_model_a_removal_takes_out_by_two_paths_is_told_once() -> None:
+    """'z' names the removed 'f' and 'a', which the removal takes out first:
+    'z' goes out once, told by the removed fallback, with one audit row."""
+    catalog = given(
+        added(spec("f")),
+        added(spec("a", fallbacks=("f",))),
+        added(spec("z", fallbacks=("a", "f"))),
+    )
+    told: list[tuple[str, str]] = []
+    catalog.taken_out = lambda skip, definition: told.append((skip.model, definition.name))
+    catalog.apply(candidate(catalog, removed("f")), 4)
+    out = "which this revision removed; out of force until added again"
+    assert [(s.revision, s.model, s.reason) for s in catalog.skipped] == [
+        (4, "a", f"model 'a': fallbacks: names 'f', {out}"),
+        (4, "z", f"model 'z': fallbacks: names 'f', {out}"),
+    ]
+    assert told == [("a", "a"), ("z", "z")]
+    assert (catalog.get("a"), catalog.get("z")) == (None, None)
