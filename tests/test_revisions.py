@@ -479,6 +479,29 @@ def test_a_replay_is_not_split_while_another_thread_runs(
             time.sleep(0.001)
 
 
+@pytest.mark.alone
+def test_a_replay_is_split_only_from_a_catalog_whose_runtime_fallbacks_stay_in_one_half() -> None:
+    """Each half decides a model by the models its fallbacks link it to: a
+    catalog linking runtime models of the two halves (a snapshot's, say) is
+    replayed whole. A declared fallback links nothing: both halves hold it."""
+    with history_models() as models:
+        # Given m1 (odd) naming the declared base (even)
+        write(models, 1, ("add", "m1", ["base"]))
+        catalog = Catalog(models.declared.models, models.declared.engines)
+        with models.store.read() as conn:
+            catch_up(catalog, models.store, conn)
+        assert projections.catalog._can_split(catalog, models.store)
+        # When m1 is added again naming m2 (even), at runtime
+        write(models, 2, ("add", "m2", []))
+        write(models, 3, ("add", "m1", ["m2"]))
+        with models.store.read() as conn:
+            catch_up(catalog, models.store, conn)
+        m1 = catalog.get("m1")
+        assert m1 is not None and m1.fallbacks == ("m2",)
+        # Then a replay from it is not split.
+        assert not projections.catalog._can_split(catalog, models.store)
+
+
 def test_a_read_of_one_model_agrees_with_the_list_past_snapshots(
     open_models: Callable[..., Models],
 ) -> None:
