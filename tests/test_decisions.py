@@ -302,8 +302,10 @@ def test_removing_a_fallback_target_is_refused_until_no_model_names_it() -> None
         "model add FILE)"
     )
 
-    for e, revision in ((added(spec("big")), 4), (removed("huge"), 5)):
-        catalog.apply(candidate(catalog, e), revision)
+    catalog.apply(candidate(catalog, added(spec("big"))), 4)
+    with pytest.raises(InvalidModel, match="is a fallback of 'huge'; add that model again"):
+        when(catalog, removed("small"))
+    catalog.apply(candidate(catalog, removed("huge")), 5)
     assert catalog.skipped == []
     assert when(catalog, removed("small")) is None
 
