@@ -809,6 +809,7 @@ def test_a_snapshot_from_before_names_the_unreadable_config_record_in_force(
     ("recorded", "unreadable_at", "in_force"),
     [
         pytest.param(None, [], None, id="none-recorded"),
+        pytest.param(None, [1], (UNREADABLE_DECLARATION, 1), id="an-unreadable-one-alone"),
         pytest.param(("fp", 1), [2, 5], (UNREADABLE_DECLARATION, 5), id="the-latest-unreadable"),
         pytest.param(("fp", 6), [2, 5], ("fp", 6), id="a-readable-one-after-them"),
     ],
