@@ -619,6 +619,22 @@ def test_the_audit_keeps_whether_times_went_up_with_revisions(models: Models, cl
     assert [r["revision"] for r in models.audit(since=T0 + timedelta(minutes=7))] == [8, 9]
 
 
+def test_a_command_is_stamped_after_the_last_one_this_clock_has_since_fallen_behind(
+    models: Models, clock: Clock
+) -> None:
+    """Time in the log never runs backwards: a command after one this process
+    wrote follows its time where the clock has since stepped back (by less
+    than clocks drift apart)."""
+    clock.minutes = 30
+    first = models.scale("chat", 1, 2, by="bob").revision
+    clock.minutes = 29
+    second = models.scale("chat", 1, 3, by="bob").revision
+    times = {
+        e["revision"]: datetime.fromisoformat(e["time"]) for e in models.log_events(after=first - 1)
+    }
+    assert times[second] > times[first]
+
+
 # Far enough apart for a command not to follow the log's time back (see above).
 minutes = st.integers(min_value=0, max_value=12).map(lambda m: m * 20)
 bound = st.none() | st.integers(min_value=0, max_value=250).map(lambda m: T0 + timedelta(minutes=m))

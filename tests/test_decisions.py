@@ -323,6 +323,28 @@ def test_fallbacks_must_name_other_models_without_a_cycle(
     assert problem in str(refusal.value)
 
 
+@pytest.mark.parametrize(
+    ("length", "told"),
+    [
+        # One model left out would be said by its name: told whole.
+        (6, "m6 -> m1 -> m2 -> m3 -> m4 -> m5 -> m6"),
+        (7, "m7 -> m1 -> m2 -> m3 -> m4 -> … (2 more) -> m7"),
+    ],
+)
+def test_a_cycle_is_told_whole_up_to_six_models_then_by_its_first_five(
+    length: int, told: str
+) -> None:
+    # Given a chain m1 -> m2 -> ... -> m<length>
+    last = f"m{length}"
+    chain = [added(spec(last))] + [
+        added(spec(f"m{i}", fallbacks=(f"m{i + 1}",))) for i in range(length - 1, 0, -1)
+    ]
+    # When its last model names the first, then the cycle is told so.
+    with pytest.raises(InvalidModel) as refusal:
+        when(given(*chain), added(spec(last, fallbacks=("m1",))))
+    assert str(refusal.value) == f"model {last!r}: fallbacks: form a cycle: {told}"
+
+
 def test_removing_a_fallback_target_is_refused_until_no_model_names_it() -> None:
     catalog = given(
         added(spec("small")),
@@ -338,8 +360,10 @@ def test_removing_a_fallback_target_is_refused_until_no_model_names_it() -> None
         "model add FILE)"
     )
 
-    for e, revision in ((added(spec("big")), 4), (removed("huge"), 5)):
-        catalog.apply(candidate(catalog, e), revision)
+    catalog.apply(candidate(catalog, added(spec("big"))), 4)
+    with pytest.raises(InvalidModel, match="is a fallback of 'huge'; add that model again"):
+        when(catalog, removed("small"))
+    catalog.apply(candidate(catalog, removed("huge")), 5)
     assert catalog.skipped == []
     assert when(catalog, removed("small")) is None
 
@@ -734,6 +758,17 @@ def test_configured_engines_replace_the_default_list() -> None:
             "form a cycle",
             id="cycle",
         ),
+        pytest.param(
+            [spec("a", fallbacks=("b",)), spec("b", fallbacks=("c",)), spec("c", fallbacks=("a",))],
+            "^model 'a': fallbacks: form a cycle: a -> b -> c -> a$",
+            id="cycle-told-from-its-first-model",
+        ),
+        pytest.param(
+            # The search passes 'c' before it reaches the cycle through 'b'.
+            [spec("c"), spec("a", fallbacks=("b",)), spec("b", fallbacks=("c", "a"))],
+            "^model 'a': fallbacks: form a cycle: a -> b -> a$",
+            id="cycle-naming-a-model-off-it",
+        ),
         pytest.param([spec("a"), spec("a")], "'a' is declared more than once", id="duplicate"),
         pytest.param([spec("a", engine="triton")], "not a known engine", id="engine"),
     ],
@@ -849,3 +884,39 @@ def test_a_removal_of_a_name_the_config_now_declares_hides_nothing() -> None:
         declared=declared,
     )
     assert [(s.revision, s.event) for s in hidden.standing_skips()] == [(4, "Scaled")]
+
+
+def test_changes_to_a_name_never_added_are_told_by_the_latest() -> None:
+    """Records of a model the log never added (written by hand): each is
+    skipped as "not in the catalog", none took it out, and the one told is
+    its latest change."""
+    catalog = given(
+        event(Model.Scaled, "ghost", scaling=Scaling(0, 2)),
+        event(Model.Scaled, "ghost", scaling=Scaling(0, 3)),
+    )
+    assert [(s.revision, s.reason) for s in catalog.skipped] == [
+        (1, "model 'ghost' is not in the catalog"),
+        (2, "model 'ghost' is not in the catalog"),
+    ]
+    assert catalog.taken_out_by("ghost") == catalog.skipped[1]
+    assert catalog.standing_skips() == [catalog.skipped[1]]
+
+
+def test_a_model_a_removal_takes_out_by_two_paths_is_told_once() -> None:
+    """'z' names the removed 'f' and 'a', which the removal takes out first:
+    'z' goes out once, told by the removed fallback, with one audit row."""
+    catalog = given(
+        added(spec("f")),
+        added(spec("a", fallbacks=("f",))),
+        added(spec("z", fallbacks=("a", "f"))),
+    )
+    told: list[tuple[str, str]] = []
+    catalog.taken_out = lambda skip, definition: told.append((skip.model, definition.name))
+    catalog.apply(candidate(catalog, removed("f")), 4)
+    out = "which this revision removed; out of force until added again"
+    assert [(s.revision, s.model, s.reason) for s in catalog.skipped] == [
+        (4, "a", f"model 'a': fallbacks: names 'f', {out}"),
+        (4, "z", f"model 'z': fallbacks: names 'f', {out}"),
+    ]
+    assert told == [("a", "a"), ("z", "z")]
+    assert (catalog.get("a"), catalog.get("z")) == (None, None)

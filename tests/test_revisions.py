@@ -479,6 +479,60 @@ def test_a_replay_is_not_split_while_another_thread_runs(
             time.sleep(0.001)
 
 
+@pytest.mark.alone
+def test_a_replay_is_split_only_from_a_catalog_whose_runtime_fallbacks_stay_in_one_half() -> None:
+    """Each half decides a model by the models its fallbacks link it to: a
+    catalog linking runtime models of the two halves (a snapshot's, say) is
+    replayed whole. A declared fallback links nothing: both halves hold it."""
+    with history_models() as models:
+        # Given m1 (odd) naming the declared base (even)
+        write(models, 1, ("add", "m1", ["base"]))
+        catalog = Catalog(models.declared.models, models.declared.engines)
+        with models.store.read() as conn:
+            catch_up(catalog, models.store, conn)
+        assert projections.catalog._can_split(catalog, models.store)
+        # When m1 is added again naming m2 (even), at runtime
+        write(models, 2, ("add", "m2", []))
+        write(models, 3, ("add", "m1", ["m2"]))
+        with models.store.read() as conn:
+            catch_up(catalog, models.store, conn)
+        m1 = catalog.get("m1")
+        assert m1 is not None and m1.fallbacks == ("m2",)
+        # Then a replay from it is not split.
+        assert not projections.catalog._can_split(catalog, models.store)
+
+
+@pytest.mark.alone
+def test_a_replay_split_in_two_takes_the_config_record_from_its_half() -> None:
+    """The declared config's stream is odd: the record a replay passes is read
+    by the second process, and the catalog says it is the one in force."""
+    with history_models() as models:
+        models.add(spec("m1"), by="x")
+        whole = Catalog(models.declared.models, models.declared.engines)
+        with models.store.read() as conn:
+            catch_up(whole, models.store, conn)
+        assert whole.recorded_declaration == (models.declared.fingerprint, 1)
+        split, skipped = split_replay(models)
+        assert skipped == []
+        assert split.recorded_declaration == whole.recorded_declaration
+
+
+@pytest.mark.alone
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="the system lists no descriptors")
+def test_a_replay_split_in_two_leaves_no_descriptor_open() -> None:
+    """Each load or read of the past may be split: a descriptor left open by
+    each (the pipe, the handle on the child) runs a service out of them."""
+    with history_models() as models:
+        write(models, 1, ("add", "m1", []))
+        write(models, 2, ("add", "m2", []))
+        split_replay(models)  # the connections the pool keeps, opened
+        fds = Path("/proc/self/fd")
+        before = sum(1 for _ in fds.iterdir())
+        for _ in range(3):
+            assert split_replay(models)[1] == []
+        assert sum(1 for _ in fds.iterdir()) == before
+
+
 def test_a_read_of_one_model_agrees_with_the_list_past_snapshots(
     open_models: Callable[..., Models],
 ) -> None:

@@ -27,7 +27,7 @@ from eventsourcing.persistence import StoredEvent
 
 from catalog_es import mapper
 from catalog_es.application import Models
-from catalog_es.catalog import Skipped
+from catalog_es.catalog import UNREADABLE_DECLARATION, Catalog, Skipped
 from catalog_es.cli import cli
 from catalog_es.configuration import CONFIGURATION_ID, Configuration
 from catalog_es.errors import Refused
@@ -803,6 +803,34 @@ def test_a_snapshot_from_before_names_the_unreadable_config_record_in_force(
     assert models.scale("a", 1, 3, by="x").revision == newer + 2
     assert [e["event"] for e in models.log_events(after=newer)] == ["ConfigDeclared", "Scaled"]
     models.close()
+
+
+@pytest.mark.parametrize(
+    ("recorded", "unreadable_at", "in_force"),
+    [
+        pytest.param(None, [], None, id="none-recorded"),
+        pytest.param(None, [1], (UNREADABLE_DECLARATION, 1), id="an-unreadable-one-alone"),
+        pytest.param(("fp", 1), [2, 5], (UNREADABLE_DECLARATION, 5), id="the-latest-unreadable"),
+        pytest.param(("fp", 6), [2, 5], ("fp", 6), id="a-readable-one-after-them"),
+    ],
+)
+def test_a_snapshot_from_before_restores_the_latest_config_record_as_in_force(
+    recorded: tuple[str, int] | None, unreadable_at: list[int], in_force: tuple[str, int] | None
+) -> None:
+    """Of the readable record such a snapshot names and the unreadable ones it
+    skipped, the latest is in force; a log that recorded no config has none."""
+    catalog = Catalog()
+    catalog.restore(
+        revision=7,
+        last_timestamp=None,
+        recorded_declaration=recorded,
+        aggregates=[],
+        skipped=[
+            Skipped(revision=r, model="", event="Declared", reason="newer") for r in unreadable_at
+        ],
+        unhealed=[],
+    )
+    assert catalog.recorded_declaration == in_force
 
 
 def _a_log_with_a_newer_record(tmp_path: Path, config: str) -> tuple[str, Path, int, str]:
