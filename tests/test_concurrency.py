@@ -1015,10 +1015,12 @@ class _AnotherWriterMeanwhile(Applier):
         self.let_go.set()
 
 
-def test_reads_do_not_wait_for_a_snapshot_waiting_for_another_writer(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv(LOCK_WAIT_ENV, "3")
+def _snapshotting_beside_another_writer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lock_wait: str
+) -> tuple[Models, _AnotherWriterMeanwhile]:
+    """A service snapshotting at every write, model ``m`` added, whose next
+    push has another process take the write lock for a second."""
+    monkeypatch.setenv(LOCK_WAIT_ENV, lock_wait)
     path = tmp_path / "c.db"
     applier = _AnotherWriterMeanwhile(path, seconds=1.0)
     models = Models(
@@ -1029,6 +1031,13 @@ def test_reads_do_not_wait_for_a_snapshot_waiting_for_another_writer(
     )
     models.add(model_spec("m"), by="setup")
     applier.armed = True
+    return models, applier
+
+
+def test_reads_do_not_wait_for_a_snapshot_waiting_for_another_writer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    models, applier = _snapshotting_beside_another_writer(tmp_path, monkeypatch, "3")
     command = threading.Thread(target=lambda: models.scale("m", 0, 3, by="ops"))
     command.start()
     assert applier.locked.wait(5)
@@ -1049,17 +1058,7 @@ def test_a_snapshot_the_database_stays_locked_for_is_left_and_the_write_stands(
     """A snapshot only saves time: one whose save waits out the lock wait for
     another process is not saved, and the write that made it due answers
     as written, neither of this process's locks left held."""
-    monkeypatch.setenv(LOCK_WAIT_ENV, "0.3")
-    path = tmp_path / "c.db"
-    applier = _AnotherWriterMeanwhile(path, seconds=1.0)
-    models = Models(
-        DeclaredConfig(),
-        applier=applier,
-        snapshot_interval=1,
-        env={"CATALOG_ES_DB": f"sqlite:///{path}"},
-    )
-    models.add(model_spec("m"), by="setup")
-    applier.armed = True
+    models, applier = _snapshotting_beside_another_writer(tmp_path, monkeypatch, "0.3")
     assert models.scale("m", 0, 3, by="ops").revision == 2
     assert (holds(models._lock), models._state.depth()) == (0, 0)
     assert applier.let_go.wait(5)

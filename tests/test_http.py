@@ -3104,17 +3104,24 @@ def test_a_watch_starting_while_the_database_is_away_waits_for_it(pg_url: str, d
     assert lines["err"].get(timeout=10).strip() == "stopped"
 
 
-def test_a_watch_waiting_for_the_database_reads_a_piped_config_once(pg_url: str) -> None:
-    """A start that waits for its database (a replica as PostgreSQL fails
-    over) tried again reading the declared config again: one given as a
-    pipe (`--config <(…)`, read once) was empty the second time, and the
-    start refused as of an empty config once the database was back."""
+def _a_log_behind_a_cut_proxy(pg_url: str) -> tuple[Models, Proxy, str]:
+    """A log holding model ``m`` at revision 1, its writer, and a proxy to its
+    database, cut (it refuses connections until it resumes), with its URL."""
     direct = sa.make_url(pg_url)
     writer = Models(DeclaredConfig(), env={"CATALOG_ES_DB": pg_url})
     writer.add(spec("m"), by="setup")
     proxy = Proxy((direct.host or "127.0.0.1", direct.port or 5432))
     through = direct.set(port=proxy.port).render_as_string(hide_password=False)
     proxy.cut()
+    return writer, proxy, through
+
+
+def test_a_watch_waiting_for_the_database_reads_a_piped_config_once(pg_url: str) -> None:
+    """A start that waits for its database (a replica as PostgreSQL fails
+    over) tried again reading the declared config again: one given as a
+    pipe (`--config <(…)`, read once) was empty the second time, and the
+    start refused as of an empty config once the database was back."""
+    writer, proxy, through = _a_log_behind_a_cut_proxy(pg_url)
     read_end, write_end = os.pipe()
     with os.fdopen(write_end, "w") as piped:
         piped.write(config_yaml(spec("d")))
@@ -3164,12 +3171,7 @@ def _serve_started_while_the_database_is_away(
 ) -> Iterator[_Waiting]:
     """Yields once the server has said, in its first line, that it waits
     for the database; the log holds model ``m`` at revision 1."""
-    direct = sa.make_url(pg_url)
-    writer = Models(DeclaredConfig(), env={"CATALOG_ES_DB": pg_url})
-    writer.add(spec("m"), by="setup")
-    proxy = Proxy((direct.host or "127.0.0.1", direct.port or 5432))
-    through = direct.set(port=proxy.port).render_as_string(hide_password=False)
-    proxy.cut()
+    writer, proxy, through = _a_log_behind_a_cut_proxy(pg_url)
     tokens = tmp_path / "tokens.json"
     secret = TokenStore(tokens).add("ops", "read")[1]
     with socket.socket() as free:  # a port to knock on while it waits
