@@ -2169,6 +2169,11 @@ TAMPERING: dict[str, tuple[Callable[[Models], None], int, str]] = {
         4,
         "revision 4 is missing",
     ),
+    "the first event deleted": (
+        lambda m: run_sql(m, "DELETE FROM catalog_events WHERE revision = 1"),
+        1,
+        "revision 1 is missing",
+    ),
     "two events deleted": (
         lambda m: run_sql(m, "DELETE FROM catalog_events WHERE revision IN (3, 4)"),
         3,
@@ -2188,6 +2193,16 @@ TAMPERING: dict[str, tuple[Callable[[Models], None], int, str]] = {
         6,
         "the head's hash does not match this revision's: the event or the head record was "
         "rewritten, or events after it were deleted and the head moved back",
+    ),
+    "the head moved back over events still there": (
+        lambda m: run_sql(
+            m,
+            "UPDATE catalog_head SET revision = 7,"
+            " hash = (SELECT hash FROM catalog_events WHERE revision = 7)",
+        ),
+        8,
+        "the head is at revision 7: the events after it were not written through the log's "
+        "write path",
     ),
     "two events swapped": (lambda m: swap(m, 3, 4), 3, "does not match its hash"),
     "the last event rewritten and rehashed": (
@@ -2234,6 +2249,16 @@ TAMPERING: dict[str, tuple[Callable[[Models], None], int, str]] = {
         ),
         8,
         "but its last event is version",
+    ),
+    "a row in catalog_streams for a model with no events": (
+        lambda m: run_sql(
+            m,
+            "INSERT INTO catalog_streams (originator_id, version, revision)"
+            f" VALUES ('{model_id('ghost').hex}', 1, 5)",
+        ),
+        5,
+        f"catalog_streams records stream {model_id('ghost').hex} as at version 1 at revision "
+        "5, but its last event is none",
     ),
     "a model's row in catalog_streams deleted": (
         lambda m: run_sql(
@@ -2365,19 +2390,26 @@ def test_a_row_put_past_the_head_by_hand_is_numbered_after_not_collided_with(
     assert models.verify()["broken"]["revision"] == 9
 
 
-def test_a_head_raised_by_hand_is_still_named_after_the_next_write(models: Models) -> None:
+@pytest.mark.parametrize(
+    ("raised", "missing"), [(1, "revision 9 is"), (5, "revisions 9..13 are")], ids=["1", "5"]
+)
+def test_a_head_raised_by_hand_is_still_named_after_the_next_write(
+    models: Models, raised: int, missing: str
+) -> None:
     """SQLite numbers revisions without gaps: a gap the chain links across is
     an edit too. The head's revision raised by hand is followed by the next
     write, and its hash still names the last event, so nothing breaks the
-    chain; the gap it leaves is what verify names."""
+    chain; the gap it leaves is what verify names, one revision wide too."""
     last = models.verify()["events"]
-    run_sql(models, "UPDATE catalog_head SET revision = revision + 5")
-    assert models.set_owner("chat", "team:other", by="carol").revision == last + 6
+    assert last == 8
+    run_sql(models, f"UPDATE catalog_head SET revision = revision + {raised}")
+    written = models.set_owner("chat", "team:other", by="carol").revision
+    assert written == last + raised + 1
     broken = models.verify()["broken"]
     assert broken["revision"] == last + 1
     assert broken["problem"].startswith(
-        f"revisions {last + 1}..{last + 5} are missing, but revision {last + 6} chains onto "
-        f"revision {last}: nothing was deleted there"
+        f"{missing} missing, but revision {written} chains onto revision {last}: "
+        "nothing was deleted there"
     )
 
 
