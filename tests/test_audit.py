@@ -2038,6 +2038,29 @@ def test_an_untouched_log_verifies(models: Models) -> None:
     }
 
 
+def test_each_hash_is_the_one_docs_audit_md_says_how_to_compute(models: Models) -> None:
+    """Anyone can check the chain without this code, and every log written
+    so far was chained so: each hash covers the bytes docs/audit.md lists,
+    64 "0"s before the first event. Computed here from the document, not
+    from :func:`~catalog_es.chain.link`, which verify shares with the write."""
+    with models.store.read() as conn:
+        rows = conn.execute(sa.select(events_table).order_by(events_table.c.revision)).all()
+    assert len(rows) == 8
+    previous = "0" * 64
+    for row in rows:
+        topic = row.topic.encode("utf-8")
+        documented = hashlib.sha256(
+            previous.encode("ascii")
+            + uuid.UUID(str(row.originator_id)).bytes
+            + row.originator_version.to_bytes(8, "big")
+            + len(topic).to_bytes(4, "big")
+            + topic
+            + row.state
+        ).hexdigest()
+        assert row.hash == documented, row.revision
+        previous = documented
+
+
 def test_an_empty_log_verifies(db: str, config: Path) -> None:
     empty = open_service(db, config)
     assert empty.verify() == {
