@@ -2391,6 +2391,29 @@ def test_tampering_makes_verify_fail_at_that_revision(
     assert "chain intact" not in result.stdout
 
 
+@pytest.mark.parametrize(
+    "spelt", [str.upper, lambda text: text.replace("-", "")], ids=["capitals", "no dashes"]
+)
+def test_an_event_whose_payload_spells_its_id_otherwise_is_no_break(
+    models: Models, spelt: Callable[[str], str]
+) -> None:
+    """Load reads a payload's id as a UUID, however it is spelt: one written
+    in capitals, or without its dashes, belongs where it is stored, and
+    verify, which compares the text first to be quick, does not call it
+    filed elsewhere."""
+    t = events_table.c
+    chat = str(model_id("chat"))
+    with models.store.write() as conn:
+        last = conn.execute(sa.select(t.topic, t.state).where(t.revision == 8)).one()
+        payload = json.loads(last.state)
+        assert (payload["originator_id"], payload["originator_version"]) == (chat, 4)
+        payload.update(originator_id=spelt(chat), originator_version=5)
+        state = json.dumps(payload).encode()
+        models.store.insert_events([StoredEvent(model_id("chat"), 5, last.topic, state)], conn=conn)
+    report = models.verify()
+    assert (report["ok"], report["events"], report["skipped"]) == (True, 9, [])
+
+
 def test_a_new_event_after_a_deleted_last_one_does_not_hide_it(models: Models) -> None:
     run_sql(models, "DELETE FROM catalog_events WHERE revision = 7")
     models.set_owner("chat", "team:other", by="carol")
