@@ -2154,6 +2154,29 @@ def test_an_untouched_log_verifies(models: Models) -> None:
     }
 
 
+def test_each_hash_is_the_one_docs_audit_md_says_how_to_compute(models: Models) -> None:
+    """Anyone can check the chain without this code, and every log written
+    so far was chained so: each hash covers the bytes docs/audit.md lists,
+    64 "0"s before the first event. Computed here from the document, not
+    from :func:`~catalog_es.chain.link`, which verify shares with the write."""
+    with models.store.read() as conn:
+        rows = conn.execute(sa.select(events_table).order_by(events_table.c.revision)).all()
+    assert len(rows) == 8
+    previous = "0" * 64
+    for row in rows:
+        topic = row.topic.encode("utf-8")
+        documented = hashlib.sha256(
+            previous.encode("ascii")
+            + uuid.UUID(str(row.originator_id)).bytes
+            + row.originator_version.to_bytes(8, "big")
+            + len(topic).to_bytes(4, "big")
+            + topic
+            + row.state
+        ).hexdigest()
+        assert row.hash == documented, row.revision
+        previous = documented
+
+
 def test_an_empty_log_verifies(db: str, config: Path) -> None:
     empty = open_service(db, config)
     assert empty.verify() == {
@@ -2285,6 +2308,11 @@ TAMPERING: dict[str, tuple[Callable[[Models], None], int, str]] = {
         4,
         "revision 4 is missing",
     ),
+    "the first event deleted": (
+        lambda m: run_sql(m, "DELETE FROM catalog_events WHERE revision = 1"),
+        1,
+        "revision 1 is missing",
+    ),
     "two events deleted": (
         lambda m: run_sql(m, "DELETE FROM catalog_events WHERE revision IN (3, 4)"),
         3,
@@ -2304,6 +2332,16 @@ TAMPERING: dict[str, tuple[Callable[[Models], None], int, str]] = {
         6,
         "the head's hash does not match this revision's: the event or the head record was "
         "rewritten, or events after it were deleted and the head moved back",
+    ),
+    "the head moved back over events still there": (
+        lambda m: run_sql(
+            m,
+            "UPDATE catalog_head SET revision = 7,"
+            " hash = (SELECT hash FROM catalog_events WHERE revision = 7)",
+        ),
+        8,
+        "the head is at revision 7: the events after it were not written through the log's "
+        "write path",
     ),
     "two events swapped": (lambda m: swap(m, 3, 4), 3, "does not match its hash"),
     "the last event rewritten and rehashed": (
@@ -2350,6 +2388,16 @@ TAMPERING: dict[str, tuple[Callable[[Models], None], int, str]] = {
         ),
         8,
         "but its last event is version",
+    ),
+    "a row in catalog_streams for a model with no events": (
+        lambda m: run_sql(
+            m,
+            "INSERT INTO catalog_streams (originator_id, version, revision)"
+            f" VALUES ('{model_id('ghost').hex}', 1, 5)",
+        ),
+        5,
+        f"catalog_streams records stream {model_id('ghost').hex} as at version 1 at revision "
+        "5, but its last event is none",
     ),
     "a model's row in catalog_streams deleted": (
         lambda m: run_sql(
@@ -2459,6 +2507,29 @@ def test_tampering_makes_verify_fail_at_that_revision(
     assert "chain intact" not in result.stdout
 
 
+@pytest.mark.parametrize(
+    "spelt", [str.upper, lambda text: text.replace("-", "")], ids=["capitals", "no dashes"]
+)
+def test_an_event_whose_payload_spells_its_id_otherwise_is_no_break(
+    models: Models, spelt: Callable[[str], str]
+) -> None:
+    """Load reads a payload's id as a UUID, however it is spelt: one written
+    in capitals, or without its dashes, belongs where it is stored, and
+    verify, which compares the text first to be quick, does not call it
+    filed elsewhere."""
+    t = events_table.c
+    chat = str(model_id("chat"))
+    with models.store.write() as conn:
+        last = conn.execute(sa.select(t.topic, t.state).where(t.revision == 8)).one()
+        payload = json.loads(last.state)
+        assert (payload["originator_id"], payload["originator_version"]) == (chat, 4)
+        payload.update(originator_id=spelt(chat), originator_version=5)
+        state = json.dumps(payload).encode()
+        models.store.insert_events([StoredEvent(model_id("chat"), 5, last.topic, state)], conn=conn)
+    report = models.verify()
+    assert (report["ok"], report["events"], report["skipped"]) == (True, 9, [])
+
+
 def test_a_new_event_after_a_deleted_last_one_does_not_hide_it(models: Models) -> None:
     run_sql(models, "DELETE FROM catalog_events WHERE revision = 7")
     models.set_owner("chat", "team:other", by="carol")
@@ -2481,19 +2552,26 @@ def test_a_row_put_past_the_head_by_hand_is_numbered_after_not_collided_with(
     assert models.verify()["broken"]["revision"] == 9
 
 
-def test_a_head_raised_by_hand_is_still_named_after_the_next_write(models: Models) -> None:
+@pytest.mark.parametrize(
+    ("raised", "missing"), [(1, "revision 9 is"), (5, "revisions 9..13 are")], ids=["1", "5"]
+)
+def test_a_head_raised_by_hand_is_still_named_after_the_next_write(
+    models: Models, raised: int, missing: str
+) -> None:
     """SQLite numbers revisions without gaps: a gap the chain links across is
     an edit too. The head's revision raised by hand is followed by the next
     write, and its hash still names the last event, so nothing breaks the
-    chain; the gap it leaves is what verify names."""
+    chain; the gap it leaves is what verify names, one revision wide too."""
     last = models.verify()["events"]
-    run_sql(models, "UPDATE catalog_head SET revision = revision + 5")
-    assert models.set_owner("chat", "team:other", by="carol").revision == last + 6
+    assert last == 8
+    run_sql(models, f"UPDATE catalog_head SET revision = revision + {raised}")
+    written = models.set_owner("chat", "team:other", by="carol").revision
+    assert written == last + raised + 1
     broken = models.verify()["broken"]
     assert broken["revision"] == last + 1
     assert broken["problem"].startswith(
-        f"revisions {last + 1}..{last + 5} are missing, but revision {last + 6} chains onto "
-        f"revision {last}: nothing was deleted there"
+        f"{missing} missing, but revision {written} chains onto revision {last}: "
+        "nothing was deleted there"
     )
 
 
