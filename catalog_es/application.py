@@ -105,6 +105,11 @@ SYSTEM_ACTOR = "catalog-es"
 # behind (it served nothing while others wrote) lets go of the lock and
 # catches up first: a backlog of 300,000 scalings held it 0.76 s.
 CATCH_UP_HELD = 2_000
+# Looks a thread takes through the configs other nodes recorded, one after
+# another: those noted by other threads as it looked are left to it (and
+# a server gone idle makes no next call). Bounded, so that a request thread
+# under writes on two configs that go on is not kept looking.
+CONFIG_LOOKS = 2
 
 
 At = int | datetime | None
@@ -599,7 +604,8 @@ class Models(AuditTrail, Application[UUID]):
         # one and up to another, whose config records a catch-up met and no
         # one has looked through yet (:meth:`_tell_other_configs`); and
         # whether a thread is looking through some (one at a time, so that
-        # a config is told once, at its first record).
+        # a config is told once, at its first record; what others note
+        # meanwhile it looks through next, CONFIG_LOOKS bounding it).
         self._configs_known = {self.declared.fingerprint}
         self._configs_unread: tuple[int, int] | None = None
         self._configs_looking = False
@@ -1570,39 +1576,51 @@ class Models(AuditTrail, Application[UUID]):
             return  # most calls: read without the catalog's lock, set under it
         if self._state.depth() or holds(self._lock):
             return  # told by this thread's call once it lets go of them
-        with self._state:
-            if self._configs_looking:
-                return  # left to the next call, once that thread has told its own
-            unread, self._configs_unread = self._configs_unread, None
-            if unread is None or not self.declared.given:
-                return  # a node given none is told so (_tell_no_config_given)
-            self._configs_looking = True
-        try:
+        for _ in range(CONFIG_LOOKS):
+            with self._state:
+                if self._configs_looking:
+                    return  # looked through by that thread, or left to the next call
+                unread, self._configs_unread = self._configs_unread, None
+                if unread is None or not self.declared.given:
+                    return  # a node given none is told so (_tell_no_config_given)
+                self._configs_looking = True
             try:
-                with self.store.read() as conn:
-                    found = snapshots.configs_recorded_between(
-                        conn, *unread, besides=self._configs_known
-                    )
-            except (sa.exc.SQLAlchemyError, Refused) as error:
-                # Kept for the next call: dropped, its configs were never told.
-                with self._state:
-                    self._note_unread(*unread)
-                log.debug("the configs the log recorded were not looked through, yet: %s", error)
+                found = self._configs_recorded(unread)
+            finally:
+                self._configs_looking = False
+            if found is None:
                 return
-            self._configs_known.update(record.fingerprint for _, record in found)
-        finally:
-            self._configs_looking = False
-        for revision, record in found:
-            log.warning(
-                "another node writes under another declared config, %s, recorded at "
-                "revision %d by %s; this node's is %s: the nodes serve different declared "
-                "layers, and the log records each in turn; run every node on one config "
-                "(told once for each other config)",
-                named_config(record.fingerprint, record.path),
-                revision,
-                shown(record.by, NAME_SHOWN_LENGTH),
-                named_config(self.declared.fingerprint, self.declared.path),
-            )
+            for revision, record in found:
+                log.warning(
+                    "another node writes under another declared config, %s, recorded at "
+                    "revision %d by %s; this node's is %s: the nodes serve different declared "
+                    "layers, and the log records each in turn; run every node on one config "
+                    "(told once for each other config)",
+                    named_config(record.fingerprint, record.path),
+                    revision,
+                    shown(record.by, NAME_SHOWN_LENGTH),
+                    named_config(self.declared.fingerprint, self.declared.path),
+                )
+
+    def _configs_recorded(
+        self, unread: tuple[int, int]
+    ) -> list[tuple[int, Configuration.Declared]] | None:
+        """The configs other than those known that the log recorded in the
+        revisions ``unread`` names, now known; ``None`` when the log could
+        not be read, the revisions noted again for the next call."""
+        try:
+            with self.store.read() as conn:
+                found = snapshots.configs_recorded_between(
+                    conn, *unread, besides=self._configs_known
+                )
+        except (sa.exc.SQLAlchemyError, Refused) as error:
+            # Kept for the next call: dropped, its configs were never told.
+            with self._state:
+                self._note_unread(*unread)
+            log.debug("the configs the log recorded were not looked through, yet: %s", error)
+            return None
+        self._configs_known.update(record.fingerprint for _, record in found)
+        return found
 
     def refresh(self) -> None:
         """Apply what other writers appended since this service last looked.

@@ -815,6 +815,91 @@ def test_a_server_looks_up_another_config_holding_up_no_read_or_write(
         models.close()
 
 
+def _serving_beside(configs: list[DeclaredConfig], db_url: str) -> list[Models]:
+    """A server on ``configs[0]``, started at revision 2, and a node on each
+    other config, the first of which wrote after it (revisions 3-4): the
+    server, then those nodes."""
+    url = {"CATALOG_ES_DB": db_url}
+    node = Models(configs[0], env=url)
+    node.add(_definition("a", []), by="node")  # 1 config 0, 2
+    assert node.record_declaration(by="node") == 2
+    others = [Models(c, env=url) for c in configs[1:]]
+    others[0].scale("a", 0, 2, by="other")  # 3 config 1, 4
+    return [node, *others]
+
+
+def test_a_server_looks_again_for_the_configs_noted_as_it_looked(
+    db_url: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A thread whose catch-up met another config's record as another
+    thread looked the records up left them to that one, which told those it
+    had looked up and looked no more: the second config was told only at a
+    later call, and never by a server gone idle (review). It looks again."""
+    configs = _configs(3)
+    node, other, third = _serving_beside(configs, db_url)
+    looking, go_on = threading.Event(), threading.Event()
+    looked_up = snapshots.configs_recorded_between
+
+    def held_up(*args: Any, **kwargs: Any) -> Any:
+        if not looking.is_set():
+            looking.set()
+            go_on.wait(30)
+        return looked_up(*args, **kwargs)
+
+    monkeypatch.setattr(snapshots, "configs_recorded_between", held_up)
+    threads = ThreadPoolExecutor(2)
+    try:
+        first = threads.submit(node.list_models)
+        assert looking.wait(10)
+        third.scale("a", 0, 3, by="third")  # 5 config 2, 6
+        threads.submit(node.refresh).result(timeout=10)  # noted, left to the first
+    finally:
+        go_on.set()
+        threads.shutdown()
+    first.result()
+    assert _told_other_configs(caplog) == [
+        _other_config(configs[1], 3, "other"),
+        _other_config(configs[2], 5, "third"),
+    ]
+    for models in (node, other, third):
+        models.close()
+
+
+def test_a_server_looks_again_a_bounded_number_of_times(
+    db_url: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Another config recorded and met as each look goes on (writes on two
+    configs that go on): a request's thread looks twice, not for as long as
+    they do, and what was met as it looked last is told at the next call."""
+    configs = _configs(5)
+    node, *others = _serving_beside(configs, db_url)
+    looked_up = snapshots.configs_recorded_between
+    looks = 0
+
+    def another_written_meanwhile(*args: Any, **kwargs: Any) -> Any:
+        nonlocal looks
+        looks += 1
+        if looks < len(others):  # never ending, but for the configs this test has
+            others[looks].scale("a", 0, looks + 2, by=f"other {looks}")  # 5, 7, 9: config 2, 3, 4
+            node.refresh()  # noted, left to this lookup's thread
+        return looked_up(*args, **kwargs)
+
+    monkeypatch.setattr(snapshots, "configs_recorded_between", another_written_meanwhile)
+    node.list_models()
+    assert looks == 2
+    assert _told_other_configs(caplog) == [
+        _other_config(configs[1], 3, "other"),
+        _other_config(configs[2], 5, "other 1"),
+    ]
+    node.list_models()
+    assert _told_other_configs(caplog)[2:] == [
+        _other_config(configs[3], 7, "other 2"),
+        _other_config(configs[4], 9, "other 3"),
+    ]
+    for models in (node, *others):
+        models.close()
+
+
 @pytest.mark.parametrize("regrown", [1, 3])
 def test_a_server_whose_log_went_back_is_told_of_the_configs_recorded_in_it_since(
     db_url: str, regrown: int, caplog: pytest.LogCaptureFixture
