@@ -59,12 +59,17 @@ def load_fixture(url: str, log: str) -> int:
         )
         for row in rows
     ]
+    assert insert_stored(url, stored) == [row["revision"] for row in rows]
+    return len(rows)
+
+
+def insert_stored(url: str, stored: list[StoredEvent]) -> list[int]:
+    """``stored`` into the log at ``url`` as they are: their revisions."""
     recorder = SQLRecorder(create_engine(url))
     with recorder.write() as conn:
         revisions = recorder.insert_events(stored, conn=conn)
     recorder.engine.dispose()
-    assert list(revisions or []) == [row["revision"] for row in rows]
-    return len(rows)
+    return list(revisions or [])
 
 
 def contains(actual: Any, expected: Any, where: str = "") -> None:
@@ -525,6 +530,59 @@ def test_the_newest_fixture_holds_every_kind_of_stored_event() -> None:
     assert topics == set(EVENT_CLASSES), f"not in {newest}: {set(EVENT_CLASSES) - topics}"
     rollbacks = [json.loads(line)["state"]["rollback_to"] for line in rows]
     assert any(r is not None for r in rollbacks), "no compensating event in the fixture"
+
+
+# A definition's fields that a stored record may lack, and what each then is:
+# the defaults every release has meant (spec.py has had these fields and
+# defaults since the first), which input's own defaults no longer exercise.
+DEFAULTED_FIELDS = [
+    pytest.param(("profiles", 0, "gpus"), 0, id="gpus"),
+    pytest.param(("profiles", 0, "gpu_memory_gb"), 0, id="gpu_memory_gb"),
+    pytest.param(("profiles", 0, "min_memory_gb"), 0, id="min_memory_gb"),
+    pytest.param(("profiles", 0, "cpu_cores"), 0, id="cpu_cores"),
+    pytest.param(("scaling", "min"), 1, id="scaling.min"),
+    pytest.param(("scaling", "max"), 1, id="scaling.max"),
+    pytest.param(("scaling",), {"min": 1, "max": 1}, id="scaling"),
+]
+
+
+@pytest.mark.parametrize(("path", "default"), DEFAULTED_FIELDS)
+def test_a_stored_definition_lacking_a_field_loads_with_its_default(
+    tmp_path: Path, path: tuple[str | int, ...], default: Any
+) -> None:
+    """An ``Added`` record without the field, every other field set apart
+    from its default: the model loads, that field at its default."""
+    definition = model_spec(
+        "m",
+        profiles=[
+            {"name": "g", "gpus": 2, "gpu_memory_gb": 40, "min_memory_gb": 16, "cpu_cores": 4}
+        ],
+        scaling={"min": 0, "max": 3},
+    )
+    added = Model.Added(
+        originator_id=model_id("m"),
+        originator_version=1,
+        timestamp=utc_now(),
+        by="older-release",
+        model="m",
+        spec=definition,
+    )
+    state = msgspec.json.decode(encode_event(added))
+    *within, field = path
+    holder = state["spec"]
+    for part in within:
+        holder = holder[part]
+    del holder[field]
+    url = f"sqlite:///{tmp_path}/older.db"
+    stored = StoredEvent(model_id("m"), 1, topic_of(Model.Added), msgspec.json.encode(state))
+    insert_stored(url, [stored])
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": url})
+    assert models.skipped() == []
+    loaded: Any = models.get_model("m")
+    for part in path:
+        loaded = loaded[part]
+    assert loaded == default
+    models.close()
 
 
 # -- the upcasting machinery --------------------------------------------------------

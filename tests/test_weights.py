@@ -773,6 +773,23 @@ def test_an_upstream_change_is_listed_once_and_recorded_once(
     assert [e["fields"]["upstream"]["revision"] for e in seen] == [c2, c3]
 
 
+def test_an_upstream_change_on_a_runtime_model_moves_its_version_in_force(
+    world: World, tracked: Weights
+) -> None:
+    """The change recorded on a runtime model is a version of its stream:
+    the catalog in force moves to it, as a restart's replay does (a write
+    checks that the catalog's version of a stream is not past the log's)."""
+    world.mirror.publish("org/m", V2)
+    assert tracked.check_updates(by="cron")["recorded"] == ["m"]
+    store = tracked.models.store
+    with store.read() as conn:
+        logged = store.stream_version(conn, model_id("m"))
+    restarted = world.open().models
+    assert tracked.models.catalog.aggregate("m").version == logged
+    assert restarted.catalog.aggregate("m").version == logged
+    assert [e["event"] for e in events(tracked, "m")][-1] == "UpstreamChanged"
+
+
 @pytest.mark.parametrize("removed", [True, False], ids=["removed-and-added", "replaced"])
 def test_a_finding_about_an_earlier_model_of_the_name_is_not_a_new_ones_first_sighting(
     world: World, tracked: Weights, removed: bool
