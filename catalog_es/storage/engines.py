@@ -177,6 +177,8 @@ def _settled_engine(url: sa.URL) -> Engine:
             if file.opened is not None:
                 file.check()  # gone, emptied or replaced: said as such, and not opened
                 file.existing_only(cargs, cparams)
+            else:
+                file.opening()  # what it makes is its to remove if it is refused
 
         @sa.event.listens_for(engine, "handle_error")
         def _failed(context: sa.engine.ExceptionContext) -> None:
@@ -200,6 +202,15 @@ def _settle_sqlite(engine: Engine, file: SQLiteFile | None, wait: float) -> None
 
     @sa.event.listens_for(engine, "connect")
     def _connect(dbapi_connection: Any, _record: Any) -> None:
+        try:
+            _settled(dbapi_connection)
+        except BaseException:
+            dbapi_connection.close()  # refused: no pool takes it to close
+            if file is not None:
+                file.unmade()
+            raise
+
+    def _settled(dbapi_connection: Any) -> None:
         # Let us issue BEGIN ourselves (pysqlite's own is deferred and late).
         dbapi_connection.isolation_level = None
         cursor = dbapi_connection.cursor()
@@ -208,7 +219,6 @@ def _settle_sqlite(engine: Engine, file: SQLiteFile | None, wait: float) -> None
             # The writer's busy timeout is short (LOCK_SLICE_SECONDS) as, in
             # WAL, no reader holds off its commit; nolock lets two writers in
             # at once; immutable reads skip the commits in the -wal file.
-            dbapi_connection.close()  # refused: no pool takes it to close
             raise ConfigError(
                 f"the database {file.where}: SQLite keeps it in {mode} journal mode as "
                 "the URL opens it, not in WAL mode, which the log needs (readers that "
