@@ -4123,6 +4123,39 @@ def test_a_url_that_keeps_sqlite_out_of_wal_mode_is_refused_at_open(
         assert path.stat().st_size == 0
 
 
+@pytest.mark.parametrize(
+    ("setting", "command"),
+    [
+        ("nolock=1", ["revision"]),
+        ("vfs=unix-none", ["model", "list"]),
+        ("vfs=unix-dotfile", ["model", "scale", "m", "--max", "2"]),
+    ],
+    ids=["nolock", "none", "dotfile"],
+)
+def test_a_log_sqlite_cannot_open_as_the_url_does_names_the_setting_to_drop(
+    tmp_path: Path, setting: str, command: list[str]
+) -> None:
+    """A log is in WAL mode, which SQLite opens neither without locks nor
+    with a VFS without shared memory: reads and writes alike were told
+    SQLite's bare "unable to open database file", which named neither."""
+    path = tmp_path / "catalog.db"
+    plain = f"sqlite:///{path}"
+    definition_file = tmp_path / "m.yaml"
+    definition_file.write_bytes(as_yaml(definition("m")))
+    ok(CliRunner().invoke(cli, ["--db", plain, "model", "add", str(definition_file)]))
+    files = sorted(tmp_path.iterdir())
+    log = log_rows(plain)
+    url = f"sqlite:///file:{path}?uri=true&{setting}"
+    line = refused_in_one_line(CliRunner().invoke(cli, ["--db", url, *command]))
+    assert line == (
+        f"error: the database at {path}: SQLite cannot open it with the URL's {setting} "
+        "setting, as it is in WAL mode, which the log needs (readers that neither hold off "
+        "a write nor miss one): give the URL without it"
+    )
+    assert sorted(tmp_path.iterdir()) == files
+    assert log_rows(plain) == log
+
+
 def test_a_disk_with_no_room_for_the_shared_memory_file_is_said_to_be_full_or_failing(
     tmp_path: Path,
 ) -> None:

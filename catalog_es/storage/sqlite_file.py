@@ -181,8 +181,7 @@ class SQLiteFile:
         connection leaves as it was, and one that cannot be looked at: left
         for the connection."""
         try:
-            with self.path.open("rb") as file:
-                header = file.read(_SQLITE_HEADER_BYTES)
+            header = self._header()
         except FileNotFoundError:
             return TablesFound({}, None)
         except OSError:
@@ -206,6 +205,18 @@ class SQLiteFile:
             return None
         finally:
             engine.dispose()
+
+    def _header(self) -> bytes:
+        """The file's SQLite header: fewer bytes, or none, in a file too short."""
+        with self.path.open("rb") as file:
+            return file.read(_SQLITE_HEADER_BYTES)
+
+    def in_wal_mode(self) -> bool:
+        """Whether the file's header says it is in WAL mode (no, if it cannot be read)."""
+        try:
+            return self._header()[18:20] == _WAL_VERSIONS
+        except OSError:
+            return False
 
     def opening(self) -> None:
         """Noted before a first open of the path (SQLite makes the file if
