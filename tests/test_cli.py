@@ -4076,39 +4076,84 @@ def test_a_database_that_cannot_be_written_says_which_files_must_be(tmp_path: Pa
 
 
 @pytest.mark.parametrize(
-    ("setting", "log_there"),
-    [("nolock=1", False), ("vfs=unix-dotfile", False), ("immutable=1", True)],
-    ids=["nolock", "dotfile", "immutable"],
+    ("setting", "there"),
+    [
+        ("nolock=1", "nothing"),
+        ("vfs=unix-dotfile", "nothing"),
+        ("vfs=unix-none", "nothing"),
+        ("nolock=1", "an empty file"),
+        ("immutable=1", "a log"),
+    ],
+    ids=["nolock", "dotfile", "none", "nolock-on-an-empty-file", "immutable"],
 )
 def test_a_url_that_keeps_sqlite_out_of_wal_mode_is_refused_at_open(
-    tmp_path: Path, setting: str, log_there: bool
+    tmp_path: Path, setting: str, there: str
 ) -> None:
     """SQLite keeps a file out of WAL mode when the URL opens it without
     locking or shared memory, and PRAGMA journal_mode=WAL said so unread:
     a new log was then told "empty (truncated while this process ran?)",
     and an immutable read answered a revision behind the log's, reading
     none of the -wal file (review). Writes rely on WAL too: a reader never
-    holds off their commit, which waits a slice (0.1 s) at most."""
+    holds off their commit, which waits a slice (0.1 s) at most. The file
+    the refused open made is removed (it was left behind, empty); one that
+    was there, empty or not, is left as it was."""
     path = tmp_path / "catalog.db"
     plain = f"sqlite:///{path}"
     definition_file = tmp_path / "m.yaml"
     definition_file.write_bytes(as_yaml(definition("m")))
     add = ["model", "add", str(definition_file)]
-    if log_there:
+    if there == "a log":
         ok(CliRunner().invoke(cli, ["--db", plain, *add]))
-    log = log_rows(plain) if log_there else None
+    elif there == "an empty file":
+        path.touch()
+    files = sorted(tmp_path.iterdir())
+    log = log_rows(plain) if there == "a log" else None
     url = f"sqlite:///file:{path}?uri=true&{setting}"
-    command = ["revision"] if log_there else add
+    command = ["revision"] if there == "a log" else add
     line = refused_in_one_line(CliRunner().invoke(cli, ["--db", url, *command]))
     assert line == (
         f"error: the database at {path}: SQLite keeps it in delete journal mode as the "
         "URL opens it, not in WAL mode, which the log needs (readers that neither hold "
         "off a write nor miss one): give the URL without its vfs, nolock or immutable setting"
     )
-    if log_there:
+    assert sorted(tmp_path.iterdir()) == files
+    if there == "a log":
         assert log_rows(plain) == log
-    else:
-        assert path.stat().st_size == 0  # no database made in it
+    elif there == "an empty file":
+        assert path.stat().st_size == 0
+
+
+@pytest.mark.parametrize(
+    ("setting", "command"),
+    [
+        ("nolock=1", ["revision"]),
+        ("vfs=unix-none", ["model", "list"]),
+        ("vfs=unix-dotfile", ["model", "scale", "m", "--max", "2"]),
+    ],
+    ids=["nolock", "none", "dotfile"],
+)
+def test_a_log_sqlite_cannot_open_as_the_url_does_names_the_setting_to_drop(
+    tmp_path: Path, setting: str, command: list[str]
+) -> None:
+    """A log is in WAL mode, which SQLite opens neither without locks nor
+    with a VFS without shared memory: reads and writes alike were told
+    SQLite's bare "unable to open database file", which named neither."""
+    path = tmp_path / "catalog.db"
+    plain = f"sqlite:///{path}"
+    definition_file = tmp_path / "m.yaml"
+    definition_file.write_bytes(as_yaml(definition("m")))
+    ok(CliRunner().invoke(cli, ["--db", plain, "model", "add", str(definition_file)]))
+    files = sorted(tmp_path.iterdir())
+    log = log_rows(plain)
+    url = f"sqlite:///file:{path}?uri=true&{setting}"
+    line = refused_in_one_line(CliRunner().invoke(cli, ["--db", url, *command]))
+    assert line == (
+        f"error: the database at {path}: SQLite cannot open it with the URL's {setting} "
+        "setting, as it is in WAL mode, which the log needs (readers that neither hold off "
+        "a write nor miss one): give the URL without it"
+    )
+    assert sorted(tmp_path.iterdir()) == files
+    assert log_rows(plain) == log
 
 
 def test_a_disk_with_no_room_for_the_shared_memory_file_is_said_to_be_full_or_failing(

@@ -14,7 +14,7 @@ import sqlite3
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from itertools import pairwise
 from pathlib import Path
@@ -177,13 +177,15 @@ def _settled_engine(url: sa.URL) -> Engine:
             if file.opened is not None:
                 file.check()  # gone, emptied or replaced: said as such, and not opened
                 file.existing_only(cargs, cparams)
+            else:
+                file.opening()  # what it makes is its to remove if it is refused
 
         @sa.event.listens_for(engine, "handle_error")
         def _failed(context: sa.engine.ExceptionContext) -> None:
             # Its opening's too (a folder, a file not SQLite's).
             file.name_in(context.original_exception)
 
-        _settle_sqlite(engine, file, wait)
+        _settle_sqlite(engine, file, wait, _without_shared_memory(url))
         return engine
     engine = postgresql_engine(url)
     _asked_when_idle(engine)
@@ -192,27 +194,51 @@ def _settled_engine(url: sa.URL) -> Engine:
     return engine
 
 
-def _settle_sqlite(engine: Engine, file: SQLiteFile | None, wait: float) -> None:
+def _settle_sqlite(
+    engine: Engine, file: SQLiteFile | None, wait: float, unshared: Sequence[str] = ()
+) -> None:
     """The settings and transactions the log relies on, on a SQLite engine:
     ``file``, the one it keeps the log in (none in memory); ``wait``, its
-    lock wait."""
+    lock wait; ``unshared``, its URL's settings that open the file without
+    the locks and shared memory of WAL mode (:func:`_without_shared_memory`)."""
     synchronous = sqlite_synchronous()
 
     @sa.event.listens_for(engine, "connect")
     def _connect(dbapi_connection: Any, _record: Any) -> None:
+        try:
+            _settled(dbapi_connection)
+        except BaseException:
+            dbapi_connection.close()  # refused: no pool takes it to close
+            if file is not None:
+                file.unmade()
+            raise
+
+    def _settled(dbapi_connection: Any) -> None:
         # Let us issue BEGIN ourselves (pysqlite's own is deferred and late).
         dbapi_connection.isolation_level = None
         cursor = dbapi_connection.cursor()
-        mode = into_wal(cursor, wait)
+        try:
+            mode = into_wal(cursor, wait)
+        except sqlite3.OperationalError as error:
+            # SQLite's "unable to open database file" named neither the
+            # setting nor WAL mode.
+            cannot_open = getattr(error, "sqlite_errorname", "") == "SQLITE_CANTOPEN"
+            if file is None or not unshared or not cannot_open or not file.in_wal_mode():
+                raise
+            settings = " and ".join(unshared)
+            plural = "s" if len(unshared) > 1 else ""
+            raise ConfigError(
+                f"the database {file.where}: SQLite cannot open it with the URL's {settings}"
+                f" setting{plural}, as it is in {_WAL_NEEDED}: give the URL without "
+                f"{'them' if plural else 'it'}"
+            ) from None
         if file is not None and mode != "wal":
             # The writer's busy timeout is short (LOCK_SLICE_SECONDS) as, in
             # WAL, no reader holds off its commit; nolock lets two writers in
             # at once; immutable reads skip the commits in the -wal file.
-            dbapi_connection.close()  # refused: no pool takes it to close
             raise ConfigError(
                 f"the database {file.where}: SQLite keeps it in {mode} journal mode as "
-                "the URL opens it, not in WAL mode, which the log needs (readers that "
-                "neither hold off a write nor miss one): give the URL without its "
+                f"the URL opens it, not in {_WAL_NEEDED}: give the URL without its "
                 "vfs, nolock or immutable setting"
             )
         cursor.execute(f"PRAGMA synchronous={synchronous}")
@@ -257,6 +283,34 @@ def _settle_sqlite(engine: Engine, file: SQLiteFile | None, wait: float) -> None
             raise sa.exc.InvalidRequestError(
                 "a write is committed when its block ends, not inside it"
             )
+
+
+# Said of a SQLite file the URL keeps out of WAL mode.
+_WAL_NEEDED = "WAL mode, which the log needs (readers that neither hold off a write nor miss one)"
+# SQLite's VFSs that have no shared memory, which WAL mode needs.
+_VFS_UNSHARED = ("unix-none", "unix-dotfile")
+
+
+def _without_shared_memory(url: sa.URL) -> list[str]:
+    """The settings of SQLite URL ``url`` that open its file without the
+    locks and shared memory WAL mode needs, as given ("nolock=1"): SQLite
+    opens no file in WAL mode so."""
+    found = []
+    for name, values in url.query.items():
+        for value in (values,) if isinstance(values, str) else values:
+            if (name == "nolock" and _sqlite_true(value)) or (
+                name == "vfs" and value in _VFS_UNSHARED
+            ):
+                found.append(f"{name}={value}")
+    return found
+
+
+def _sqlite_true(value: str) -> bool:
+    """A URI's boolean parameter as SQLite reads it: a number not 0, on, yes or true."""
+    number = re.match(r"\d+", value)
+    if number is not None:
+        return int(number.group()) != 0
+    return value.lower() in ("on", "yes", "true")
 
 
 def postgresql_engine(url: sa.URL, **options: Any) -> Engine:

@@ -9,6 +9,7 @@ import sqlite3
 import time
 import weakref
 from collections.abc import Sequence
+from contextlib import suppress
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlsplit
@@ -128,6 +129,9 @@ class SQLiteFile:
         self.path = path
         # The file (device, inode) this process first opened at the path.
         self.opened: tuple[int, int] | None = None
+        # Those of the file and its -wal and -shm files that were not there
+        # as this process first opened the path (see :meth:`unmade`).
+        self._absent: list[Path] = []
 
     @property
     def where(self) -> str:
@@ -177,8 +181,7 @@ class SQLiteFile:
         connection leaves as it was, and one that cannot be looked at: left
         for the connection."""
         try:
-            with self.path.open("rb") as file:
-                header = file.read(_SQLITE_HEADER_BYTES)
+            header = self._header()
         except FileNotFoundError:
             return TablesFound({}, None)
         except OSError:
@@ -202,6 +205,38 @@ class SQLiteFile:
             return None
         finally:
             engine.dispose()
+
+    def _header(self) -> bytes:
+        """The file's SQLite header: fewer bytes, or none, in a file too short."""
+        with self.path.open("rb") as file:
+            return file.read(_SQLITE_HEADER_BYTES)
+
+    def in_wal_mode(self) -> bool:
+        """Whether the file's header says it is in WAL mode (no, if it cannot be read)."""
+        try:
+            return self._header()[18:20] == _WAL_VERSIONS
+        except OSError:
+            return False
+
+    def opening(self) -> None:
+        """Noted before a first open of the path (SQLite makes the file if
+        it is not there): which of the file and the -wal and -shm files
+        beside it are not there yet."""
+        beside = [self.path.with_name(f"{self.path.name}{end}") for end in ("-wal", "-shm")]
+        self._absent = [path for path in (self.path, *beside) if not path.exists()]
+
+    def unmade(self) -> None:
+        """After a refused first open (:meth:`opening`): the file removed,
+        with the -wal and -shm files beside it, if that open made it and it
+        is still empty; a refusal had left a new empty file behind. A file
+        that was there before, or that another process has written into
+        since, is left as it is."""
+        if self.opened is not None or self.path not in self._absent:
+            return
+        with suppress(OSError):  # the refusal is the error to tell
+            if self.path.stat().st_size == 0:
+                for path in self._absent:
+                    path.unlink(missing_ok=True)
 
     def check(self) -> None:
         """Refused in one line unless the path still names the file this
