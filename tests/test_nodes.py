@@ -768,26 +768,13 @@ def test_a_server_looks_up_another_config_holding_up_no_read_or_write(
     that config at once, as the lookup goes on, tell it no more: once, at
     its first record."""
     configs = _configs(2)
-    url = {"CATALOG_ES_DB": db_url}
-    node = Models(configs[0], env=url)
-    node.add(_definition("a", []), by="node")  # 1 config 0, 2
-    assert node.record_declaration(by="node") == 2
-    other = Models(configs[1], env=url)
-    other.scale("a", 0, 2, by="other")  # 3 config 1, 4
-    looking, go_on = threading.Event(), threading.Event()
-    looked_up = snapshots.configs_recorded_between
-
-    def held_up(*args: Any, **kwargs: Any) -> Any:
-        if not looking.is_set():
-            looking.set()
-            go_on.wait(30)
-        return looked_up(*args, **kwargs)
+    node, other = _serving_beside(configs, db_url)
+    looking, go_on = _first_lookup_held(monkeypatch)
 
     def read_and_write() -> None:
         node.list_models()
         node.scale("a", 0, 4, by="node")  # config 0 again
 
-    monkeypatch.setattr(snapshots, "configs_recorded_between", held_up)
     threads = ThreadPoolExecutor(10)  # the first, held up, and 8 at once
     try:
         first = threads.submit(
@@ -828,15 +815,9 @@ def _serving_beside(configs: list[DeclaredConfig], db_url: str) -> list[Models]:
     return [node, *others]
 
 
-def test_a_server_looks_again_for_the_configs_noted_as_it_looked(
-    db_url: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    """A thread whose catch-up met another config's record as another
-    thread looked the records up left them to that one, which told those it
-    had looked up and looked no more: the second config was told only at a
-    later call, and never by a server gone idle (review). It looks again."""
-    configs = _configs(3)
-    node, other, third = _serving_beside(configs, db_url)
+def _first_lookup_held(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threading.Event]:
+    """The first lookup of the configs the log recorded, held up: set
+    ``looking`` as it starts, and it goes on once ``go_on`` is."""
     looking, go_on = threading.Event(), threading.Event()
     looked_up = snapshots.configs_recorded_between
 
@@ -847,6 +828,19 @@ def test_a_server_looks_again_for_the_configs_noted_as_it_looked(
         return looked_up(*args, **kwargs)
 
     monkeypatch.setattr(snapshots, "configs_recorded_between", held_up)
+    return looking, go_on
+
+
+def test_a_server_looks_again_for_the_configs_noted_as_it_looked(
+    db_url: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A thread whose catch-up met another config's record as another
+    thread looked the records up left them to that one, which told those it
+    had looked up and looked no more: the second config was told only at a
+    later call, and never by a server gone idle (review). It looks again."""
+    configs = _configs(3)
+    node, other, third = _serving_beside(configs, db_url)
+    looking, go_on = _first_lookup_held(monkeypatch)
     threads = ThreadPoolExecutor(2)
     try:
         first = threads.submit(node.list_models)
