@@ -1108,6 +1108,28 @@ def test_reads_do_not_wait_for_a_snapshot_being_encoded(
     assert catalog.revision == 2 and kept is not None and kept.scaling == Scaling(min=0, max=3)
 
 
+def _written_while_held(monkeypatch: pytest.MonkeyPatch, name: str, models: Models) -> int:
+    """The revision another thread's write of ``m`` answers while
+    ``snapshots.<name>`` is held up in one thread's write of it."""
+    held, written = threading.Event(), threading.Event()
+    real = getattr(snapshots, name)
+
+    def held_up(*args: Any, **kwargs: Any) -> Any:
+        held.set()
+        written.wait(10)  # until the other write is done
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(snapshots, name, held_up)
+    command = threading.Thread(target=lambda: models.scale("m", 0, 3, by="ops"))
+    command.start()
+    try:
+        assert held.wait(10)
+        return models.scale("m", 1, 3, by="another thread").revision
+    finally:
+        written.set()
+        command.join()
+
+
 def test_writers_do_not_wait_for_a_snapshot_another_write_of_the_process_saves(
     db_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1119,23 +1141,7 @@ def test_writers_do_not_wait_for_a_snapshot_another_write_of_the_process_saves(
     monkeypatch.setenv(LOCK_WAIT_ENV, "1")  # refused after that, were it to wait
     models = Models(DeclaredConfig(), snapshot_interval=2, env={"CATALOG_ES_DB": db_url})
     models.add(model_spec("m"), by="setup")
-    encoding, written = threading.Event(), threading.Event()
-    encode = snapshots.encode
-
-    def held_encode(state: snapshots.SnapshotState) -> bytes:
-        encoding.set()
-        written.wait(10)  # until the other write below is done
-        return encode(state)
-
-    monkeypatch.setattr(snapshots, "encode", held_encode)
-    command = threading.Thread(target=lambda: models.scale("m", 0, 3, by="ops"))
-    command.start()
-    try:
-        assert encoding.wait(10)
-        assert models.scale("m", 1, 3, by="another thread").revision == 3
-    finally:
-        written.set()
-        command.join()
+    assert _written_while_held(monkeypatch, "encode", models) == 3
     # The snapshot saved holds the catalog as the first write left it.
     catalog = Catalog()
     with models.store.read() as conn:
@@ -1157,24 +1163,8 @@ def test_writers_do_not_wait_for_the_lookup_of_a_config_put_back(
     monkeypatch.setenv(LOCK_WAIT_ENV, "1")  # refused after that, were it to wait
     service(write_config(config_yaml(model_spec("base")))).add(model_spec("m"), by="a node")
     models = service(write_config(config_yaml(model_spec("base"), model_spec("extra"))))
-    looking, written = threading.Event(), threading.Event()
-    last_replaced = snapshots.last_replaced
-
-    def held_lookup(conn: sa.Connection, fingerprint: str, *, upto: int) -> tuple[int, int] | None:
-        looking.set()
-        written.wait(10)  # until the other write below is done
-        return last_replaced(conn, fingerprint, upto=upto)
-
-    monkeypatch.setattr(snapshots, "last_replaced", held_lookup)
     # Its config recorded at 3, over the other node's at 1; its change at 4.
-    command = threading.Thread(target=lambda: models.scale("m", 0, 3, by="ops"))
-    command.start()
-    try:
-        assert looking.wait(10)
-        assert models.scale("m", 1, 3, by="another thread").revision == 5
-    finally:
-        written.set()
-        command.join()
+    assert _written_while_held(monkeypatch, "last_replaced", models) == 5
     assert models.get_model("m")["scaling"] == {"min": 1, "max": 3}
 
 
