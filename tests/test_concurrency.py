@@ -1151,6 +1151,45 @@ def test_writers_do_not_wait_for_a_snapshot_another_write_of_the_process_saves(
     models.close()
 
 
+def test_a_writer_does_not_wait_for_the_encoding_of_a_large_snapshot(db_url: str) -> None:
+    """msgspec holds the GIL through a call: a snapshot of 100,000 models
+    encoded in one kept every other thread of the process (a server's
+    handlers) from running, and a write of one waited 65-90 ms, where it
+    takes 3-7 alone. Its models are encoded a slice at a time now, the GIL
+    let go between: a write made meanwhile answers in a small part of the
+    encoding's time (it answered at three quarters of it or after, as the
+    compression, which lets go of the GIL, began)."""
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
+    models.add(model_spec("m"), by="setup")
+    defined = model_spec("large")
+    state = snapshots.SnapshotState(
+        revision=1,
+        last_timestamp=None,
+        recorded_declaration=None,
+        aggregates=[Model(f"large-{i}", 1, defined) for i in range(200_000)],
+        skipped=[],
+    )
+    encoding = threading.Event()
+    written: list[float] = []
+
+    def write() -> None:
+        assert encoding.wait(10)
+        models.scale("m", 0, 3, by="another thread")
+        written.append(time.perf_counter())
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    started = time.perf_counter()
+    encoding.set()
+    snapshots.encode(state)
+    encoded = time.perf_counter() - started
+    writer.join()
+    assert written, "the write failed"
+    waited = written[0] - started
+    assert waited < encoded / 2, f"the write answered {waited:.3f} s in, of {encoded:.3f} s"
+    models.close()
+
+
 def test_writers_do_not_wait_for_the_lookup_of_a_config_put_back(
     service: Callable[..., Models],
     write_config: Callable[..., str],

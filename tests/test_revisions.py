@@ -58,8 +58,9 @@ from catalog_es.spec import ModelSpec, Origin, Scaling
 from catalog_es.storage.schema import channel_of, events_table
 from catalog_es.values import revision_or_time, utc_time
 from catalog_es.views import model_view
+from projections import snapshots
 from projections.catalog import catch_up
-from projections.snapshots import snapshots_table
+from projections.snapshots import MODELS_AT_A_TIME, snapshots_table
 from tests.helpers import config_yaml, count_events, following, log_rows, put_back
 from tests.helpers import parsed as spec
 
@@ -900,6 +901,44 @@ def test_a_restart_resumes_from_the_newest_snapshot(
     again = open_models(interval=5)
     assert again.list_models() == models.list_models()
     assert again.catalog.revision == models.revision
+
+
+@pytest.mark.parametrize(
+    "count", [0, 1, 15, 16, MODELS_AT_A_TIME, 2 * MODELS_AT_A_TIME + 17, 2**16]
+)
+def test_a_snapshot_encoded_a_slice_of_models_at_a_time_is_as_encoded_whole(count: int) -> None:
+    """A snapshot's models are encoded a slice at a time, so that no other
+    thread of the process waits for the GIL through the whole encoding: its
+    bytes are still those of the state encoded in one call, as every
+    release reads them (each header msgpack gives a list: 1, 3 and 5 bytes)."""
+    defined = spec("m", owner="team:a")
+    state = snapshots.SnapshotState(
+        revision=count + 3,
+        last_timestamp=utc_now(),
+        recorded_declaration=("f" * 64, 1),
+        aggregates=[Model(f"m{i}", i + 1, defined if i % 7 else None) for i in range(count)],
+        skipped=[Skipped(2, "gone", "Scaled", "not in the catalog")],
+        unhealed=["gone"],
+        rules=snapshots.RULES,
+        chain_hash="0" * 64,
+    )
+    stored = zstandard.ZstdDecompressor().decompress(snapshots.encode(state))
+    assert stored == msgspec.msgpack.encode(state)
+
+
+def test_a_snapshot_of_more_models_than_are_encoded_at_a_time_restores_them_all(
+    open_models: Callable[..., Models],
+) -> None:
+    models = open_models(interval=2)
+    count = 2 * MODELS_AT_A_TIME + 17
+    models.apply_changes([commands.add(spec(f"m{i:04d}")) for i in range(count)], by="x")
+    with models.store.read() as conn:
+        assert snapshots.taken_since(conn, models.declared.fingerprint, 0) == [models.revision]
+        restored = Catalog()
+        assert snapshots.restore(conn, restored, models.declared.fingerprint, upto=None)
+    assert restored.revision == models.revision
+    assert restored.aggregates == models.catalog.aggregates
+    assert len(restored.aggregates) == count
 
 
 def test_a_start_on_a_log_without_snapshots_asks_for_them_once(
