@@ -4156,6 +4156,30 @@ def test_a_log_sqlite_cannot_open_as_the_url_does_names_the_setting_to_drop(
     assert log_rows(plain) == log
 
 
+def test_a_setting_sqlite_is_not_given_is_not_named_as_why_a_log_cannot_be_opened(
+    tmp_path: Path,
+) -> None:
+    """Without ``uri`` true, SQLAlchemy gives SQLite the path alone, and the
+    URL's other settings go nowhere: a log SQLite could not open (its -wal
+    file a folder here) was told as one it cannot open with the URL's
+    ``nolock=1``, which it never read, advising to drop it (review). It gets
+    SQLite's own line, as the URL without the setting does."""
+    path = tmp_path / "catalog.db"
+    plain = f"sqlite:///{path}"
+    bootstrap.open_models(plain).close()  # the log made, as a write makes it
+    (tmp_path / "catalog.db-wal").mkdir()
+    files = sorted(tmp_path.iterdir())
+    lines = [
+        refused_in_one_line(CliRunner().invoke(cli, ["--db", url, "revision"]))
+        for url in (plain, f"{plain}?nolock=1")
+    ]
+    assert (
+        lines
+        == [f"error: the database at {path} could not be used: unable to open database file"] * 2
+    )
+    assert sorted(tmp_path.iterdir()) == files
+
+
 def test_a_disk_with_no_room_for_the_shared_memory_file_is_said_to_be_full_or_failing(
     tmp_path: Path,
 ) -> None:
