@@ -117,7 +117,8 @@ def log_url(url: str) -> sa.URL:
 def _sqlite_file(url: sa.URL) -> str:
     """The file a SQLite URL names."""
     path = url.database or ""
-    if url.query.get("uri"):  # file:PATH, %-escaped, a host or not
+    # file:PATH, %-escaped, a host or not; else a path, "file:" and all (uri=false)
+    if _read_as_uri(url):
         path = unquote(urlsplit(path).path)
     return path
 
