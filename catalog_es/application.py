@@ -784,7 +784,8 @@ class Models(AuditTrail, Application[UUID]):
         # (a read-only database, a busy one) must not fail what asked for it.
         encoded = snapshots.encode(snapshot)
         try:
-            with self.store.write() as conn:
+            # Saved with the process's write lock let go (:meth:`_write`).
+            with self.store.write(beside_commands=True) as conn:
                 snapshots.save(conn, self.declared.fingerprint, snapshot.revision, encoded)
         except (sa.exc.SQLAlchemyError, Refused) as error:
             log.debug("no snapshot at revision %d: %s", snapshot.revision, error)

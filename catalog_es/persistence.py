@@ -729,16 +729,24 @@ class SQLRecorder(ProcessRecorder):
     # -- transactions ------------------------------------------------------------
 
     @contextmanager
-    def write(self, wait: float | None = None) -> Iterator[Connection]:
+    def write(
+        self, wait: float | None = None, *, beside_commands: bool = False
+    ) -> Iterator[Connection]:
         """A write transaction holding the log's write lock: one writer at a time,
         across processes and nodes. Committed at the end of the block, rolled
         back if it raises; :meth:`abandon` rolls it back early. ``wait``: the
         seconds left to wait for the lock, when less than ``lock_wait`` is
-        (a command that queued behind another in this process)."""
+        (a command that queued behind another in this process).
+        ``beside_commands``: on a connection of its own, not the one this
+        process's commands write through, for a write made with none of the
+        process's locks held (a snapshot's): on that one, a command of
+        another thread waited for it to get the lock, then its own wait."""
         if self.dialect == "postgresql":
             # Found once, and not with the lock held: appends notify its channel.
             self.log_schema()
-        with self._locked("LOCK TABLE catalog_events IN EXCLUSIVE MODE", wait=wait) as conn:
+        with self._locked(
+            "LOCK TABLE catalog_events IN EXCLUSIVE MODE", wait=wait, shared=not beside_commands
+        ) as conn:
             yield conn
 
     def abandon(self, conn: Connection) -> None:

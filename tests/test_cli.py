@@ -4156,6 +4156,47 @@ def test_a_log_sqlite_cannot_open_as_the_url_does_names_the_setting_to_drop(
     assert log_rows(plain) == log
 
 
+def test_a_sqlite_url_not_read_as_a_uri_keeps_the_log_at_the_path_sqlite_opens(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``uri`` false, SQLAlchemy gives SQLite the database as a path,
+    "file:" and all (``file:c.db``, in the working folder), where the file
+    was looked after at ``c.db``, read as a URI: a write was refused as if
+    its file were gone, leaving ``file:c.db`` made, and a read answered from
+    that one while naming the other (review)."""
+    monkeypatch.chdir(tmp_path)
+    definition_file = tmp_path / "m.yaml"
+    definition_file.write_bytes(as_yaml(definition("m")))
+    url = "sqlite:///file:c.db?uri=false"
+    ok(CliRunner().invoke(cli, ["--db", url, "model", "add", str(definition_file)]))
+    assert ok(CliRunner().invoke(cli, ["--db", url, "revision"])).stdout == "1\n"
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["file:c.db", "m.yaml"]
+
+
+def test_a_setting_sqlite_is_not_given_is_not_named_as_why_a_log_cannot_be_opened(
+    tmp_path: Path,
+) -> None:
+    """Without ``uri`` true, SQLAlchemy gives SQLite the path alone, and the
+    URL's other settings go nowhere: a log SQLite could not open (its -wal
+    file a folder here) was told as one it cannot open with the URL's
+    ``nolock=1``, which it never read, advising to drop it (review). It gets
+    SQLite's own line, as the URL without the setting does."""
+    path = tmp_path / "catalog.db"
+    plain = f"sqlite:///{path}"
+    bootstrap.open_models(plain).close()  # the log made, as a write makes it
+    (tmp_path / "catalog.db-wal").mkdir()
+    files = sorted(tmp_path.iterdir())
+    lines = [
+        refused_in_one_line(CliRunner().invoke(cli, ["--db", url, "revision"]))
+        for url in (plain, f"{plain}?nolock=1")
+    ]
+    assert (
+        lines
+        == [f"error: the database at {path} could not be used: unable to open database file"] * 2
+    )
+    assert sorted(tmp_path.iterdir()) == files
+
+
 def test_a_disk_with_no_room_for_the_shared_memory_file_is_said_to_be_full_or_failing(
     tmp_path: Path,
 ) -> None:

@@ -117,7 +117,8 @@ def log_url(url: str) -> sa.URL:
 def _sqlite_file(url: sa.URL) -> str:
     """The file a SQLite URL names."""
     path = url.database or ""
-    if url.query.get("uri"):  # file:PATH, %-escaped, a host or not
+    # file:PATH, %-escaped, a host or not; else a path, "file:" and all (uri=false)
+    if _read_as_uri(url):
         path = unquote(urlsplit(path).path)
     return path
 
@@ -294,7 +295,10 @@ _VFS_UNSHARED = ("unix-none", "unix-dotfile")
 def _without_shared_memory(url: sa.URL) -> list[str]:
     """The settings of SQLite URL ``url`` that open its file without the
     locks and shared memory WAL mode needs, as given ("nolock=1"): SQLite
-    opens no file in WAL mode so."""
+    opens no file in WAL mode so. None unless the URL is read as a URI
+    (:func:`_read_as_uri`): SQLite is given no other setting."""
+    if not _read_as_uri(url):
+        return []
     found = []
     for name, values in url.query.items():
         for value in (values,) if isinstance(values, str) else values:
@@ -303,6 +307,19 @@ def _without_shared_memory(url: sa.URL) -> list[str]:
             ):
                 found.append(f"{name}={value}")
     return found
+
+
+def _read_as_uri(url: sa.URL) -> bool:
+    """Whether SQLAlchemy gives SQLite the database of URL ``url`` as a URI,
+    with the URL's settings: its ``uri`` true, as SQLAlchemy reads a
+    boolean; else SQLite is given the path alone."""
+    value = url.query.get("uri")
+    if not isinstance(value, str):
+        return value is not None  # given twice: a tuple, which SQLAlchemy takes as true
+    try:
+        return bool(sa.util.asbool(value))
+    except ValueError:  # refused by SQLAlchemy as the engine connects
+        return False
 
 
 def _sqlite_true(value: str) -> bool:
