@@ -315,6 +315,17 @@ def test_history_is_every_change_to_one_model_field_by_field(models: Models) -> 
     }
 
 
+def test_a_list_of_plain_values_changed_is_one_change_of_the_whole_list(models: Models) -> None:
+    """Only a list of items with names of their own (profiles, adapters) is
+    compared item by item: a list of names (fallbacks), even of one, is one
+    field, before and after whole."""
+    models.add(spec("other"), by="alice")
+    models.add(msgspec.structs.replace(CHAT, fallbacks=("other",)), by="alice")
+    *_, replaced = models.history("chat")
+    fallbacks = [c for c in replaced["changes"] if c["field"].startswith("fallbacks")]
+    assert fallbacks == [{"field": "fallbacks", "before": ["base"], "after": ["other"]}]
+
+
 def test_history_of_a_removed_model_ends_with_its_removal(models: Models) -> None:
     resized = with_changes(
         EMBED_DEFINITION,
@@ -569,6 +580,28 @@ def test_history_of_a_name_never_there_reads_no_config_record(
 )
 def test_audit_filters(models: Models, query: dict[str, Any], revisions: list[int]) -> None:
     assert [r["revision"] for r in models.audit(**query)] == revisions
+
+
+def test_a_time_window_holds_every_row_of_each_event_in_it(
+    make_models: Callable[..., Models], clock: Clock
+) -> None:
+    """A config record has a row of its own and one of each model it
+    declares, all at its revision: a window ending after it holds them all,
+    however many more rows than revisions there are."""
+    models = make_models(config_yaml(spec("a"), spec("b"), spec("c")))
+    clock.minutes = 1
+    models.add(spec("chat"), by="alice")  # 1: the config record, 2
+    clock.minutes = 2
+    models.scale("chat", 1, 2, by="alice")  # 3
+    window: ChangeFilters = {"since": T0, "until": T0 + timedelta(minutes=2)}
+    assert [(r["revision"], r["model"]) for r in models.audit(**window)] == [
+        (1, None),
+        (1, "a"),
+        (1, "b"),
+        (1, "c"),
+        (2, "chat"),
+    ]
+    assert [r["revision"] for r in models.history("c", **window)] == [1]
 
 
 @pytest.mark.parametrize(
@@ -989,6 +1022,36 @@ def test_a_refusal_writes_nothing_to_the_log(models: Models) -> None:
     assert event_count(models) == 8
     assert models.list_models() == catalog
     assert len(models.refusals()) == refused + 1
+
+
+def test_an_answer_of_at_most_rows_is_answered_and_one_of_more_refused(models: Models) -> None:
+    """``at_most`` (the HTTP API's page) bounds an answer asked without a
+    limit: one of that many rows is answered, one of a row more is refused
+    saying how to page; a limit is a bound of its own, answered as asked."""
+
+    def too_many(at_most: int, narrowing: str) -> str:
+        return (
+            f"more than {at_most} rows match: give limit (the most recent N, at most "
+            f"{at_most}), or narrow them with {narrowing}"
+        )
+
+    everything, history, refusals = models.audit(), models.history("chat"), models.refusals()
+    assert (len(everything), len(history), len(refusals)) == (9, 4, 4)
+    assert json.loads(models.audit_json(at_most=9)) == everything
+    with pytest.raises(InputError) as refused:
+        models.audit_json(at_most=8)
+    assert str(refused.value) == too_many(8, "model, by, type, since or until")
+    assert json.loads(models.audit_json(at_most=1, limit=3)) == everything[-3:]
+    assert json.loads(models.history_json("chat", at_most=4)) == history
+    with pytest.raises(InputError) as refused:
+        models.history_json("chat", at_most=3)
+    assert str(refused.value) == too_many(3, "by, type, since or until")
+    assert json.loads(models.history_json("chat", at_most=1, limit=2)) == history[-2:]
+    assert models.refusals(at_most=4) == refusals
+    with pytest.raises(InputError) as refused:
+        models.refusals(at_most=3)
+    assert str(refused.value) == too_many(3, "model, by, type, since or until")
+    assert models.refusals(at_most=1, limit=2) == refusals[-2:]
 
 
 # -- the read model ----------------------------------------------------------------
