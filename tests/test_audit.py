@@ -411,6 +411,9 @@ def test_a_model_a_removal_takes_out_of_force_has_a_row_of_its_own(
     rows = models.audit()
     models.rebuild_audit()
     assert models.audit() == rows
+    # The next event's rows are its own: none of the models the removal took out.
+    added = models.add(spec("v"), by="carol").revision  # after the config's record
+    assert [r["model"] for r in models.audit() if r["revision"] == added] == ["v"]
 
 
 def test_history_of_an_unknown_name_is_not_found_and_of_a_declared_one_is_its_declaration(
@@ -418,6 +421,11 @@ def test_history_of_an_unknown_name_is_not_found_and_of_a_declared_one_is_its_de
 ) -> None:
     with pytest.raises(ModelNotFound):
         models.history("never-seen")
+    # Nor is an empty name, asked of the library as of the CLI: no model's,
+    # not a model filter left empty.
+    for history in (models.history, models.history_json, models.history_rows):
+        with pytest.raises(ModelNotFound, match=r"^model '' has no history"):
+            history("")
     [declared] = models.history("base")
     assert (declared["revision"], declared["by"], declared["event"]) == (1, "alice", "Declared")
     assert declared["after"] == as_json(load_base(models))
