@@ -1338,8 +1338,9 @@ def test_a_catch_up_writes_its_rows_before_they_hold_too_much(
     models.close()
 
 
+@pytest.mark.parametrize("log_goes_on", [False, True], ids=["to-its-end", "in-part"])
 def test_a_catch_up_that_another_process_overtook_writes_only_what_is_left(
-    models: Models, db: str, config: Path, monkeypatch: pytest.MonkeyPatch
+    models: Models, db: str, config: Path, monkeypatch: pytest.MonkeyPatch, log_goes_on: bool
 ) -> None:
     other = open_service(db, config)
     assert len(other.audit()) == len(models.audit()) == len(SCRIPTED_ROWS)
@@ -1350,17 +1351,21 @@ def test_a_catch_up_that_another_process_overtook_writes_only_what_is_left(
 
     def resume_from(name: str) -> Tracked:
         # ``other`` reads position 8; ``models`` then writes rows 9 and 10
-        # before ``other`` writes the rows it staged.
+        # before ``other`` writes the rows it staged: all of them, or all
+        # but 11 when the log goes on meanwhile.
         tracked = real_resume_from(name)
         models.audit()
+        if log_goes_on:
+            models.scale("chat", 1, 4, by="bob")
         return tracked
 
     monkeypatch.setattr(view, "resume_from", resume_from)
-    assert [r["revision"] for r in other.audit(limit=3)] == [8, 9, 10]
+    head = 11 if log_goes_on else 10
+    assert [r["revision"] for r in other.audit(limit=3)] == [head - 2, head - 1, head]
     monkeypatch.undo()
-    models.scale("chat", 1, 4, by="bob")
+    models.scale("chat", 1, 5, by="bob")
     assert other.audit() == models.audit()
-    assert [r["revision"] for r in models.audit()] == [*SCRIPTED_ROWS, 9, 10, 11]
+    assert [r["revision"] for r in models.audit()] == [*SCRIPTED_ROWS, *range(9, head + 2)]
     other.close()
 
 
