@@ -1010,6 +1010,33 @@ def test_a_refusal_of_text_no_codec_could_read_is_kept_written_out(models: Model
     assert kept["fields"]["origin"]["repository"] == "org/\\udcff"
 
 
+def test_a_refusals_fields_are_kept_up_to_their_bound_and_written_out_whole(
+    models: Models,
+) -> None:
+    """Fields of exactly MAX_KEPT_FIELDS bytes are kept, as the note of those
+    omitted says ("at most N are kept"); a byte more, omitted. Fields holding
+    a lone surrogate are kept written out, every value beside it as it was."""
+    bound = catalog_es.audit.MAX_KEPT_FIELDS
+    empty_note = len(msgspec.json.encode({"note": ""}))
+    refusal = Refused("no")
+    for extra, kept in ((0, True), (1, False)):
+        fields = {"note": "x" * (bound - empty_note + extra)}
+        models.record_refusal("Scaled", "chat", "ops", "", fields, refusal)
+        expected = (
+            fields
+            if kept
+            else {"omitted": f"{bound + 1} bytes of fields; at most {bound} are kept"}
+        )
+        assert models.refusals()[-1]["fields"] == expected
+    unreadable = {"names": ["a\udcff", "b"], "count": 2, "spec": {"gpus": [1]}}
+    models.record_refusal("Scaled", "chat", "ops", "", unreadable, refusal)
+    assert models.refusals()[-1]["fields"] == {
+        "names": ["a\\udcff", "b"],
+        "count": 2,
+        "spec": {"gpus": [1]},
+    }
+
+
 def test_a_limit_keeps_the_last_matches_in_log_order_when_clocks_disagree(
     models: Models, clock: Clock
 ) -> None:
