@@ -2236,6 +2236,8 @@ def test_a_node_whose_role_may_not_drop_an_unused_configs_table_still_answers(
         other.close()
         assert "no longer in use left: must be owner of table" in caplog.text
         assert table_of(unused) in audit_tables(pg_url)
+        # Its position is left with it: its node goes on from there, not from nothing.
+        assert unused._audit.view.max_tracking_id(unused.name) == SCRIPTED_ROWS[-1]
         assert answer == rebuilt_audit(pg_url, declares_chat)
     finally:
         with pg_admin.connect() as conn:
