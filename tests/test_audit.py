@@ -315,6 +315,17 @@ def test_history_is_every_change_to_one_model_field_by_field(models: Models) -> 
     }
 
 
+def test_a_list_of_plain_values_changed_is_one_change_of_the_whole_list(models: Models) -> None:
+    """Only a list of items with names of their own (profiles, adapters) is
+    compared item by item: a list of names (fallbacks), even of one, is one
+    field, before and after whole."""
+    models.add(spec("other"), by="alice")
+    models.add(msgspec.structs.replace(CHAT, fallbacks=("other",)), by="alice")
+    *_, replaced = models.history("chat")
+    fallbacks = [c for c in replaced["changes"] if c["field"].startswith("fallbacks")]
+    assert fallbacks == [{"field": "fallbacks", "before": ["base"], "after": ["other"]}]
+
+
 def test_history_of_a_removed_model_ends_with_its_removal(models: Models) -> None:
     resized = with_changes(
         EMBED_DEFINITION,
@@ -400,6 +411,9 @@ def test_a_model_a_removal_takes_out_of_force_has_a_row_of_its_own(
     rows = models.audit()
     models.rebuild_audit()
     assert models.audit() == rows
+    # The next event's rows are its own: none of the models the removal took out.
+    added = models.add(spec("v"), by="carol").revision  # after the config's record
+    assert [r["model"] for r in models.audit() if r["revision"] == added] == ["v"]
 
 
 def test_history_of_an_unknown_name_is_not_found_and_of_a_declared_one_is_its_declaration(
@@ -407,6 +421,11 @@ def test_history_of_an_unknown_name_is_not_found_and_of_a_declared_one_is_its_de
 ) -> None:
     with pytest.raises(ModelNotFound):
         models.history("never-seen")
+    # Nor is an empty name, asked of the library as of the CLI: no model's,
+    # not a model filter left empty.
+    for history in (models.history, models.history_json, models.history_rows):
+        with pytest.raises(ModelNotFound, match=r"^model '' has no history"):
+            history("")
     [declared] = models.history("base")
     assert (declared["revision"], declared["by"], declared["event"]) == (1, "alice", "Declared")
     assert declared["after"] == as_json(load_base(models))
@@ -569,6 +588,28 @@ def test_history_of_a_name_never_there_reads_no_config_record(
 )
 def test_audit_filters(models: Models, query: dict[str, Any], revisions: list[int]) -> None:
     assert [r["revision"] for r in models.audit(**query)] == revisions
+
+
+def test_a_time_window_holds_every_row_of_each_event_in_it(
+    make_models: Callable[..., Models], clock: Clock
+) -> None:
+    """A config record has a row of its own and one of each model it
+    declares, all at its revision: a window ending after it holds them all,
+    however many more rows than revisions there are."""
+    models = make_models(config_yaml(spec("a"), spec("b"), spec("c")))
+    clock.minutes = 1
+    models.add(spec("chat"), by="alice")  # 1: the config record, 2
+    clock.minutes = 2
+    models.scale("chat", 1, 2, by="alice")  # 3
+    window: ChangeFilters = {"since": T0, "until": T0 + timedelta(minutes=2)}
+    assert [(r["revision"], r["model"]) for r in models.audit(**window)] == [
+        (1, None),
+        (1, "a"),
+        (1, "b"),
+        (1, "c"),
+        (2, "chat"),
+    ]
+    assert [r["revision"] for r in models.history("c", **window)] == [1]
 
 
 @pytest.mark.parametrize(
@@ -969,6 +1010,33 @@ def test_a_refusal_of_text_no_codec_could_read_is_kept_written_out(models: Model
     assert kept["fields"]["origin"]["repository"] == "org/\\udcff"
 
 
+def test_a_refusals_fields_are_kept_up_to_their_bound_and_written_out_whole(
+    models: Models,
+) -> None:
+    """Fields of exactly MAX_KEPT_FIELDS bytes are kept, as the note of those
+    omitted says ("at most N are kept"); a byte more, omitted. Fields holding
+    a lone surrogate are kept written out, every value beside it as it was."""
+    bound = catalog_es.audit.MAX_KEPT_FIELDS
+    empty_note = len(msgspec.json.encode({"note": ""}))
+    refusal = Refused("no")
+    for extra, kept in ((0, True), (1, False)):
+        fields = {"note": "x" * (bound - empty_note + extra)}
+        models.record_refusal("Scaled", "chat", "ops", "", fields, refusal)
+        expected = (
+            fields
+            if kept
+            else {"omitted": f"{bound + 1} bytes of fields; at most {bound} are kept"}
+        )
+        assert models.refusals()[-1]["fields"] == expected
+    unreadable = {"names": ["a\udcff", "b"], "count": 2, "spec": {"gpus": [1]}}
+    models.record_refusal("Scaled", "chat", "ops", "", unreadable, refusal)
+    assert models.refusals()[-1]["fields"] == {
+        "names": ["a\\udcff", "b"],
+        "count": 2,
+        "spec": {"gpus": [1]},
+    }
+
+
 def test_a_limit_keeps_the_last_matches_in_log_order_when_clocks_disagree(
     models: Models, clock: Clock
 ) -> None:
@@ -989,6 +1057,36 @@ def test_a_refusal_writes_nothing_to_the_log(models: Models) -> None:
     assert event_count(models) == 8
     assert models.list_models() == catalog
     assert len(models.refusals()) == refused + 1
+
+
+def test_an_answer_of_at_most_rows_is_answered_and_one_of_more_refused(models: Models) -> None:
+    """``at_most`` (the HTTP API's page) bounds an answer asked without a
+    limit: one of that many rows is answered, one of a row more is refused
+    saying how to page; a limit is a bound of its own, answered as asked."""
+
+    def too_many(at_most: int, narrowing: str) -> str:
+        return (
+            f"more than {at_most} rows match: give limit (the most recent N, at most "
+            f"{at_most}), or narrow them with {narrowing}"
+        )
+
+    everything, history, refusals = models.audit(), models.history("chat"), models.refusals()
+    assert (len(everything), len(history), len(refusals)) == (9, 4, 4)
+    assert json.loads(models.audit_json(at_most=9)) == everything
+    with pytest.raises(InputError) as refused:
+        models.audit_json(at_most=8)
+    assert str(refused.value) == too_many(8, "model, by, type, since or until")
+    assert json.loads(models.audit_json(at_most=1, limit=3)) == everything[-3:]
+    assert json.loads(models.history_json("chat", at_most=4)) == history
+    with pytest.raises(InputError) as refused:
+        models.history_json("chat", at_most=3)
+    assert str(refused.value) == too_many(3, "by, type, since or until")
+    assert json.loads(models.history_json("chat", at_most=1, limit=2)) == history[-2:]
+    assert models.refusals(at_most=4) == refusals
+    with pytest.raises(InputError) as refused:
+        models.refusals(at_most=3)
+    assert str(refused.value) == too_many(3, "model, by, type, since or until")
+    assert models.refusals(at_most=1, limit=2) == refusals[-2:]
 
 
 # -- the read model ----------------------------------------------------------------
@@ -1101,6 +1199,11 @@ def test_the_audit_resumes_from_its_position_and_never_applies_twice(
             sa.select(sa.func.count()).select_from(view.table(models.name))
         ).scalar()
     assert count == len(SCRIPTED_ROWS) + 2
+    # One past it is written, vouching for no log: the rows are made again.
+    view.insert_tracking(Tracking(models.name, 11))
+    assert view.max_tracking_id(models.name) == 11
+    assert [r["revision"] for r in models.audit()] == [*SCRIPTED_ROWS, 9, 10]
+    assert view.max_tracking_id(models.name) == 10
     other.close()
 
 
@@ -1267,8 +1370,9 @@ def test_a_catch_up_writes_its_rows_before_they_hold_too_much(
     models.close()
 
 
+@pytest.mark.parametrize("log_goes_on", [False, True], ids=["to-its-end", "in-part"])
 def test_a_catch_up_that_another_process_overtook_writes_only_what_is_left(
-    models: Models, db: str, config: Path, monkeypatch: pytest.MonkeyPatch
+    models: Models, db: str, config: Path, monkeypatch: pytest.MonkeyPatch, log_goes_on: bool
 ) -> None:
     other = open_service(db, config)
     assert len(other.audit()) == len(models.audit()) == len(SCRIPTED_ROWS)
@@ -1279,17 +1383,21 @@ def test_a_catch_up_that_another_process_overtook_writes_only_what_is_left(
 
     def resume_from(name: str) -> Tracked:
         # ``other`` reads position 8; ``models`` then writes rows 9 and 10
-        # before ``other`` writes the rows it staged.
+        # before ``other`` writes the rows it staged: all of them, or all
+        # but 11 when the log goes on meanwhile.
         tracked = real_resume_from(name)
         models.audit()
+        if log_goes_on:
+            models.scale("chat", 1, 4, by="bob")
         return tracked
 
     monkeypatch.setattr(view, "resume_from", resume_from)
-    assert [r["revision"] for r in other.audit(limit=3)] == [8, 9, 10]
+    head = 11 if log_goes_on else 10
+    assert [r["revision"] for r in other.audit(limit=3)] == [head - 2, head - 1, head]
     monkeypatch.undo()
-    models.scale("chat", 1, 4, by="bob")
+    models.scale("chat", 1, 5, by="bob")
     assert other.audit() == models.audit()
-    assert [r["revision"] for r in models.audit()] == [*SCRIPTED_ROWS, 9, 10, 11]
+    assert [r["revision"] for r in models.audit()] == [*SCRIPTED_ROWS, *range(9, head + 2)]
     other.close()
 
 
@@ -2128,6 +2236,8 @@ def test_a_node_whose_role_may_not_drop_an_unused_configs_table_still_answers(
         other.close()
         assert "no longer in use left: must be owner of table" in caplog.text
         assert table_of(unused) in audit_tables(pg_url)
+        # Its position is left with it: its node goes on from there, not from nothing.
+        assert unused._audit.view.max_tracking_id(unused.name) == SCRIPTED_ROWS[-1]
         assert answer == rebuilt_audit(pg_url, declares_chat)
     finally:
         with pg_admin.connect() as conn:
