@@ -450,6 +450,16 @@ REFUSED: list[Any] = [
     pytest.param(lambda m: m.add(spec("n"), by=""), InputError, id="no-actor"),
     pytest.param(lambda m: m.add(spec("n"), by="x" * 129), InputError, id="long-actor"),
     pytest.param(lambda m: m.add(spec("n"), by=ACTOR, reason="r" * 1001), InputError, id="reason"),
+    # Every command's actor and reason, and its name before the log is looked at.
+    pytest.param(lambda m: m.scale("base", 1, 2, by=""), InputError, id="scale-no-actor"),
+    pytest.param(
+        lambda m: m.remove("base", by=ACTOR, reason="r" * 1001), InputError, id="remove-reason"
+    ),
+    pytest.param(
+        lambda m: m.scale("bad name", 1, 2, by=ACTOR, expected_revision=0),
+        InvalidModel,
+        id="scale-bad-name-stale",
+    ),
 ]
 
 
