@@ -648,6 +648,17 @@ def test_a_second_service_decides_on_the_first_ones_writes(make_models: MakeMode
     assert [e["revision"] for e in first.log_events()] == [1, 2, 3, 4]
 
 
+def test_a_service_writes_a_model_another_service_wrote_since(make_models: MakeModels) -> None:
+    # What a service knows of a model's stream (its last version, saved a
+    # read per write) no longer holds once another writer moved the log.
+    first, second = make_models(), make_models()
+    first.add(spec("a"), by=ACTOR)
+    second.scale("a", 1, 2, by=ACTOR)
+    assert first.scale("a", 1, 3, by=ACTOR).revision == 3
+    assert second.get_model("a")["scaling"] == {"min": 1, "max": 3}
+    assert first.verify()["ok"] is True
+
+
 # -- declared models --------------------------------------------------------------------
 
 
