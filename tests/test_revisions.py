@@ -1319,6 +1319,10 @@ def test_diff_names_models_added_removed_and_each_changed_field(
         }
     ]
 
+    # A name no model can have is a typo, refused, not "no change".
+    with pytest.raises(InvalidModel, match="is not a valid name"):
+        models.diff(0, model="Bad Name!")
+
 
 # -- rollback -------------------------------------------------------------------------------
 
@@ -1820,6 +1824,18 @@ def test_a_rollbacks_notes_are_told_ten_at_most_then_how_many_more(
 
 
 # -- watch ------------------------------------------------------------------------------------
+
+
+def test_a_watch_asked_from_no_revision_gives_every_change_from_the_first(
+    open_models: Callable[..., Models],
+) -> None:
+    models = open_models()
+    models.add(spec("a"), by="x")
+    watch = models.watch(poll_interval=0.02)
+    events = iter(watch)
+    first = next(events)
+    watch.stop()
+    assert first["revision"] == 1
 
 
 def test_watch_delivers_every_change_after_a_revision_once_across_a_restart(
