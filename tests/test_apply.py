@@ -258,6 +258,48 @@ def test_a_list_with_an_add_refused_as_a_whole_before_the_probe_is_kept_as_apply
     assert count_events(db_url) == rows
 
 
+class RefuseSourcesUnprobed(RefuseSources):
+    """A check that refuses without a slow probe, so is asked with no list decided first."""
+
+    probes = False
+
+
+def test_an_apply_refuses_its_names_and_actor_before_the_log_or_the_check(db_url: str) -> None:
+    """As a single command does: a name no model can have, with its place in
+    the list, before a stale expected revision or the pre-add check; an actor
+    no one can be before the check, which would keep a refusal under it."""
+    check = RefuseSourcesUnprobed()
+    models = Models(DeclaredConfig(), pre_add_check=check, env={"CATALOG_ES_DB": db_url})
+    models.add(model_spec("a"), by="ops")
+    check.checked.clear()
+    rows = count_events(db_url)
+    broken = commands.add(model_spec("b", source="hf://broken/b"))
+    with pytest.raises(Refused, match=r"^change 2 \(scale a b\) refused, nothing applied: .*name"):
+        models.apply_changes(
+            [broken, commands.scale("a b", maximum=2)], by="ops", expected_revision=0
+        )
+    with pytest.raises(InputError, match=r"^actor ''"):
+        models.apply_changes([broken], by="")
+    assert check.checked == []
+    assert [(r["event"], r["model"], r["by"]) for r in models.refusals()] == [
+        ("Scaled", "a b", "ops")
+    ]
+    assert count_events(db_url) == rows
+
+
+def test_a_list_decided_before_the_probe_decides_each_change_on_the_ones_before_it(
+    db_url: str,
+) -> None:
+    """The decision a probing pre-add check waits for is the write's: a change
+    to a model an earlier change adds goes through, probed once."""
+    check = RefuseSources()
+    models = Models(DeclaredConfig(), pre_add_check=check, env={"CATALOG_ES_DB": db_url})
+    steps = [commands.add(model_spec("a")), commands.scale("a", maximum=3)]
+    assert models.apply_changes(steps, by="ops")["changes"] == 2
+    assert models.get_model("a")["scaling"] == {"min": 1, "max": 3}
+    assert check.checked == ["a"]
+
+
 def test_a_refused_changes_fields_are_kept_only_up_to_a_size(db_url: str, tmp_path: Path) -> None:
     # An apply file may be 64 MiB: its refused change is recorded, not copied whole.
     models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})

@@ -53,7 +53,7 @@ from catalog_es.errors import (
 )
 from catalog_es.inputs import load_config
 from catalog_es.mapper import EventMapper
-from catalog_es.model import Model, model_id, utc_now
+from catalog_es.model import Model, model_id, utc_now, utc_text
 from catalog_es.spec import ModelSpec, Origin, Scaling
 from catalog_es.storage.schema import channel_of, events_table
 from catalog_es.values import revision_or_time, utc_time
@@ -605,6 +605,25 @@ def test_a_time_the_log_shows_reads_though_a_fast_clock_wrote_it(
     # Past the log's newest time and this clock, a change may yet come before it.
     with pytest.raises(Refused, match="is in the future"):
         models.list_models(at=scaled + timedelta(microseconds=1))
+
+
+def test_a_change_after_a_config_recorded_alone_by_a_fast_clock_is_stamped_after_it(
+    open_models: Callable[..., Models], tmp_path: Path
+) -> None:
+    """A node ten minutes fast records its config alone (as a server starts):
+    its next change, its clock back, is stamped after that record, so time in
+    the log never runs backwards."""
+    open_models().add(spec("a"), by="x")
+    other = tmp_path / "other.yaml"
+    other.write_text(DECLARED_YAML.replace("base", "b"))
+    models = open_models(config=other)
+    fast = datetime.now(UTC) + timedelta(minutes=10)
+    with patch("catalog_es.application.utc_now", lambda: fast):
+        models.record_declaration(by="fast-node")
+    models.scale("a", 0, 3, by="x")
+    # The first config's record and the add, one transaction, share a time.
+    *_, recorded, scaled = (e["time"] for e in models.log_events())
+    assert scaled > recorded == utc_text(fast)
 
 
 def test_a_revision_inside_a_transaction_reads_the_boundary_before_it(
@@ -1304,6 +1323,9 @@ def test_a_changed_declared_config_is_recorded_by_the_next_write_only(
     assert len(list(reopened.log_events())) == 2
     skipped = reopened.skipped()
     assert [(s.model, s.event) for s in skipped] == [("a", "Added")]
+    # Nor does a write that changes nothing (a rollback to now): it says it wrote nothing.
+    assert reopened.rollback(reopened.revision, by="bob")["written"] is False
+    assert len(list(reopened.log_events())) == 2
     reopened.add(spec("c"), by="bob")
     log = list(reopened.log_events())
     assert [e["event"] for e in log] == ["ConfigDeclared", "Added", "ConfigDeclared", "Added"]
@@ -1335,6 +1357,10 @@ def test_diff_names_models_added_removed_and_each_changed_field(
             },
         }
     ]
+
+    # A name no model can have is a typo, refused, not "no change".
+    with pytest.raises(InvalidModel, match="is not a valid name"):
+        models.diff(0, model="Bad Name!")
 
 
 # -- rollback -------------------------------------------------------------------------------
@@ -1837,6 +1863,18 @@ def test_a_rollbacks_notes_are_told_ten_at_most_then_how_many_more(
 
 
 # -- watch ------------------------------------------------------------------------------------
+
+
+def test_a_watch_asked_from_no_revision_gives_every_change_from_the_first(
+    open_models: Callable[..., Models],
+) -> None:
+    models = open_models()
+    models.add(spec("a"), by="x")
+    watch = models.watch(poll_interval=0.02)
+    events = iter(watch)
+    first = next(events)
+    watch.stop()
+    assert first["revision"] == 1
 
 
 def test_watch_delivers_every_change_after_a_revision_once_across_a_restart(

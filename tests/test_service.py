@@ -450,6 +450,16 @@ REFUSED: list[Any] = [
     pytest.param(lambda m: m.add(spec("n"), by=""), InputError, id="no-actor"),
     pytest.param(lambda m: m.add(spec("n"), by="x" * 129), InputError, id="long-actor"),
     pytest.param(lambda m: m.add(spec("n"), by=ACTOR, reason="r" * 1001), InputError, id="reason"),
+    # Every command's actor and reason, and its name before the log is looked at.
+    pytest.param(lambda m: m.scale("base", 1, 2, by=""), InputError, id="scale-no-actor"),
+    pytest.param(
+        lambda m: m.remove("base", by=ACTOR, reason="r" * 1001), InputError, id="remove-reason"
+    ),
+    pytest.param(
+        lambda m: m.scale("bad name", 1, 2, by=ACTOR, expected_revision=0),
+        InvalidModel,
+        id="scale-bad-name-stale",
+    ),
 ]
 
 
@@ -636,6 +646,17 @@ def test_a_second_service_decides_on_the_first_ones_writes(make_models: MakeMode
     assert second.remove("a", by=ACTOR).revision == 4
     assert first.list_models() == second.list_models() == []
     assert [e["revision"] for e in first.log_events()] == [1, 2, 3, 4]
+
+
+def test_a_service_writes_a_model_another_service_wrote_since(make_models: MakeModels) -> None:
+    # What a service knows of a model's stream (its last version, saved a
+    # read per write) no longer holds once another writer moved the log.
+    first, second = make_models(), make_models()
+    first.add(spec("a"), by=ACTOR)
+    second.scale("a", 1, 2, by=ACTOR)
+    assert first.scale("a", 1, 3, by=ACTOR).revision == 3
+    assert second.get_model("a")["scaling"] == {"min": 1, "max": 3}
+    assert first.verify()["ok"] is True
 
 
 # -- declared models --------------------------------------------------------------------
