@@ -1715,6 +1715,17 @@ BAD_FILES = [
         'owner: Input should be a valid string (got 1.5, a number: write it quoted, "1.5")',
         id="float-for-owner",
     ),
+    # Only a number is told to be quoted: not a list, nor a null.
+    pytest.param(
+        as_json(_with(owner=["org:a"])),
+        "owner: Input should be a valid string (got list)",
+        id="list-for-owner",
+    ),
+    pytest.param(
+        as_json(_with(owner=None)),
+        "owner: Input should be a valid string (got null)",
+        id="null-for-owner",
+    ),
     pytest.param(
         as_yaml(_with(profiles=_profile(gpus=date(2026, 1, 1)))),
         "profiles[0].gpus: Input should be a valid integer (got 2026-01-01, which YAML reads "
