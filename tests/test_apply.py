@@ -16,7 +16,7 @@ from catalog_es.application import Models
 from catalog_es.cli import cli
 from catalog_es.configuration import DeclaredConfig
 from catalog_es.errors import InputError, Refused, json_in_pieces, json_line
-from catalog_es.inputs import read_changes
+from catalog_es.inputs import MAX_CHANGES, read_changes
 from catalog_es.spec import ModelSpec
 from tests.conftest import RefuseSources
 from tests.helpers import count_events, model_spec
@@ -70,6 +70,13 @@ def test_one_refused_change_refuses_them_all(db_url: str, tmp_path: Path) -> Non
     good += "- remove: {name: a}\n"  # as every other change names its model, or alone
     models.apply_changes(read_changes(write(tmp_path, good)), by="ops")
     assert [m["name"] for m in models.list_models()] == ["b"]
+
+
+def test_a_list_of_as_many_changes_as_an_apply_takes_is_read(tmp_path: Path) -> None:
+    """The limit is the most changes taken, not the fewest refused (one more
+    is, test_fuzz): counted before parsing, and again once parsed."""
+    text = json.dumps([{"remove": "m"}] * MAX_CHANGES)
+    assert len(read_changes(write(tmp_path, text))) == MAX_CHANGES
 
 
 @pytest.mark.parametrize(

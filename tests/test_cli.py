@@ -87,6 +87,7 @@ from tests.helpers import (
     definition,
     following,
     log_rows,
+    model_data,
     schema_of,
     spec,
     stops_blocked,
@@ -339,10 +340,35 @@ def test_a_model_shown_can_be_edited_and_added_again(
         ("effective_class", "critical", "effective_class: is worked out, not set: this"),
         ("declared", True, "declared: true is what model show says of a model the config"),
         ("warnings", ["bogus"], "warnings: are worked out, not set: this definition has none"),
+        # What they are checked against refused: that is the one problem told.
+        ("scaling", {"min": "1", "max": 5}, "scaling.min: Input should be a valid integer"),
+        ("class", 5, "class: Input should be a valid string"),
+        ("name", 5, "name: Input should be a valid string"),
+        ("profiles", [{"name": "gpu", "gpus": "1"}], "profiles[0].gpus: Input should be a"),
     ):
         wrong = write("wrong.json", as_json({**shown, field: value}))
         assert told in refused_in_one_line(run("model", "add", wrong))
     assert rows() == before
+
+
+def test_a_definition_s_fields_left_out_are_shown_as_their_defaults(run: Run, write: Any) -> None:
+    """What comes back is what will run: a profile's numbers left out are 0,
+    scaling 1 to 1, and the rest empty (DESIGN.md's table)."""
+    ok(run("model", "add", write("m.json", as_json(model_data("m")))))
+    assert json.loads(ok(run("model", "show", "m", "--json")).stdout) == {
+        **model_data("m"),
+        "profiles": [
+            {"name": "gpu", "gpus": 1, "gpu_memory_gb": 0, "min_memory_gb": 0, "cpu_cores": 0}
+        ],
+        "scaling": {"min": 1, "max": 1},
+        "class": "",
+        "owner": "",
+        "adapters": [],
+        "fallbacks": [],
+        "origin": None,
+        "effective_class": "standard",
+        "declared": False,
+    }
 
 
 def test_an_origin_given_in_part_is_shown_with_null_and_a_field_given_empty_is_refused(
@@ -1647,6 +1673,15 @@ BAD_FILES = [
         id="unknown-field-with-a-line-break",
     ),
     pytest.param(as_json(_with(**{"k" * 10_240: 1})), "['kkkk", id="10kb-unknown-field"),
+    # A key as long as a quoted one is shown is still a field's name, unquoted.
+    pytest.param(
+        as_json(_with(**{"k" * 60: 1})), f": {'k' * 60}: unknown field", id="60-character-field"
+    ),
+    pytest.param(
+        as_json(_with(colour=1, size=2, shape=3)),
+        ": colour: unknown field (and 2 more problems)",
+        id="three-unknown-fields",
+    ),
     # Checked up to the first bad item, not into 100,000 error records.
     pytest.param(
         as_json(_with(profiles=[{"gpus": "x"}] * 50_000)),
@@ -1679,6 +1714,17 @@ BAD_FILES = [
         as_json(_with(owner=1.5)),
         'owner: Input should be a valid string (got 1.5, a number: write it quoted, "1.5")',
         id="float-for-owner",
+    ),
+    # Only a number is told to be quoted: not a list, nor a null.
+    pytest.param(
+        as_json(_with(owner=["org:a"])),
+        "owner: Input should be a valid string (got list)",
+        id="list-for-owner",
+    ),
+    pytest.param(
+        as_json(_with(owner=None)),
+        "owner: Input should be a valid string (got null)",
+        id="null-for-owner",
     ),
     pytest.param(
         as_yaml(_with(profiles=_profile(gpus=date(2026, 1, 1)))),
@@ -1916,8 +1962,38 @@ def test_an_actor_or_reason_of_emoji_with_joiners_is_text(seeded: Run) -> None:
         "na\u00efve \u2014 \u0645\u06cc\u200c\u062e\u0648\u0627\u0647\u0645",
     )
     ok(seeded("--by", actor, "model", "scale", "m", "--max", "3", "--reason", reason))
-    (last,) = [json.loads(line) for line in ok(seeded("log", "--json")).stdout.splitlines()][-1:]
-    assert (last["by"], last["reason"]) == (actor, reason)
+    assert _last_by_and_reason(seeded) == (actor, reason)
+
+
+def _last_by_and_reason(seeded: Run) -> tuple[str, str]:
+    """Who made the log's last change, and why, as ``log --json`` tells them."""
+    last = json.loads(ok(seeded("log", "--json")).stdout.splitlines()[-1])
+    return last["by"], last["reason"]
+
+
+def test_an_actor_and_a_reason_are_taken_up_to_their_limits_and_quoted_cut_short_past_them(
+    seeded: Run, rows: Callable[[], int]
+) -> None:
+    """128 characters of actor and 1,000 of reason are recorded; one more is
+    refused, the actor quoted by its first 40 characters."""
+    actor, reason = "a" * 128, "r" * 1000
+    ok(seeded("--by", actor, "model", "scale", "m", "--max", "3", "--reason", reason))
+    assert _last_by_and_reason(seeded) == (actor, reason)
+    written = rows()
+    scale = ("model", "scale", "m", "--max", "4")
+    assert refused_in_one_line(seeded("--by", actor + "a", *scale)) == (
+        f"error: actor '{'a' * 40}': must be 1-128 characters, some of them visible, "
+        "and no control or bidi characters"
+    )
+    assert refused_in_one_line(seeded("--by", "b" * 50 + " ", *scale)) == (
+        f"error: actor '{'b' * 40}': begins or ends with a space, which no one filtering by "
+        "the name would match: leave the spaces out"
+    )
+    assert refused_in_one_line(seeded(*scale, "--reason", reason + "r")) == (
+        "error: reason: must be at most 1000 characters, "
+        "and no control or bidi characters but line breaks"
+    )
+    assert rows() == written
 
 
 def test_a_bad_config_file_is_refused_in_one_line_naming_it(run: Run, write: Any) -> None:

@@ -1037,7 +1037,10 @@ def test_an_origin_field_given_empty_is_refused_over_http_as_by_the_cli(
     ok(api.post("/models/qwen/source", {"source": "hf://org/x", "origin": in_part}))
     assert ok(api.get("/models/qwen"))["origin"] == in_part
     schema = ok(api.client.get("/openapi.json"))["components"]["schemas"]["OriginInput"]
-    assert schema["properties"]["revision"]["minLength"] == 1
+    assert [schema["properties"][field]["minLength"] for field in ("repository", "revision")] == [
+        1,
+        1,
+    ]
 
 
 def test_a_revision_with_white_space_around_it_is_refused(api: Api, config_file: str) -> None:

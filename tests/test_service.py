@@ -850,6 +850,9 @@ def test_a_bad_declared_config_is_refused_naming_file_model_and_field(
         pytest.param("[vllm, 'v llm']", "engines[1]: 'v llm' is not an engine name", id="space"),
         pytest.param('[vllm, "a\\tb"]', "engines[1]: 'a\\tb' is not an engine name", id="tab"),
         pytest.param(
+            f"[{'x' * 129}]", f"engines[0]: '{'x' * 59}… is not an engine name", id="129-long"
+        ),
+        pytest.param(
             "[vllm, sglang, vllm]", "engines[2]: 'vllm' appears more than once", id="twice"
         ),
     ],
@@ -861,6 +864,14 @@ def test_a_config_whose_engines_no_model_could_name_is_refused(
     with pytest.raises(ConfigError) as error:
         open_models(db_url, path)
     assert str(error.value).startswith(f"{path}: {problem}")
+
+
+def test_a_config_s_engine_names_of_1_to_128_characters_are_taken(
+    write_config: Callable[[str], str],
+) -> None:
+    engines = ("a", "x" * 128)
+    path = write_config(f"engines: [{', '.join(engines)}]\nmodels: []\n")
+    assert load_config(path).engines == engines
 
 
 def test_an_origin_that_says_nothing_is_none_at_runtime_and_as_written_in_config(
