@@ -289,15 +289,16 @@ def replay_state(catalog: Catalog) -> tuple[Any, ...]:
     )
 
 
-def split_replay(models: Models) -> tuple[Catalog, list[Skipped] | None]:
+def split_replay(models: Models, cores: float = 2.0) -> tuple[Catalog, list[Skipped] | None]:
     """The log replayed in two processes from the start, however short it is:
-    the catalog, and the skips (``None``: the split left it to a whole replay)."""
+    the catalog, and the skips (``None``: the split left it to a whole replay).
+    ``cores``: the CPU time the process is taken to have."""
     catalog = Catalog(models.declared.models, models.declared.engines)
     with (
         models.store.read() as conn,
         patch.object(projections.catalog, "SPLIT_AFTER", 0),
         # On a machine of one core too: what is tested is the outcome.
-        patch.object(cpu, "allowance", lambda: 2.0),
+        patch.object(cpu, "allowance", lambda: cores),
     ):
         assert projections.catalog._can_split(catalog, models.store)
         return catalog, projections.catalog._split_replay(catalog, models.store, conn, None)
@@ -335,6 +336,42 @@ def test_a_replay_split_in_two_is_the_whole_replay_or_leaves_it_to_it(steps: lis
 
 
 @pytest.mark.alone
+def test_a_split_load_answers_its_skips_and_no_read_of_one_model_or_rebuild_splits() -> None:
+    """``catch_up`` asked to split answers the skips of the split replay, as
+    a whole one does. A read of one model replays only the events naming it,
+    and a rebuild reports each revision (where it writes a snapshot): a
+    split replay would take in every model, and report none."""
+    steps: list[Any] = [
+        ("add", "m1", []),
+        ("add", "m2", []),
+        ("unreadable", "m1", None),
+        ("scale", "m2", (1, 2)),
+    ]
+    with history_models() as models:
+        for revision, step in enumerate(steps, start=1):
+            write(models, revision, step)
+        assert split_replay(models)[1] is not None  # a log that splits
+        whole = full_replay(models, len(steps))
+        assert [skip.revision for skip in whole.skipped] == [3]
+        loaded, one, rebuilt = (
+            Catalog(models.declared.models, models.declared.engines) for _ in range(3)
+        )
+        reported: list[int] = []
+        with (
+            models.store.read() as conn,
+            patch.object(projections.catalog, "SPLIT_AFTER", 0),
+            patch.object(cpu, "allowance", lambda: 2.0),
+        ):
+            assert catch_up(loaded, models.store, conn, split=True) == whole.skipped
+            catch_up(one, models.store, conn, model="m2", split=True)
+            catch_up(rebuilt, models.store, conn, progress=reported.append, split=True)
+        assert replay_state(loaded) == replay_state(whole)
+        assert one.get("m1") is None and one.get("m2") == whole.get("m2")
+        assert reported == [1, 2, 3, 4]
+        assert replay_state(rebuilt) == replay_state(whole)
+
+
+@pytest.mark.alone
 @pytest.mark.parametrize(
     ("steps", "splits"),
     [
@@ -353,6 +390,19 @@ def test_a_replay_is_split_unless_an_event_reaches_across_the_halves(
         for revision, step in enumerate(steps, start=1):
             write(models, revision, step)
         _, skipped = split_replay(models)
+        assert (skipped is not None) == splits
+
+
+@pytest.mark.alone
+@pytest.mark.parametrize(
+    ("cores", "splits"),
+    [(projections.catalog.SPLIT_CORES, True), (projections.catalog.SPLIT_CORES - 0.01, False)],
+)
+def test_a_replay_is_split_from_one_and_a_half_cores_on(cores: float, splits: bool) -> None:
+    with history_models() as models:
+        write(models, 1, ("add", "m1", []))
+        write(models, 2, ("add", "m2", []))
+        _, skipped = split_replay(models, cores)
         assert (skipped is not None) == splits
 
 
