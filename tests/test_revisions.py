@@ -1720,6 +1720,10 @@ def test_rollback_removes_a_model_skipped_now_that_was_not_there_then(
     narrower.write_text("engines: [vllm]\n" + DECLARED_YAML)
     reopened = open_models(config=narrower)
     assert reopened.catalog.was_skipped("x")
+    # Rolled back to its record's own revision: no record written since stands.
+    at_the_record = reopened.rollback(added, dry_run=True, by="ops")
+    assert at_the_record["events"] == []
+    assert [note.split(":")[0] for note in at_the_record["notes"]] == ["model 'x' is left out"]
     result = reopened.rollback(target, by="ops")
     assert [(e["model"], e["event"]) for e in result["events"]] == [("x", "Removed")]
     (note,) = result["notes"]
