@@ -1386,6 +1386,24 @@ def test_rollback_orders_its_events_so_every_step_is_valid(
     assert [e["model"] for e in result["events"]] == ["a", "b", "c"]
 
 
+def test_a_rollback_removes_a_fallback_once_the_model_naming_it_is_put_back_without_it(
+    open_models: Callable[..., Models],
+) -> None:
+    """Removals go first, but x's is refused while a names it: a's re-add
+    without x lets it go, on a second pass, rather than refuse the rollback."""
+    models = open_models()
+    models.add(spec("a"), by="x")
+    target = models.revision
+    models.add(spec("x"), by="x")
+    models.add(spec("a", fallbacks=["x"]), by="x")
+    result = models.rollback(target, by="ops")
+    assert [(e["model"], e["event"]) for e in result["events"]] == [
+        ("a", "Added"),
+        ("x", "Removed"),
+    ]
+    assert models.list_models() == models.list_models(at=target)
+
+
 def count_decisions(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The models of the events batches decide from now on, one an event."""
     decided: list[str] = []
