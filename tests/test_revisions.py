@@ -290,15 +290,16 @@ def replay_state(catalog: Catalog) -> tuple[Any, ...]:
     )
 
 
-def split_replay(models: Models) -> tuple[Catalog, list[Skipped] | None]:
+def split_replay(models: Models, cores: float = 2.0) -> tuple[Catalog, list[Skipped] | None]:
     """The log replayed in two processes from the start, however short it is:
-    the catalog, and the skips (``None``: the split left it to a whole replay)."""
+    the catalog, and the skips (``None``: the split left it to a whole replay).
+    ``cores``: the CPU time the process is taken to have."""
     catalog = Catalog(models.declared.models, models.declared.engines)
     with (
         models.store.read() as conn,
         patch.object(projections.catalog, "SPLIT_AFTER", 0),
         # On a machine of one core too: what is tested is the outcome.
-        patch.object(cpu, "allowance", lambda: 2.0),
+        patch.object(cpu, "allowance", lambda: cores),
     ):
         assert projections.catalog._can_split(catalog, models.store)
         return catalog, projections.catalog._split_replay(catalog, models.store, conn, None)
@@ -336,6 +337,42 @@ def test_a_replay_split_in_two_is_the_whole_replay_or_leaves_it_to_it(steps: lis
 
 
 @pytest.mark.alone
+def test_a_split_load_answers_its_skips_and_no_read_of_one_model_or_rebuild_splits() -> None:
+    """``catch_up`` asked to split answers the skips of the split replay, as
+    a whole one does. A read of one model replays only the events naming it,
+    and a rebuild reports each revision (where it writes a snapshot): a
+    split replay would take in every model, and report none."""
+    steps: list[Any] = [
+        ("add", "m1", []),
+        ("add", "m2", []),
+        ("unreadable", "m1", None),
+        ("scale", "m2", (1, 2)),
+    ]
+    with history_models() as models:
+        for revision, step in enumerate(steps, start=1):
+            write(models, revision, step)
+        assert split_replay(models)[1] is not None  # a log that splits
+        whole = full_replay(models, len(steps))
+        assert [skip.revision for skip in whole.skipped] == [3]
+        loaded, one, rebuilt = (
+            Catalog(models.declared.models, models.declared.engines) for _ in range(3)
+        )
+        reported: list[int] = []
+        with (
+            models.store.read() as conn,
+            patch.object(projections.catalog, "SPLIT_AFTER", 0),
+            patch.object(cpu, "allowance", lambda: 2.0),
+        ):
+            assert catch_up(loaded, models.store, conn, split=True) == whole.skipped
+            catch_up(one, models.store, conn, model="m2", split=True)
+            catch_up(rebuilt, models.store, conn, progress=reported.append, split=True)
+        assert replay_state(loaded) == replay_state(whole)
+        assert one.get("m1") is None and one.get("m2") == whole.get("m2")
+        assert reported == [1, 2, 3, 4]
+        assert replay_state(rebuilt) == replay_state(whole)
+
+
+@pytest.mark.alone
 @pytest.mark.parametrize(
     ("steps", "splits"),
     [
@@ -354,6 +391,19 @@ def test_a_replay_is_split_unless_an_event_reaches_across_the_halves(
         for revision, step in enumerate(steps, start=1):
             write(models, revision, step)
         _, skipped = split_replay(models)
+        assert (skipped is not None) == splits
+
+
+@pytest.mark.alone
+@pytest.mark.parametrize(
+    ("cores", "splits"),
+    [(projections.catalog.SPLIT_CORES, True), (projections.catalog.SPLIT_CORES - 0.01, False)],
+)
+def test_a_replay_is_split_from_one_and_a_half_cores_on(cores: float, splits: bool) -> None:
+    with history_models() as models:
+        write(models, 1, ("add", "m1", []))
+        write(models, 2, ("add", "m2", []))
+        _, skipped = split_replay(models, cores)
         assert (skipped is not None) == splits
 
 
@@ -1401,6 +1451,24 @@ def test_rollback_orders_its_events_so_every_step_is_valid(
     assert [e["model"] for e in result["events"]] == ["a", "b", "c"]
 
 
+def test_a_rollback_removes_a_fallback_once_the_model_naming_it_is_put_back_without_it(
+    open_models: Callable[..., Models],
+) -> None:
+    """Removals go first, but x's is refused while a names it: a's re-add
+    without x lets it go, on a second pass, rather than refuse the rollback."""
+    models = open_models()
+    models.add(spec("a"), by="x")
+    target = models.revision
+    models.add(spec("x"), by="x")
+    models.add(spec("a", fallbacks=["x"]), by="x")
+    result = models.rollback(target, by="ops")
+    assert [(e["model"], e["event"]) for e in result["events"]] == [
+        ("a", "Added"),
+        ("x", "Removed"),
+    ]
+    assert models.list_models() == models.list_models(at=target)
+
+
 def count_decisions(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The models of the events batches decide from now on, one an event."""
     decided: list[str] = []
@@ -1735,6 +1803,10 @@ def test_rollback_removes_a_model_skipped_now_that_was_not_there_then(
     narrower.write_text("engines: [vllm]\n" + DECLARED_YAML)
     reopened = open_models(config=narrower)
     assert reopened.catalog.was_skipped("x")
+    # Rolled back to its record's own revision: no record written since stands.
+    at_the_record = reopened.rollback(added, dry_run=True, by="ops")
+    assert at_the_record["events"] == []
+    assert [note.split(":")[0] for note in at_the_record["notes"]] == ["model 'x' is left out"]
     result = reopened.rollback(target, by="ops")
     assert [(e["model"], e["event"]) for e in result["events"]] == [("x", "Removed")]
     (note,) = result["notes"]
