@@ -57,6 +57,7 @@ from catalog_es.ports import PreAddCheck
 from catalog_es.spec import DEFAULT_ENGINES, Adapter, ModelSpec, Origin, Profile, Scaling
 from catalog_es.storage.engines import create_engine
 from catalog_es.storage.schema import events_table, head_table, streams_table
+from catalog_es.values import MAX_REVISION
 from projections import pointintime
 from projections.audit import (
     ANY_CHANGES_TABLE,
@@ -2683,6 +2684,19 @@ def test_a_head_raised_by_hand_is_still_named_after_the_next_write(
         f"{missing} missing, but revision {written} chains onto revision {last}: "
         "nothing was deleted there"
     )
+
+
+def test_a_head_put_below_the_largest_revision_leaves_room_for_one_more_write(
+    models: Models,
+) -> None:
+    """The largest revision the database stores is written; only past it is
+    a write refused, nothing written."""
+    run_sql(models, f"UPDATE catalog_head SET revision = {MAX_REVISION - 1}")
+    assert models.set_owner("chat", "team:other", by="carol").revision == MAX_REVISION
+    before = stored_log(models)
+    with pytest.raises(DamagedLog, match="would pass"):
+        models.set_owner("chat", "team:third", by="carol")
+    assert stored_log(models) == before
 
 
 def test_a_new_log_numbers_revisions_without_sqlite_sequence(models: Models) -> None:

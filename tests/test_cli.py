@@ -2655,6 +2655,26 @@ def test_watch_by_reads_what_the_database_finds_the_actor_in_as_log_by_does(
     models.close()
 
 
+def test_a_watch_by_an_actor_started_on_an_empty_log_gives_its_first_change(
+    db_url: str,
+) -> None:
+    """Having found none of theirs in an empty log, the watch looks again
+    after revision 0, not 1: the log's first event is given too."""
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
+    watch = models.watch(0, by="ops", poll_interval=0.01)
+    thread, seen, ended = following(watch)
+    time.sleep(0.3)  # it has looked at the empty log
+    models.add(spec("a"), by="ops")
+    models.add(spec("b"), by="ops")
+    deadline = time.monotonic() + 10
+    while len(seen) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    watch.stop()
+    thread.join(10)
+    assert (seen, ended) == ([1, 2], [])
+    models.close()
+
+
 def test_a_watch_by_an_actor_decodes_a_change_it_looked_ahead_at_once(
     db_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -1597,6 +1597,31 @@ def test_a_running_node_whose_write_goes_on_after_deleted_events_says_so(
         other.close()
 
 
+def test_a_running_node_whose_write_goes_on_after_every_event_was_deleted_says_from_where(
+    db_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A log with no event left but its head ends at 0: every revision up to
+    the head is told missing, not all but the first."""
+    running = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
+    other = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
+    try:
+        other.apply_changes([commands.add(model_spec(n)) for n in "ab"], by="setup")
+        with running.store.engine.begin() as conn:
+            conn.exec_driver_sql("DELETE FROM catalog_events")
+            conn.exec_driver_sql("DELETE FROM catalog_streams")
+        with caplog.at_level(logging.WARNING, logger="catalog_es"):
+            assert running.add(model_spec("c"), by="ops").revision == 3
+        told = [r.getMessage() for r in caplog.records if "deleted" in r.getMessage()]
+        assert told == [
+            "revisions 1..2 are missing: the head is at revision 2 but the log ends at 0, so"
+            " the last events were deleted (catalog-es verify); this write is numbered after"
+            " revision 2, leaving the gap"
+        ]
+    finally:
+        running.close()
+        other.close()
+
+
 def test_verify_names_the_earliest_of_two_stream_rows_edited_by_hand(db_url: str) -> None:
     """A row for a stream with no events was told first, however late its
     revision, before an earlier break (review)."""
@@ -1776,6 +1801,23 @@ def test_a_write_connection_broken_underneath_is_dropped_and_the_next_write_reco
 
 class _Stop(Exception):
     pass
+
+
+@pytest.mark.parametrize("count", [1000, 1001])
+def test_a_postgresql_write_of_a_thousand_events_or_more_keeps_every_one(
+    pg_url: str, count: int
+) -> None:
+    """PostgreSQL's append goes in statements of a thousand events, the
+    last of which moves the head: a thousand exactly go in one, the
+    thousand and first in the next, none left out and none twice."""
+    models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": pg_url})
+    names = [f"m{i}" for i in range(count)]
+    written = models.apply_changes([commands.add(model_spec(name)) for name in names], by="ops")
+    assert written["revision"] == count_events(pg_url) == count
+    assert [m["name"] for m in models.list_models()] == sorted(names)
+    report = models.verify()
+    assert (report["ok"], report["events"]) == (True, count)
+    models.close()
 
 
 @pytest.mark.parametrize("order", ["sqlalchemy-then-driver", "driver-then-sqlalchemy", "driver"])
