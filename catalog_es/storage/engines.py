@@ -117,7 +117,8 @@ def log_url(url: str) -> sa.URL:
 def _sqlite_file(url: sa.URL) -> str:
     """The file a SQLite URL names."""
     path = url.database or ""
-    # file:PATH, %-escaped, a host or not; else a path, "file:" and all (uri=false)
+    # file:PATH, %-escaped, a host or not; else a path as named ("file:" and
+    # all with uri false, "%" and all in a name SQLite reads as no URI)
     if _read_as_uri(url):
         path = unquote(urlsplit(path).path)
     return path
@@ -310,9 +311,12 @@ def _without_shared_memory(url: sa.URL) -> list[str]:
 
 
 def _read_as_uri(url: sa.URL) -> bool:
-    """Whether SQLAlchemy gives SQLite the database of URL ``url`` as a URI,
-    with the URL's settings: its ``uri`` true, as SQLAlchemy reads a
-    boolean; else SQLite is given the path alone."""
+    """Whether SQLite reads the database of URL ``url`` as a URI, with the
+    URL's settings: its ``uri`` true, as SQLAlchemy reads a boolean, and the
+    database starting "file:", as SQLite reads a URI (in that case: it
+    opens "FILE:a.db" or "a%2541.db" as named). Else SQLite is given a path."""
+    if not (url.database or "").startswith("file:"):
+        return False
     value = url.query.get("uri")
     if not isinstance(value, str):
         return value is not None  # given twice: a tuple, which SQLAlchemy takes as true
