@@ -4259,6 +4259,8 @@ def test_a_log_sqlite_cannot_open_as_the_url_does_names_the_setting_to_drop(
         # SQLite reads a name as a URI only when it starts "file:", in that case.
         ("c%2541.db?uri=true", "c%2541.db"),
         ("FILE:c.db?uri=true", "FILE:c.db"),
+        # Its settings after a "?" in the name: SQLAlchemy puts them there.
+        ("c.db?uri=true&nolock=1&timeout=5", "c.db?nolock=1"),
     ],
 )
 def test_a_sqlite_url_not_read_as_a_uri_keeps_the_log_at_the_path_sqlite_opens(
