@@ -4252,21 +4252,34 @@ def test_a_log_sqlite_cannot_open_as_the_url_does_names_the_setting_to_drop(
     assert log_rows(plain) == log
 
 
+@pytest.mark.parametrize(
+    ("database", "opened"),
+    [
+        ("file:c.db?uri=false", "file:c.db"),
+        # SQLite reads a name as a URI only when it starts "file:", in that case.
+        ("c%2541.db?uri=true", "c%2541.db"),
+        ("FILE:c.db?uri=true", "FILE:c.db"),
+        # Its settings after a "?" in the name: SQLAlchemy puts them there.
+        ("c.db?uri=true&nolock=1&timeout=5", "c.db?nolock=1"),
+    ],
+)
 def test_a_sqlite_url_not_read_as_a_uri_keeps_the_log_at_the_path_sqlite_opens(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    database: str, opened: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With ``uri`` false, SQLAlchemy gives SQLite the database as a path,
     "file:" and all (``file:c.db``, in the working folder), where the file
     was looked after at ``c.db``, read as a URI: a write was refused as if
     its file were gone, leaving ``file:c.db`` made, and a read answered from
-    that one while naming the other (review)."""
+    that one while naming the other (review). So too with ``uri`` true and
+    a name not starting "file:", which SQLite opens as named, where the file
+    was looked after at the name %-unescaped, or past its "FILE:"."""
     monkeypatch.chdir(tmp_path)
     definition_file = tmp_path / "m.yaml"
     definition_file.write_bytes(as_yaml(definition("m")))
-    url = "sqlite:///file:c.db?uri=false"
+    url = f"sqlite:///{database}"
     ok(CliRunner().invoke(cli, ["--db", url, "model", "add", str(definition_file)]))
     assert ok(CliRunner().invoke(cli, ["--db", url, "revision"])).stdout == "1\n"
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["file:c.db", "m.yaml"]
+    assert sorted(path.name for path in tmp_path.iterdir()) == sorted([opened, "m.yaml"])
 
 
 def test_a_setting_sqlite_is_not_given_is_not_named_as_why_a_log_cannot_be_opened(

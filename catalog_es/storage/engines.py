@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 from urllib.parse import unquote, urlsplit
 
 import sqlalchemy as sa
+from sqlalchemy.dialects.sqlite.pysqlite import SQLiteDialect_pysqlite
 from sqlalchemy.engine import Connection, Engine
 
 from catalog_es.errors import (
@@ -117,10 +118,17 @@ def log_url(url: str) -> sa.URL:
 def _sqlite_file(url: sa.URL) -> str:
     """The file a SQLite URL names."""
     path = url.database or ""
-    # file:PATH, %-escaped, a host or not; else a path, "file:" and all (uri=false)
-    if _read_as_uri(url):
-        path = unquote(urlsplit(path).path)
-    return path
+    if not _uri_true(url):
+        return path  # "file:" and all
+    if path.startswith("file:"):  # read as a URI (_read_as_uri): %-escaped, a host or not
+        return unquote(urlsplit(path).path)
+    # A path, "%" and all, which SQLAlchemy gives with the URL's SQLite
+    # settings after a "?" ("a.db?nolock=1"): SQLite opens it as named.
+    try:
+        (name,), _ = SQLiteDialect_pysqlite().create_connect_args(url)
+    except ValueError:  # a setting refused as the engine is made (timeout=abc)
+        return path
+    return str(name)
 
 
 def _forgotten_by_children(engine: Engine) -> None:
@@ -310,9 +318,15 @@ def _without_shared_memory(url: sa.URL) -> list[str]:
 
 
 def _read_as_uri(url: sa.URL) -> bool:
-    """Whether SQLAlchemy gives SQLite the database of URL ``url`` as a URI,
-    with the URL's settings: its ``uri`` true, as SQLAlchemy reads a
-    boolean; else SQLite is given the path alone."""
+    """Whether SQLite reads the database of URL ``url`` as a URI, with the
+    URL's settings: its ``uri`` true (:func:`_uri_true`), and the database
+    starting "file:", as SQLite reads a URI (in that case: it opens
+    "FILE:a.db" or "a%2541.db" as named). Else SQLite is given a path."""
+    return (url.database or "").startswith("file:") and _uri_true(url)
+
+
+def _uri_true(url: sa.URL) -> bool:
+    """Whether the ``uri`` of URL ``url`` is true, as SQLAlchemy reads a boolean."""
     value = url.query.get("uri")
     if not isinstance(value, str):
         return value is not None  # given twice: a tuple, which SQLAlchemy takes as true
