@@ -2407,6 +2407,29 @@ def test_a_node_with_a_fast_clock_does_not_hide_later_changes_from_reads_by_time
     assert dry["events"] == []
 
 
+def test_a_time_ahead_of_this_clock_is_found_behind_many_untimed_records(
+    open_models: Callable[..., Models], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A record from a node half an hour fast, then more records from one two
+    hours fast (beyond the horizon, untimed) than are read at a time: a read
+    at the first's time is no read of the future, and resolves to it."""
+    import catalog_es.application
+
+    models = open_models()
+    models.add(spec("a"), by="x")
+    real_now = utc_now
+    monkeypatch.setattr(
+        catalog_es.application, "utc_now", lambda: real_now() + timedelta(minutes=30)
+    )
+    ahead = models.add(spec("b"), by="fast-node").revision
+    monkeypatch.setattr(catalog_es.application, "utc_now", lambda: real_now() + timedelta(hours=2))
+    for maximum in range(2, 2 + pointintime._TIMED_PAGE + 2):
+        models.scale("b", maximum=maximum, by="very-fast-node")
+    monkeypatch.setattr(catalog_es.application, "utc_now", real_now)
+    (stamped,) = (e["time"] for e in models.log_events() if e["revision"] == ahead)
+    assert models.resolve(datetime.fromisoformat(stamped)) == ahead
+
+
 def test_no_node_follows_a_bad_clocks_record_once_another_stands_after_it(
     open_models: Callable[..., Models], monkeypatch: pytest.MonkeyPatch
 ) -> None:
