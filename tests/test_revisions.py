@@ -58,7 +58,7 @@ from catalog_es.spec import ModelSpec, Origin, Scaling
 from catalog_es.storage.schema import channel_of, events_table
 from catalog_es.values import revision_or_time, utc_time
 from catalog_es.views import model_view
-from projections import snapshots
+from projections import pointintime, snapshots
 from projections.catalog import catch_up
 from projections.snapshots import MODELS_AT_A_TIME, snapshots_table
 from tests.helpers import config_yaml, count_events, following, log_rows, put_back
@@ -741,6 +741,32 @@ def test_a_revision_inside_a_transaction_reads_the_boundary_before_it(
         f" lands whole): taken as revision {inside_the_next - 1}, the last one that does"
         " before it\n",
     ]
+
+
+def test_every_revision_inside_a_long_write_reads_its_boundaries(
+    open_models: Callable[..., Models],
+) -> None:
+    """Inside a write of more events than the first page read along it (a
+    rollback of five removals), every revision still resolves to the
+    boundary before the write, and the write's end is its last event: not
+    the end of a page taken for the end of the log."""
+    models = open_models()
+    names = [f"m{n}" for n in range(5)]
+    for name in names:
+        models.add(spec(name), by="alice")
+    before = models.revision
+    for name in names:
+        models.remove(name, by="bob")
+    result = models.rollback(before, by="carol")
+    last = result["revision"]
+    first = last - len(names) + 1
+    assert len(result["events"]) == len(names)
+    with models.store.engine.connect() as conn:
+        ends = {r: pointintime.write_end(conn, r) for r in range(first, last + 1)}
+    assert {r: models.resolve(r) for r in range(first, last)} == dict.fromkeys(
+        range(first, last), first - 1
+    )
+    assert ends == dict.fromkeys(range(first, last + 1), last)
 
 
 def test_a_revision_deleted_from_the_log_is_told_as_not_in_it(
@@ -2379,6 +2405,29 @@ def test_a_node_with_a_fast_clock_does_not_hide_later_changes_from_reads_by_time
     assert [m["name"] for m in runtime(models.list_models(at=now))] == ["a", "b", "c"]
     dry = models.rollback(now, dry_run=True, by="ops")
     assert dry["events"] == []
+
+
+def test_a_time_ahead_of_this_clock_is_found_behind_many_untimed_records(
+    open_models: Callable[..., Models], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A record from a node half an hour fast, then more records from one two
+    hours fast (beyond the horizon, untimed) than are read at a time: a read
+    at the first's time is no read of the future, and resolves to it."""
+    import catalog_es.application
+
+    models = open_models()
+    models.add(spec("a"), by="x")
+    real_now = utc_now
+    monkeypatch.setattr(
+        catalog_es.application, "utc_now", lambda: real_now() + timedelta(minutes=30)
+    )
+    ahead = models.add(spec("b"), by="fast-node").revision
+    monkeypatch.setattr(catalog_es.application, "utc_now", lambda: real_now() + timedelta(hours=2))
+    for maximum in range(2, 2 + pointintime._TIMED_PAGE + 2):
+        models.scale("b", maximum=maximum, by="very-fast-node")
+    monkeypatch.setattr(catalog_es.application, "utc_now", real_now)
+    (stamped,) = (e["time"] for e in models.log_events() if e["revision"] == ahead)
+    assert models.resolve(datetime.fromisoformat(stamped)) == ahead
 
 
 def test_no_node_follows_a_bad_clocks_record_once_another_stands_after_it(
