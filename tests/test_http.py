@@ -51,7 +51,13 @@ from catalog_es.errors import (
     json_escaped,
     json_escaped_bytes,
 )
-from catalog_es.inputs import MAX_CHANGES, DeclaredConfig, load_config, open_to_read
+from catalog_es.inputs import (
+    MAX_CHANGES,
+    MAX_INPUT_BYTES,
+    DeclaredConfig,
+    load_config,
+    open_to_read,
+)
 from catalog_es.model import model_id
 from catalog_es.storage.engines import database_unusable
 from catalog_es.storage.schema import channel_of, refusals_table
@@ -1735,12 +1741,31 @@ def test_large_bodies_read_at_once_are_bounded(
             )
             small = client.post("/apply", content="- scale: {name: qwen, max: 2}\n")
             assert ok(small)["changes"] == 1
+            # A definition's size is no large body; a byte more is one.
+            change = "- scale: {name: qwen, max: 4}\n"
+            at_the_size = change + "#" * (MAX_INPUT_BYTES - len(change) - 1) + "\n"
+            assert refused(client.post("/apply", content=at_the_size + "#"), 503) == (
+                "2 bodies over 1024 KiB are already being read or written here; try again"
+            )
+            assert ok(client.post("/apply", content=at_the_size))["changes"] == 1
         finally:
             places.release()
             places.release()
-        assert count_events(db_url) == written + 1
+        assert count_events(db_url) == written + 2
         assert ok(client.post("/apply", content=large))["changes"] == 1
     models.close()
+
+
+def test_a_body_of_a_definitions_size_is_taken_and_a_byte_more_refused(api: Api) -> None:
+    """The server takes what `model add` takes from a file: up to 1 MiB."""
+    headers = {**api.as_("write"), "Content-Type": "application/json"}
+    document = json.dumps(definition("qwen")).encode()
+    at_the_size = document + b" " * (MAX_INPUT_BYTES - len(document))
+    before = log_rows(api.db)
+    over = api.client.post("/models", content=at_the_size + b" ", headers=headers)
+    assert refused(over, 422) == "request body: larger than 1024 KiB"
+    assert log_rows(api.db) == before
+    assert ok(api.client.post("/models", content=at_the_size, headers=headers))["revision"]
 
 
 def _sent_in_part(url: str, headers: dict[str, str], length: int, part: bytes) -> socket.socket:
@@ -1864,7 +1889,7 @@ def test_a_large_body_that_does_not_come_in_time_gives_its_place_back(
             while b"}" not in answer and (received := sock.recv(1 << 16)):
                 answer += received
             assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
-            assert b"it did not all come within 1 s" in answer
+            assert b"request body: over 1024 KiB, it did not all come within 1 s" in answer
     finally:
         for sock in slow:
             sock.close()
