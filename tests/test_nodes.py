@@ -1282,6 +1282,38 @@ def test_a_snapshot_of_events_the_log_no_longer_holds_is_passed_over(
         models.close()
 
 
+def test_a_node_started_on_a_snapshot_at_the_head_tells_a_log_that_took_other_events_since(
+    db_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A node started on a snapshot with no event after it knows the log's
+    hash at its revision from the snapshot or the log's head: should the log
+    then lose that event and take another there (a failover), the node must
+    not decide on the model it lost."""
+    env = {"CATALOG_ES_DB": db_url}
+    writer = Models(DeclaredConfig(), snapshot_interval=2, env=env)
+    writer.add(_definition("a", []), by="ops")
+    saved = log_rows(db_url)
+    writer.add(_definition("b", []), by="ops")
+    writer.close()
+    assert [row["revision"] for row in log_rows(db_url)[-1]] == [2]
+    node = Models(DeclaredConfig(), snapshot_interval=2, env=env)
+    assert [m["name"] for m in node.list_models()] == ["a", "b"]
+    put_back(db_url, saved)
+    other = Models(DeclaredConfig(), env=env)
+    other.add(_definition("x", []), by="elsewhere")
+    assert other.revision >= node.revision  # PostgreSQL hands out no revision twice
+    now = log_rows(db_url)
+    with pytest.raises(Refused, match="'b', which is not in the catalog"):
+        node.add(_definition("c", ["b"]), by="ops")
+    assert log_rows(db_url) == now
+    assert (
+        "the log holds other events at revision 2 than this node's catalog was built from"
+    ) in caplog.text
+    assert [m["name"] for m in node.list_models()] == ["a", "x"]
+    for models in (node, other):
+        models.close()
+
+
 # -- catalogs kept in schemas of one PostgreSQL database ----------------------------
 
 
