@@ -1090,6 +1090,31 @@ def test_a_write_far_behind_the_log_catches_up_before_it_takes_the_lock(
         models.close()
 
 
+def test_a_write_behind_by_no_more_than_the_held_catch_up_takes_the_lock_once(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node up to ``CATCH_UP_HELD`` events behind catches up under the
+    log's write lock, which it takes once: only a longer backlog is worth
+    letting go of the lock for, and taking it again."""
+    monkeypatch.setattr(application, "CATCH_UP_HELD", 3)
+    behind = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
+    behind.add(_definition("a", []), by="setup")
+    other = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
+    for name in ("b", "c", "d"):
+        other.add(_definition(name, []), by="setup")
+    write, takes = behind.store.write, list[int]()
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        takes.append(1)
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(behind.store, "write", counted)
+    assert behind.scale("a", 0, 2, by="node1").revision == 5
+    assert len(takes) == 1
+    for models in (behind, other):
+        models.close()
+
+
 def test_a_write_catches_up_outside_the_lock_once_however_far_behind_it_falls_again(
     db_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
