@@ -2044,7 +2044,8 @@ def test_a_start_on_the_expected_revision_waits_for_no_writer(
     """``serve --expected-revision`` on the log it expects, its config
     recorded already, starts without waiting for another node's long write
     (it took the write lock to find there was nothing to record; review);
-    on a log moved past it, it is refused without writing."""
+    on a log moved past it, it is refused without writing; on the revision
+    another node moved the log to since this one last looked, it starts."""
     monkeypatch.setenv(LOCK_WAIT_ENV, "5")
     models = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
     models.add(model_spec("m"), by="setup")
@@ -2056,7 +2057,12 @@ def test_a_start_on_the_expected_revision_waits_for_no_writer(
     with pytest.raises(RevisionConflict):
         models.record_declaration(by="ops", expected_revision=head - 1)
     assert models.revision == head
-    models.close()
+    other = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
+    moved = other.scale("m", 0, 2, by="elsewhere").revision
+    assert models.record_declaration(by="ops", expected_revision=moved) == moved
+    assert models.revision == moved
+    for node in (models, other):
+        node.close()
 
 
 def test_a_start_on_a_revision_the_log_skipped_is_told_so(pg_url: str) -> None:

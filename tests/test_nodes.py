@@ -1090,6 +1090,31 @@ def test_a_write_far_behind_the_log_catches_up_before_it_takes_the_lock(
         models.close()
 
 
+def test_a_write_behind_by_no_more_than_the_held_catch_up_takes_the_lock_once(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node up to ``CATCH_UP_HELD`` events behind catches up under the
+    log's write lock, which it takes once: only a longer backlog is worth
+    letting go of the lock for, and taking it again."""
+    monkeypatch.setattr(application, "CATCH_UP_HELD", 3)
+    behind = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
+    behind.add(_definition("a", []), by="setup")
+    other = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
+    for name in ("b", "c", "d"):
+        other.add(_definition(name, []), by="setup")
+    write, takes = behind.store.write, list[int]()
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        takes.append(1)
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(behind.store, "write", counted)
+    assert behind.scale("a", 0, 2, by="node1").revision == 5
+    assert len(takes) == 1
+    for models in (behind, other):
+        models.close()
+
+
 def test_a_write_catches_up_outside_the_lock_once_however_far_behind_it_falls_again(
     db_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1178,16 +1203,19 @@ def test_a_node_whose_log_lost_its_last_events_loads_it_afresh(
 
 
 @pytest.mark.parametrize("first", ["write", "read"])
-@pytest.mark.parametrize("regrown", [1, 3])
+@pytest.mark.parametrize(("kept", "regrown"), [(1, 1), (1, 3), (0, 1)])
 def test_a_node_whose_log_lost_events_and_took_others_since_loads_it_afresh(
-    db_url: str, first: str, regrown: int, caplog: pytest.LogCaptureFixture
+    db_url: str, first: str, kept: int, regrown: int, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The log lost events, then other nodes wrote as many or more before this
     node looked (a backup restored under it, then an apply): its revision is
     still in the log, but the events there are others. It must not serve a
-    mix of the lost models and the new, nor decide on it."""
+    mix of the lost models and the new, nor decide on it. Revision 1 too:
+    the first event is chained like any other (kept 0)."""
     node = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
-    node.add(_definition("a", []), by="ops")
+    kept_names = ["a"][:kept]
+    for name in kept_names:
+        node.add(_definition(name, []), by="ops")
     saved = log_rows(db_url)
     head = node.add(_definition("b", []), by="ops").revision
     put_back(db_url, saved)
@@ -1200,7 +1228,7 @@ def test_a_node_whose_log_lost_events_and_took_others_since_loads_it_afresh(
         with pytest.raises(Refused, match="'b', which is not in the catalog"):
             node.add(_definition("c", ["b"]), by="ops")
         assert log_rows(db_url) == now
-    assert [m["name"] for m in node.list_models()] == ["a", "x", "y", "z"][: 1 + regrown]
+    assert [m["name"] for m in node.list_models()] == [*kept_names, "x", "y", "z"][: kept + regrown]
     assert node.revision == other.revision
     assert (
         f"the log holds other events at revision {head} than this node's catalog was built"
@@ -1251,6 +1279,27 @@ def test_a_node_whose_catch_up_was_cut_off_part_way_loads_the_log_afresh(
         "left part-way at revision 2" if regrown else "the log ends at revision 1"
     ) in caplog.text
     for models in (node, other):
+        models.close()
+
+
+def test_a_hash_edited_unreadable_at_a_nodes_revision_is_not_told_as_lost_events(
+    db_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A hash a hand edit left unreadable at the revision a node is at is
+    nothing to check against (verify tells of it): the node serves on, and
+    a node starting on that log loads it, neither telling of lost events."""
+    node = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
+    node.add(_definition("a", []), by="ops")
+    node.add(_definition("b", []), by="ops")
+    engine = sa.create_engine(db_url)
+    with engine.begin() as conn:
+        conn.execute(sa.text("UPDATE catalog_events SET hash = '123' WHERE revision = 2"))
+    engine.dispose()
+    fresh = Models(DeclaredConfig(), env={"CATALOG_ES_DB": db_url})
+    for models in (node, fresh, node, fresh):
+        assert [m["name"] for m in models.list_models()] == ["a", "b"]
+    assert "lost events" not in caplog.text
+    for models in (node, fresh):
         models.close()
 
 
