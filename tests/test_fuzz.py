@@ -697,6 +697,11 @@ NASTY = {
         b"name: m\nscaling: {max: 0x" + b"f" * 5000 + b"}\n",
         "is a number of more than 4300 digits (line 2, column 16)",
     ),
+    # The boundary: 10**4300 is the smallest number Python will not print.
+    "the smallest YAML hexadecimal number of 4,301 digits": (
+        b"name: m\nscaling: {max: " + hex(10**4300).encode() + b"}\n",
+        "is a number of more than 4300 digits (line 2, column 16)",
+    ),
     "a YAML base-60 count": (
         b"name: m\nscaling: {max: 1:30}\n",
         "'1:30' is a base-60 number in YAML 1.1 (1:30 is 90)",
