@@ -3823,6 +3823,19 @@ IN_THE_WAY = (
             "",
             id="unrelated",
         ),
+        # As many of the log's columns as it lacks, one only the log has among
+        # them: the boundary at which a table is taken for the log, damaged.
+        pytest.param(
+            _made_by(
+                "CREATE TABLE catalog_events (revision integer, originator_id text, hash text)"
+            ),
+            "the log's table catalog_events{where} lacks columns every release has made it with"
+            " (originator_version, topic, state): it was altered by hand; nothing was read or"
+            " made; do not drop it, it may hold the catalog's history: restore the log from a"
+            " backup, or point --db at another {other}",
+            "",
+            id="as-many-kept-as-lacking",
+        ),
         pytest.param(
             _a_log_with_a_column_dropped,
             "the log's table catalog_events{where} lacks columns every release has made it with"
