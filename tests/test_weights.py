@@ -2309,3 +2309,16 @@ def test_a_branch_the_mirror_has_not_is_quoted_cut_short_with_the_branches_it_ha
         MirrorRegistry(world.mirror.root).resolve("org/m", "x" * 100_000)
     told = str(refused.value)
     assert len(told) < 300 and told.endswith("b16, b17, … (30 in all))")
+
+
+@pytest.mark.parametrize(("count", "suffix"), [(10, ""), (11, ", … (11 in all)")])
+def test_up_to_ten_branches_are_all_listed_and_past_ten_their_count_is_told(
+    world: World, count: int, suffix: str
+) -> None:
+    """Ten branches are listed whole; an eleventh is told by the count."""
+    refs = world.mirror.root / "org/m/refs"
+    refs.write_text("".join(f"b{i:02} {world.c1}\n" for i in range(count)))
+    with pytest.raises(RegistryError) as refused:
+        MirrorRegistry(world.mirror.root).resolve("org/m", "dev")
+    listed = ", ".join(f"b{i:02}" for i in range(10))
+    assert str(refused.value) == f"org/m has no branch 'dev' (branches: {listed}{suffix})"
