@@ -2322,3 +2322,13 @@ def test_up_to_ten_branches_are_all_listed_and_past_ten_their_count_is_told(
         MirrorRegistry(world.mirror.root).resolve("org/m", "dev")
     listed = ", ".join(f"b{i:02}" for i in range(10))
     assert str(refused.value) == f"org/m has no branch 'dev' (branches: {listed}{suffix})"
+
+
+def test_a_file_that_differs_is_told_with_both_checksums_cut_to_twelve_digits(
+    world: World,
+) -> None:
+    folder = world.root / "out"
+    folder.mkdir()
+    (folder / "a.bin").write_bytes(b"found")
+    told = verify(folder, {"a.bin": sha(b"wanted")}, world.root)
+    assert told == [f"a.bin: sha256 {sha(b'found')[:12]}…, expected {sha(b'wanted')[:12]}…"]
