@@ -2332,3 +2332,18 @@ def test_a_file_that_differs_is_told_with_both_checksums_cut_to_twelve_digits(
     (folder / "a.bin").write_bytes(b"found")
     told = verify(folder, {"a.bin": sha(b"wanted")}, world.root)
     assert told == [f"a.bin: sha256 {sha(b'found')[:12]}…, expected {sha(b'wanted')[:12]}…"]
+
+
+@pytest.mark.parametrize(("count", "suffix"), [(3, ""), (4, ", …")])
+def test_an_ambiguous_commit_names_three_commits_it_begins_and_marks_more(
+    world: World, count: int, suffix: str
+) -> None:
+    commits = [f"abcdef1{i}" for i in range(count)]
+    for commit in commits:
+        (world.mirror.root / "org/m" / commit).mkdir()
+    with pytest.raises(RegistryError) as refused:
+        MirrorRegistry(world.mirror.root).resolve("org/m", "abcdef1")
+    assert str(refused.value) == (
+        f"org/m: commit abcdef1 is ambiguous in the mirror ({', '.join(commits[:3])}{suffix}):"
+        " give more of it"
+    )
