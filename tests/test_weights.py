@@ -38,7 +38,14 @@ from catalog_es.inputs import load_config
 from catalog_es.mapper import encode_event, topic_of
 from catalog_es.model import Model, model_id, utc_now
 from catalog_es.ports import Applier, JsonFileApplier, NoApplier
-from catalog_es.registry import MirrorRegistry, Registry, RegistryError, checksums, verify
+from catalog_es.registry import (
+    MirrorRegistry,
+    Registry,
+    RegistryError,
+    checksums,
+    relative_file,
+    verify,
+)
 from catalog_es.spec import ModelSpec, Origin
 from catalog_es.storage.waits import LOCK_WAIT_ENV
 from catalog_es.weights import VerificationFailed, Weights, WeightsStore
@@ -2347,3 +2354,12 @@ def test_an_ambiguous_commit_names_three_commits_it_begins_and_marks_more(
         f"org/m: commit abcdef1 is ambiguous in the mirror ({', '.join(commits[:3])}{suffix}):"
         " give more of it"
     )
+
+
+def test_a_file_path_is_kept_up_to_255_bytes_a_name_and_1024_in_all() -> None:
+    longest_path = "/".join(["d" * 254] * 4) + "/" + "f" * 4  # 1,024 bytes
+    for kept in ("n" * 255, longest_path):
+        assert relative_file(kept).as_posix() == kept
+    for refused in ("n" * 256, longest_path + "f"):
+        with pytest.raises(RegistryError, match="is longer than a weights folder holds"):
+            relative_file(refused)
