@@ -38,7 +38,14 @@ from catalog_es.inputs import load_config
 from catalog_es.mapper import encode_event, topic_of
 from catalog_es.model import Model, model_id, utc_now
 from catalog_es.ports import Applier, JsonFileApplier, NoApplier
-from catalog_es.registry import MirrorRegistry, Registry, RegistryError, checksums, verify
+from catalog_es.registry import (
+    MirrorRegistry,
+    Registry,
+    RegistryError,
+    checksums,
+    relative_file,
+    verify,
+)
 from catalog_es.spec import ModelSpec, Origin
 from catalog_es.storage.waits import LOCK_WAIT_ENV
 from catalog_es.weights import VerificationFailed, Weights, WeightsStore
@@ -2309,3 +2316,50 @@ def test_a_branch_the_mirror_has_not_is_quoted_cut_short_with_the_branches_it_ha
         MirrorRegistry(world.mirror.root).resolve("org/m", "x" * 100_000)
     told = str(refused.value)
     assert len(told) < 300 and told.endswith("b16, b17, … (30 in all))")
+
+
+@pytest.mark.parametrize(("count", "suffix"), [(10, ""), (11, ", … (11 in all)")])
+def test_up_to_ten_branches_are_all_listed_and_past_ten_their_count_is_told(
+    world: World, count: int, suffix: str
+) -> None:
+    """Ten branches are listed whole; an eleventh is told by the count."""
+    refs = world.mirror.root / "org/m/refs"
+    refs.write_text("".join(f"b{i:02} {world.c1}\n" for i in range(count)))
+    with pytest.raises(RegistryError) as refused:
+        MirrorRegistry(world.mirror.root).resolve("org/m", "dev")
+    listed = ", ".join(f"b{i:02}" for i in range(10))
+    assert str(refused.value) == f"org/m has no branch 'dev' (branches: {listed}{suffix})"
+
+
+def test_a_file_that_differs_is_told_with_both_checksums_cut_to_twelve_digits(
+    world: World,
+) -> None:
+    folder = world.root / "out"
+    folder.mkdir()
+    (folder / "a.bin").write_bytes(b"found")
+    told = verify(folder, {"a.bin": sha(b"wanted")}, world.root)
+    assert told == [f"a.bin: sha256 {sha(b'found')[:12]}…, expected {sha(b'wanted')[:12]}…"]
+
+
+@pytest.mark.parametrize(("count", "suffix"), [(3, ""), (4, ", …")])
+def test_an_ambiguous_commit_names_three_commits_it_begins_and_marks_more(
+    world: World, count: int, suffix: str
+) -> None:
+    commits = [f"abcdef1{i}" for i in range(count)]
+    for commit in commits:
+        (world.mirror.root / "org/m" / commit).mkdir()
+    with pytest.raises(RegistryError) as refused:
+        MirrorRegistry(world.mirror.root).resolve("org/m", "abcdef1")
+    assert str(refused.value) == (
+        f"org/m: commit abcdef1 is ambiguous in the mirror ({', '.join(commits[:3])}{suffix}):"
+        " give more of it"
+    )
+
+
+def test_a_file_path_is_kept_up_to_255_bytes_a_name_and_1024_in_all() -> None:
+    longest_path = "/".join(["d" * 254] * 4) + "/" + "f" * 4  # 1,024 bytes
+    for kept in ("n" * 255, longest_path):
+        assert relative_file(kept).as_posix() == kept
+    for refused in ("n" * 256, longest_path + "f"):
+        with pytest.raises(RegistryError, match="is longer than a weights folder holds"):
+            relative_file(refused)
