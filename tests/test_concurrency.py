@@ -1565,6 +1565,11 @@ def test_a_stream_row_edited_by_hand_refuses_writes_to_that_model(db_url: str, e
     fresh.close()
 
 
+def _deleted_told(caplog: pytest.LogCaptureFixture) -> list[str]:
+    """What was logged of events deleted from the log's end."""
+    return [r.getMessage() for r in caplog.records if "deleted" in r.getMessage()]
+
+
 def test_a_running_node_whose_write_goes_on_after_deleted_events_says_so(
     db_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -1583,11 +1588,10 @@ def test_a_running_node_whose_write_goes_on_after_deleted_events_says_so(
             # uses up the telling (review).
             with pytest.raises(ModelNotFound):
                 running.scale("nosuch", 0, 3, by="ops")
-            assert not [r for r in caplog.records if "deleted" in r.getMessage()]
+            assert not _deleted_told(caplog)
             assert running.scale("a", 0, 3, by="ops").revision == 4
             running.scale("a", 0, 4, by="ops")
-        told = [r.getMessage() for r in caplog.records if "deleted" in r.getMessage()]
-        assert told == [
+        assert _deleted_told(caplog) == [
             "revision 3 is missing: the head is at revision 3 but the log ends at 2, so the"
             " last events were deleted (catalog-es verify); this write is numbered after"
             " revision 3, leaving the gap"
@@ -1611,8 +1615,7 @@ def test_a_running_node_whose_write_goes_on_after_every_event_was_deleted_says_f
             conn.exec_driver_sql("DELETE FROM catalog_streams")
         with caplog.at_level(logging.WARNING, logger="catalog_es"):
             assert running.add(model_spec("c"), by="ops").revision == 3
-        told = [r.getMessage() for r in caplog.records if "deleted" in r.getMessage()]
-        assert told == [
+        assert _deleted_told(caplog) == [
             "revisions 1..2 are missing: the head is at revision 2 but the log ends at 0, so"
             " the last events were deleted (catalog-es verify); this write is numbered after"
             " revision 2, leaving the gap"
